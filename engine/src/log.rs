@@ -1,0 +1,1261 @@
+//! A shard's log: a sequence of segment files named by base offset, written
+//! append-only with aligned (O_DIRECT) writes, with group commit.
+//!
+//! # Frontiers
+//!
+//! Every batch appended gets a log sequence number (`lsn`, the running byte
+//! count of everything ever appended) and, for records, offsets. Three
+//! frontiers move forward only and always satisfy
+//! `durable ≤ written ≤ queued` (asserted on every update):
+//!
+//! * **queued** — encoded into the open write buffer, in memory only;
+//! * **written** — handed to the disk and completed, not yet synced;
+//! * **durable** — covered by a completed `fdatasync`.
+//!
+//! Readers see records up to the durable frontier only: on one broker that is
+//! the committed tail, and a record a reader saw can never vanish in a crash.
+//!
+//! # Group commit
+//!
+//! `append` is synchronous: it encodes into the open buffer and returns the
+//! batch's lsn. The flusher (one task per shard, [`ShardLog::run_flusher`])
+//! takes everything queued, writes it with one aligned write (split into
+//! chunks with at most `io_depth` in flight) and one `fdatasync`, then wakes
+//! every caller waiting on a frontier at or below what it reached.
+//!
+//! # Partial pages
+//!
+//! O_DIRECT writes whole pages. The log keeps the last partial page of the
+//! active segment in memory and rewrites it, extended, on the next flush. The
+//! rewritten prefix is byte-identical to what is on disk, so a write torn at
+//! any byte leaves the previously durable bytes intact.
+//!
+//! # Failure
+//!
+//! A failed write or fsync stops the shard: every waiter gets
+//! [`LogError::Stopped`], further appends are refused, and nothing is retried
+//! (after a failed fsync the kernel may have dropped the dirty pages, so a
+//! retry that "succeeds" would be a lie).
+
+use crate::format::{
+    self, encode_control, encode_group, encode_records, BatchHeader, BatchKind, FrameError,
+    Record, RecordIn,
+};
+use crate::notify::WaitList;
+use crate::storage::{align_down, align_up, Storage, StorageFile, ALIGN};
+use crate::types::Offset;
+use bytes::Bytes;
+use std::cell::RefCell;
+use std::collections::{BTreeMap, VecDeque};
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+
+/// Settings of one shard log. Sized once, at open.
+#[derive(Clone, Debug)]
+pub struct LogConfig {
+    /// A segment rolls when the next batch would take it past this size.
+    pub segment_bytes: u64,
+    /// Delete the oldest sealed segments while the shard holds more than this.
+    pub retention_bytes: Option<u64>,
+    /// Delete sealed segments whose newest record is older than this.
+    pub retention_ms: Option<u64>,
+    /// Recent batches kept in memory for tail reads.
+    pub read_cache_bytes: usize,
+    /// Most writes in flight at once for one flush.
+    pub io_depth: usize,
+    /// A flush is written in chunks of this many bytes (a multiple of 4 KiB).
+    pub write_chunk_bytes: usize,
+    /// One sparse-index entry per this many bytes of segment.
+    pub index_interval_bytes: u64,
+    /// Appends wait (see [`ShardLog::wait_room`]) while more than this is queued.
+    pub max_queued_bytes: usize,
+    /// Bytes read at a time by cold reads and recovery.
+    pub read_chunk_bytes: usize,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            segment_bytes: 128 << 20,
+            retention_bytes: None,
+            retention_ms: None,
+            read_cache_bytes: 8 << 20,
+            io_depth: 8,
+            write_chunk_bytes: 1 << 20,
+            index_interval_bytes: 4096,
+            max_queued_bytes: 64 << 20,
+            read_chunk_bytes: 256 << 10,
+        }
+    }
+}
+
+const _: () = assert!(ALIGN.is_power_of_two());
+
+/// Which frontier an appender waits for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Frontier {
+    Queued,
+    Written,
+    Durable,
+}
+
+/// Why the log refused or failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum LogError {
+    #[error("shard stopped after an I/O failure: {0}")]
+    Stopped(String),
+    #[error("shard is closed")]
+    Closed,
+    #[error("{path}: corrupt at byte {position}: {reason}")]
+    Corrupt {
+        path: String,
+        position: u64,
+        reason: String,
+    },
+    #[error("I/O error: {0}")]
+    Io(String),
+    #[error("batch is empty")]
+    Empty,
+}
+
+/// The result of an append: where the batch landed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Appended {
+    /// First offset taken (for group batches: the log's next offset at the time).
+    pub base: Offset,
+    /// Offsets taken.
+    pub count: u32,
+    /// Log sequence number just past the batch: wait on it.
+    pub lsn: u64,
+}
+
+/// What a read returns.
+#[derive(Clone, Debug, Default)]
+pub struct ReadResult {
+    pub records: Vec<Record>,
+    /// The offset to read from next (past records and control records seen).
+    pub next: Offset,
+    /// The log's start offset (oldest retained).
+    pub start: Offset,
+    /// The visible (durable) end.
+    pub end: Offset,
+}
+
+/// Limits of one read.
+#[derive(Clone, Copy, Debug)]
+pub struct ReadLimits {
+    pub max_records: usize,
+    pub max_bytes: usize,
+}
+
+/// One entry found during recovery that is not a record batch.
+pub enum Replayed<'a> {
+    /// A group-state entry's body.
+    Group(&'a [u8]),
+    /// A control record at this offset.
+    Control(Offset, &'a [u8]),
+}
+
+/// Public, cheap snapshot of a log's shape.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LogStats {
+    pub start: Offset,
+    pub end: Offset,
+    pub queued: Offset,
+    pub bytes: u64,
+    pub segments: u32,
+    pub stopped: Option<String>,
+    pub flushes: u64,
+    pub bytes_written: u64,
+}
+
+struct Segment<F> {
+    base: Offset,
+    path: PathBuf,
+    file: Rc<F>,
+    /// Bytes of valid batches written (and completed) to the file.
+    len: u64,
+    /// One past the last offset written into this segment.
+    end: Offset,
+    /// Sparse index: (first offset of a batch, its position), ascending.
+    index: Vec<(Offset, u64)>,
+    last_indexed_pos: Option<u64>,
+    max_timestamp_ms: u64,
+}
+
+impl<F> Segment<F> {
+    fn note_batch(&mut self, h: &BatchHeader, pos: u64, interval: u64) {
+        let due = match self.last_indexed_pos {
+            None => true,
+            Some(last) => pos >= last + interval,
+        };
+        if due && h.offsets() > 0 {
+            self.index.push((h.base_offset, pos));
+            self.last_indexed_pos = Some(pos);
+        }
+        self.end = self.end.max(h.end_offset());
+        self.max_timestamp_ms = self.max_timestamp_ms.max(h.max_timestamp_ms);
+    }
+}
+
+/// Bytes queued for one segment.
+struct Chunk {
+    /// The segment this goes to; a new segment when it is past the active one.
+    segment_base: Offset,
+    buf: Vec<u8>,
+    /// Batch headers and their positions in `buf`.
+    batches: Vec<(BatchHeader, usize)>,
+    /// lsn just past the chunk.
+    lsn_end: u64,
+}
+
+struct CachedBatch {
+    header: BatchHeader,
+    bytes: Bytes,
+}
+
+struct Inner<F> {
+    config: LogConfig,
+    dir: PathBuf,
+    segments: BTreeMap<Offset, Segment<F>>,
+    start: Offset,
+    /// Next offset to assign (queued frontier for offsets).
+    next: Offset,
+    written: Offset,
+    durable: Offset,
+    queued_lsn: u64,
+    written_lsn: u64,
+    durable_lsn: u64,
+    /// Projected length of the newest target segment once all pending flushes land.
+    projected_len: u64,
+    pending: VecDeque<Chunk>,
+    pending_bytes: usize,
+    /// Bytes of the active segment from its last page boundary to its end.
+    tail_page: Vec<u8>,
+    cache: VecDeque<CachedBatch>,
+    cache_bytes: usize,
+    stopped: Option<String>,
+    closed: bool,
+    flushing: bool,
+    flushes: u64,
+    bytes_written: u64,
+    snapshot: Option<Box<dyn Fn(&mut Vec<Vec<u8>>)>>,
+}
+
+impl<F> Inner<F> {
+    fn check_frontiers(&self) {
+        assert!(
+            self.durable <= self.written && self.written <= self.next,
+            "frontier order broken: durable {:?} written {:?} queued {:?}",
+            self.durable,
+            self.written,
+            self.next
+        );
+        assert!(
+            self.durable_lsn <= self.written_lsn && self.written_lsn <= self.queued_lsn,
+            "lsn order broken: {} {} {}",
+            self.durable_lsn,
+            self.written_lsn,
+            self.queued_lsn
+        );
+    }
+
+    fn refuse(&self) -> Result<(), LogError> {
+        if let Some(r) = &self.stopped {
+            return Err(LogError::Stopped(r.clone()));
+        }
+        if self.closed {
+            return Err(LogError::Closed);
+        }
+        Ok(())
+    }
+
+    fn active_base(&self) -> Offset {
+        *self.segments.keys().next_back().expect("a log has a segment")
+    }
+
+    /// The chunk the next batch of `len` bytes goes into, rolling if needed.
+    fn chunk_for(&mut self, len: usize) -> &mut Chunk {
+        let target_base = self
+            .pending
+            .back()
+            .map(|c| c.segment_base)
+            .unwrap_or_else(|| self.active_base());
+        let roll = self.projected_len > 0
+            && self.projected_len + len as u64 > self.config.segment_bytes;
+        if roll {
+            let base = self.next;
+            self.projected_len = 0;
+            self.pending.push_back(Chunk {
+                segment_base: base,
+                buf: Vec::new(),
+                batches: Vec::new(),
+                lsn_end: self.queued_lsn,
+            });
+            // Every segment opens with a snapshot of group state, so that
+            // retention deleting older segments never loses it.
+            if let Some(snap) = self.snapshot.take() {
+                let mut bodies = Vec::new();
+                snap(&mut bodies);
+                self.snapshot = Some(snap);
+                for body in bodies {
+                    self.push_batch(|out, next| encode_group(out, next, 0, &body));
+                }
+            }
+        } else if self.pending.back().map(|c| c.segment_base) != Some(target_base) {
+            self.pending.push_back(Chunk {
+                segment_base: target_base,
+                buf: Vec::new(),
+                batches: Vec::new(),
+                lsn_end: self.queued_lsn,
+            });
+        }
+        self.pending.back_mut().unwrap()
+    }
+
+    fn push_batch(&mut self, encode: impl FnOnce(&mut Vec<u8>, Offset) -> BatchHeader) -> Appended {
+        let next = self.next;
+        let chunk = self.pending.back_mut().expect("chunk_for first");
+        let pos = chunk.buf.len();
+        let h = encode(&mut chunk.buf, next);
+        chunk.batches.push((h, pos));
+        chunk.lsn_end += h.len as u64;
+        self.queued_lsn += h.len as u64;
+        self.projected_len += h.len as u64;
+        self.pending_bytes += h.len as usize;
+        self.next = h.end_offset();
+        Appended {
+            base: h.base_offset,
+            count: h.offsets() as u32,
+            lsn: self.queued_lsn,
+        }
+    }
+
+    fn append_with(
+        &mut self,
+        len: usize,
+        encode: impl FnOnce(&mut Vec<u8>, Offset) -> BatchHeader,
+    ) -> Result<Appended, LogError> {
+        self.refuse()?;
+        self.chunk_for(len);
+        let a = self.push_batch(encode);
+        self.check_frontiers();
+        Ok(a)
+    }
+}
+
+/// A shard's log. Cheap to clone; all clones live on the owning core.
+pub struct ShardLog<S: Storage> {
+    storage: S,
+    inner: Rc<RefCell<Inner<S::File>>>,
+    /// Woken when the durable frontier moves, the log stops or closes.
+    progress: Rc<WaitList>,
+    /// Woken when something is queued (the flusher waits on it) or room frees.
+    queued: Rc<WaitList>,
+}
+
+impl<S: Storage> Clone for ShardLog<S> {
+    fn clone(&self) -> Self {
+        ShardLog {
+            storage: self.storage.clone(),
+            inner: self.inner.clone(),
+            progress: self.progress.clone(),
+            queued: self.queued.clone(),
+        }
+    }
+}
+
+impl<S: Storage> fmt::Debug for ShardLog<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let i = self.inner.borrow();
+        write!(f, "ShardLog({})", i.dir.display())
+    }
+}
+
+fn segment_name(base: Offset) -> String {
+    format!("{:020}.log", base.0)
+}
+
+fn io_err(what: &str, e: std::io::Error) -> LogError {
+    LogError::Io(format!("{what}: {e}"))
+}
+
+impl<S: Storage> ShardLog<S> {
+    /// Open (or create) the log in `dir`, recovering its tail. Entries that
+    /// are not user records are passed to `replay` in log order.
+    pub async fn open(
+        storage: S,
+        dir: &Path,
+        config: LogConfig,
+        replay: &mut dyn FnMut(Replayed<'_>),
+    ) -> Result<Self, LogError> {
+        assert!(config.write_chunk_bytes % ALIGN == 0 && config.write_chunk_bytes > 0);
+        assert!(config.io_depth > 0, "io_depth must be at least 1");
+        storage
+            .create_dir_all(dir)
+            .await
+            .map_err(|e| io_err("create shard directory", e))?;
+        let mut bases: Vec<Offset> = storage
+            .list_dir(dir)
+            .await
+            .map_err(|e| io_err("list shard directory", e))?
+            .iter()
+            .filter_map(|n| n.strip_suffix(".log")?.parse::<u64>().ok().map(Offset))
+            .collect();
+        bases.sort();
+
+        let mut segments = BTreeMap::new();
+        let mut expected: Option<Offset> = None;
+        let mut lsn = 0u64;
+        let mut tail_page = Vec::new();
+        let count = bases.len();
+        for (i, base) in bases.iter().copied().enumerate() {
+            let path = dir.join(segment_name(base));
+            let is_tail = i + 1 == count;
+            if let Some(exp) = expected {
+                if exp != base {
+                    return Err(LogError::Corrupt {
+                        path: path.display().to_string(),
+                        position: 0,
+                        reason: format!(
+                            "segment starts at offset {base} but the previous one ends at {exp}"
+                        ),
+                    });
+                }
+            }
+            let file = storage
+                .open(&path, false)
+                .await
+                .map_err(|e| io_err("open segment", e))?;
+            let mut seg = Segment {
+                base,
+                path: path.clone(),
+                file: Rc::new(file),
+                len: 0,
+                end: base,
+                index: Vec::new(),
+                last_indexed_pos: None,
+                max_timestamp_ms: 0,
+            };
+            let size = seg.file.size().await.map_err(|e| io_err("size", e))?;
+            let mut notes = Vec::new();
+            let (valid_len, problem) =
+                scan_segment(&seg, size, &config, replay, &mut notes).await?;
+            for (h, pos) in &notes {
+                seg.note_batch(h, *pos, config.index_interval_bytes);
+            }
+            if let Some((pos, reason)) = problem {
+                if !is_tail {
+                    return Err(LogError::Corrupt {
+                        path: path.display().to_string(),
+                        position: pos,
+                        reason,
+                    });
+                }
+                // An unsealed tail normally ends in zero padding (partial
+                // last page); anything else is a torn or corrupt write.
+                if pos < align_down(size) || !reason.starts_with("zero") {
+                    tracing::warn!(
+                    segment = %path.display(),
+                    position = pos,
+                    dropped = size - pos,
+                    "truncating torn or corrupt tail: {reason}"
+                    );
+                }
+            }
+            seg.len = valid_len;
+            if is_tail {
+                if size != valid_len {
+                    seg.file
+                        .truncate(valid_len)
+                        .await
+                        .map_err(|e| io_err("truncate tail", e))?;
+                    seg.file.sync().await.map_err(|e| io_err("sync tail", e))?;
+                }
+                let page_start = align_down(valid_len);
+                if valid_len > page_start {
+                    let bytes = seg
+                        .file
+                        .read_at(page_start, (valid_len - page_start) as usize)
+                        .await
+                        .map_err(|e| io_err("read tail page", e))?;
+                    tail_page = bytes.to_vec();
+                }
+            }
+            lsn += seg.len;
+            expected = Some(seg.end);
+            segments.insert(base, seg);
+        }
+        if segments.is_empty() {
+            let path = dir.join(segment_name(Offset::ZERO));
+            let file = storage
+                .open(&path, true)
+                .await
+                .map_err(|e| io_err("create segment", e))?;
+            storage
+                .sync_dir(dir)
+                .await
+                .map_err(|e| io_err("sync shard directory", e))?;
+            segments.insert(
+                Offset::ZERO,
+                Segment {
+                    base: Offset::ZERO,
+                    path,
+                    file: Rc::new(file),
+                    len: 0,
+                    end: Offset::ZERO,
+                    index: Vec::new(),
+                    last_indexed_pos: None,
+                    max_timestamp_ms: 0,
+                },
+            );
+        }
+        let start = *segments.keys().next().unwrap();
+        let (end, projected_len) = {
+            let tail = segments.values().next_back().unwrap();
+            (tail.end, tail.len)
+        };
+        let inner = Inner {
+            config,
+            dir: dir.to_path_buf(),
+            segments,
+            start,
+            next: end,
+            written: end,
+            durable: end,
+            queued_lsn: lsn,
+            written_lsn: lsn,
+            durable_lsn: lsn,
+            projected_len,
+            pending: VecDeque::new(),
+            pending_bytes: 0,
+            tail_page,
+            cache: VecDeque::new(),
+            cache_bytes: 0,
+            stopped: None,
+            closed: false,
+            flushing: false,
+            flushes: 0,
+            bytes_written: 0,
+            snapshot: None,
+        };
+        inner.check_frontiers();
+        Ok(ShardLog {
+            storage,
+            inner: Rc::new(RefCell::new(inner)),
+            progress: Rc::new(WaitList::new()),
+            queued: Rc::new(WaitList::new()),
+        })
+    }
+
+    /// Set the provider of group-state snapshot bodies written at the start
+    /// of every new segment.
+    pub fn set_snapshot_provider(&self, f: Box<dyn Fn(&mut Vec<Vec<u8>>)>) {
+        self.inner.borrow_mut().snapshot = Some(f);
+    }
+
+    /// Queue a batch of records. Offsets are assigned now.
+    pub fn append(&self, records: &[RecordIn]) -> Result<Appended, LogError> {
+        if records.is_empty() {
+            return Err(LogError::Empty);
+        }
+        let len = format::BATCH_HEADER_BYTES + records.iter().map(|r| r.encoded_len()).sum::<usize>();
+        let a = self
+            .inner
+            .borrow_mut()
+            .append_with(len, |out, next| encode_records(out, next, 0, records))?;
+        self.queued.wake_all();
+        Ok(a)
+    }
+
+    /// Queue a control record (takes one offset, never delivered).
+    pub fn append_control(&self, body: &[u8]) -> Result<Appended, LogError> {
+        let len = format::BATCH_HEADER_BYTES + body.len();
+        let a = self
+            .inner
+            .borrow_mut()
+            .append_with(len, |out, next| encode_control(out, next, 0, body))?;
+        self.queued.wake_all();
+        Ok(a)
+    }
+
+    /// Queue a group-state entry (takes no offset).
+    pub fn append_group(&self, body: &[u8]) -> Result<Appended, LogError> {
+        let len = format::BATCH_HEADER_BYTES + body.len();
+        let a = self
+            .inner
+            .borrow_mut()
+            .append_with(len, |out, next| encode_group(out, next, 0, body))?;
+        self.queued.wake_all();
+        Ok(a)
+    }
+
+    /// Wait until less than the configured maximum is queued.
+    pub async fn wait_room(&self) -> Result<(), LogError> {
+        loop {
+            {
+                let i = self.inner.borrow();
+                i.refuse()?;
+                if i.pending_bytes < i.config.max_queued_bytes {
+                    return Ok(());
+                }
+            }
+            self.progress.wait().await;
+        }
+    }
+
+    /// Wait until the batch ending at `lsn` has reached `frontier`.
+    pub async fn wait(&self, lsn: u64, frontier: Frontier) -> Result<(), LogError> {
+        loop {
+            {
+                let i = self.inner.borrow();
+                let reached = match frontier {
+                    Frontier::Queued => i.queued_lsn,
+                    Frontier::Written => i.written_lsn,
+                    Frontier::Durable => i.durable_lsn,
+                };
+                if reached >= lsn {
+                    return Ok(());
+                }
+                i.refuse()?;
+            }
+            self.progress.wait().await;
+        }
+    }
+
+    /// Wait until the visible end passes `offset` (a record at `offset` is
+    /// readable), the log stops, or it closes.
+    pub async fn wait_for_offset(&self, offset: Offset) -> Result<(), LogError> {
+        loop {
+            {
+                let i = self.inner.borrow();
+                if i.durable > offset {
+                    return Ok(());
+                }
+                i.refuse()?;
+            }
+            self.progress.wait().await;
+        }
+    }
+
+    /// A future that resolves the next time the log makes progress (for
+    /// callers composing their own wait with a timeout).
+    pub fn progress(&self) -> Rc<WaitList> {
+        self.progress.clone()
+    }
+
+    pub fn start(&self) -> Offset {
+        self.inner.borrow().start
+    }
+
+    /// The visible (durable, committed) end: one past the last readable offset.
+    pub fn end(&self) -> Offset {
+        self.inner.borrow().durable
+    }
+
+    /// One past the last offset assigned (queued).
+    pub fn queued_end(&self) -> Offset {
+        self.inner.borrow().next
+    }
+
+    pub fn stopped(&self) -> Option<String> {
+        self.inner.borrow().stopped.clone()
+    }
+
+    pub fn stats(&self) -> LogStats {
+        let i = self.inner.borrow();
+        LogStats {
+            start: i.start,
+            end: i.durable,
+            queued: i.next,
+            bytes: i.segments.values().map(|s| s.len).sum(),
+            segments: i.segments.len() as u32,
+            stopped: i.stopped.clone(),
+            flushes: i.flushes,
+            bytes_written: i.bytes_written,
+        }
+    }
+
+    /// Is anything queued and not yet written?
+    pub fn has_pending(&self) -> bool {
+        !self.inner.borrow().pending.is_empty()
+    }
+
+    /// Run the group-commit loop until the log stops or closes.
+    pub async fn run_flusher(&self) {
+        loop {
+            {
+                let i = self.inner.borrow();
+                if i.stopped.is_some() || (i.closed && i.pending.is_empty()) {
+                    return;
+                }
+            }
+            if self.has_pending() {
+                // A failure stops the shard; the loop exits at the top.
+                let _ = self.flush().await;
+            } else {
+                let wait = self.queued.wait();
+                if self.has_pending() || self.inner.borrow().closed {
+                    continue;
+                }
+                wait.await;
+            }
+        }
+    }
+
+    /// One group-commit round: write everything queued, fdatasync, advance
+    /// the frontiers and wake waiters.
+    pub async fn flush(&self) -> Result<(), LogError> {
+        {
+            let mut i = self.inner.borrow_mut();
+            i.refuse().or_else(|e| if i.closed { Ok(()) } else { Err(e) })?;
+            if i.flushing || i.pending.is_empty() {
+                return Ok(());
+            }
+            i.flushing = true;
+        }
+        let result = self.flush_inner().await;
+        let mut i = self.inner.borrow_mut();
+        i.flushing = false;
+        if let Err(e) = &result {
+            if i.stopped.is_none() {
+                tracing::error!(dir = %i.dir.display(), "shard stopped: {e}");
+                i.stopped = Some(e.to_string());
+            }
+            i.pending.clear();
+            i.pending_bytes = 0;
+        }
+        drop(i);
+        self.progress.wake_all();
+        result.map_err(|e| match e {
+            LogError::Stopped(_) => e,
+            other => LogError::Stopped(other.to_string()),
+        })
+    }
+
+    async fn flush_inner(&self) -> Result<(), LogError> {
+        let chunks: Vec<Chunk> = {
+            let mut i = self.inner.borrow_mut();
+            i.pending_bytes = 0;
+            i.pending.drain(..).collect()
+        };
+        let mut dirty: Option<Rc<S::File>> = None;
+        for chunk in chunks {
+            let (active_base, dir) = {
+                let i = self.inner.borrow();
+                (i.active_base(), i.dir.clone())
+            };
+            if chunk.segment_base != active_base {
+                assert!(chunk.segment_base > active_base, "segments only move forward");
+                // Seal the active segment: make its data durable, cut its
+                // padding, then create the next one and make its name durable.
+                if let Some(f) = dirty.take() {
+                    f.sync().await.map_err(|e| io_err("fdatasync", e))?;
+                }
+                let (file, len) = {
+                    let i = self.inner.borrow();
+                    let s = i.segments.get(&active_base).unwrap();
+                    (s.file.clone(), s.len)
+                };
+                file.truncate(len).await.map_err(|e| io_err("seal segment", e))?;
+                file.sync().await.map_err(|e| io_err("sync sealed segment", e))?;
+                let path = dir.join(segment_name(chunk.segment_base));
+                let new = self
+                    .storage
+                    .open(&path, true)
+                    .await
+                    .map_err(|e| io_err("create segment", e))?;
+                self.storage
+                    .sync_dir(&dir)
+                    .await
+                    .map_err(|e| io_err("sync shard directory", e))?;
+                let mut i = self.inner.borrow_mut();
+                i.segments.insert(
+                    chunk.segment_base,
+                    Segment {
+                        base: chunk.segment_base,
+                        path,
+                        file: Rc::new(new),
+                        len: 0,
+                        end: chunk.segment_base,
+                        index: Vec::new(),
+                        last_indexed_pos: None,
+                        max_timestamp_ms: 0,
+                    },
+                );
+                i.tail_page.clear();
+            }
+            let file = self.write_chunk(&chunk).await?;
+            dirty = Some(file);
+        }
+        if let Some(f) = dirty {
+            f.sync().await.map_err(|e| io_err("fdatasync", e))?;
+        }
+        {
+            let mut i = self.inner.borrow_mut();
+            i.durable = i.written;
+            i.durable_lsn = i.written_lsn;
+            i.flushes += 1;
+            i.check_frontiers();
+        }
+        Ok(())
+    }
+
+    /// Write one chunk at the end of the active segment (rewriting its
+    /// partial last page), in pieces with at most `io_depth` in flight.
+    async fn write_chunk(&self, chunk: &Chunk) -> Result<Rc<S::File>, LogError> {
+        let (file, seg_len, tail, chunk_bytes, depth) = {
+            let i = self.inner.borrow();
+            let s = i.segments.values().next_back().unwrap();
+            debug_assert_eq!(s.base, chunk.segment_base);
+            (
+                s.file.clone(),
+                s.len,
+                i.tail_page.clone(),
+                i.config.write_chunk_bytes,
+                i.config.io_depth,
+            )
+        };
+        let page_start = align_down(seg_len);
+        debug_assert_eq!(tail.len() as u64, seg_len - page_start);
+        let total = tail.len() + chunk.buf.len();
+        let padded = align_up(total as u64) as usize;
+        // Build the aligned buffers, piece by piece.
+        let mut pieces = Vec::new();
+        let mut at = 0usize;
+        while at < padded {
+            let n = chunk_bytes.min(padded - at);
+            let mut buf = file.alloc(n);
+            {
+                let dst = buf.as_mut();
+                // Copy the slice [at, at+n) of tail ++ chunk.buf.
+                let mut filled = 0usize;
+                if at < tail.len() {
+                    let m = (tail.len() - at).min(n);
+                    dst[..m].copy_from_slice(&tail[at..at + m]);
+                    filled = m;
+                }
+                let src_at = (at + filled).saturating_sub(tail.len());
+                let m = (n - filled).min(chunk.buf.len().saturating_sub(src_at));
+                dst[filled..filled + m].copy_from_slice(&chunk.buf[src_at..src_at + m]);
+            }
+            pieces.push((buf, page_start + at as u64));
+            at += n;
+        }
+        let mut written_bytes = 0u64;
+        let mut iter = pieces.into_iter();
+        loop {
+            let group: Vec<_> = iter.by_ref().take(depth).collect();
+            if group.is_empty() {
+                break;
+            }
+            let futs = group.into_iter().map(|(buf, pos)| {
+                written_bytes += buf.as_ref().len() as u64;
+                file.write_at(buf, pos)
+            });
+            for r in futures_util::future::join_all(futs).await {
+                r.map_err(|e| io_err("write", e))?;
+            }
+        }
+        // The bytes are on the device (not yet synced): advance `written`,
+        // index the batches, keep them for tail reads.
+        let shared = Bytes::copy_from_slice(&chunk.buf);
+        let mut i = self.inner.borrow_mut();
+        let interval = i.config.index_interval_bytes;
+        let cache_max = i.config.read_cache_bytes;
+        let new_len = seg_len + chunk.buf.len() as u64;
+        let tail_start = align_down(new_len);
+        let new_tail = {
+            // Last partial page of tail ++ chunk.buf.
+            let keep = (new_len - tail_start) as usize;
+            let mut v = Vec::with_capacity(keep);
+            let all_len = tail.len() + chunk.buf.len();
+            let from = all_len - keep;
+            if from < tail.len() {
+                v.extend_from_slice(&tail[from..]);
+                v.extend_from_slice(&chunk.buf);
+            } else {
+                v.extend_from_slice(&chunk.buf[from - tail.len()..]);
+            }
+            v
+        };
+        i.tail_page = new_tail;
+        i.bytes_written += written_bytes;
+        let mut written = i.written;
+        {
+            let seg = i.segments.values_mut().next_back().unwrap();
+            for (h, pos) in &chunk.batches {
+                seg.note_batch(h, seg_len + *pos as u64, interval);
+                written = written.max(h.end_offset());
+            }
+            seg.len = new_len;
+        }
+        for (h, pos) in &chunk.batches {
+            if h.kind == BatchKind::Records {
+                let bytes = shared.slice(*pos..*pos + h.len as usize);
+                i.cache_bytes += bytes.len();
+                i.cache.push_back(CachedBatch { header: *h, bytes });
+            }
+        }
+        while i.cache_bytes > cache_max && i.cache.len() > 1 {
+            let b = i.cache.pop_front().unwrap();
+            i.cache_bytes -= b.bytes.len();
+        }
+        i.written = written;
+        i.written_lsn = chunk.lsn_end;
+        i.check_frontiers();
+        Ok(file)
+    }
+
+    /// Read records from `from` (clamped up to the log start) up to the
+    /// visible end, within `limits` (at least one record if any is there).
+    pub async fn read(&self, from: Offset, limits: ReadLimits) -> Result<ReadResult, LogError> {
+        let (start, end) = {
+            let i = self.inner.borrow();
+            if let Some(r) = &i.stopped {
+                return Err(LogError::Stopped(r.clone()));
+            }
+            (i.start, i.durable)
+        };
+        let from = from.max(start);
+        let mut out = ReadResult {
+            records: Vec::new(),
+            next: from,
+            start,
+            end,
+        };
+        if from >= end || limits.max_records == 0 {
+            return Ok(out);
+        }
+        let mut bytes = 0usize;
+        // Tail reads from memory.
+        let served = {
+            let i = self.inner.borrow();
+            match i.cache.front() {
+                Some(first) if first.header.base_offset <= from => {
+                    let idx = i
+                        .cache
+                        .partition_point(|b| b.header.end_offset() <= from);
+                    for b in i.cache.iter().skip(idx) {
+                        if b.header.base_offset >= end
+                            || !take_batch(&b.bytes, &b.header, &mut out, limits, &mut bytes)?
+                        {
+                            break;
+                        }
+                    }
+                    true
+                }
+                _ => false,
+            }
+        };
+        if served {
+            out.next = out.next.min(end);
+            return Ok(out);
+        }
+        self.read_cold(from, end, limits, &mut out, &mut bytes).await?;
+        out.next = out.next.min(end);
+        Ok(out)
+    }
+
+    async fn read_cold(
+        &self,
+        from: Offset,
+        end: Offset,
+        limits: ReadLimits,
+        out: &mut ReadResult,
+        bytes: &mut usize,
+    ) -> Result<(), LogError> {
+        let mut seg_base = {
+            let i = self.inner.borrow();
+            match i.segments.range(..=from).next_back() {
+                Some((b, _)) => *b,
+                None => return Ok(()),
+            }
+        };
+        loop {
+            let (file, path, mut pos, seg_len, seg_end, chunk) = {
+                let i = self.inner.borrow();
+                let Some(s) = i.segments.get(&seg_base) else {
+                    return Ok(()); // removed by retention meanwhile
+                };
+                let idx = s.index.partition_point(|(o, _)| *o <= out.next);
+                let pos = if idx == 0 { 0 } else { s.index[idx - 1].1 };
+                (
+                    s.file.clone(),
+                    s.path.clone(),
+                    pos,
+                    s.len,
+                    s.end,
+                    i.config.read_chunk_bytes,
+                )
+            };
+            let mut buf = Bytes::new();
+            'segment: while pos < seg_len {
+                if buf.len() < format::BATCH_HEADER_BYTES {
+                    let want = chunk.min((seg_len - pos) as usize);
+                    buf = file
+                        .read_at(pos, want.max(format::BATCH_HEADER_BYTES))
+                        .await
+                        .map_err(|e| io_err("read", e))?;
+                }
+                loop {
+                    match format::parse_batch(&buf) {
+                        Ok(h) => {
+                            let batch = buf.split_to(h.len as usize);
+                            pos += h.len as u64;
+                            if h.base_offset >= end {
+                                return Ok(());
+                            }
+                            if !take_batch(&batch, &h, out, limits, bytes)? {
+                                return Ok(());
+                            }
+                        }
+                        Err(FrameError::Incomplete(more)) => {
+                            let want = (buf.len() + more).max(chunk).min((seg_len - pos) as usize);
+                            if want <= buf.len() {
+                                return Err(LogError::Corrupt {
+                                    path: path.display().to_string(),
+                                    position: pos,
+                                    reason: "batch runs past the segment's end".into(),
+                                });
+                            }
+                            buf = file
+                                .read_at(pos, want)
+                                .await
+                                .map_err(|e| io_err("read", e))?;
+                            continue 'segment;
+                        }
+                        Err(e) => {
+                            return Err(LogError::Corrupt {
+                                path: path.display().to_string(),
+                                position: pos,
+                                reason: e.to_string(),
+                            })
+                        }
+                    }
+                    if buf.is_empty() {
+                        continue 'segment;
+                    }
+                }
+            }
+            // Next segment.
+            let next = {
+                let i = self.inner.borrow();
+                i.segments
+                    .range(seg_end..)
+                    .next()
+                    .map(|(b, _)| *b)
+                    .filter(|b| *b > seg_base)
+            };
+            match next {
+                Some(b) if b < end => {
+                    seg_base = b;
+                    out.next = out.next.max(b);
+                }
+                _ => return Ok(()),
+            }
+        }
+    }
+
+    /// Delete whole sealed segments past the retention limits. Returns how
+    /// many segments were removed.
+    pub async fn enforce_retention(&self, now_ms: u64) -> Result<usize, LogError> {
+        let mut removed = 0;
+        loop {
+            let victim = {
+                let i = self.inner.borrow();
+                if i.segments.len() < 2 {
+                    break;
+                }
+                let (base, first) = i.segments.iter().next().unwrap();
+                let total: u64 = i.segments.values().map(|s| s.len).sum();
+                let by_bytes = i.config.retention_bytes.is_some_and(|b| total > b);
+                let by_age = i
+                    .config
+                    .retention_ms
+                    .is_some_and(|ms| first.max_timestamp_ms.saturating_add(ms) < now_ms);
+                // Never remove a segment that is not fully durable.
+                if (by_bytes || by_age) && first.end <= i.durable {
+                    Some(*base)
+                } else {
+                    None
+                }
+            };
+            let Some(base) = victim else { break };
+            let seg = {
+                let mut i = self.inner.borrow_mut();
+                let seg = i.segments.remove(&base).unwrap();
+                i.start = *i.segments.keys().next().unwrap();
+                let start = i.start;
+                while i.cache.front().is_some_and(|b| b.header.end_offset() <= start) {
+                    let b = i.cache.pop_front().unwrap();
+                    i.cache_bytes -= b.bytes.len();
+                }
+                seg
+            };
+            tracing::info!(segment = %seg.path.display(), "retention removed segment");
+            self.storage
+                .remove_file(&seg.path)
+                .await
+                .map_err(|e| io_err("remove segment", e))?;
+            removed += 1;
+        }
+        if removed > 0 {
+            let dir = self.inner.borrow().dir.clone();
+            self.storage
+                .sync_dir(&dir)
+                .await
+                .map_err(|e| io_err("sync shard directory", e))?;
+            self.progress.wake_all();
+        }
+        Ok(removed)
+    }
+
+    /// Flush what is queued, then refuse further appends and wake everyone.
+    pub async fn close(&self) -> Result<(), LogError> {
+        let r = if self.inner.borrow().stopped.is_none() {
+            self.flush().await
+        } else {
+            Ok(())
+        };
+        self.inner.borrow_mut().closed = true;
+        self.progress.wake_all();
+        self.queued.wake_all();
+        r
+    }
+
+    /// Delete every file of this log (after close).
+    pub async fn destroy(&self) -> Result<(), LogError> {
+        let dir = self.inner.borrow().dir.clone();
+        self.inner.borrow_mut().closed = true;
+        self.progress.wake_all();
+        self.queued.wake_all();
+        self.storage
+            .remove_dir_all(&dir)
+            .await
+            .map_err(|e| io_err("remove shard directory", e))
+    }
+}
+
+/// Take the records of one batch at or above `out.next`. Returns false when
+/// a limit was reached and reading should stop.
+fn take_batch(
+    batch: &Bytes,
+    h: &BatchHeader,
+    out: &mut ReadResult,
+    limits: ReadLimits,
+    bytes: &mut usize,
+) -> Result<bool, LogError> {
+    if h.end_offset() <= out.next {
+        return Ok(true);
+    }
+    match h.kind {
+        BatchKind::Group => Ok(true),
+        BatchKind::Control => {
+            out.next = h.end_offset();
+            Ok(true)
+        }
+        BatchKind::Records => {
+            let mut full = false;
+            let from = out.next;
+            format::for_each_record(batch, h, from, |r| {
+                if out.records.len() >= limits.max_records
+                    || (*bytes >= limits.max_bytes && !out.records.is_empty())
+                {
+                    full = true;
+                    return false;
+                }
+                *bytes += r.payload.len();
+                out.next = r.offset.next();
+                out.records.push(r);
+                true
+            })
+            .map_err(|e| LogError::Corrupt {
+                path: "<batch>".into(),
+                position: 0,
+                reason: e.to_string(),
+            })?;
+            Ok(!full
+                && out.records.len() < limits.max_records
+                && *bytes < limits.max_bytes)
+        }
+    }
+}
+
+/// Scan a segment from its start, verifying every batch. Returns the length of
+/// the valid prefix and, if it stopped early, where and why.
+async fn scan_segment<F: StorageFile>(
+    seg: &Segment<F>,
+    size: u64,
+    config: &LogConfig,
+    replay: &mut dyn FnMut(Replayed<'_>),
+    notes: &mut Vec<(BatchHeader, u64)>,
+) -> Result<(u64, Option<(u64, String)>), LogError> {
+    let mut pos = 0u64;
+    let mut expected = seg.base;
+    let mut buf = Bytes::new();
+    let chunk = config.read_chunk_bytes.max(1 << 20);
+    while pos < size {
+        match format::parse_batch(&buf) {
+            Ok(h) => {
+                if h.base_offset != expected {
+                    return Ok((
+                        pos,
+                        Some((
+                            pos,
+                            format!(
+                                "batch at offset {} where {} was expected",
+                                h.base_offset, expected
+                            ),
+                        )),
+                    ));
+                }
+                let batch = buf.split_to(h.len as usize);
+                match h.kind {
+                    BatchKind::Group => replay(Replayed::Group(&batch[format::BATCH_HEADER_BYTES..])),
+                    BatchKind::Control => replay(Replayed::Control(
+                        h.base_offset,
+                        &batch[format::BATCH_HEADER_BYTES..],
+                    )),
+                    BatchKind::Records => {
+                        // Check the records decode, so a bad batch is found
+                        // here and not by a reader later.
+                        format::for_each_record(&batch, &h, Offset::ZERO, |_| true).map_err(
+                            |e| LogError::Corrupt {
+                                path: seg.path.display().to_string(),
+                                position: pos,
+                                reason: e.to_string(),
+                            },
+                        )?;
+                    }
+                }
+                notes.push((h, pos));
+                expected = h.end_offset();
+                pos += h.len as u64;
+            }
+            Err(FrameError::Incomplete(more)) => {
+                let have = buf.len() as u64;
+                if pos + have >= size {
+                    return Ok((pos, Some((pos, "batch cut short by the end of the file".into()))));
+                }
+                let want = ((have as usize + more).max(chunk) as u64).min(size - pos) as usize;
+                buf = seg
+                    .file
+                    .read_at(pos, want)
+                    .await
+                    .map_err(|e| io_err("read segment", e))?;
+                if buf.len() as u64 <= have {
+                    return Ok((pos, Some((pos, "short read".into()))));
+                }
+            }
+            Err(FrameError::Zero) => {
+                // Zeros to the end of the file are padding of an unsealed
+                // tail; anything else after them is damage.
+                return Ok((pos, Some((pos, "zero bytes where a batch was expected".into()))));
+            }
+            Err(e) => return Ok((pos, Some((pos, e.to_string())))),
+        }
+    }
+    Ok((pos, None))
+}

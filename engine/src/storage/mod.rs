@@ -1,0 +1,75 @@
+//! The storage seam: every byte Felix puts on disk or reads back passes through
+//! [`Storage`] and [`StorageFile`].
+//!
+//! Two implementations:
+//! * [`dma::DmaStorage`] — glommio DMA files (O_DIRECT, io_uring), with a bounded
+//!   number of I/Os in flight per file.
+//! * [`sim::SimStorage`] — memory only, for tests: it can lose every write that
+//!   was not synced, tear the last write at any byte, flip bits, and fail a
+//!   write or an fsync on the Nth call.
+//!
+//! Writes must start at a multiple of [`ALIGN`] and be a multiple of it long
+//! (O_DIRECT rules); the simulator enforces the same so tests catch violations.
+
+pub mod dma;
+pub mod sim;
+
+use bytes::Bytes;
+use std::io;
+use std::path::Path;
+
+/// Alignment of positions and lengths of writes (O_DIRECT, 4 KiB pages).
+pub const ALIGN: usize = 4096;
+
+#[inline]
+pub fn align_down(x: u64) -> u64 {
+    x & !(ALIGN as u64 - 1)
+}
+
+#[inline]
+pub fn align_up(x: u64) -> u64 {
+    (x + ALIGN as u64 - 1) & !(ALIGN as u64 - 1)
+}
+
+/// A filesystem as the engine sees it.
+#[allow(async_fn_in_trait)] // used on one thread only; futures need not be Send
+pub trait Storage: Clone + 'static {
+    type File: StorageFile;
+
+    /// Open a file for reading and writing, creating it (empty) if asked.
+    async fn open(&self, path: &Path, create: bool) -> io::Result<Self::File>;
+    /// Create a directory and its parents.
+    async fn create_dir_all(&self, path: &Path) -> io::Result<()>;
+    /// Make a directory's entries (files created or removed in it) durable.
+    async fn sync_dir(&self, path: &Path) -> io::Result<()>;
+    /// Names of the entries of a directory (files and directories).
+    async fn list_dir(&self, path: &Path) -> io::Result<Vec<String>>;
+    async fn remove_file(&self, path: &Path) -> io::Result<()>;
+    async fn remove_dir_all(&self, path: &Path) -> io::Result<()>;
+    /// Replace a small file atomically and durably (write a temporary, sync,
+    /// rename over, sync the directory). For metadata, not for logs.
+    async fn write_file_atomic(&self, path: &Path, data: &[u8]) -> io::Result<()>;
+    /// Whole contents of a small file, or `None` if it does not exist.
+    async fn read_file(&self, path: &Path) -> io::Result<Option<Vec<u8>>>;
+}
+
+/// One open file. Appends are the log's job; the file only does aligned I/O.
+#[allow(async_fn_in_trait)]
+pub trait StorageFile: 'static {
+    /// A buffer suitable for `write_at` (aligned for O_DIRECT).
+    type Buffer: AsRef<[u8]> + AsMut<[u8]>;
+
+    /// An aligned, zeroed buffer of `len` bytes (`len` a multiple of [`ALIGN`]).
+    fn alloc(&self, len: usize) -> Self::Buffer;
+    /// Write the whole buffer at `pos` (both aligned).
+    async fn write_at(&self, buf: Self::Buffer, pos: u64) -> io::Result<()>;
+    /// Read up to `len` bytes at `pos`; fewer only at the end of the file.
+    async fn read_at(&self, pos: u64, len: usize) -> io::Result<Bytes>;
+    /// fdatasync: everything written so far is durable when this returns Ok.
+    async fn sync(&self) -> io::Result<()>;
+    /// The file's size in bytes.
+    async fn size(&self) -> io::Result<u64>;
+    /// Cut (or extend with zeros) the file to `len` bytes.
+    async fn truncate(&self, len: u64) -> io::Result<()>;
+    async fn close(self) -> io::Result<()>;
+}

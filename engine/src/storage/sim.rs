@@ -1,0 +1,417 @@
+//! An in-memory disk for tests that fails the way real disks fail.
+//!
+//! Every file keeps the bytes as of its last `sync` and the writes made since.
+//! A simulated crash keeps the synced bytes and, per file, any prefix of the
+//! unsynced writes — the last kept one possibly torn at any byte — and can flip
+//! a bit in what survived of the unsynced tail. A file created since its
+//! directory was last synced may vanish. Writes and syncs can be made to fail
+//! on the Nth call. All of it is deterministic given a seed.
+//!
+//! Single-threaded by design (`Rc`), like everything on a Felix core.
+
+use super::{Storage, StorageFile, ALIGN};
+use bytes::Bytes;
+use std::cell::RefCell;
+use std::collections::{BTreeMap, BTreeSet};
+use std::io;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+
+#[derive(Clone, Default)]
+struct SimFileState {
+    /// Contents as of the last sync.
+    synced: Vec<u8>,
+    /// Contents now (what reads see).
+    current: Vec<u8>,
+    /// Writes and truncates since the last sync, in order.
+    unsynced: Vec<Op>,
+    /// The directory entry is durable (its parent was synced after creation).
+    entry_durable: bool,
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Write { pos: u64, data: Vec<u8> },
+    Truncate { len: u64 },
+}
+
+fn apply(file: &mut Vec<u8>, op: &Op) {
+    match op {
+        Op::Write { pos, data } => {
+            let end = *pos as usize + data.len();
+            if file.len() < end {
+                file.resize(end, 0);
+            }
+            file[*pos as usize..end].copy_from_slice(data);
+        }
+        Op::Truncate { len } => file.resize(*len as usize, 0),
+    }
+}
+
+#[derive(Default)]
+struct Disk {
+    files: BTreeMap<PathBuf, SimFileState>,
+    dirs: BTreeSet<PathBuf>,
+    writes: u64,
+    syncs: u64,
+    fail_write_on: Option<u64>,
+    fail_sync_on: Option<u64>,
+    bytes_written: u64,
+}
+
+/// How a crash treats data that was not synced.
+#[derive(Clone, Copy, Debug)]
+pub struct CrashPlan {
+    /// Random source for choosing how many unsynced writes survive and where to tear.
+    pub seed: u64,
+    /// Allow the last surviving unsynced write to be torn at a random byte.
+    pub tear: bool,
+    /// Flip one bit somewhere in the surviving unsynced region of one file.
+    pub flip_bit: bool,
+}
+
+/// A handle to the simulated disk; clones share it.
+#[derive(Clone, Default)]
+pub struct SimStorage {
+    disk: Rc<RefCell<Disk>>,
+}
+
+/// A small deterministic generator so the simulator needs no dependency.
+struct SplitMix(u64);
+impl SplitMix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        if n == 0 {
+            0
+        } else {
+            self.next() % n
+        }
+    }
+}
+
+impl SimStorage {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The `n`th write from now (1 = the next one) fails with an I/O error.
+    pub fn fail_write_after(&self, n: u64) {
+        let mut d = self.disk.borrow_mut();
+        d.fail_write_on = Some(d.writes + n);
+    }
+
+    /// The `n`th fsync from now (1 = the next one) fails with an I/O error.
+    pub fn fail_sync_after(&self, n: u64) {
+        let mut d = self.disk.borrow_mut();
+        d.fail_sync_on = Some(d.syncs + n);
+    }
+
+    /// Counts of write and sync calls so far.
+    pub fn counts(&self) -> (u64, u64) {
+        let d = self.disk.borrow();
+        (d.writes, d.syncs)
+    }
+
+    /// Bytes handed to `write_at` so far (for write amplification).
+    pub fn bytes_written(&self) -> u64 {
+        self.disk.borrow().bytes_written
+    }
+
+    /// Lose everything that was not synced: the strictest power cut.
+    pub fn crash_lose_unsynced(&self) {
+        let mut d = self.disk.borrow_mut();
+        d.files.retain(|_, f| f.entry_durable);
+        for f in d.files.values_mut() {
+            f.current = f.synced.clone();
+            f.unsynced.clear();
+        }
+        d.fail_sync_on = None;
+        d.fail_write_on = None;
+    }
+
+    /// A power cut that keeps a random prefix of each file's unsynced writes,
+    /// possibly tearing the last one and flipping a bit in what survived.
+    pub fn crash(&self, plan: CrashPlan) {
+        let mut rng = SplitMix(plan.seed);
+        let mut d = self.disk.borrow_mut();
+        let mut vanished = Vec::new();
+        let mut flip_done = !plan.flip_bit;
+        for (path, f) in d.files.iter_mut() {
+            if !f.entry_durable && rng.below(2) == 0 {
+                vanished.push(path.clone());
+                continue;
+            }
+            let mut img = f.synced.clone();
+            // Bytes that were already durable may be rewritten (the log
+            // rewrites its partial tail page) but with the same contents; the
+            // model is that such a rewrite cannot damage them, so flips land
+            // only in data that was never synced.
+            let synced_len = f.synced.len() as u64;
+            let keep = rng.below(f.unsynced.len() as u64 + 1) as usize;
+            let mut touched: Option<(u64, u64)> = None;
+            for (i, op) in f.unsynced.iter().enumerate() {
+                if i < keep {
+                    apply(&mut img, op);
+                    if let Op::Write { pos, data } = op {
+                        touched = Some((*pos, *pos + data.len() as u64));
+                    }
+                } else if i == keep && plan.tear {
+                    if let Op::Write { pos, data } = op {
+                        let cut = rng.below(data.len() as u64 + 1) as usize;
+                        apply(
+                            &mut img,
+                            &Op::Write {
+                                pos: *pos,
+                                data: data[..cut].to_vec(),
+                            },
+                        );
+                        if cut > 0 {
+                            touched = Some((*pos, *pos + cut as u64));
+                        }
+                    }
+                    break;
+                } else {
+                    break;
+                }
+            }
+            if !flip_done {
+                if let Some((a, b)) = touched {
+                    let a = a.max(synced_len);
+                    if b > a && (b as usize) <= img.len() {
+                        let at = a + rng.below(b - a);
+                        img[at as usize] ^= 1 << rng.below(8);
+                        flip_done = true;
+                    }
+                }
+            }
+            f.synced = img.clone();
+            f.current = img;
+            f.unsynced.clear();
+        }
+        for p in vanished {
+            d.files.remove(&p);
+        }
+        d.fail_sync_on = None;
+        d.fail_write_on = None;
+    }
+
+    /// Flip one bit of a file as it stands, durably (media corruption).
+    pub fn corrupt(&self, path: &Path, byte: u64, bit: u8) {
+        let mut d = self.disk.borrow_mut();
+        let f = d.files.get_mut(path).expect("corrupt: no such file");
+        f.current[byte as usize] ^= 1 << bit;
+        f.synced[byte as usize] ^= 1 << bit;
+    }
+
+    /// Cut a file, durably (a hand-truncated file).
+    pub fn cut(&self, path: &Path, len: u64) {
+        let mut d = self.disk.borrow_mut();
+        let f = d.files.get_mut(path).expect("cut: no such file");
+        f.current.truncate(len as usize);
+        f.synced.truncate(len as usize);
+    }
+
+    /// Paths of all files, for tests.
+    pub fn files(&self) -> Vec<PathBuf> {
+        self.disk.borrow().files.keys().cloned().collect()
+    }
+
+    /// Current length of a file.
+    pub fn file_len(&self, path: &Path) -> Option<u64> {
+        self.disk.borrow().files.get(path).map(|f| f.current.len() as u64)
+    }
+}
+
+fn not_found(path: &Path) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::NotFound,
+        format!("{}: no such file", path.display()),
+    )
+}
+
+impl Storage for SimStorage {
+    type File = SimFile;
+
+    async fn open(&self, path: &Path, create: bool) -> io::Result<SimFile> {
+        let mut d = self.disk.borrow_mut();
+        if !d.files.contains_key(path) {
+            if !create {
+                return Err(not_found(path));
+            }
+            d.files.insert(path.to_path_buf(), SimFileState::default());
+        }
+        Ok(SimFile {
+            disk: self.disk.clone(),
+            path: path.to_path_buf(),
+        })
+    }
+
+    async fn create_dir_all(&self, path: &Path) -> io::Result<()> {
+        self.disk.borrow_mut().dirs.insert(path.to_path_buf());
+        Ok(())
+    }
+
+    async fn sync_dir(&self, path: &Path) -> io::Result<()> {
+        let mut d = self.disk.borrow_mut();
+        for (p, f) in d.files.iter_mut() {
+            if p.parent() == Some(path) {
+                f.entry_durable = true;
+            }
+        }
+        Ok(())
+    }
+
+    async fn list_dir(&self, path: &Path) -> io::Result<Vec<String>> {
+        let d = self.disk.borrow();
+        let mut out = BTreeSet::new();
+        for p in d.files.keys().chain(d.dirs.iter()) {
+            if let Ok(rest) = p.strip_prefix(path) {
+                if let Some(first) = rest.components().next() {
+                    out.insert(first.as_os_str().to_string_lossy().into_owned());
+                }
+            }
+        }
+        Ok(out.into_iter().collect())
+    }
+
+    async fn remove_file(&self, path: &Path) -> io::Result<()> {
+        match self.disk.borrow_mut().files.remove(path) {
+            Some(_) => Ok(()),
+            None => Err(not_found(path)),
+        }
+    }
+
+    async fn remove_dir_all(&self, path: &Path) -> io::Result<()> {
+        let mut d = self.disk.borrow_mut();
+        d.files.retain(|p, _| !p.starts_with(path));
+        d.dirs.retain(|p| !p.starts_with(path));
+        Ok(())
+    }
+
+    async fn write_file_atomic(&self, path: &Path, data: &[u8]) -> io::Result<()> {
+        let mut d = self.disk.borrow_mut();
+        d.files.insert(
+            path.to_path_buf(),
+            SimFileState {
+                synced: data.to_vec(),
+                current: data.to_vec(),
+                unsynced: Vec::new(),
+                entry_durable: true,
+            },
+        );
+        Ok(())
+    }
+
+    async fn read_file(&self, path: &Path) -> io::Result<Option<Vec<u8>>> {
+        Ok(self.disk.borrow().files.get(path).map(|f| f.current.clone()))
+    }
+}
+
+/// A file on the simulated disk.
+pub struct SimFile {
+    disk: Rc<RefCell<Disk>>,
+    path: PathBuf,
+}
+
+/// A plain buffer; alignment is checked on positions and lengths instead.
+pub struct SimBuffer(Vec<u8>);
+
+impl AsRef<[u8]> for SimBuffer {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+impl AsMut<[u8]> for SimBuffer {
+    fn as_mut(&mut self) -> &mut [u8] {
+        &mut self.0
+    }
+}
+
+impl SimFile {
+    fn with<R>(&self, f: impl FnOnce(&mut SimFileState) -> R) -> io::Result<R> {
+        let mut d = self.disk.borrow_mut();
+        match d.files.get_mut(&self.path) {
+            Some(state) => Ok(f(state)),
+            None => Err(not_found(&self.path)),
+        }
+    }
+}
+
+impl StorageFile for SimFile {
+    type Buffer = SimBuffer;
+
+    fn alloc(&self, len: usize) -> SimBuffer {
+        assert_eq!(len % ALIGN, 0, "unaligned buffer length {len}");
+        SimBuffer(vec![0; len])
+    }
+
+    async fn write_at(&self, buf: SimBuffer, pos: u64) -> io::Result<()> {
+        assert_eq!(pos % ALIGN as u64, 0, "unaligned write position {pos}");
+        assert_eq!(buf.0.len() % ALIGN, 0, "unaligned write length");
+        {
+            let mut d = self.disk.borrow_mut();
+            d.writes += 1;
+            if d.fail_write_on == Some(d.writes) {
+                return Err(io::Error::other("simulated write failure"));
+            }
+            d.bytes_written += buf.0.len() as u64;
+        }
+        self.with(|f| {
+            let op = Op::Write { pos, data: buf.0 };
+            apply(&mut f.current, &op);
+            f.unsynced.push(op);
+        })
+    }
+
+    async fn read_at(&self, pos: u64, len: usize) -> io::Result<Bytes> {
+        self.with(|f| {
+            let start = (pos as usize).min(f.current.len());
+            let end = (start + len).min(f.current.len());
+            Bytes::copy_from_slice(&f.current[start..end])
+        })
+    }
+
+    async fn sync(&self) -> io::Result<()> {
+        {
+            let mut d = self.disk.borrow_mut();
+            d.syncs += 1;
+            if d.fail_sync_on == Some(d.syncs) {
+                // Like Linux after a failed fsync: the dirty data may be gone
+                // and the error is not reported again. Drop it.
+                drop(d);
+                return self
+                    .with(|f| {
+                        f.current = f.synced.clone();
+                        f.unsynced.clear();
+                    })
+                    .and(Err(io::Error::other("simulated fsync failure")));
+            }
+        }
+        self.with(|f| {
+            f.synced = f.current.clone();
+            f.unsynced.clear();
+        })
+    }
+
+    async fn size(&self) -> io::Result<u64> {
+        self.with(|f| f.current.len() as u64)
+    }
+
+    async fn truncate(&self, len: u64) -> io::Result<()> {
+        self.with(|f| {
+            let op = Op::Truncate { len };
+            apply(&mut f.current, &op);
+            f.unsynced.push(op);
+        })
+    }
+
+    async fn close(self) -> io::Result<()> {
+        Ok(())
+    }
+}

@@ -1,0 +1,77 @@
+//! The Felix wire protocol.
+//!
+//! This crate owns everything that crosses the socket between a Felix client
+//! and a broker: the frame layout, the [`Request`] and [`Response`] messages,
+//! [`ErrorCode`]s, feature bits and shared value types such as
+//! [`StartPosition`] and [`StreamRef`]. It has no async runtime dependency so
+//! the tokio client and the glommio broker can both use it.
+//!
+//! The byte layout is specified in `docs/internals/wire-protocol.md`; keep
+//! that document and the code in step.
+//!
+//! # Decoding untrusted input
+//!
+//! [`decode_request`] and [`decode_response`] are written for bytes straight
+//! off a socket. They never panic, never loop more than the input allows, and
+//! never allocate more than the frame's declared length (itself capped by
+//! `max_frame_bytes`): every length and element count is checked against the
+//! bytes actually remaining before anything is allocated.
+
+#![forbid(unsafe_code)]
+
+mod codec;
+mod error;
+mod frame;
+mod message;
+mod types;
+
+pub use error::{DecodeError, ErrorCode, WireError};
+pub use frame::{
+    decode_request, decode_response, encode_request, encode_response, peek_header, FrameHeader,
+    KIND_REQUEST, KIND_RESPONSE,
+};
+pub use message::{opcodes, Request, Response};
+pub use types::{
+    shard_for_key, AckMode, DeadLetterInfo, GroupInfo, GroupKey, GroupMemberRef, GroupRecord,
+    ParseStreamRefError, PublishTarget, Record, RecordIn, ShardInfo, StartPosition, StreamInfo,
+    StreamRef,
+};
+
+/// Version of the message layouts described in `wire-protocol.md`.
+///
+/// Bumped only when an existing message's byte layout changes. Adding
+/// behaviour behind a feature bit, a new opcode or a new error code does not
+/// bump it.
+pub const PROTOCOL_VERSION: u16 = 1;
+
+/// Largest frame (bytes after the length field) either side accepts unless
+/// configured otherwise. The broker announces its own limit in
+/// [`Response::HelloOk`].
+pub const DEFAULT_MAX_FRAME_BYTES: u32 = 16 * 1024 * 1024;
+
+/// Size of the fixed frame header: `u32 len`, `u8 kind`, `u8 opcode`,
+/// `u16 flags`, `u64 request_id`.
+pub const FRAME_HEADER_BYTES: usize = 4 + 1 + 1 + 2 + 8;
+
+/// Consumer groups at all. Not advertised by a broker without durable
+/// storage, since group positions would not survive a restart.
+pub const FEATURE_GROUPS: u64 = 1 << 0;
+/// The broker fills [`GroupRecord::skipped_before`] when retention removed
+/// records a group had not yet consumed.
+pub const FEATURE_GROUP_SKIPPED: u64 = 1 << 1;
+/// Claim control: `GroupPoll.visibility_ms`, `GroupNack.delay_ms`,
+/// `GroupExtend` and consumer-initiated `GroupDeadLetter`.
+pub const FEATURE_GROUP_CLAIM_CONTROL: u64 = 1 << 2;
+/// Group administration: `GroupCreate`, `GroupSeek`, `GroupDescribe`,
+/// `GroupDelete`.
+pub const FEATURE_GROUP_ADMIN: u64 = 1 << 3;
+/// The broker honours `Publish.ack`; without it every publish gets the
+/// broker's default acknowledgement.
+pub const FEATURE_PUBLISH_ACK_MODE: u64 = 1 << 4;
+
+/// Every feature bit this version of the crate knows about.
+pub const FEATURES_ALL: u64 = FEATURE_GROUPS
+    | FEATURE_GROUP_SKIPPED
+    | FEATURE_GROUP_CLAIM_CONTROL
+    | FEATURE_GROUP_ADMIN
+    | FEATURE_PUBLISH_ACK_MODE;

@@ -1,0 +1,704 @@
+//! Requests, responses, their opcodes and body encodings.
+
+use bytes::{BufMut, BytesMut};
+
+use crate::codec::{
+    put_opt, put_opt_str, put_opt_u32, put_opt_u64, put_str, put_wire_vec, Reader, Wire,
+};
+use crate::error::{DecodeError, WireError};
+use crate::types::{
+    get_strings, get_u64s, put_strings, put_u64s, AckMode, DeadLetterInfo, GroupInfo, GroupKey,
+    GroupMemberRef, GroupRecord, PublishTarget, Record, RecordIn, ShardInfo, StartPosition,
+    StreamInfo, StreamRef,
+};
+
+type Result<T> = std::result::Result<T, DecodeError>;
+
+/// Stable opcode numbers. Request and response opcodes are separate
+/// namespaces (the frame kind says which applies). Never renumber; new
+/// messages take new numbers.
+pub mod opcodes {
+    /// Request opcodes, grouped by area in the high nibble.
+    pub mod request {
+        pub const HELLO: u8 = 0x01;
+        pub const PING: u8 = 0x02;
+
+        pub const CREATE_STREAM: u8 = 0x10;
+        pub const DESCRIBE_STREAM: u8 = 0x11;
+        pub const LIST_STREAMS: u8 = 0x12;
+        pub const DELETE_STREAM: u8 = 0x13;
+        pub const DESCRIBE_SHARD: u8 = 0x14;
+
+        pub const PUBLISH: u8 = 0x20;
+        pub const READ: u8 = 0x21;
+
+        pub const GROUP_POLL: u8 = 0x30;
+        pub const GROUP_ACK: u8 = 0x31;
+        pub const GROUP_NACK: u8 = 0x32;
+        pub const GROUP_EXTEND: u8 = 0x33;
+        pub const GROUP_DEAD_LETTER: u8 = 0x34;
+        pub const GROUP_DEAD_LETTERS: u8 = 0x35;
+        pub const GROUP_REDRIVE: u8 = 0x36;
+        pub const GROUP_DISCARD: u8 = 0x37;
+
+        pub const GROUP_CREATE: u8 = 0x40;
+        pub const GROUP_SEEK: u8 = 0x41;
+        pub const GROUP_DESCRIBE: u8 = 0x42;
+        pub const GROUP_DELETE: u8 = 0x43;
+        pub const LIST_GROUPS: u8 = 0x44;
+    }
+
+    /// Response opcodes: each response variant has its own, so a response
+    /// decodes without knowing which request it answers.
+    pub mod response {
+        pub const HELLO_OK: u8 = 0x01;
+        pub const PONG: u8 = 0x02;
+        pub const OK: u8 = 0x03;
+
+        pub const STREAM: u8 = 0x10;
+        pub const STREAMS: u8 = 0x11;
+        pub const SHARD: u8 = 0x12;
+
+        pub const PUBLISHED: u8 = 0x20;
+        pub const RECORDS: u8 = 0x21;
+
+        pub const GROUP_RECORDS: u8 = 0x30;
+        pub const EXTENDED: u8 = 0x31;
+        pub const DEAD_LETTERS: u8 = 0x32;
+
+        pub const GROUP: u8 = 0x40;
+        pub const GROUPS: u8 = 0x41;
+
+        pub const ERROR: u8 = 0xFF;
+    }
+}
+
+use opcodes::request as rq;
+use opcodes::response as rs;
+
+/// A client-to-broker message. Which requests a broker honours depends on
+/// the feature bits it returned in [`Response::HelloOk`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Request {
+    /// First request on a connection: version and feature negotiation,
+    /// optional authentication and, with `want_core`, a request to be served
+    /// by a particular core.
+    Hello {
+        version: u16,
+        features: u64,
+        want_core: Option<u32>,
+        client_name: String,
+        token: Option<String>,
+    },
+    CreateStream {
+        stream: StreamRef,
+        shards: u32,
+        retention_bytes: Option<u64>,
+        retention_ms: Option<u64>,
+    },
+    DescribeStream {
+        stream: StreamRef,
+    },
+    /// All streams, or those of one tenant.
+    ListStreams {
+        tenant: Option<String>,
+    },
+    DeleteStream {
+        stream: StreamRef,
+    },
+    DescribeShard {
+        stream: StreamRef,
+        shard: u32,
+    },
+    Publish {
+        stream: StreamRef,
+        target: PublishTarget,
+        ack: AckMode,
+        records: Vec<RecordIn>,
+    },
+    /// Plain offset read; `wait_ms > 0` long-polls for new records.
+    Read {
+        stream: StreamRef,
+        shard: u32,
+        from: StartPosition,
+        max_records: u32,
+        max_bytes: u32,
+        wait_ms: u32,
+    },
+    GroupPoll {
+        key: GroupKey,
+        max_records: u32,
+        wait_ms: u32,
+        member: Option<GroupMemberRef>,
+        visibility_ms: Option<u64>,
+    },
+    GroupAck {
+        key: GroupKey,
+        offsets: Vec<u64>,
+    },
+    GroupNack {
+        key: GroupKey,
+        offset: u64,
+        attempts: u32,
+        delay_ms: Option<u64>,
+        reason: Option<String>,
+    },
+    GroupExtend {
+        key: GroupKey,
+        offset: u64,
+        attempts: u32,
+        extend_ms: u64,
+    },
+    GroupDeadLetter {
+        key: GroupKey,
+        offset: u64,
+        attempts: u32,
+        reason: Option<String>,
+    },
+    GroupDeadLetters {
+        key: GroupKey,
+    },
+    GroupRedrive {
+        key: GroupKey,
+        offset: u64,
+    },
+    GroupDiscard {
+        key: GroupKey,
+        offset: u64,
+    },
+    GroupCreate {
+        key: GroupKey,
+        start: StartPosition,
+    },
+    GroupSeek {
+        key: GroupKey,
+        start: StartPosition,
+    },
+    GroupDescribe {
+        key: GroupKey,
+    },
+    GroupDelete {
+        key: GroupKey,
+    },
+    ListGroups {
+        stream: StreamRef,
+        shard: u32,
+    },
+    Ping,
+}
+
+/// Every request opcode with its name, in opcode order.
+const REQUEST_NAMES: [(u8, &str); 22] = [
+    (rq::HELLO, "hello"),
+    (rq::PING, "ping"),
+    (rq::CREATE_STREAM, "create_stream"),
+    (rq::DESCRIBE_STREAM, "describe_stream"),
+    (rq::LIST_STREAMS, "list_streams"),
+    (rq::DELETE_STREAM, "delete_stream"),
+    (rq::DESCRIBE_SHARD, "describe_shard"),
+    (rq::PUBLISH, "publish"),
+    (rq::READ, "read"),
+    (rq::GROUP_POLL, "group_poll"),
+    (rq::GROUP_ACK, "group_ack"),
+    (rq::GROUP_NACK, "group_nack"),
+    (rq::GROUP_EXTEND, "group_extend"),
+    (rq::GROUP_DEAD_LETTER, "group_dead_letter"),
+    (rq::GROUP_DEAD_LETTERS, "group_dead_letters"),
+    (rq::GROUP_REDRIVE, "group_redrive"),
+    (rq::GROUP_DISCARD, "group_discard"),
+    (rq::GROUP_CREATE, "group_create"),
+    (rq::GROUP_SEEK, "group_seek"),
+    (rq::GROUP_DESCRIBE, "group_describe"),
+    (rq::GROUP_DELETE, "group_delete"),
+    (rq::LIST_GROUPS, "list_groups"),
+];
+
+impl Request {
+    /// Every request opcode, in numeric order.
+    pub fn all_opcodes() -> impl Iterator<Item = u8> {
+        REQUEST_NAMES.iter().map(|(op, _)| *op)
+    }
+
+    /// The snake_case name of the request with this opcode, for logging a
+    /// frame whose body did not decode.
+    pub fn name_of(opcode: u8) -> Option<&'static str> {
+        REQUEST_NAMES
+            .iter()
+            .find(|(op, _)| *op == opcode)
+            .map(|(_, n)| *n)
+    }
+
+    pub fn opcode(&self) -> u8 {
+        match self {
+            Request::Hello { .. } => rq::HELLO,
+            Request::CreateStream { .. } => rq::CREATE_STREAM,
+            Request::DescribeStream { .. } => rq::DESCRIBE_STREAM,
+            Request::ListStreams { .. } => rq::LIST_STREAMS,
+            Request::DeleteStream { .. } => rq::DELETE_STREAM,
+            Request::DescribeShard { .. } => rq::DESCRIBE_SHARD,
+            Request::Publish { .. } => rq::PUBLISH,
+            Request::Read { .. } => rq::READ,
+            Request::GroupPoll { .. } => rq::GROUP_POLL,
+            Request::GroupAck { .. } => rq::GROUP_ACK,
+            Request::GroupNack { .. } => rq::GROUP_NACK,
+            Request::GroupExtend { .. } => rq::GROUP_EXTEND,
+            Request::GroupDeadLetter { .. } => rq::GROUP_DEAD_LETTER,
+            Request::GroupDeadLetters { .. } => rq::GROUP_DEAD_LETTERS,
+            Request::GroupRedrive { .. } => rq::GROUP_REDRIVE,
+            Request::GroupDiscard { .. } => rq::GROUP_DISCARD,
+            Request::GroupCreate { .. } => rq::GROUP_CREATE,
+            Request::GroupSeek { .. } => rq::GROUP_SEEK,
+            Request::GroupDescribe { .. } => rq::GROUP_DESCRIBE,
+            Request::GroupDelete { .. } => rq::GROUP_DELETE,
+            Request::ListGroups { .. } => rq::LIST_GROUPS,
+            Request::Ping => rq::PING,
+        }
+    }
+
+    /// snake_case name for metrics labels and logs, e.g. `"group_poll"`.
+    pub fn name(&self) -> &'static str {
+        // Every opcode() value is in REQUEST_NAMES (checked by a unit test).
+        Request::name_of(self.opcode()).unwrap_or("unknown")
+    }
+
+    pub(crate) fn encode_body(&self, out: &mut BytesMut) {
+        match self {
+            Request::Hello {
+                version,
+                features,
+                want_core,
+                client_name,
+                token,
+            } => {
+                out.put_u16_le(*version);
+                out.put_u64_le(*features);
+                put_opt_u32(out, *want_core);
+                put_str(out, client_name);
+                put_opt_str(out, token.as_ref());
+            }
+            Request::CreateStream {
+                stream,
+                shards,
+                retention_bytes,
+                retention_ms,
+            } => {
+                stream.put(out);
+                out.put_u32_le(*shards);
+                put_opt_u64(out, *retention_bytes);
+                put_opt_u64(out, *retention_ms);
+            }
+            Request::DescribeStream { stream } | Request::DeleteStream { stream } => {
+                stream.put(out);
+            }
+            Request::ListStreams { tenant } => put_opt_str(out, tenant.as_ref()),
+            Request::DescribeShard { stream, shard } | Request::ListGroups { stream, shard } => {
+                stream.put(out);
+                out.put_u32_le(*shard);
+            }
+            Request::Publish {
+                stream,
+                target,
+                ack,
+                records,
+            } => {
+                stream.put(out);
+                target.put(out);
+                ack.put(out);
+                put_wire_vec(out, records);
+            }
+            Request::Read {
+                stream,
+                shard,
+                from,
+                max_records,
+                max_bytes,
+                wait_ms,
+            } => {
+                stream.put(out);
+                out.put_u32_le(*shard);
+                from.put(out);
+                out.put_u32_le(*max_records);
+                out.put_u32_le(*max_bytes);
+                out.put_u32_le(*wait_ms);
+            }
+            Request::GroupPoll {
+                key,
+                max_records,
+                wait_ms,
+                member,
+                visibility_ms,
+            } => {
+                key.put(out);
+                out.put_u32_le(*max_records);
+                out.put_u32_le(*wait_ms);
+                put_opt(out, member.as_ref(), |o, m| m.put(o));
+                put_opt_u64(out, *visibility_ms);
+            }
+            Request::GroupAck { key, offsets } => {
+                key.put(out);
+                put_u64s(out, offsets);
+            }
+            Request::GroupNack {
+                key,
+                offset,
+                attempts,
+                delay_ms,
+                reason,
+            } => {
+                key.put(out);
+                out.put_u64_le(*offset);
+                out.put_u32_le(*attempts);
+                put_opt_u64(out, *delay_ms);
+                put_opt_str(out, reason.as_ref());
+            }
+            Request::GroupExtend {
+                key,
+                offset,
+                attempts,
+                extend_ms,
+            } => {
+                key.put(out);
+                out.put_u64_le(*offset);
+                out.put_u32_le(*attempts);
+                out.put_u64_le(*extend_ms);
+            }
+            Request::GroupDeadLetter {
+                key,
+                offset,
+                attempts,
+                reason,
+            } => {
+                key.put(out);
+                out.put_u64_le(*offset);
+                out.put_u32_le(*attempts);
+                put_opt_str(out, reason.as_ref());
+            }
+            Request::GroupDeadLetters { key }
+            | Request::GroupDescribe { key }
+            | Request::GroupDelete { key } => key.put(out),
+            Request::GroupRedrive { key, offset } | Request::GroupDiscard { key, offset } => {
+                key.put(out);
+                out.put_u64_le(*offset);
+            }
+            Request::GroupCreate { key, start } | Request::GroupSeek { key, start } => {
+                key.put(out);
+                start.put(out);
+            }
+            Request::Ping => {}
+        }
+    }
+
+    /// Decode a body; the caller checks that nothing is left over.
+    pub(crate) fn decode_body(opcode: u8, r: &mut Reader) -> Result<Request> {
+        Ok(match opcode {
+            rq::HELLO => Request::Hello {
+                version: r.u16("version")?,
+                features: r.u64("features")?,
+                want_core: r.opt_u32("want_core")?,
+                client_name: r.string("client_name")?,
+                token: r.opt_string("token")?,
+            },
+            rq::CREATE_STREAM => Request::CreateStream {
+                stream: StreamRef::get(r)?,
+                shards: r.u32("shards")?,
+                retention_bytes: r.opt_u64("retention_bytes")?,
+                retention_ms: r.opt_u64("retention_ms")?,
+            },
+            rq::DESCRIBE_STREAM => Request::DescribeStream {
+                stream: StreamRef::get(r)?,
+            },
+            rq::LIST_STREAMS => Request::ListStreams {
+                tenant: r.opt_string("tenant")?,
+            },
+            rq::DELETE_STREAM => Request::DeleteStream {
+                stream: StreamRef::get(r)?,
+            },
+            rq::DESCRIBE_SHARD => Request::DescribeShard {
+                stream: StreamRef::get(r)?,
+                shard: r.u32("shard")?,
+            },
+            rq::PUBLISH => Request::Publish {
+                stream: StreamRef::get(r)?,
+                target: PublishTarget::get(r)?,
+                ack: AckMode::get(r)?,
+                records: r.wire_vec("records")?,
+            },
+            rq::READ => Request::Read {
+                stream: StreamRef::get(r)?,
+                shard: r.u32("shard")?,
+                from: StartPosition::get(r)?,
+                max_records: r.u32("max_records")?,
+                max_bytes: r.u32("max_bytes")?,
+                wait_ms: r.u32("wait_ms")?,
+            },
+            rq::GROUP_POLL => Request::GroupPoll {
+                key: GroupKey::get(r)?,
+                max_records: r.u32("max_records")?,
+                wait_ms: r.u32("wait_ms")?,
+                member: r.opt("member", GroupMemberRef::get)?,
+                visibility_ms: r.opt_u64("visibility_ms")?,
+            },
+            rq::GROUP_ACK => Request::GroupAck {
+                key: GroupKey::get(r)?,
+                offsets: get_u64s(r, "offsets")?,
+            },
+            rq::GROUP_NACK => Request::GroupNack {
+                key: GroupKey::get(r)?,
+                offset: r.u64("offset")?,
+                attempts: r.u32("attempts")?,
+                delay_ms: r.opt_u64("delay_ms")?,
+                reason: r.opt_string("reason")?,
+            },
+            rq::GROUP_EXTEND => Request::GroupExtend {
+                key: GroupKey::get(r)?,
+                offset: r.u64("offset")?,
+                attempts: r.u32("attempts")?,
+                extend_ms: r.u64("extend_ms")?,
+            },
+            rq::GROUP_DEAD_LETTER => Request::GroupDeadLetter {
+                key: GroupKey::get(r)?,
+                offset: r.u64("offset")?,
+                attempts: r.u32("attempts")?,
+                reason: r.opt_string("reason")?,
+            },
+            rq::GROUP_DEAD_LETTERS => Request::GroupDeadLetters {
+                key: GroupKey::get(r)?,
+            },
+            rq::GROUP_REDRIVE => Request::GroupRedrive {
+                key: GroupKey::get(r)?,
+                offset: r.u64("offset")?,
+            },
+            rq::GROUP_DISCARD => Request::GroupDiscard {
+                key: GroupKey::get(r)?,
+                offset: r.u64("offset")?,
+            },
+            rq::GROUP_CREATE => Request::GroupCreate {
+                key: GroupKey::get(r)?,
+                start: StartPosition::get(r)?,
+            },
+            rq::GROUP_SEEK => Request::GroupSeek {
+                key: GroupKey::get(r)?,
+                start: StartPosition::get(r)?,
+            },
+            rq::GROUP_DESCRIBE => Request::GroupDescribe {
+                key: GroupKey::get(r)?,
+            },
+            rq::GROUP_DELETE => Request::GroupDelete {
+                key: GroupKey::get(r)?,
+            },
+            rq::LIST_GROUPS => Request::ListGroups {
+                stream: StreamRef::get(r)?,
+                shard: r.u32("shard")?,
+            },
+            rq::PING => Request::Ping,
+            other => return Err(DecodeError::UnknownOpcode(other)),
+        })
+    }
+}
+
+/// A broker-to-client message, answering the request with the same id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Response {
+    /// Answer to `Hello`: the version and features the connection will use
+    /// (the broker's, intersected with the client's) and the limits the
+    /// client must respect.
+    HelloOk {
+        version: u16,
+        features: u64,
+        /// Number of cores (shard owners) in the broker.
+        cores: u32,
+        /// The core serving this connection.
+        core: u32,
+        max_frame_bytes: u32,
+        /// Broker name and version, for logs.
+        broker: String,
+    },
+    /// Success with nothing to report.
+    Ok,
+    Stream(StreamInfo),
+    Streams(Vec<StreamInfo>),
+    Shard(ShardInfo),
+    /// Records `base_offset .. base_offset + count` were written to `shard`.
+    Published {
+        shard: u32,
+        base_offset: u64,
+        count: u32,
+    },
+    /// `next_offset` is where the following read should start;
+    /// `start_offset`/`end_offset` bound the shard's retained log.
+    Records {
+        start_offset: u64,
+        next_offset: u64,
+        end_offset: u64,
+        records: Vec<Record>,
+    },
+    GroupRecords {
+        records: Vec<GroupRecord>,
+    },
+    /// The claim now stands until `stands_ms` (unix ms).
+    Extended {
+        stands_ms: u64,
+    },
+    DeadLetters(Vec<DeadLetterInfo>),
+    Group(GroupInfo),
+    Groups(Vec<String>),
+    Pong,
+    Error(WireError),
+}
+
+impl Response {
+    pub fn opcode(&self) -> u8 {
+        match self {
+            Response::HelloOk { .. } => rs::HELLO_OK,
+            Response::Ok => rs::OK,
+            Response::Stream(_) => rs::STREAM,
+            Response::Streams(_) => rs::STREAMS,
+            Response::Shard(_) => rs::SHARD,
+            Response::Published { .. } => rs::PUBLISHED,
+            Response::Records { .. } => rs::RECORDS,
+            Response::GroupRecords { .. } => rs::GROUP_RECORDS,
+            Response::Extended { .. } => rs::EXTENDED,
+            Response::DeadLetters(_) => rs::DEAD_LETTERS,
+            Response::Group(_) => rs::GROUP,
+            Response::Groups(_) => rs::GROUPS,
+            Response::Pong => rs::PONG,
+            Response::Error(_) => rs::ERROR,
+        }
+    }
+
+    /// snake_case name for logs, e.g. `"group_records"`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Response::HelloOk { .. } => "hello_ok",
+            Response::Ok => "ok",
+            Response::Stream(_) => "stream",
+            Response::Streams(_) => "streams",
+            Response::Shard(_) => "shard",
+            Response::Published { .. } => "published",
+            Response::Records { .. } => "records",
+            Response::GroupRecords { .. } => "group_records",
+            Response::Extended { .. } => "extended",
+            Response::DeadLetters(_) => "dead_letters",
+            Response::Group(_) => "group",
+            Response::Groups(_) => "groups",
+            Response::Pong => "pong",
+            Response::Error(_) => "error",
+        }
+    }
+
+    pub(crate) fn encode_body(&self, out: &mut BytesMut) {
+        match self {
+            Response::HelloOk {
+                version,
+                features,
+                cores,
+                core,
+                max_frame_bytes,
+                broker,
+            } => {
+                out.put_u16_le(*version);
+                out.put_u64_le(*features);
+                out.put_u32_le(*cores);
+                out.put_u32_le(*core);
+                out.put_u32_le(*max_frame_bytes);
+                put_str(out, broker);
+            }
+            Response::Ok | Response::Pong => {}
+            Response::Stream(info) => info.put(out),
+            Response::Streams(infos) => put_wire_vec(out, infos),
+            Response::Shard(info) => info.put(out),
+            Response::Published {
+                shard,
+                base_offset,
+                count,
+            } => {
+                out.put_u32_le(*shard);
+                out.put_u64_le(*base_offset);
+                out.put_u32_le(*count);
+            }
+            Response::Records {
+                start_offset,
+                next_offset,
+                end_offset,
+                records,
+            } => {
+                out.put_u64_le(*start_offset);
+                out.put_u64_le(*next_offset);
+                out.put_u64_le(*end_offset);
+                put_wire_vec(out, records);
+            }
+            Response::GroupRecords { records } => put_wire_vec(out, records),
+            Response::Extended { stands_ms } => out.put_u64_le(*stands_ms),
+            Response::DeadLetters(v) => put_wire_vec(out, v),
+            Response::Group(info) => info.put(out),
+            Response::Groups(names) => put_strings(out, names),
+            Response::Error(e) => e.put(out),
+        }
+    }
+
+    /// Decode a body; the caller checks that nothing is left over.
+    pub(crate) fn decode_body(opcode: u8, r: &mut Reader) -> Result<Response> {
+        Ok(match opcode {
+            rs::HELLO_OK => Response::HelloOk {
+                version: r.u16("version")?,
+                features: r.u64("features")?,
+                cores: r.u32("cores")?,
+                core: r.u32("core")?,
+                max_frame_bytes: r.u32("max_frame_bytes")?,
+                broker: r.string("broker")?,
+            },
+            rs::OK => Response::Ok,
+            rs::STREAM => Response::Stream(StreamInfo::get(r)?),
+            rs::STREAMS => Response::Streams(r.wire_vec("streams")?),
+            rs::SHARD => Response::Shard(ShardInfo::get(r)?),
+            rs::PUBLISHED => Response::Published {
+                shard: r.u32("shard")?,
+                base_offset: r.u64("base_offset")?,
+                count: r.u32("count")?,
+            },
+            rs::RECORDS => Response::Records {
+                start_offset: r.u64("start_offset")?,
+                next_offset: r.u64("next_offset")?,
+                end_offset: r.u64("end_offset")?,
+                records: r.wire_vec("records")?,
+            },
+            rs::GROUP_RECORDS => Response::GroupRecords {
+                records: r.wire_vec("records")?,
+            },
+            rs::EXTENDED => Response::Extended {
+                stands_ms: r.u64("stands_ms")?,
+            },
+            rs::DEAD_LETTERS => Response::DeadLetters(r.wire_vec("dead letters")?),
+            rs::GROUP => Response::Group(GroupInfo::get(r)?),
+            rs::GROUPS => Response::Groups(get_strings(r, "group names")?),
+            rs::PONG => Response::Pong,
+            rs::ERROR => Response::Error(WireError::get(r)?),
+            other => return Err(DecodeError::UnknownOpcode(other)),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_opcodes_are_unique_and_named() {
+        let ops: Vec<u8> = Request::all_opcodes().collect();
+        let mut sorted = ops.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(sorted.len(), ops.len(), "duplicate request opcode");
+        let mut names: Vec<&str> = REQUEST_NAMES.iter().map(|(_, n)| *n).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), ops.len(), "duplicate request name");
+        // Every opcode decodes to something other than UnknownOpcode, even
+        // if the (empty) body is then too short.
+        for op in ops {
+            let mut r = Reader::new(bytes::Bytes::new());
+            let res = Request::decode_body(op, &mut r);
+            assert_ne!(res, Err(DecodeError::UnknownOpcode(op)));
+        }
+    }
+}
