@@ -192,7 +192,10 @@ fn finish(
     max_ts: u64,
 ) -> BatchHeader {
     let len = (out.len() - start) as u32;
-    assert!(len <= BATCH_MAX_BYTES, "batch of {len} bytes over the bound");
+    assert!(
+        len <= BATCH_MAX_BYTES,
+        "batch of {len} bytes over the bound"
+    );
     let h = &mut out[start..start + BATCH_HEADER_BYTES];
     h[0..4].copy_from_slice(&len.to_le_bytes());
     h[8] = FORMAT_VERSION;

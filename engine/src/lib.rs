@@ -13,4 +13,5 @@ pub use types::{CoreId, NameError, Offset, ShardId, ShardKey, StreamName};
 pub mod format;
 pub mod log;
 pub mod notify;
+pub mod runtime;
 pub mod storage;

@@ -38,8 +38,8 @@
 //! retry that "succeeds" would be a lie).
 
 use crate::format::{
-    self, encode_control, encode_group, encode_records, BatchHeader, BatchKind, FrameError,
-    Record, RecordIn,
+    self, encode_control, encode_group, encode_records, BatchHeader, BatchKind, FrameError, Record,
+    RecordIn,
 };
 use crate::notify::WaitList;
 use crate::storage::{align_down, align_up, Storage, StorageFile, ALIGN};
@@ -272,7 +272,11 @@ impl<F> Inner<F> {
     }
 
     fn active_base(&self) -> Offset {
-        *self.segments.keys().next_back().expect("a log has a segment")
+        *self
+            .segments
+            .keys()
+            .next_back()
+            .expect("a log has a segment")
     }
 
     /// The chunk the next batch of `len` bytes goes into, rolling if needed.
@@ -282,8 +286,8 @@ impl<F> Inner<F> {
             .back()
             .map(|c| c.segment_base)
             .unwrap_or_else(|| self.active_base());
-        let roll = self.projected_len > 0
-            && self.projected_len + len as u64 > self.config.segment_bytes;
+        let roll =
+            self.projected_len > 0 && self.projected_len + len as u64 > self.config.segment_bytes;
         if roll {
             let base = self.next;
             self.projected_len = 0;
@@ -560,7 +564,8 @@ impl<S: Storage> ShardLog<S> {
         if records.is_empty() {
             return Err(LogError::Empty);
         }
-        let len = format::BATCH_HEADER_BYTES + records.iter().map(|r| r.encoded_len()).sum::<usize>();
+        let len =
+            format::BATCH_HEADER_BYTES + records.iter().map(|r| r.encoded_len()).sum::<usize>();
         let a = self
             .inner
             .borrow_mut()
@@ -709,7 +714,8 @@ impl<S: Storage> ShardLog<S> {
     pub async fn flush(&self) -> Result<(), LogError> {
         {
             let mut i = self.inner.borrow_mut();
-            i.refuse().or_else(|e| if i.closed { Ok(()) } else { Err(e) })?;
+            i.refuse()
+                .or_else(|e| if i.closed { Ok(()) } else { Err(e) })?;
             if i.flushing || i.pending.is_empty() {
                 return Ok(());
             }
@@ -747,7 +753,10 @@ impl<S: Storage> ShardLog<S> {
                 (i.active_base(), i.dir.clone())
             };
             if chunk.segment_base != active_base {
-                assert!(chunk.segment_base > active_base, "segments only move forward");
+                assert!(
+                    chunk.segment_base > active_base,
+                    "segments only move forward"
+                );
                 // Seal the active segment: make its data durable, cut its
                 // padding, then create the next one and make its name durable.
                 if let Some(f) = dirty.take() {
@@ -758,8 +767,12 @@ impl<S: Storage> ShardLog<S> {
                     let s = i.segments.get(&active_base).unwrap();
                     (s.file.clone(), s.len)
                 };
-                file.truncate(len).await.map_err(|e| io_err("seal segment", e))?;
-                file.sync().await.map_err(|e| io_err("sync sealed segment", e))?;
+                file.truncate(len)
+                    .await
+                    .map_err(|e| io_err("seal segment", e))?;
+                file.sync()
+                    .await
+                    .map_err(|e| io_err("sync sealed segment", e))?;
                 let path = dir.join(segment_name(chunk.segment_base));
                 let new = self
                     .storage
@@ -892,7 +905,9 @@ impl<S: Storage> ShardLog<S> {
             seg.len = new_len;
         }
         for (h, pos) in &chunk.batches {
-            if h.kind == BatchKind::Records {
+            // Control batches are cached too: a reader must be able to step
+            // over their offsets without going to disk.
+            if h.kind != BatchKind::Group {
                 let bytes = shared.slice(*pos..*pos + h.len as usize);
                 i.cache_bytes += bytes.len();
                 i.cache.push_back(CachedBatch { header: *h, bytes });
@@ -934,9 +949,7 @@ impl<S: Storage> ShardLog<S> {
             let i = self.inner.borrow();
             match i.cache.front() {
                 Some(first) if first.header.base_offset <= from => {
-                    let idx = i
-                        .cache
-                        .partition_point(|b| b.header.end_offset() <= from);
+                    let idx = i.cache.partition_point(|b| b.header.end_offset() <= from);
                     for b in i.cache.iter().skip(idx) {
                         if b.header.base_offset >= end
                             || !take_batch(&b.bytes, &b.header, &mut out, limits, &mut bytes)?
@@ -953,7 +966,8 @@ impl<S: Storage> ShardLog<S> {
             out.next = out.next.min(end);
             return Ok(out);
         }
-        self.read_cold(from, end, limits, &mut out, &mut bytes).await?;
+        self.read_cold(from, end, limits, &mut out, &mut bytes)
+            .await?;
         out.next = out.next.min(end);
         Ok(out)
     }
@@ -1088,7 +1102,11 @@ impl<S: Storage> ShardLog<S> {
                 let seg = i.segments.remove(&base).unwrap();
                 i.start = *i.segments.keys().next().unwrap();
                 let start = i.start;
-                while i.cache.front().is_some_and(|b| b.header.end_offset() <= start) {
+                while i
+                    .cache
+                    .front()
+                    .is_some_and(|b| b.header.end_offset() <= start)
+                {
                     let b = i.cache.pop_front().unwrap();
                     i.cache_bytes -= b.bytes.len();
                 }
@@ -1176,9 +1194,7 @@ fn take_batch(
                 position: 0,
                 reason: e.to_string(),
             })?;
-            Ok(!full
-                && out.records.len() < limits.max_records
-                && *bytes < limits.max_bytes)
+            Ok(!full && out.records.len() < limits.max_records && *bytes < limits.max_bytes)
         }
     }
 }
@@ -1213,7 +1229,9 @@ async fn scan_segment<F: StorageFile>(
                 }
                 let batch = buf.split_to(h.len as usize);
                 match h.kind {
-                    BatchKind::Group => replay(Replayed::Group(&batch[format::BATCH_HEADER_BYTES..])),
+                    BatchKind::Group => {
+                        replay(Replayed::Group(&batch[format::BATCH_HEADER_BYTES..]))
+                    }
                     BatchKind::Control => replay(Replayed::Control(
                         h.base_offset,
                         &batch[format::BATCH_HEADER_BYTES..],
@@ -1237,7 +1255,10 @@ async fn scan_segment<F: StorageFile>(
             Err(FrameError::Incomplete(more)) => {
                 let have = buf.len() as u64;
                 if pos + have >= size {
-                    return Ok((pos, Some((pos, "batch cut short by the end of the file".into()))));
+                    return Ok((
+                        pos,
+                        Some((pos, "batch cut short by the end of the file".into())),
+                    ));
                 }
                 let want = ((have as usize + more).max(chunk) as u64).min(size - pos) as usize;
                 buf = seg
@@ -1252,7 +1273,10 @@ async fn scan_segment<F: StorageFile>(
             Err(FrameError::Zero) => {
                 // Zeros to the end of the file are padding of an unsealed
                 // tail; anything else after them is damage.
-                return Ok((pos, Some((pos, "zero bytes where a batch was expected".into()))));
+                return Ok((
+                    pos,
+                    Some((pos, "zero bytes where a batch was expected".into())),
+                ));
             }
             Err(e) => return Ok((pos, Some((pos, e.to_string())))),
         }

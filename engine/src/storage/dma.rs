@@ -41,7 +41,12 @@ impl Storage for DmaStorage {
             .create(create)
             .dma_open(path)
             .await
-            .map_err(|e| io::Error::new(io::Error::from(e).kind(), format!("open {}", path.display())))?;
+            .map_err(|e| {
+                io::Error::new(
+                    io::Error::from(e).kind(),
+                    format!("open {}", path.display()),
+                )
+            })?;
         Ok(DmaStorageFile { file })
     }
 
@@ -127,7 +132,10 @@ impl StorageFile for DmaStorageFile {
 
     async fn write_at(&self, buf: DmaBuffer, pos: u64) -> io::Result<()> {
         let len = buf.len();
-        assert!(pos % ALIGN as u64 == 0 && len % ALIGN == 0, "unaligned DMA write");
+        assert!(
+            pos % ALIGN as u64 == 0 && len % ALIGN == 0,
+            "unaligned DMA write"
+        );
         let n = self.file.write_at(buf, pos).await.map_err(gio)?;
         if n != len {
             return Err(io::Error::new(

@@ -56,6 +56,7 @@ struct Disk {
     syncs: u64,
     fail_write_on: Option<u64>,
     fail_sync_on: Option<u64>,
+    hang_sync_on: Option<u64>,
     bytes_written: u64,
 }
 
@@ -112,6 +113,13 @@ impl SimStorage {
         d.fail_sync_on = Some(d.syncs + n);
     }
 
+    /// The `n`th fsync from now never completes: the power goes out while it
+    /// is in flight. Drop the future, then [`SimStorage::crash`].
+    pub fn hang_sync_after(&self, n: u64) {
+        let mut d = self.disk.borrow_mut();
+        d.hang_sync_on = Some(d.syncs + n);
+    }
+
     /// Counts of write and sync calls so far.
     pub fn counts(&self) -> (u64, u64) {
         let d = self.disk.borrow();
@@ -133,6 +141,7 @@ impl SimStorage {
         }
         d.fail_sync_on = None;
         d.fail_write_on = None;
+        d.hang_sync_on = None;
     }
 
     /// A power cut that keeps a random prefix of each file's unsynced writes,
@@ -199,6 +208,7 @@ impl SimStorage {
         }
         d.fail_sync_on = None;
         d.fail_write_on = None;
+        d.hang_sync_on = None;
     }
 
     /// Flip one bit of a file as it stands, durably (media corruption).
@@ -224,7 +234,11 @@ impl SimStorage {
 
     /// Current length of a file.
     pub fn file_len(&self, path: &Path) -> Option<u64> {
-        self.disk.borrow().files.get(path).map(|f| f.current.len() as u64)
+        self.disk
+            .borrow()
+            .files
+            .get(path)
+            .map(|f| f.current.len() as u64)
     }
 }
 
@@ -309,7 +323,12 @@ impl Storage for SimStorage {
     }
 
     async fn read_file(&self, path: &Path) -> io::Result<Option<Vec<u8>>> {
-        Ok(self.disk.borrow().files.get(path).map(|f| f.current.clone()))
+        Ok(self
+            .disk
+            .borrow()
+            .files
+            .get(path)
+            .map(|f| f.current.clone()))
     }
 }
 
@@ -381,6 +400,10 @@ impl StorageFile for SimFile {
         {
             let mut d = self.disk.borrow_mut();
             d.syncs += 1;
+            if d.hang_sync_on == Some(d.syncs) {
+                drop(d);
+                return std::future::pending::<io::Result<()>>().await;
+            }
             if d.fail_sync_on == Some(d.syncs) {
                 // Like Linux after a failed fsync: the dirty data may be gone
                 // and the error is not reported again. Drop it.

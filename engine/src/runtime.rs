@@ -1,0 +1,191 @@
+//! Thread-per-core runtime: one glommio executor per configured core, pinned,
+//! and the pure placement function that says which core owns a shard.
+
+use crate::types::{CoreId, ShardId, StreamName};
+use glommio::{LocalExecutorBuilder, Placement};
+use std::future::Future;
+use std::io;
+use std::path::{Path, PathBuf};
+
+/// Which core owns `shard` of `stream` when the broker runs `cores` cores.
+///
+/// Pure and stable: the broker and clients compute the same answer. The
+/// stream's hash spreads shard 0 of different streams across cores; shards of
+/// one stream then go round-robin, so a stream with at least as many shards as
+/// cores uses every core.
+pub fn placement(stream: &StreamName, shard: ShardId, cores: u32) -> CoreId {
+    assert!(cores > 0, "placement needs at least one core");
+    let h = crc32c::crc32c(stream.to_string().as_bytes());
+    CoreId(((h as u64 + shard.0 as u64) % cores as u64) as u32)
+}
+
+/// What each core's main future is given.
+#[derive(Clone, Debug)]
+pub struct CoreContext {
+    pub core: CoreId,
+    pub cores: u32,
+    /// The CPU this executor is pinned to, if pinned.
+    pub cpu: Option<usize>,
+}
+
+/// A running set of executors.
+pub struct Runtime {
+    handles: Vec<glommio::ExecutorJoinHandle<()>>,
+}
+
+/// Which CPUs to run on.
+#[derive(Clone, Debug)]
+pub enum CoreSet {
+    /// The first `n` CPUs the process may run on.
+    Count(usize),
+    /// Exactly these CPU ids.
+    List(Vec<usize>),
+}
+
+impl CoreSet {
+    /// Parse `N` or a list `0,2,3`.
+    pub fn parse(s: &str) -> Result<CoreSet, String> {
+        let s = s.trim();
+        if s.contains(',') {
+            let list = s
+                .split(',')
+                .map(|p| {
+                    p.trim()
+                        .parse::<usize>()
+                        .map_err(|_| format!("bad CPU id {p:?} in {s:?}"))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            if list.is_empty() {
+                return Err("empty core list".into());
+            }
+            Ok(CoreSet::List(list))
+        } else {
+            let n: usize = s
+                .parse()
+                .map_err(|_| format!("cores must be a number or a list like 0,1: {s:?}"))?;
+            if n == 0 {
+                return Err("cores must be at least 1".into());
+            }
+            Ok(CoreSet::Count(n))
+        }
+    }
+
+    /// The CPU ids to pin to.
+    pub fn cpus(&self) -> Vec<usize> {
+        match self {
+            CoreSet::List(l) => l.clone(),
+            CoreSet::Count(n) => {
+                let available: Vec<usize> = core_affinity::get_core_ids()
+                    .map(|ids| ids.into_iter().map(|c| c.id).collect())
+                    .unwrap_or_default();
+                if available.len() >= *n {
+                    available[..*n].to_vec()
+                } else {
+                    // More executors than CPUs: wrap around (useful in tests).
+                    (0..*n)
+                        .map(|i| {
+                            available
+                                .get(i % available.len().max(1))
+                                .copied()
+                                .unwrap_or(0)
+                        })
+                        .collect()
+                }
+            }
+        }
+    }
+}
+
+impl Runtime {
+    /// Start one pinned executor per CPU, each running `main(ctx)`.
+    /// `warm_dir` is a directory on the data disk (see [`warm_up_dma`]).
+    pub fn start<F, Fut>(cpus: &[usize], warm_dir: Option<PathBuf>, main: F) -> io::Result<Runtime>
+    where
+        F: Fn(CoreContext) -> Fut + Send + Sync + Clone + 'static,
+        Fut: Future<Output = ()> + 'static,
+    {
+        let cores = cpus.len() as u32;
+        let mut handles = Vec::new();
+        for (i, cpu) in cpus.iter().copied().enumerate() {
+            let main = main.clone();
+            let warm = warm_dir.clone();
+            let ctx = CoreContext {
+                core: CoreId(i as u32),
+                cores,
+                cpu: Some(cpu),
+            };
+            let h = LocalExecutorBuilder::new(Placement::Fixed(cpu))
+                .name(&format!("felix-core-{i}"))
+                .spawn(move || async move {
+                    if let Some(dir) = warm {
+                        if let Err(e) = warm_up_dma(&dir).await {
+                            tracing::warn!("DMA warm-up in {} failed: {e}", dir.display());
+                        }
+                    }
+                    main(ctx).await
+                })
+                .map_err(|e| io::Error::other(format!("start executor on CPU {cpu}: {e}")))?;
+            handles.push(h);
+        }
+        Ok(Runtime { handles })
+    }
+
+    /// Wait for every executor to finish.
+    pub fn join(self) -> io::Result<()> {
+        for h in self.handles {
+            h.join()
+                .map_err(|e| io::Error::other(format!("executor failed: {e}")))?;
+        }
+        Ok(())
+    }
+}
+
+/// glommio decides whether a disk supports its polling ring by test-reading
+/// the first DMA file opened on each executor; an empty first file makes it
+/// guess wrong, after which DMA reads fail with EOPNOTSUPP and synced writes
+/// are slow. Opening a non-empty file first makes the guess right.
+pub async fn warm_up_dma(dir: &Path) -> io::Result<()> {
+    let path = dir.join(format!(
+        ".felix-warmup-{}",
+        std::process::id() as u64 * 1000 + thread_tag()
+    ));
+    std::fs::create_dir_all(dir)?;
+    std::fs::write(&path, vec![0u8; 4096])?;
+    let f = glommio::io::DmaFile::open(&path)
+        .await
+        .map_err(|e| io::Error::other(e.to_string()))?;
+    let _ = f.read_at_aligned(0, 4096).await;
+    let _ = f.close().await;
+    std::fs::remove_file(&path)
+}
+
+fn thread_tag() -> u64 {
+    // Distinct per executor thread; only used to name a temporary file.
+    let id = format!("{:?}", std::thread::current().id());
+    id.bytes()
+        .fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(b as u64))
+        % 1000
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn placement_is_pure_and_spreads_shards() {
+        let s = StreamName::parse("t/n/s").unwrap();
+        let a: Vec<_> = (0..8).map(|i| placement(&s, ShardId(i), 2)).collect();
+        let b: Vec<_> = (0..8).map(|i| placement(&s, ShardId(i), 2)).collect();
+        assert_eq!(a, b);
+        assert_eq!(a.iter().filter(|c| c.0 == 0).count(), 4);
+        assert!(placement(&s, ShardId(3), 1) == CoreId(0));
+    }
+
+    #[test]
+    fn core_sets_parse() {
+        assert!(matches!(CoreSet::parse("2"), Ok(CoreSet::Count(2))));
+        assert!(matches!(CoreSet::parse("0,1"), Ok(CoreSet::List(v)) if v == vec![0, 1]));
+        assert!(CoreSet::parse("0").is_err());
+        assert!(CoreSet::parse("x").is_err());
+    }
+}
