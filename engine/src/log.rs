@@ -157,6 +157,36 @@ pub enum Replayed<'a> {
     Control(Offset, &'a [u8]),
 }
 
+/// Upper bounds (µs) of the fsync latency histogram buckets.
+pub const SYNC_BUCKETS_US: [u64; 12] = [50, 100, 250, 500, 1000, 2500, 5000, 10_000, 25_000, 50_000, 100_000, 1_000_000];
+
+/// fsync latency: a fixed-bucket histogram (cumulative buckets are computed
+/// by whoever renders it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SyncStats {
+    pub count: u64,
+    pub sum_us: u64,
+    /// Count per bucket of [`SYNC_BUCKETS_US`]; the last slot is "over".
+    pub buckets: [u64; 13],
+}
+
+impl SyncStats {
+    fn record(&mut self, us: u64) {
+        self.count += 1;
+        self.sum_us += us;
+        let i = SYNC_BUCKETS_US.iter().position(|b| us <= *b).unwrap_or(SYNC_BUCKETS_US.len());
+        self.buckets[i] += 1;
+    }
+
+    pub fn merge(&mut self, o: &SyncStats) {
+        self.count += o.count;
+        self.sum_us += o.sum_us;
+        for (a, b) in self.buckets.iter_mut().zip(o.buckets.iter()) {
+            *a += b;
+        }
+    }
+}
+
 /// Public, cheap snapshot of a log's shape.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LogStats {
@@ -168,6 +198,7 @@ pub struct LogStats {
     pub stopped: Option<String>,
     pub flushes: u64,
     pub bytes_written: u64,
+    pub sync: SyncStats,
 }
 
 struct Segment<F> {
@@ -240,6 +271,7 @@ struct Inner<F> {
     flushing: bool,
     flushes: u64,
     bytes_written: u64,
+    sync: SyncStats,
     snapshot: Option<Box<dyn Fn(&mut Vec<Vec<u8>>)>>,
 }
 
@@ -542,6 +574,7 @@ impl<S: Storage> ShardLog<S> {
             flushing: false,
             flushes: 0,
             bytes_written: 0,
+            sync: SyncStats::default(),
             snapshot: None,
         };
         inner.check_frontiers();
@@ -679,6 +712,7 @@ impl<S: Storage> ShardLog<S> {
             stopped: i.stopped.clone(),
             flushes: i.flushes,
             bytes_written: i.bytes_written,
+            sync: i.sync,
         }
     }
 
@@ -803,7 +837,10 @@ impl<S: Storage> ShardLog<S> {
             dirty = Some(file);
         }
         if let Some(f) = dirty {
+            let t = std::time::Instant::now();
             f.sync().await.map_err(|e| io_err("fdatasync", e))?;
+            let us = t.elapsed().as_micros() as u64;
+            self.inner.borrow_mut().sync.record(us);
         }
         {
             let mut i = self.inner.borrow_mut();

@@ -1,1 +1,77 @@
-//! placeholder
+//! `felix-server`: the Felix broker.
+//!
+//! One glommio executor per configured core ([`felix_engine::runtime`]), each
+//! listening on the same port (SO_REUSEPORT) and owning a disjoint set of
+//! shards. A connection's HELLO names the core it wants; the accepting core
+//! hands the socket to that core once, and from then on its requests are
+//! served there without locks. See `docs/internals/` for the formats.
+
+mod broker;
+pub mod catalog;
+pub mod config;
+mod conn;
+mod groups;
+mod metrics;
+mod shard;
+
+pub use config::{Config, ConfigError, Overrides, Source};
+use felix_engine::runtime::CoreSet;
+use std::path::PathBuf;
+
+/// What `felix serve` was asked on its command line.
+#[derive(Clone, Debug, Default)]
+pub struct ServeOptions {
+    pub config_path: Option<PathBuf>,
+    pub data_dir: Option<PathBuf>,
+    pub listen: Option<String>,
+    pub cores: Option<String>,
+    pub print_config: bool,
+}
+
+/// Why the broker could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("{0}")]
+    Start(String),
+}
+
+/// Run a broker until SIGTERM/SIGINT; returns after a clean shutdown.
+pub fn serve(opts: ServeOptions) -> Result<(), ServeError> {
+    let config_path = opts.config_path.clone().or_else(|| {
+        let default = PathBuf::from("felix.toml");
+        default.exists().then_some(default)
+    });
+    let config = Config::load(
+        config_path.as_deref(),
+        &Overrides {
+            data_dir: opts.data_dir.clone(),
+            listen: opts.listen.clone(),
+            cores: opts.cores.clone(),
+        },
+    )?;
+    if opts.print_config {
+        print!("{}", config.render());
+        return Ok(());
+    }
+    init_logging(&config.log);
+    let cores = CoreSet::parse(&config.cores).map_err(|e| ServeError::Config(ConfigError(format!("server.cores: {e}"))))?;
+    let cpus = cores.cpus();
+    match &config.data_dir {
+        Some(d) => tracing::info!(data_dir = %d.display(), "durable storage"),
+        None => {
+            let banner = "RUNNING IN MEMORY: storage.data_dir is empty, so nothing survives a restart and consumer groups are disabled. Set FELIX_DURABLE_STORAGE_DIR or --data-dir for a durable broker.";
+            tracing::warn!("{banner}");
+            eprintln!("felix: WARNING: {banner}");
+        }
+    }
+    broker::run(config, cpus).map_err(ServeError::Start)
+}
+
+fn init_logging(filter: &str) {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_new(filter).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")))
+        .with_writer(std::io::stderr)
+        .try_init();
+}

@@ -6,8 +6,8 @@ use std::str::FromStr;
 use bytes::{BufMut, Bytes, BytesMut};
 
 use crate::codec::{
-    put_blob, put_bool, put_opt, put_opt_blob, put_opt_str, put_opt_u64, put_str, put_vec,
-    Reader, Wire, BLOB, OPT, STR, U16, U32, U64, U8, VEC,
+    put_blob, put_bool, put_opt, put_opt_blob, put_opt_str, put_opt_u64, put_str, put_vec, Reader,
+    Wire, BLOB, OPT, STR, U16, U32, U64, U8, VEC,
 };
 use crate::error::{DecodeError, ErrorCode, WireError};
 
@@ -103,7 +103,9 @@ impl StreamRef {
     pub fn parse(path: &str) -> Option<StreamRef> {
         let mut parts = path.split('/');
         match (parts.next(), parts.next(), parts.next(), parts.next()) {
-            (Some(t), Some(n), Some(s), None) if !t.is_empty() && !n.is_empty() && !s.is_empty() => {
+            (Some(t), Some(n), Some(s), None)
+                if !t.is_empty() && !n.is_empty() && !s.is_empty() =>
+            {
                 Some(StreamRef::new(t, n, s))
             }
             _ => None,

@@ -10,10 +10,7 @@ use proptest::prelude::*;
 
 /// Feed `frame` one byte at a time: `Ok(None)` until the last byte, then the
 /// message, with the buffer left empty.
-fn feed_bytewise<T: std::fmt::Debug>(
-    frame: &[u8],
-    decode: fn(&mut BytesMut, u32) -> Result<Option<(u64, T)>, DecodeError>,
-) -> (u64, T) {
+fn feed_bytewise<T: std::fmt::Debug>(frame: &[u8], decode: Decoder<T>) -> (u64, T) {
     let mut buf = BytesMut::new();
     for (i, b) in frame.iter().enumerate() {
         buf.extend_from_slice(&[*b]);

@@ -324,24 +324,20 @@ pub fn request() -> impl Strategy<Value = Request> {
             )
             .boxed(),
         (group_key(), any::<u64>(), any::<u32>(), any::<u64>())
-            .prop_map(
-                |(key, offset, attempts, extend_ms)| Request::GroupExtend {
-                    key,
-                    offset,
-                    attempts,
-                    extend_ms,
-                },
-            )
+            .prop_map(|(key, offset, attempts, extend_ms)| Request::GroupExtend {
+                key,
+                offset,
+                attempts,
+                extend_ms,
+            })
             .boxed(),
         (group_key(), any::<u64>(), any::<u32>(), option::of(text()))
-            .prop_map(
-                |(key, offset, attempts, reason)| Request::GroupDeadLetter {
-                    key,
-                    offset,
-                    attempts,
-                    reason,
-                },
-            )
+            .prop_map(|(key, offset, attempts, reason)| Request::GroupDeadLetter {
+                key,
+                offset,
+                attempts,
+                reason,
+            })
             .boxed(),
         group_key()
             .prop_map(|key| Request::GroupDeadLetters { key })
@@ -374,12 +370,7 @@ pub fn request() -> impl Strategy<Value = Request> {
 /// Any response, every variant equally likely.
 pub fn response() -> impl Strategy<Value = Response> {
     Union::new(vec![
-        (
-            any::<u16>(),
-            any::<u64>(),
-            any::<[u32; 3]>(),
-            text(),
-        )
+        (any::<u16>(), any::<u64>(), any::<[u32; 3]>(), text())
             .prop_map(
                 |(version, features, [cores, core, max_frame_bytes], broker)| Response::HelloOk {
                     version,
@@ -459,13 +450,19 @@ pub fn check_decoder_contract(bytes: &[u8], max: u32) -> (Outcome, Outcome) {
         check_one(bytes, max, decode_request, |id, m, _| {
             let enc = encode_req(id, m);
             let mut again = enc.clone();
-            assert_eq!(decode_request(&mut again, u32::MAX).unwrap(), Some((id, m.clone())));
+            assert_eq!(
+                decode_request(&mut again, u32::MAX).unwrap(),
+                Some((id, m.clone()))
+            );
             Some(enc)
         }),
         check_one(bytes, max, decode_response, |id, m, frame| {
             let enc = encode_resp(id, m);
             let mut again = enc.clone();
-            assert_eq!(decode_response(&mut again, u32::MAX).unwrap(), Some((id, m.clone())));
+            assert_eq!(
+                decode_response(&mut again, u32::MAX).unwrap(),
+                Some((id, m.clone()))
+            );
             // The one non-canonical case: an error code this crate does not
             // know decodes as `internal` with the number in the message.
             let unknown_code = matches!(m, Response::Error(_))
@@ -475,7 +472,7 @@ pub fn check_decoder_contract(bytes: &[u8], max: u32) -> (Outcome, Outcome) {
     )
 }
 
-type Decoder<T> = fn(&mut BytesMut, u32) -> Result<Option<(u64, T)>, DecodeError>;
+pub type Decoder<T> = fn(&mut BytesMut, u32) -> Result<Option<(u64, T)>, DecodeError>;
 
 fn check_one<T>(
     bytes: &[u8],
@@ -498,13 +495,21 @@ fn check_one<T>(
             // A frame that decodes is canonical: encoding it gives back the
             // same bytes (there is exactly one encoding of every message).
             if let Some(enc) = reencode(id, &msg, &bytes[..consumed]) {
-                assert_eq!(&enc[..], &bytes[..consumed], "non-canonical encoding accepted");
+                assert_eq!(
+                    &enc[..],
+                    &bytes[..consumed],
+                    "non-canonical encoding accepted"
+                );
             }
             Outcome::Decoded { consumed }
         }
         Err(e) if e.request_id().is_some() => {
             let consumed = bytes.len() - buf.len();
-            assert_eq!(Some(consumed), declared, "body error must consume the frame");
+            assert_eq!(
+                Some(consumed),
+                declared,
+                "body error must consume the frame"
+            );
             let _ = e.to_string();
             let _ = e.to_wire_error();
             Outcome::BodyError { consumed }

@@ -1,0 +1,655 @@
+//! One core of the broker: its listener, the connections it owns, the shards
+//! it owns, and the handling of every request.
+//!
+//! Everything here runs on one glommio executor. Shard state is `Rc`/`RefCell`
+//! on its core; the publish, read and group paths take no lock and make no
+//! cross-core hop. Cross-core messages ([`CoreMsg`]) carry connection hand-offs
+//! and admin fan-out (stream create/delete, metrics scrape) only.
+
+use crate::catalog::{self, StreamMeta};
+use crate::config::Config;
+use crate::conn;
+use crate::metrics::{CoreMetrics, MetricsSnapshot, ShardSnapshot};
+use crate::shard::Shard;
+use felix_engine::log::LogConfig;
+use felix_engine::notify::WaitList;
+use felix_engine::runtime::{placement, CoreContext};
+use felix_engine::storage::Storage;
+use felix_engine::{ShardId, StreamName};
+use felix_wire::{ErrorCode, Response, StreamInfo, StreamRef, WireError};
+use std::cell::{Cell, RefCell};
+use std::collections::{BTreeMap, HashMap};
+use std::os::fd::RawFd;
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::sync::{mpsc, oneshot};
+
+pub(crate) fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Messages between cores. Off the hot path by construction.
+pub(crate) enum CoreMsg {
+    /// A connection whose HELLO asked for this core; `buffered` holds every
+    /// byte read from it so far (starting with the HELLO frame).
+    Handoff { fd: RawFd, buffered: Vec<u8> },
+    /// Open (creating if needed) this core's shards of a stream.
+    OpenStream {
+        meta: StreamMeta,
+        reply: oneshot::Sender<Result<(), String>>,
+    },
+    /// Close this core's shards of a stream and delete their files.
+    DeleteStream {
+        name: StreamName,
+        reply: oneshot::Sender<Result<(), String>>,
+    },
+    /// Report this core's metrics.
+    Scrape { reply: oneshot::Sender<MetricsSnapshot> },
+    /// Stop accepting, finish in-flight requests, flush, exit.
+    Shutdown,
+}
+
+/// State shared by all cores: admin-only.
+pub(crate) struct Shared {
+    pub config: Config,
+    pub cores: u32,
+    pub durable: bool,
+    pub catalog: Mutex<BTreeMap<StreamName, StreamMeta>>,
+    pub senders: Vec<mpsc::UnboundedSender<CoreMsg>>,
+    pub connections: AtomicUsize,
+    pub shutting_down: AtomicBool,
+    pub broker_id: String,
+}
+
+impl Shared {
+    pub fn features(&self) -> u64 {
+        let mut f = felix_wire::FEATURE_PUBLISH_ACK_MODE;
+        if self.durable {
+            f |= felix_wire::FEATURE_GROUPS
+                | felix_wire::FEATURE_GROUP_SKIPPED
+                | felix_wire::FEATURE_GROUP_CLAIM_CONTROL
+                | felix_wire::FEATURE_GROUP_ADMIN;
+        }
+        f
+    }
+}
+
+/// A stream as one core knows it.
+pub(crate) struct LocalStream<S: Storage> {
+    pub meta: StreamMeta,
+    /// `Some` for the shards this core owns.
+    pub shards: Vec<Option<Rc<Shard<S>>>>,
+}
+
+pub(crate) struct Core<S: Storage> {
+    pub ctx: CoreContext,
+    pub shared: Arc<Shared>,
+    pub storage: S,
+    pub streams: RefCell<HashMap<StreamRef, LocalStream<S>>>,
+    pub metrics: CoreMetrics,
+    pub next_conn: Cell<u64>,
+    pub in_flight: Cell<usize>,
+    pub stopping: Cell<bool>,
+    /// Woken when the core starts stopping and when in-flight work drains.
+    pub lifecycle: WaitList,
+}
+
+pub(crate) fn wire_err(code: ErrorCode, msg: impl Into<String>) -> Response {
+    Response::Error(WireError::new(code, msg))
+}
+
+pub(crate) fn to_ref(name: &StreamName) -> StreamRef {
+    StreamRef {
+        tenant: name.tenant().to_string(),
+        namespace: name.namespace().to_string(),
+        stream: name.stream().to_string(),
+    }
+}
+
+pub(crate) fn to_name(r: &StreamRef) -> Result<StreamName, Response> {
+    StreamName::new(&r.tenant, &r.namespace, &r.stream)
+        .map_err(|e| wire_err(ErrorCode::InvalidRequest, e.to_string()))
+}
+
+impl<S: Storage> Core<S> {
+    pub fn core_id(&self) -> u32 {
+        self.ctx.core.0
+    }
+
+    pub fn log_config(&self, meta: &StreamMeta) -> LogConfig {
+        let c = &self.shared.config;
+        LogConfig {
+            segment_bytes: c.segment_bytes,
+            retention_bytes: meta.retention_bytes,
+            retention_ms: meta.retention_ms,
+            read_cache_bytes: c.read_cache_bytes,
+            io_depth: c.io_queue_depth,
+            write_chunk_bytes: c.write_chunk_bytes,
+            max_queued_bytes: c.max_queued_bytes,
+            ..LogConfig::default()
+        }
+    }
+
+    fn data_dir(&self) -> PathBuf {
+        self.shared
+            .config
+            .data_dir
+            .clone()
+            .unwrap_or_else(|| PathBuf::from("/felix-memory"))
+    }
+
+    pub fn stream_info(&self, meta: &StreamMeta) -> StreamInfo {
+        StreamInfo {
+            stream: to_ref(&meta.name),
+            shards: meta.shards,
+            retention_bytes: meta.retention_bytes,
+            retention_ms: meta.retention_ms,
+            placement: (0..meta.shards)
+                .map(|s| placement(&meta.name, ShardId(s), self.shared.cores).0)
+                .collect(),
+        }
+    }
+
+    /// Open this core's shards of a stream (creating their directories).
+    pub async fn open_stream(self: &Rc<Self>, meta: StreamMeta) -> Result<(), String> {
+        let key = to_ref(&meta.name);
+        if self.streams.borrow().contains_key(&key) {
+            return Ok(());
+        }
+        let mut shards = Vec::with_capacity(meta.shards as usize);
+        for s in 0..meta.shards {
+            if placement(&meta.name, ShardId(s), self.shared.cores) != self.ctx.core {
+                shards.push(None);
+                continue;
+            }
+            let dir = catalog::shard_dir(&self.data_dir(), &meta.name, s);
+            let shard = Shard::open(self.clone(), &meta, s, &dir)
+                .await
+                .map_err(|e| format!("{}/{s}: {e}", meta.name))?;
+            shards.push(Some(shard));
+        }
+        self.streams
+            .borrow_mut()
+            .insert(key, LocalStream { meta, shards });
+        Ok(())
+    }
+
+    /// Close and delete this core's shards of a stream.
+    pub async fn delete_local_stream(&self, name: &StreamName) -> Result<(), String> {
+        let removed = self.streams.borrow_mut().remove(&to_ref(name));
+        if let Some(ls) = removed {
+            for shard in ls.shards.into_iter().flatten() {
+                shard.destroy().await.map_err(|e| e.to_string())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The shard a request names, if this core owns it; otherwise the typed
+    /// error the client should get (`not_found`, `wrong_core`, ...).
+    pub fn shard(&self, stream: &StreamRef, shard: u32) -> Result<Rc<Shard<S>>, Response> {
+        if let Some(ls) = self.streams.borrow().get(stream) {
+            return match ls.shards.get(shard as usize) {
+                Some(Some(s)) => Ok(s.clone()),
+                Some(None) => {
+                    let right = placement(&ls.meta.name, ShardId(shard), self.shared.cores);
+                    Err(Response::Error(WireError::wrong_core(
+                        right.0,
+                        format!(
+                            "shard {shard} of {stream} is owned by core {}, not core {}",
+                            right.0,
+                            self.core_id()
+                        ),
+                    )))
+                }
+                None => Err(wire_err(
+                    ErrorCode::NotFound,
+                    format!("{stream} has {} shards; there is no shard {shard}", ls.meta.shards),
+                )),
+            };
+        }
+        // Not known on this core: the stream may not exist, or may be being
+        // created right now (its open message not yet processed here).
+        let name = to_name(stream)?;
+        let exists = self.shared.catalog.lock().unwrap().contains_key(&name);
+        if exists {
+            Err(wire_err(
+                ErrorCode::Unavailable,
+                format!("{stream} is being created or deleted; retry"),
+            ))
+        } else {
+            Err(wire_err(ErrorCode::NotFound, format!("no stream {stream}")))
+        }
+    }
+
+    /// Shard count of a stream known on this core.
+    pub fn shard_count(&self, stream: &StreamRef) -> Option<u32> {
+        self.streams.borrow().get(stream).map(|s| s.meta.shards)
+    }
+
+    /// Create a stream: persist its metadata, then have every core open its shards.
+    pub async fn create_stream(
+        self: &Rc<Self>,
+        stream: &StreamRef,
+        shards: u32,
+        retention_bytes: Option<u64>,
+        retention_ms: Option<u64>,
+    ) -> Response {
+        let name = match to_name(stream) {
+            Ok(n) => n,
+            Err(e) => return e,
+        };
+        let c = &self.shared.config;
+        if shards == 0 || shards > c.max_shards {
+            return wire_err(
+                ErrorCode::InvalidRequest,
+                format!("shards must be 1..={} (got {shards})", c.max_shards),
+            );
+        }
+        let meta = StreamMeta {
+            name: name.clone(),
+            shards,
+            retention_bytes: retention_bytes.or(c.retention_bytes).filter(|b| *b > 0),
+            retention_ms: retention_ms.or(c.retention_ms).filter(|b| *b > 0),
+            created_ms: now_ms(),
+        };
+        {
+            let mut cat = self.shared.catalog.lock().unwrap();
+            if cat.contains_key(&name) {
+                return wire_err(ErrorCode::AlreadyExists, format!("stream {name} already exists"));
+            }
+            cat.insert(name.clone(), meta.clone());
+        }
+        let undo = |why: String| {
+            self.shared.catalog.lock().unwrap().remove(&name);
+            wire_err(ErrorCode::Unavailable, why)
+        };
+        if self.shared.durable {
+            let dir = meta.dir(&self.data_dir());
+            if let Err(e) = self.storage.create_dir_all(&dir).await {
+                return undo(format!("cannot create {}: {e}", dir.display()));
+            }
+            // Shard directories first, metadata last: a stream exists on
+            // disk once its metadata file does.
+            for s in 0..shards {
+                let sd = catalog::shard_dir(&self.data_dir(), &name, s);
+                if let Err(e) = self.storage.create_dir_all(&sd).await {
+                    return undo(format!("cannot create {}: {e}", sd.display()));
+                }
+            }
+            if let Err(e) = self
+                .storage
+                .write_file_atomic(&dir.join(catalog::META_FILE), meta.encode().as_bytes())
+                .await
+            {
+                return undo(format!("cannot write stream metadata: {e}"));
+            }
+        }
+        if let Err(e) = self.broadcast_open(&meta).await {
+            return wire_err(ErrorCode::Unavailable, e);
+        }
+        tracing::info!(stream = %name, shards, "stream created");
+        Response::Stream(self.stream_info(&meta))
+    }
+
+    pub async fn broadcast_open(&self, meta: &StreamMeta) -> Result<(), String> {
+        let mut waits = Vec::new();
+        for tx in &self.shared.senders {
+            let (reply, rx) = oneshot::channel();
+            tx.send(CoreMsg::OpenStream {
+                meta: meta.clone(),
+                reply,
+            })
+            .map_err(|_| "a core has stopped".to_string())?;
+            waits.push(rx);
+        }
+        for rx in waits {
+            rx.await.map_err(|_| "a core has stopped".to_string())??;
+        }
+        Ok(())
+    }
+
+    pub async fn delete_stream(&self, stream: &StreamRef) -> Response {
+        let name = match to_name(stream) {
+            Ok(n) => n,
+            Err(e) => return e,
+        };
+        let meta = self.shared.catalog.lock().unwrap().remove(&name);
+        let Some(meta) = meta else {
+            return wire_err(ErrorCode::NotFound, format!("no stream {name}"));
+        };
+        if self.shared.durable {
+            // Metadata first: once it is gone the stream does not come back
+            // after a crash, whatever shard files remain.
+            let dir = meta.dir(&self.data_dir());
+            if let Err(e) = self.storage.remove_file(&dir.join(catalog::META_FILE)).await {
+                tracing::warn!("removing metadata of {name}: {e}");
+            }
+        }
+        let mut waits = Vec::new();
+        for tx in &self.shared.senders {
+            let (reply, rx) = oneshot::channel();
+            if tx
+                .send(CoreMsg::DeleteStream {
+                    name: name.clone(),
+                    reply,
+                })
+                .is_ok()
+            {
+                waits.push(rx);
+            }
+        }
+        let mut problems = Vec::new();
+        for rx in waits {
+            if let Ok(Err(e)) = rx.await {
+                problems.push(e);
+            }
+        }
+        if self.shared.durable {
+            let _ = self.storage.remove_dir_all(&meta.dir(&self.data_dir())).await;
+        }
+        tracing::info!(stream = %name, "stream deleted");
+        if problems.is_empty() {
+            Response::Ok
+        } else {
+            wire_err(ErrorCode::Internal, problems.join("; "))
+        }
+    }
+
+    /// Metrics of this core, as plain numbers another core can merge.
+    pub fn snapshot(&self) -> MetricsSnapshot {
+        let mut snap = self.metrics.snapshot();
+        for (r, ls) in self.streams.borrow().iter() {
+            for (i, s) in ls.shards.iter().enumerate() {
+                if let Some(s) = s {
+                    let st = s.log.stats();
+                    snap.shards.push(ShardSnapshot {
+                        stream: r.to_string(),
+                        shard: i as u32,
+                        start: st.start.0,
+                        end: st.end.0,
+                        bytes: st.bytes,
+                        stopped: st.stopped.is_some(),
+                        flushes: st.flushes,
+                        bytes_written: st.bytes_written,
+                        sync: st.sync,
+                    });
+                }
+            }
+        }
+        snap
+    }
+
+    /// Process cross-core messages until shutdown.
+    pub async fn run_mailbox(self: Rc<Self>, mut rx: mpsc::UnboundedReceiver<CoreMsg>) {
+        while let Some(msg) = rx.recv().await {
+            match msg {
+                CoreMsg::Handoff { fd, buffered } => {
+                    // SAFETY: the sending core dup'ed this descriptor for us
+                    // and gave up its own copy; we are its only owner.
+                    let stream = unsafe {
+                        <glommio::net::TcpStream as std::os::fd::FromRawFd>::from_raw_fd(fd)
+                    };
+                    let core = self.clone();
+                    glommio::spawn_local(conn::serve(core, stream, buffered, true)).detach();
+                }
+                CoreMsg::OpenStream { meta, reply } => {
+                    let r = self.open_stream(meta).await;
+                    let _ = reply.send(r);
+                }
+                CoreMsg::DeleteStream { name, reply } => {
+                    let r = self.delete_local_stream(&name).await;
+                    let _ = reply.send(r);
+                }
+                CoreMsg::Scrape { reply } => {
+                    let _ = reply.send(self.snapshot());
+                }
+                CoreMsg::Shutdown => {
+                    self.stopping.set(true);
+                    self.lifecycle.wake_all();
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Finish in-flight requests (up to the grace period), then close every
+    /// shard: flush and sync what is queued.
+    pub async fn drain_and_close(&self) {
+        let grace = Duration::from_millis(self.shared.config.shutdown_grace_ms);
+        let deadline = std::time::Instant::now() + grace;
+        while self.in_flight.get() > 0 && std::time::Instant::now() < deadline {
+            let _ = glommio::timer::timeout(Duration::from_millis(50), async {
+                self.lifecycle.wait().await;
+                Ok(())
+            })
+            .await;
+        }
+        if self.in_flight.get() > 0 {
+            tracing::warn!(
+                core = self.core_id(),
+                requests = self.in_flight.get(),
+                "shutdown grace period over with requests in flight"
+            );
+        }
+        let shards: Vec<Rc<Shard<S>>> = self
+            .streams
+            .borrow()
+            .values()
+            .flat_map(|ls| ls.shards.iter().flatten().cloned())
+            .collect();
+        for s in shards {
+            if let Err(e) = s.log.close().await {
+                tracing::error!("closing {}: {e}", s.name());
+            }
+        }
+    }
+}
+
+/// Start the broker's cores on `cpus` and block until they exit.
+pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
+    let durable = config.data_dir.is_some();
+    let metas = match &config.data_dir {
+        Some(d) => {
+            std::fs::create_dir_all(d)
+                .map_err(|e| format!("cannot create data directory {}: {e}", d.display()))?;
+            catalog::load(d)?
+        }
+        None => Vec::new(),
+    };
+    let cores = cpus.len() as u32;
+    let mut senders = Vec::new();
+    let mut receivers = Vec::new();
+    for _ in 0..cores {
+        let (tx, rx) = mpsc::unbounded_channel();
+        senders.push(tx);
+        receivers.push(Some(rx));
+    }
+    let shared = Arc::new(Shared {
+        config: config.clone(),
+        cores,
+        durable,
+        catalog: Mutex::new(metas.iter().map(|m| (m.name.clone(), m.clone())).collect()),
+        senders,
+        connections: AtomicUsize::new(0),
+        shutting_down: AtomicBool::new(false),
+        broker_id: format!("felix-{}", std::process::id()),
+    });
+    let receivers = Arc::new(Mutex::new(receivers));
+    let listen = config.listen.clone();
+    // Bind once up front so a bad address fails fast with a clear message.
+    {
+        let probe = std::net::TcpListener::bind(&listen)
+            .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
+        drop(probe);
+    }
+    install_signal_thread(shared.clone());
+    let warm = config.data_dir.clone();
+    let sh = shared.clone();
+    let metas = Arc::new(metas);
+    let runtime = felix_engine::runtime::Runtime::start(&cpus, warm, move |ctx| {
+        let shared = sh.clone();
+        let rx = receivers.lock().unwrap()[ctx.core.0 as usize]
+            .take()
+            .expect("one mailbox per core");
+        let metas = metas.clone();
+        let listen = listen.clone();
+        async move {
+            if shared.durable {
+                let storage = felix_engine::storage::dma::DmaStorage::new();
+                core_main(ctx, shared, storage, rx, metas, listen).await;
+            } else {
+                let storage = felix_engine::storage::sim::SimStorage::new();
+                core_main(ctx, shared, storage, rx, metas, listen).await;
+            }
+        }
+    })
+    .map_err(|e| e.to_string())?;
+    runtime.join().map_err(|e| e.to_string())
+}
+
+async fn core_main<S: Storage>(
+    ctx: CoreContext,
+    shared: Arc<Shared>,
+    storage: S,
+    rx: mpsc::UnboundedReceiver<CoreMsg>,
+    metas: Arc<Vec<StreamMeta>>,
+    listen: String,
+) {
+    let core = Rc::new(Core {
+        ctx,
+        shared: shared.clone(),
+        storage,
+        streams: RefCell::new(HashMap::new()),
+        metrics: CoreMetrics::default(),
+        next_conn: Cell::new(0),
+        in_flight: Cell::new(0),
+        stopping: Cell::new(false),
+        lifecycle: WaitList::new(),
+    });
+    for meta in metas.iter() {
+        if let Err(e) = core.open_stream(meta.clone()).await {
+            tracing::error!(core = core.core_id(), "cannot open stream: {e}");
+            eprintln!("felix: cannot open stream {}: {e}", meta.name);
+            std::process::exit(1);
+        }
+    }
+    let listener = match glommio::net::TcpListener::bind(&listen) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("felix: core {}: cannot listen on {listen}: {e}", core.core_id());
+            std::process::exit(1);
+        }
+    };
+    if core.core_id() == 0 {
+        if let Some(addr) = shared.config.metrics_listen.clone() {
+            glommio::spawn_local(crate::metrics::serve_http(core.clone(), addr)).detach();
+        }
+        tracing::info!(
+            listen = %listen,
+            cores = shared.cores,
+            durable = shared.durable,
+            "felix broker ready"
+        );
+    }
+    let mailbox = glommio::spawn_local(core.clone().run_mailbox(rx));
+    let retention = glommio::spawn_local(run_retention(core.clone())).detach();
+    // Accept until told to stop.
+    loop {
+        let accept = listener.accept();
+        let stop = async {
+            while !core.stopping.get() {
+                core.lifecycle.wait().await;
+            }
+            Err(glommio::GlommioError::<()>::IoError(std::io::Error::other("stopping")))
+        };
+        match futures_lite::future::or(accept, stop).await {
+            Ok(stream) => {
+                let n = shared.connections.fetch_add(1, Ordering::Relaxed);
+                if n >= shared.config.max_connections as usize {
+                    shared.connections.fetch_sub(1, Ordering::Relaxed);
+                    core.metrics.connections_refused.set(core.metrics.connections_refused.get() + 1);
+                    tracing::warn!("connection refused: {} open", n);
+                    drop(stream);
+                    continue;
+                }
+                glommio::spawn_local(conn::serve(core.clone(), stream, Vec::new(), false)).detach();
+            }
+            Err(e) => {
+                if core.stopping.get() {
+                    break;
+                }
+                tracing::warn!("accept failed: {e}");
+                glommio::timer::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    }
+    drop(listener);
+    mailbox.await;
+    drop(retention);
+    core.drain_and_close().await;
+    tracing::info!(core = core.core_id(), "core stopped");
+}
+
+async fn run_retention<S: Storage>(core: Rc<Core<S>>) {
+    let every = Duration::from_millis(core.shared.config.retention_check_ms);
+    loop {
+        glommio::timer::sleep(every).await;
+        if core.stopping.get() {
+            return;
+        }
+        let shards: Vec<Rc<Shard<S>>> = core
+            .streams
+            .borrow()
+            .values()
+            .flat_map(|ls| ls.shards.iter().flatten().cloned())
+            .collect();
+        for s in shards {
+            if let Err(e) = s.log.enforce_retention(now_ms()).await {
+                tracing::error!("retention on {}: {e}", s.name());
+            }
+        }
+    }
+}
+
+/// SIGTERM/SIGINT: tell every core to stop. The signals are blocked in every
+/// thread (the mask is inherited by the executors) and taken here with
+/// `sigwait`, so no handler runs on an executor.
+fn install_signal_thread(shared: Arc<Shared>) {
+    // SAFETY: plain libc signal-mask calls on a zeroed, initialised sigset.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        std::thread::Builder::new()
+            .name("felix-signals".into())
+            .spawn(move || {
+                let mut sig: libc::c_int = 0;
+                loop {
+                    if libc::sigwait(&set, &mut sig) == 0 {
+                        break;
+                    }
+                }
+                tracing::info!(signal = sig, "shutting down: finishing in-flight requests");
+                shared.shutting_down.store(true, Ordering::SeqCst);
+                for tx in &shared.senders {
+                    let _ = tx.send(CoreMsg::Shutdown);
+                }
+                // A second signal exits at once.
+                let mut sig2: libc::c_int = 0;
+                if libc::sigwait(&set, &mut sig2) == 0 {
+                    eprintln!("felix: second signal, exiting now");
+                    std::process::exit(130);
+                }
+            })
+            .expect("signal thread");
+    }
+}

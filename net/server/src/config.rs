@@ -1,0 +1,365 @@
+//! Broker configuration: `felix.toml`, overridden by `FELIX_*` environment
+//! variables, overridden by command-line flags. Every setting remembers where
+//! its value came from, so `felix serve --print-config` can say.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+/// Where a setting's value came from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Source {
+    Default,
+    File(PathBuf),
+    Env(&'static str),
+    Flag(&'static str),
+}
+
+impl fmt::Display for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Source::Default => write!(f, "default"),
+            Source::File(p) => write!(f, "file {}", p.display()),
+            Source::Env(v) => write!(f, "env {v}"),
+            Source::Flag(v) => write!(f, "flag {v}"),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Str,
+    U64,
+    Bool,
+}
+
+/// One known setting: `section.name`, its environment variable, its default.
+struct Setting {
+    section: &'static str,
+    name: &'static str,
+    env: Option<&'static str>,
+    kind: Kind,
+    default: &'static str,
+    help: &'static str,
+}
+
+const SETTINGS: &[Setting] = &[
+    Setting { section: "server", name: "listen", env: Some("FELIX_LISTEN"), kind: Kind::Str, default: "127.0.0.1:7400", help: "address every core listens on (SO_REUSEPORT)" },
+    Setting { section: "server", name: "cores", env: Some("FELIX_CORES"), kind: Kind::Str, default: "1", help: "executors: a count (first N CPUs) or a CPU list like \"0,1\"" },
+    Setting { section: "server", name: "max_connections", env: Some("FELIX_MAX_CONNECTIONS"), kind: Kind::U64, default: "10000", help: "connections accepted at once, whole broker" },
+    Setting { section: "server", name: "idle_timeout_ms", env: Some("FELIX_IDLE_TIMEOUT_MS"), kind: Kind::U64, default: "600000", help: "close a connection with no request in flight after this long without a frame" },
+    Setting { section: "server", name: "max_frame_bytes", env: Some("FELIX_MAX_FRAME_BYTES"), kind: Kind::U64, default: "16777216", help: "largest frame accepted; larger ones are refused with too_large" },
+    Setting { section: "server", name: "metrics_listen", env: Some("FELIX_METRICS_LISTEN"), kind: Kind::Str, default: "127.0.0.1:7401", help: "Prometheus text exposition over HTTP; empty disables" },
+    Setting { section: "server", name: "shutdown_grace_ms", env: None, kind: Kind::U64, default: "10000", help: "on SIGTERM/SIGINT, how long in-flight requests may take to finish" },
+    Setting { section: "server", name: "log", env: Some("RUST_LOG"), kind: Kind::Str, default: "info", help: "log filter (tracing EnvFilter syntax)" },
+    Setting { section: "storage", name: "data_dir", env: Some("FELIX_DURABLE_STORAGE_DIR"), kind: Kind::Str, default: "./felix-data", help: "durable storage directory; empty runs in memory (nothing survives a restart, no consumer groups)" },
+    Setting { section: "storage", name: "ack_on_commit", env: Some("FELIX_ACK_ON_COMMIT"), kind: Kind::Bool, default: "true", help: "acknowledge publishes once durable (false: once queued)" },
+    Setting { section: "storage", name: "segment_bytes", env: None, kind: Kind::U64, default: "134217728", help: "a segment file rolls at this size" },
+    Setting { section: "storage", name: "retention_bytes", env: None, kind: Kind::U64, default: "0", help: "default per-shard size retention for new streams (0 = keep all)" },
+    Setting { section: "storage", name: "retention_ms", env: None, kind: Kind::U64, default: "0", help: "default age retention for new streams (0 = keep all)" },
+    Setting { section: "storage", name: "io_queue_depth", env: Some("FELIX_IO_QUEUE_DEPTH"), kind: Kind::U64, default: "8", help: "writes in flight per shard flush" },
+    Setting { section: "storage", name: "write_chunk_bytes", env: None, kind: Kind::U64, default: "1048576", help: "size of each write of a flush (multiple of 4096)" },
+    Setting { section: "storage", name: "read_cache_bytes", env: None, kind: Kind::U64, default: "8388608", help: "recent bytes per shard served from memory" },
+    Setting { section: "storage", name: "max_queued_bytes", env: None, kind: Kind::U64, default: "67108864", help: "publishes wait while a shard has this much unflushed" },
+    Setting { section: "storage", name: "retention_check_ms", env: None, kind: Kind::U64, default: "60000", help: "how often retention runs" },
+    Setting { section: "groups", name: "visibility_timeout_ms", env: Some("FELIX_GROUP_VISIBILITY_TIMEOUT_MS"), kind: Kind::U64, default: "30000", help: "how long a claim stands before the record is owed again" },
+    Setting { section: "groups", name: "max_attempts", env: Some("FELIX_GROUP_MAX_ATTEMPTS"), kind: Kind::U64, default: "5", help: "deliveries before a record is dead-lettered" },
+    Setting { section: "groups", name: "max_wait_ms", env: Some("FELIX_GROUP_MAX_WAIT_MS"), kind: Kind::U64, default: "30000", help: "cap on how long a poll may ask the broker to wait" },
+    Setting { section: "groups", name: "max_in_flight", env: Some("FELIX_GROUP_MAX_IN_FLIGHT"), kind: Kind::U64, default: "10000", help: "records one group may have handed out and unsettled on a shard" },
+    Setting { section: "groups", name: "max_visibility_ms", env: Some("FELIX_GROUP_MAX_VISIBILITY_MS"), kind: Kind::U64, default: "43200000", help: "cap on a poll's visibility, an extension and a nack delay (never below the visibility timeout)" },
+    Setting { section: "groups", name: "idle_ms", env: None, kind: Kind::U64, default: "600000", help: "idle groups drop their memory state after this (or twice the visibility timeout)" },
+    Setting { section: "limits", name: "max_records_per_read", env: None, kind: Kind::U64, default: "1000", help: "records one read or poll returns at most" },
+    Setting { section: "limits", name: "max_bytes_per_read", env: None, kind: Kind::U64, default: "4194304", help: "payload bytes after which a read or poll stops" },
+    Setting { section: "limits", name: "max_records_per_publish", env: None, kind: Kind::U64, default: "100000", help: "records in one publish request" },
+    Setting { section: "limits", name: "max_shards", env: None, kind: Kind::U64, default: "4096", help: "shards per stream" },
+];
+
+/// A resolved value and where it came from.
+#[derive(Clone, Debug)]
+struct Resolved {
+    value: String,
+    source: Source,
+}
+
+/// Settings a user passes on the command line.
+#[derive(Clone, Debug, Default)]
+pub struct Overrides {
+    pub data_dir: Option<PathBuf>,
+    pub listen: Option<String>,
+    pub cores: Option<String>,
+}
+
+/// The effective configuration.
+#[derive(Clone, Debug)]
+pub struct Config {
+    values: BTreeMap<(&'static str, &'static str), Resolved>,
+    pub listen: String,
+    pub cores: String,
+    pub max_connections: u64,
+    pub idle_timeout_ms: u64,
+    pub max_frame_bytes: u32,
+    pub metrics_listen: Option<String>,
+    pub shutdown_grace_ms: u64,
+    pub log: String,
+    pub data_dir: Option<PathBuf>,
+    pub ack_on_commit: bool,
+    pub segment_bytes: u64,
+    pub retention_bytes: Option<u64>,
+    pub retention_ms: Option<u64>,
+    pub io_queue_depth: usize,
+    pub write_chunk_bytes: usize,
+    pub read_cache_bytes: usize,
+    pub max_queued_bytes: usize,
+    pub retention_check_ms: u64,
+    pub visibility_timeout_ms: u64,
+    pub max_attempts: u32,
+    pub max_wait_ms: u64,
+    pub max_in_flight: u32,
+    pub max_visibility_ms: u64,
+    pub group_idle_ms: u64,
+    pub max_records_per_read: u32,
+    pub max_bytes_per_read: u32,
+    pub max_records_per_publish: u32,
+    pub max_shards: u32,
+}
+
+/// A configuration that cannot be used, and why.
+#[derive(Debug, thiserror::Error)]
+#[error("configuration: {0}")]
+pub struct ConfigError(pub String);
+
+fn parse_bool(s: &str) -> Option<bool> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Some(true),
+        "0" | "false" | "no" | "off" => Some(false),
+        _ => None,
+    }
+}
+
+impl Config {
+    /// Defaults, then the file (if any), then the environment, then flags.
+    pub fn load(file: Option<&Path>, overrides: &Overrides) -> Result<Config, ConfigError> {
+        let env: BTreeMap<String, String> = std::env::vars().collect();
+        Self::load_with_env(file, overrides, &env)
+    }
+
+    pub fn load_with_env(
+        file: Option<&Path>,
+        overrides: &Overrides,
+        env: &BTreeMap<String, String>,
+    ) -> Result<Config, ConfigError> {
+        let mut values = BTreeMap::new();
+        for s in SETTINGS {
+            values.insert(
+                (s.section, s.name),
+                Resolved { value: s.default.to_string(), source: Source::Default },
+            );
+        }
+        if let Some(path) = file {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| ConfigError(format!("cannot read {}: {e}", path.display())))?;
+            let table: toml::Table = text
+                .parse()
+                .map_err(|e| ConfigError(format!("{}: {e}", path.display())))?;
+            for (section, v) in table {
+                let toml::Value::Table(inner) = v else {
+                    return Err(ConfigError(format!(
+                        "{}: `{section}` must be a [section]",
+                        path.display()
+                    )));
+                };
+                for (name, v) in inner {
+                    let Some(s) = SETTINGS.iter().find(|s| s.section == section && s.name == name)
+                    else {
+                        return Err(ConfigError(format!(
+                            "{}: unknown setting `{section}.{name}`",
+                            path.display()
+                        )));
+                    };
+                    let value = match (&v, s.kind) {
+                        (toml::Value::String(x), _) => x.clone(),
+                        (toml::Value::Integer(i), Kind::U64 | Kind::Str) if *i >= 0 => i.to_string(),
+                        (toml::Value::Boolean(b), Kind::Bool) => b.to_string(),
+                        _ => {
+                            return Err(ConfigError(format!(
+                                "{}: `{section}.{name}` has the wrong type ({v})",
+                                path.display()
+                            )))
+                        }
+                    };
+                    values.insert(
+                        (s.section, s.name),
+                        Resolved { value, source: Source::File(path.to_path_buf()) },
+                    );
+                }
+            }
+        }
+        for s in SETTINGS {
+            if let Some(var) = s.env {
+                if let Some(v) = env.get(var) {
+                    values.insert((s.section, s.name), Resolved { value: v.clone(), source: Source::Env(var) });
+                }
+            }
+        }
+        if let Some(d) = &overrides.data_dir {
+            values.insert(
+                ("storage", "data_dir"),
+                Resolved { value: d.display().to_string(), source: Source::Flag("--data-dir") },
+            );
+        }
+        if let Some(l) = &overrides.listen {
+            values.insert(("server", "listen"), Resolved { value: l.clone(), source: Source::Flag("--listen") });
+        }
+        if let Some(c) = &overrides.cores {
+            values.insert(("server", "cores"), Resolved { value: c.clone(), source: Source::Flag("--cores") });
+        }
+        Self::build(values)
+    }
+
+    fn build(values: BTreeMap<(&'static str, &'static str), Resolved>) -> Result<Config, ConfigError> {
+        let get = |sec: &'static str, name: &'static str| -> &Resolved { &values[&(sec, name)] };
+        let num = |sec: &'static str, name: &'static str| -> Result<u64, ConfigError> {
+            let r = get(sec, name);
+            r.value.trim().parse::<u64>().map_err(|_| {
+                ConfigError(format!("{sec}.{name} = {:?} (from {}) is not a whole number", r.value, r.source))
+            })
+        };
+        let boolean = |sec: &'static str, name: &'static str| -> Result<bool, ConfigError> {
+            let r = get(sec, name);
+            parse_bool(&r.value).ok_or_else(|| {
+                ConfigError(format!("{sec}.{name} = {:?} (from {}) is not true/false/1/0", r.value, r.source))
+            })
+        };
+        let nonzero = |v: u64, what: &str| -> Result<u64, ConfigError> {
+            if v == 0 {
+                Err(ConfigError(format!("{what} must be at least 1")))
+            } else {
+                Ok(v)
+            }
+        };
+        let opt = |v: u64| if v == 0 { None } else { Some(v) };
+        let u32_of = |v: u64, what: &str| -> Result<u32, ConfigError> {
+            u32::try_from(v).map_err(|_| ConfigError(format!("{what} = {v} is too large")))
+        };
+        let data_dir = get("storage", "data_dir").value.trim().to_string();
+        let metrics = get("server", "metrics_listen").value.trim().to_string();
+        let visibility_timeout_ms = nonzero(num("groups", "visibility_timeout_ms")?, "groups.visibility_timeout_ms")?;
+        let max_visibility_ms = num("groups", "max_visibility_ms")?;
+        if max_visibility_ms < visibility_timeout_ms {
+            return Err(ConfigError(format!(
+                "groups.max_visibility_ms ({max_visibility_ms}) may not be below groups.visibility_timeout_ms ({visibility_timeout_ms})"
+            )));
+        }
+        let write_chunk_bytes = num("storage", "write_chunk_bytes")?;
+        if write_chunk_bytes == 0 || write_chunk_bytes % 4096 != 0 {
+            return Err(ConfigError("storage.write_chunk_bytes must be a positive multiple of 4096".into()));
+        }
+        let cfg = Config {
+            listen: get("server", "listen").value.clone(),
+            cores: get("server", "cores").value.clone(),
+            max_connections: nonzero(num("server", "max_connections")?, "server.max_connections")?,
+            idle_timeout_ms: nonzero(num("server", "idle_timeout_ms")?, "server.idle_timeout_ms")?,
+            max_frame_bytes: u32_of(nonzero(num("server", "max_frame_bytes")?, "server.max_frame_bytes")?, "server.max_frame_bytes")?,
+            metrics_listen: if metrics.is_empty() { None } else { Some(metrics) },
+            shutdown_grace_ms: num("server", "shutdown_grace_ms")?,
+            log: get("server", "log").value.clone(),
+            data_dir: if data_dir.is_empty() { None } else { Some(PathBuf::from(data_dir)) },
+            ack_on_commit: boolean("storage", "ack_on_commit")?,
+            segment_bytes: nonzero(num("storage", "segment_bytes")?, "storage.segment_bytes")?,
+            retention_bytes: opt(num("storage", "retention_bytes")?),
+            retention_ms: opt(num("storage", "retention_ms")?),
+            io_queue_depth: nonzero(num("storage", "io_queue_depth")?, "storage.io_queue_depth")? as usize,
+            write_chunk_bytes: write_chunk_bytes as usize,
+            read_cache_bytes: num("storage", "read_cache_bytes")? as usize,
+            max_queued_bytes: nonzero(num("storage", "max_queued_bytes")?, "storage.max_queued_bytes")? as usize,
+            retention_check_ms: nonzero(num("storage", "retention_check_ms")?, "storage.retention_check_ms")?,
+            visibility_timeout_ms,
+            max_attempts: u32_of(nonzero(num("groups", "max_attempts")?, "groups.max_attempts")?, "groups.max_attempts")?,
+            max_wait_ms: num("groups", "max_wait_ms")?,
+            max_in_flight: u32_of(nonzero(num("groups", "max_in_flight")?, "groups.max_in_flight")?, "groups.max_in_flight")?,
+            max_visibility_ms,
+            group_idle_ms: nonzero(num("groups", "idle_ms")?, "groups.idle_ms")?,
+            max_records_per_read: u32_of(nonzero(num("limits", "max_records_per_read")?, "limits.max_records_per_read")?, "limits.max_records_per_read")?.min(1000),
+            max_bytes_per_read: u32_of(nonzero(num("limits", "max_bytes_per_read")?, "limits.max_bytes_per_read")?, "limits.max_bytes_per_read")?.min(4 << 20),
+            max_records_per_publish: u32_of(nonzero(num("limits", "max_records_per_publish")?, "limits.max_records_per_publish")?, "limits.max_records_per_publish")?,
+            max_shards: u32_of(nonzero(num("limits", "max_shards")?, "limits.max_shards")?, "limits.max_shards")?,
+            values,
+        };
+        Ok(cfg)
+    }
+
+    /// The effective configuration as TOML, each value annotated with where
+    /// it came from.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let mut section = "";
+        for s in SETTINGS {
+            if s.section != section {
+                if !section.is_empty() {
+                    out.push('\n');
+                }
+                section = s.section;
+                out.push_str(&format!("[{section}]\n"));
+            }
+            let r = &self.values[&(s.section, s.name)];
+            let shown = match s.kind {
+                Kind::Str => format!("{:?}", r.value),
+                _ => r.value.clone(),
+            };
+            let env = s.env.map(|e| format!(", {e}")).unwrap_or_default();
+            out.push_str(&format!("{} = {}  # from {}{} — {}\n", s.name, shown, r.source, env, s.help));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_env_and_flags_layer_in_order() {
+        let dir = tempfile_dir();
+        let file = dir.join("felix.toml");
+        std::fs::write(&file, "[groups]\nmax_attempts = 3\nvisibility_timeout_ms = 1000\n[server]\nlisten = \"127.0.0.1:9000\"\n").unwrap();
+        let mut env = BTreeMap::new();
+        env.insert("FELIX_GROUP_MAX_ATTEMPTS".to_string(), "7".to_string());
+        env.insert("FELIX_ACK_ON_COMMIT".to_string(), "0".to_string());
+        let cfg = Config::load_with_env(
+            Some(&file),
+            &Overrides { listen: Some("127.0.0.1:9100".into()), ..Default::default() },
+            &env,
+        )
+        .unwrap();
+        assert_eq!(cfg.max_attempts, 7);
+        assert_eq!(cfg.visibility_timeout_ms, 1000);
+        assert!(!cfg.ack_on_commit);
+        assert_eq!(cfg.listen, "127.0.0.1:9100");
+        let shown = cfg.render();
+        assert!(shown.contains("max_attempts = 7  # from env FELIX_GROUP_MAX_ATTEMPTS"), "{shown}");
+        assert!(shown.contains("from flag --listen"), "{shown}");
+        assert!(shown.contains("visibility_timeout_ms = 1000  # from file"), "{shown}");
+    }
+
+    #[test]
+    fn bad_settings_are_refused_with_their_name() {
+        let dir = tempfile_dir();
+        let file = dir.join("bad.toml");
+        std::fs::write(&file, "[groups]\nmax_atempts = 3\n").unwrap();
+        let e = Config::load_with_env(Some(&file), &Overrides::default(), &BTreeMap::new()).unwrap_err();
+        assert!(e.to_string().contains("unknown setting `groups.max_atempts`"), "{e}");
+        let mut env = BTreeMap::new();
+        env.insert("FELIX_GROUP_MAX_VISIBILITY_MS".to_string(), "10".to_string());
+        let e = Config::load_with_env(None, &Overrides::default(), &env).unwrap_err();
+        assert!(e.to_string().contains("max_visibility_ms"), "{e}");
+        env.clear();
+        env.insert("FELIX_ACK_ON_COMMIT".to_string(), "maybe".to_string());
+        assert!(Config::load_with_env(None, &Overrides::default(), &env).is_err());
+    }
+
+    fn tempfile_dir() -> PathBuf {
+        let d = std::env::temp_dir().join(format!("felix-config-test-{}-{:?}", std::process::id(), std::thread::current().id()));
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+}

@@ -1,0 +1,494 @@
+//! A client connection on its core: HELLO (and hand-off to the core it asks
+//! for), then a read loop that decodes frames and runs each request as its
+//! own task, and a writer task that sends responses in whatever order they
+//! complete. A long poll therefore never blocks an ack on the same connection.
+
+use crate::broker::{now_ms, to_name, wire_err, Core, CoreMsg};
+use crate::shard::Shard;
+use bytes::BytesMut;
+use felix_engine::format::RecordIn as LogRecordIn;
+use felix_engine::log::{Frontier, LogError, ReadLimits};
+use felix_engine::notify::WaitList;
+use felix_engine::storage::Storage;
+use felix_engine::Offset;
+use felix_wire::{
+    AckMode, ErrorCode, PublishTarget, Record, Request, Response, ShardInfo, StartPosition,
+    StreamRef, WireError,
+};
+use futures_lite::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use glommio::net::TcpStream;
+use std::cell::{Cell, RefCell};
+use std::os::fd::AsRawFd;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+/// Reader and writer tasks share the socket; each borrows it only inside a
+/// single `poll`, never across an await, so the two never conflict.
+#[derive(Clone)]
+struct Shared(Rc<RefCell<TcpStream>>);
+
+impl AsyncRead for Shared {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut [u8]) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut *self.0.borrow_mut()).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Shared {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut *self.0.borrow_mut()).poll_write(cx, buf)
+    }
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut *self.0.borrow_mut()).poll_flush(cx)
+    }
+    fn poll_close(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut *self.0.borrow_mut()).poll_close(cx)
+    }
+}
+
+/// Responses waiting to be written.
+struct Outbox {
+    buf: RefCell<BytesMut>,
+    ready: WaitList,
+    closed: Cell<bool>,
+}
+
+impl Outbox {
+    fn push(&self, request_id: u64, resp: &Response) {
+        if self.closed.get() {
+            return;
+        }
+        felix_wire::encode_response(request_id, resp, &mut self.buf.borrow_mut());
+        self.ready.wake_all();
+    }
+}
+
+/// Per-connection facts a request handler needs.
+pub(crate) struct ConnInfo {
+    pub id: u64,
+    pub features: Cell<u64>,
+    pub principal: String,
+    pub in_flight: Cell<usize>,
+}
+
+/// Serve one connection until it closes. `buffered` holds bytes already read
+/// (after a hand-off from another core); `handed` says it already moved once.
+pub(crate) async fn serve<S: Storage>(core: Rc<Core<S>>, stream: TcpStream, buffered: Vec<u8>, handed: bool) {
+    let _ = stream.set_nodelay(true);
+    let idle = Duration::from_millis(core.shared.config.idle_timeout_ms);
+    let max_frame = core.shared.config.max_frame_bytes;
+    let sock = Shared(Rc::new(RefCell::new(stream)));
+    let mut rbuf = BytesMut::with_capacity(64 * 1024);
+    rbuf.extend_from_slice(&buffered);
+    core.metrics.connections_open.set(core.metrics.connections_open.get() + 1);
+    if !handed {
+        core.metrics.connections_accepted.set(core.metrics.connections_accepted.get() + 1);
+    }
+    let conn_id = ((core.core_id() as u64) << 48) | {
+        let n = core.next_conn.get() + 1;
+        core.next_conn.set(n);
+        n
+    };
+    let info = Rc::new(ConnInfo {
+        id: conn_id,
+        features: Cell::new(0),
+        principal: "anonymous".to_string(),
+        in_flight: Cell::new(0),
+    });
+    let outbox = Rc::new(Outbox {
+        buf: RefCell::new(BytesMut::with_capacity(64 * 1024)),
+        ready: WaitList::new(),
+        closed: Cell::new(false),
+    });
+    let writer = glommio::spawn_local(write_loop(sock.clone(), outbox.clone()));
+    let mut said_hello = false;
+    let mut handed_off = false;
+    let mut reader = sock.clone();
+    'conn: loop {
+        // Decode every complete frame in the buffer.
+        loop {
+            match felix_wire::decode_request(&mut rbuf, max_frame) {
+                Ok(Some((id, req))) => {
+                    if !said_hello {
+                        match req {
+                            Request::Hello { version, features, want_core, ref client_name, .. } => {
+                                if let Some(want) = want_core {
+                                    if !handed && want != core.core_id() && want < core.shared.cores {
+                                        // Re-encode the HELLO in front of what
+                                        // follows and hand the socket over.
+                                        let mut all = BytesMut::new();
+                                        felix_wire::encode_request(id, &req, &mut all);
+                                        all.extend_from_slice(&rbuf);
+                                        if hand_off(&core, &sock, want, all.to_vec()) {
+                                            handed_off = true;
+                                            break 'conn;
+                                        }
+                                    }
+                                }
+                                let _ = version;
+                                let _ = client_name;
+                                let f = core.shared.features();
+                                info.features.set(features & f);
+                                said_hello = true;
+                                outbox.push(
+                                    id,
+                                    &Response::HelloOk {
+                                        version: felix_wire::PROTOCOL_VERSION,
+                                        features: f,
+                                        cores: core.shared.cores,
+                                        core: core.core_id(),
+                                        max_frame_bytes: max_frame,
+                                        broker: core.shared.broker_id.clone(),
+                                    },
+                                );
+                                continue;
+                            }
+                            _ => {
+                                outbox.push(id, &wire_err(ErrorCode::InvalidRequest, "the first request on a connection must be HELLO"));
+                                break 'conn;
+                            }
+                        }
+                    }
+                    spawn_request(&core, &info, &outbox, id, req);
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    core.metrics.count_error(e.to_wire_error().code);
+                    match e.request_id() {
+                        Some(id) if !e.is_fatal() => {
+                            outbox.push(id, &Response::Error(e.to_wire_error()));
+                        }
+                        _ => {
+                            tracing::debug!(conn = conn_id, "closing connection after malformed frame: {e}");
+                            outbox.push(0, &Response::Error(e.to_wire_error()));
+                            break 'conn;
+                        }
+                    }
+                }
+            }
+        }
+        if core.stopping.get() && info.in_flight.get() == 0 {
+            break;
+        }
+        // Read more, with the idle timeout while nothing is in flight.
+        if rbuf.capacity() - rbuf.len() < 16 * 1024 {
+            rbuf.reserve(64 * 1024);
+        }
+        let mut tmp = [0u8; 64 * 1024];
+        let read = glommio::timer::timeout(idle, async {
+            reader.read(&mut tmp).await.map_err(glommio::GlommioError::from)
+        });
+        let stop = async {
+            while !core.stopping.get() {
+                core.lifecycle.wait().await;
+            }
+            Err(glommio::GlommioError::<()>::IoError(std::io::Error::other("stopping")))
+        };
+        match futures_lite::future::or(read, stop).await {
+            Ok(0) => break,
+            Ok(n) => rbuf.extend_from_slice(&tmp[..n]),
+            Err(glommio::GlommioError::TimedOut(_)) => {
+                if info.in_flight.get() == 0 {
+                    tracing::debug!(conn = conn_id, "closing idle connection");
+                    break;
+                }
+            }
+            Err(_) => {
+                if core.stopping.get() {
+                    // Let in-flight requests answer, then close.
+                    while info.in_flight.get() > 0 {
+                        core.lifecycle.wait().await;
+                    }
+                }
+                break;
+            }
+        }
+    }
+    // Let the writer send what is queued, then close.
+    outbox.closed.set(true);
+    outbox.ready.wake_all();
+    writer.await;
+    core.metrics.connections_open.set(core.metrics.connections_open.get() - 1);
+    if !handed_off {
+        core.shared.connections.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+fn hand_off<S: Storage>(core: &Rc<Core<S>>, sock: &Shared, to: u32, bytes: Vec<u8>) -> bool {
+    let fd = sock.0.borrow().as_raw_fd();
+    // SAFETY: dup of a descriptor we own; the copy goes to the other core.
+    let dup = unsafe { libc::dup(fd) };
+    if dup < 0 {
+        return false;
+    }
+    match core.shared.senders[to as usize].send(CoreMsg::Handoff { fd: dup, buffered: bytes }) {
+        Ok(()) => {
+            core.metrics.handoffs.set(core.metrics.handoffs.get() + 1);
+            true
+        }
+        Err(_) => {
+            // SAFETY: nobody else got the duplicate.
+            unsafe { libc::close(dup) };
+            false
+        }
+    }
+}
+
+async fn write_loop(mut sock: Shared, outbox: Rc<Outbox>) {
+    loop {
+        let data = {
+            let mut b = outbox.buf.borrow_mut();
+            if b.is_empty() {
+                None
+            } else {
+                Some(b.split().freeze())
+            }
+        };
+        match data {
+            Some(d) => {
+                if sock.write_all(&d).await.is_err() {
+                    outbox.closed.set(true);
+                    return;
+                }
+            }
+            None => {
+                if outbox.closed.get() {
+                    let _ = sock.0.borrow().shutdown(std::net::Shutdown::Write).await;
+                    return;
+                }
+                outbox.ready.wait().await;
+            }
+        }
+    }
+}
+
+fn spawn_request<S: Storage>(core: &Rc<Core<S>>, info: &Rc<ConnInfo>, outbox: &Rc<Outbox>, id: u64, req: Request) {
+    let core = core.clone();
+    let info = info.clone();
+    let outbox = outbox.clone();
+    core.in_flight.set(core.in_flight.get() + 1);
+    info.in_flight.set(info.in_flight.get() + 1);
+    glommio::spawn_local(async move {
+        let op = req.name();
+        core.metrics.count_request(op);
+        let resp = handle(&core, &info, req).await;
+        if let Response::Error(e) = &resp {
+            core.metrics.count_error(e.code);
+        }
+        outbox.push(id, &resp);
+        core.in_flight.set(core.in_flight.get() - 1);
+        info.in_flight.set(info.in_flight.get() - 1);
+        core.lifecycle.wake_all();
+    })
+    .detach();
+}
+
+fn log_err(shard: &str, e: LogError) -> Response {
+    match e {
+        LogError::Stopped(r) => wire_err(ErrorCode::Unavailable, format!("shard {shard} is stopped: {r}")),
+        LogError::Closed => wire_err(ErrorCode::Unavailable, format!("shard {shard} is shutting down")),
+        LogError::Empty => wire_err(ErrorCode::InvalidRequest, "a publish needs at least one record"),
+        other => wire_err(ErrorCode::Internal, format!("shard {shard}: {other}")),
+    }
+}
+
+async fn handle<S: Storage>(core: &Rc<Core<S>>, info: &Rc<ConnInfo>, req: Request) -> Response {
+    match req {
+        Request::Hello { .. } => wire_err(ErrorCode::InvalidRequest, "HELLO was already sent on this connection"),
+        Request::Ping => Response::Pong,
+        Request::CreateStream { stream, shards, retention_bytes, retention_ms } => {
+            core.create_stream(&stream, shards, retention_bytes, retention_ms).await
+        }
+        Request::DescribeStream { stream } => {
+            let name = match to_name(&stream) {
+                Ok(n) => n,
+                Err(e) => return e,
+            };
+            let meta = core.shared.catalog.lock().unwrap().get(&name).cloned();
+            match meta {
+                Some(m) => Response::Stream(core.stream_info(&m)),
+                None => wire_err(ErrorCode::NotFound, format!("no stream {name}")),
+            }
+        }
+        Request::ListStreams { tenant } => {
+            let metas: Vec<_> = core
+                .shared
+                .catalog
+                .lock()
+                .unwrap()
+                .values()
+                .filter(|m| tenant.as_deref().is_none_or(|t| m.name.tenant() == t))
+                .cloned()
+                .collect();
+            Response::Streams(metas.iter().map(|m| core.stream_info(m)).collect())
+        }
+        Request::DeleteStream { stream } => core.delete_stream(&stream).await,
+        Request::DescribeShard { stream, shard } => match core.shard(&stream, shard) {
+            Ok(s) => {
+                let st = s.log.stats();
+                Response::Shard(ShardInfo {
+                    stream,
+                    shard,
+                    core: core.core_id(),
+                    start_offset: st.start.0,
+                    end_offset: st.end.0,
+                    bytes: st.bytes,
+                    segments: st.segments,
+                    stopped: st.stopped,
+                })
+            }
+            Err(e) => e,
+        },
+        Request::Publish { stream, target, ack, records } => publish(core, stream, target, ack, records).await,
+        Request::Read { stream, shard, from, max_records, max_bytes, wait_ms } => {
+            read(core, stream, shard, from, max_records, max_bytes, wait_ms).await
+        }
+        other => crate::groups::handle(core, info, other).await,
+    }
+}
+
+async fn publish<S: Storage>(
+    core: &Rc<Core<S>>,
+    stream: StreamRef,
+    target: PublishTarget,
+    ack: AckMode,
+    records: Vec<felix_wire::RecordIn>,
+) -> Response {
+    let shard_no = match &target {
+        PublishTarget::Shard(s) => *s,
+        PublishTarget::Key(k) => match core.shard_count(&stream) {
+            Some(n) => felix_wire::shard_for_key(k, n),
+            None => match core.shard(&stream, 0) {
+                Err(e) => return e,
+                Ok(_) => unreachable!("a stream with a shard has a count"),
+            },
+        },
+    };
+    let shard = match core.shard(&stream, shard_no) {
+        Ok(s) => s,
+        Err(e) => return e,
+    };
+    if records.is_empty() {
+        return wire_err(ErrorCode::InvalidRequest, "a publish needs at least one record");
+    }
+    let max = core.shared.config.max_records_per_publish;
+    if records.len() as u64 > max as u64 {
+        return wire_err(ErrorCode::TooLarge, format!("{} records in one publish; the limit is {max}", records.len()));
+    }
+    let now = now_ms();
+    let mut bytes = 0u64;
+    let recs: Vec<LogRecordIn> = records
+        .into_iter()
+        .map(|r| {
+            bytes += r.payload.len() as u64;
+            LogRecordIn {
+                timestamp_ms: r.timestamp_ms.unwrap_or(now),
+                key: r.key,
+                headers: r.headers,
+                payload: r.payload,
+            }
+        })
+        .collect();
+    if let Err(e) = shard.log.wait_room().await {
+        return log_err(&shard.name(), e);
+    }
+    let appended = match shard.log.append(&recs) {
+        Ok(a) => a,
+        Err(e) => return log_err(&shard.name(), e),
+    };
+    let frontier = match ack {
+        AckMode::Queued => Frontier::Queued,
+        AckMode::Durable => Frontier::Durable,
+        AckMode::Default if core.shared.config.ack_on_commit => Frontier::Durable,
+        AckMode::Default => Frontier::Queued,
+    };
+    if let Err(e) = shard.log.wait(appended.lsn, frontier).await {
+        return log_err(&shard.name(), e);
+    }
+    let m = &core.metrics;
+    m.publish_records.set(m.publish_records.get() + appended.count as u64);
+    m.publish_bytes.set(m.publish_bytes.get() + bytes);
+    Response::Published {
+        shard: shard_no,
+        base_offset: appended.base.0,
+        count: appended.count,
+    }
+}
+
+pub(crate) fn to_wire_record(r: felix_engine::format::Record) -> Record {
+    Record {
+        offset: r.offset.0,
+        timestamp_ms: r.timestamp_ms,
+        key: r.key,
+        headers: r.headers,
+        payload: r.payload,
+    }
+}
+
+/// Resolve a start position against a shard, refusing offsets past the tail.
+pub(crate) fn resolve_start<S: Storage>(shard: &Shard<S>, from: StartPosition) -> Result<Offset, Response> {
+    let (start, end) = (shard.log.start(), shard.log.end());
+    match from {
+        StartPosition::Earliest => Ok(start),
+        StartPosition::Latest => Ok(end),
+        StartPosition::Offset(n) if n > end.0 => Err(wire_err(
+            ErrorCode::InvalidRequest,
+            format!("offset {n} is past the tail of shard {} (end {})", shard.name(), end.0),
+        )),
+        StartPosition::Offset(n) => Ok(Offset(n)),
+    }
+}
+
+/// Wait until `f` is ready or `ms` pass; `None` on timeout.
+pub(crate) async fn with_timeout<T>(ms: u64, f: impl std::future::Future<Output = T>) -> Option<T> {
+    let sleep = async {
+        glommio::timer::sleep(Duration::from_millis(ms)).await;
+        None
+    };
+    futures_lite::future::or(async { Some(f.await) }, sleep).await
+}
+
+async fn read<S: Storage>(
+    core: &Rc<Core<S>>,
+    stream: StreamRef,
+    shard: u32,
+    from: StartPosition,
+    max_records: u32,
+    max_bytes: u32,
+    wait_ms: u32,
+) -> Response {
+    let s = match core.shard(&stream, shard) {
+        Ok(s) => s,
+        Err(e) => return e,
+    };
+    let from = match resolve_start(&s, from) {
+        Ok(o) => o,
+        Err(e) => return e,
+    };
+    let c = &core.shared.config;
+    let limits = ReadLimits {
+        max_records: max_records.clamp(1, c.max_records_per_read) as usize,
+        max_bytes: max_bytes.clamp(1, c.max_bytes_per_read) as usize,
+    };
+    let wait = (wait_ms as u64).min(c.max_wait_ms);
+    if wait > 0 && s.log.end() <= from {
+        let _ = with_timeout(wait, s.log.wait_for_offset(from)).await;
+    }
+    match s.log.read(from, limits).await {
+        Ok(r) => {
+            core.metrics.read_records.set(core.metrics.read_records.get() + r.records.len() as u64);
+            Response::Records {
+                start_offset: r.start.0,
+                next_offset: r.next.0,
+                end_offset: r.end.0,
+                records: r.records.into_iter().map(to_wire_record).collect(),
+            }
+        }
+        Err(e) => log_err(&s.name(), e),
+    }
+}
+
+#[allow(dead_code)]
+fn _assert_wire_error_is_used(_: WireError) {}

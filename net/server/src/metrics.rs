@@ -1,0 +1,213 @@
+//! Metrics: plain `Cell` counters on each core, merged at scrape time (the
+//! scrape is the one other use of cross-core messages, off the hot path) and
+//! served as Prometheus text over HTTP by core 0.
+
+use crate::broker::{Core, CoreMsg};
+use felix_engine::log::{SyncStats, SYNC_BUCKETS_US};
+use felix_engine::storage::Storage;
+use felix_wire::ErrorCode;
+use futures_lite::{AsyncReadExt, AsyncWriteExt};
+use std::cell::{Cell, RefCell};
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::rc::Rc;
+use tokio::sync::oneshot;
+
+#[derive(Default)]
+pub(crate) struct CoreMetrics {
+    pub requests: RefCell<BTreeMap<&'static str, u64>>,
+    pub errors: RefCell<BTreeMap<&'static str, u64>>,
+    pub publish_records: Cell<u64>,
+    pub publish_bytes: Cell<u64>,
+    pub read_records: Cell<u64>,
+    pub group_delivered: Cell<u64>,
+    pub group_acked: Cell<u64>,
+    pub group_polls_capped: Cell<u64>,
+    pub connections_open: Cell<u64>,
+    pub connections_accepted: Cell<u64>,
+    pub connections_refused: Cell<u64>,
+    pub handoffs: Cell<u64>,
+}
+
+impl CoreMetrics {
+    pub fn count_request(&self, op: &'static str) {
+        *self.requests.borrow_mut().entry(op).or_default() += 1;
+    }
+    pub fn count_error(&self, code: ErrorCode) {
+        *self.errors.borrow_mut().entry(code.as_str()).or_default() += 1;
+    }
+    pub fn snapshot(&self) -> MetricsSnapshot {
+        MetricsSnapshot {
+            requests: self.requests.borrow().iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            errors: self.errors.borrow().iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            counters: vec![
+                ("felix_publish_records_total", self.publish_records.get()),
+                ("felix_publish_bytes_total", self.publish_bytes.get()),
+                ("felix_read_records_total", self.read_records.get()),
+                ("felix_group_records_delivered_total", self.group_delivered.get()),
+                ("felix_group_records_acked_total", self.group_acked.get()),
+                ("felix_group_polls_capped_total", self.group_polls_capped.get()),
+                ("felix_connections_accepted_total", self.connections_accepted.get()),
+                ("felix_connections_refused_total", self.connections_refused.get()),
+                ("felix_connection_handoffs_total", self.handoffs.get()),
+            ],
+            connections_open: self.connections_open.get(),
+            shards: Vec::new(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+pub(crate) struct ShardSnapshot {
+    pub stream: String,
+    pub shard: u32,
+    pub start: u64,
+    pub end: u64,
+    pub bytes: u64,
+    pub stopped: bool,
+    pub flushes: u64,
+    pub bytes_written: u64,
+    pub sync: SyncStats,
+}
+
+/// One core's numbers, `Send` so they can cross to the scraping core.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct MetricsSnapshot {
+    pub requests: BTreeMap<String, u64>,
+    pub errors: BTreeMap<String, u64>,
+    pub counters: Vec<(&'static str, u64)>,
+    pub connections_open: u64,
+    pub shards: Vec<ShardSnapshot>,
+}
+
+impl MetricsSnapshot {
+    fn merge(&mut self, o: MetricsSnapshot) {
+        for (k, v) in o.requests {
+            *self.requests.entry(k).or_default() += v;
+        }
+        for (k, v) in o.errors {
+            *self.errors.entry(k).or_default() += v;
+        }
+        if self.counters.is_empty() {
+            self.counters = o.counters;
+        } else {
+            for (a, b) in self.counters.iter_mut().zip(o.counters) {
+                a.1 += b.1;
+            }
+        }
+        self.connections_open += o.connections_open;
+        self.shards.extend(o.shards);
+    }
+
+    /// Prometheus text exposition format 0.0.4.
+    pub fn render(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(s, "# HELP felix_requests_total Requests handled, by operation.\n# TYPE felix_requests_total counter");
+        for (op, n) in &self.requests {
+            let _ = writeln!(s, "felix_requests_total{{op=\"{op}\"}} {n}");
+        }
+        let _ = writeln!(s, "# HELP felix_errors_total Error responses, by code.\n# TYPE felix_errors_total counter");
+        for (code, n) in &self.errors {
+            let _ = writeln!(s, "felix_errors_total{{code=\"{code}\"}} {n}");
+        }
+        for (name, v) in &self.counters {
+            let _ = writeln!(s, "# TYPE {name} counter\n{name} {v}");
+        }
+        let _ = writeln!(s, "# TYPE felix_connections_open gauge\nfelix_connections_open {}", self.connections_open);
+        let mut sync = SyncStats::default();
+        let (mut flushes, mut written) = (0, 0);
+        let _ = writeln!(s, "# HELP felix_shard_end_offset One past the last durable offset of a shard.\n# TYPE felix_shard_end_offset gauge");
+        for sh in &self.shards {
+            let _ = writeln!(s, "felix_shard_end_offset{{stream=\"{}\",shard=\"{}\"}} {}", sh.stream, sh.shard, sh.end);
+        }
+        let _ = writeln!(s, "# TYPE felix_shard_start_offset gauge");
+        for sh in &self.shards {
+            let _ = writeln!(s, "felix_shard_start_offset{{stream=\"{}\",shard=\"{}\"}} {}", sh.stream, sh.shard, sh.start);
+        }
+        let _ = writeln!(s, "# TYPE felix_shard_bytes gauge");
+        for sh in &self.shards {
+            let _ = writeln!(s, "felix_shard_bytes{{stream=\"{}\",shard=\"{}\"}} {}", sh.stream, sh.shard, sh.bytes);
+        }
+        let _ = writeln!(s, "# TYPE felix_shard_stopped gauge");
+        for sh in &self.shards {
+            let _ = writeln!(s, "felix_shard_stopped{{stream=\"{}\",shard=\"{}\"}} {}", sh.stream, sh.shard, sh.stopped as u8);
+            sync.merge(&sh.sync);
+            flushes += sh.flushes;
+            written += sh.bytes_written;
+        }
+        let _ = writeln!(s, "# TYPE felix_flushes_total counter\nfelix_flushes_total {flushes}");
+        let _ = writeln!(s, "# TYPE felix_disk_bytes_written_total counter\nfelix_disk_bytes_written_total {written}");
+        let _ = writeln!(s, "# HELP felix_fsync_seconds fdatasync latency.\n# TYPE felix_fsync_seconds histogram");
+        let mut cum = 0;
+        for (i, le) in SYNC_BUCKETS_US.iter().enumerate() {
+            cum += sync.buckets[i];
+            let _ = writeln!(s, "felix_fsync_seconds_bucket{{le=\"{}\"}} {cum}", *le as f64 / 1e6);
+        }
+        let _ = writeln!(s, "felix_fsync_seconds_bucket{{le=\"+Inf\"}} {}", sync.count);
+        let _ = writeln!(s, "felix_fsync_seconds_sum {}", sync.sum_us as f64 / 1e6);
+        let _ = writeln!(s, "felix_fsync_seconds_count {}", sync.count);
+        s
+    }
+}
+
+/// Gather every core's snapshot and merge them.
+pub(crate) async fn scrape<S: Storage>(core: &Rc<Core<S>>) -> MetricsSnapshot {
+    let mut total = MetricsSnapshot::default();
+    let mut waits = Vec::new();
+    for tx in &core.shared.senders {
+        let (reply, rx) = oneshot::channel();
+        if tx.send(CoreMsg::Scrape { reply }).is_ok() {
+            waits.push(rx);
+        }
+    }
+    for rx in waits {
+        if let Ok(s) = rx.await {
+            total.merge(s);
+        }
+    }
+    total
+}
+
+/// A minimal HTTP/1.0 server for `GET /metrics`.
+pub(crate) async fn serve_http<S: Storage>(core: Rc<Core<S>>, addr: String) {
+    let listener = match std::net::TcpListener::bind(&addr) {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!("cannot serve metrics on {addr}: {e}");
+            return;
+        }
+    };
+    let _ = listener.set_nonblocking(true);
+    // SAFETY: ownership of the bound, listening descriptor moves to glommio.
+    let listener = unsafe {
+        <glommio::net::TcpListener as std::os::fd::FromRawFd>::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(listener))
+    };
+    tracing::info!("metrics on http://{addr}/metrics");
+    loop {
+        let Ok(mut stream) = listener.accept().await else {
+            if core.stopping.get() {
+                return;
+            }
+            continue;
+        };
+        let core = core.clone();
+        glommio::spawn_local(async move {
+            let mut buf = [0u8; 2048];
+            let n = stream.read(&mut buf).await.unwrap_or(0);
+            let req = String::from_utf8_lossy(&buf[..n]);
+            let (status, body) = if req.starts_with("GET /metrics") || req.starts_with("GET / ") {
+                ("200 OK", scrape(&core).await.render())
+            } else {
+                ("404 Not Found", "try /metrics\n".to_string())
+            };
+            let head = format!(
+                "HTTP/1.0 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            );
+            let _ = stream.write_all(head.as_bytes()).await;
+            let _ = stream.write_all(body.as_bytes()).await;
+            let _ = stream.close().await;
+        })
+        .detach();
+    }
+}
