@@ -11,6 +11,7 @@ pub mod types;
 
 pub use types::{CoreId, NameError, Offset, ShardId, ShardKey, StreamName};
 pub mod format;
+pub mod group;
 pub mod log;
 pub mod notify;
 pub mod runtime;

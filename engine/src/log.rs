@@ -491,7 +491,7 @@ impl<S: Storage> ShardLog<S> {
                 }
                 // An unsealed tail normally ends in zero padding (partial
                 // last page); anything else is a torn or corrupt write.
-                if pos < align_down(size) || !reason.starts_with("zero") {
+                if align_up(pos) != size || !reason.starts_with("zero") {
                     tracing::warn!(
                     segment = %path.display(),
                     position = pos,
@@ -781,7 +781,7 @@ impl<S: Storage> ShardLog<S> {
             i.pending.drain(..).collect()
         };
         let mut dirty: Option<Rc<S::File>> = None;
-        for chunk in chunks {
+        for mut chunk in chunks {
             let (active_base, dir) = {
                 let i = self.inner.borrow();
                 (i.active_base(), i.dir.clone())
@@ -833,7 +833,7 @@ impl<S: Storage> ShardLog<S> {
                 );
                 i.tail_page.clear();
             }
-            let file = self.write_chunk(&chunk).await?;
+            let file = self.write_chunk(&mut chunk).await?;
             dirty = Some(file);
         }
         if let Some(f) = dirty {
@@ -854,7 +854,7 @@ impl<S: Storage> ShardLog<S> {
 
     /// Write one chunk at the end of the active segment (rewriting its
     /// partial last page), in pieces with at most `io_depth` in flight.
-    async fn write_chunk(&self, chunk: &Chunk) -> Result<Rc<S::File>, LogError> {
+    async fn write_chunk(&self, chunk: &mut Chunk) -> Result<Rc<S::File>, LogError> {
         let (file, seg_len, tail, chunk_bytes, depth) = {
             let i = self.inner.borrow();
             let s = i.segments.values().next_back().unwrap();
@@ -910,7 +910,6 @@ impl<S: Storage> ShardLog<S> {
         }
         // The bytes are on the device (not yet synced): advance `written`,
         // index the batches, keep them for tail reads.
-        let shared = Bytes::copy_from_slice(&chunk.buf);
         let mut i = self.inner.borrow_mut();
         let interval = i.config.index_interval_bytes;
         let cache_max = i.config.read_cache_bytes;
@@ -932,6 +931,8 @@ impl<S: Storage> ShardLog<S> {
         };
         i.tail_page = new_tail;
         i.bytes_written += written_bytes;
+        // The chunk's buffer becomes the cache's memory without a copy.
+        let shared = Bytes::from(std::mem::take(&mut chunk.buf));
         let mut written = i.written;
         {
             let seg = i.segments.values_mut().next_back().unwrap();

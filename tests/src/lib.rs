@@ -1,1 +1,189 @@
-//! Test support
+//! Support for end-to-end tests: start, kill -9 and restart real broker
+//! processes on loopback, and wait on conditions with deadlines instead of
+//! sleeping.
+
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A broker process under test.
+pub struct Broker {
+    bin: String,
+    child: Option<Child>,
+    pub addr: String,
+    pub metrics_addr: String,
+    data_dir: Option<PathBuf>,
+    _tmp: Option<tempfile::TempDir>,
+    env: Vec<(String, String)>,
+    cores: u32,
+}
+
+
+/// How to start a broker.
+#[derive(Clone, Debug)]
+pub struct BrokerOptions {
+    pub cores: u32,
+    pub durable: bool,
+    pub env: Vec<(String, String)>,
+}
+
+impl Default for BrokerOptions {
+    fn default() -> Self {
+        BrokerOptions {
+            cores: 2,
+            durable: true,
+            env: Vec::new(),
+        }
+    }
+}
+
+impl BrokerOptions {
+    pub fn env(mut self, k: &str, v: impl ToString) -> Self {
+        self.env.push((k.to_string(), v.to_string()));
+        self
+    }
+    pub fn cores(mut self, n: u32) -> Self {
+        self.cores = n;
+        self
+    }
+    pub fn in_memory(mut self) -> Self {
+        self.durable = false;
+        self
+    }
+}
+
+/// Start a broker from an integration test (the binary's path is only known
+/// there): `let b = felix_tests::start_broker!(BrokerOptions::default());`
+#[macro_export]
+macro_rules! start_broker {
+    ($opts:expr) => {
+        $crate::Broker::start_with(env!("CARGO_BIN_EXE_felix-test-broker"), $opts)
+    };
+}
+
+impl Broker {
+    pub fn start_with(bin: &str, opts: BrokerOptions) -> Broker {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let data_dir = opts.durable.then(|| tmp.path().join("data"));
+        let mut b = Broker {
+            bin: bin.to_string(),
+            child: None,
+            addr: "127.0.0.1:0".into(),
+            metrics_addr: "127.0.0.1:0".into(),
+            data_dir,
+            _tmp: Some(tmp),
+            env: opts.env,
+            cores: opts.cores,
+        };
+        b.spawn();
+        b
+    }
+
+    pub fn data_dir(&self) -> Option<&Path> {
+        self.data_dir.as_deref()
+    }
+
+    fn spawn(&mut self) {
+        let bin = &self.bin;
+        let dir = self
+            .data_dir
+            .as_ref()
+            .map(|d| d.display().to_string())
+            .unwrap_or_else(|| "-".into());
+        let mut cmd = Command::new(bin);
+        cmd.arg(dir)
+            .arg(&self.addr)
+            .arg(self.cores.to_string())
+            .env("FELIX_METRICS_LISTEN", "127.0.0.1:0")
+            .env("RUST_LOG", std::env::var("FELIX_TEST_LOG").unwrap_or_else(|_| "warn".into()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped());
+        for (k, v) in &self.env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("start broker");
+        // The broker prints the addresses it bound (port 0 picks free ports).
+        let out = child.stdout.take().expect("stdout");
+        let mut lines = std::io::BufRead::lines(std::io::BufReader::new(out));
+        let mut found = 0;
+        while found < 2 {
+            let Some(Ok(line)) = lines.next() else {
+                panic!("broker exited before announcing its address");
+            };
+            if let Some(a) = line.strip_prefix("felix: listening on ") {
+                self.addr = a.trim().to_string();
+                found += 1;
+            } else if let Some(a) = line.strip_prefix("felix: metrics on http://") {
+                self.metrics_addr = a.trim().trim_end_matches("/metrics").to_string();
+                found += 1;
+            }
+        }
+        // Keep draining stdout so the broker never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        self.child = Some(child);
+        wait_until(Duration::from_secs(20), || TcpStream::connect(&self.addr).is_ok())
+            .unwrap_or_else(|_| panic!("broker did not start listening on {}", self.addr));
+    }
+
+    /// `kill -9`: no shutdown, no flush.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM and wait for the exit status.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let mut c = self.child.take().expect("running");
+        // SAFETY: sending a signal to our own child process.
+        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+        c.wait().expect("wait")
+    }
+
+    /// Start again on the same data directory and address.
+    pub fn restart(&mut self) {
+        self.kill9();
+        self.spawn();
+    }
+
+    /// The Prometheus text of the broker's metrics endpoint.
+    pub fn metrics(&self) -> String {
+        use std::io::{Read, Write};
+        let mut s = TcpStream::connect(&self.metrics_addr).expect("metrics connect");
+        s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out
+    }
+
+    /// Sum of a metric's samples (all label sets).
+    pub fn metric(&self, name: &str) -> f64 {
+        self.metrics()
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// Poll `cond` until it holds or `deadline` passes.
+pub fn wait_until(deadline: Duration, mut cond: impl FnMut() -> bool) -> Result<(), ()> {
+    let end = Instant::now() + deadline;
+    while Instant::now() < end {
+        if cond() {
+            return Ok(());
+        }
+        std::thread::yield_now();
+        std::thread::park_timeout(Duration::from_millis(20));
+    }
+    Err(())
+}

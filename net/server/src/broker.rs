@@ -482,13 +482,26 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
         broker_id: format!("felix-{}", std::process::id()),
     });
     let receivers = Arc::new(Mutex::new(receivers));
-    let listen = config.listen.clone();
-    // Bind once up front so a bad address fails fast with a clear message.
-    {
-        let probe = std::net::TcpListener::bind(&listen)
-            .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
-        drop(probe);
+    // Reserve the address up front (port 0 picks a free port), so a bad or
+    // busy address fails fast with a clear message, and every core then
+    // binds exactly the same port.
+    let reservation = reserve_port(&config.listen)?;
+    let listen = reservation.1.to_string();
+    let metrics_listener = match &config.metrics_listen {
+        Some(a) => {
+            let l = std::net::TcpListener::bind(a)
+                .map_err(|e| format!("cannot serve metrics on {a}: {e}"))?;
+            l.set_nonblocking(true).map_err(|e| e.to_string())?;
+            Some(l)
+        }
+        None => None,
+    };
+    // Announce the real addresses on stdout (scripts and tests read them).
+    println!("felix: listening on {listen}");
+    if let Some(l) = &metrics_listener {
+        println!("felix: metrics on http://{}/metrics", l.local_addr().map_err(|e| e.to_string())?);
     }
+    let metrics_listener = Arc::new(Mutex::new(metrics_listener));
     install_signal_thread(shared.clone());
     let warm = config.data_dir.clone();
     let sh = shared.clone();
@@ -500,18 +513,58 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
             .expect("one mailbox per core");
         let metas = metas.clone();
         let listen = listen.clone();
+        let metrics = if ctx.core.0 == 0 { metrics_listener.lock().unwrap().take() } else { None };
         async move {
             if shared.durable {
                 let storage = felix_engine::storage::dma::DmaStorage::new();
-                core_main(ctx, shared, storage, rx, metas, listen).await;
+                core_main(ctx, shared, storage, rx, metas, listen, metrics).await;
             } else {
                 let storage = felix_engine::storage::sim::SimStorage::new();
-                core_main(ctx, shared, storage, rx, metas, listen).await;
+                core_main(ctx, shared, storage, rx, metas, listen, metrics).await;
             }
         }
     })
     .map_err(|e| e.to_string())?;
-    runtime.join().map_err(|e| e.to_string())
+    let r = runtime.join().map_err(|e| e.to_string());
+    drop(reservation);
+    r
+}
+
+/// A bound (not listening) SO_REUSEPORT socket holding the broker's port
+/// while the cores bind theirs; returns it and the resolved address.
+fn reserve_port(addr: &str) -> Result<(std::os::fd::OwnedFd, std::net::SocketAddr), String> {
+    use std::net::ToSocketAddrs;
+    use std::os::fd::FromRawFd;
+    let sa = addr
+        .to_socket_addrs()
+        .map_err(|e| format!("bad listen address {addr:?}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("listen address {addr:?} resolves to nothing"))?;
+    let std::net::SocketAddr::V4(v4) = sa else {
+        return Err(format!("listen address {sa}: only IPv4 is supported for now"));
+    };
+    // SAFETY: plain socket calls on a descriptor we own; the sockaddr is a
+    // fully initialised sockaddr_in.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(format!("socket: {}", std::io::Error::last_os_error()));
+        }
+        let owned = std::os::fd::OwnedFd::from_raw_fd(fd);
+        let one: libc::c_int = 1;
+        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_REUSEPORT, &one as *const _ as *const libc::c_void, 4);
+        let mut sin: libc::sockaddr_in = std::mem::zeroed();
+        sin.sin_family = libc::AF_INET as libc::sa_family_t;
+        sin.sin_port = v4.port().to_be();
+        sin.sin_addr.s_addr = u32::from_ne_bytes(v4.ip().octets());
+        if libc::bind(fd, &sin as *const _ as *const libc::sockaddr, std::mem::size_of::<libc::sockaddr_in>() as u32) != 0 {
+            return Err(format!("cannot listen on {addr}: {}", std::io::Error::last_os_error()));
+        }
+        let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        libc::getsockname(fd, &mut sin as *mut _ as *mut libc::sockaddr, &mut len);
+        let port = u16::from_be(sin.sin_port);
+        Ok((owned, std::net::SocketAddr::new(std::net::IpAddr::V4(*v4.ip()), port)))
+    }
 }
 
 async fn core_main<S: Storage>(
@@ -521,6 +574,7 @@ async fn core_main<S: Storage>(
     rx: mpsc::UnboundedReceiver<CoreMsg>,
     metas: Arc<Vec<StreamMeta>>,
     listen: String,
+    metrics: Option<std::net::TcpListener>,
 ) {
     let core = Rc::new(Core {
         ctx,
@@ -548,8 +602,8 @@ async fn core_main<S: Storage>(
         }
     };
     if core.core_id() == 0 {
-        if let Some(addr) = shared.config.metrics_listen.clone() {
-            glommio::spawn_local(crate::metrics::serve_http(core.clone(), addr)).detach();
+        if let Some(l) = metrics {
+            glommio::spawn_local(crate::metrics::serve_http(core.clone(), l)).detach();
         }
         tracing::info!(
             listen = %listen,

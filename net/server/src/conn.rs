@@ -53,6 +53,9 @@ struct Outbox {
     buf: RefCell<BytesMut>,
     ready: WaitList,
     closed: Cell<bool>,
+    /// The socket moved to another core: close our descriptor only, never
+    /// shut the connection down.
+    handed_off: Cell<bool>,
 }
 
 impl Outbox {
@@ -67,8 +70,10 @@ impl Outbox {
 
 /// Per-connection facts a request handler needs.
 pub(crate) struct ConnInfo {
+    #[allow(dead_code)] // logged by request tracing
     pub id: u64,
     pub features: Cell<u64>,
+    #[allow(dead_code)] // used by groups (names are scoped to it)
     pub principal: String,
     pub in_flight: Cell<usize>,
 }
@@ -101,6 +106,7 @@ pub(crate) async fn serve<S: Storage>(core: Rc<Core<S>>, stream: TcpStream, buff
         buf: RefCell::new(BytesMut::with_capacity(64 * 1024)),
         ready: WaitList::new(),
         closed: Cell::new(false),
+        handed_off: Cell::new(false),
     });
     let writer = glommio::spawn_local(write_loop(sock.clone(), outbox.clone()));
     let mut said_hello = false;
@@ -123,6 +129,7 @@ pub(crate) async fn serve<S: Storage>(core: Rc<Core<S>>, stream: TcpStream, buff
                                         all.extend_from_slice(&rbuf);
                                         if hand_off(&core, &sock, want, all.to_vec()) {
                                             handed_off = true;
+                                            outbox.handed_off.set(true);
                                             break 'conn;
                                         }
                                     }
@@ -255,7 +262,9 @@ async fn write_loop(mut sock: Shared, outbox: Rc<Outbox>) {
             }
             None => {
                 if outbox.closed.get() {
-                    let _ = sock.0.borrow().shutdown(std::net::Shutdown::Write).await;
+                    if !outbox.handed_off.get() {
+                        let _ = sock.0.borrow().shutdown(std::net::Shutdown::Write).await;
+                    }
                     return;
                 }
                 outbox.ready.wait().await;

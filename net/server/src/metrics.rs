@@ -169,20 +169,11 @@ pub(crate) async fn scrape<S: Storage>(core: &Rc<Core<S>>) -> MetricsSnapshot {
 }
 
 /// A minimal HTTP/1.0 server for `GET /metrics`.
-pub(crate) async fn serve_http<S: Storage>(core: Rc<Core<S>>, addr: String) {
-    let listener = match std::net::TcpListener::bind(&addr) {
-        Ok(l) => l,
-        Err(e) => {
-            tracing::error!("cannot serve metrics on {addr}: {e}");
-            return;
-        }
-    };
-    let _ = listener.set_nonblocking(true);
+pub(crate) async fn serve_http<S: Storage>(core: Rc<Core<S>>, listener: std::net::TcpListener) {
     // SAFETY: ownership of the bound, listening descriptor moves to glommio.
     let listener = unsafe {
         <glommio::net::TcpListener as std::os::fd::FromRawFd>::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(listener))
     };
-    tracing::info!("metrics on http://{addr}/metrics");
     loop {
         let Ok(mut stream) = listener.accept().await else {
             if core.stopping.get() {

@@ -1,0 +1,1272 @@
+//! [`Client`]: connections per core, placement, and every call.
+
+use std::collections::HashMap;
+use std::future::{Future, IntoFuture};
+use std::pin::Pin;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use felix_wire::{
+    AckMode, DeadLetterInfo, ErrorCode, GroupInfo, GroupKey, GroupMemberRef, GroupRecord,
+    PublishTarget, RecordIn, Request, Response, ShardInfo, StartPosition, StreamInfo, StreamRef,
+    FEATURE_GROUPS, FEATURE_GROUP_ADMIN, FEATURE_GROUP_CLAIM_CONTROL, FEATURE_GROUP_SKIPPED,
+    FEATURE_PUBLISH_ACK_MODE,
+};
+use tokio::net::ToSocketAddrs;
+
+use crate::config::ClientConfig;
+use crate::conn::Conn;
+use crate::error::{ClientError, Result};
+use crate::subscribe::Subscription;
+use crate::types::{GroupMember, GroupPollOptions, Published, ReadBatch, StreamOptions};
+
+/// A connection to one Felix broker.
+///
+/// Cheap to clone: clones share connections and the placement cache, and
+/// can be used from many tasks at once. Every call may be issued
+/// concurrently; requests are pipelined on each connection and answered out
+/// of order, so a long poll never holds up an acknowledgement.
+///
+/// The client keeps one connection per broker core. A request about a shard
+/// goes to the connection of the core that owns the shard (learned from
+/// [`describe_stream`](Client::describe_stream) and cached); if the broker
+/// answers `wrong_core`, the client refreshes the placement and retries once
+/// on the core the broker named. Connections open lazily and are reopened
+/// after a failure, waiting an exponentially growing delay between failed
+/// attempts. A request in flight on a connection that drops fails with
+/// [`ClientError::Disconnected`]; nothing is resent behind your back.
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("addrs", &self.inner.addrs)
+            .field("cores", &self.cores())
+            .field("features", &format_args!("{:#x}", self.features()))
+            .finish()
+    }
+}
+
+struct Inner {
+    config: ClientConfig,
+    addrs: Vec<SocketAddr>,
+    /// Features of the most recent HELLO: what every check uses.
+    features: AtomicU64,
+    cores: AtomicU32,
+    broker: Mutex<String>,
+    /// Core of the first connection; carries requests not about a shard.
+    home_core: u32,
+    slots: Mutex<HashMap<u32, Arc<Slot>>>,
+    placement: Mutex<HashMap<StreamRef, Arc<Placement>>>,
+}
+
+/// Shard count and owning core per shard of one stream.
+#[derive(Debug)]
+struct Placement {
+    shards: u32,
+    cores: Vec<u32>,
+}
+
+/// The connection to one core, and its reconnect state.
+struct Slot {
+    /// Bumped after every connection attempt, so callers that queued behind
+    /// a failed attempt share its failure instead of each trying in turn.
+    attempts: AtomicU64,
+    state: tokio::sync::Mutex<SlotState>,
+}
+
+struct SlotState {
+    conn: Option<Arc<Conn>>,
+    backoff: Duration,
+    retry_at: Option<Instant>,
+    last_error: Option<(std::io::ErrorKind, String)>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Milliseconds for a wire field, rounding a non-zero sub-millisecond
+/// duration up so it does not turn into "none".
+fn ms_u64(d: Duration) -> u64 {
+    let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    if ms == 0 && !d.is_zero() {
+        1
+    } else {
+        ms
+    }
+}
+
+fn ms_u32(d: Duration) -> u32 {
+    u32::try_from(ms_u64(d)).unwrap_or(u32::MAX)
+}
+
+fn unexpected(resp: Response, call: &str) -> ClientError {
+    ClientError::Protocol(format!("broker answered {call} with {}", resp.name()))
+}
+
+fn published(resp: Response) -> Result<Published> {
+    match resp {
+        Response::Published {
+            shard,
+            base_offset,
+            count,
+        } => Ok(Published {
+            base_offset,
+            count,
+            shard,
+        }),
+        other => Err(unexpected(other, "publish")),
+    }
+}
+
+/// A publish sent by [`Client::begin_publish_batch`] whose answer is still
+/// to come. `.await` it for the [`Published`] offsets. Dropping it does not
+/// recall the records: they may still be written.
+#[must_use = "the publish was sent; await it to learn whether it was written"]
+pub struct PendingPublish {
+    fut: Pin<Box<dyn Future<Output = Result<Published>> + Send>>,
+}
+
+impl std::fmt::Debug for PendingPublish {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingPublish").finish_non_exhaustive()
+    }
+}
+
+impl IntoFuture for PendingPublish {
+    type Output = Result<Published>;
+    type IntoFuture = Pin<Box<dyn Future<Output = Result<Published>> + Send>>;
+    fn into_future(self) -> Self::IntoFuture {
+        self.fut
+    }
+}
+
+fn feature_name(bit: u64) -> &'static str {
+    match bit {
+        FEATURE_GROUPS => "FEATURE_GROUPS",
+        FEATURE_GROUP_SKIPPED => "FEATURE_GROUP_SKIPPED",
+        FEATURE_GROUP_CLAIM_CONTROL => "FEATURE_GROUP_CLAIM_CONTROL",
+        FEATURE_GROUP_ADMIN => "FEATURE_GROUP_ADMIN",
+        FEATURE_PUBLISH_ACK_MODE => "FEATURE_PUBLISH_ACK_MODE",
+        _ => "an unknown feature",
+    }
+}
+
+impl Client {
+    /// Resolve `addr`, open a first connection and say HELLO.
+    ///
+    /// Fails if no address answers within `config.connect_timeout`, or the
+    /// broker refuses HELLO (a bad token, an unsupported version).
+    pub async fn connect(addr: impl ToSocketAddrs, config: ClientConfig) -> Result<Client> {
+        let addrs: Vec<SocketAddr> =
+            match tokio::time::timeout(config.connect_timeout, tokio::net::lookup_host(addr)).await
+            {
+                Ok(r) => r?.collect(),
+                Err(_) => return Err(ClientError::Timeout),
+            };
+        if addrs.is_empty() {
+            return Err(ClientError::InvalidArgument(
+                "broker address resolved to nothing".into(),
+            ));
+        }
+        let conn = Conn::open(&addrs, None, &config).await?;
+        let hello = conn.hello.clone();
+        let slot = Arc::new(Slot {
+            attempts: AtomicU64::new(0),
+            state: tokio::sync::Mutex::new(SlotState {
+                conn: Some(Arc::new(conn)),
+                backoff: config.reconnect_backoff_initial,
+                retry_at: None,
+                last_error: None,
+            }),
+        });
+        tracing::debug!(broker = %hello.broker, cores = hello.cores, core = hello.core,
+            features = hello.features, "connected to felix broker");
+        Ok(Client {
+            inner: Arc::new(Inner {
+                config,
+                addrs,
+                features: AtomicU64::new(hello.features),
+                cores: AtomicU32::new(hello.cores),
+                broker: Mutex::new(hello.broker),
+                home_core: hello.core,
+                slots: Mutex::new(HashMap::from([(hello.core, slot)])),
+                placement: Mutex::new(HashMap::new()),
+            }),
+        })
+    }
+
+    /// The settings this client was built with.
+    pub fn config(&self) -> &ClientConfig {
+        &self.inner.config
+    }
+
+    /// Feature bits negotiated with the broker (`FEATURE_*`), from the most
+    /// recent HELLO.
+    pub fn features(&self) -> u64 {
+        self.inner.features.load(Ordering::Relaxed)
+    }
+
+    /// Whether the broker advertised every bit of `feature`.
+    pub fn has_feature(&self, feature: u64) -> bool {
+        self.features() & feature == feature
+    }
+
+    /// How many cores (shard owners) the broker runs.
+    pub fn cores(&self) -> u32 {
+        self.inner.cores.load(Ordering::Relaxed)
+    }
+
+    /// The broker's name and version, as it gave them in HELLO.
+    pub fn broker(&self) -> String {
+        lock(&self.inner.broker).clone()
+    }
+
+    // ----- connections and routing -------------------------------------
+
+    fn slot(&self, core: u32) -> Arc<Slot> {
+        lock(&self.inner.slots)
+            .entry(core)
+            .or_insert_with(|| {
+                Arc::new(Slot {
+                    attempts: AtomicU64::new(0),
+                    state: tokio::sync::Mutex::new(SlotState {
+                        conn: None,
+                        backoff: self.inner.config.reconnect_backoff_initial,
+                        retry_at: None,
+                        last_error: None,
+                    }),
+                })
+            })
+            .clone()
+    }
+
+    /// The live connection to `core`, opening one if needed.
+    async fn conn(&self, core: u32) -> Result<Arc<Conn>> {
+        let slot = self.slot(core);
+        let seen = slot.attempts.load(Ordering::Acquire);
+        let mut st = slot.state.lock().await;
+        if let Some(c) = &st.conn {
+            if !c.is_closed() {
+                return Ok(c.clone());
+            }
+            st.conn = None;
+        }
+        // Someone else tried while we queued for the lock, and failed.
+        if slot.attempts.load(Ordering::Acquire) != seen {
+            if let Some((kind, msg)) = &st.last_error {
+                return Err(ClientError::Io(std::io::Error::new(*kind, msg.clone())));
+            }
+        }
+        if let Some(at) = st.retry_at {
+            tokio::time::sleep_until(at.into()).await;
+        }
+        let config = &self.inner.config;
+        let result = Conn::open(&self.inner.addrs, Some(core), config).await;
+        slot.attempts.fetch_add(1, Ordering::AcqRel);
+        match result {
+            Ok(conn) => {
+                let hello = &conn.hello;
+                self.inner.features.store(hello.features, Ordering::Relaxed);
+                self.inner.cores.store(hello.cores, Ordering::Relaxed);
+                *lock(&self.inner.broker) = hello.broker.clone();
+                st.backoff = config.reconnect_backoff_initial;
+                st.retry_at = None;
+                st.last_error = None;
+                let conn = Arc::new(conn);
+                st.conn = Some(conn.clone());
+                Ok(conn)
+            }
+            Err(e) => {
+                tracing::debug!(core, error = %e, backoff = ?st.backoff, "felix connect failed");
+                st.retry_at = Some(Instant::now() + st.backoff);
+                st.backoff = (st.backoff * 2).min(config.reconnect_backoff_max);
+                let kind = match &e {
+                    ClientError::Io(io) => io.kind(),
+                    ClientError::Timeout => std::io::ErrorKind::TimedOut,
+                    _ => std::io::ErrorKind::Other,
+                };
+                st.last_error = Some((kind, e.to_string()));
+                Err(e)
+            }
+        }
+    }
+
+    /// Send on `core`'s connection; `wait` is the server-side wait the
+    /// request carries, added to the request timeout.
+    async fn call_core(&self, core: u32, req: &Request, wait: Duration) -> Result<Response> {
+        let conn = self.conn(core).await?;
+        let timeout = self.inner.config.request_timeout.saturating_add(wait);
+        conn.call(req, timeout).await
+    }
+
+    /// A request not about one shard: any core serves it.
+    async fn call_any(&self, req: &Request) -> Result<Response> {
+        match self
+            .call_core(self.inner.home_core, req, Duration::ZERO)
+            .await?
+        {
+            Response::Error(e) => Err(e.into()),
+            resp => Ok(resp),
+        }
+    }
+
+    fn cache_placement(&self, info: &StreamInfo) -> Arc<Placement> {
+        let p = Arc::new(Placement {
+            shards: info.shards,
+            cores: info.placement.clone(),
+        });
+        lock(&self.inner.placement).insert(info.stream.clone(), p.clone());
+        p
+    }
+
+    async fn placement(&self, stream: &StreamRef, refresh: bool) -> Result<Arc<Placement>> {
+        if !refresh {
+            if let Some(p) = lock(&self.inner.placement).get(stream) {
+                return Ok(p.clone());
+            }
+        }
+        let info = self.describe_stream_ref(stream).await?;
+        Ok(self.cache_placement(&info))
+    }
+
+    async fn core_for(&self, stream: &StreamRef, shard: u32) -> Result<u32> {
+        if self.cores() <= 1 {
+            return Ok(self.inner.home_core);
+        }
+        let p = self.placement(stream, false).await?;
+        // A shard the placement does not know: let the broker answer.
+        Ok(p.cores
+            .get(shard as usize)
+            .copied()
+            .unwrap_or(self.inner.home_core))
+    }
+
+    /// Send a request about `shard` to the core that owns it, following one
+    /// `wrong_core` redirect.
+    async fn call_shard(
+        &self,
+        stream: &StreamRef,
+        shard: u32,
+        req: &Request,
+        wait: Duration,
+    ) -> Result<Response> {
+        let core = self.core_for(stream, shard).await?;
+        match self.call_core(core, req, wait).await? {
+            Response::Error(e) if e.code == ErrorCode::WrongCore => {
+                self.redirect(stream, shard, req, e, wait).await
+            }
+            Response::Error(e) => Err(e.into()),
+            resp => Ok(resp),
+        }
+    }
+
+    /// After a `wrong_core` answer: refresh the stream's placement and send
+    /// once more, to the core the broker named (or the fresh placement's).
+    async fn redirect(
+        &self,
+        stream: &StreamRef,
+        shard: u32,
+        req: &Request,
+        e: felix_wire::WireError,
+        wait: Duration,
+    ) -> Result<Response> {
+        tracing::debug!(%stream, shard, right = ?e.core, "wrong_core; refreshing placement");
+        let fresh = match self.placement(stream, true).await {
+            Ok(p) => p.cores.get(shard as usize).copied(),
+            Err(_) => None,
+        };
+        let Some(right) = e.core.or(fresh) else {
+            return Err(e.into());
+        };
+        match self.call_core(right, req, wait).await? {
+            Response::Error(e) => Err(e.into()),
+            resp => Ok(resp),
+        }
+    }
+
+    fn require(&self, bits: u64, what: &str) -> Result<()> {
+        let missing = bits & !self.features();
+        if missing == 0 {
+            return Ok(());
+        }
+        let names: Vec<&str> = (0..64)
+            .map(|i| 1u64 << i)
+            .filter(|b| missing & b != 0)
+            .map(feature_name)
+            .collect();
+        Err(ClientError::Unsupported(format!(
+            "{what} needs {}, which the broker does not advertise",
+            names.join(" and ")
+        )))
+    }
+
+    // ----- streams -------------------------------------------------------
+
+    /// Create a stream of `shards` shards.
+    pub async fn create_stream(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shards: u32,
+        options: StreamOptions,
+    ) -> Result<StreamInfo> {
+        if shards == 0 {
+            return Err(ClientError::InvalidArgument(
+                "a stream needs at least one shard".into(),
+            ));
+        }
+        let stream = StreamRef::new(tenant, namespace, stream);
+        let req = Request::CreateStream {
+            stream: stream.clone(),
+            shards,
+            retention_bytes: options.retention_bytes,
+            retention_ms: options.retention_ms,
+        };
+        lock(&self.inner.placement).remove(&stream);
+        match self.call_any(&req).await? {
+            Response::Stream(info) => {
+                self.cache_placement(&info);
+                Ok(info)
+            }
+            Response::Ok => self.describe_stream_ref(&stream).await.inspect(|info| {
+                self.cache_placement(info);
+            }),
+            other => Err(unexpected(other, "create_stream")),
+        }
+    }
+
+    /// A stream's shard count, retention and placement.
+    pub async fn describe_stream(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+    ) -> Result<StreamInfo> {
+        let info = self
+            .describe_stream_ref(&StreamRef::new(tenant, namespace, stream))
+            .await?;
+        self.cache_placement(&info);
+        Ok(info)
+    }
+
+    async fn describe_stream_ref(&self, stream: &StreamRef) -> Result<StreamInfo> {
+        let req = Request::DescribeStream {
+            stream: stream.clone(),
+        };
+        match self.call_any(&req).await {
+            Ok(Response::Stream(info)) => Ok(info),
+            Ok(other) => Err(unexpected(other, "describe_stream")),
+            Err(e) => {
+                if e.code() == Some(ErrorCode::NotFound) {
+                    lock(&self.inner.placement).remove(stream);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Every stream, or those of one tenant.
+    pub async fn list_streams(&self, tenant: Option<&str>) -> Result<Vec<StreamInfo>> {
+        let req = Request::ListStreams {
+            tenant: tenant.map(str::to_string),
+        };
+        match self.call_any(&req).await? {
+            Response::Streams(v) => {
+                for info in &v {
+                    self.cache_placement(info);
+                }
+                Ok(v)
+            }
+            other => Err(unexpected(other, "list_streams")),
+        }
+    }
+
+    /// Delete a stream and everything in it.
+    pub async fn delete_stream(&self, tenant: &str, namespace: &str, stream: &str) -> Result<()> {
+        let stream = StreamRef::new(tenant, namespace, stream);
+        let req = Request::DeleteStream {
+            stream: stream.clone(),
+        };
+        let result = self.call_any(&req).await;
+        lock(&self.inner.placement).remove(&stream);
+        match result? {
+            Response::Ok => Ok(()),
+            other => Err(unexpected(other, "delete_stream")),
+        }
+    }
+
+    /// One shard's offsets, size and owning core.
+    pub async fn describe_shard(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+    ) -> Result<ShardInfo> {
+        let stream = StreamRef::new(tenant, namespace, stream);
+        let req = Request::DescribeShard {
+            stream: stream.clone(),
+            shard,
+        };
+        match self
+            .call_shard(&stream, shard, &req, Duration::ZERO)
+            .await?
+        {
+            Response::Shard(info) => Ok(info),
+            other => Err(unexpected(other, "describe_shard")),
+        }
+    }
+
+    /// Round trip to the broker's home connection.
+    pub async fn ping(&self) -> Result<Duration> {
+        let start = Instant::now();
+        match self.call_any(&Request::Ping).await? {
+            Response::Pong => Ok(start.elapsed()),
+            other => Err(unexpected(other, "ping")),
+        }
+    }
+
+    // ----- publishing ----------------------------------------------------
+
+    fn ack_mode(&self) -> Result<AckMode> {
+        if self.inner.config.ack_on_commit {
+            self.require(FEATURE_PUBLISH_ACK_MODE, "ack_on_commit")?;
+            Ok(AckMode::Durable)
+        } else {
+            Ok(AckMode::Default)
+        }
+    }
+
+    /// Publish one record to `shard`; returns its offset.
+    pub async fn publish(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        payload: impl Into<Bytes>,
+    ) -> Result<u64> {
+        let record = RecordIn {
+            payload: payload.into(),
+            ..RecordIn::default()
+        };
+        let p = self
+            .publish_batch(tenant, namespace, stream, shard, vec![record])
+            .await?;
+        Ok(p.base_offset)
+    }
+
+    /// Publish records to `shard` in one request; they get consecutive
+    /// offsets.
+    pub async fn publish_batch(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        records: Vec<RecordIn>,
+    ) -> Result<Published> {
+        if records.is_empty() {
+            return Err(ClientError::InvalidArgument(
+                "publish_batch needs at least one record".into(),
+            ));
+        }
+        let stream = StreamRef::new(tenant, namespace, stream);
+        let req = Request::Publish {
+            stream: stream.clone(),
+            target: PublishTarget::Shard(shard),
+            ack: self.ack_mode()?,
+            records,
+        };
+        self.publish_req(&stream, shard, &req).await
+    }
+
+    /// Publish one record with a routing key. The record goes to the shard
+    /// [`shard_for_key`](felix_wire::shard_for_key) picks over the stream's
+    /// shard count, so records with one key keep their order; the key is
+    /// stored with the record.
+    pub async fn publish_keyed(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        key: impl Into<Bytes>,
+        payload: impl Into<Bytes>,
+    ) -> Result<Published> {
+        let stream = StreamRef::new(tenant, namespace, stream);
+        let key = key.into();
+        let placement = self.placement(&stream, false).await?;
+        let shard = felix_wire::shard_for_key(&key, placement.shards);
+        let req = Request::Publish {
+            stream: stream.clone(),
+            target: PublishTarget::Key(key.clone()),
+            ack: self.ack_mode()?,
+            records: vec![RecordIn {
+                key: Some(key),
+                payload: payload.into(),
+                ..RecordIn::default()
+            }],
+        };
+        self.publish_req(&stream, shard, &req).await
+    }
+
+    async fn publish_req(&self, stream: &StreamRef, shard: u32, req: &Request) -> Result<Published> {
+        published(self.call_shard(stream, shard, req, Duration::ZERO).await?)
+    }
+
+    /// Send a batch like [`publish_batch`](Client::publish_batch), but
+    /// return as soon as the request is on its way, with a
+    /// [`PendingPublish`] to await its answer.
+    ///
+    /// This pipelines publishes while keeping their order: batches begun
+    /// one after another (each `begin_publish_batch` awaited before the
+    /// next) are sent on the shard's connection in that order, and so get
+    /// ascending offsets. Await the pending answers in the same order. A
+    /// `wrong_core` answer is followed as usual when its `PendingPublish` is
+    /// awaited.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: felix_client::Client) -> Result<(), felix_client::ClientError> {
+    /// use felix_client::RecordIn;
+    /// let mut pending = std::collections::VecDeque::new();
+    /// for chunk in 0..10 {
+    ///     let records = (0..100)
+    ///         .map(|i| RecordIn { payload: format!("{chunk}-{i}").into(), ..Default::default() })
+    ///         .collect();
+    ///     pending.push_back(client.begin_publish_batch("t1", "default", "events", 0, records).await?);
+    ///     if pending.len() >= 4 {
+    ///         pending.pop_front().unwrap().await?;
+    ///     }
+    /// }
+    /// for p in pending {
+    ///     p.await?;
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn begin_publish_batch(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        records: Vec<RecordIn>,
+    ) -> Result<PendingPublish> {
+        if records.is_empty() {
+            return Err(ClientError::InvalidArgument(
+                "publish_batch needs at least one record".into(),
+            ));
+        }
+        let stream = StreamRef::new(tenant, namespace, stream);
+        let req = Request::Publish {
+            stream: stream.clone(),
+            target: PublishTarget::Shard(shard),
+            ack: self.ack_mode()?,
+            records,
+        };
+        let core = self.core_for(&stream, shard).await?;
+        let conn = self.conn(core).await?;
+        let waiter = conn.send(&req, self.inner.config.request_timeout).await?;
+        let client = self.clone();
+        Ok(PendingPublish {
+            fut: Box::pin(async move {
+                match waiter.wait().await? {
+                    Response::Error(e) if e.code == ErrorCode::WrongCore => {
+                        let resp = client
+                            .redirect(&stream, shard, &req, e, Duration::ZERO)
+                            .await?;
+                        published(resp)
+                    }
+                    Response::Error(e) => Err(e.into()),
+                    resp => published(resp),
+                }
+            }),
+        })
+    }
+
+    // ----- reading -------------------------------------------------------
+
+    /// Largest batch of payload a read asks for: half the smaller frame
+    /// limit, leaving room for per-record overhead.
+    fn read_max_bytes(&self) -> u32 {
+        (self.inner.config.max_frame_bytes / 2).max(64 * 1024)
+    }
+
+    /// Read up to `max_records` records of `shard` from `from`. With
+    /// `wait`, the broker holds the read up to that long for records to
+    /// arrive when there are none; an empty batch is not an error.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn read(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        from: StartPosition,
+        max_records: u32,
+        wait: Option<Duration>,
+    ) -> Result<ReadBatch> {
+        self.read_ref(
+            &StreamRef::new(tenant, namespace, stream),
+            shard,
+            from,
+            max_records,
+            wait.unwrap_or(Duration::ZERO),
+        )
+        .await
+    }
+
+    pub(crate) async fn read_ref(
+        &self,
+        stream: &StreamRef,
+        shard: u32,
+        from: StartPosition,
+        max_records: u32,
+        wait: Duration,
+    ) -> Result<ReadBatch> {
+        if max_records == 0 {
+            return Err(ClientError::InvalidArgument(
+                "max_records must be at least 1".into(),
+            ));
+        }
+        let wait_ms = ms_u32(wait);
+        let req = Request::Read {
+            stream: stream.clone(),
+            shard,
+            from,
+            max_records,
+            max_bytes: self.read_max_bytes(),
+            wait_ms,
+        };
+        let wait = Duration::from_millis(u64::from(wait_ms));
+        match self.call_shard(stream, shard, &req, wait).await? {
+            Response::Records {
+                start_offset,
+                next_offset,
+                end_offset,
+                records,
+            } => Ok(ReadBatch {
+                records,
+                next_offset,
+                start_offset,
+                end_offset,
+            }),
+            other => Err(unexpected(other, "read")),
+        }
+    }
+
+    /// Follow `shard` from `from`, long-polling at the tail. See
+    /// [`Subscription`].
+    pub fn subscribe(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        from: StartPosition,
+    ) -> Subscription {
+        Subscription::new(
+            self.clone(),
+            StreamRef::new(tenant, namespace, stream),
+            shard,
+            from,
+        )
+    }
+
+    // ----- consumer groups: consuming ------------------------------------
+
+    fn group_key(tenant: &str, namespace: &str, stream: &str, shard: u32, group: &str) -> GroupKey {
+        GroupKey {
+            stream: StreamRef::new(tenant, namespace, stream),
+            shard,
+            group: group.to_string(),
+        }
+    }
+
+    async fn group_call(&self, key: &GroupKey, req: &Request, wait: Duration) -> Result<Response> {
+        self.call_shard(&key.stream, key.shard, req, wait).await
+    }
+
+    async fn group_ok(&self, key: &GroupKey, req: &Request, call: &str) -> Result<()> {
+        match self.group_call(key, req, Duration::ZERO).await? {
+            Response::Ok => Ok(()),
+            other => Err(unexpected(other, call)),
+        }
+    }
+
+    /// Claim up to `max_records` records for the group, without waiting.
+    /// An empty batch means nothing was available.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn group_poll(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        max_records: u32,
+    ) -> Result<Vec<GroupRecord>> {
+        let key = Self::group_key(tenant, namespace, stream, shard, group);
+        self.poll(key, max_records, Duration::ZERO, None, None)
+            .await
+    }
+
+    /// Claim up to `max_records` records for the group, waiting up to `wait`
+    /// for one to become available. An empty batch means nothing was.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn group_poll_wait(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        max_records: u32,
+        wait: Duration,
+    ) -> Result<Vec<GroupRecord>> {
+        let key = Self::group_key(tenant, namespace, stream, shard, group);
+        self.poll(key, max_records, wait, None, None).await
+    }
+
+    /// Poll as a named member of the group (see [`GroupMember`]), with
+    /// [`GroupPollOptions`]. A `visibility` needs
+    /// [`FEATURE_GROUP_CLAIM_CONTROL`](crate::FEATURE_GROUP_CLAIM_CONTROL)
+    /// and is refused with [`ClientError::Unsupported`] without it.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn group_poll_as(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        member: &GroupMember,
+        options: GroupPollOptions,
+    ) -> Result<Vec<GroupRecord>> {
+        let name_len = member.name().len();
+        if name_len == 0 || name_len > GroupMember::MAX_NAME_BYTES {
+            return Err(ClientError::InvalidArgument(format!(
+                "a group member name is 1 to {} bytes, not {name_len}",
+                GroupMember::MAX_NAME_BYTES
+            )));
+        }
+        let key = Self::group_key(tenant, namespace, stream, shard, group);
+        let member = GroupMemberRef {
+            name: member.name().to_string(),
+            reclaim: member.reclaims(),
+        };
+        self.poll(
+            key,
+            options.max_records,
+            options.wait,
+            Some(member),
+            options.visibility,
+        )
+        .await
+    }
+
+    async fn poll(
+        &self,
+        key: GroupKey,
+        max_records: u32,
+        wait: Duration,
+        member: Option<GroupMemberRef>,
+        visibility: Option<Duration>,
+    ) -> Result<Vec<GroupRecord>> {
+        self.require(FEATURE_GROUPS, "a group poll")?;
+        if max_records == 0 {
+            return Err(ClientError::InvalidArgument(
+                "max_records must be at least 1".into(),
+            ));
+        }
+        let visibility_ms = match visibility {
+            None => None,
+            Some(v) => {
+                self.require(FEATURE_GROUP_CLAIM_CONTROL, "a poll visibility")?;
+                if v.is_zero() {
+                    return Err(ClientError::InvalidArgument(
+                        "a poll visibility must be more than zero".into(),
+                    ));
+                }
+                Some(ms_u64(v))
+            }
+        };
+        let wait_ms = ms_u32(wait);
+        let req = Request::GroupPoll {
+            key: key.clone(),
+            max_records,
+            wait_ms,
+            member,
+            visibility_ms,
+        };
+        let wait = Duration::from_millis(u64::from(wait_ms));
+        match self.group_call(&key, &req, wait).await? {
+            Response::GroupRecords { mut records } => {
+                if !self.has_feature(FEATURE_GROUP_SKIPPED) {
+                    for r in &mut records {
+                        r.skipped_before = None;
+                    }
+                }
+                Ok(records)
+            }
+            other => Err(unexpected(other, "group_poll")),
+        }
+    }
+
+    /// Finish a record: the group will not hand it out again.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn group_ack(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        offset: u64,
+    ) -> Result<()> {
+        self.group_ack_many(tenant, namespace, stream, shard, group, &[offset])
+            .await
+    }
+
+    /// Finish several records in one request. An empty slice sends nothing.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn group_ack_many(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        offsets: &[u64],
+    ) -> Result<()> {
+        self.require(FEATURE_GROUPS, "group_ack")?;
+        if offsets.is_empty() {
+            return Ok(());
+        }
+        let key = Self::group_key(tenant, namespace, stream, shard, group);
+        let req = Request::GroupAck {
+            key: key.clone(),
+            offsets: offsets.to_vec(),
+        };
+        self.group_ok(&key, &req, "group_ack").await
+    }
+
+    /// Hand a claimed record back now, to be owed to the group again.
+    /// Refused with `stale_claim` if the claim has lapsed and the record
+    /// went out again.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn group_nack(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        record: &GroupRecord,
+    ) -> Result<()> {
+        self.require(FEATURE_GROUPS, "group_nack")?;
+        let key = Self::group_key(tenant, namespace, stream, shard, group);
+        self.nack(key, record, None).await
+    }
+
+    /// Hand a claimed record back, to be owed again only once `delay` has
+    /// passed. Needs
+    /// [`FEATURE_GROUP_CLAIM_CONTROL`](crate::FEATURE_GROUP_CLAIM_CONTROL)
+    /// unless `delay` is zero (a plain nack).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn group_nack_after(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        record: &GroupRecord,
+        delay: Duration,
+    ) -> Result<()> {
+        self.require(FEATURE_GROUPS, "group_nack_after")?;
+        let delay_ms = if delay.is_zero() {
+            None
+        } else {
+            self.require(FEATURE_GROUP_CLAIM_CONTROL, "a nack delay")?;
+            Some(ms_u64(delay))
+        };
+        let key = Self::group_key(tenant, namespace, stream, shard, group);
+        self.nack(key, record, delay_ms).await
+    }
+
+    async fn nack(&self, key: GroupKey, record: &GroupRecord, delay_ms: Option<u64>) -> Result<()> {
+        let req = Request::GroupNack {
+            key: key.clone(),
+            offset: record.offset,
+            attempts: record.attempts,
+            delay_ms,
+            reason: None,
+        };
+        self.group_ok(&key, &req, "group_nack").await
+    }
+
+    /// Extend the claim on a record this consumer holds by `by`. Returns
+    /// how long the claim now stands from now (computed against this
+    /// machine's clock). Refused with `stale_claim` once the claim has
+    /// lapsed and the record went out again. Needs
+    /// [`FEATURE_GROUP_CLAIM_CONTROL`](crate::FEATURE_GROUP_CLAIM_CONTROL).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn group_extend(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        record: &GroupRecord,
+        by: Duration,
+    ) -> Result<Duration> {
+        self.require(FEATURE_GROUPS | FEATURE_GROUP_CLAIM_CONTROL, "group_extend")?;
+        if by.is_zero() {
+            return Err(ClientError::InvalidArgument(
+                "an extension must be more than zero".into(),
+            ));
+        }
+        let key = Self::group_key(tenant, namespace, stream, shard, group);
+        let req = Request::GroupExtend {
+            key: key.clone(),
+            offset: record.offset,
+            attempts: record.attempts,
+            extend_ms: ms_u64(by),
+        };
+        match self.group_call(&key, &req, Duration::ZERO).await? {
+            Response::Extended { stands_ms } => {
+                let now_ms = SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+                    .unwrap_or(0);
+                Ok(Duration::from_millis(stands_ms.saturating_sub(now_ms)))
+            }
+            other => Err(unexpected(other, "group_extend")),
+        }
+    }
+
+    /// Give up on a claimed record: list it as a dead letter of the group
+    /// and finish it. Needs
+    /// [`FEATURE_GROUP_CLAIM_CONTROL`](crate::FEATURE_GROUP_CLAIM_CONTROL).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn group_dead_letter(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        record: &GroupRecord,
+        reason: Option<&str>,
+    ) -> Result<()> {
+        self.require(
+            FEATURE_GROUPS | FEATURE_GROUP_CLAIM_CONTROL,
+            "group_dead_letter",
+        )?;
+        let key = Self::group_key(tenant, namespace, stream, shard, group);
+        let req = Request::GroupDeadLetter {
+            key: key.clone(),
+            offset: record.offset,
+            attempts: record.attempts,
+            reason: reason.map(str::to_string),
+        };
+        self.group_ok(&key, &req, "group_dead_letter").await
+    }
+
+    /// Offsets of the group's dead letters.
+    pub async fn group_dead_letters(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+    ) -> Result<Vec<u64>> {
+        let v = self
+            .group_dead_letters_detailed(tenant, namespace, stream, shard, group)
+            .await?;
+        Ok(v.into_iter().map(|d| d.offset).collect())
+    }
+
+    /// The group's dead letters with attempts, time, reason and who gave
+    /// up on each.
+    pub async fn group_dead_letters_detailed(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+    ) -> Result<Vec<DeadLetterInfo>> {
+        self.require(FEATURE_GROUPS, "group_dead_letters")?;
+        let key = Self::group_key(tenant, namespace, stream, shard, group);
+        let req = Request::GroupDeadLetters { key: key.clone() };
+        match self.group_call(&key, &req, Duration::ZERO).await? {
+            Response::DeadLetters(v) => Ok(v),
+            other => Err(unexpected(other, "group_dead_letters")),
+        }
+    }
+
+    /// Put a dead letter back: its attempts reset and it is owed again.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn group_redrive(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        offset: u64,
+    ) -> Result<()> {
+        self.require(FEATURE_GROUPS, "group_redrive")?;
+        let key = Self::group_key(tenant, namespace, stream, shard, group);
+        let req = Request::GroupRedrive {
+            key: key.clone(),
+            offset,
+        };
+        self.group_ok(&key, &req, "group_redrive").await
+    }
+
+    /// Stop tracking a dead letter. The record stays in the log.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn group_discard(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        offset: u64,
+    ) -> Result<()> {
+        self.require(FEATURE_GROUPS, "group_discard")?;
+        let key = Self::group_key(tenant, namespace, stream, shard, group);
+        let req = Request::GroupDiscard {
+            key: key.clone(),
+            offset,
+        };
+        self.group_ok(&key, &req, "group_discard").await
+    }
+
+    // ----- consumer groups: administration -------------------------------
+
+    /// Create the group at `start`. A group that already exists is left
+    /// alone and this succeeds, so it is safe on every start of a consumer.
+    /// Needs [`FEATURE_GROUP_ADMIN`](crate::FEATURE_GROUP_ADMIN).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn group_create(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        start: StartPosition,
+    ) -> Result<()> {
+        self.require(FEATURE_GROUPS | FEATURE_GROUP_ADMIN, "group_create")?;
+        let key = Self::group_key(tenant, namespace, stream, shard, group);
+        let req = Request::GroupCreate {
+            key: key.clone(),
+            start,
+        };
+        match self.group_call(&key, &req, Duration::ZERO).await {
+            Ok(Response::Ok | Response::Group(_)) => Ok(()),
+            Ok(other) => Err(unexpected(other, "group_create")),
+            Err(e) if e.code() == Some(ErrorCode::AlreadyExists) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Move an existing group to `start`, backwards to replay or forwards
+    /// to skip. Voids every standing claim. Needs
+    /// [`FEATURE_GROUP_ADMIN`](crate::FEATURE_GROUP_ADMIN).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn group_seek(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        start: StartPosition,
+    ) -> Result<()> {
+        self.require(FEATURE_GROUPS | FEATURE_GROUP_ADMIN, "group_seek")?;
+        let key = Self::group_key(tenant, namespace, stream, shard, group);
+        let req = Request::GroupSeek {
+            key: key.clone(),
+            start,
+        };
+        match self.group_call(&key, &req, Duration::ZERO).await? {
+            Response::Ok | Response::Group(_) => Ok(()),
+            other => Err(unexpected(other, "group_seek")),
+        }
+    }
+
+    /// Where the group stands: position, lag, in-flight, owed and dead
+    /// letter counts. Needs [`FEATURE_GROUP_ADMIN`](crate::FEATURE_GROUP_ADMIN).
+    pub async fn group_describe(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+    ) -> Result<GroupInfo> {
+        self.require(FEATURE_GROUPS | FEATURE_GROUP_ADMIN, "group_describe")?;
+        let key = Self::group_key(tenant, namespace, stream, shard, group);
+        let req = Request::GroupDescribe { key: key.clone() };
+        match self.group_call(&key, &req, Duration::ZERO).await? {
+            Response::Group(info) => Ok(info),
+            other => Err(unexpected(other, "group_describe")),
+        }
+    }
+
+    /// Remove the group's position and dead letters. Needs
+    /// [`FEATURE_GROUP_ADMIN`](crate::FEATURE_GROUP_ADMIN).
+    pub async fn group_delete(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+    ) -> Result<()> {
+        self.require(FEATURE_GROUPS | FEATURE_GROUP_ADMIN, "group_delete")?;
+        let key = Self::group_key(tenant, namespace, stream, shard, group);
+        let req = Request::GroupDelete { key: key.clone() };
+        self.group_ok(&key, &req, "group_delete").await
+    }
+
+    /// Names of the groups on one shard.
+    pub async fn list_groups(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+    ) -> Result<Vec<String>> {
+        self.require(FEATURE_GROUPS, "list_groups")?;
+        let stream = StreamRef::new(tenant, namespace, stream);
+        let req = Request::ListGroups {
+            stream: stream.clone(),
+            shard,
+        };
+        match self
+            .call_shard(&stream, shard, &req, Duration::ZERO)
+            .await?
+        {
+            Response::Groups(v) => Ok(v),
+            other => Err(unexpected(other, "list_groups")),
+        }
+    }
+}

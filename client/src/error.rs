@@ -1,0 +1,89 @@
+//! The error every client call returns.
+
+use felix_wire::{ErrorCode, WireError};
+
+/// Why a call failed.
+///
+/// [`ClientError::Server`] is the broker's own answer (a typed
+/// [`ErrorCode`] and a human message). Every other variant is raised on the
+/// client side, before a request was sent or while waiting for its answer.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The broker refused the request.
+    #[error("{code}: {message}")]
+    Server { code: ErrorCode, message: String },
+    /// Connecting to the broker, or talking to it, failed.
+    #[error("i/o error: {0}")]
+    Io(#[from] std::io::Error),
+    /// No answer within the request timeout (plus any wait the request
+    /// asked the broker for), or no connection within the connect timeout.
+    /// The request may or may not have been applied.
+    #[error("timed out waiting for the broker")]
+    Timeout,
+    /// The connection was lost while the request was in flight. The request
+    /// may or may not have been applied; it is not resent automatically.
+    #[error("connection to the broker was lost before the answer arrived; the request may or may not have been applied")]
+    Disconnected,
+    /// The broker did not advertise the feature the call needs, so the
+    /// client refused to send it.
+    #[error("unsupported by this broker: {0}")]
+    Unsupported(String),
+    /// The broker sent something this client cannot make sense of.
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    /// The call's arguments were refused before anything was sent.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+}
+
+impl ClientError {
+    /// The broker's error code, for [`ClientError::Server`]; `None` for
+    /// errors raised on the client side.
+    pub fn code(&self) -> Option<ErrorCode> {
+        match self {
+            ClientError::Server { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+
+    /// A short snake_case name for the error: the broker's code (such as
+    /// `not_found` or `stale_claim`) for a server error, otherwise one of
+    /// `io`, `timeout`, `disconnected`, `unsupported`, `protocol`,
+    /// `invalid_argument`. Used by the `felix` CLI's `error: <code>: ...`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ClientError::Server { code, .. } => code.as_str(),
+            ClientError::Io(_) => "io",
+            ClientError::Timeout => "timeout",
+            ClientError::Disconnected => "disconnected",
+            ClientError::Unsupported(_) => "unsupported",
+            ClientError::Protocol(_) => "protocol",
+            ClientError::InvalidArgument(_) => "invalid_argument",
+        }
+    }
+
+    /// The error text without the kind prefix: the broker's message for a
+    /// server error, otherwise the error's description.
+    pub fn message(&self) -> String {
+        match self {
+            ClientError::Server { message, .. } => message.clone(),
+            ClientError::Io(e) => e.to_string(),
+            ClientError::Unsupported(m)
+            | ClientError::Protocol(m)
+            | ClientError::InvalidArgument(m) => m.clone(),
+            other => other.to_string(),
+        }
+    }
+}
+
+impl From<WireError> for ClientError {
+    fn from(e: WireError) -> ClientError {
+        ClientError::Server {
+            code: e.code,
+            message: e.message,
+        }
+    }
+}
+
+/// Shorthand for results of client calls.
+pub type Result<T, E = ClientError> = std::result::Result<T, E>;

@@ -1,0 +1,927 @@
+//! Client behaviour against a fake broker: pipelining, timeouts, core
+//! routing, feature refusal, disconnects.
+
+mod fake;
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use fake::{Action, Fake};
+use felix_client::{
+    AckMode, Client, ClientConfig, ClientError, ErrorCode, GroupMember, GroupPollOptions,
+    GroupRecord, Record, StartPosition, StreamInfo, StreamRef, FEATURES_ALL, FEATURE_GROUPS,
+    FEATURE_GROUP_ADMIN, FEATURE_GROUP_SKIPPED, FEATURE_PUBLISH_ACK_MODE,
+};
+use felix_wire::{Request, Response, WireError};
+
+fn config() -> ClientConfig {
+    ClientConfig {
+        request_timeout: Duration::from_secs(5),
+        connect_timeout: Duration::from_secs(2),
+        reconnect_backoff_initial: Duration::from_millis(10),
+        reconnect_backoff_max: Duration::from_millis(50),
+        ..ClientConfig::default()
+    }
+}
+
+fn stream_info(stream: &StreamRef, placement: Vec<u32>) -> StreamInfo {
+    StreamInfo {
+        stream: stream.clone(),
+        shards: placement.len() as u32,
+        retention_bytes: None,
+        retention_ms: None,
+        placement,
+    }
+}
+
+fn group_record(offset: u64, attempts: u32) -> GroupRecord {
+    GroupRecord {
+        offset,
+        attempts,
+        timestamp_ms: 1,
+        key: None,
+        headers: vec![],
+        payload: Bytes::from_static(b"job"),
+        skipped_before: Some(3),
+    }
+}
+
+fn record(offset: u64) -> Record {
+    Record {
+        offset,
+        timestamp_ms: 7,
+        key: None,
+        headers: vec![],
+        payload: Bytes::from(format!("r{offset}")),
+    }
+}
+
+fn ok() -> Action {
+    Action::Reply(Response::Ok)
+}
+
+#[tokio::test]
+async fn hello_negotiates_and_a_call_round_trips() {
+    let fake = Fake::start(1, FEATURES_ALL, |_, req| async move {
+        match req {
+            Request::ListStreams { tenant } => {
+                assert_eq!(tenant.as_deref(), Some("t1"));
+                Response::Streams(vec![stream_info(&StreamRef::new("t1", "n", "s"), vec![0])])
+                    .into()
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    })
+    .await;
+    let client = Client::connect(fake.addr, config()).await.unwrap();
+    assert_eq!(client.cores(), 1);
+    assert_eq!(client.features(), FEATURES_ALL);
+    assert_eq!(client.broker(), "fake");
+    let v = client.list_streams(Some("t1")).await.unwrap();
+    assert_eq!(v.len(), 1);
+    let hello = &fake.seen()[0].request;
+    match hello {
+        Request::Hello {
+            version,
+            features,
+            want_core,
+            client_name,
+            token,
+        } => {
+            assert_eq!(*version, felix_wire::PROTOCOL_VERSION);
+            assert_eq!(*features, FEATURES_ALL);
+            assert_eq!(*want_core, None);
+            assert!(client_name.starts_with("felix-client-rs/"));
+            assert_eq!(*token, None);
+        }
+        other => panic!("first frame was {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_long_poll_does_not_block_an_ack() {
+    let fake = Fake::start(1, FEATURES_ALL, |_, req| async move {
+        match req {
+            Request::GroupPoll { wait_ms, .. } => {
+                tokio::time::sleep(Duration::from_millis(u64::from(wait_ms))).await;
+                Response::GroupRecords { records: vec![] }.into()
+            }
+            Request::GroupAck { .. } => ok(),
+            other => panic!("unexpected {other:?}"),
+        }
+    })
+    .await;
+    let client = Client::connect(fake.addr, config()).await.unwrap();
+    let start = Instant::now();
+    let poller = {
+        let client = client.clone();
+        tokio::spawn(async move {
+            let r = client
+                .group_poll_wait("t", "n", "s", 0, "g", 10, Duration::from_millis(800))
+                .await;
+            (r, start.elapsed())
+        })
+    };
+    // Let the poll reach the broker first.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    client.group_ack("t", "n", "s", 0, "g", 5).await.unwrap();
+    let ack_done = start.elapsed();
+    let (poll, poll_done) = poller.await.unwrap();
+    assert!(poll.unwrap().is_empty());
+    assert!(
+        ack_done < Duration::from_millis(600),
+        "ack waited for the poll: {ack_done:?}"
+    );
+    assert!(poll_done >= Duration::from_millis(800));
+    // Both went over the one connection.
+    let hellos = fake.count(|r| matches!(r, Request::Hello { .. }));
+    assert_eq!(hellos, 1);
+}
+
+#[tokio::test]
+async fn many_requests_in_flight_are_matched_by_id() {
+    let fake = Fake::start(1, FEATURES_ALL, |_, req| async move {
+        match req {
+            Request::Read { from, .. } => {
+                let StartPosition::Offset(o) = from else {
+                    panic!("expected an offset")
+                };
+                // Later requests answer sooner.
+                tokio::time::sleep(Duration::from_millis(200 - o * 10)).await;
+                Response::Records {
+                    start_offset: 0,
+                    next_offset: o + 1,
+                    end_offset: 100,
+                    records: vec![record(o)],
+                }
+                .into()
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    })
+    .await;
+    let client = Client::connect(fake.addr, config()).await.unwrap();
+    let mut tasks = Vec::new();
+    for o in 0..15u64 {
+        let client = client.clone();
+        tasks.push(tokio::spawn(async move {
+            client
+                .read("t", "n", "s", 0, StartPosition::Offset(o), 1, None)
+                .await
+        }));
+    }
+    for (o, t) in tasks.into_iter().enumerate() {
+        let batch = t.await.unwrap().unwrap();
+        assert_eq!(batch.records[0].offset, o as u64);
+        assert_eq!(batch.next_offset, o as u64 + 1);
+    }
+}
+
+#[tokio::test]
+async fn an_unanswered_request_times_out_and_the_connection_goes_on() {
+    let fake = Fake::start(1, FEATURES_ALL, |_, req| async move {
+        match req {
+            Request::GroupDescribe { .. } => Action::Ignore,
+            Request::Ping => Response::Pong.into(),
+            other => panic!("unexpected {other:?}"),
+        }
+    })
+    .await;
+    let client = Client::connect(
+        fake.addr,
+        ClientConfig {
+            request_timeout: Duration::from_millis(200),
+            ..config()
+        },
+    )
+    .await
+    .unwrap();
+    let start = Instant::now();
+    let err = client
+        .group_describe("t", "n", "s", 0, "g")
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ClientError::Timeout), "{err:?}");
+    assert_eq!(err.kind(), "timeout");
+    assert!(start.elapsed() >= Duration::from_millis(200));
+    assert!(start.elapsed() < Duration::from_secs(2));
+    client.ping().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_requested_wait_extends_the_timeout() {
+    let fake = Fake::start(1, FEATURES_ALL, |_, req| async move {
+        match req {
+            Request::GroupPoll { wait_ms, .. } => {
+                assert_eq!(wait_ms, 500);
+                tokio::time::sleep(Duration::from_millis(450)).await;
+                Response::GroupRecords {
+                    records: vec![group_record(1, 1)],
+                }
+                .into()
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    })
+    .await;
+    let client = Client::connect(
+        fake.addr,
+        ClientConfig {
+            request_timeout: Duration::from_millis(200),
+            ..config()
+        },
+    )
+    .await
+    .unwrap();
+    let got = client
+        .group_poll_wait("t", "n", "s", 0, "g", 4, Duration::from_millis(500))
+        .await
+        .unwrap();
+    assert_eq!(got.len(), 1);
+}
+
+/// Two cores; the stream's placement first says shard 1 is on core 0,
+/// which is stale: core 0 answers wrong_core naming core 1.
+#[tokio::test]
+async fn wrong_core_refreshes_placement_and_retries_once() {
+    let describes = Arc::new(AtomicU32::new(0));
+    let d = describes.clone();
+    let fake = Fake::start(2, FEATURES_ALL, move |core, req| {
+        let d = d.clone();
+        async move {
+            match req {
+                Request::DescribeStream { stream } => {
+                    let n = d.fetch_add(1, Ordering::SeqCst);
+                    let placement = if n == 0 { vec![0, 0] } else { vec![0, 1] };
+                    Response::Stream(stream_info(&stream, placement)).into()
+                }
+                Request::Publish { target, .. } => {
+                    assert_eq!(target, felix_wire::PublishTarget::Shard(1));
+                    if core == 1 {
+                        Response::Published {
+                            shard: 1,
+                            base_offset: 41,
+                            count: 1,
+                        }
+                        .into()
+                    } else {
+                        Response::Error(WireError::wrong_core(1, "shard 1 is on core 1")).into()
+                    }
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    })
+    .await;
+    let client = Client::connect(fake.addr, config()).await.unwrap();
+    assert_eq!(client.cores(), 2);
+    let offset = client.publish("t", "n", "s", 1, "x").await.unwrap();
+    assert_eq!(offset, 41);
+    assert_eq!(describes.load(Ordering::SeqCst), 2, "placement refreshed");
+    let publishes: Vec<u32> = fake
+        .requests()
+        .iter()
+        .filter(|s| matches!(s.request, Request::Publish { .. }))
+        .map(|s| s.core)
+        .collect();
+    assert_eq!(publishes, vec![0, 1]);
+    // A connection asked for core 1.
+    assert_eq!(
+        fake.count(|r| matches!(
+            r,
+            Request::Hello {
+                want_core: Some(1),
+                ..
+            }
+        )),
+        1
+    );
+    // The refreshed placement is cached: the next publish goes straight to
+    // core 1 without describing again.
+    client.publish("t", "n", "s", 1, "y").await.unwrap();
+    assert_eq!(describes.load(Ordering::SeqCst), 2);
+    let last = fake.requests().last().unwrap().clone();
+    assert_eq!(last.core, 1);
+}
+
+#[tokio::test]
+async fn wrong_core_twice_is_an_error_not_a_loop() {
+    let fake = Fake::start(2, FEATURES_ALL, |core, req| async move {
+        match req {
+            Request::DescribeStream { stream } => {
+                Response::Stream(stream_info(&stream, vec![0])).into()
+            }
+            Request::GroupAck { .. } => {
+                Response::Error(WireError::wrong_core(1 - core, "elsewhere")).into()
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    })
+    .await;
+    let client = Client::connect(fake.addr, config()).await.unwrap();
+    let err = client
+        .group_ack("t", "n", "s", 0, "g", 1)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::WrongCore));
+    assert_eq!(fake.count(|r| matches!(r, Request::GroupAck { .. })), 2);
+}
+
+#[tokio::test]
+async fn publish_keyed_goes_to_the_core_of_the_keys_shard() {
+    let fake = Fake::start(4, FEATURES_ALL, |core, req| async move {
+        match req {
+            Request::DescribeStream { stream } => {
+                Response::Stream(stream_info(&stream, vec![3, 2, 1, 0])).into()
+            }
+            Request::Publish {
+                target, records, ..
+            } => {
+                let felix_wire::PublishTarget::Key(key) = target else {
+                    panic!("expected a key target")
+                };
+                assert_eq!(records[0].key.as_ref(), Some(&key));
+                let shard = felix_wire::shard_for_key(&key, 4);
+                assert_eq!(core, 3 - shard, "sent to the wrong core");
+                Response::Published {
+                    shard,
+                    base_offset: 0,
+                    count: 1,
+                }
+                .into()
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    })
+    .await;
+    let client = Client::connect(fake.addr, config()).await.unwrap();
+    for k in ["a", "b", "c", "user-42", "zz"] {
+        let p = client.publish_keyed("t", "n", "s", k, "v").await.unwrap();
+        assert_eq!(p.shard, felix_wire::shard_for_key(k.as_bytes(), 4));
+    }
+    assert_eq!(
+        fake.count(|r| matches!(r, Request::DescribeStream { .. })),
+        1
+    );
+}
+
+#[tokio::test]
+async fn claim_control_is_refused_without_the_feature() {
+    let features = FEATURE_GROUPS | FEATURE_GROUP_ADMIN;
+    let fake = Fake::start(1, features, |_, req| async move {
+        match req {
+            Request::GroupPoll { visibility_ms, .. } => {
+                assert_eq!(visibility_ms, None);
+                Response::GroupRecords { records: vec![] }.into()
+            }
+            Request::GroupNack { delay_ms, .. } => {
+                assert_eq!(delay_ms, None);
+                ok()
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    })
+    .await;
+    let client = Client::connect(fake.addr, config()).await.unwrap();
+    let me = GroupMember::new("w1").reclaim(true);
+    let rec = group_record(3, 1);
+
+    let err = client
+        .group_poll_as(
+            "t",
+            "n",
+            "s",
+            0,
+            "g",
+            &me,
+            GroupPollOptions {
+                max_records: 4,
+                wait: Duration::ZERO,
+                visibility: Some(Duration::from_secs(60)),
+            },
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ClientError::Unsupported(_)), "{err:?}");
+    assert!(err.to_string().contains("FEATURE_GROUP_CLAIM_CONTROL"));
+
+    let err = client
+        .group_nack_after("t", "n", "s", 0, "g", &rec, Duration::from_secs(5))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ClientError::Unsupported(_)), "{err:?}");
+    let err = client
+        .group_extend("t", "n", "s", 0, "g", &rec, Duration::from_secs(5))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ClientError::Unsupported(_)), "{err:?}");
+    let err = client
+        .group_dead_letter("t", "n", "s", 0, "g", &rec, Some("bad"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ClientError::Unsupported(_)), "{err:?}");
+    assert!(fake.requests().is_empty(), "something was sent");
+
+    // Without the refused fields the same calls go through.
+    client
+        .group_poll_as("t", "n", "s", 0, "g", &me, GroupPollOptions::default())
+        .await
+        .unwrap();
+    client
+        .group_nack("t", "n", "s", 0, "g", &rec)
+        .await
+        .unwrap();
+    let sent = fake.requests();
+    assert_eq!(sent.len(), 2);
+    match &sent[0].request {
+        Request::GroupPoll { member, .. } => {
+            let m = member.as_ref().unwrap();
+            assert_eq!(m.name, "w1");
+            assert!(m.reclaim);
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn group_admin_and_groups_are_refused_without_their_features() {
+    let fake = Fake::start(1, FEATURE_GROUPS, |_, req| async move {
+        panic!("nothing should be sent, got {req:?}")
+    })
+    .await;
+    let client = Client::connect(fake.addr, config()).await.unwrap();
+    for err in [
+        client
+            .group_create("t", "n", "s", 0, "g", StartPosition::Latest)
+            .await
+            .unwrap_err(),
+        client
+            .group_seek("t", "n", "s", 0, "g", StartPosition::Earliest)
+            .await
+            .unwrap_err(),
+        client
+            .group_describe("t", "n", "s", 0, "g")
+            .await
+            .unwrap_err(),
+        client
+            .group_delete("t", "n", "s", 0, "g")
+            .await
+            .unwrap_err(),
+    ] {
+        assert!(matches!(&err, ClientError::Unsupported(m) if m.contains("FEATURE_GROUP_ADMIN")));
+    }
+
+    let fake = Fake::start(1, 0, |_, req| async move {
+        panic!("nothing should be sent, got {req:?}")
+    })
+    .await;
+    let client = Client::connect(fake.addr, config()).await.unwrap();
+    let rec = group_record(1, 1);
+    for err in [
+        client
+            .group_poll("t", "n", "s", 0, "g", 1)
+            .await
+            .unwrap_err(),
+        client
+            .group_ack("t", "n", "s", 0, "g", 1)
+            .await
+            .unwrap_err(),
+        client
+            .group_nack("t", "n", "s", 0, "g", &rec)
+            .await
+            .unwrap_err(),
+        client
+            .group_dead_letters("t", "n", "s", 0, "g")
+            .await
+            .unwrap_err(),
+        client
+            .group_redrive("t", "n", "s", 0, "g", 1)
+            .await
+            .unwrap_err(),
+        client
+            .group_discard("t", "n", "s", 0, "g", 1)
+            .await
+            .unwrap_err(),
+    ] {
+        assert!(
+            matches!(&err, ClientError::Unsupported(m) if m.contains("FEATURE_GROUPS")),
+            "{err:?}"
+        );
+    }
+    assert!(fake.requests().is_empty());
+}
+
+#[tokio::test]
+async fn claim_control_fields_are_sent_when_advertised() {
+    let fake = Fake::start(1, FEATURES_ALL, |_, req| async move {
+        match req {
+            Request::GroupPoll { visibility_ms, .. } => {
+                assert_eq!(visibility_ms, Some(60_000));
+                Response::GroupRecords {
+                    records: vec![group_record(3, 2)],
+                }
+                .into()
+            }
+            Request::GroupNack {
+                offset,
+                attempts,
+                delay_ms,
+                ..
+            } => {
+                assert_eq!((offset, attempts, delay_ms), (3, 2, Some(30_000)));
+                ok()
+            }
+            Request::GroupExtend {
+                offset,
+                attempts,
+                extend_ms,
+                ..
+            } => {
+                assert_eq!((offset, attempts, extend_ms), (3, 2, 60_000));
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_millis() as u64;
+                Response::Extended {
+                    stands_ms: now + 60_000,
+                }
+                .into()
+            }
+            Request::GroupDeadLetter { reason, .. } => {
+                assert_eq!(reason.as_deref(), Some("poison"));
+                ok()
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    })
+    .await;
+    let client = Client::connect(fake.addr, config()).await.unwrap();
+    let batch = client
+        .group_poll_as(
+            "t",
+            "n",
+            "s",
+            0,
+            "g",
+            &GroupMember::new("w"),
+            GroupPollOptions {
+                max_records: 1,
+                wait: Duration::ZERO,
+                visibility: Some(Duration::from_secs(60)),
+            },
+        )
+        .await
+        .unwrap();
+    let rec = &batch[0];
+    // FEATURE_GROUP_SKIPPED is negotiated, so skipped_before is kept.
+    assert_eq!(rec.skipped_before, Some(3));
+    client
+        .group_nack_after("t", "n", "s", 0, "g", rec, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let stands = client
+        .group_extend("t", "n", "s", 0, "g", rec, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert!(stands > Duration::from_secs(55) && stands <= Duration::from_secs(60));
+    client
+        .group_dead_letter("t", "n", "s", 0, "g", rec, Some("poison"))
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn skipped_before_is_dropped_without_the_feature() {
+    let features = FEATURES_ALL & !FEATURE_GROUP_SKIPPED;
+    let fake = Fake::start(1, features, |_, _| async move {
+        Response::GroupRecords {
+            records: vec![group_record(9, 1)],
+        }
+        .into()
+    })
+    .await;
+    let client = Client::connect(fake.addr, config()).await.unwrap();
+    let batch = client.group_poll("t", "n", "s", 0, "g", 1).await.unwrap();
+    assert_eq!(batch[0].skipped_before, None);
+}
+
+#[tokio::test]
+async fn ack_on_commit_asks_for_durable_acks() {
+    let fake = Fake::start(1, FEATURES_ALL, |_, req| async move {
+        match req {
+            Request::Publish { ack, records, .. } => Response::Published {
+                shard: 0,
+                base_offset: if ack == AckMode::Durable { 100 } else { 0 },
+                count: records.len() as u32,
+            }
+            .into(),
+            other => panic!("unexpected {other:?}"),
+        }
+    })
+    .await;
+    let plain = Client::connect(fake.addr, config()).await.unwrap();
+    assert_eq!(plain.publish("t", "n", "s", 0, "a").await.unwrap(), 0);
+    let durable = Client::connect(
+        fake.addr,
+        ClientConfig {
+            ack_on_commit: true,
+            ..config()
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(durable.publish("t", "n", "s", 0, "a").await.unwrap(), 100);
+    let acks: Vec<AckMode> = fake
+        .requests()
+        .iter()
+        .filter_map(|s| match &s.request {
+            Request::Publish { ack, .. } => Some(*ack),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(acks, vec![AckMode::Default, AckMode::Durable]);
+
+    // A broker without the ack-mode feature would ignore the field.
+    let old = Fake::start(
+        1,
+        FEATURES_ALL & !FEATURE_PUBLISH_ACK_MODE,
+        |_, req| async move { panic!("nothing should be sent, got {req:?}") },
+    )
+    .await;
+    let durable = Client::connect(
+        old.addr,
+        ClientConfig {
+            ack_on_commit: true,
+            ..config()
+        },
+    )
+    .await
+    .unwrap();
+    let err = durable.publish("t", "n", "s", 0, "a").await.unwrap_err();
+    assert!(matches!(err, ClientError::Unsupported(_)), "{err:?}");
+}
+
+#[tokio::test]
+async fn server_errors_carry_their_code() {
+    let fake = Fake::start(1, FEATURES_ALL, |_, _| async move {
+        Response::Error(WireError::new(ErrorCode::StaleClaim, "claim lapsed")).into()
+    })
+    .await;
+    let client = Client::connect(fake.addr, config()).await.unwrap();
+    let err = client
+        .group_ack("t", "n", "s", 0, "g", 1)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::StaleClaim));
+    assert_eq!(err.kind(), "stale_claim");
+    assert_eq!(err.message(), "claim lapsed");
+    assert_eq!(err.to_string(), "stale_claim: claim lapsed");
+}
+
+#[tokio::test]
+async fn group_create_leaves_an_existing_group_alone() {
+    let fake = Fake::start(1, FEATURES_ALL, |_, _| async move {
+        Response::Error(WireError::new(ErrorCode::AlreadyExists, "exists")).into()
+    })
+    .await;
+    let client = Client::connect(fake.addr, config()).await.unwrap();
+    client
+        .group_create("t", "n", "s", 0, "g", StartPosition::Latest)
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn a_dropped_connection_fails_requests_in_flight_and_reconnects() {
+    let fake = Fake::start(1, FEATURES_ALL, |_, req| async move {
+        match req {
+            Request::Publish { .. } => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                Action::Close
+            }
+            Request::Ping => Response::Pong.into(),
+            other => panic!("unexpected {other:?}"),
+        }
+    })
+    .await;
+    let client = Client::connect(fake.addr, config()).await.unwrap();
+    let err = client.publish("t", "n", "s", 0, "x").await.unwrap_err();
+    assert!(matches!(err, ClientError::Disconnected), "{err:?}");
+    // The publish was not resent.
+    assert_eq!(fake.count(|r| matches!(r, Request::Publish { .. })), 1);
+    // The next call opens a new connection.
+    client.ping().await.unwrap();
+    assert_eq!(fake.count(|r| matches!(r, Request::Hello { .. })), 2);
+}
+
+#[tokio::test]
+async fn an_unreachable_broker_fails_connect_with_io() {
+    // Grab a free port, then close it so nothing listens there.
+    let addr = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let err = Client::connect(addr, config()).await.unwrap_err();
+    assert!(matches!(err, ClientError::Io(_)), "{err:?}");
+}
+
+#[tokio::test]
+async fn reconnects_back_off_exponentially_and_share_a_failed_attempt() {
+    let fake = Fake::start(1, FEATURES_ALL, |_, req| async move {
+        match req {
+            Request::DeleteStream { .. } => Action::Close,
+            Request::Ping => Response::Pong.into(),
+            other => panic!("unexpected {other:?}"),
+        }
+    })
+    .await;
+    let client = Client::connect(
+        fake.addr,
+        ClientConfig {
+            reconnect_backoff_initial: Duration::from_millis(200),
+            reconnect_backoff_max: Duration::from_millis(400),
+            ..config()
+        },
+    )
+    .await
+    .unwrap();
+    fake.stop_listening().await;
+    // The broker drops the connection; nothing listens any more.
+    let err = client.delete_stream("t", "n", "s").await.unwrap_err();
+    assert!(matches!(err, ClientError::Disconnected), "{err:?}");
+
+    // First reconnect is immediate and refused.
+    let start = Instant::now();
+    let err = client.ping().await.unwrap_err();
+    assert!(matches!(err, ClientError::Io(_)), "{err:?}");
+    assert!(start.elapsed() < Duration::from_millis(500));
+
+    // Then 200 ms before the next attempt; callers queued behind it share
+    // its failure rather than each waiting their own turn.
+    let start = Instant::now();
+    let (a, b, c) = tokio::join!(client.ping(), client.ping(), client.ping());
+    for r in [a, b, c] {
+        assert!(matches!(r, Err(ClientError::Io(_))), "{r:?}");
+    }
+    let waited = start.elapsed();
+    assert!(waited >= Duration::from_millis(180), "{waited:?}");
+    assert!(waited < Duration::from_millis(600), "{waited:?}");
+
+    // Doubled: 400 ms.
+    let start = Instant::now();
+    assert!(client.ping().await.is_err());
+    assert!(start.elapsed() >= Duration::from_millis(380));
+    // Capped at 400 ms.
+    let start = Instant::now();
+    assert!(client.ping().await.is_err());
+    let waited = start.elapsed();
+    assert!(waited >= Duration::from_millis(380) && waited < Duration::from_millis(900));
+}
+
+#[tokio::test]
+async fn subscribe_follows_the_tail() {
+    let fake = Fake::start(1, FEATURES_ALL, |_, req| async move {
+        match req {
+            Request::Read {
+                from,
+                max_records,
+                wait_ms,
+                ..
+            } => {
+                let start = match from {
+                    StartPosition::Earliest => 0,
+                    StartPosition::Offset(o) => o,
+                    StartPosition::Latest => panic!("not used"),
+                };
+                let end = if start >= 5 {
+                    // The tail: a record arrives while the read waits.
+                    assert!(wait_ms > 0, "a read at the tail should wait");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    start + 1
+                } else {
+                    (start + u64::from(max_records)).min(5)
+                };
+                Response::Records {
+                    start_offset: 0,
+                    next_offset: end,
+                    end_offset: 10,
+                    records: (start..end).map(record).collect(),
+                }
+                .into()
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    })
+    .await;
+    let client = Client::connect(fake.addr, config()).await.unwrap();
+    let mut sub = client
+        .subscribe("t", "n", "s", 0, StartPosition::Earliest)
+        .max_records(2);
+    for want in 0..8u64 {
+        let r = tokio::time::timeout(Duration::from_secs(5), sub.next())
+            .await
+            .expect("subscription stalled")
+            .unwrap()
+            .unwrap();
+        assert_eq!(r.offset, want);
+        assert_eq!(&r.payload[..], format!("r{want}").as_bytes());
+    }
+    assert_eq!(sub.position(), StartPosition::Offset(8));
+}
+
+#[tokio::test]
+async fn subscription_is_a_stream() {
+    use futures_lite::StreamExt;
+    let fake = Fake::start(1, FEATURES_ALL, |_, req| async move {
+        match req {
+            Request::Read { from, .. } => {
+                let StartPosition::Offset(o) = from else {
+                    panic!("expected an offset")
+                };
+                Response::Records {
+                    start_offset: 0,
+                    next_offset: o + 1,
+                    end_offset: o + 1,
+                    records: vec![record(o)],
+                }
+                .into()
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    })
+    .await;
+    let client = Client::connect(fake.addr, config()).await.unwrap();
+    let sub = client.subscribe("t", "n", "s", 0, StartPosition::Offset(3));
+    let offsets: Vec<u64> = sub.take(3).map(|r| r.unwrap().offset).collect().await;
+    assert_eq!(offsets, vec![3, 4, 5]);
+}
+
+#[tokio::test]
+async fn oversized_requests_are_refused_before_sending() {
+    let fake = Fake::start(1, FEATURES_ALL, |_, req| async move {
+        panic!("nothing should be sent, got {req:?}")
+    })
+    .await;
+    let client = Client::connect(fake.addr, config()).await.unwrap();
+    let big = vec![0u8; felix_wire::DEFAULT_MAX_FRAME_BYTES as usize + 1];
+    let err = client.publish("t", "n", "s", 0, big).await.unwrap_err();
+    assert!(matches!(err, ClientError::InvalidArgument(_)), "{err:?}");
+    let err = client
+        .group_poll_as(
+            "t",
+            "n",
+            "s",
+            0,
+            "g",
+            &GroupMember::new(""),
+            GroupPollOptions::default(),
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ClientError::InvalidArgument(_)), "{err:?}");
+}
+
+#[tokio::test]
+async fn token_and_name_go_in_hello_and_unauthorized_fails_connect() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut buf = bytes::BytesMut::new();
+        let (id, req) = loop {
+            s.read_buf(&mut buf).await.unwrap();
+            if let Some(f) = felix_wire::decode_request(&mut buf, 1 << 20).unwrap() {
+                break f;
+            }
+        };
+        let Request::Hello {
+            token, client_name, ..
+        } = req
+        else {
+            panic!("expected HELLO")
+        };
+        assert_eq!(token.as_deref(), Some("secret"));
+        assert_eq!(client_name, "tester");
+        let mut out = bytes::BytesMut::new();
+        felix_wire::encode_response(
+            id,
+            &Response::Error(WireError::new(ErrorCode::Unauthorized, "bad token")),
+            &mut out,
+        );
+        s.write_all(&out).await.unwrap();
+    });
+    let err = Client::connect(
+        addr,
+        ClientConfig {
+            token: Some("secret".into()),
+            client_name: "tester".into(),
+            ..config()
+        },
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::Unauthorized));
+}

@@ -1,0 +1,657 @@
+//! Durable group state and the entries that change it.
+//!
+//! # Encoding (version 1, little-endian)
+//!
+//! Every entry:
+//!
+//! | bytes | field |
+//! | --- | --- |
+//! | 1 | version = 1 |
+//! | 1 | kind: 1 Create, 2 Seek, 3 Delete, 4 Position, 5 DeadLetter, 6 Redrive, 7 Discard, 8 RedriveFinished, 9 Snapshot |
+//! | 2 | group name length n, 1..=255 |
+//! | n | group name, UTF-8 |
+//! | … | body |
+//!
+//! Bodies:
+//!
+//! | kind | body |
+//! | --- | --- |
+//! | Create, Seek, Position | u64 position |
+//! | Delete | (empty) |
+//! | Redrive, Discard, RedriveFinished | u64 offset |
+//! | DeadLetter | u64 offset, then *info* |
+//! | Snapshot | u64 position; u32 dead-letter count d; d × (u64 offset, *info*) in strictly increasing offset order; u32 redriven count r; r × u64 offset, strictly increasing, each below the position |
+//!
+//! *info*: u32 attempts, u64 at_ms, u8 flags (bit 0 by_consumer, bit 1 reason
+//! present; other bits zero), then if a reason is present u16 length (at most
+//! [`REASON_MAX_BYTES`]) and that many bytes of UTF-8.
+//!
+//! Decoding never panics, allocates at most in proportion to the input, and
+//! refuses trailing bytes, so every accepted input re-encodes to itself.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::types::Offset;
+
+/// The encoding version this build writes and reads.
+pub const ENTRY_VERSION: u8 = 1;
+/// Longest dead-letter reason kept, in bytes; longer ones are cut.
+pub const REASON_MAX_BYTES: usize = 1024;
+/// Longest group name an entry can carry.
+pub const GROUP_NAME_MAX_BYTES: usize = 255;
+
+const KIND_CREATE: u8 = 1;
+const KIND_SEEK: u8 = 2;
+const KIND_DELETE: u8 = 3;
+const KIND_POSITION: u8 = 4;
+const KIND_DEAD_LETTER: u8 = 5;
+const KIND_REDRIVE: u8 = 6;
+const KIND_DISCARD: u8 = 7;
+const KIND_REDRIVE_FINISHED: u8 = 8;
+const KIND_SNAPSHOT: u8 = 9;
+
+const FLAG_BY_CONSUMER: u8 = 1;
+const FLAG_REASON: u8 = 2;
+/// Smallest encoded *info*: attempts, at_ms, flags.
+const INFO_MIN_BYTES: usize = 4 + 8 + 1;
+
+/// A record the group gave up on. The record stays in the log at its offset.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeadLetter {
+    /// Deliveries it had when it was given up on.
+    pub attempts: u32,
+    /// When (the tracker's `now_ms`).
+    pub at_ms: u64,
+    /// The consumer's reason, if it gave one (cut to [`REASON_MAX_BYTES`]).
+    pub reason: Option<String>,
+    /// Set by a consumer's `dead_letter` rather than the attempt bound.
+    pub by_consumer: bool,
+}
+
+/// The durable part of a group: what its entries in the log rebuild.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct DurableGroup {
+    position: Offset,
+    dead_letters: BTreeMap<Offset, DeadLetter>,
+    /// Redriven offsets below the position: owed again until finished.
+    redriven: BTreeSet<Offset>,
+}
+
+impl DurableGroup {
+    pub fn new(position: Offset) -> DurableGroup {
+        DurableGroup {
+            position,
+            ..DurableGroup::default()
+        }
+    }
+
+    /// Build from parts, checking that every redriven offset is below the
+    /// position and is not also a dead letter.
+    pub fn from_parts(
+        position: Offset,
+        dead_letters: BTreeMap<Offset, DeadLetter>,
+        redriven: BTreeSet<Offset>,
+    ) -> Result<DurableGroup, GroupEntryError> {
+        if redriven.iter().any(|&r| r >= position) {
+            return Err(GroupEntryError::Malformed(
+                "a redriven offset is not below the position",
+            ));
+        }
+        if redriven.iter().any(|r| dead_letters.contains_key(r)) {
+            return Err(GroupEntryError::Malformed(
+                "an offset is both redriven and a dead letter",
+            ));
+        }
+        Ok(DurableGroup {
+            position,
+            dead_letters,
+            redriven,
+        })
+    }
+
+    /// The cursor: everything below it is finished, except `redriven`.
+    pub fn position(&self) -> Offset {
+        self.position
+    }
+
+    pub fn dead_letters(&self) -> &BTreeMap<Offset, DeadLetter> {
+        &self.dead_letters
+    }
+
+    pub fn redriven(&self) -> &BTreeSet<Offset> {
+        &self.redriven
+    }
+}
+
+/// A change to durable group state, appended to the shard's log (taking no
+/// stream offset). See the module docs for the byte layout.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum GroupEntry {
+    /// The group comes into being at `position` (no-op if it exists).
+    Create { group: String, position: Offset },
+    /// The group moves to `position`; redriven offsets at or above it are
+    /// dropped (the group reaches them again from the position).
+    Seek { group: String, position: Offset },
+    /// The group, its position and dead letters are gone.
+    Delete { group: String },
+    /// The cursor advanced to `position`.
+    Position { group: String, position: Offset },
+    /// `offset` is a dead letter (and, if it was redriven, no longer owed).
+    DeadLetter {
+        group: String,
+        offset: Offset,
+        info: DeadLetter,
+    },
+    /// The dead letter at `offset` is owed again (tracked as redriven if it
+    /// is below the position).
+    Redrive { group: String, offset: Offset },
+    /// The dead letter at `offset` is no longer tracked.
+    Discard { group: String, offset: Offset },
+    /// The redriven `offset` was finished.
+    RedriveFinished { group: String, offset: Offset },
+    /// The whole durable state, written at the start of each log segment.
+    Snapshot { group: String, state: DurableGroup },
+}
+
+/// Why bytes did not decode as a [`GroupEntry`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GroupEntryError {
+    #[error("group entry is truncated at byte {at}")]
+    Truncated { at: usize },
+    #[error("group entry version {0} is not supported (this build reads version {ENTRY_VERSION})")]
+    Version(u8),
+    #[error("unknown group entry kind {0}")]
+    Kind(u8),
+    #[error("group entry has {0} trailing bytes")]
+    Trailing(usize),
+    #[error("group entry is malformed: {0}")]
+    Malformed(&'static str),
+}
+
+impl GroupEntry {
+    /// The group this entry belongs to.
+    pub fn group(&self) -> &str {
+        match self {
+            GroupEntry::Create { group, .. }
+            | GroupEntry::Seek { group, .. }
+            | GroupEntry::Delete { group }
+            | GroupEntry::Position { group, .. }
+            | GroupEntry::DeadLetter { group, .. }
+            | GroupEntry::Redrive { group, .. }
+            | GroupEntry::Discard { group, .. }
+            | GroupEntry::RedriveFinished { group, .. }
+            | GroupEntry::Snapshot { group, .. } => group,
+        }
+    }
+
+    /// Append the encoding to `out`.
+    ///
+    /// Panics if the group name is empty or longer than
+    /// [`GROUP_NAME_MAX_BYTES`], or a reason is longer than
+    /// [`REASON_MAX_BYTES`]: the tracker never builds such entries.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        let group = self.group();
+        assert!(
+            !group.is_empty() && group.len() <= GROUP_NAME_MAX_BYTES,
+            "group name of {} bytes cannot be encoded",
+            group.len()
+        );
+        out.push(ENTRY_VERSION);
+        out.push(self.kind());
+        out.extend_from_slice(&(group.len() as u16).to_le_bytes());
+        out.extend_from_slice(group.as_bytes());
+        match self {
+            GroupEntry::Create { position, .. }
+            | GroupEntry::Seek { position, .. }
+            | GroupEntry::Position { position, .. } => put_u64(out, position.0),
+            GroupEntry::Delete { .. } => {}
+            GroupEntry::Redrive { offset, .. }
+            | GroupEntry::Discard { offset, .. }
+            | GroupEntry::RedriveFinished { offset, .. } => put_u64(out, offset.0),
+            GroupEntry::DeadLetter { offset, info, .. } => {
+                put_u64(out, offset.0);
+                put_info(out, info);
+            }
+            GroupEntry::Snapshot { state, .. } => {
+                put_u64(out, state.position.0);
+                let dead = u32::try_from(state.dead_letters.len()).expect("dead letters fit u32");
+                out.extend_from_slice(&dead.to_le_bytes());
+                for (offset, info) in &state.dead_letters {
+                    put_u64(out, offset.0);
+                    put_info(out, info);
+                }
+                let redriven = u32::try_from(state.redriven.len()).expect("redriven fit u32");
+                out.extend_from_slice(&redriven.to_le_bytes());
+                for offset in &state.redriven {
+                    put_u64(out, offset.0);
+                }
+            }
+        }
+    }
+
+    /// The encoding as a new buffer.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        self.encode(&mut out);
+        out
+    }
+
+    /// Decode one entry occupying all of `bytes`. Never panics.
+    pub fn decode(bytes: &[u8]) -> Result<GroupEntry, GroupEntryError> {
+        let mut r = Reader { bytes, at: 0 };
+        let version = r.u8()?;
+        if version != ENTRY_VERSION {
+            return Err(GroupEntryError::Version(version));
+        }
+        let kind = r.u8()?;
+        let name_len = r.u16()? as usize;
+        if name_len == 0 || name_len > GROUP_NAME_MAX_BYTES {
+            return Err(GroupEntryError::Malformed("group name length out of range"));
+        }
+        let group = r.string(name_len)?;
+        let entry = match kind {
+            KIND_CREATE => GroupEntry::Create {
+                group,
+                position: Offset(r.u64()?),
+            },
+            KIND_SEEK => GroupEntry::Seek {
+                group,
+                position: Offset(r.u64()?),
+            },
+            KIND_DELETE => GroupEntry::Delete { group },
+            KIND_POSITION => GroupEntry::Position {
+                group,
+                position: Offset(r.u64()?),
+            },
+            KIND_DEAD_LETTER => {
+                let offset = Offset(r.u64()?);
+                let info = r.info()?;
+                GroupEntry::DeadLetter {
+                    group,
+                    offset,
+                    info,
+                }
+            }
+            KIND_REDRIVE => GroupEntry::Redrive {
+                group,
+                offset: Offset(r.u64()?),
+            },
+            KIND_DISCARD => GroupEntry::Discard {
+                group,
+                offset: Offset(r.u64()?),
+            },
+            KIND_REDRIVE_FINISHED => GroupEntry::RedriveFinished {
+                group,
+                offset: Offset(r.u64()?),
+            },
+            KIND_SNAPSHOT => {
+                let position = Offset(r.u64()?);
+                let dead = r.u32()? as usize;
+                if dead > r.remaining() / (8 + INFO_MIN_BYTES) {
+                    return Err(GroupEntryError::Truncated { at: r.at });
+                }
+                let mut dead_letters = BTreeMap::new();
+                let mut last: Option<Offset> = None;
+                for _ in 0..dead {
+                    let offset = Offset(r.u64()?);
+                    if last.is_some_and(|l| offset <= l) {
+                        return Err(GroupEntryError::Malformed(
+                            "snapshot dead letters are not in increasing order",
+                        ));
+                    }
+                    last = Some(offset);
+                    dead_letters.insert(offset, r.info()?);
+                }
+                let count = r.u32()? as usize;
+                if count > r.remaining() / 8 {
+                    return Err(GroupEntryError::Truncated { at: r.at });
+                }
+                let mut redriven = BTreeSet::new();
+                let mut last: Option<Offset> = None;
+                for _ in 0..count {
+                    let offset = Offset(r.u64()?);
+                    if last.is_some_and(|l| offset <= l) {
+                        return Err(GroupEntryError::Malformed(
+                            "snapshot redriven offsets are not in increasing order",
+                        ));
+                    }
+                    last = Some(offset);
+                    redriven.insert(offset);
+                }
+                GroupEntry::Snapshot {
+                    group,
+                    state: DurableGroup::from_parts(position, dead_letters, redriven)?,
+                }
+            }
+            other => return Err(GroupEntryError::Kind(other)),
+        };
+        if r.remaining() != 0 {
+            return Err(GroupEntryError::Trailing(r.remaining()));
+        }
+        Ok(entry)
+    }
+
+    fn kind(&self) -> u8 {
+        match self {
+            GroupEntry::Create { .. } => KIND_CREATE,
+            GroupEntry::Seek { .. } => KIND_SEEK,
+            GroupEntry::Delete { .. } => KIND_DELETE,
+            GroupEntry::Position { .. } => KIND_POSITION,
+            GroupEntry::DeadLetter { .. } => KIND_DEAD_LETTER,
+            GroupEntry::Redrive { .. } => KIND_REDRIVE,
+            GroupEntry::Discard { .. } => KIND_DISCARD,
+            GroupEntry::RedriveFinished { .. } => KIND_REDRIVE_FINISHED,
+            GroupEntry::Snapshot { .. } => KIND_SNAPSHOT,
+        }
+    }
+}
+
+/// Apply one entry to a group's durable state (`None`: the group does not
+/// exist). Entries for a group that does not exist, other than `Create`,
+/// `Seek` and `Snapshot`, change nothing.
+pub(crate) fn apply(state: &mut Option<DurableGroup>, entry: &GroupEntry) {
+    match entry {
+        GroupEntry::Create { position, .. } => {
+            if state.is_none() {
+                *state = Some(DurableGroup::new(*position));
+            }
+        }
+        GroupEntry::Seek { position, .. } => {
+            let g = state.get_or_insert_with(|| DurableGroup::new(*position));
+            g.position = *position;
+            g.redriven.retain(|&r| r < *position);
+        }
+        GroupEntry::Delete { .. } => *state = None,
+        GroupEntry::Snapshot { state: s, .. } => *state = Some(s.clone()),
+        GroupEntry::Position { position, .. } => {
+            if let Some(g) = state {
+                g.position = *position;
+                g.redriven.retain(|&r| r < *position);
+            }
+        }
+        GroupEntry::DeadLetter { offset, info, .. } => {
+            if let Some(g) = state {
+                g.redriven.remove(offset);
+                g.dead_letters.insert(*offset, info.clone());
+            }
+        }
+        GroupEntry::Redrive { offset, .. } => {
+            if let Some(g) = state {
+                if g.dead_letters.remove(offset).is_some() && *offset < g.position {
+                    g.redriven.insert(*offset);
+                }
+            }
+        }
+        GroupEntry::Discard { offset, .. } => {
+            if let Some(g) = state {
+                g.dead_letters.remove(offset);
+            }
+        }
+        GroupEntry::RedriveFinished { offset, .. } => {
+            if let Some(g) = state {
+                g.redriven.remove(offset);
+            }
+        }
+    }
+}
+
+/// Cut a reason to [`REASON_MAX_BYTES`] on a character boundary.
+pub(crate) fn cut_reason(reason: Option<&str>) -> Option<String> {
+    let reason = reason?;
+    let mut end = reason.len().min(REASON_MAX_BYTES);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    Some(reason[..end].to_string())
+}
+
+fn put_u64(out: &mut Vec<u8>, v: u64) {
+    out.extend_from_slice(&v.to_le_bytes());
+}
+
+fn put_info(out: &mut Vec<u8>, info: &DeadLetter) {
+    out.extend_from_slice(&info.attempts.to_le_bytes());
+    put_u64(out, info.at_ms);
+    let mut flags = 0;
+    if info.by_consumer {
+        flags |= FLAG_BY_CONSUMER;
+    }
+    if info.reason.is_some() {
+        flags |= FLAG_REASON;
+    }
+    out.push(flags);
+    if let Some(reason) = &info.reason {
+        assert!(
+            reason.len() <= REASON_MAX_BYTES,
+            "dead-letter reason of {} bytes cannot be encoded",
+            reason.len()
+        );
+        out.extend_from_slice(&(reason.len() as u16).to_le_bytes());
+        out.extend_from_slice(reason.as_bytes());
+    }
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn remaining(&self) -> usize {
+        self.bytes.len() - self.at
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], GroupEntryError> {
+        if n > self.remaining() {
+            return Err(GroupEntryError::Truncated { at: self.at });
+        }
+        let s = &self.bytes[self.at..self.at + n];
+        self.at += n;
+        Ok(s)
+    }
+
+    fn u8(&mut self) -> Result<u8, GroupEntryError> {
+        Ok(self.take(1)?[0])
+    }
+
+    fn u16(&mut self) -> Result<u16, GroupEntryError> {
+        let b = self.take(2)?;
+        Ok(u16::from_le_bytes([b[0], b[1]]))
+    }
+
+    fn u32(&mut self) -> Result<u32, GroupEntryError> {
+        let mut a = [0; 4];
+        a.copy_from_slice(self.take(4)?);
+        Ok(u32::from_le_bytes(a))
+    }
+
+    fn u64(&mut self) -> Result<u64, GroupEntryError> {
+        let mut a = [0; 8];
+        a.copy_from_slice(self.take(8)?);
+        Ok(u64::from_le_bytes(a))
+    }
+
+    fn string(&mut self, n: usize) -> Result<String, GroupEntryError> {
+        let b = self.take(n)?;
+        std::str::from_utf8(b)
+            .map(str::to_string)
+            .map_err(|_| GroupEntryError::Malformed("text is not UTF-8"))
+    }
+
+    fn info(&mut self) -> Result<DeadLetter, GroupEntryError> {
+        let attempts = self.u32()?;
+        let at_ms = self.u64()?;
+        let flags = self.u8()?;
+        if flags & !(FLAG_BY_CONSUMER | FLAG_REASON) != 0 {
+            return Err(GroupEntryError::Malformed("unknown dead-letter flags"));
+        }
+        let reason = if flags & FLAG_REASON != 0 {
+            let len = self.u16()? as usize;
+            if len > REASON_MAX_BYTES {
+                return Err(GroupEntryError::Malformed("dead-letter reason too long"));
+            }
+            Some(self.string(len)?)
+        } else {
+            None
+        };
+        Ok(DeadLetter {
+            attempts,
+            at_ms,
+            reason,
+            by_consumer: flags & FLAG_BY_CONSUMER != 0,
+        })
+    }
+}
+
+#[cfg(test)]
+mod codec_tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn arb_info() -> impl Strategy<Value = DeadLetter> {
+        (
+            any::<u32>(),
+            any::<u64>(),
+            proptest::option::of("\\PC{0,40}"),
+            any::<bool>(),
+        )
+            .prop_map(|(attempts, at_ms, reason, by_consumer)| DeadLetter {
+                attempts,
+                at_ms,
+                reason,
+                by_consumer,
+            })
+    }
+
+    fn arb_state() -> impl Strategy<Value = DurableGroup> {
+        (
+            any::<u64>(),
+            proptest::collection::btree_map(any::<u64>(), arb_info(), 0..8),
+            proptest::collection::btree_set(any::<u64>(), 0..8),
+        )
+            .prop_map(|(position, dead, redriven)| {
+                let dead_letters: BTreeMap<Offset, DeadLetter> =
+                    dead.into_iter().map(|(o, i)| (Offset(o), i)).collect();
+                let redriven = redriven
+                    .into_iter()
+                    .map(Offset)
+                    .filter(|r| *r < Offset(position) && !dead_letters.contains_key(r))
+                    .collect();
+                DurableGroup::from_parts(Offset(position), dead_letters, redriven).unwrap()
+            })
+    }
+
+    fn arb_entry() -> impl Strategy<Value = GroupEntry> {
+        let group = "[a-zA-Z0-9._-]{1,128}";
+        prop_oneof![
+            (group, any::<u64>()).prop_map(|(group, p)| GroupEntry::Create {
+                group,
+                position: Offset(p)
+            }),
+            (group, any::<u64>()).prop_map(|(group, p)| GroupEntry::Seek {
+                group,
+                position: Offset(p)
+            }),
+            group.prop_map(|group| GroupEntry::Delete { group }),
+            (group, any::<u64>()).prop_map(|(group, p)| GroupEntry::Position {
+                group,
+                position: Offset(p)
+            }),
+            (group, any::<u64>(), arb_info()).prop_map(|(group, o, info)| {
+                GroupEntry::DeadLetter {
+                    group,
+                    offset: Offset(o),
+                    info,
+                }
+            }),
+            (group, any::<u64>()).prop_map(|(group, o)| GroupEntry::Redrive {
+                group,
+                offset: Offset(o)
+            }),
+            (group, any::<u64>()).prop_map(|(group, o)| GroupEntry::Discard {
+                group,
+                offset: Offset(o)
+            }),
+            (group, any::<u64>()).prop_map(|(group, o)| GroupEntry::RedriveFinished {
+                group,
+                offset: Offset(o)
+            }),
+            (group, arb_state()).prop_map(|(group, state)| GroupEntry::Snapshot { group, state }),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        #[test]
+        fn group_entries_round_trip(entry in arb_entry()) {
+            let bytes = entry.to_bytes();
+            prop_assert_eq!(GroupEntry::decode(&bytes), Ok(entry.clone()));
+            // Every strict prefix is refused, never misread.
+            for cut in 0..bytes.len() {
+                prop_assert!(GroupEntry::decode(&bytes[..cut]).is_err());
+            }
+            let mut longer = bytes.clone();
+            longer.push(0);
+            prop_assert_eq!(GroupEntry::decode(&longer), Err(GroupEntryError::Trailing(1)));
+        }
+
+        #[test]
+        fn group_entry_decode_never_panics_on_garbage(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
+            if let Ok(entry) = GroupEntry::decode(&bytes) {
+                // Whatever decodes is canonical: it re-encodes to the same bytes.
+                prop_assert_eq!(entry.to_bytes(), bytes);
+            }
+        }
+
+        #[test]
+        fn group_entry_decode_survives_mutations(entry in arb_entry(), flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..6)) {
+            let mut bytes = entry.to_bytes();
+            for (at, v) in flips {
+                let i = at % bytes.len();
+                bytes[i] = v;
+            }
+            if let Ok(decoded) = GroupEntry::decode(&bytes) {
+                prop_assert_eq!(decoded.to_bytes(), bytes);
+            }
+        }
+    }
+
+    #[test]
+    fn group_entry_with_a_huge_count_is_refused_without_allocating() {
+        let mut bytes = vec![ENTRY_VERSION, KIND_SNAPSHOT, 1, 0, b'g'];
+        bytes.extend_from_slice(&5u64.to_le_bytes());
+        bytes.extend_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(
+            GroupEntry::decode(&bytes),
+            Err(GroupEntryError::Truncated { .. })
+        ));
+    }
+
+    #[test]
+    fn group_entry_snapshot_with_redriven_above_position_is_refused() {
+        let state = DurableGroup {
+            position: Offset(3),
+            dead_letters: BTreeMap::new(),
+            redriven: [Offset(7)].into_iter().collect(),
+        };
+        let bytes = GroupEntry::Snapshot {
+            group: "g".into(),
+            state,
+        }
+        .to_bytes();
+        assert!(matches!(
+            GroupEntry::decode(&bytes),
+            Err(GroupEntryError::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn group_entry_reasons_are_cut_on_a_char_boundary() {
+        let long = "é".repeat(REASON_MAX_BYTES);
+        let cut = cut_reason(Some(&long)).unwrap();
+        assert!(cut.len() <= REASON_MAX_BYTES);
+        assert!(long.starts_with(&cut));
+        assert_eq!(cut_reason(None), None);
+    }
+}

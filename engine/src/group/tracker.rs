@@ -1,0 +1,1283 @@
+//! [`GroupTracker`]: the state machine of one group on one shard.
+
+use std::collections::BTreeSet;
+
+use super::entry::{self, cut_reason, DeadLetter, DurableGroup, GroupEntry, GROUP_NAME_MAX_BYTES};
+use super::members::{fast_map, FastMap, Members};
+use super::slot::{Slot, State, Timers, TIME_MAX_MS};
+use super::{
+    Caller, Delivery, GroupConfig, GroupError, GroupStatus, LogView, Lookup, PollOutcome,
+    PollPlan, StartAt,
+};
+use crate::types::Offset;
+
+/// The consumer-group tracker of one (shard, group). See the module docs.
+#[derive(Debug)]
+pub struct GroupTracker {
+    group: String,
+    config: GroupConfig,
+    /// `None`: the group does not exist (never created, or deleted).
+    durable: Option<DurableGroup>,
+    /// Entries were applied from outside: rebuild the memory before use.
+    stale: bool,
+    /// The next offset not yet handed out or settled since the last rebuild.
+    /// Offsets in `[position, frontier)` without a slot are finished.
+    frontier: Offset,
+    /// Every unfinished offset: `[position, frontier)` ones and the redriven
+    /// ones below the position.
+    slots: FastMap<Offset, Slot>,
+    /// Slots in state `Owed`, in offset order.
+    owed: BTreeSet<Offset>,
+    /// Slots in state `Reserved`, by (reclaiming holder, offset).
+    reserved: BTreeSet<(u32, Offset)>,
+    timers: Timers,
+    /// Claimed + Reserved + Delayed slots.
+    in_flight: u32,
+    /// Delayed slots.
+    delayed: u32,
+    members: Members,
+    /// The run of settled, never-delivered offsets that ends at
+    /// `skip_run_end` (exclusive) and is `skip_run_len` long.
+    skip_run_end: Offset,
+    skip_run_len: u64,
+    /// `skipped_before` of unfinished records that had one, for redeliveries.
+    skipped_below: FastMap<Offset, u64>,
+    /// No offset at or above this was handed out by this tracker. `None`
+    /// after a rebuild: learned (conservatively, as the log end) from the
+    /// next `LogView`.
+    handed_out_end: Option<Offset>,
+    last_active_ms: u64,
+}
+
+enum Step {
+    Go,
+    Stop,
+}
+
+impl GroupTracker {
+    /// A tracker for `group` with no state: replay the group's entries with
+    /// [`apply_entry`](Self::apply_entry), or let the first poll or create
+    /// make the group.
+    pub fn new(group: impl Into<String>, config: GroupConfig) -> GroupTracker {
+        let group = group.into();
+        assert!(
+            !group.is_empty() && group.len() <= GROUP_NAME_MAX_BYTES,
+            "group name must be 1 to {GROUP_NAME_MAX_BYTES} bytes"
+        );
+        GroupTracker {
+            group,
+            config: config.clamped(),
+            durable: None,
+            stale: false,
+            frontier: Offset(0),
+            slots: fast_map(),
+            owed: BTreeSet::new(),
+            reserved: BTreeSet::new(),
+            timers: Timers::new(),
+            in_flight: 0,
+            delayed: 0,
+            members: Members::new(),
+            skip_run_end: Offset(0),
+            skip_run_len: 0,
+            skipped_below: fast_map(),
+            handed_out_end: None,
+            last_active_ms: 0,
+        }
+    }
+
+    pub fn group(&self) -> &str {
+        &self.group
+    }
+
+    /// The configuration in force (clamped).
+    pub fn config(&self) -> &GroupConfig {
+        &self.config
+    }
+
+    pub fn exists(&self) -> bool {
+        self.durable.is_some()
+    }
+
+    /// The durable state, `None` if the group does not exist.
+    pub fn durable(&self) -> Option<&DurableGroup> {
+        self.durable.as_ref()
+    }
+
+    /// The group's cursor (0 if it does not exist).
+    pub fn position(&self) -> Offset {
+        self.durable.as_ref().map_or(Offset(0), |d| d.position())
+    }
+
+    /// Standing claims plus delayed nacks, including any past their deadline
+    /// that no `tick` has applied yet.
+    pub fn in_flight(&self) -> u32 {
+        self.in_flight
+    }
+
+    pub fn last_active_ms(&self) -> u64 {
+        self.last_active_ms
+    }
+
+    /// The earliest claim or delay deadline: call [`tick`](Self::tick) then
+    /// (and wake polls waiting at the in-flight cap).
+    pub fn next_deadline(&self) -> Option<u64> {
+        self.timers.next().map(|(d, _)| d)
+    }
+
+    // ----------------------------------------------------------------- polls
+
+    /// Which offsets the broker should read for this poll, best first:
+    /// records reserved for the caller, then owed, then new ones. Applies
+    /// lapses and reclaim as the poll would; its writes are lazy.
+    pub fn plan_poll(
+        &mut self,
+        now_ms: u64,
+        caller: &Caller,
+        max_records: u32,
+        log: LogView,
+    ) -> PollPlan {
+        let mut plan = PollPlan::default();
+        self.prepare_poll(now_ms, caller, log, &mut plan.writes);
+        let max = self.records_max(max_records);
+        if let Some(me) = self.existing_holder(caller) {
+            for &(h, o) in self.reserved.range((me, Offset(0))..) {
+                if h != me || plan.offsets.len() >= max {
+                    break;
+                }
+                plan.offsets.push(o);
+            }
+        }
+        let mut room = self.config.max_in_flight.saturating_sub(self.in_flight);
+        for &o in &self.owed {
+            if plan.offsets.len() >= max || room == 0 {
+                break;
+            }
+            plan.offsets.push(o);
+            room -= 1;
+        }
+        let mut o = self.frontier;
+        while o < log.end && plan.offsets.len() < max && room > 0 {
+            if !self.is_dead_letter(o) {
+                plan.offsets.push(o);
+                room -= 1;
+            }
+            o = o.next();
+        }
+        self.settle_position(&mut plan.writes);
+        plan
+    }
+
+    /// Hand out records: reserved for this connection first, then owed, then
+    /// new ones from the frontier up to `log.end`. Stops at the first
+    /// [`Lookup::NotLoaded`], after `max_records` (0: the broker's cap) or
+    /// `poll_max_records` deliveries, after the record that reaches
+    /// `poll_max_bytes`, and when `max_in_flight` leaves no room.
+    /// `visibility_ms` overrides the group's visibility for these claims
+    /// (clamped to `[1, max_visibility_ms]`). Writes are lazy.
+    pub fn poll(
+        &mut self,
+        now_ms: u64,
+        caller: &Caller,
+        max_records: u32,
+        visibility_ms: Option<u64>,
+        log: LogView,
+        lookup: &mut dyn FnMut(Offset) -> Lookup,
+    ) -> PollOutcome {
+        let mut out = PollOutcome::default();
+        self.prepare_poll(now_ms, caller, log, &mut out.writes);
+        let max = self.records_max(max_records);
+        let visibility = visibility_ms
+            .unwrap_or(self.config.visibility_ms)
+            .clamp(1, self.config.max_visibility_ms);
+        let deadline = deadline_at(now_ms, visibility);
+        let mut bytes = 0u64;
+        let mut holder = None;
+        let mut hit_cap = false;
+        'poll: {
+            // 1. What this connection reclaimed. These are claims already, so
+            //    they need no room under the cap.
+            if let Some(me) = self.existing_holder(caller) {
+                let mut from = Offset(0);
+                while let Some(&(h, o)) = self.reserved.range((me, from)..).next() {
+                    if h != me {
+                        break;
+                    }
+                    from = o.next();
+                    if out.deliveries.len() >= max || bytes >= self.config.poll_max_bytes {
+                        break 'poll;
+                    }
+                    let step = self.redeliver(
+                        o,
+                        now_ms,
+                        deadline,
+                        me,
+                        log,
+                        lookup,
+                        &mut out,
+                        &mut bytes,
+                    );
+                    if let Step::Stop = step {
+                        break 'poll;
+                    }
+                }
+            }
+            // 2. Owed records, before anything new.
+            let mut from = Offset(0);
+            while let Some(&o) = self.owed.range(from..).next() {
+                from = o.next();
+                if out.deliveries.len() >= max || bytes >= self.config.poll_max_bytes {
+                    break 'poll;
+                }
+                if self.in_flight >= self.config.max_in_flight {
+                    hit_cap = true;
+                    break 'poll;
+                }
+                let h = self.holder_for(caller, &mut holder);
+                let step = self.redeliver(
+                    o,
+                    now_ms,
+                    deadline,
+                    h,
+                    log,
+                    lookup,
+                    &mut out,
+                    &mut bytes,
+                );
+                if let Step::Stop = step {
+                    break 'poll;
+                }
+            }
+            // 3. New records from the frontier.
+            while self.frontier < log.end {
+                if out.deliveries.len() >= max || bytes >= self.config.poll_max_bytes {
+                    break 'poll;
+                }
+                let o = self.frontier;
+                if self.is_dead_letter(o) {
+                    // Given up on before a restart or seek: still finished.
+                    self.frontier = o.next();
+                    continue;
+                }
+                if self.in_flight >= self.config.max_in_flight {
+                    hit_cap = true;
+                    break 'poll;
+                }
+                match lookup(o) {
+                    Lookup::Record { payload_bytes } => {
+                        let skipped_before = if self.skip_run_end == o {
+                            self.skip_run_len
+                        } else {
+                            0
+                        };
+                        self.frontier = o.next();
+                        let h = self.holder_for(caller, &mut holder);
+                        self.claim(o, 1, h, deadline, now_ms);
+                        if skipped_before > 0 {
+                            self.skipped_below.insert(o, skipped_before);
+                        }
+                        out.deliveries.push(Delivery {
+                            offset: o,
+                            attempts: 1,
+                            skipped_before,
+                        });
+                        bytes += payload_bytes as u64;
+                    }
+                    Lookup::Skipped => {
+                        self.frontier = o.next();
+                        self.note_skipped(o, o.next());
+                    }
+                    Lookup::NotLoaded => break 'poll,
+                }
+            }
+        }
+        self.settle_position(&mut out.writes);
+        out.capped = out.deliveries.is_empty() && hit_cap;
+        out
+    }
+
+    /// Apply lapses and ended delays (dead-lettering at the attempt bound).
+    /// Call when [`next_deadline`](Self::next_deadline) passes. Lazy writes.
+    pub fn tick(&mut self, now_ms: u64) -> Vec<GroupEntry> {
+        check_time(now_ms);
+        self.refresh();
+        let mut w = Vec::new();
+        if self.durable.is_some() {
+            self.expire(now_ms, &mut w);
+            self.settle_position(&mut w);
+        }
+        w
+    }
+
+    // ---------------------------------------------------------- acknowledging
+
+    /// Finish records. Each offset must have been handed out: one in play is
+    /// finished (whoever holds it, even past its deadline), one already
+    /// finished or below the position is a harmless duplicate. Validated as a
+    /// whole before anything changes. Writes: wait before answering.
+    pub fn ack(
+        &mut self,
+        now_ms: u64,
+        offsets: &[Offset],
+        log: LogView,
+    ) -> Result<Vec<GroupEntry>, GroupError> {
+        self.begin_request(now_ms)?;
+        self.observe(log);
+        for &o in offsets {
+            if o >= log.end {
+                return Err(past_tail(o, log));
+            }
+            if !(self.slots.contains_key(&o) || o < self.frontier || o < self.position()) {
+                return Err(self.not_handed_out(o));
+            }
+        }
+        let mut w = Vec::new();
+        for &o in offsets {
+            if self.slots.contains_key(&o) {
+                self.finish(o, &mut w);
+            }
+        }
+        self.settle_position(&mut w);
+        Ok(w)
+    }
+
+    /// Hand back the delivery held (named by `attempts`): owed again at once,
+    /// or after `delay_ms` (clamped to `max_visibility_ms`; holds an
+    /// in-flight place meanwhile). At the attempt bound it becomes a dead
+    /// letter instead. Refused with `stale_claim` once the claim lapsed or
+    /// the record went out again. Writes: wait before answering.
+    pub fn nack(
+        &mut self,
+        now_ms: u64,
+        offset: Offset,
+        attempts: u32,
+        delay_ms: Option<u64>,
+        reason: Option<&str>,
+        log: LogView,
+    ) -> Result<Vec<GroupEntry>, GroupError> {
+        self.begin_request(now_ms)?;
+        self.observe(log);
+        let s = self.held_claim(now_ms, offset, attempts, log)?;
+        let mut w = Vec::new();
+        if s.attempts() >= self.config.max_attempts {
+            self.give_up(offset, s.attempts(), now_ms, cut_reason(reason), false, &mut w);
+        } else {
+            match delay_ms.filter(|&d| d > 0) {
+                Some(d) => {
+                    let until = deadline_at(now_ms, d.min(self.config.max_visibility_ms));
+                    let slot = Slot::timed(State::Delayed, until, now_ms, s.attempts(), 0);
+                    self.transition(offset, Some(slot));
+                }
+                None => self.transition(offset, Some(Slot::owed(now_ms, s.attempts()))),
+            }
+        }
+        self.settle_position(&mut w);
+        Ok(w)
+    }
+
+    /// Let the delivery held stand for `extend_ms` from now (clamped to
+    /// `[1, max_visibility_ms]`); returns how long it now stands. Refused
+    /// with `stale_claim` once the claim lapsed, the record went out again,
+    /// or for a delayed nack (nobody holds it).
+    pub fn extend(
+        &mut self,
+        now_ms: u64,
+        offset: Offset,
+        attempts: u32,
+        extend_ms: u64,
+        log: LogView,
+    ) -> Result<u64, GroupError> {
+        self.begin_request(now_ms)?;
+        self.observe(log);
+        let s = self.held_claim(now_ms, offset, attempts, log)?;
+        let stands_ms = extend_ms.clamp(1, self.config.max_visibility_ms);
+        let slot = Slot::timed(
+            s.state(),
+            deadline_at(now_ms, stands_ms),
+            s.since_ms(),
+            s.attempts(),
+            s.holder(),
+        );
+        self.transition(offset, Some(slot));
+        Ok(stands_ms)
+    }
+
+    /// The consumer gives up on the delivery it holds (named by `attempts`;
+    /// also taken while the record waits owed or delayed, as long as it has
+    /// not gone out again): listed as a dead letter and finished. Refused
+    /// with `invalid_request` for a finished record. Writes: **durable before
+    /// answering**.
+    pub fn dead_letter(
+        &mut self,
+        now_ms: u64,
+        offset: Offset,
+        attempts: u32,
+        reason: Option<&str>,
+        log: LogView,
+    ) -> Result<Vec<GroupEntry>, GroupError> {
+        self.begin_request(now_ms)?;
+        self.observe(log);
+        if offset >= log.end {
+            return Err(past_tail(offset, log));
+        }
+        if attempts == 0 {
+            return Err(GroupError::InvalidRequest(
+                "attempts count from 1".to_string(),
+            ));
+        }
+        let Some(&s) = self.slots.get(&offset) else {
+            if offset < self.frontier || offset < self.position() {
+                return Err(GroupError::InvalidRequest(format!(
+                    "offset {offset} is already finished"
+                )));
+            }
+            return Err(self.not_handed_out(offset));
+        };
+        if s.attempts() != attempts {
+            return Err(went_out_again(offset, attempts, s.attempts()));
+        }
+        let mut w = Vec::new();
+        self.give_up(offset, s.attempts(), now_ms, cut_reason(reason), true, &mut w);
+        self.settle_position(&mut w);
+        Ok(w)
+    }
+
+    // ----------------------------------------------------------- dead letters
+
+    /// The group's dead letters, in offset order.
+    pub fn dead_letters(&self) -> Result<Vec<(Offset, DeadLetter)>, GroupError> {
+        let g = self.durable.as_ref().ok_or_else(|| self.no_group())?;
+        Ok(g.dead_letters()
+            .iter()
+            .map(|(o, d)| (*o, d.clone()))
+            .collect())
+    }
+
+    /// Make a dead letter owed again with its attempts reset. Never moves the
+    /// cursor back. Writes: **durable before answering**.
+    pub fn redrive(&mut self, now_ms: u64, offset: Offset) -> Result<Vec<GroupEntry>, GroupError> {
+        self.begin_request(now_ms)?;
+        self.require_dead_letter(offset)?;
+        let mut w = Vec::new();
+        self.write(
+            GroupEntry::Redrive {
+                group: self.group.clone(),
+                offset,
+            },
+            &mut w,
+        );
+        let finished_here = offset < self.position()
+            || (offset < self.frontier && !self.slots.contains_key(&offset));
+        if finished_here {
+            self.transition(offset, Some(Slot::owed(now_ms, 0)));
+        }
+        Ok(w)
+    }
+
+    /// Stop tracking a dead letter. Writes: wait before answering.
+    pub fn discard(&mut self, now_ms: u64, offset: Offset) -> Result<Vec<GroupEntry>, GroupError> {
+        self.begin_request(now_ms)?;
+        self.require_dead_letter(offset)?;
+        let mut w = Vec::new();
+        self.write(
+            GroupEntry::Discard {
+                group: self.group.clone(),
+                offset,
+            },
+            &mut w,
+        );
+        Ok(w)
+    }
+
+    // ------------------------------------------------------------------ admin
+
+    /// Create the group at `start`; a no-op (no writes) if it exists.
+    /// Writes: wait before answering.
+    pub fn create(
+        &mut self,
+        now_ms: u64,
+        start: StartAt,
+        log: LogView,
+    ) -> Result<Vec<GroupEntry>, GroupError> {
+        check_time(now_ms);
+        self.refresh();
+        self.touch(now_ms);
+        let mut w = Vec::new();
+        if self.durable.is_none() {
+            let position = resolve(start, log)?;
+            self.create_at(position, &mut w);
+        }
+        self.observe(log);
+        Ok(w)
+    }
+
+    /// Move the group to `to`, backwards to replay or forwards to skip. Voids
+    /// every standing claim and delay; keeps dead letters. Writes: wait
+    /// before answering.
+    pub fn seek(
+        &mut self,
+        now_ms: u64,
+        to: StartAt,
+        log: LogView,
+    ) -> Result<Vec<GroupEntry>, GroupError> {
+        self.begin_request(now_ms)?;
+        self.observe(log);
+        let position = resolve(to, log)?;
+        let mut w = Vec::new();
+        self.write(
+            GroupEntry::Seek {
+                group: self.group.clone(),
+                position,
+            },
+            &mut w,
+        );
+        self.rebuild_memory(now_ms);
+        Ok(w)
+    }
+
+    /// Remove the group: its position, dead letters and all it holds.
+    /// Writes: wait before answering.
+    pub fn delete(&mut self, now_ms: u64) -> Result<Vec<GroupEntry>, GroupError> {
+        self.begin_request(now_ms)?;
+        let mut w = Vec::new();
+        self.write(
+            GroupEntry::Delete {
+                group: self.group.clone(),
+            },
+            &mut w,
+        );
+        self.rebuild_memory(now_ms);
+        Ok(w)
+    }
+
+    /// Where the group stands. Claims past their deadline count as owed (or
+    /// as dead letters at the attempt bound) even before a `tick`.
+    pub fn describe(&mut self, now_ms: u64, log: LogView) -> Result<GroupStatus, GroupError> {
+        self.begin_request(now_ms)?;
+        self.observe(log);
+        let g = self.durable.as_ref().expect("checked by begin_request");
+        let mut st = GroupStatus {
+            position: g.position(),
+            frontier: self.frontier,
+            log_start: log.start,
+            log_end: log.end,
+            dead_letters: g.dead_letters().len() as u64,
+            last_active_ms: self.last_active_ms,
+            ..GroupStatus::default()
+        };
+        for s in self.slots.values() {
+            let lapsed_at = match s.state() {
+                State::Owed => Some(s.since_ms()),
+                _ if s.deadline_ms() <= now_ms => Some(s.deadline_ms()),
+                state => {
+                    st.in_flight += 1;
+                    if state == State::Delayed {
+                        st.delayed += 1;
+                    }
+                    st.oldest_in_flight_age_ms = st
+                        .oldest_in_flight_age_ms
+                        .max(now_ms.saturating_sub(s.since_ms()));
+                    None
+                }
+            };
+            if let Some(at) = lapsed_at {
+                if s.is_claim() && s.attempts() >= self.config.max_attempts {
+                    st.dead_letters += 1;
+                } else {
+                    st.owed += 1;
+                    st.oldest_owed_age_ms = st.oldest_owed_age_ms.max(now_ms.saturating_sub(at));
+                }
+            }
+        }
+        Ok(st)
+    }
+
+    // ------------------------------------------------------ memory lifecycle
+
+    /// Untouched by requests for the effective idle time.
+    pub fn is_idle(&self, now_ms: u64) -> bool {
+        now_ms.saturating_sub(self.last_active_ms) >= self.config.effective_idle_ms()
+    }
+
+    /// Idle, and no claim or delayed nack still stands: the broker may drop
+    /// the in-memory state (`reset_to_durable`, or drop the tracker and
+    /// replay).
+    pub fn can_evict(&self, now_ms: u64) -> bool {
+        self.is_idle(now_ms)
+            && !self
+                .slots
+                .values()
+                .any(|s| s.is_timed() && s.deadline_ms() > now_ms)
+    }
+
+    /// Drop everything that is only memory (claims, owed and delayed
+    /// records, acks above the position, attempt counts, reservations,
+    /// members), as eviction or a restart does. Redriven records stay owed.
+    pub fn reset_to_durable(&mut self) {
+        self.members.clear();
+        self.rebuild_memory(self.last_active_ms);
+        self.handed_out_end = None;
+        self.stale = false;
+    }
+
+    /// Replay one entry from the log (on start). Entries of other groups are
+    /// ignored (returns false). The memory is rebuilt from the durable state
+    /// before the next request.
+    pub fn apply_entry(&mut self, entry: &GroupEntry) -> bool {
+        if entry.group() != self.group {
+            return false;
+        }
+        entry::apply(&mut self.durable, entry);
+        self.stale = true;
+        self.handed_out_end = None;
+        true
+    }
+
+    /// The whole durable state as one entry, for the start of a new log
+    /// segment; `None` if the group does not exist.
+    pub fn snapshot_entry(&self) -> Option<GroupEntry> {
+        self.durable.as_ref().map(|state| GroupEntry::Snapshot {
+            group: self.group.clone(),
+            state: state.clone(),
+        })
+    }
+
+    /// Heap bytes held by the in-memory state (estimated from capacities).
+    pub fn memory_bytes(&self) -> usize {
+        let btree_entry = |key: usize| key * 2 + 8;
+        map_bytes::<Offset, Slot>(self.slots.capacity())
+            + map_bytes::<Offset, u64>(self.skipped_below.capacity())
+            + self.owed.len() * btree_entry(8)
+            + self.reserved.len() * btree_entry(16)
+            + self.timers.heap_bytes()
+            + self.members.heap_bytes()
+    }
+
+    /// Bytes the claim table holds, from its capacity (see the module docs).
+    pub fn slot_table_bytes(&self) -> usize {
+        map_bytes::<Offset, Slot>(self.slots.capacity())
+    }
+
+    /// Check every internal invariant; panics with a message if one fails.
+    /// O(claims): for tests and debug builds.
+    pub fn check_invariants(&self) {
+        if self.stale {
+            return;
+        }
+        let Some(g) = &self.durable else {
+            assert!(self.slots.is_empty(), "a missing group has slots");
+            assert_eq!(self.in_flight, 0);
+            assert!(self.owed.is_empty() && self.reserved.is_empty());
+            return;
+        };
+        let position = g.position();
+        assert!(
+            position <= self.frontier,
+            "position {position} passed the frontier {}",
+            self.frontier
+        );
+        assert!(
+            position == self.frontier || self.slots.contains_key(&position),
+            "position {position} sits on a finished offset below the frontier {}",
+            self.frontier
+        );
+        let below: BTreeSet<Offset> = self
+            .slots
+            .keys()
+            .copied()
+            .filter(|&o| o < position)
+            .collect();
+        assert_eq!(&below, g.redriven(), "slots below the position are not the redriven set");
+        let (mut in_flight, mut delayed) = (0u32, 0u32);
+        let mut refs: FastMap<u32, u32> = fast_map();
+        for (&o, s) in &self.slots {
+            assert!(o < self.frontier, "slot {o:?} at or above the frontier");
+            assert!(
+                !g.dead_letters().contains_key(&o),
+                "dead letter {o:?} still has a slot"
+            );
+            assert!(
+                s.attempts() <= self.config.max_attempts,
+                "{o:?} has {} attempts",
+                s.attempts()
+            );
+            match s.state() {
+                State::Owed => {
+                    assert!(self.owed.contains(&o), "owed {o:?} not indexed");
+                    assert!(s.attempts() < self.config.max_attempts, "owed {o:?} at the bound");
+                    assert_eq!(s.holder(), 0);
+                }
+                state => {
+                    in_flight += 1;
+                    let key = (s.deadline_ms(), o);
+                    assert_eq!(
+                        key <= self.timers.horizon(),
+                        self.timers.contains(key.0, o),
+                        "timer of {o:?} indexed wrongly"
+                    );
+                    if state == State::Delayed {
+                        delayed += 1;
+                        assert_eq!(s.holder(), 0, "a delayed slot has a holder");
+                    } else {
+                        assert!(s.attempts() >= 1, "a claim with no attempts");
+                    }
+                    if state == State::Reserved {
+                        assert!(self.reserved.contains(&(s.holder(), o)));
+                    }
+                }
+            }
+            if s.holder() != 0 {
+                *refs.entry(s.holder()).or_default() += 1;
+            }
+        }
+        assert_eq!(self.in_flight, in_flight, "in-flight count");
+        assert_eq!(self.delayed, delayed, "delayed count");
+        assert!(
+            self.in_flight <= self.config.max_in_flight,
+            "in flight {} over the cap {}",
+            self.in_flight,
+            self.config.max_in_flight
+        );
+        assert_eq!(
+            self.owed.len(),
+            self.slots.values().filter(|s| s.state() == State::Owed).count()
+        );
+        assert_eq!(
+            self.reserved.len(),
+            self.slots
+                .values()
+                .filter(|s| s.state() == State::Reserved)
+                .count()
+        );
+        self.timers.check_sorted();
+        assert_eq!(
+            self.timers.is_empty(),
+            in_flight == 0,
+            "due list empty while timers stand (or the reverse)"
+        );
+        let live: FastMap<u32, u32> = self.members.live_holder_refs().skip(1).collect();
+        assert_eq!(live, refs, "holder references");
+        self.members.check();
+        for o in self.skipped_below.keys() {
+            assert!(self.slots.contains_key(o), "skipped_before kept for finished {o:?}");
+        }
+    }
+
+    // -------------------------------------------------------------- internals
+
+    fn records_max(&self, max_records: u32) -> usize {
+        let cap = self.config.poll_max_records;
+        (if max_records == 0 { cap } else { max_records.min(cap) }) as usize
+    }
+
+    fn touch(&mut self, now_ms: u64) {
+        self.last_active_ms = self.last_active_ms.max(now_ms);
+    }
+
+    fn refresh(&mut self) {
+        if self.stale {
+            self.stale = false;
+            self.rebuild_memory(self.last_active_ms);
+        }
+    }
+
+    /// Common start of a request on an existing group.
+    fn begin_request(&mut self, now_ms: u64) -> Result<(), GroupError> {
+        check_time(now_ms);
+        self.refresh();
+        self.touch(now_ms);
+        if self.durable.is_none() {
+            return Err(self.no_group());
+        }
+        Ok(())
+    }
+
+    fn no_group(&self) -> GroupError {
+        GroupError::NotFound(format!("group {} does not exist on this shard", self.group))
+    }
+
+    fn require_dead_letter(&self, offset: Offset) -> Result<(), GroupError> {
+        let g = self.durable.as_ref().ok_or_else(|| self.no_group())?;
+        if !g.dead_letters().contains_key(&offset) {
+            return Err(GroupError::NotFound(format!(
+                "offset {offset} is not a dead letter of group {}",
+                self.group
+            )));
+        }
+        Ok(())
+    }
+
+    fn is_dead_letter(&self, o: Offset) -> bool {
+        self.durable
+            .as_ref()
+            .is_some_and(|g| g.dead_letters().contains_key(&o))
+    }
+
+    /// Learn an upper bound on what was handed out, if it was forgotten.
+    fn observe(&mut self, log: LogView) {
+        assert!(log.start <= log.end, "log view {log:?} is inverted");
+        if self.handed_out_end.is_none() {
+            self.handed_out_end = Some(log.end);
+        }
+    }
+
+    /// Why an untracked offset at or above the frontier cannot be acked.
+    fn not_handed_out(&self, o: Offset) -> GroupError {
+        let maybe_handed_out = match self.handed_out_end {
+            None => true,
+            Some(h) => o < h,
+        };
+        if maybe_handed_out {
+            GroupError::StaleClaim(format!(
+                "offset {o} was handed out before a seek or restart; the group owes it again from position {}",
+                self.position()
+            ))
+        } else {
+            GroupError::InvalidRequest(format!("offset {o} was never handed out"))
+        }
+    }
+
+    /// The standing claim for delivery `attempts` of `o`.
+    fn held_claim(
+        &self,
+        now_ms: u64,
+        o: Offset,
+        attempts: u32,
+        log: LogView,
+    ) -> Result<Slot, GroupError> {
+        if o >= log.end {
+            return Err(past_tail(o, log));
+        }
+        if attempts == 0 {
+            return Err(GroupError::InvalidRequest(
+                "attempts count from 1".to_string(),
+            ));
+        }
+        let Some(&s) = self.slots.get(&o) else {
+            if o < self.frontier || o < self.position() {
+                return Err(GroupError::StaleClaim(format!(
+                    "offset {o} is finished or no longer held"
+                )));
+            }
+            return Err(self.not_handed_out(o));
+        };
+        if s.attempts() != attempts {
+            return Err(went_out_again(o, attempts, s.attempts()));
+        }
+        match s.state() {
+            State::Claimed | State::Reserved if s.deadline_ms() > now_ms => Ok(s),
+            State::Delayed => Err(GroupError::StaleClaim(format!(
+                "offset {o} was handed back with a delay; nobody holds it"
+            ))),
+            _ => Err(GroupError::StaleClaim(format!(
+                "the claim on offset {o} lapsed; the group owes the record"
+            ))),
+        }
+    }
+
+    fn create_at(&mut self, position: Offset, w: &mut Vec<GroupEntry>) {
+        self.write(
+            GroupEntry::Create {
+                group: self.group.clone(),
+                position,
+            },
+            w,
+        );
+        // This tracker made the group: nothing at or above `position` went out.
+        self.handed_out_end = Some(self.handed_out_end.map_or(position, |h| h.max(position)));
+        self.rebuild_memory(self.last_active_ms);
+    }
+
+    fn prepare_poll(&mut self, now_ms: u64, caller: &Caller, log: LogView, w: &mut Vec<GroupEntry>) {
+        check_time(now_ms);
+        self.refresh();
+        self.touch(now_ms);
+        if self.durable.is_none() {
+            // A group appears at offset 0 on its first poll; whatever
+            // retention removed below the log start is skipped.
+            self.create_at(Offset(0), w);
+        }
+        self.observe(log);
+        self.expire(now_ms, w);
+        self.reclaim(caller);
+        // Owed records retention removed: settled, never delivered.
+        let removed: Vec<Offset> = self.owed.range(..log.start).copied().collect();
+        for o in removed {
+            self.finish(o, w);
+        }
+        if self.frontier < log.start {
+            self.note_skipped(self.frontier, log.start);
+            self.frontier = log.start;
+        }
+    }
+
+    fn note_skipped(&mut self, from: Offset, to: Offset) {
+        let n = to.0 - from.0;
+        if self.skip_run_end == from {
+            self.skip_run_len += n;
+        } else {
+            self.skip_run_len = n;
+        }
+        self.skip_run_end = to;
+    }
+
+    fn existing_holder(&self, caller: &Caller) -> Option<u32> {
+        let member = self
+            .members
+            .member(&caller.principal, caller.member.as_deref()?)?;
+        self.members.holder(member, caller.connection)
+    }
+
+    /// The holder id the caller's claims carry (0 for anonymous callers),
+    /// interned on first use within a poll.
+    fn holder_for(&mut self, caller: &Caller, cache: &mut Option<u32>) -> u32 {
+        if let Some(h) = *cache {
+            return h;
+        }
+        let h = match caller.member.as_deref() {
+            None => 0,
+            Some(name) => {
+                let member = self.members.intern_member(&caller.principal, name);
+                self.members.intern_holder(member, caller.connection)
+            }
+        };
+        *cache = Some(h);
+        h
+    }
+
+    /// The first poll with reclaim on a connection newer than the member's
+    /// last reclaiming one reserves every claim the member holds from older
+    /// connections.
+    fn reclaim(&mut self, caller: &Caller) {
+        if !caller.reclaim {
+            return;
+        }
+        let Some(name) = caller.member.as_deref() else {
+            return;
+        };
+        let member = self.members.intern_member(&caller.principal, name);
+        if self
+            .members
+            .last_reclaim(member)
+            .is_some_and(|last| caller.connection <= last)
+        {
+            return;
+        }
+        self.members.set_last_reclaim(member, caller.connection);
+        let members = &self.members;
+        let mut targets: Vec<Offset> = self
+            .slots
+            .iter()
+            .filter(|(_, s)| {
+                s.is_claim() && s.holder() != 0 && {
+                    let (m, connection) = members.holder_of(s.holder());
+                    m == member && connection < caller.connection
+                }
+            })
+            .map(|(o, _)| *o)
+            .collect();
+        if targets.is_empty() {
+            return;
+        }
+        targets.sort_unstable();
+        let me = self.members.intern_holder(member, caller.connection);
+        for o in targets {
+            let s = self.slots[&o];
+            let slot = Slot::timed(
+                State::Reserved,
+                s.deadline_ms(),
+                s.since_ms(),
+                s.attempts(),
+                me,
+            );
+            self.transition(o, Some(slot));
+        }
+    }
+
+    /// Offer a reserved or owed record again.
+    #[allow(clippy::too_many_arguments)]
+    fn redeliver(
+        &mut self,
+        o: Offset,
+        now_ms: u64,
+        deadline: u64,
+        holder: u32,
+        log: LogView,
+        lookup: &mut dyn FnMut(Offset) -> Lookup,
+        out: &mut PollOutcome,
+        bytes: &mut u64,
+    ) -> Step {
+        let s = self.slots[&o];
+        if s.attempts() >= self.config.max_attempts {
+            self.give_up(o, s.attempts(), now_ms, None, false, &mut out.writes);
+            return Step::Go;
+        }
+        if o < log.start {
+            self.finish(o, &mut out.writes);
+            return Step::Go;
+        }
+        match lookup(o) {
+            Lookup::Record { payload_bytes } => {
+                let attempts = s.attempts() + 1;
+                self.claim(o, attempts, holder, deadline, now_ms);
+                out.deliveries.push(Delivery {
+                    offset: o,
+                    attempts,
+                    skipped_before: self.skipped_below.get(&o).copied().unwrap_or(0),
+                });
+                *bytes += payload_bytes as u64;
+                Step::Go
+            }
+            Lookup::Skipped => {
+                self.finish(o, &mut out.writes);
+                Step::Go
+            }
+            Lookup::NotLoaded => Step::Stop,
+        }
+    }
+
+    fn claim(&mut self, o: Offset, attempts: u32, holder: u32, deadline: u64, now_ms: u64) {
+        self.transition(
+            o,
+            Some(Slot::timed(State::Claimed, deadline, now_ms, attempts, holder)),
+        );
+        let end = o.next();
+        self.handed_out_end = Some(self.handed_out_end.map_or(end, |h| h.max(end)));
+    }
+
+    /// Lapse claims and end delays whose deadline is at or before `now_ms`.
+    fn expire(&mut self, now_ms: u64, w: &mut Vec<GroupEntry>) {
+        while let Some((deadline, o)) = self.timers.next() {
+            if deadline > now_ms {
+                break;
+            }
+            let s = self.slots[&o];
+            debug_assert!(s.is_timed() && s.deadline_ms() == deadline);
+            if s.attempts() >= self.config.max_attempts {
+                // Out of attempts: the broker gives up on it.
+                self.give_up(o, s.attempts(), deadline, None, false, w);
+            } else {
+                self.transition(o, Some(Slot::owed(deadline, s.attempts())));
+            }
+        }
+    }
+
+    fn give_up(
+        &mut self,
+        o: Offset,
+        attempts: u32,
+        at_ms: u64,
+        reason: Option<String>,
+        by_consumer: bool,
+        w: &mut Vec<GroupEntry>,
+    ) {
+        self.write(
+            GroupEntry::DeadLetter {
+                group: self.group.clone(),
+                offset: o,
+                info: DeadLetter {
+                    attempts,
+                    at_ms,
+                    reason,
+                    by_consumer,
+                },
+            },
+            w,
+        );
+        self.transition(o, None);
+    }
+
+    /// The record at `o` is done (acked, or settled without delivery).
+    fn finish(&mut self, o: Offset, w: &mut Vec<GroupEntry>) {
+        self.transition(o, None);
+        if o < self.position() {
+            self.write(
+                GroupEntry::RedriveFinished {
+                    group: self.group.clone(),
+                    offset: o,
+                },
+                w,
+            );
+        }
+    }
+
+    /// Move the cursor over the finished run above it, writing `Position`.
+    fn settle_position(&mut self, w: &mut Vec<GroupEntry>) {
+        let Some(g) = &self.durable else { return };
+        let p = g.position();
+        if p >= self.frontier || self.slots.contains_key(&p) {
+            return;
+        }
+        let window = self.slots.len() - g.redriven().len();
+        let next = if window == 0 {
+            self.frontier
+        } else {
+            // Walk while that is cheaper than scanning the slots; each offset
+            // is walked over once, so this is amortised O(1) per record.
+            let mut q = p.next();
+            let mut budget = window;
+            loop {
+                if q >= self.frontier || self.slots.contains_key(&q) {
+                    break q.min(self.frontier);
+                }
+                if budget == 0 {
+                    break self
+                        .slots
+                        .keys()
+                        .copied()
+                        .filter(|&o| o > p)
+                        .min()
+                        .unwrap_or(self.frontier);
+                }
+                budget -= 1;
+                q = q.next();
+            }
+        };
+        self.write(
+            GroupEntry::Position {
+                group: self.group.clone(),
+                position: next,
+            },
+            w,
+        );
+    }
+
+    /// Change durable state only through an entry, so replay reproduces it.
+    fn write(&mut self, entry: GroupEntry, w: &mut Vec<GroupEntry>) {
+        entry::apply(&mut self.durable, &entry);
+        w.push(entry);
+    }
+
+    /// Forget all memory and rebuild it from the durable state: the frontier
+    /// at the position, redriven records owed.
+    fn rebuild_memory(&mut self, since_ms: u64) {
+        self.slots = fast_map();
+        self.owed.clear();
+        self.reserved.clear();
+        self.timers.clear();
+        self.in_flight = 0;
+        self.delayed = 0;
+        self.members.clear_holders();
+        self.skipped_below = fast_map();
+        let position = self.position();
+        self.frontier = position;
+        self.skip_run_end = position;
+        self.skip_run_len = 0;
+        let redriven: Vec<Offset> = self
+            .durable
+            .as_ref()
+            .map(|g| g.redriven().iter().copied().collect())
+            .unwrap_or_default();
+        for o in redriven {
+            self.transition(o, Some(Slot::owed(since_ms, 0)));
+        }
+    }
+
+    /// Put `o` in a new state (or finish it), keeping every index in step.
+    fn transition(&mut self, o: Offset, new: Option<Slot>) {
+        if let Some(n) = new {
+            if n.holder() != 0 {
+                self.members.acquire(n.holder());
+            }
+        }
+        let old = match new {
+            Some(n) => self.slots.insert(o, n),
+            None => self.slots.remove(&o),
+        };
+        if let Some(old) = old {
+            match old.state() {
+                State::Owed => {
+                    let was = self.owed.remove(&o);
+                    debug_assert!(was, "owed {o:?} was not indexed");
+                }
+                state => {
+                    self.timers.remove(old.deadline_ms(), o);
+                    self.in_flight -= 1;
+                    if state == State::Delayed {
+                        self.delayed -= 1;
+                    }
+                    if state == State::Reserved {
+                        self.reserved.remove(&(old.holder(), o));
+                    }
+                }
+            }
+            if old.holder() != 0 {
+                self.members.release(old.holder());
+            }
+        }
+        match new {
+            Some(n) => match n.state() {
+                State::Owed => {
+                    self.owed.insert(o);
+                }
+                state => {
+                    self.timers.insert(n.deadline_ms(), o);
+                    self.in_flight += 1;
+                    if state == State::Delayed {
+                        self.delayed += 1;
+                    }
+                    if state == State::Reserved {
+                        self.reserved.insert((n.holder(), o));
+                    }
+                }
+            },
+            None => {
+                self.skipped_below.remove(&o);
+            }
+        }
+        if self.timers.is_empty() && self.in_flight > 0 {
+            self.timers.rebuild(
+                self.slots
+                    .iter()
+                    .filter(|(_, s)| s.is_timed())
+                    .map(|(o, s)| (s.deadline_ms(), *o)),
+            );
+        }
+    }
+}
+
+fn check_time(now_ms: u64) {
+    assert!(now_ms <= TIME_MAX_MS, "now_ms {now_ms} is out of range");
+}
+
+fn deadline_at(now_ms: u64, span_ms: u64) -> u64 {
+    now_ms.saturating_add(span_ms).min(TIME_MAX_MS)
+}
+
+fn past_tail(o: Offset, log: LogView) -> GroupError {
+    GroupError::InvalidRequest(format!(
+        "offset {o} is at or past the tail {}; acknowledging a record that does not exist yet would skip it",
+        log.end
+    ))
+}
+
+fn went_out_again(o: Offset, attempts: u32, now_attempts: u32) -> GroupError {
+    GroupError::StaleClaim(format!(
+        "delivery {attempts} of offset {o} is no longer held: the record is at attempt {now_attempts}"
+    ))
+}
+
+fn resolve(start: StartAt, log: LogView) -> Result<Offset, GroupError> {
+    match start {
+        StartAt::Earliest => Ok(log.start),
+        StartAt::Latest => Ok(log.end),
+        StartAt::Offset(o) if o >= log.start && o <= log.end => Ok(o),
+        StartAt::Offset(o) => Err(GroupError::InvalidRequest(format!(
+            "start offset {o} is outside [{}, {}]",
+            log.start, log.end
+        ))),
+    }
+}
+
+/// Heap bytes of a std `HashMap` with this capacity (hashbrown layout:
+/// buckets of `(K, V)`, one control byte each plus a group's worth).
+fn map_bytes<K, V>(capacity: usize) -> usize {
+    if capacity == 0 {
+        return 0;
+    }
+    let buckets = if capacity < 8 {
+        capacity + 1
+    } else {
+        capacity / 7 * 8
+    };
+    buckets * std::mem::size_of::<(K, V)>() + buckets + 16
+}

@@ -1,0 +1,238 @@
+//! Publish and read end to end, against a real broker process over TCP.
+
+use bytes::Bytes;
+use felix_client::{Client, ClientConfig, ClientError, StreamOptions};
+use felix_tests::{Broker, BrokerOptions};
+use felix_wire::{ErrorCode, RecordIn, StartPosition};
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+async fn client(b: &Broker) -> Client {
+    Client::connect(b.addr.as_str(), ClientConfig::default()).await.expect("connect")
+}
+
+async fn read_shard(c: &Client, stream: &str, shard: u32) -> Vec<(u64, Bytes)> {
+    let mut out = Vec::new();
+    let mut from = StartPosition::Earliest;
+    loop {
+        let b = c.read("t", "ns", stream, shard, from, 1000, None).await.expect("read");
+        if b.records.is_empty() {
+            return out;
+        }
+        for r in &b.records {
+            out.push((r.offset, r.payload.clone()));
+        }
+        from = StartPosition::Offset(b.next_offset);
+    }
+}
+
+/// N records from several concurrent clients to several shards on several
+/// cores come back exactly once per shard, in offset order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_publishers_read_back_every_record_once_in_order() {
+    let broker = felix_tests::start_broker!(BrokerOptions::default().cores(2));
+    let admin = client(&broker).await;
+    let shards = 4u32;
+    admin
+        .create_stream("t", "ns", "events", shards, StreamOptions::default())
+        .await
+        .unwrap();
+    let producers = 4u32;
+    let per_producer = 500u32;
+    let mut tasks = Vec::new();
+    for p in 0..producers {
+        let addr = broker.addr.clone();
+        tasks.push(tokio::spawn(async move {
+            let c = Client::connect(addr.as_str(), ClientConfig::default()).await.unwrap();
+            let mut i = 0;
+            while i < per_producer {
+                let n = (per_producer - i).min(1 + (i % 37));
+                let shard = (p + i) % shards;
+                let batch: Vec<RecordIn> = (i..i + n)
+                    .map(|j| RecordIn { payload: Bytes::from(format!("p{p}-{j}")), ..Default::default() })
+                    .collect();
+                c.publish_batch("t", "ns", "events", shard, batch).await.unwrap();
+                i += n;
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let mut seen = HashSet::new();
+    for shard in 0..shards {
+        let recs = read_shard(&admin, "events", shard).await;
+        for (i, (off, payload)) in recs.iter().enumerate() {
+            assert_eq!(*off, i as u64, "offsets are dense and ordered on shard {shard}");
+            assert!(seen.insert(payload.clone()), "duplicate {:?}", payload);
+        }
+        let info = admin.describe_shard("t", "ns", "events", shard).await.unwrap();
+        assert_eq!(info.end_offset, recs.len() as u64);
+    }
+    assert_eq!(seen.len() as u32, producers * per_producer);
+}
+
+/// kill -9 while clients publish; after a restart every acknowledged record
+/// is present, in order, with no duplicates from the broker's side.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_acknowledged_record_survives_kill_9() {
+    let mut broker = felix_tests::start_broker!(BrokerOptions::default().cores(2));
+    let admin = client(&broker).await;
+    admin.create_stream("t", "ns", "durable", 2, StreamOptions::default()).await.unwrap();
+    let acked: Arc<std::sync::Mutex<Vec<(u32, u64, String)>>> = Arc::default();
+    let counter = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for p in 0..3u32 {
+        let addr = broker.addr.clone();
+        let acked = acked.clone();
+        let counter = counter.clone();
+        tasks.push(tokio::spawn(async move {
+            let c = Client::connect(addr.as_str(), ClientConfig::default()).await.unwrap();
+            loop {
+                let i = counter.fetch_add(1, Ordering::SeqCst);
+                let shard = (i % 2) as u32;
+                let payload = format!("p{p}-{i}");
+                match c.publish("t", "ns", "durable", shard, payload.clone()).await {
+                    Ok(off) => acked.lock().unwrap().push((shard, off, payload)),
+                    Err(_) => return,
+                }
+            }
+        }));
+    }
+    // Let some publishes land, then pull the plug.
+    felix_tests::wait_until(Duration::from_secs(20), || acked.lock().unwrap().len() >= 300).unwrap();
+    broker.kill9();
+    for t in tasks {
+        let _ = t.await;
+    }
+    broker.restart();
+    let c = client(&broker).await;
+    let acked = acked.lock().unwrap().clone();
+    for shard in 0..2u32 {
+        let recs = read_shard(&c, "durable", shard).await;
+        let offsets: Vec<u64> = recs.iter().map(|r| r.0).collect();
+        assert_eq!(offsets, (0..recs.len() as u64).collect::<Vec<_>>(), "dense, in order");
+        let payloads: HashSet<_> = recs.iter().map(|r| r.1.clone()).collect();
+        assert_eq!(payloads.len(), recs.len(), "no duplicates");
+        for (s, off, payload) in acked.iter().filter(|a| a.0 == shard) {
+            let got = recs.get(*off as usize).unwrap_or_else(|| panic!("acked offset {off} on shard {s} lost"));
+            assert_eq!(got.1, Bytes::from(payload.clone()), "acked record changed");
+        }
+    }
+    // Appends continue after the recovered end.
+    let next = c.publish("t", "ns", "durable", 0, "after").await.unwrap();
+    assert!(next >= acked.iter().filter(|a| a.0 == 0).map(|a| a.1 + 1).max().unwrap_or(0));
+}
+
+/// Errors are typed: unknown streams, bad names, shards out of range,
+/// offsets past the tail, duplicates, oversized frames.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_typed_errors_and_lose_nothing() {
+    let broker = felix_tests::start_broker!(BrokerOptions::default().cores(2));
+    let c = client(&broker).await;
+    fn code<T>(r: Result<T, ClientError>) -> Option<ErrorCode> {
+        r.err().and_then(|e| e.code())
+    }
+    assert_eq!(code(c.publish("t", "ns", "nope", 0, "x").await), Some(ErrorCode::NotFound));
+    c.create_stream("t", "ns", "s", 2, StreamOptions::default()).await.unwrap();
+    assert_eq!(
+        code(c.create_stream("t", "ns", "s", 2, StreamOptions::default()).await.map(|_| ())),
+        Some(ErrorCode::AlreadyExists)
+    );
+    assert_eq!(
+        code(c.create_stream("t", "n s", "x", 1, StreamOptions::default()).await.map(|_| ())),
+        Some(ErrorCode::InvalidRequest)
+    );
+    assert!(c.create_stream("t", "ns", "zero", 0, StreamOptions::default()).await.is_err());
+    assert_eq!(code(c.publish("t", "ns", "s", 9, "x").await), Some(ErrorCode::NotFound));
+    c.publish("t", "ns", "s", 0, "one").await.unwrap();
+    assert_eq!(
+        code(c.read("t", "ns", "s", 0, StartPosition::Offset(5), 10, None).await.map(|_| ())),
+        Some(ErrorCode::InvalidRequest)
+    );
+    // Oversized payload: refused, connection and data intact.
+    let big = vec![0u8; 17 << 20];
+    assert!(c.publish("t", "ns", "s", 0, big).await.is_err());
+    let c = client(&broker).await;
+    let recs = read_shard(&c, "s", 0).await;
+    assert_eq!(recs.len(), 1);
+    let list = c.list_streams(None).await.unwrap();
+    assert_eq!(list.len(), 1);
+    c.delete_stream("t", "ns", "s").await.unwrap();
+    assert_eq!(code(c.read("t", "ns", "s", 0, StartPosition::Earliest, 1, None).await.map(|_| ())), Some(ErrorCode::NotFound));
+}
+
+/// A long poll is woken by a publish and never blocks other requests on the
+/// same connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_poll_wakes_on_publish_and_does_not_block_the_connection() {
+    let broker = felix_tests::start_broker!(BrokerOptions::default().cores(1));
+    let c = client(&broker).await;
+    c.create_stream("t", "ns", "tail", 1, StreamOptions::default()).await.unwrap();
+    let c2 = c.clone();
+    let poll = tokio::spawn(async move {
+        c2.read("t", "ns", "tail", 0, StartPosition::Latest, 10, Some(Duration::from_secs(20))).await
+    });
+    // Requests on the same connection still answer while the poll waits.
+    for _ in 0..5 {
+        c.describe_shard("t", "ns", "tail", 0).await.unwrap();
+    }
+    c.publish("t", "ns", "tail", 0, "wake").await.unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(10), poll).await.expect("poll woke").unwrap().unwrap();
+    assert_eq!(got.records.len(), 1);
+    assert_eq!(&got.records[0].payload[..], b"wake");
+}
+
+/// Streams survive a clean restart; SIGTERM exits 0 after finishing work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_shuts_down_cleanly_and_streams_survive() {
+    let mut broker = felix_tests::start_broker!(BrokerOptions::default().cores(2));
+    let c = client(&broker).await;
+    c.create_stream("t", "ns", "keep", 3, StreamOptions { retention_bytes: Some(1 << 30), retention_ms: None }).await.unwrap();
+    for i in 0..30u32 {
+        c.publish("t", "ns", "keep", i % 3, format!("r{i}")).await.unwrap();
+    }
+    drop(c);
+    let status = broker.terminate();
+    assert!(status.success(), "exit status {status:?}");
+    broker.restart();
+    let c = client(&broker).await;
+    let info = c.describe_stream("t", "ns", "keep").await.unwrap();
+    assert_eq!(info.shards, 3);
+    assert_eq!(info.retention_bytes, Some(1 << 30));
+    let total: usize = {
+        let mut n = 0;
+        for s in 0..3 {
+            n += read_shard(&c, "keep", s).await.len();
+        }
+        n
+    };
+    assert_eq!(total, 30);
+}
+
+/// Metrics are served in Prometheus text and count what happened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_publishes_and_shard_offsets() {
+    let broker = felix_tests::start_broker!(BrokerOptions::default().cores(2));
+    let c = client(&broker).await;
+    c.create_stream("t", "ns", "m", 2, StreamOptions::default()).await.unwrap();
+    for i in 0..10u32 {
+        c.publish("t", "ns", "m", i % 2, "x").await.unwrap();
+    }
+    assert_eq!(broker.metric("felix_publish_records_total"), 10.0);
+    assert_eq!(broker.metric("felix_shard_end_offset"), 10.0);
+    assert!(broker.metric("felix_fsync_seconds_count") >= 1.0);
+}
+
+/// Without durable storage the broker runs in memory and does not offer groups.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_in_memory_broker_works_and_does_not_advertise_groups() {
+    let broker = felix_tests::start_broker!(BrokerOptions::default().in_memory());
+    let c = client(&broker).await;
+    assert_eq!(c.features() & felix_wire::FEATURE_GROUPS, 0);
+    c.create_stream("t", "ns", "mem", 1, StreamOptions::default()).await.unwrap();
+    c.publish("t", "ns", "mem", 0, "x").await.unwrap();
+    assert_eq!(read_shard(&c, "mem", 0).await.len(), 1);
+}
