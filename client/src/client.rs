@@ -2,8 +2,8 @@
 
 use std::collections::HashMap;
 use std::future::{Future, IntoFuture};
-use std::pin::Pin;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -619,7 +619,12 @@ impl Client {
         self.publish_req(&stream, shard, &req).await
     }
 
-    async fn publish_req(&self, stream: &StreamRef, shard: u32, req: &Request) -> Result<Published> {
+    async fn publish_req(
+        &self,
+        stream: &StreamRef,
+        shard: u32,
+        req: &Request,
+    ) -> Result<Published> {
         published(self.call_shard(stream, shard, req, Duration::ZERO).await?)
     }
 

@@ -925,3 +925,60 @@ async fn token_and_name_go_in_hello_and_unauthorized_fails_connect() {
     .unwrap_err();
     assert_eq!(err.code(), Some(ErrorCode::Unauthorized));
 }
+
+#[tokio::test]
+async fn pipelined_publishes_go_out_in_order() {
+    let fake = Fake::start(1, FEATURES_ALL, |_, req| async move {
+        match req {
+            Request::Publish { records, .. } => {
+                let n: u64 = std::str::from_utf8(&records[0].payload)
+                    .unwrap()
+                    .parse()
+                    .unwrap();
+                // Answer out of order.
+                tokio::time::sleep(Duration::from_millis((n * 7919) % 40)).await;
+                Response::Published {
+                    shard: 0,
+                    base_offset: n * 10,
+                    count: records.len() as u32,
+                }
+                .into()
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    })
+    .await;
+    let client = Client::connect(fake.addr, config()).await.unwrap();
+    let mut pending = std::collections::VecDeque::new();
+    let mut answers = Vec::new();
+    for n in 0..40u64 {
+        let records = vec![felix_client::RecordIn {
+            payload: Bytes::from(n.to_string()),
+            ..Default::default()
+        }];
+        pending.push_back(
+            client
+                .begin_publish_batch("t", "n", "s", 0, records)
+                .await
+                .unwrap(),
+        );
+        if pending.len() >= 4 {
+            answers.push(pending.pop_front().unwrap().await.unwrap().base_offset);
+        }
+    }
+    for p in pending {
+        answers.push(p.await.unwrap().base_offset);
+    }
+    assert_eq!(answers, (0..40).map(|n| n * 10).collect::<Vec<_>>());
+    let sent: Vec<String> = fake
+        .requests()
+        .iter()
+        .map(|s| match &s.request {
+            Request::Publish { records, .. } => {
+                String::from_utf8(records[0].payload.to_vec()).unwrap()
+            }
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(sent, (0..40).map(|n| n.to_string()).collect::<Vec<_>>());
+}

@@ -1,1 +1,1042 @@
+//! Unit tests of the tracker, one rule each. `guide` holds the tracker-level
+//! versions of the guide's own tests.
 
+use std::collections::BTreeSet;
+
+use super::*;
+
+/// A tracker over a fake log, recording every entry written.
+pub(super) struct Harness {
+    pub t: GroupTracker,
+    pub start: u64,
+    pub end: u64,
+    pub now: u64,
+    pub control: BTreeSet<u64>,
+    pub payload: u32,
+    pub written: Vec<GroupEntry>,
+}
+
+impl Harness {
+    pub fn new() -> Harness {
+        Harness::with(GroupConfig::default())
+    }
+
+    pub fn with(config: GroupConfig) -> Harness {
+        Harness {
+            t: GroupTracker::new("workers", config),
+            start: 0,
+            end: 0,
+            now: 1_000,
+            control: BTreeSet::new(),
+            payload: 100,
+            written: Vec::new(),
+        }
+    }
+
+    pub fn log(&self) -> LogView {
+        LogView::new(self.start, self.end)
+    }
+
+    pub fn append(&mut self, n: u64) {
+        self.end += n;
+    }
+
+    /// Append a control record (a generation start): settled, never delivered.
+    pub fn append_control(&mut self) {
+        self.control.insert(self.end);
+        self.end += 1;
+    }
+
+    pub fn advance(&mut self, ms: u64) {
+        self.now += ms;
+    }
+
+    fn record(&mut self, writes: Vec<GroupEntry>) {
+        self.written.extend(writes);
+        self.t.check_invariants();
+    }
+
+    pub fn poll_as(&mut self, caller: &Caller, max: u32) -> Vec<Delivery> {
+        self.poll_full(caller, max, None).deliveries
+    }
+
+    pub fn poll_full(&mut self, caller: &Caller, max: u32, vis: Option<u64>) -> PollOutcome {
+        let (start, control, payload) = (self.start, self.control.clone(), self.payload);
+        let log = self.log();
+        let mut lookup = |o: Offset| {
+            if o.0 < start || control.contains(&o.0) {
+                Lookup::Skipped
+            } else {
+                Lookup::Record {
+                    payload_bytes: payload,
+                }
+            }
+        };
+        let out = self.t.poll(self.now, caller, max, vis, log, &mut lookup);
+        self.record(out.writes.clone());
+        out
+    }
+
+    /// An anonymous poll from connection 1.
+    pub fn poll(&mut self, max: u32) -> Vec<Delivery> {
+        self.poll_as(&Caller::anonymous(1), max)
+    }
+
+    pub fn poll_offsets(&mut self, max: u32) -> Vec<u64> {
+        offsets(&self.poll(max))
+    }
+
+    pub fn ack(&mut self, o: u64) -> Result<(), GroupError> {
+        let w = self.t.ack(self.now, &[Offset(o)], self.log())?;
+        self.record(w);
+        Ok(())
+    }
+
+    pub fn nack(&mut self, o: u64, attempts: u32, delay: Option<u64>) -> Result<(), GroupError> {
+        let w = self
+            .t
+            .nack(self.now, Offset(o), attempts, delay, Some("boom"), self.log())?;
+        self.record(w);
+        Ok(())
+    }
+
+    pub fn extend(&mut self, o: u64, attempts: u32, ms: u64) -> Result<u64, GroupError> {
+        let r = self.t.extend(self.now, Offset(o), attempts, ms, self.log());
+        self.t.check_invariants();
+        r
+    }
+
+    pub fn dead_letter(&mut self, o: u64, attempts: u32) -> Result<(), GroupError> {
+        let w = self
+            .t
+            .dead_letter(self.now, Offset(o), attempts, Some("bad input"), self.log())?;
+        self.record(w);
+        Ok(())
+    }
+
+    pub fn redrive(&mut self, o: u64) -> Result<(), GroupError> {
+        let w = self.t.redrive(self.now, Offset(o))?;
+        self.record(w);
+        Ok(())
+    }
+
+    pub fn discard(&mut self, o: u64) -> Result<(), GroupError> {
+        let w = self.t.discard(self.now, Offset(o))?;
+        self.record(w);
+        Ok(())
+    }
+
+    pub fn seek(&mut self, to: StartAt) -> Result<(), GroupError> {
+        let w = self.t.seek(self.now, to, self.log())?;
+        self.record(w);
+        Ok(())
+    }
+
+    pub fn create(&mut self, at: StartAt) -> Result<(), GroupError> {
+        let w = self.t.create(self.now, at, self.log())?;
+        self.record(w);
+        Ok(())
+    }
+
+    pub fn tick(&mut self) {
+        let w = self.t.tick(self.now);
+        self.record(w);
+    }
+
+    pub fn position(&self) -> u64 {
+        self.t.position().0
+    }
+
+    pub fn dead(&self) -> Vec<u64> {
+        self.t
+            .dead_letters()
+            .unwrap()
+            .into_iter()
+            .map(|(o, _)| o.0)
+            .collect()
+    }
+
+    pub fn describe(&mut self) -> GroupStatus {
+        self.t.describe(self.now, self.log()).unwrap()
+    }
+
+    /// A new tracker rebuilt from every entry written so far, as a restart
+    /// does; checks it matches the durable state of the live one.
+    pub fn restart(&mut self) {
+        let mut fresh = GroupTracker::new("workers", self.t.config().clone());
+        for e in &self.written {
+            let bytes = e.to_bytes();
+            assert!(fresh.apply_entry(&GroupEntry::decode(&bytes).unwrap()));
+        }
+        assert_eq!(fresh.durable(), self.t.durable(), "replay differs");
+        self.t = fresh;
+    }
+}
+
+pub(super) fn offsets(ds: &[Delivery]) -> Vec<u64> {
+    ds.iter().map(|d| d.offset.0).collect()
+}
+
+fn attempts(ds: &[Delivery]) -> Vec<u32> {
+    ds.iter().map(|d| d.attempts).collect()
+}
+
+fn is_stale<T: std::fmt::Debug>(r: Result<T, GroupError>) -> bool {
+    matches!(r, Err(GroupError::StaleClaim(_)))
+}
+
+fn is_invalid<T: std::fmt::Debug>(r: Result<T, GroupError>) -> bool {
+    matches!(r, Err(GroupError::InvalidRequest(_)))
+}
+
+fn small(f: impl FnOnce(&mut GroupConfig)) -> GroupConfig {
+    let mut c = GroupConfig {
+        visibility_ms: 1_000,
+        ..GroupConfig::default()
+    };
+    f(&mut c);
+    c
+}
+
+/// The guide's tests, at tracker level.
+mod guide {
+    use super::*;
+
+    #[test]
+    fn an_offset_in_flight_is_not_handed_out_again() {
+        let mut h = Harness::new();
+        h.append(3);
+        assert_eq!(h.poll_offsets(10), vec![0, 1, 2]);
+        assert!(h.poll_as(&Caller::anonymous(2), 10).is_empty());
+        h.advance(29_999);
+        assert!(h.poll_offsets(10).is_empty());
+        h.append(1);
+        assert_eq!(h.poll_offsets(10), vec![3]);
+    }
+
+    #[test]
+    fn a_lapsed_claim_is_handed_out_again() {
+        let mut h = Harness::with(small(|_| {}));
+        h.append(1);
+        assert_eq!(attempts(&h.poll(10)), vec![1]);
+        h.advance(999);
+        assert!(h.poll(10).is_empty());
+        h.advance(1);
+        let again = h.poll_as(&Caller::anonymous(2), 10);
+        assert_eq!(offsets(&again), vec![0]);
+        assert_eq!(attempts(&again), vec![2]);
+    }
+
+    #[test]
+    fn the_cursor_does_not_advance_over_a_gap() {
+        let mut h = Harness::new();
+        h.append(7);
+        assert_eq!(h.poll_offsets(10).len(), 7);
+        for o in 0..5 {
+            h.ack(o).unwrap();
+        }
+        h.ack(6).unwrap();
+        assert_eq!(h.position(), 5, "the cursor waits at the unacked 5");
+        h.restart();
+        // A restart redelivers 5 and 6 (the ack above the cursor was memory).
+        assert_eq!(h.poll_offsets(10), vec![5, 6]);
+        h.ack(5).unwrap();
+        h.ack(6).unwrap();
+        assert_eq!(h.position(), 7);
+    }
+
+    #[test]
+    fn owed_records_go_out_before_new_ones() {
+        let mut h = Harness::new();
+        h.append(2);
+        assert_eq!(h.poll_offsets(2), vec![0, 1]);
+        h.nack(1, 1, None).unwrap();
+        h.append(5);
+        let d = h.poll(3);
+        assert_eq!(offsets(&d), vec![1, 2, 3]);
+        assert_eq!(attempts(&d), vec![2, 1, 1]);
+    }
+
+    #[test]
+    fn a_record_is_given_up_on_after_the_attempt_bound() {
+        let mut h = Harness::with(small(|c| c.max_attempts = 3));
+        h.append(2);
+        for attempt in 1..=3 {
+            let d = h.poll(1);
+            assert_eq!(offsets(&d), vec![0]);
+            assert_eq!(attempts(&d), vec![attempt]);
+            h.advance(1_000);
+        }
+        // The third lapse gives up on it: the group moves past.
+        assert_eq!(h.poll_offsets(1), vec![1]);
+        assert_eq!(h.dead(), vec![0]);
+        let dl = &h.t.dead_letters().unwrap()[0].1;
+        assert_eq!((dl.attempts, dl.by_consumer), (3, false));
+        h.ack(1).unwrap();
+        assert_eq!(h.position(), 2);
+        // The dead letter is written before the position that passes it.
+        let dl_at = h
+            .written
+            .iter()
+            .position(|e| matches!(e, GroupEntry::DeadLetter { .. }))
+            .unwrap();
+        let pos_at = h
+            .written
+            .iter()
+            .position(|e| matches!(e, GroupEntry::Position { position, .. } if position.0 >= 1))
+            .unwrap();
+        assert!(dl_at < pos_at);
+    }
+
+    #[test]
+    fn a_redriven_record_is_handed_out_again() {
+        let mut h = Harness::new();
+        h.append(3);
+        h.poll(3);
+        h.dead_letter(1, 1).unwrap();
+        h.ack(0).unwrap();
+        h.ack(2).unwrap();
+        assert_eq!(h.position(), 3);
+        h.redrive(1).unwrap();
+        assert!(h.dead().is_empty());
+        assert_eq!(h.position(), 3, "a redrive never moves the cursor back");
+        h.append(1);
+        assert_eq!(h.poll_offsets(10), vec![1, 3], "owed before new");
+        h.ack(1).unwrap();
+        assert!(h.t.durable().unwrap().redriven().is_empty());
+        assert_eq!(h.position(), 3);
+    }
+
+    #[test]
+    fn a_redriven_record_gets_its_attempts_back() {
+        let mut h = Harness::with(small(|c| c.max_attempts = 2));
+        h.append(1);
+        h.poll(1);
+        h.advance(1_000);
+        h.poll(1);
+        h.advance(1_000);
+        h.tick();
+        assert_eq!(h.dead(), vec![0]);
+        assert_eq!(h.position(), 1);
+        h.redrive(0).unwrap();
+        let d = h.poll(1);
+        assert_eq!((offsets(&d), attempts(&d)), (vec![0], vec![1]));
+        // And it can fail its attempts again, back onto the list.
+        h.advance(1_000);
+        assert_eq!(attempts(&h.poll(1)), vec![2]);
+        h.advance(1_000);
+        h.tick();
+        assert_eq!(h.dead(), vec![0]);
+        assert!(h.t.durable().unwrap().redriven().is_empty());
+    }
+
+    #[test]
+    fn a_redriven_record_is_still_owed_after_a_restart() {
+        let mut h = Harness::new();
+        h.append(2);
+        h.poll(2);
+        h.dead_letter(0, 1).unwrap();
+        h.ack(1).unwrap();
+        h.redrive(0).unwrap();
+        h.restart();
+        let d = h.poll(10);
+        assert_eq!((offsets(&d), attempts(&d)), (vec![0], vec![1]));
+        h.ack(0).unwrap();
+        h.restart();
+        assert!(h.poll(10).is_empty());
+    }
+
+    #[test]
+    fn an_extended_claim_outlasts_the_visibility_timeout() {
+        let mut h = Harness::with(small(|_| {}));
+        h.append(1);
+        h.poll(1);
+        h.advance(900);
+        assert_eq!(h.extend(0, 1, 5_000).unwrap(), 5_000);
+        h.advance(4_000);
+        h.tick();
+        assert!(h.poll_as(&Caller::anonymous(2), 1).is_empty());
+        h.ack(0).unwrap();
+        assert_eq!(h.position(), 1);
+    }
+
+    #[test]
+    fn an_extend_after_the_record_was_handed_out_again_is_refused() {
+        let mut h = Harness::with(small(|_| {}));
+        h.append(1);
+        h.poll(1);
+        h.advance(1_000);
+        // Lapsed and owed: refused already.
+        assert!(is_stale(h.extend(0, 1, 5_000)));
+        assert_eq!(attempts(&h.poll_as(&Caller::anonymous(2), 1)), vec![2]);
+        assert!(is_stale(h.extend(0, 1, 5_000)));
+        assert!(is_stale(h.nack(0, 1, Some(5_000))));
+        assert!(is_stale(h.nack(0, 1, None)));
+        // The current holder still can.
+        assert_eq!(h.extend(0, 2, 5_000).unwrap(), 5_000);
+    }
+
+    #[test]
+    fn a_delayed_nack_is_redelivered_after_the_delay() {
+        let mut h = Harness::new();
+        h.append(2);
+        h.poll(1);
+        h.nack(0, 1, Some(5_000)).unwrap();
+        assert_eq!(h.t.next_deadline(), Some(h.now + 5_000));
+        assert_eq!(h.poll_offsets(1), vec![1], "the delayed record waits");
+        h.advance(4_999);
+        assert!(h.poll(1).is_empty());
+        h.advance(1);
+        let d = h.poll(1);
+        assert_eq!((offsets(&d), attempts(&d)), (vec![0], vec![2]));
+    }
+
+    #[test]
+    fn a_consumer_dead_letter_is_listed_finished_and_redrivable() {
+        let mut h = Harness::new();
+        h.append(2);
+        h.poll(2);
+        let w = h
+            .t
+            .dead_letter(h.now, Offset(0), 1, Some("unparseable"), h.log())
+            .unwrap();
+        assert!(matches!(&w[0], GroupEntry::DeadLetter { info, .. } if info.by_consumer));
+        assert!(matches!(&w[1], GroupEntry::Position { position, .. } if position.0 == 1));
+        h.written.extend(w);
+        let (o, info) = h.t.dead_letters().unwrap()[0].clone();
+        assert_eq!(o, Offset(0));
+        assert_eq!(info.reason.as_deref(), Some("unparseable"));
+        assert!(info.by_consumer);
+        // Finished: refused now, and an ack is a duplicate.
+        assert!(is_invalid(h.dead_letter(0, 1)));
+        h.ack(0).unwrap();
+        assert_eq!(h.position(), 1);
+        h.redrive(0).unwrap();
+        let d = h.poll(10);
+        assert_eq!((offsets(&d), attempts(&d)), (vec![0], vec![1]));
+    }
+
+    #[test]
+    fn a_tracker_with_a_standing_claim_is_not_evicted() {
+        let mut h = Harness::with(small(|c| c.idle_ms = 10_000));
+        h.append(2);
+        h.poll(1);
+        h.t.extend(h.now, Offset(0), 1, 60_000, h.log()).unwrap();
+        h.advance(20_000);
+        assert!(h.t.is_idle(h.now));
+        assert!(!h.t.can_evict(h.now), "a claim still stands");
+        h.advance(40_000);
+        assert!(h.t.can_evict(h.now), "the claim lapsed");
+        // Delayed nacks hold it too.
+        let mut h = Harness::with(small(|c| c.idle_ms = 10_000));
+        h.append(1);
+        h.poll(1);
+        h.nack(0, 1, Some(30_000)).unwrap();
+        h.advance(10_000);
+        assert!(h.t.is_idle(h.now) && !h.t.can_evict(h.now));
+        h.advance(20_000);
+        assert!(h.t.can_evict(h.now));
+        // Evicted: rebuilt from disk, the record comes again at attempt 1.
+        h.t.reset_to_durable();
+        let d = h.poll(1);
+        assert_eq!((offsets(&d), attempts(&d)), (vec![0], vec![1]));
+    }
+
+    #[test]
+    fn a_seek_backwards_replays_what_the_group_finished() {
+        let mut h = Harness::new();
+        h.append(4);
+        h.poll(4);
+        for o in 0..4 {
+            h.ack(o).unwrap();
+        }
+        assert_eq!(h.position(), 4);
+        h.seek(StartAt::Offset(Offset(1))).unwrap();
+        assert_eq!(h.position(), 1);
+        let d = h.poll(10);
+        assert_eq!((offsets(&d), attempts(&d)), (vec![1, 2, 3], vec![1, 1, 1]));
+        h.restart();
+        assert_eq!(h.position(), 1);
+        assert_eq!(h.poll_offsets(10), vec![1, 2, 3]);
+    }
+
+    #[test]
+    fn an_ack_for_a_claim_from_before_a_seek_is_refused() {
+        let mut h = Harness::new();
+        h.append(4);
+        h.poll(4);
+        h.seek(StartAt::Offset(Offset(1))).unwrap();
+        assert!(is_stale(h.ack(2)));
+        assert!(is_stale(h.nack(2, 1, None)));
+        assert!(is_stale(h.extend(2, 1, 1_000)));
+        // Delivered again from the new position.
+        assert_eq!(h.poll_offsets(10), vec![1, 2, 3]);
+        h.ack(2).unwrap();
+    }
+
+    #[test]
+    fn an_ack_racing_a_seek_does_not_move_the_new_cursor() {
+        let mut h = Harness::new();
+        h.append(10);
+        h.poll(10);
+        h.seek(StartAt::Offset(Offset(5))).unwrap();
+        let before = h.written.len();
+        // Below the new position: a harmless duplicate, nothing written.
+        h.ack(3).unwrap();
+        assert_eq!(h.written.len(), before);
+        // At or above it: refused, the cursor stays.
+        assert!(is_stale(h.ack(5)));
+        assert_eq!(h.position(), 5);
+        assert_eq!(h.poll_offsets(10), vec![5, 6, 7, 8, 9]);
+    }
+
+    #[test]
+    fn a_group_is_created_moved_described_and_deleted() {
+        let mut h = Harness::new();
+        h.append(10);
+        assert!(matches!(
+            h.t.describe(h.now, h.log()),
+            Err(GroupError::NotFound(_))
+        ));
+        h.create(StartAt::Latest).unwrap();
+        assert_eq!(h.position(), 10);
+        // A no-op for an existing group, even with an offset now out of range.
+        let n = h.written.len();
+        h.create(StartAt::Offset(Offset(99))).unwrap();
+        assert_eq!((h.written.len(), h.position()), (n, 10));
+        h.seek(StartAt::Earliest).unwrap();
+        h.poll(3);
+        let st = h.describe();
+        assert_eq!((st.position, st.in_flight, st.lag()), (Offset(0), 3, 10));
+        h.t.delete(h.now).unwrap();
+        assert!(!h.t.exists());
+        assert!(matches!(h.t.dead_letters(), Err(GroupError::NotFound(_))));
+        // The next poll makes it again at 0.
+        assert_eq!(h.poll_offsets(2), vec![0, 1]);
+    }
+
+    #[test]
+    fn a_consumer_extends_delays_and_dead_letters_its_claims() {
+        let mut h = Harness::with(small(|_| {}));
+        h.append(3);
+        h.poll(3);
+        assert_eq!(h.extend(0, 1, 10_000).unwrap(), 10_000);
+        h.nack(1, 1, Some(2_000)).unwrap();
+        h.dead_letter(2, 1).unwrap();
+        h.advance(2_000);
+        let d = h.poll(10);
+        assert_eq!((offsets(&d), attempts(&d)), (vec![1], vec![2]));
+        assert_eq!(h.dead(), vec![2]);
+    }
+}
+
+/// Every other rule of the guide, one test each.
+mod rules {
+    use super::*;
+
+    #[test]
+    fn only_offsets_handed_out_can_be_acked() {
+        let mut h = Harness::new();
+        h.append(5);
+        h.poll(2);
+        assert!(is_invalid(h.ack(5)), "past the tail");
+        assert!(is_invalid(h.ack(3)), "never handed out");
+        assert!(is_invalid(h.nack(3, 1, None)));
+        assert!(is_invalid(h.dead_letter(3, 1)));
+        assert!(is_invalid(h.nack(0, 0, None)), "attempts count from 1");
+        // A batch is all or nothing.
+        assert!(is_invalid(
+            h.t.ack(h.now, &[Offset(0), Offset(3)], h.log()).map(|_| ())
+        ));
+        assert_eq!(h.describe().in_flight, 2);
+        h.ack(0).unwrap();
+        h.ack(0).unwrap();
+        assert_eq!(h.position(), 1);
+    }
+
+    #[test]
+    fn a_missing_group_is_not_found() {
+        let mut h = Harness::new();
+        h.append(1);
+        assert!(matches!(h.ack(0), Err(GroupError::NotFound(_))));
+        assert!(matches!(h.redrive(0), Err(GroupError::NotFound(_))));
+        assert!(matches!(h.seek(StartAt::Earliest), Err(GroupError::NotFound(_))));
+        assert!(matches!(h.t.delete(h.now), Err(GroupError::NotFound(_))));
+        h.poll(1);
+        assert!(matches!(h.redrive(0), Err(GroupError::NotFound(_))));
+        assert!(matches!(h.discard(0), Err(GroupError::NotFound(_))));
+        assert_eq!(GroupError::NotFound(String::new()).code(), "not_found");
+    }
+
+    #[test]
+    fn an_ack_of_a_lapsed_claim_finishes_it() {
+        let mut h = Harness::with(small(|_| {}));
+        h.append(1);
+        h.poll(1);
+        h.advance(5_000);
+        h.ack(0).unwrap();
+        assert_eq!(h.position(), 1);
+        assert!(h.poll(1).is_empty());
+    }
+
+    #[test]
+    fn a_nack_of_a_lapsed_claim_is_stale() {
+        let mut h = Harness::with(small(|_| {}));
+        h.append(1);
+        h.poll(1);
+        h.advance(1_000);
+        assert!(is_stale(h.nack(0, 1, None)));
+        h.tick();
+        assert!(is_stale(h.nack(0, 1, None)));
+        assert_eq!(attempts(&h.poll(1)), vec![2]);
+    }
+
+    #[test]
+    fn a_nack_at_the_attempt_bound_dead_letters_with_its_reason() {
+        let mut h = Harness::with(small(|c| c.max_attempts = 2));
+        h.append(1);
+        h.poll(1);
+        h.nack(0, 1, None).unwrap();
+        h.poll(1);
+        h.nack(0, 2, Some(10_000)).unwrap();
+        let dl = &h.t.dead_letters().unwrap()[0].1;
+        assert_eq!((dl.attempts, dl.reason.as_deref()), (2, Some("boom")));
+        assert_eq!(h.position(), 1);
+    }
+
+    #[test]
+    fn a_delayed_nack_holds_an_in_flight_place_and_cannot_be_extended() {
+        let mut h = Harness::with(small(|c| c.max_in_flight = 1));
+        h.append(2);
+        h.poll(1);
+        h.nack(0, 1, Some(3_000)).unwrap();
+        let out = h.poll_full(&Caller::anonymous(1), 10, None);
+        assert!(out.deliveries.is_empty() && out.capped, "the delay holds the only place");
+        assert!(is_stale(h.extend(0, 1, 1_000)));
+        assert!(is_stale(h.nack(0, 1, None)));
+        let st = h.describe();
+        assert_eq!((st.in_flight, st.delayed), (1, 1));
+        // It can still be acked or given up on by whoever held it.
+        h.ack(0).unwrap();
+        assert_eq!(h.poll_offsets(10), vec![1]);
+    }
+
+    #[test]
+    fn the_in_flight_cap_answers_empty_until_room_frees() {
+        let mut h = Harness::with(small(|c| c.max_in_flight = 2));
+        h.append(5);
+        assert_eq!(h.poll_offsets(10), vec![0, 1]);
+        let out = h.poll_full(&Caller::anonymous(2), 10, None);
+        assert!(out.deliveries.is_empty() && out.capped);
+        // Nothing waiting at all is not "capped".
+        let mut idle = Harness::with(small(|c| c.max_in_flight = 2));
+        idle.append(2);
+        idle.poll(2);
+        assert!(!idle.poll_full(&Caller::anonymous(2), 10, None).capped);
+        // An ack frees one place.
+        h.ack(0).unwrap();
+        assert_eq!(h.poll_offsets(10), vec![2]);
+        // A lapse frees both: the lapsed records go first.
+        assert_eq!(h.t.next_deadline(), Some(h.now + 1_000));
+        h.advance(1_000);
+        h.tick();
+        assert_eq!(h.describe().in_flight, 0);
+        assert_eq!(h.poll_offsets(10), vec![1, 2]);
+        assert!(h.poll_full(&Caller::anonymous(1), 10, None).capped);
+    }
+
+    #[test]
+    fn one_poll_hands_out_at_most_the_record_cap() {
+        let mut h = Harness::new();
+        h.append(2_500);
+        assert_eq!(h.poll(5_000).len(), 1_000);
+        assert_eq!(h.poll(0).len(), 1_000, "0 asks for the broker's cap");
+        assert_eq!(h.poll(7).len(), 7);
+    }
+
+    #[test]
+    fn one_poll_stops_after_the_record_that_crosses_the_byte_cap() {
+        let mut h = Harness::with(GroupConfig {
+            poll_max_bytes: 1_000,
+            ..GroupConfig::default()
+        });
+        h.payload = 300;
+        h.append(10);
+        assert_eq!(h.poll_offsets(100), vec![0, 1, 2, 3], "1,200 bytes: stops after crossing");
+        h.payload = 5_000;
+        assert_eq!(h.poll_offsets(100), vec![4], "always at least one record");
+    }
+
+    #[test]
+    fn a_poll_stops_at_the_first_record_not_loaded() {
+        let mut h = Harness::new();
+        h.append(6);
+        let log = h.log();
+        let plan = h.t.plan_poll(h.now, &Caller::anonymous(1), 3, log);
+        assert_eq!(plan.offsets, vec![Offset(0), Offset(1), Offset(2)]);
+        // Another consumer takes 0 and 1 in between: the poll re-decides.
+        h.poll_as(&Caller::anonymous(2), 2);
+        let loaded: BTreeSet<Offset> = plan.offsets.iter().copied().collect();
+        let mut lookup = |o: Offset| {
+            if loaded.contains(&o) {
+                Lookup::Record { payload_bytes: 1 }
+            } else {
+                Lookup::NotLoaded
+            }
+        };
+        let out = h
+            .t
+            .poll(h.now, &Caller::anonymous(1), 3, None, log, &mut lookup);
+        assert_eq!(offsets(&out.deliveries), vec![2]);
+        assert_eq!(h.t.describe(h.now, log).unwrap().frontier, Offset(3));
+    }
+
+    #[test]
+    fn control_records_are_settled_and_counted_as_skipped_before() {
+        let mut h = Harness::new();
+        h.append(1);
+        h.append_control();
+        h.append_control();
+        h.append(1);
+        let d = h.poll(10);
+        assert_eq!(offsets(&d), vec![0, 3]);
+        assert_eq!(
+            d.iter().map(|d| d.skipped_before).collect::<Vec<_>>(),
+            vec![0, 2]
+        );
+        h.ack(0).unwrap();
+        assert_eq!(h.position(), 3, "the cursor passes the settled control records");
+        // A redelivery says the same.
+        h.nack(3, 1, None).unwrap();
+        assert_eq!(h.poll(10)[0].skipped_before, 2);
+    }
+
+    #[test]
+    fn a_skipped_run_split_across_polls_is_counted_whole() {
+        let mut h = Harness::new();
+        h.append_control();
+        h.append_control();
+        h.append(1);
+        let log = h.log();
+        let mut first = |o: Offset| {
+            if o.0 < 2 {
+                Lookup::Skipped
+            } else {
+                Lookup::NotLoaded
+            }
+        };
+        let out = h
+            .t
+            .poll(h.now, &Caller::anonymous(1), 10, None, log, &mut first);
+        assert!(out.deliveries.is_empty());
+        assert_eq!(h.poll(10)[0].skipped_before, 2);
+    }
+
+    #[test]
+    fn a_new_group_starts_at_the_log_start_when_zero_was_removed() {
+        let mut h = Harness::new();
+        h.append(10);
+        h.start = 4;
+        let d = h.poll(1);
+        assert_eq!((offsets(&d), d[0].skipped_before), (vec![4], 4));
+        assert!(matches!(
+            &h.written[0],
+            GroupEntry::Create { position, .. } if position.0 == 0
+        ));
+        h.ack(4).unwrap();
+        assert_eq!(h.position(), 5);
+    }
+
+    #[test]
+    fn owed_records_removed_by_retention_are_settled() {
+        let mut h = Harness::with(small(|_| {}));
+        h.append(4);
+        h.poll(4);
+        h.ack(2).unwrap();
+        h.ack(3).unwrap();
+        h.advance(1_000);
+        h.start = 2;
+        assert!(h.poll(10).is_empty());
+        assert_eq!(h.position(), 4);
+    }
+
+    #[test]
+    fn attempts_count_every_delivery() {
+        let mut h = Harness::with(small(|c| c.max_attempts = 10));
+        h.append(1);
+        for n in 1..=4 {
+            assert_eq!(attempts(&h.poll(1)), vec![n]);
+            if n % 2 == 0 {
+                h.nack(0, n, None).unwrap();
+            } else {
+                h.advance(1_000);
+            }
+        }
+    }
+
+    #[test]
+    fn visibility_extensions_and_delays_are_capped() {
+        let mut h = Harness::with(small(|c| c.max_visibility_ms = 5_000));
+        h.append(3);
+        let out = h.poll_full(&Caller::anonymous(1), 1, Some(1_000_000));
+        assert_eq!(out.deliveries.len(), 1);
+        assert_eq!(h.t.next_deadline(), Some(h.now + 5_000));
+        assert_eq!(h.extend(0, 1, 99_999_999).unwrap(), 5_000);
+        h.poll(1);
+        h.nack(1, 1, Some(1 << 40)).unwrap();
+        h.advance(5_000);
+        assert_eq!(h.poll_offsets(10), vec![0, 1, 2]);
+        // The cap is never below the visibility.
+        let c = GroupConfig {
+            visibility_ms: 9_000,
+            max_visibility_ms: 10,
+            ..GroupConfig::default()
+        }
+        .clamped();
+        assert_eq!(c.max_visibility_ms, 9_000);
+        assert_eq!(c.effective_idle_ms(), 600_000);
+    }
+
+    #[test]
+    fn a_seek_keeps_dead_letters_and_voids_delays() {
+        let mut h = Harness::new();
+        h.append(4);
+        h.poll(4);
+        h.dead_letter(1, 1).unwrap();
+        h.nack(2, 1, Some(10_000)).unwrap();
+        h.seek(StartAt::Earliest).unwrap();
+        assert_eq!(h.dead(), vec![1]);
+        assert_eq!(h.describe().in_flight, 0);
+        // A listed dead letter stays set aside: the replay skips it.
+        assert_eq!(h.poll_offsets(10), vec![0, 2, 3]);
+        h.redrive(1).unwrap();
+        assert_eq!(h.poll_offsets(10), vec![1]);
+    }
+
+    #[test]
+    fn a_bad_start_position_is_refused() {
+        let mut h = Harness::new();
+        h.append(10);
+        h.start = 3;
+        assert!(is_invalid(h.create(StartAt::Offset(Offset(2)))));
+        assert!(is_invalid(h.create(StartAt::Offset(Offset(11)))));
+        h.create(StartAt::Offset(Offset(10))).unwrap();
+        assert!(is_invalid(h.seek(StartAt::Offset(Offset(1)))));
+        h.seek(StartAt::Earliest).unwrap();
+        assert_eq!(h.position(), 3);
+    }
+
+    #[test]
+    fn a_restart_redelivers_from_the_position_with_fresh_attempts() {
+        let mut h = Harness::with(small(|_| {}));
+        h.append(3);
+        h.poll(3);
+        h.advance(1_000);
+        h.poll(3);
+        h.ack(0).unwrap();
+        h.restart();
+        // An ack of a delivery from before the restart is stale, not invalid.
+        assert!(is_stale(h.ack(1)));
+        let d = h.poll(10);
+        assert_eq!((offsets(&d), attempts(&d)), (vec![1, 2], vec![1, 1]));
+    }
+
+    #[test]
+    fn a_dead_letter_above_the_position_stays_finished_after_a_restart() {
+        let mut h = Harness::new();
+        h.append(3);
+        h.poll(3);
+        h.dead_letter(1, 1).unwrap();
+        h.restart();
+        assert_eq!(h.poll_offsets(10), vec![0, 2]);
+        h.ack(0).unwrap();
+        h.ack(2).unwrap();
+        assert_eq!(h.position(), 3);
+        h.discard(1).unwrap();
+        assert!(h.dead().is_empty());
+        assert!(matches!(h.discard(1), Err(GroupError::NotFound(_))));
+    }
+
+    #[test]
+    fn a_snapshot_replaces_the_history_before_it() {
+        let mut h = Harness::new();
+        h.append(5);
+        h.poll(5);
+        h.dead_letter(0, 1).unwrap();
+        h.ack(1).unwrap();
+        h.redrive(0).unwrap();
+        h.ack(2).unwrap();
+        let snap = h.t.snapshot_entry().unwrap();
+        let mut fresh = GroupTracker::new("workers", GroupConfig::default());
+        assert!(fresh.apply_entry(&GroupEntry::decode(&snap.to_bytes()).unwrap()));
+        assert_eq!(fresh.durable(), h.t.durable());
+        assert!(!fresh.apply_entry(&GroupEntry::Delete {
+            group: "other".into()
+        }));
+        let log = h.log();
+        let mut lookup = |_| Lookup::Record { payload_bytes: 1 };
+        let out = fresh.poll(h.now, &Caller::anonymous(9), 10, None, log, &mut lookup);
+        assert_eq!(offsets(&out.deliveries), vec![0, 3, 4]);
+    }
+
+    #[test]
+    fn describe_counts_what_the_group_holds() {
+        let mut h = Harness::with(small(|c| c.max_attempts = 1));
+        h.append(6);
+        h.poll(4);
+        h.advance(500);
+        h.nack(1, 1, None).unwrap(); // bound 1: dead letter
+        h.ack(2).unwrap();
+        h.t.extend(h.now, Offset(3), 1, 10_000, h.log()).unwrap();
+        h.advance(600); // 0 lapsed (at the bound: counts as dead)
+        let st = h.describe();
+        assert_eq!(st.position, Offset(0));
+        assert_eq!((st.in_flight, st.delayed, st.owed), (1, 0, 0));
+        assert_eq!(st.dead_letters, 2);
+        assert_eq!(st.oldest_in_flight_age_ms, 1_100);
+        assert_eq!(st.last_active_ms, h.now);
+        h.tick();
+        assert_eq!(h.dead(), vec![0, 1]);
+        assert_eq!(h.position(), 3);
+    }
+
+    #[test]
+    fn idle_means_untouched_for_the_effective_idle_time() {
+        let mut h = Harness::with(GroupConfig {
+            visibility_ms: 400_000,
+            ..GroupConfig::default()
+        });
+        h.append(1);
+        h.poll(1);
+        h.ack(0).unwrap();
+        h.advance(799_999);
+        assert!(!h.t.is_idle(h.now));
+        h.advance(1);
+        assert!(h.t.is_idle(h.now) && h.t.can_evict(h.now));
+    }
+
+    #[test]
+    fn a_claim_costs_at_most_64_bytes() {
+        let mut h = Harness::new();
+        h.append(10_000);
+        for _ in 0..10 {
+            h.poll(1_000);
+        }
+        assert_eq!(h.t.in_flight(), 10_000);
+        let per_claim = h.t.slot_table_bytes() as f64 / 10_000.0;
+        let total = h.t.memory_bytes() as f64 / 10_000.0;
+        println!("slot table {per_claim:.1} B/claim, all memory {total:.1} B/claim");
+        assert!(per_claim <= 64.0, "{per_claim} bytes per claim");
+        assert!(total <= 64.0, "{total} bytes per claim");
+        // Across sizes, including just after the table grows.
+        let mut h = Harness::new();
+        h.append(20_000);
+        let mut worst: f64 = 0.0;
+        for _ in 0..200 {
+            h.poll(97);
+            worst = worst.max(h.t.slot_table_bytes() as f64 / h.t.in_flight() as f64);
+        }
+        println!("worst slot table {worst:.1} B/claim");
+        assert!(worst <= 64.0, "{worst} bytes per claim");
+    }
+}
+
+/// Reclaim: a member that restarts takes its records back.
+mod reclaim {
+    use super::*;
+
+    fn member(connection: u64, reclaim: bool) -> Caller {
+        Caller::named(connection, "worker-a", reclaim)
+    }
+
+    #[test]
+    fn a_reclaiming_poll_takes_back_what_the_member_held() {
+        let mut h = Harness::new();
+        h.append(6);
+        assert_eq!(offsets(&h.poll_as(&member(1, false), 3)), vec![0, 1, 2]);
+        assert_eq!(offsets(&h.poll_as(&Caller::anonymous(2), 1)), vec![3]);
+        h.advance(100);
+        // The restarted member comes back first for its own records, over as
+        // many polls as it takes, each one another attempt.
+        let d = h.poll_as(&member(3, true), 2);
+        assert_eq!((offsets(&d), attempts(&d)), (vec![0, 1], vec![2, 2]));
+        // Nobody else gets the reserved one meanwhile.
+        assert_eq!(offsets(&h.poll_as(&Caller::anonymous(4), 10)), vec![4, 5]);
+        let d = h.poll_as(&member(3, true), 10);
+        assert_eq!((offsets(&d), attempts(&d)), (vec![2], vec![2]));
+        // The old connection's late ack is still an ack of the record.
+        h.ack(2).unwrap();
+    }
+
+    #[test]
+    fn reserved_records_go_before_owed_ones() {
+        let mut h = Harness::with(small(|_| {}));
+        h.append(3);
+        h.poll_as(&Caller::anonymous(1), 1);
+        h.advance(1_000);
+        h.tick();
+        h.poll_as(&member(2, false), 2); // takes owed 0 and new 1
+        h.advance(10);
+        let d = h.poll_as(&member(5, true), 10);
+        assert_eq!(offsets(&d), vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn a_lapsed_reserved_claim_goes_to_the_whole_group() {
+        let mut h = Harness::with(small(|_| {}));
+        h.append(2);
+        h.poll_as(&member(1, false), 2);
+        h.advance(500);
+        assert_eq!(h.poll_as(&member(2, true), 1).len(), 1);
+        h.advance(500);
+        // 1 was reserved for connection 2 and lapsed: anyone may take it.
+        let d = h.poll_as(&Caller::anonymous(7), 10);
+        assert_eq!((offsets(&d), attempts(&d)), (vec![1], vec![2]));
+    }
+
+    #[test]
+    fn only_the_first_reclaim_on_a_newer_connection_counts() {
+        let mut h = Harness::new();
+        h.append(4);
+        h.poll_as(&member(5, false), 1); // 0 held by connection 5
+        h.poll_as(&member(3, true), 1); // older connection reclaiming: nothing
+        assert_eq!(h.describe().in_flight, 2);
+        // Reserves 0 (from 5) and 1 (from 3), and takes 0 back at once.
+        assert_eq!(offsets(&h.poll_as(&member(8, true), 1)), vec![0]);
+        // Connection 6 is older than the last reclaiming one: takes nothing back.
+        assert_eq!(offsets(&h.poll_as(&member(6, true), 10)), vec![2, 3]);
+        // Reclaim left set on connection 8 is harmless; 1 is still its own.
+        assert_eq!(offsets(&h.poll_as(&member(8, true), 10)), vec![1]);
+        assert_eq!(h.describe().in_flight, 4);
+    }
+
+    #[test]
+    fn member_names_belong_to_their_principal() {
+        let mut h = Harness::new();
+        h.append(2);
+        h.poll_as(&member(1, false), 1);
+        let mut other = member(2, true);
+        other.principal = "mallory".to_string();
+        assert_eq!(offsets(&h.poll_as(&other, 10)), vec![1]);
+    }
+
+    #[test]
+    fn a_delayed_nack_is_not_reclaimed() {
+        let mut h = Harness::new();
+        h.append(2);
+        h.poll_as(&member(1, false), 2);
+        h.nack(0, 1, Some(60_000)).unwrap();
+        let d = h.poll_as(&member(2, true), 10);
+        assert_eq!(offsets(&d), vec![1]);
+    }
+
+    #[test]
+    fn a_reserved_record_at_the_attempt_bound_is_given_up_on() {
+        let mut h = Harness::with(small(|c| c.max_attempts = 1));
+        h.append(2);
+        h.poll_as(&member(1, false), 1);
+        let d = h.poll_as(&member(2, true), 10);
+        assert_eq!(offsets(&d), vec![1]);
+        assert_eq!(h.dead(), vec![0]);
+    }
+}

@@ -1,15 +1,448 @@
-//! Consumer-group requests on the shard's owning core.
+//! Consumer-group requests, served on the shard's owning core.
+//!
+//! The tracker ([`felix_engine::group`]) decides; this module does its I/O:
+//! it reads the records a poll wants from the shard's log, appends the group
+//! entries the tracker returns (in order, taking no stream offset) and waits
+//! for them to be durable where the guide requires it before answering.
+//! Nothing here takes a lock or leaves the core.
 
-use crate::broker::{wire_err, Core};
-use crate::conn::ConnInfo;
+use crate::broker::{now_ms, wire_err, Core};
+use crate::conn::{to_wire_record, with_timeout, ConnInfo};
+use crate::shard::Shard;
+use felix_engine::format::Record;
+use felix_engine::group::{Caller, GroupEntry, GroupError, GroupTracker, Lookup, LogView, StartAt};
+use felix_engine::log::{Frontier, ReadLimits};
 use felix_engine::storage::Storage;
-use felix_wire::{ErrorCode, Request, Response};
+use felix_engine::types::validate_name;
+use felix_engine::Offset;
+use felix_wire::{
+    DeadLetterInfo, ErrorCode, GroupInfo, GroupKey, GroupMemberRef, GroupRecord, Request, Response,
+    StartPosition,
+};
+use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 
-pub(crate) async fn handle<S: Storage>(core: &Rc<Core<S>>, _info: &Rc<ConnInfo>, req: Request) -> Response {
-    let _ = core;
-    wire_err(
-        ErrorCode::Unsupported,
-        format!("{} is not supported by this broker", req.name()),
-    )
+fn group_err(e: GroupError) -> Response {
+    match e {
+        GroupError::InvalidRequest(m) => wire_err(ErrorCode::InvalidRequest, m),
+        GroupError::StaleClaim(m) => wire_err(ErrorCode::StaleClaim, m),
+        GroupError::NotFound(m) => wire_err(ErrorCode::NotFound, m),
+    }
+}
+
+fn need(info: &ConnInfo, feature: u64, what: &str) -> Result<(), Response> {
+    if info.features.get() & feature == 0 {
+        return Err(wire_err(
+            ErrorCode::Unsupported,
+            format!("{what} needs a feature this broker does not offer or this connection did not negotiate"),
+        ));
+    }
+    Ok(())
+}
+
+fn start_at(p: StartPosition) -> StartAt {
+    match p {
+        StartPosition::Earliest => StartAt::Earliest,
+        StartPosition::Latest => StartAt::Latest,
+        StartPosition::Offset(n) => StartAt::Offset(Offset(n)),
+    }
+}
+
+pub(crate) async fn handle<S: Storage>(core: &Rc<Core<S>>, info: &Rc<ConnInfo>, req: Request) -> Response {
+    use felix_wire::{FEATURE_GROUPS as G, FEATURE_GROUP_ADMIN as ADMIN, FEATURE_GROUP_CLAIM_CONTROL as CC};
+    let name = req.name();
+    let key = match &req {
+        Request::GroupPoll { key, .. }
+        | Request::GroupAck { key, .. }
+        | Request::GroupNack { key, .. }
+        | Request::GroupExtend { key, .. }
+        | Request::GroupDeadLetter { key, .. }
+        | Request::GroupDeadLetters { key }
+        | Request::GroupRedrive { key, .. }
+        | Request::GroupDiscard { key, .. }
+        | Request::GroupCreate { key, .. }
+        | Request::GroupSeek { key, .. }
+        | Request::GroupDescribe { key }
+        | Request::GroupDelete { key } => key.clone(),
+        Request::ListGroups { stream, shard } => {
+            if let Err(e) = need(info, G, name) {
+                return e;
+            }
+            return match core.shard(stream, *shard) {
+                Ok(s) => {
+                    let mut names: Vec<String> = s
+                        .groups
+                        .borrow()
+                        .iter()
+                        .filter(|(_, t)| t.exists())
+                        .map(|(n, _)| n.clone())
+                        .collect();
+                    names.sort();
+                    Response::Groups(names)
+                }
+                Err(e) => e,
+            };
+        }
+        _ => return wire_err(ErrorCode::Unsupported, format!("{name} is not supported by this broker")),
+    };
+    if let Err(e) = need(info, G, "consumer groups") {
+        return e;
+    }
+    if let Err(e) = validate_name("group", &key.group) {
+        return wire_err(ErrorCode::InvalidRequest, e.to_string());
+    }
+    let shard = match core.shard(&key.stream, key.shard) {
+        Ok(s) => s,
+        Err(e) => return e,
+    };
+    let r = match req {
+        Request::GroupPoll { max_records, wait_ms, member, visibility_ms, .. } => {
+            if visibility_ms.is_some() {
+                if let Err(e) = need(info, CC, "a poll's visibility") {
+                    return e;
+                }
+            }
+            return poll(core, info, &shard, &key, max_records, wait_ms, member, visibility_ms).await;
+        }
+        Request::GroupAck { offsets, .. } => {
+            let offsets: Vec<Offset> = offsets.into_iter().map(Offset).collect();
+            let n = offsets.len() as u64;
+            let r = write_op(&shard, &key.group, true, |t, now, view| t.ack(now, &offsets, view)).await;
+            if matches!(r, Response::Ok) {
+                core.metrics.group_acked.set(core.metrics.group_acked.get() + n);
+            }
+            r
+        }
+        Request::GroupNack { offset, attempts, delay_ms, reason, .. } => {
+            if delay_ms.is_some() {
+                if let Err(e) = need(info, CC, "a nack delay") {
+                    return e;
+                }
+            }
+            write_op(&shard, &key.group, true, |t, now, view| {
+                t.nack(now, Offset(offset), attempts, delay_ms, reason.as_deref(), view)
+            })
+            .await
+        }
+        Request::GroupExtend { offset, attempts, extend_ms, .. } => {
+            if let Err(e) = need(info, CC, "extend") {
+                return e;
+            }
+            let view = view(&shard);
+            let r = with_tracker(&shard, &key.group, |t| t.extend(now_ms(), Offset(offset), attempts, extend_ms, view));
+            match r {
+                Ok(stands_ms) => Response::Extended { stands_ms },
+                Err(e) => group_err(e),
+            }
+        }
+        Request::GroupDeadLetter { offset, attempts, reason, .. } => {
+            if let Err(e) = need(info, CC, "a consumer dead letter") {
+                return e;
+            }
+            write_op(&shard, &key.group, true, |t, now, view| {
+                t.dead_letter(now, Offset(offset), attempts, reason.as_deref(), view)
+            })
+            .await
+        }
+        Request::GroupDeadLetters { .. } => match with_tracker(&shard, &key.group, |t| t.dead_letters()) {
+            Ok(list) => Response::DeadLetters(
+                list.into_iter()
+                    .map(|(o, d)| DeadLetterInfo {
+                        offset: o.0,
+                        attempts: d.attempts,
+                        at_ms: d.at_ms,
+                        reason: d.reason,
+                        by_consumer: d.by_consumer,
+                    })
+                    .collect(),
+            ),
+            Err(e) => group_err(e),
+        },
+        Request::GroupRedrive { offset, .. } => {
+            write_op(&shard, &key.group, true, |t, now, _| t.redrive(now, Offset(offset))).await
+        }
+        Request::GroupDiscard { offset, .. } => {
+            write_op(&shard, &key.group, true, |t, now, _| t.discard(now, Offset(offset))).await
+        }
+        Request::GroupCreate { start, .. } => {
+            if let Err(e) = need(info, ADMIN, "group_create") {
+                return e;
+            }
+            write_op(&shard, &key.group, true, |t, now, view| t.create(now, start_at(start), view)).await
+        }
+        Request::GroupSeek { start, .. } => {
+            if let Err(e) = need(info, ADMIN, "group_seek") {
+                return e;
+            }
+            write_op(&shard, &key.group, true, |t, now, view| t.seek(now, start_at(start), view)).await
+        }
+        Request::GroupDelete { .. } => {
+            if let Err(e) = need(info, ADMIN, "group_delete") {
+                return e;
+            }
+            let r = write_op(&shard, &key.group, true, |t, now, _| t.delete(now)).await;
+            if matches!(r, Response::Ok) {
+                shard.groups.borrow_mut().remove(&key.group);
+            }
+            r
+        }
+        Request::GroupDescribe { .. } => {
+            if let Err(e) = need(info, ADMIN, "group_describe") {
+                return e;
+            }
+            let view = view(&shard);
+            match with_tracker(&shard, &key.group, |t| t.describe(now_ms(), view)) {
+                Ok(st) => Response::Group(GroupInfo {
+                    group: key.group.clone(),
+                    position: st.position.0,
+                    end_offset: st.log_end.0,
+                    start_offset: st.log_start.0,
+                    in_flight: st.in_flight,
+                    owed: st.owed.min(u32::MAX as u64) as u32,
+                    delayed: st.delayed,
+                    dead_letters: st.dead_letters.min(u32::MAX as u64) as u32,
+                    oldest_in_flight_age_ms: (st.in_flight > 0).then_some(st.oldest_in_flight_age_ms),
+                    oldest_owed_age_ms: (st.owed > 0).then_some(st.oldest_owed_age_ms),
+                    last_active_ms: Some(st.last_active_ms),
+                }),
+                Err(e) => group_err(e),
+            }
+        }
+        _ => unreachable!("matched above"),
+    };
+    // Anything that settled a claim may free room for a waiting poll.
+    shard.group_wake.wake_all();
+    r
+}
+
+fn view<S: Storage>(shard: &Shard<S>) -> LogView {
+    LogView {
+        start: shard.log.start(),
+        end: shard.log.end(),
+    }
+}
+
+/// Run `f` on the group's tracker (created empty if unknown, and dropped
+/// again if the call did not bring the group into being).
+fn with_tracker<S: Storage, R>(shard: &Shard<S>, group: &str, f: impl FnOnce(&mut GroupTracker) -> R) -> R {
+    let mut groups = shard.groups.borrow_mut();
+    if !groups.contains_key(group) {
+        groups.insert(group.to_string(), GroupTracker::new(group, shard.group_config.clone()));
+    }
+    let t = groups.get_mut(group).unwrap();
+    let r = f(t);
+    if !t.exists() && t.in_flight() == 0 {
+        groups.remove(group);
+    }
+    r
+}
+
+/// Append the tracker's entries to the log, in order. Returns the lsn to wait
+/// on for their durability, if any were written. The groups table must not
+/// be borrowed here (a segment roll asks it for a snapshot).
+fn append_entries<S: Storage>(shard: &Shard<S>, entries: &[GroupEntry]) -> Result<Option<u64>, Response> {
+    let mut lsn = None;
+    let mut body = Vec::with_capacity(64);
+    for e in entries {
+        body.clear();
+        e.encode(&mut body);
+        match shard.log.append_group(&body) {
+            Ok(a) => lsn = Some(a.lsn),
+            Err(e) => return Err(wire_err(ErrorCode::Unavailable, format!("shard {}: {e}", shard.name()))),
+        }
+    }
+    Ok(lsn)
+}
+
+/// A tracker call that returns entries to write; answer `Ok` once they are
+/// durable (when `durable`).
+async fn write_op<S: Storage>(
+    shard: &Rc<Shard<S>>,
+    group: &str,
+    durable: bool,
+    f: impl FnOnce(&mut GroupTracker, u64, LogView) -> Result<Vec<GroupEntry>, GroupError>,
+) -> Response {
+    if let Some(r) = shard.log.stopped() {
+        return wire_err(ErrorCode::Unavailable, format!("shard {} is stopped: {r}", shard.name()));
+    }
+    let view = view(shard);
+    let entries = match with_tracker(shard, group, |t| f(t, now_ms(), view)) {
+        Ok(e) => e,
+        Err(e) => return group_err(e),
+    };
+    let lsn = match append_entries(shard, &entries) {
+        Ok(l) => l,
+        Err(e) => return e,
+    };
+    if let (Some(lsn), true) = (lsn, durable) {
+        if let Err(e) = shard.log.wait(lsn, Frontier::Durable).await {
+            return wire_err(ErrorCode::Unavailable, format!("shard {}: {e}", shard.name()));
+        }
+    }
+    Response::Ok
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn poll<S: Storage>(
+    core: &Rc<Core<S>>,
+    info: &Rc<ConnInfo>,
+    shard: &Rc<Shard<S>>,
+    key: &GroupKey,
+    max_records: u32,
+    wait_ms: u32,
+    member: Option<GroupMemberRef>,
+    visibility_ms: Option<u64>,
+) -> Response {
+    if let Some(m) = &member {
+        if m.name.is_empty() || m.name.len() > 128 {
+            return wire_err(ErrorCode::InvalidRequest, format!("member name is {} bytes; names are 1 to 128 bytes", m.name.len()));
+        }
+    }
+    let caller = Caller {
+        principal: info.principal.clone(),
+        connection: info.id,
+        member: member.as_ref().map(|m| m.name.clone()),
+        reclaim: member.as_ref().is_some_and(|m| m.reclaim),
+    };
+    let cfg = &core.shared.config;
+    let max_records = max_records.clamp(1, cfg.max_records_per_read);
+    let wait = (wait_ms as u64).min(cfg.max_wait_ms);
+    let deadline = now_ms() + wait;
+    let skipped = info.features.get() & felix_wire::FEATURE_GROUP_SKIPPED != 0;
+    loop {
+        if let Some(r) = shard.log.stopped() {
+            return wire_err(ErrorCode::Unavailable, format!("shard {} is stopped: {r}", shard.name()));
+        }
+        let view = view(shard);
+        let plan = with_tracker(shard, &key.group, |t| t.plan_poll(now_ms(), &caller, max_records, view));
+        if let Err(e) = append_entries(shard, &plan.writes) {
+            return e;
+        }
+        let (records, skipped_offsets) = match read_offsets(core, shard, &plan.offsets, view).await {
+            Ok(r) => r,
+            Err(e) => return e,
+        };
+        let view = self::view(shard);
+        let outcome = with_tracker(shard, &key.group, |t| {
+            t.poll(now_ms(), &caller, max_records, visibility_ms, view, &mut |o| match records.get(&o) {
+                Some(r) => Lookup::Record { payload_bytes: r.payload.len() as u32 },
+                None if o < view.start || skipped_offsets.contains(&o) => Lookup::Skipped,
+                None => Lookup::NotLoaded,
+            })
+        });
+        if let Err(e) = append_entries(shard, &outcome.writes) {
+            return e;
+        }
+        if outcome.capped {
+            core.metrics.group_polls_capped.set(core.metrics.group_polls_capped.get() + 1);
+        }
+        if !outcome.deliveries.is_empty() {
+            core.metrics.group_delivered.set(core.metrics.group_delivered.get() + outcome.deliveries.len() as u64);
+            let out = outcome
+                .deliveries
+                .iter()
+                .filter_map(|d| {
+                    let r = records.get(&d.offset)?.clone();
+                    let w = to_wire_record(r);
+                    Some(GroupRecord {
+                        offset: w.offset,
+                        attempts: d.attempts,
+                        timestamp_ms: w.timestamp_ms,
+                        key: w.key,
+                        headers: w.headers,
+                        payload: w.payload,
+                        skipped_before: skipped.then_some(d.skipped_before),
+                    })
+                })
+                .collect();
+            return Response::GroupRecords { records: out };
+        }
+        let now = now_ms();
+        if now >= deadline {
+            return Response::GroupRecords { records: Vec::new() };
+        }
+        // Wait for new records, for room (acks, nacks, lapses) or for the
+        // next claim deadline, whichever comes first.
+        let next = shard
+            .groups
+            .borrow()
+            .get(&key.group)
+            .and_then(|t| t.next_deadline())
+            .unwrap_or(u64::MAX);
+        let until = deadline.min(next.max(now + 1));
+        let end = shard.log.end();
+        let wake = shard.group_wake.clone();
+        let log = shard.log.clone();
+        let _ = with_timeout(until - now, async move {
+            futures_lite::future::or(wake.wait(), async {
+                let _ = log.wait_for_offset(end).await;
+            })
+            .await
+        })
+        .await;
+        if core.stopping.get() {
+            return Response::GroupRecords { records: Vec::new() };
+        }
+    }
+}
+
+/// Read the records at `offsets` (runs of consecutive offsets in one read).
+/// Returns the records found and the offsets the log showed to hold no
+/// deliverable record (control records, or removed by retention); offsets in
+/// neither were not reached (a byte cap) and must not be settled.
+async fn read_offsets<S: Storage>(
+    core: &Rc<Core<S>>,
+    shard: &Shard<S>,
+    offsets: &[Offset],
+    view: LogView,
+) -> Result<(HashMap<Offset, Record>, HashSet<Offset>), Response> {
+    let mut out = HashMap::with_capacity(offsets.len());
+    let mut skipped = HashSet::new();
+    let max_bytes = core.shared.config.max_bytes_per_read as usize;
+    let mut i = 0;
+    while i < offsets.len() {
+        let start = offsets[i];
+        let mut j = i + 1;
+        while j < offsets.len() && offsets[j] == offsets[j - 1].next() {
+            j += 1;
+        }
+        if start >= view.start {
+            let r = shard
+                .log
+                .read(
+                    start,
+                    ReadLimits {
+                        max_records: j - i,
+                        max_bytes,
+                    },
+                )
+                .await
+                .map_err(|e| wire_err(ErrorCode::Unavailable, format!("shard {}: {e}", shard.name())))?;
+            let run_end = offsets[j - 1].next();
+            // Everything below the read's `next` that came back without a
+            // record holds none: the read stepped over it.
+            let reached = r.next.min(run_end);
+            for rec in r.records {
+                if rec.offset < run_end {
+                    out.insert(rec.offset, rec);
+                }
+            }
+            if r.start > start {
+                for o in start.0..r.start.0.min(run_end.0) {
+                    skipped.insert(Offset(o));
+                }
+            }
+            for o in start.0..reached.0 {
+                if !out.contains_key(&Offset(o)) {
+                    skipped.insert(Offset(o));
+                }
+            }
+        } else {
+            for o in &offsets[i..j] {
+                skipped.insert(*o);
+            }
+        }
+        i = j;
+    }
+    Ok((out, skipped))
 }

@@ -1,35 +1,90 @@
 //! A shard as the broker holds it on its owning core: the log, its flusher,
-//! and (when groups are enabled) the group trackers.
+//! and the consumer-group trackers, all touched only by this core.
 
-use crate::broker::Core;
+use crate::broker::{now_ms, Core};
 use crate::catalog::StreamMeta;
-use felix_engine::log::{LogError, ShardLog};
+use felix_engine::group::{GroupConfig, GroupEntry, GroupTracker};
+use felix_engine::log::{LogError, Replayed, ShardLog};
+use felix_engine::notify::WaitList;
 use felix_engine::storage::Storage;
 use felix_engine::StreamName;
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::path::Path;
 use std::rc::Rc;
+use std::time::Duration;
+
+pub(crate) type Groups = Rc<RefCell<HashMap<String, GroupTracker>>>;
 
 pub(crate) struct Shard<S: Storage> {
     pub stream: StreamName,
     pub index: u32,
     pub log: ShardLog<S>,
+    pub groups: Groups,
+    pub group_config: GroupConfig,
+    /// Woken when group state changes in a way a waiting poll cares about.
+    pub group_wake: Rc<WaitList>,
 }
 
 impl<S: Storage> Shard<S> {
-    pub async fn open(
-        core: Rc<Core<S>>,
-        meta: &StreamMeta,
-        index: u32,
-        dir: &Path,
-    ) -> Result<Rc<Shard<S>>, LogError> {
-        let log = ShardLog::open(core.storage.clone(), dir, core.log_config(meta), &mut |_| {}).await?;
+    pub async fn open(core: Rc<Core<S>>, meta: &StreamMeta, index: u32, dir: &Path) -> Result<Rc<Shard<S>>, LogError> {
+        let c = &core.shared.config;
+        let group_config = GroupConfig {
+            visibility_ms: c.visibility_timeout_ms,
+            max_attempts: c.max_attempts,
+            max_in_flight: c.max_in_flight,
+            max_visibility_ms: c.max_visibility_ms,
+            poll_max_records: c.max_records_per_read,
+            poll_max_bytes: c.max_bytes_per_read as u64,
+            idle_ms: c.group_idle_ms,
+        };
+        // Replay group entries in log order.
+        let mut entries = Vec::new();
+        let mut bad = None;
+        let log = ShardLog::open(core.storage.clone(), dir, core.log_config(meta), &mut |e| {
+            if let Replayed::Group(body) = e {
+                match GroupEntry::decode(body) {
+                    Ok(g) => entries.push(g),
+                    Err(err) => bad = Some(err.to_string()),
+                }
+            }
+        })
+        .await?;
+        if let Some(err) = bad {
+            return Err(LogError::Corrupt {
+                path: dir.display().to_string(),
+                position: 0,
+                reason: format!("undecodable group entry: {err}"),
+            });
+        }
+        let mut groups: HashMap<String, GroupTracker> = HashMap::new();
+        for e in &entries {
+            let t = groups
+                .entry(e.group().to_string())
+                .or_insert_with(|| GroupTracker::new(e.group(), group_config.clone()));
+            t.apply_entry(e);
+        }
+        groups.retain(|_, t| t.exists());
+        let groups: Groups = Rc::new(RefCell::new(groups));
+        let snap = groups.clone();
+        log.set_snapshot_provider(Box::new(move |out| {
+            for t in snap.borrow().values() {
+                if let Some(e) = t.snapshot_entry() {
+                    out.push(e.to_bytes());
+                }
+            }
+        }));
         let shard = Rc::new(Shard {
             stream: meta.name.clone(),
             index,
             log,
+            groups,
+            group_config,
+            group_wake: Rc::new(WaitList::new()),
         });
         let flusher = shard.log.clone();
         glommio::spawn_local(async move { flusher.run_flusher().await }).detach();
+        glommio::spawn_local(run_group_timers(Rc::downgrade(&shard))).detach();
         Ok(shard)
     }
 
@@ -40,5 +95,47 @@ impl<S: Storage> Shard<S> {
     pub async fn destroy(&self) -> Result<(), LogError> {
         let _ = self.log.close().await;
         self.log.destroy().await
+    }
+}
+
+/// Apply lapses and delay ends when they fall due (waking polls waiting at
+/// the in-flight cap, and dead-lettering records out of attempts), and drop
+/// the memory of idle groups.
+async fn run_group_timers<S: Storage>(shard: std::rc::Weak<Shard<S>>) {
+    loop {
+        let sleep_ms = {
+            let Some(s) = shard.upgrade() else { return };
+            let now = now_ms();
+            let next = s.groups.borrow().values().filter_map(|t| t.next_deadline()).min();
+            next.map(|d| d.saturating_sub(now)).unwrap_or(1000).clamp(1, 1000)
+        };
+        glommio::timer::sleep(Duration::from_millis(sleep_ms)).await;
+        let Some(s) = shard.upgrade() else { return };
+        if s.log.stopped().is_some() {
+            return;
+        }
+        let now = now_ms();
+        let mut writes = Vec::new();
+        let mut woke = false;
+        for t in s.groups.borrow_mut().values_mut() {
+            if t.next_deadline().is_some_and(|d| d <= now) {
+                writes.extend(t.tick(now));
+                woke = true;
+            }
+            if t.can_evict(now) {
+                t.reset_to_durable();
+            }
+        }
+        let mut body = Vec::new();
+        for e in &writes {
+            body.clear();
+            e.encode(&mut body);
+            if s.log.append_group(&body).is_err() {
+                return;
+            }
+        }
+        if woke {
+            s.group_wake.wake_all();
+        }
     }
 }

@@ -1,0 +1,435 @@
+//! Command-line syntax (clap derive). Every flag's help says what it does.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use felix_client::{StartPosition, StreamRef};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "felix",
+    version,
+    about = "Felix: a durable sharded log broker",
+    long_about = "Felix: a durable sharded log broker.\n\n\
+        `felix serve` runs a broker. Every other command is a client of a running \
+        broker (see --broker): create and inspect streams, publish and read records, \
+        and run or administer consumer groups.\n\n\
+        Streams are named TENANT/NAMESPACE/STREAM, for example t1/default/jobs.\n\n\
+        Errors are printed to stderr as `error: <code>: <message>`; the exit code is \
+        2 for a usage error and 1 for any other failure.",
+    propagate_version = true
+)]
+pub struct Cli {
+    #[command(flatten)]
+    pub global: GlobalArgs,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Args)]
+pub struct GlobalArgs {
+    /// Broker to talk to, as HOST:PORT (ignored by `serve`, which takes
+    /// --listen).
+    #[arg(
+        long,
+        global = true,
+        env = "FELIX_BROKER",
+        default_value = "127.0.0.1:7400",
+        value_name = "ADDR"
+    )]
+    pub broker: String,
+
+    /// How long to wait for each answer from the broker, e.g. `30s`,
+    /// `500ms`, `2m` (a bare number is seconds). A long poll or a waiting
+    /// read gets its wait on top. Connecting is bounded by the smaller of
+    /// this and 10s.
+    #[arg(
+        long,
+        global = true,
+        default_value = "30s",
+        value_name = "DURATION",
+        value_parser = parse_duration
+    )]
+    pub timeout: Duration,
+
+    /// Authentication token sent to the broker when connecting.
+    #[arg(
+        long,
+        global = true,
+        env = "FELIX_TOKEN",
+        hide_env_values = true,
+        value_name = "TOKEN"
+    )]
+    pub token: Option<String>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run a broker in the foreground until SIGINT/SIGTERM.
+    Serve(ServeArgs),
+    /// Create, list, describe and delete streams.
+    #[command(subcommand)]
+    Stream(StreamCmd),
+    /// Inspect one shard of a stream.
+    #[command(subcommand)]
+    Shard(ShardCmd),
+    /// Publish records: the MESSAGE arguments, or one record per stdin line.
+    Publish(PublishArgs),
+    /// Read records of one shard, or follow it as records arrive.
+    Read(ReadArgs),
+    /// Administer a consumer group on one shard.
+    #[command(subcommand)]
+    Group(GroupCmd),
+    /// Consume as a member of a consumer group: poll, print, acknowledge.
+    Consume(ConsumeArgs),
+    /// Check that the broker answers, and show what it supports.
+    Ping,
+}
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// Configuration file (TOML). Defaults to ./felix.toml when it exists.
+    /// FELIX_* environment variables override its settings, and the flags
+    /// below override both.
+    #[arg(long, value_name = "PATH")]
+    pub config: Option<PathBuf>,
+    /// Directory for durable storage. Without one the broker keeps
+    /// everything in memory and does not offer consumer groups.
+    #[arg(long, value_name = "DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// Address to listen on, e.g. 0.0.0.0:7400.
+    #[arg(long, value_name = "ADDR")]
+    pub listen: Option<String>,
+    /// Cores to run on: a count (`4`) or a CPU list (`0-3`, `0,2,4`).
+    #[arg(long, value_name = "N|LIST")]
+    pub cores: Option<String>,
+    /// Print the effective configuration (file, environment and flags
+    /// merged) and exit without starting.
+    #[arg(long)]
+    pub print_config: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum StreamCmd {
+    /// Create a stream.
+    Create {
+        /// TENANT/NAMESPACE/STREAM
+        #[arg(value_parser = parse_stream)]
+        stream: StreamRef,
+        /// Number of shards (fixed for the stream's life).
+        #[arg(long, value_name = "N")]
+        shards: u32,
+        /// Keep at most about this many bytes per shard (default: the
+        /// broker's).
+        #[arg(long, value_name = "B")]
+        retention_bytes: Option<u64>,
+        /// Keep records for about this many milliseconds (default: the
+        /// broker's).
+        #[arg(long, value_name = "MS")]
+        retention_ms: Option<u64>,
+    },
+    /// List streams, one per line.
+    List {
+        /// Only this tenant's streams.
+        #[arg(long, value_name = "T")]
+        tenant: Option<String>,
+    },
+    /// Show a stream's shards, retention and placement.
+    Describe {
+        /// TENANT/NAMESPACE/STREAM
+        #[arg(value_parser = parse_stream)]
+        stream: StreamRef,
+    },
+    /// Delete a stream and all its records.
+    Delete {
+        /// TENANT/NAMESPACE/STREAM
+        #[arg(value_parser = parse_stream)]
+        stream: StreamRef,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ShardCmd {
+    /// Show a shard's offsets, size and owning core.
+    Describe {
+        /// TENANT/NAMESPACE/STREAM
+        #[arg(value_parser = parse_stream)]
+        stream: StreamRef,
+        /// Shard number.
+        #[arg(long, value_name = "N", default_value_t = 0)]
+        shard: u32,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct PublishArgs {
+    /// TENANT/NAMESPACE/STREAM
+    #[arg(value_parser = parse_stream)]
+    pub stream: StreamRef,
+    /// Shard to publish to (default 0 unless --key is given).
+    #[arg(long, value_name = "N", conflicts_with = "key")]
+    pub shard: Option<u32>,
+    /// Routing key: stored with every record, and picks the shard
+    /// (crc32c(key) mod shards), so records with one key stay in order.
+    #[arg(long, value_name = "K")]
+    pub key: Option<String>,
+    /// Wait for each batch to be durable before it is acknowledged
+    /// (commit acks), whatever the broker's default.
+    #[arg(long)]
+    pub ack_on_commit: bool,
+    /// Most records per batch read from stdin.
+    #[arg(long, value_name = "N", default_value_t = 1000)]
+    pub batch_records: usize,
+    /// Most payload bytes per batch read from stdin.
+    #[arg(long, value_name = "BYTES", default_value_t = 1024 * 1024)]
+    pub batch_bytes: usize,
+    /// Batches sent but not yet acknowledged at once. Order is kept.
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    pub in_flight: usize,
+    /// Records to publish, one per argument. Without any, each line of
+    /// stdin is a record (without its line ending); `felix` exits once every
+    /// line is acknowledged and prints `published N records` to stderr.
+    #[arg(value_name = "MESSAGE")]
+    pub messages: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Format {
+    /// The payload alone, one record per line (invalid UTF-8 replaced).
+    Text,
+    /// One JSON object per line: offset, timestamp, key, payload. Key and
+    /// payload are UTF-8 strings when valid, else base64, as the
+    /// `key_encoding`/`payload_encoding` fields say ("utf8" or "base64").
+    Json,
+}
+
+#[derive(Debug, Args)]
+pub struct ReadArgs {
+    /// TENANT/NAMESPACE/STREAM
+    #[arg(value_parser = parse_stream)]
+    pub stream: StreamRef,
+    /// Shard to read.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub shard: u32,
+    /// Where to start: `earliest` (oldest retained record), `latest` (the
+    /// tail: only new records) or an offset.
+    #[arg(long, value_name = "earliest|latest|OFFSET", default_value = "earliest", value_parser = parse_start)]
+    pub from: StartPosition,
+    /// Stop after this many records.
+    #[arg(long, value_name = "N")]
+    pub count: Option<u64>,
+    /// Keep reading as new records arrive, instead of stopping at the tail.
+    #[arg(long)]
+    pub follow: bool,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    pub format: Format,
+}
+
+/// Which group: the stream, shard and group name.
+#[derive(Debug, Args)]
+pub struct GroupTarget {
+    /// TENANT/NAMESPACE/STREAM
+    #[arg(value_parser = parse_stream)]
+    pub stream: StreamRef,
+    /// Shard the group consumes (groups are per shard).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub shard: u32,
+    /// Group name.
+    #[arg(long, value_name = "G")]
+    pub group: String,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum GroupCmd {
+    /// Show where a group stands: position, lag, in flight, owed, dead
+    /// letters.
+    Describe(GroupTarget),
+    /// Create a group at a position; an existing group is left alone.
+    Create {
+        #[command(flatten)]
+        target: GroupTarget,
+        /// Starting position: `earliest`, `latest` or an offset.
+        #[arg(long, value_name = "earliest|latest|OFFSET", default_value = "earliest", value_parser = parse_start)]
+        to: StartPosition,
+    },
+    /// Move an existing group, backwards to replay or forwards to skip. Voids
+    /// every standing claim.
+    Seek {
+        #[command(flatten)]
+        target: GroupTarget,
+        /// New position: `earliest`, `latest` or an offset.
+        #[arg(long, value_name = "earliest|latest|OFFSET", value_parser = parse_start)]
+        to: StartPosition,
+    },
+    /// Delete a group's position and dead letters.
+    Delete(GroupTarget),
+    /// List the groups on a shard.
+    List {
+        /// TENANT/NAMESPACE/STREAM
+        #[arg(value_parser = parse_stream)]
+        stream: StreamRef,
+        /// Shard number.
+        #[arg(long, value_name = "N", default_value_t = 0)]
+        shard: u32,
+    },
+    /// List a group's dead letters: offset, attempts, when, by whom, why.
+    DeadLetters {
+        #[command(flatten)]
+        target: GroupTarget,
+        /// Output format (json: one object per line).
+        #[arg(long, value_enum, default_value_t = Format::Text)]
+        format: Format,
+    },
+    /// Put a dead letter back to be delivered again, its attempts reset.
+    Redrive {
+        #[command(flatten)]
+        target: GroupTarget,
+        /// Offset of the dead letter.
+        #[arg(long, value_name = "O", required_unless_present = "all")]
+        offset: Option<u64>,
+        /// Every dead letter of the group.
+        #[arg(long, conflicts_with = "offset")]
+        all: bool,
+    },
+    /// Stop tracking a dead letter (the record stays in the log).
+    Discard {
+        #[command(flatten)]
+        target: GroupTarget,
+        /// Offset of the dead letter.
+        #[arg(long, value_name = "O", required_unless_present = "all")]
+        offset: Option<u64>,
+        /// Every dead letter of the group.
+        #[arg(long, conflicts_with = "offset")]
+        all: bool,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct ConsumeArgs {
+    #[command(flatten)]
+    pub target: GroupTarget,
+    /// Poll as this named member, taking back at once whatever an earlier
+    /// run under the same name still held (reclaim). Without it, polls are
+    /// anonymous.
+    #[arg(long, value_name = "NAME")]
+    pub member: Option<String>,
+    /// Stop after this many records.
+    #[arg(long, value_name = "N")]
+    pub count: Option<u64>,
+    /// How long each poll waits for a record when none is available. A
+    /// poll that comes back empty ends the command unless --follow.
+    #[arg(long, value_name = "MS", default_value_t = 1000)]
+    pub wait_ms: u64,
+    /// Keep polling after an empty poll (until --count, or forever).
+    #[arg(long)]
+    pub follow: bool,
+    /// Records claimed per poll.
+    #[arg(long, value_name = "N", default_value_t = 100)]
+    pub batch: u32,
+    /// Output format. json adds `attempts` (1 for a first delivery).
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    pub format: Format,
+}
+
+pub fn parse_stream(s: &str) -> Result<StreamRef, String> {
+    s.parse::<StreamRef>().map_err(|e| e.to_string())
+}
+
+pub fn parse_start(s: &str) -> Result<StartPosition, String> {
+    match s {
+        "earliest" => Ok(StartPosition::Earliest),
+        "latest" => Ok(StartPosition::Latest),
+        n => n
+            .parse::<u64>()
+            .map(StartPosition::Offset)
+            .map_err(|_| format!("{n:?} is not `earliest`, `latest` or an offset")),
+    }
+}
+
+/// `500ms`, `30s`, `2m`, `1h`, or a bare number of seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration like 500ms, 30s, 2m or 1h"))?;
+    let d = match unit.trim() {
+        "ms" => Duration::from_millis(n),
+        "" | "s" => Duration::from_secs(n),
+        "m" => Duration::from_secs(n.saturating_mul(60)),
+        "h" => Duration::from_secs(n.saturating_mul(3600)),
+        _ => return Err(format!("{s:?}: unknown unit (use ms, s, m or h)")),
+    };
+    if d.is_zero() {
+        return Err("a timeout must be more than zero".into());
+    }
+    Ok(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn durations_and_positions_parse() {
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_duration("7"), Ok(Duration::from_secs(7)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert!(parse_duration("soon").is_err());
+        assert!(parse_duration("0s").is_err());
+        assert_eq!(parse_start("earliest"), Ok(StartPosition::Earliest));
+        assert_eq!(parse_start("latest"), Ok(StartPosition::Latest));
+        assert_eq!(parse_start("42"), Ok(StartPosition::Offset(42)));
+        assert!(parse_start("-1").is_err());
+        assert!(parse_stream("a/b").is_err());
+        assert_eq!(parse_stream("a/b/c"), Ok(StreamRef::new("a", "b", "c")));
+    }
+
+    #[test]
+    fn publish_takes_a_shard_or_a_key_not_both() {
+        let r = Cli::try_parse_from(["felix", "publish", "a/b/c", "--shard", "1", "--key", "k"]);
+        assert!(r.is_err());
+        let cli = Cli::try_parse_from(["felix", "publish", "a/b/c", "--key", "k", "m1", "m2"])
+            .unwrap();
+        match cli.command {
+            Command::Publish(p) => {
+                assert_eq!(p.key.as_deref(), Some("k"));
+                assert_eq!(p.messages, vec!["m1", "m2"]);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn global_flags_go_anywhere() {
+        let cli = Cli::try_parse_from([
+            "felix", "stream", "list", "--broker", "h:1", "--timeout", "2s",
+        ])
+        .unwrap();
+        assert_eq!(cli.global.broker, "h:1");
+        assert_eq!(cli.global.timeout, Duration::from_secs(2));
+    }
+
+    #[test]
+    fn group_redrive_needs_an_offset_or_all() {
+        assert!(Cli::try_parse_from(["felix", "group", "redrive", "a/b/c", "--group", "g"]).is_err());
+        assert!(Cli::try_parse_from([
+            "felix", "group", "redrive", "a/b/c", "--group", "g", "--all"
+        ])
+        .is_ok());
+        assert!(Cli::try_parse_from([
+            "felix", "group", "redrive", "a/b/c", "--group", "g", "--offset", "3"
+        ])
+        .is_ok());
+    }
+}

@@ -1,0 +1,264 @@
+//! How records and descriptions are printed.
+
+use std::io::Write;
+
+use felix_client::{DeadLetterInfo, GroupInfo, GroupRecord, Record, ShardInfo, StreamInfo};
+use serde_json::{json, Map, Value};
+
+use crate::args::Format;
+
+const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+/// Standard base64 with padding.
+pub fn base64(data: &[u8]) -> String {
+    let mut out = String::with_capacity(data.len().div_ceil(3) * 4);
+    for chunk in data.chunks(3) {
+        let b = [
+            chunk[0],
+            chunk.get(1).copied().unwrap_or(0),
+            chunk.get(2).copied().unwrap_or(0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        out.push(B64[(n >> 18) as usize & 63] as char);
+        out.push(B64[(n >> 12) as usize & 63] as char);
+        out.push(if chunk.len() > 1 {
+            B64[(n >> 6) as usize & 63] as char
+        } else {
+            '='
+        });
+        out.push(if chunk.len() > 2 {
+            B64[n as usize & 63] as char
+        } else {
+            '='
+        });
+    }
+    out
+}
+
+/// Bytes as a JSON string and the encoding used: "utf8" or "base64".
+fn encoded(data: &[u8]) -> (Value, &'static str) {
+    match std::str::from_utf8(data) {
+        Ok(s) => (Value::String(s.to_string()), "utf8"),
+        Err(_) => (Value::String(base64(data)), "base64"),
+    }
+}
+
+/// The fields every record shares.
+fn record_json(
+    offset: u64,
+    timestamp_ms: u64,
+    key: Option<&[u8]>,
+    headers: &[(String, bytes::Bytes)],
+    payload: &[u8],
+) -> Map<String, Value> {
+    let mut m = Map::new();
+    m.insert("offset".into(), json!(offset));
+    m.insert("timestamp".into(), json!(timestamp_ms));
+    match key {
+        Some(k) => {
+            let (v, enc) = encoded(k);
+            m.insert("key".into(), v);
+            m.insert("key_encoding".into(), json!(enc));
+        }
+        None => {
+            m.insert("key".into(), Value::Null);
+        }
+    }
+    if !headers.is_empty() {
+        let hs: Vec<Value> = headers
+            .iter()
+            .map(|(name, value)| {
+                let (v, enc) = encoded(value);
+                json!({ "name": name, "value": v, "encoding": enc })
+            })
+            .collect();
+        m.insert("headers".into(), Value::Array(hs));
+    }
+    let (p, enc) = encoded(payload);
+    m.insert("payload".into(), p);
+    m.insert("payload_encoding".into(), json!(enc));
+    m
+}
+
+fn write_payload_line(out: &mut impl Write, payload: &[u8]) -> std::io::Result<()> {
+    out.write_all(String::from_utf8_lossy(payload).as_bytes())?;
+    out.write_all(b"\n")
+}
+
+pub fn write_record(out: &mut impl Write, format: Format, r: &Record) -> std::io::Result<()> {
+    match format {
+        Format::Text => write_payload_line(out, &r.payload),
+        Format::Json => {
+            let m = record_json(
+                r.offset,
+                r.timestamp_ms,
+                r.key.as_deref(),
+                &r.headers,
+                &r.payload,
+            );
+            writeln!(out, "{}", Value::Object(m))
+        }
+    }
+}
+
+pub fn write_group_record(
+    out: &mut impl Write,
+    format: Format,
+    r: &GroupRecord,
+) -> std::io::Result<()> {
+    match format {
+        Format::Text => write_payload_line(out, &r.payload),
+        Format::Json => {
+            let mut m = record_json(
+                r.offset,
+                r.timestamp_ms,
+                r.key.as_deref(),
+                &r.headers,
+                &r.payload,
+            );
+            m.insert("attempts".into(), json!(r.attempts));
+            if let Some(s) = r.skipped_before {
+                m.insert("skipped_before".into(), json!(s));
+            }
+            writeln!(out, "{}", Value::Object(m))
+        }
+    }
+}
+
+fn opt<T: std::fmt::Display>(v: Option<T>, none: &str) -> String {
+    v.map(|v| v.to_string()).unwrap_or_else(|| none.to_string())
+}
+
+pub fn stream_line(s: &StreamInfo) -> String {
+    format!(
+        "{}\tshards={}\tretention_bytes={}\tretention_ms={}",
+        s.stream,
+        s.shards,
+        opt(s.retention_bytes, "default"),
+        opt(s.retention_ms, "default")
+    )
+}
+
+pub fn stream_details(s: &StreamInfo) -> String {
+    let placement: Vec<String> = s.placement.iter().map(|c| c.to_string()).collect();
+    format!(
+        "stream           {}\nshards           {}\nretention_bytes  {}\nretention_ms     {}\nplacement        {}\n",
+        s.stream,
+        s.shards,
+        opt(s.retention_bytes, "default"),
+        opt(s.retention_ms, "default"),
+        placement.join(" ")
+    )
+}
+
+pub fn shard_details(s: &ShardInfo) -> String {
+    format!(
+        "stream        {}\nshard         {}\ncore          {}\nstart_offset  {}\nend_offset    {}\nrecords       {}\nbytes         {}\nsegments      {}\nstopped       {}\n",
+        s.stream,
+        s.shard,
+        s.core,
+        s.start_offset,
+        s.end_offset,
+        s.end_offset.saturating_sub(s.start_offset),
+        s.bytes,
+        s.segments,
+        s.stopped.as_deref().unwrap_or("no")
+    )
+}
+
+pub fn group_details(g: &GroupInfo) -> String {
+    format!(
+        "group                    {}\nposition                 {}\nstart_offset             {}\nend_offset               {}\nlag                      {}\nin_flight                {}\nowed                     {}\ndelayed                  {}\ndead_letters             {}\noldest_in_flight_age_ms  {}\noldest_owed_age_ms       {}\nlast_active_ms           {}\n",
+        g.group,
+        g.position,
+        g.start_offset,
+        g.end_offset,
+        g.lag(),
+        g.in_flight,
+        g.owed,
+        g.delayed,
+        g.dead_letters,
+        opt(g.oldest_in_flight_age_ms, "-"),
+        opt(g.oldest_owed_age_ms, "-"),
+        opt(g.last_active_ms, "-"),
+    )
+}
+
+pub fn dead_letter_line(d: &DeadLetterInfo, format: Format) -> String {
+    let by = if d.by_consumer { "consumer" } else { "broker" };
+    match format {
+        Format::Text => format!(
+            "{}\tattempts={}\tat_ms={}\tby={}\treason={}",
+            d.offset,
+            d.attempts,
+            d.at_ms,
+            by,
+            d.reason.as_deref().unwrap_or("-")
+        ),
+        Format::Json => json!({
+            "offset": d.offset,
+            "attempts": d.attempts,
+            "at_ms": d.at_ms,
+            "by": by,
+            "reason": d.reason,
+        })
+        .to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+
+    #[test]
+    fn base64_matches_the_rfc_vectors() {
+        for (input, want) in [
+            ("", ""),
+            ("f", "Zg=="),
+            ("fo", "Zm8="),
+            ("foo", "Zm9v"),
+            ("foob", "Zm9vYg=="),
+            ("fooba", "Zm9vYmE="),
+            ("foobar", "Zm9vYmFy"),
+        ] {
+            assert_eq!(base64(input.as_bytes()), want);
+        }
+        assert_eq!(base64(&[0xff, 0xfe, 0x00]), "//4A");
+    }
+
+    #[test]
+    fn json_records_say_how_the_payload_is_encoded() {
+        let r = Record {
+            offset: 3,
+            timestamp_ms: 9,
+            key: Some(Bytes::from_static(b"k")),
+            headers: vec![],
+            payload: Bytes::from_static(b"hello"),
+        };
+        let mut out = Vec::new();
+        write_record(&mut out, Format::Json, &r).unwrap();
+        let v: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v["offset"], 3);
+        assert_eq!(v["timestamp"], 9);
+        assert_eq!(v["key"], "k");
+        assert_eq!(v["payload"], "hello");
+        assert_eq!(v["payload_encoding"], "utf8");
+
+        let r = Record {
+            payload: Bytes::from_static(&[0xff, 0x00]),
+            key: None,
+            ..r
+        };
+        let mut out = Vec::new();
+        write_record(&mut out, Format::Json, &r).unwrap();
+        let v: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v["payload"], "/wA=");
+        assert_eq!(v["payload_encoding"], "base64");
+        assert_eq!(v["key"], Value::Null);
+
+        let mut out = Vec::new();
+        write_record(&mut out, Format::Text, &r).unwrap();
+        assert_eq!(out, "\u{fffd}\u{0}\n".as_bytes());
+    }
+}
