@@ -34,6 +34,7 @@ pub struct GlobalArgs {
     #[arg(
         long,
         global = true,
+        help_heading = "Global options",
         env = "FELIX_BROKER",
         default_value = "127.0.0.1:7400",
         value_name = "ADDR"
@@ -47,6 +48,7 @@ pub struct GlobalArgs {
     #[arg(
         long,
         global = true,
+        help_heading = "Global options",
         default_value = "30s",
         value_name = "DURATION",
         value_parser = parse_duration
@@ -57,6 +59,7 @@ pub struct GlobalArgs {
     #[arg(
         long,
         global = true,
+        help_heading = "Global options",
         env = "FELIX_TOKEN",
         hide_env_values = true,
         value_name = "TOKEN"
@@ -399,8 +402,8 @@ mod tests {
     fn publish_takes_a_shard_or_a_key_not_both() {
         let r = Cli::try_parse_from(["felix", "publish", "a/b/c", "--shard", "1", "--key", "k"]);
         assert!(r.is_err());
-        let cli = Cli::try_parse_from(["felix", "publish", "a/b/c", "--key", "k", "m1", "m2"])
-            .unwrap();
+        let cli =
+            Cli::try_parse_from(["felix", "publish", "a/b/c", "--key", "k", "m1", "m2"]).unwrap();
         match cli.command {
             Command::Publish(p) => {
                 assert_eq!(p.key.as_deref(), Some("k"));
@@ -413,7 +416,13 @@ mod tests {
     #[test]
     fn global_flags_go_anywhere() {
         let cli = Cli::try_parse_from([
-            "felix", "stream", "list", "--broker", "h:1", "--timeout", "2s",
+            "felix",
+            "stream",
+            "list",
+            "--broker",
+            "h:1",
+            "--timeout",
+            "2s",
         ])
         .unwrap();
         assert_eq!(cli.global.broker, "h:1");
@@ -422,7 +431,9 @@ mod tests {
 
     #[test]
     fn group_redrive_needs_an_offset_or_all() {
-        assert!(Cli::try_parse_from(["felix", "group", "redrive", "a/b/c", "--group", "g"]).is_err());
+        assert!(
+            Cli::try_parse_from(["felix", "group", "redrive", "a/b/c", "--group", "g"]).is_err()
+        );
         assert!(Cli::try_parse_from([
             "felix", "group", "redrive", "a/b/c", "--group", "g", "--all"
         ])

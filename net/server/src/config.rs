@@ -313,9 +313,47 @@ impl Config {
     }
 }
 
+/// A commented example `felix.toml` with every setting at its default.
+pub fn example_toml() -> String {
+    let mut out = String::from(
+        "# felix.toml: every setting with its default value.\n#\n# Precedence: built-in default < this file < environment variable < flag.\n# `felix serve --print-config` shows the effective value of each setting\n# and where it came from.\n",
+    );
+    let mut section = "";
+    for s in SETTINGS {
+        if s.section != section {
+            section = s.section;
+            out.push_str(&format!("\n[{section}]\n"));
+        }
+        out.push_str(&format!("# {}", s.help));
+        if let Some(e) = s.env {
+            out.push_str(&format!(" (env {e})"));
+        }
+        out.push('\n');
+        let shown = match s.kind {
+            Kind::Str => format!("{:?}", s.default),
+            _ => s.default.to_string(),
+        };
+        out.push_str(&format!("{} = {}\n", s.name, shown));
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The shipped example lists every setting at its default and parses.
+    #[test]
+    fn the_example_config_is_current_and_valid() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../felix.example.toml");
+        if std::env::var("FELIX_WRITE_EXAMPLE").is_ok() {
+            std::fs::write(&path, example_toml()).unwrap();
+        }
+        let shipped = std::fs::read_to_string(&path).expect("felix.example.toml at the repository root");
+        assert_eq!(shipped, example_toml(), "regenerate with FELIX_WRITE_EXAMPLE=1 cargo test -p felix-server");
+        let cfg = Config::load_with_env(Some(&path), &Overrides::default(), &BTreeMap::new()).unwrap();
+        assert!(cfg.render().contains("from file"));
+    }
 
     #[test]
     fn defaults_env_and_flags_layer_in_order() {

@@ -1,0 +1,594 @@
+//! The client-side commands: everything but `serve`.
+
+use std::collections::VecDeque;
+use std::io::Write;
+use std::time::Duration;
+
+use bytes::Bytes;
+use felix_client::{
+    Client, ClientConfig, ClientError, GroupMember, GroupPollOptions, PendingPublish, RecordIn,
+    StartPosition, StreamOptions, StreamRef, FEATURE_GROUPS, FEATURE_GROUP_ADMIN,
+    FEATURE_GROUP_CLAIM_CONTROL, FEATURE_GROUP_SKIPPED, FEATURE_PUBLISH_ACK_MODE,
+};
+use futures_lite::future::poll_once;
+use tokio::io::AsyncBufReadExt;
+
+use crate::args::{
+    Command, ConsumeArgs, GlobalArgs, GroupCmd, GroupTarget, PublishArgs, ReadArgs, ShardCmd,
+    StreamCmd,
+};
+use crate::output;
+use crate::CliError;
+
+pub async fn run(global: &GlobalArgs, command: Command) -> Result<(), CliError> {
+    let ack_on_commit = matches!(&command, Command::Publish(p) if p.ack_on_commit);
+    let client = connect(global, ack_on_commit).await?;
+    match command {
+        Command::Serve(_) => unreachable!("serve runs without a client"),
+        Command::Stream(cmd) => stream(&client, cmd).await,
+        Command::Shard(ShardCmd::Describe { stream, shard }) => {
+            let info = client
+                .describe_shard(&stream.tenant, &stream.namespace, &stream.stream, shard)
+                .await?;
+            print(&output::shard_details(&info))
+        }
+        Command::Publish(args) => publish(&client, args).await,
+        Command::Read(args) => read(&client, args).await,
+        Command::Group(cmd) => group(&client, cmd).await,
+        Command::Consume(args) => consume(&client, args).await,
+        Command::Ping => ping(&client).await,
+    }
+}
+
+async fn connect(global: &GlobalArgs, ack_on_commit: bool) -> Result<Client, CliError> {
+    let config = ClientConfig {
+        client_name: concat!("felix-cli/", env!("CARGO_PKG_VERSION")).to_string(),
+        connect_timeout: global.timeout.min(Duration::from_secs(10)),
+        request_timeout: global.timeout,
+        ack_on_commit,
+        token: global.token.clone(),
+        ..ClientConfig::default()
+    };
+    Client::connect(global.broker.as_str(), config)
+        .await
+        .map_err(|e| match e {
+            ClientError::Io(io) => ClientError::Io(std::io::Error::new(
+                io.kind(),
+                format!("cannot connect to {}: {io}", global.broker),
+            )),
+            other => other,
+        })
+        .map_err(CliError::from)
+}
+
+/// Write `text` to stdout as is.
+fn print(text: &str) -> Result<(), CliError> {
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes())?;
+    out.flush()?;
+    Ok(())
+}
+
+fn println(line: &str) -> Result<(), CliError> {
+    print(&format!("{line}\n"))
+}
+
+async fn stream(client: &Client, cmd: StreamCmd) -> Result<(), CliError> {
+    match cmd {
+        StreamCmd::Create {
+            stream: s,
+            shards,
+            retention_bytes,
+            retention_ms,
+        } => {
+            let info = client
+                .create_stream(
+                    &s.tenant,
+                    &s.namespace,
+                    &s.stream,
+                    shards,
+                    StreamOptions {
+                        retention_bytes,
+                        retention_ms,
+                    },
+                )
+                .await?;
+            print(&output::stream_details(&info))
+        }
+        StreamCmd::List { tenant } => {
+            let mut streams = client.list_streams(tenant.as_deref()).await?;
+            streams.sort_by(|a, b| a.stream.cmp(&b.stream));
+            let mut text = String::new();
+            for s in &streams {
+                text.push_str(&output::stream_line(s));
+                text.push('\n');
+            }
+            print(&text)
+        }
+        StreamCmd::Describe { stream: s } => {
+            let info = client
+                .describe_stream(&s.tenant, &s.namespace, &s.stream)
+                .await?;
+            print(&output::stream_details(&info))
+        }
+        StreamCmd::Delete { stream: s } => {
+            client
+                .delete_stream(&s.tenant, &s.namespace, &s.stream)
+                .await?;
+            println(&format!("deleted {s}"))
+        }
+    }
+}
+
+// ----- publish ------------------------------------------------------------
+
+/// Keeps up to `in_flight` batches sent and unacknowledged, in order.
+struct Pipeline<'a> {
+    client: &'a Client,
+    stream: &'a StreamRef,
+    shard: u32,
+    in_flight: usize,
+    pending: VecDeque<PendingPublish>,
+    published: u64,
+}
+
+impl Pipeline<'_> {
+    async fn send(&mut self, records: Vec<RecordIn>) -> Result<(), CliError> {
+        if records.is_empty() {
+            return Ok(());
+        }
+        let s = self.stream;
+        let p = self
+            .client
+            .begin_publish_batch(&s.tenant, &s.namespace, &s.stream, self.shard, records)
+            .await?;
+        self.pending.push_back(p);
+        while self.pending.len() >= self.in_flight {
+            self.settle_one().await?;
+        }
+        Ok(())
+    }
+
+    async fn settle_one(&mut self) -> Result<(), CliError> {
+        if let Some(p) = self.pending.pop_front() {
+            self.published += u64::from(p.await?.count);
+        }
+        Ok(())
+    }
+
+    async fn finish(&mut self) -> Result<(), CliError> {
+        while !self.pending.is_empty() {
+            self.settle_one().await?;
+        }
+        Ok(())
+    }
+}
+
+/// Records waiting to be sent as one batch.
+struct Batch {
+    records: Vec<RecordIn>,
+    bytes: usize,
+    key: Option<Bytes>,
+    max_records: usize,
+    max_bytes: usize,
+}
+
+impl Batch {
+    fn push(&mut self, payload: Vec<u8>) {
+        self.bytes += payload.len();
+        self.records.push(RecordIn {
+            key: self.key.clone(),
+            payload: payload.into(),
+            ..RecordIn::default()
+        });
+    }
+
+    fn full(&self) -> bool {
+        self.records.len() >= self.max_records || self.bytes >= self.max_bytes
+    }
+
+    fn take(&mut self) -> Vec<RecordIn> {
+        self.bytes = 0;
+        std::mem::take(&mut self.records)
+    }
+}
+
+/// A partly filled batch read from stdin goes out after this long, so
+/// lines typed or trickled in are not held back until the batch fills.
+const LINGER: Duration = Duration::from_millis(50);
+
+async fn publish(client: &Client, args: PublishArgs) -> Result<(), CliError> {
+    let s = &args.stream;
+    let (shard, key) = match &args.key {
+        Some(k) => {
+            let info = client
+                .describe_stream(&s.tenant, &s.namespace, &s.stream)
+                .await?;
+            let shard = felix_client::shard_for_key(k.as_bytes(), info.shards);
+            (shard, Some(Bytes::from(k.clone())))
+        }
+        None => (args.shard.unwrap_or(0), None),
+    };
+    let mut pipe = Pipeline {
+        client,
+        stream: s,
+        shard,
+        in_flight: args.in_flight.max(1),
+        pending: VecDeque::new(),
+        published: 0,
+    };
+    let mut batch = Batch {
+        records: Vec::new(),
+        bytes: 0,
+        key,
+        max_records: args.batch_records.max(1),
+        max_bytes: args.batch_bytes.max(1),
+    };
+    let result = if args.messages.is_empty() {
+        publish_stdin(&mut pipe, &mut batch).await
+    } else {
+        publish_messages(&mut pipe, &mut batch, args.messages).await
+    };
+    match result {
+        Ok(()) => {
+            eprintln!("published {} records", pipe.published);
+            Ok(())
+        }
+        Err(e) => {
+            eprintln!("published {} records before the error", pipe.published);
+            Err(e)
+        }
+    }
+}
+
+async fn publish_messages(
+    pipe: &mut Pipeline<'_>,
+    batch: &mut Batch,
+    messages: Vec<String>,
+) -> Result<(), CliError> {
+    for m in messages {
+        batch.push(m.into_bytes());
+        if batch.full() {
+            pipe.send(batch.take()).await?;
+        }
+    }
+    pipe.send(batch.take()).await?;
+    pipe.finish().await
+}
+
+async fn publish_stdin(pipe: &mut Pipeline<'_>, batch: &mut Batch) -> Result<(), CliError> {
+    let mut stdin = tokio::io::BufReader::with_capacity(256 * 1024, tokio::io::stdin());
+    // Persists across cancelled reads: read_until appends what it got.
+    let mut line = Vec::new();
+    let mut flush_at = None;
+    loop {
+        let read = match flush_at {
+            None => Some(stdin.read_until(b'\n', &mut line).await?),
+            Some(at) => tokio::select! {
+                r = stdin.read_until(b'\n', &mut line) => Some(r?),
+                _ = tokio::time::sleep_until(at) => None,
+            },
+        };
+        match read {
+            // The linger passed with the batch part full: send it.
+            None => {
+                flush_at = None;
+                pipe.send(batch.take()).await?;
+                continue;
+            }
+            Some(0) if line.is_empty() => break,
+            Some(_) => {}
+        }
+        if line.last() == Some(&b'\n') {
+            line.pop();
+            if line.last() == Some(&b'\r') {
+                line.pop();
+            }
+        }
+        batch.push(std::mem::take(&mut line));
+        if batch.full() {
+            flush_at = None;
+            pipe.send(batch.take()).await?;
+        } else if flush_at.is_none() {
+            flush_at = Some(tokio::time::Instant::now() + LINGER);
+        }
+    }
+    pipe.send(batch.take()).await?;
+    pipe.finish().await
+}
+
+// ----- read ---------------------------------------------------------------
+
+fn is_transient(e: &ClientError) -> bool {
+    matches!(
+        e,
+        ClientError::Io(_) | ClientError::Timeout | ClientError::Disconnected
+    )
+}
+
+async fn read(client: &Client, args: ReadArgs) -> Result<(), CliError> {
+    let s = &args.stream;
+    let stdout = std::io::stdout();
+    let mut out = std::io::BufWriter::with_capacity(64 * 1024, stdout.lock());
+    let limit = args.count.unwrap_or(u64::MAX);
+    let mut n = 0u64;
+    if args.follow {
+        let mut sub = client.subscribe(&s.tenant, &s.namespace, &s.stream, args.shard, args.from);
+        while n < limit {
+            // Print what is already fetched without flushing; flush before
+            // waiting for more.
+            let next = match poll_once(sub.next()).await {
+                Some(r) => r,
+                None => {
+                    out.flush()?;
+                    sub.next().await
+                }
+            };
+            match next {
+                Some(Ok(r)) => {
+                    output::write_record(&mut out, args.format, &r)?;
+                    n += 1;
+                }
+                Some(Err(e)) if is_transient(&e) => {
+                    tracing::warn!(error = %e, "read failed; retrying");
+                    eprintln!("felix: {e}; retrying");
+                }
+                Some(Err(e)) => return Err(e.into()),
+                None => break,
+            }
+        }
+    } else {
+        let mut from = args.from;
+        // Stop at the tail as it was when the read began.
+        let mut stop_at = None;
+        'batches: while n < limit {
+            let want = (limit - n).min(1000) as u32;
+            let b = client
+                .read(
+                    &s.tenant,
+                    &s.namespace,
+                    &s.stream,
+                    args.shard,
+                    from,
+                    want,
+                    None,
+                )
+                .await?;
+            let end = *stop_at.get_or_insert(b.end_offset);
+            for r in &b.records {
+                if r.offset >= end || n >= limit {
+                    break 'batches;
+                }
+                output::write_record(&mut out, args.format, r)?;
+                n += 1;
+            }
+            if b.records.is_empty() || b.next_offset >= end {
+                break;
+            }
+            from = StartPosition::Offset(b.next_offset);
+        }
+    }
+    out.flush()?;
+    Ok(())
+}
+
+// ----- groups -------------------------------------------------------------
+
+async fn group(client: &Client, cmd: GroupCmd) -> Result<(), CliError> {
+    match cmd {
+        GroupCmd::Describe(g) => {
+            let (t, n, s) = parts(&g.stream);
+            let info = client.group_describe(t, n, s, g.shard, &g.group).await?;
+            print(&output::group_details(&info))
+        }
+        GroupCmd::Create { target: g, to } => {
+            let (t, n, s) = parts(&g.stream);
+            client.group_create(t, n, s, g.shard, &g.group, to).await?;
+            println(&format!(
+                "group {} on {} shard {}: created at {to} (an existing group is left as it was)",
+                g.group, g.stream, g.shard
+            ))
+        }
+        GroupCmd::Seek { target: g, to } => {
+            let (t, n, s) = parts(&g.stream);
+            client.group_seek(t, n, s, g.shard, &g.group, to).await?;
+            println(&format!(
+                "group {} on {} shard {}: moved to {to}",
+                g.group, g.stream, g.shard
+            ))
+        }
+        GroupCmd::Delete(g) => {
+            let (t, n, s) = parts(&g.stream);
+            client.group_delete(t, n, s, g.shard, &g.group).await?;
+            println(&format!(
+                "group {} on {} shard {}: deleted",
+                g.group, g.stream, g.shard
+            ))
+        }
+        GroupCmd::List { stream, shard } => {
+            let (t, n, s) = parts(&stream);
+            let mut names = client.list_groups(t, n, s, shard).await?;
+            names.sort();
+            let mut text = String::new();
+            for name in names {
+                text.push_str(&name);
+                text.push('\n');
+            }
+            print(&text)
+        }
+        GroupCmd::DeadLetters { target: g, format } => {
+            let (t, n, s) = parts(&g.stream);
+            let v = client
+                .group_dead_letters_detailed(t, n, s, g.shard, &g.group)
+                .await?;
+            let mut text = String::new();
+            for d in &v {
+                text.push_str(&output::dead_letter_line(d, format));
+                text.push('\n');
+            }
+            print(&text)
+        }
+        GroupCmd::Redrive {
+            target: g,
+            offset,
+            all,
+        } => settle_dead_letters(client, &g, offset, all, true).await,
+        GroupCmd::Discard {
+            target: g,
+            offset,
+            all,
+        } => settle_dead_letters(client, &g, offset, all, false).await,
+    }
+}
+
+fn parts(s: &StreamRef) -> (&str, &str, &str) {
+    (&s.tenant, &s.namespace, &s.stream)
+}
+
+/// Redrive (or discard) one dead letter, or all of them.
+async fn settle_dead_letters(
+    client: &Client,
+    g: &GroupTarget,
+    offset: Option<u64>,
+    all: bool,
+    redrive: bool,
+) -> Result<(), CliError> {
+    let (t, n, s) = parts(&g.stream);
+    let offsets = match (offset, all) {
+        (Some(o), false) => vec![o],
+        (None, true) => {
+            client
+                .group_dead_letters(t, n, s, g.shard, &g.group)
+                .await?
+        }
+        _ => return Err(CliError::Usage("give either --offset or --all".to_string())),
+    };
+    for &o in &offsets {
+        if redrive {
+            client.group_redrive(t, n, s, g.shard, &g.group, o).await?;
+        } else {
+            client.group_discard(t, n, s, g.shard, &g.group, o).await?;
+        }
+    }
+    let verb = if redrive { "redrove" } else { "discarded" };
+    println(&format!(
+        "{verb} {} dead letter{}",
+        offsets.len(),
+        if offsets.len() == 1 { "" } else { "s" }
+    ))
+}
+
+async fn consume(client: &Client, args: ConsumeArgs) -> Result<(), CliError> {
+    let g = &args.target;
+    let (t, n, s) = parts(&g.stream);
+    let member = args
+        .member
+        .as_ref()
+        .map(|m| GroupMember::new(m.clone()).reclaim(true));
+    let wait = Duration::from_millis(args.wait_ms);
+    let limit = args.count.unwrap_or(u64::MAX);
+    let stdout = std::io::stdout();
+    let mut out = std::io::BufWriter::with_capacity(64 * 1024, stdout.lock());
+    let mut done = 0u64;
+    while done < limit {
+        let want = (limit - done).min(u64::from(args.batch.max(1))) as u32;
+        let polled = match &member {
+            Some(m) => {
+                let options = GroupPollOptions {
+                    max_records: want,
+                    wait,
+                    visibility: None,
+                };
+                client
+                    .group_poll_as(t, n, s, g.shard, &g.group, m, options)
+                    .await
+            }
+            None => {
+                client
+                    .group_poll_wait(t, n, s, g.shard, &g.group, want, wait)
+                    .await
+            }
+        };
+        let records = match polled {
+            Ok(r) => r,
+            Err(e) if args.follow && is_transient(&e) => {
+                eprintln!("felix: {e}; retrying");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if records.is_empty() {
+            if args.follow {
+                continue;
+            }
+            break;
+        }
+        for r in &records {
+            output::write_group_record(&mut out, args.format, r)?;
+        }
+        out.flush()?;
+        let offsets: Vec<u64> = records.iter().map(|r| r.offset).collect();
+        client
+            .group_ack_many(t, n, s, g.shard, &g.group, &offsets)
+            .await?;
+        done += records.len() as u64;
+    }
+    out.flush()?;
+    eprintln!("consumed {done} records");
+    Ok(())
+}
+
+async fn ping(client: &Client) -> Result<(), CliError> {
+    let rtt = client.ping().await?;
+    let names = [
+        (FEATURE_GROUPS, "groups"),
+        (FEATURE_GROUP_SKIPPED, "group_skipped"),
+        (FEATURE_GROUP_CLAIM_CONTROL, "group_claim_control"),
+        (FEATURE_GROUP_ADMIN, "group_admin"),
+        (FEATURE_PUBLISH_ACK_MODE, "publish_ack_mode"),
+    ];
+    let features: Vec<&str> = names
+        .iter()
+        .filter(|(bit, _)| client.has_feature(*bit))
+        .map(|(_, n)| *n)
+        .collect();
+    println(&format!(
+        "broker    {}\ncores     {}\nfeatures  {}\nrtt       {:.3} ms",
+        client.broker(),
+        client.cores(),
+        if features.is_empty() {
+            "none".to_string()
+        } else {
+            features.join(" ")
+        },
+        rtt.as_secs_f64() * 1000.0
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batches_fill_by_records_or_bytes() {
+        let mut b = Batch {
+            records: Vec::new(),
+            bytes: 0,
+            key: Some(Bytes::from_static(b"k")),
+            max_records: 3,
+            max_bytes: 10,
+        };
+        b.push(b"ab".to_vec());
+        b.push(b"cd".to_vec());
+        assert!(!b.full());
+        b.push(b"e".to_vec());
+        assert!(b.full());
+        let taken = b.take();
+        assert_eq!(taken.len(), 3);
+        assert_eq!(taken[0].key.as_deref(), Some(&b"k"[..]));
+        assert!(!b.full());
+        b.push(vec![0; 10]);
+        assert!(b.full());
+    }
+}
