@@ -3,7 +3,8 @@
 use std::io::Write;
 
 use felix_client::{DeadLetterInfo, GroupInfo, GroupRecord, Record, ShardInfo, StreamInfo};
-use serde_json::{json, Map, Value};
+use serde::Serialize;
+use serde_json::{json, Value};
 
 use crate::args::Format;
 
@@ -35,49 +36,79 @@ pub fn base64(data: &[u8]) -> String {
     out
 }
 
-/// Bytes as a JSON string and the encoding used: "utf8" or "base64".
-fn encoded(data: &[u8]) -> (Value, &'static str) {
+/// Bytes as a string and the encoding used: "utf8" or "base64".
+fn encoded(data: &[u8]) -> (String, &'static str) {
     match std::str::from_utf8(data) {
-        Ok(s) => (Value::String(s.to_string()), "utf8"),
-        Err(_) => (Value::String(base64(data)), "base64"),
+        Ok(s) => (s.to_string(), "utf8"),
+        Err(_) => (base64(data), "base64"),
     }
 }
 
-/// The fields every record shares.
-fn record_json(
+#[derive(Serialize)]
+struct JsonHeader {
+    name: String,
+    value: String,
+    encoding: &'static str,
+}
+
+/// One record as a JSON line, fields in this order.
+#[derive(Serialize)]
+struct JsonRecord {
     offset: u64,
-    timestamp_ms: u64,
-    key: Option<&[u8]>,
-    headers: &[(String, bytes::Bytes)],
-    payload: &[u8],
-) -> Map<String, Value> {
-    let mut m = Map::new();
-    m.insert("offset".into(), json!(offset));
-    m.insert("timestamp".into(), json!(timestamp_ms));
-    match key {
-        Some(k) => {
-            let (v, enc) = encoded(k);
-            m.insert("key".into(), v);
-            m.insert("key_encoding".into(), json!(enc));
-        }
-        None => {
-            m.insert("key".into(), Value::Null);
+    timestamp: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    attempts: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    skipped_before: Option<u64>,
+    key: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    key_encoding: Option<&'static str>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    headers: Vec<JsonHeader>,
+    payload: String,
+    payload_encoding: &'static str,
+}
+
+impl JsonRecord {
+    fn new(
+        offset: u64,
+        timestamp_ms: u64,
+        key: Option<&[u8]>,
+        headers: &[(String, bytes::Bytes)],
+        payload: &[u8],
+    ) -> JsonRecord {
+        let (key, key_encoding) = match key.map(encoded) {
+            Some((k, enc)) => (Some(k), Some(enc)),
+            None => (None, None),
+        };
+        let (payload, payload_encoding) = encoded(payload);
+        JsonRecord {
+            offset,
+            timestamp: timestamp_ms,
+            attempts: None,
+            skipped_before: None,
+            key,
+            key_encoding,
+            headers: headers
+                .iter()
+                .map(|(name, value)| {
+                    let (value, encoding) = encoded(value);
+                    JsonHeader {
+                        name: name.clone(),
+                        value,
+                        encoding,
+                    }
+                })
+                .collect(),
+            payload,
+            payload_encoding,
         }
     }
-    if !headers.is_empty() {
-        let hs: Vec<Value> = headers
-            .iter()
-            .map(|(name, value)| {
-                let (v, enc) = encoded(value);
-                json!({ "name": name, "value": v, "encoding": enc })
-            })
-            .collect();
-        m.insert("headers".into(), Value::Array(hs));
+
+    fn write(&self, out: &mut impl Write) -> std::io::Result<()> {
+        serde_json::to_writer(&mut *out, self)?;
+        out.write_all(b"\n")
     }
-    let (p, enc) = encoded(payload);
-    m.insert("payload".into(), p);
-    m.insert("payload_encoding".into(), json!(enc));
-    m
 }
 
 fn write_payload_line(out: &mut impl Write, payload: &[u8]) -> std::io::Result<()> {
@@ -88,16 +119,14 @@ fn write_payload_line(out: &mut impl Write, payload: &[u8]) -> std::io::Result<(
 pub fn write_record(out: &mut impl Write, format: Format, r: &Record) -> std::io::Result<()> {
     match format {
         Format::Text => write_payload_line(out, &r.payload),
-        Format::Json => {
-            let m = record_json(
-                r.offset,
-                r.timestamp_ms,
-                r.key.as_deref(),
-                &r.headers,
-                &r.payload,
-            );
-            writeln!(out, "{}", Value::Object(m))
-        }
+        Format::Json => JsonRecord::new(
+            r.offset,
+            r.timestamp_ms,
+            r.key.as_deref(),
+            &r.headers,
+            &r.payload,
+        )
+        .write(out),
     }
 }
 
@@ -109,18 +138,17 @@ pub fn write_group_record(
     match format {
         Format::Text => write_payload_line(out, &r.payload),
         Format::Json => {
-            let mut m = record_json(
+            let mut j = JsonRecord::new(
                 r.offset,
                 r.timestamp_ms,
                 r.key.as_deref(),
                 &r.headers,
                 &r.payload,
             );
-            m.insert("attempts".into(), json!(r.attempts));
-            if let Some(s) = r.skipped_before {
-                m.insert("skipped_before".into(), json!(s));
-            }
-            writeln!(out, "{}", Value::Object(m))
+            j.attempts = Some(r.attempts);
+            // Only worth a field when something was actually skipped.
+            j.skipped_before = r.skipped_before.filter(|n| *n > 0);
+            j.write(out)
         }
     }
 }
@@ -239,6 +267,9 @@ mod tests {
         let mut out = Vec::new();
         write_record(&mut out, Format::Json, &r).unwrap();
         let v: Value = serde_json::from_slice(&out).unwrap();
+        assert!(std::str::from_utf8(&out)
+            .unwrap()
+            .starts_with("{\"offset\":3,"));
         assert_eq!(v["offset"], 3);
         assert_eq!(v["timestamp"], 9);
         assert_eq!(v["key"], "k");

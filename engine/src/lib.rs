@@ -16,3 +16,4 @@ pub mod log;
 pub mod notify;
 pub mod runtime;
 pub mod storage;
+pub mod catalog;

@@ -114,6 +114,11 @@ impl GroupTracker {
         self.in_flight
     }
 
+    /// The next offset not handed out or settled since the last rebuild.
+    pub fn frontier(&self) -> Offset {
+        self.frontier
+    }
+
     pub fn last_active_ms(&self) -> u64 {
         self.last_active_ms
     }
@@ -760,6 +765,24 @@ impl GroupTracker {
         for o in self.skipped_below.keys() {
             assert!(self.slots.contains_key(o), "skipped_before kept for finished {o:?}");
         }
+    }
+
+    /// Every slot as (state letter C/R/D/O, attempts, deadline or 0), for
+    /// the simulation's model comparison.
+    #[cfg(test)]
+    pub(super) fn slot_view(&self) -> std::collections::BTreeMap<u64, (char, u32, u64)> {
+        self.slots
+            .iter()
+            .map(|(o, s)| {
+                let (c, t) = match s.state() {
+                    State::Claimed => ('C', s.deadline_ms()),
+                    State::Reserved => ('R', s.deadline_ms()),
+                    State::Delayed => ('D', s.deadline_ms()),
+                    State::Owed => ('O', 0),
+                };
+                (o.0, (c, s.attempts(), t))
+            })
+            .collect()
     }
 
     // -------------------------------------------------------------- internals

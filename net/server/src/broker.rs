@@ -6,7 +6,7 @@
 //! cross-core hop. Cross-core messages ([`CoreMsg`]) carry connection hand-offs
 //! and admin fan-out (stream create/delete, metrics scrape) only.
 
-use crate::catalog::{self, StreamMeta};
+use felix_engine::catalog::{self, StreamMeta};
 use crate::config::Config;
 use crate::conn;
 use crate::metrics::{CoreMetrics, MetricsSnapshot, ShardSnapshot};

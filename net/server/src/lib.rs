@@ -7,7 +7,7 @@
 //! served there without locks. See `docs/internals/` for the formats.
 
 mod broker;
-pub mod catalog;
+
 pub mod config;
 mod conn;
 mod groups;

@@ -2,7 +2,7 @@
 //! and the consumer-group trackers, all touched only by this core.
 
 use crate::broker::{now_ms, Core};
-use crate::catalog::StreamMeta;
+use felix_engine::catalog::StreamMeta;
 use felix_engine::group::{GroupConfig, GroupEntry, GroupTracker};
 use felix_engine::log::{LogError, Replayed, ShardLog};
 use felix_engine::notify::WaitList;

@@ -1,4 +1,4 @@
-//! The stream catalog: which streams exist, their shard counts and retention.
+//! Stream metadata: which streams exist, their shard counts and retention.
 //!
 //! Stream metadata is persisted durably, one small file per stream at
 //! `<data_dir>/<tenant>/<namespace>/<stream>/stream.meta`, written atomically
@@ -7,7 +7,7 @@
 //! when a core meets a stream it has not seen: never on the publish/poll/ack
 //! path, which uses each core's own shard table.
 
-use felix_engine::StreamName;
+use crate::types::StreamName;
 use std::path::{Path, PathBuf};
 
 pub const META_FILE: &str = "stream.meta";
