@@ -236,3 +236,42 @@ async fn an_in_memory_broker_works_and_does_not_advertise_groups() {
     c.publish("t", "ns", "mem", 0, "x").await.unwrap();
     assert_eq!(read_shard(&c, "mem", 0).await.len(), 1);
 }
+
+/// Untrusted bytes never take the broker down: garbage, truncated frames,
+/// oversized length prefixes and a request before HELLO each get an error or
+/// a closed connection, and the broker keeps serving everyone else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_frames_never_take_the_broker_down() {
+    use rand::{Rng, SeedableRng};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let broker = felix_tests::start_broker!(BrokerOptions::default().cores(2));
+    let c = client(&broker).await;
+    c.create_stream("t", "ns", "safe", 1, StreamOptions::default()).await.unwrap();
+    c.publish("t", "ns", "safe", 0, "before").await.unwrap();
+    let seed: u64 = rand::random();
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+    let mut inputs: Vec<Vec<u8>> = vec![
+        b"GET / HTTP/1.1\r\n\r\n".to_vec(),
+        vec![0xff; 64],
+        // A length prefix of 4 GiB.
+        vec![0xff, 0xff, 0xff, 0xff, 1, 1, 0, 0],
+        // A well-formed header declaring an unknown opcode.
+        vec![12, 0, 0, 0, 1, 0xee, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0],
+    ];
+    for _ in 0..40 {
+        let n = rng.gen_range(1..300);
+        inputs.push((0..n).map(|_| rng.gen()).collect());
+    }
+    for input in inputs {
+        let mut s = tokio::net::TcpStream::connect(&broker.addr).await.unwrap();
+        let _ = s.write_all(&input).await;
+        let _ = s.shutdown().await;
+        let mut sink = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut sink)).await;
+    }
+    // Still up, still correct.
+    let c = client(&broker).await;
+    c.publish("t", "ns", "safe", 0, "after").await.unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+    let recs = read_shard(&c, "safe", 0).await;
+    assert_eq!(recs.len(), 2, "seed {seed}");
+}
