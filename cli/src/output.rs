@@ -4,7 +4,7 @@ use std::io::Write;
 
 use felix_client::{DeadLetterInfo, GroupInfo, GroupRecord, Record, ShardInfo, StreamInfo};
 use serde::Serialize;
-use serde_json::{json, Value};
+use serde_json::json;
 
 use crate::args::Format;
 
@@ -238,6 +238,7 @@ pub fn dead_letter_line(d: &DeadLetterInfo, format: Format) -> String {
 mod tests {
     use super::*;
     use bytes::Bytes;
+    use serde_json::Value;
 
     #[test]
     fn base64_matches_the_rfc_vectors() {

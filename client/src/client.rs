@@ -111,6 +111,25 @@ fn unexpected(resp: Response, call: &str) -> ClientError {
     ClientError::Protocol(format!("broker answered {call} with {}", resp.name()))
 }
 
+/// `Extended.stands_ms` as a duration from now.
+///
+/// felix-wire documents the field as the deadline in unix milliseconds;
+/// brokers built on the engine's tracker send the granted duration itself.
+/// The two cannot be confused: a unix-ms time is above 10^12 (September
+/// 2001), a duration is capped by FELIX_GROUP_MAX_VISIBILITY_MS (12 hours by
+/// default, 4.3 * 10^7), so values from 10^12 up are read as a deadline.
+fn claim_stands_for(stands_ms: u64) -> Duration {
+    const UNIX_MS_FLOOR: u64 = 1_000_000_000_000;
+    if stands_ms < UNIX_MS_FLOOR {
+        return Duration::from_millis(stands_ms);
+    }
+    let now_ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0);
+    Duration::from_millis(stands_ms.saturating_sub(now_ms))
+}
+
 fn published(resp: Response) -> Result<Published> {
     match resp {
         Response::Published {
@@ -1021,8 +1040,8 @@ impl Client {
     }
 
     /// Extend the claim on a record this consumer holds by `by`. Returns
-    /// how long the claim now stands from now (computed against this
-    /// machine's clock). Refused with `stale_claim` once the claim has
+    /// how long the claim now stands from now (the broker caps it at
+    /// FELIX_GROUP_MAX_VISIBILITY_MS). Refused with `stale_claim` once the claim has
     /// lapsed and the record went out again. Needs
     /// [`FEATURE_GROUP_CLAIM_CONTROL`](crate::FEATURE_GROUP_CLAIM_CONTROL).
     #[allow(clippy::too_many_arguments)]
@@ -1050,13 +1069,7 @@ impl Client {
             extend_ms: ms_u64(by),
         };
         match self.group_call(&key, &req, Duration::ZERO).await? {
-            Response::Extended { stands_ms } => {
-                let now_ms = SystemTime::now()
-                    .duration_since(UNIX_EPOCH)
-                    .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-                    .unwrap_or(0);
-                Ok(Duration::from_millis(stands_ms.saturating_sub(now_ms)))
-            }
+            Response::Extended { stands_ms } => Ok(claim_stands_for(stands_ms)),
             other => Err(unexpected(other, "group_extend")),
         }
     }

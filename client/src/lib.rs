@@ -70,6 +70,52 @@
 //! # }
 //! ```
 //!
+//! The rest of the guide's calls, as it writes them:
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use felix_client::{Client, ClientConfig, GroupMember, GroupPollOptions};
+//! use felix_wire::StartPosition;
+//!
+//! # async fn demo(client: Client) -> Result<(), felix_client::ClientError> {
+//! // A named member takes back what it held before a restart.
+//! let me = GroupMember::new("worker-1").reclaim(true);
+//! let options = GroupPollOptions {
+//!     max_records: 16,
+//!     wait: Duration::from_secs(5),
+//!     visibility: Some(Duration::from_secs(120)),
+//! };
+//! let batch = client
+//!     .group_poll_as("t1", "default", "jobs", 0, "workers", &me, options)
+//!     .await?;
+//! for record in &batch {
+//!     if record.attempts > 1 { /* a redelivery */ }
+//!     let stands = client
+//!         .group_extend("t1", "default", "jobs", 0, "workers", record, Duration::from_secs(60))
+//!         .await?;
+//!     let _ = stands;
+//!     client
+//!         .group_nack_after("t1", "default", "jobs", 0, "workers", record, Duration::from_secs(30))
+//!         .await?;
+//!     client
+//!         .group_dead_letter("t1", "default", "jobs", 0, "workers", record, Some("unparseable"))
+//!         .await?;
+//! }
+//! let dead = client.group_dead_letters("t1", "default", "jobs", 0, "workers").await?;
+//! for offset in dead {
+//!     client.group_redrive("t1", "default", "jobs", 0, "workers", offset).await?;
+//!     // client.group_discard("t1", "default", "jobs", 0, "workers", offset).await?;
+//! }
+//! client
+//!     .group_seek("t1", "default", "jobs", 0, "workers", StartPosition::Offset(0))
+//!     .await?;
+//! let info = client.group_describe("t1", "default", "jobs", 0, "workers").await?;
+//! println!("{} records behind, {} in flight", info.lag(), info.in_flight);
+//! client.group_delete("t1", "default", "jobs", 0, "workers").await?;
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! # Features
 //!
 //! HELLO negotiates feature bits, and the client never sends a field the

@@ -117,7 +117,10 @@ impl Members {
             let m = &mut self.members[id];
             if m.live && m.holders == 0 {
                 m.live = false;
-                let (principal, name) = (std::mem::take(&mut m.principal), std::mem::take(&mut m.name));
+                let (principal, name) = (
+                    std::mem::take(&mut m.principal),
+                    std::mem::take(&mut m.name),
+                );
                 if let Some(names) = self.member_ids.get_mut(&principal) {
                     names.remove(&name);
                     if names.is_empty() {
@@ -185,7 +188,10 @@ impl Members {
 
     pub(super) fn release(&mut self, id: u32) {
         let h = &mut self.holders[id as usize];
-        assert!(id != 0 && h.live && h.refs > 0, "releasing holder {id} with no references");
+        assert!(
+            id != 0 && h.live && h.refs > 0,
+            "releasing holder {id} with no references"
+        );
         h.refs -= 1;
         if h.refs == 0 {
             h.live = false;
@@ -226,8 +232,14 @@ impl Members {
         for (id, h) in self.holders.iter().enumerate().skip(1) {
             if h.live {
                 assert!(h.refs > 0, "live holder {id} has no references");
-                assert_eq!(self.holder_ids.get(&(h.member, h.connection)), Some(&(id as u32)));
-                assert!(self.members[h.member as usize].live, "holder {id} of a swept member");
+                assert_eq!(
+                    self.holder_ids.get(&(h.member, h.connection)),
+                    Some(&(id as u32))
+                );
+                assert!(
+                    self.members[h.member as usize].live,
+                    "holder {id} of a swept member"
+                );
                 per_member[h.member as usize] += 1;
             }
         }

@@ -50,8 +50,14 @@ impl Slot {
         holder: u32,
     ) -> Slot {
         assert!(state != State::Owed, "an owed slot has no deadline");
-        assert!(deadline_ms <= TIME_MAX_MS, "deadline {deadline_ms} out of range");
-        assert!(attempts <= u16::MAX as u32, "attempts {attempts} out of range");
+        assert!(
+            deadline_ms <= TIME_MAX_MS,
+            "deadline {deadline_ms} out of range"
+        );
+        assert!(
+            attempts <= u16::MAX as u32,
+            "attempts {attempts} out of range"
+        );
         assert!(holder <= HOLDER_MAX, "holder {holder} out of range");
         assert!(
             state != State::Delayed || holder == 0,
@@ -68,7 +74,10 @@ impl Slot {
     /// Owed since `since_ms`.
     pub(super) fn owed(since_ms: u64, attempts: u32) -> Slot {
         assert!(since_ms <= TIME_MAX_MS, "time {since_ms} out of range");
-        assert!(attempts <= u16::MAX as u32, "attempts {attempts} out of range");
+        assert!(
+            attempts <= u16::MAX as u32,
+            "attempts {attempts} out of range"
+        );
         Slot {
             word: since_ms | ((attempts as u64) << 48),
             span_ms: 0,

@@ -93,9 +93,14 @@ impl Harness {
     }
 
     pub fn nack(&mut self, o: u64, attempts: u32, delay: Option<u64>) -> Result<(), GroupError> {
-        let w = self
-            .t
-            .nack(self.now, Offset(o), attempts, delay, Some("boom"), self.log())?;
+        let w = self.t.nack(
+            self.now,
+            Offset(o),
+            attempts,
+            delay,
+            Some("boom"),
+            self.log(),
+        )?;
         self.record(w);
         Ok(())
     }
@@ -396,10 +401,9 @@ mod guide {
         let mut h = Harness::new();
         h.append(2);
         h.poll(2);
-        let w = h
-            .t
-            .dead_letter(h.now, Offset(0), 1, Some("unparseable"), h.log())
-            .unwrap();
+        let w =
+            h.t.dead_letter(h.now, Offset(0), 1, Some("unparseable"), h.log())
+                .unwrap();
         assert!(matches!(&w[0], GroupEntry::DeadLetter { info, .. } if info.by_consumer));
         assert!(matches!(&w[1], GroupEntry::Position { position, .. } if position.0 == 1));
         h.written.extend(w);
@@ -560,7 +564,10 @@ mod rules {
         h.append(1);
         assert!(matches!(h.ack(0), Err(GroupError::NotFound(_))));
         assert!(matches!(h.redrive(0), Err(GroupError::NotFound(_))));
-        assert!(matches!(h.seek(StartAt::Earliest), Err(GroupError::NotFound(_))));
+        assert!(matches!(
+            h.seek(StartAt::Earliest),
+            Err(GroupError::NotFound(_))
+        ));
         assert!(matches!(h.t.delete(h.now), Err(GroupError::NotFound(_))));
         h.poll(1);
         assert!(matches!(h.redrive(0), Err(GroupError::NotFound(_))));
@@ -611,7 +618,10 @@ mod rules {
         h.poll(1);
         h.nack(0, 1, Some(3_000)).unwrap();
         let out = h.poll_full(&Caller::anonymous(1), 10, None);
-        assert!(out.deliveries.is_empty() && out.capped, "the delay holds the only place");
+        assert!(
+            out.deliveries.is_empty() && out.capped,
+            "the delay holds the only place"
+        );
         assert!(is_stale(h.extend(0, 1, 1_000)));
         assert!(is_stale(h.nack(0, 1, None)));
         let st = h.describe();
@@ -662,7 +672,11 @@ mod rules {
         });
         h.payload = 300;
         h.append(10);
-        assert_eq!(h.poll_offsets(100), vec![0, 1, 2, 3], "1,200 bytes: stops after crossing");
+        assert_eq!(
+            h.poll_offsets(100),
+            vec![0, 1, 2, 3],
+            "1,200 bytes: stops after crossing"
+        );
         h.payload = 5_000;
         assert_eq!(h.poll_offsets(100), vec![4], "always at least one record");
     }
@@ -684,9 +698,8 @@ mod rules {
                 Lookup::NotLoaded
             }
         };
-        let out = h
-            .t
-            .poll(h.now, &Caller::anonymous(1), 3, None, log, &mut lookup);
+        let out =
+            h.t.poll(h.now, &Caller::anonymous(1), 3, None, log, &mut lookup);
         assert_eq!(offsets(&out.deliveries), vec![2]);
         assert_eq!(h.t.describe(h.now, log).unwrap().frontier, Offset(3));
     }
@@ -705,7 +718,11 @@ mod rules {
             vec![0, 2]
         );
         h.ack(0).unwrap();
-        assert_eq!(h.position(), 3, "the cursor passes the settled control records");
+        assert_eq!(
+            h.position(),
+            3,
+            "the cursor passes the settled control records"
+        );
         // A redelivery says the same.
         h.nack(3, 1, None).unwrap();
         assert_eq!(h.poll(10)[0].skipped_before, 2);
@@ -725,9 +742,8 @@ mod rules {
                 Lookup::NotLoaded
             }
         };
-        let out = h
-            .t
-            .poll(h.now, &Caller::anonymous(1), 10, None, log, &mut first);
+        let out =
+            h.t.poll(h.now, &Caller::anonymous(1), 10, None, log, &mut first);
         assert!(out.deliveries.is_empty());
         assert_eq!(h.poll(10)[0].skipped_before, 2);
     }

@@ -6,8 +6,8 @@ use super::entry::{self, cut_reason, DeadLetter, DurableGroup, GroupEntry, GROUP
 use super::members::{fast_map, FastMap, Members};
 use super::slot::{Slot, State, Timers, TIME_MAX_MS};
 use super::{
-    Caller, Delivery, GroupConfig, GroupError, GroupStatus, LogView, Lookup, PollOutcome,
-    PollPlan, StartAt,
+    Caller, Delivery, GroupConfig, GroupError, GroupStatus, LogView, Lookup, PollOutcome, PollPlan,
+    StartAt,
 };
 use crate::types::Offset;
 
@@ -52,6 +52,27 @@ pub struct GroupTracker {
 enum Step {
     Go,
     Stop,
+}
+
+/// One poll in progress.
+struct PollRun<'a> {
+    caller: &'a Caller,
+    now_ms: u64,
+    /// Deadline of the claims this poll makes.
+    deadline: u64,
+    log: LogView,
+    /// Records this poll may hand out.
+    max: usize,
+    /// The caller's holder id, once interned (on its first claim).
+    holder: Option<u32>,
+    bytes: u64,
+    out: PollOutcome,
+}
+
+impl PollRun<'_> {
+    fn full(&self, max_bytes: u64) -> bool {
+        self.out.deliveries.len() >= self.max || self.bytes >= max_bytes
+    }
 }
 
 impl GroupTracker {
@@ -188,15 +209,21 @@ impl GroupTracker {
         log: LogView,
         lookup: &mut dyn FnMut(Offset) -> Lookup,
     ) -> PollOutcome {
-        let mut out = PollOutcome::default();
-        self.prepare_poll(now_ms, caller, log, &mut out.writes);
-        let max = self.records_max(max_records);
+        let mut run = PollRun {
+            caller,
+            now_ms,
+            deadline: 0,
+            log,
+            max: self.records_max(max_records),
+            holder: None,
+            bytes: 0,
+            out: PollOutcome::default(),
+        };
+        self.prepare_poll(now_ms, caller, log, &mut run.out.writes);
         let visibility = visibility_ms
             .unwrap_or(self.config.visibility_ms)
             .clamp(1, self.config.max_visibility_ms);
-        let deadline = deadline_at(now_ms, visibility);
-        let mut bytes = 0u64;
-        let mut holder = None;
+        run.deadline = deadline_at(now_ms, visibility);
         let mut hit_cap = false;
         'poll: {
             // 1. What this connection reclaimed. These are claims already, so
@@ -208,20 +235,10 @@ impl GroupTracker {
                         break;
                     }
                     from = o.next();
-                    if out.deliveries.len() >= max || bytes >= self.config.poll_max_bytes {
+                    if run.full(self.config.poll_max_bytes) {
                         break 'poll;
                     }
-                    let step = self.redeliver(
-                        o,
-                        now_ms,
-                        deadline,
-                        me,
-                        log,
-                        lookup,
-                        &mut out,
-                        &mut bytes,
-                    );
-                    if let Step::Stop = step {
+                    if let Step::Stop = self.redeliver(o, &mut run, lookup) {
                         break 'poll;
                     }
                 }
@@ -230,31 +247,20 @@ impl GroupTracker {
             let mut from = Offset(0);
             while let Some(&o) = self.owed.range(from..).next() {
                 from = o.next();
-                if out.deliveries.len() >= max || bytes >= self.config.poll_max_bytes {
+                if run.full(self.config.poll_max_bytes) {
                     break 'poll;
                 }
                 if self.in_flight >= self.config.max_in_flight {
                     hit_cap = true;
                     break 'poll;
                 }
-                let h = self.holder_for(caller, &mut holder);
-                let step = self.redeliver(
-                    o,
-                    now_ms,
-                    deadline,
-                    h,
-                    log,
-                    lookup,
-                    &mut out,
-                    &mut bytes,
-                );
-                if let Step::Stop = step {
+                if let Step::Stop = self.redeliver(o, &mut run, lookup) {
                     break 'poll;
                 }
             }
             // 3. New records from the frontier.
             while self.frontier < log.end {
-                if out.deliveries.len() >= max || bytes >= self.config.poll_max_bytes {
+                if run.full(self.config.poll_max_bytes) {
                     break 'poll;
                 }
                 let o = self.frontier;
@@ -275,17 +281,17 @@ impl GroupTracker {
                             0
                         };
                         self.frontier = o.next();
-                        let h = self.holder_for(caller, &mut holder);
-                        self.claim(o, 1, h, deadline, now_ms);
+                        let h = self.holder_for(caller, &mut run.holder);
+                        self.claim(o, 1, h, run.deadline, now_ms);
                         if skipped_before > 0 {
                             self.skipped_below.insert(o, skipped_before);
                         }
-                        out.deliveries.push(Delivery {
+                        run.out.deliveries.push(Delivery {
                             offset: o,
                             attempts: 1,
                             skipped_before,
                         });
-                        bytes += payload_bytes as u64;
+                        run.bytes += payload_bytes as u64;
                     }
                     Lookup::Skipped => {
                         self.frontier = o.next();
@@ -295,6 +301,7 @@ impl GroupTracker {
                 }
             }
         }
+        let mut out = run.out;
         self.settle_position(&mut out.writes);
         out.capped = out.deliveries.is_empty() && hit_cap;
         out
@@ -364,7 +371,14 @@ impl GroupTracker {
         let s = self.held_claim(now_ms, offset, attempts, log)?;
         let mut w = Vec::new();
         if s.attempts() >= self.config.max_attempts {
-            self.give_up(offset, s.attempts(), now_ms, cut_reason(reason), false, &mut w);
+            self.give_up(
+                offset,
+                s.attempts(),
+                now_ms,
+                cut_reason(reason),
+                false,
+                &mut w,
+            );
         } else {
             match delay_ms.filter(|&d| d > 0) {
                 Some(d) => {
@@ -441,7 +455,14 @@ impl GroupTracker {
             return Err(went_out_again(offset, attempts, s.attempts()));
         }
         let mut w = Vec::new();
-        self.give_up(offset, s.attempts(), now_ms, cut_reason(reason), true, &mut w);
+        self.give_up(
+            offset,
+            s.attempts(),
+            now_ms,
+            cut_reason(reason),
+            true,
+            &mut w,
+        );
         self.settle_position(&mut w);
         Ok(w)
     }
@@ -691,7 +712,11 @@ impl GroupTracker {
             .copied()
             .filter(|&o| o < position)
             .collect();
-        assert_eq!(&below, g.redriven(), "slots below the position are not the redriven set");
+        assert_eq!(
+            &below,
+            g.redriven(),
+            "slots below the position are not the redriven set"
+        );
         let (mut in_flight, mut delayed) = (0u32, 0u32);
         let mut refs: FastMap<u32, u32> = fast_map();
         for (&o, s) in &self.slots {
@@ -708,7 +733,10 @@ impl GroupTracker {
             match s.state() {
                 State::Owed => {
                     assert!(self.owed.contains(&o), "owed {o:?} not indexed");
-                    assert!(s.attempts() < self.config.max_attempts, "owed {o:?} at the bound");
+                    assert!(
+                        s.attempts() < self.config.max_attempts,
+                        "owed {o:?} at the bound"
+                    );
                     assert_eq!(s.holder(), 0);
                 }
                 state => {
@@ -744,7 +772,10 @@ impl GroupTracker {
         );
         assert_eq!(
             self.owed.len(),
-            self.slots.values().filter(|s| s.state() == State::Owed).count()
+            self.slots
+                .values()
+                .filter(|s| s.state() == State::Owed)
+                .count()
         );
         assert_eq!(
             self.reserved.len(),
@@ -759,11 +790,14 @@ impl GroupTracker {
             in_flight == 0,
             "due list empty while timers stand (or the reverse)"
         );
-        let live: FastMap<u32, u32> = self.members.live_holder_refs().skip(1).collect();
+        let live: FastMap<u32, u32> = self.members.live_holder_refs().collect();
         assert_eq!(live, refs, "holder references");
         self.members.check();
         for o in self.skipped_below.keys() {
-            assert!(self.slots.contains_key(o), "skipped_before kept for finished {o:?}");
+            assert!(
+                self.slots.contains_key(o),
+                "skipped_before kept for finished {o:?}"
+            );
         }
     }
 
@@ -789,7 +823,11 @@ impl GroupTracker {
 
     fn records_max(&self, max_records: u32) -> usize {
         let cap = self.config.poll_max_records;
-        (if max_records == 0 { cap } else { max_records.min(cap) }) as usize
+        (if max_records == 0 {
+            cap
+        } else {
+            max_records.min(cap)
+        }) as usize
     }
 
     fn touch(&mut self, now_ms: u64) {
@@ -910,7 +948,13 @@ impl GroupTracker {
         self.rebuild_memory(self.last_active_ms);
     }
 
-    fn prepare_poll(&mut self, now_ms: u64, caller: &Caller, log: LogView, w: &mut Vec<GroupEntry>) {
+    fn prepare_poll(
+        &mut self,
+        now_ms: u64,
+        caller: &Caller,
+        log: LogView,
+        w: &mut Vec<GroupEntry>,
+    ) {
         check_time(now_ms);
         self.refresh();
         self.touch(now_ms);
@@ -1017,41 +1061,43 @@ impl GroupTracker {
     }
 
     /// Offer a reserved or owed record again.
-    #[allow(clippy::too_many_arguments)]
     fn redeliver(
         &mut self,
         o: Offset,
-        now_ms: u64,
-        deadline: u64,
-        holder: u32,
-        log: LogView,
+        run: &mut PollRun<'_>,
         lookup: &mut dyn FnMut(Offset) -> Lookup,
-        out: &mut PollOutcome,
-        bytes: &mut u64,
     ) -> Step {
         let s = self.slots[&o];
         if s.attempts() >= self.config.max_attempts {
-            self.give_up(o, s.attempts(), now_ms, None, false, &mut out.writes);
+            self.give_up(
+                o,
+                s.attempts(),
+                run.now_ms,
+                None,
+                false,
+                &mut run.out.writes,
+            );
             return Step::Go;
         }
-        if o < log.start {
-            self.finish(o, &mut out.writes);
+        if o < run.log.start {
+            self.finish(o, &mut run.out.writes);
             return Step::Go;
         }
         match lookup(o) {
             Lookup::Record { payload_bytes } => {
                 let attempts = s.attempts() + 1;
-                self.claim(o, attempts, holder, deadline, now_ms);
-                out.deliveries.push(Delivery {
+                let h = self.holder_for(run.caller, &mut run.holder);
+                self.claim(o, attempts, h, run.deadline, run.now_ms);
+                run.out.deliveries.push(Delivery {
                     offset: o,
                     attempts,
                     skipped_before: self.skipped_below.get(&o).copied().unwrap_or(0),
                 });
-                *bytes += payload_bytes as u64;
+                run.bytes += payload_bytes as u64;
                 Step::Go
             }
             Lookup::Skipped => {
-                self.finish(o, &mut out.writes);
+                self.finish(o, &mut run.out.writes);
                 Step::Go
             }
             Lookup::NotLoaded => Step::Stop,
@@ -1061,7 +1107,13 @@ impl GroupTracker {
     fn claim(&mut self, o: Offset, attempts: u32, holder: u32, deadline: u64, now_ms: u64) {
         self.transition(
             o,
-            Some(Slot::timed(State::Claimed, deadline, now_ms, attempts, holder)),
+            Some(Slot::timed(
+                State::Claimed,
+                deadline,
+                now_ms,
+                attempts,
+                holder,
+            )),
         );
         let end = o.next();
         self.handed_out_end = Some(self.handed_out_end.map_or(end, |h| h.max(end)));

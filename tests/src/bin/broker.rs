@@ -1,6 +1,8 @@
 //! The broker the end-to-end tests start and kill: `felix serve` without the
 //! rest of the CLI, so the tests crate can name its binary.
 //! Usage: felix-test-broker DATA_DIR|- LISTEN CORES
+//! FELIX_TEST_CONFIG names a config file, for settings that have no
+//! environment variable (group idle time, segment size, retention checks).
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -13,7 +15,7 @@ fn main() {
         std::env::set_var("FELIX_DURABLE_STORAGE_DIR", "");
     }
     let opts = felix_server::ServeOptions {
-        config_path: None,
+        config_path: std::env::var_os("FELIX_TEST_CONFIG").map(Into::into),
         data_dir,
         listen: Some(args[2].clone()),
         cores: Some(args[3].clone()),

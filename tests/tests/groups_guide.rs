@@ -1,0 +1,873 @@
+//! The guarantees of the *Queues and Consumer Groups* guide, end to end:
+//! one test per name the guide lists, each against a real broker process
+//! over TCP, with short timeouts set through the broker's configuration.
+
+mod groups_common;
+
+use felix_client::{Client, ClientError, GroupMember, GroupPollOptions};
+use felix_wire::{ErrorCode, StartPosition};
+use groups_common::*;
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+// ---------------------------------------------------------------- the loop
+
+/// While a claim stands no other poll receives the record: concurrent
+/// consumers on their own connections get every offset exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_offset_in_flight_is_not_handed_out_again() {
+    let b = felix_tests::start_broker!(opts(30_000, 5));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 40).await;
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let addr = b.addr.clone();
+        tasks.push(tokio::spawn(async move {
+            let g = Group::new(&client(&addr).await, JOBS, "workers");
+            let mut got = Vec::new();
+            loop {
+                let batch = g.poll(3).await;
+                if batch.is_empty() {
+                    return got;
+                }
+                got.extend(batch);
+            }
+        }));
+    }
+    let mut seen = HashSet::new();
+    for t in tasks {
+        for r in t.await.unwrap() {
+            assert_eq!(r.attempts, 1, "offset {} redelivered while held", r.offset);
+            assert!(seen.insert(r.offset), "offset {} handed out twice", r.offset);
+        }
+    }
+    assert_eq!(seen, (0..40).collect::<HashSet<u64>>());
+    let g = Group::new(&c, JOBS, "workers");
+    assert!(g.poll(100).await.is_empty(), "every record is held");
+    assert_eq!(g.describe().await.unwrap().in_flight, 40);
+    g.ack_many(&(0..40).collect::<Vec<_>>()).await.unwrap();
+    assert_eq!(g.position().await, 40);
+}
+
+/// A claim that is not acked lapses after the visibility timeout and the
+/// record goes to whoever polls next, as another attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lapsed_claim_is_handed_out_again() {
+    let b = felix_tests::start_broker!(opts(400, 5));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 1).await;
+    let g = Group::new(&c, JOBS, "workers");
+    let other = g.via(&client(&b.addr).await);
+    let start = Instant::now();
+    let first = g.poll(10).await;
+    assert_eq!((offsets(&first), attempts(&first)), (vec![0], vec![1]));
+    assert!(other.poll(10).await.is_empty(), "the claim still stands");
+    // The dead consumer never answers; the record comes back on its own.
+    let again = other.poll_wait(10, Duration::from_secs(5)).await;
+    assert!(start.elapsed() >= Duration::from_millis(350), "lapsed early: {:?}", start.elapsed());
+    assert_eq!((offsets(&again), attempts(&again)), (vec![0], vec![2]));
+    assert_eq!(&again[0].payload[..], b"p0");
+    other.ack(0).await.unwrap();
+    assert_eq!(g.position().await, 1);
+    assert!(g.poll_wait(10, Duration::from_millis(600)).await.is_empty(), "acked: gone for good");
+}
+
+/// Acks out of order are fine but the saved position only passes a
+/// contiguous run of finished offsets, so a restart redelivers the hole and
+/// nothing before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cursor_does_not_advance_over_a_gap() {
+    let mut b = felix_tests::start_broker!(opts(30_000, 5));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 8).await;
+
+    // Out of order: the position waits for the lowest, then jumps the run.
+    let side = Group::new(&c, JOBS, "side");
+    assert_eq!(side.poll(8).await.len(), 8);
+    side.ack_many(&[4, 5, 6, 7]).await.unwrap();
+    assert_eq!(side.position().await, 0);
+    side.ack_many(&[0, 1, 2]).await.unwrap();
+    assert_eq!(side.position().await, 3);
+    side.ack(3).await.unwrap();
+    assert_eq!(side.position().await, 8);
+
+    // The guide's picture: 4 acked while 3 is held.
+    let g = Group::new(&c, JOBS, "workers");
+    assert_eq!(offsets(&g.poll(8).await), (0..8).collect::<Vec<_>>());
+    g.ack_many(&[0, 1, 2, 4, 5, 6, 7]).await.unwrap();
+    let info = g.describe().await.unwrap();
+    assert_eq!(info.position, 3, "the cursor stops at the held offset");
+    assert_eq!(info.in_flight, 1);
+
+    b.kill9();
+    b.restart();
+    let c = client(&b.addr).await;
+    let g = Group::new(&c, JOBS, "workers");
+    assert_eq!(g.position().await, 3);
+    let again = g.drain().await;
+    let got = offsets(&again);
+    assert_eq!(got.first(), Some(&3), "offset 3 comes back first: {got:?}");
+    assert!(got.iter().all(|&o| o >= 3), "nothing below the cursor is redelivered: {got:?}");
+    g.ack_all(&again).await;
+    assert_eq!(g.position().await, 8);
+    assert_eq!(Group::new(&c, JOBS, "side").position().await, 8);
+}
+
+/// A record handed back is owed, and owed records go out before new ones,
+/// however many new ones a producer adds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn owed_records_go_out_before_new_ones() {
+    let b = felix_tests::start_broker!(opts(400, 5));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 4).await;
+    let g = Group::new(&c, JOBS, "workers");
+    let batch = g.poll(3).await;
+    assert_eq!(offsets(&batch), vec![0, 1, 2]);
+    g.nack(&batch[2]).await.unwrap();
+    g.nack(&batch[0]).await.unwrap();
+    // Offset 1 is left to lapse.
+    publish(&c, JOBS, 200).await;
+    let next = g.poll(2).await;
+    assert_eq!((offsets(&next), attempts(&next)), (vec![0, 2], vec![2, 2]));
+    // The lapsed one is owed too, and goes before offset 3 onwards.
+    let lapsed = g.poll_wait(2, Duration::from_secs(5)).await;
+    let lapsed = if lapsed.is_empty() { g.poll_wait(2, Duration::from_secs(5)).await } else { lapsed };
+    assert_eq!((offsets(&lapsed), attempts(&lapsed)), (vec![1, 3], vec![2, 1]));
+}
+
+// ----------------------------------------------------- retries, giving up
+
+/// After FELIX_GROUP_MAX_ATTEMPTS deliveries the record is a dead letter
+/// and the group moves past it, whether the last attempt was nacked or
+/// lapsed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_is_given_up_on_after_the_attempt_bound() {
+    let b = felix_tests::start_broker!(opts(300, 3));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 2).await;
+    let g = Group::new(&c, JOBS, "workers");
+
+    // Offset 0 fails every time it is tried.
+    for attempt in 1..=3 {
+        let r = g.poll(1).await;
+        assert_eq!((offsets(&r), attempts(&r)), (vec![0], vec![attempt]));
+        g.nack(&r[0]).await.unwrap();
+    }
+    let dead = g.dead_letters_detailed().await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!((dead[0].offset, dead[0].attempts, dead[0].by_consumer), (0, 3, false));
+
+    // Offset 1's consumer dies three times.
+    let r = g.poll(1).await;
+    assert_eq!((offsets(&r), attempts(&r)), (vec![1], vec![1]));
+    for attempt in 2..=3 {
+        let r = g.poll_wait(1, Duration::from_secs(5)).await;
+        assert_eq!((offsets(&r), attempts(&r)), (vec![1], vec![attempt]));
+    }
+    // Its third claim lapses too: given up, not handed out a fourth time.
+    assert!(g.poll_wait(1, Duration::from_millis(800)).await.is_empty());
+    assert_eq!(g.dead_letters().await, vec![0, 1]);
+    let info = g.describe().await.unwrap();
+    assert_eq!((info.position, info.dead_letters, info.in_flight), (2, 2, 0));
+    // The queue is not stuck: the next record goes out.
+    publish(&c, JOBS, 1).await;
+    let r = g.poll(10).await;
+    assert_eq!((offsets(&r), attempts(&r)), (vec![2], vec![1]));
+    // A dead letter is a pointer: the record is still in the log.
+    let read = c.read(T, NS, JOBS, 0, StartPosition::Offset(0), 1, None).await.unwrap();
+    assert_eq!(&read.records[0].payload[..], b"p0");
+}
+
+/// A redriven dead letter is owed again and handed out, without the cursor
+/// moving back over what was finished.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redriven_record_is_handed_out_again() {
+    let b = felix_tests::start_broker!(opts(30_000, 1));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 3).await;
+    let g = Group::new(&c, JOBS, "workers");
+    let batch = g.poll(3).await;
+    g.nack(&batch[1]).await.unwrap(); // attempt bound 1: a dead letter at once
+    g.ack_many(&[0, 2]).await.unwrap();
+    assert_eq!(g.dead_letters().await, vec![1]);
+    assert_eq!(g.position().await, 3);
+    assert!(g.poll(10).await.is_empty());
+    assert_eq!(code(g.redrive(0).await), Some(ErrorCode::NotFound), "not a dead letter");
+
+    g.redrive(1).await.unwrap();
+    assert!(g.dead_letters().await.is_empty(), "owed, no longer listed");
+    let info = g.describe().await.unwrap();
+    assert_eq!((info.position, info.owed), (3, 1), "the cursor stays where it was");
+    let again = g.via(&client(&b.addr).await).poll(10).await;
+    assert_eq!(offsets(&again), vec![1], "only the redriven record, nothing finished");
+    assert_eq!(&again[0].payload[..], b"p1");
+    g.ack(1).await.unwrap();
+    assert_eq!(g.position().await, 3);
+    assert!(g.poll(10).await.is_empty());
+    assert!(g.dead_letters().await.is_empty());
+}
+
+/// A redrive resets the attempt count: the record gets the full bound again
+/// and goes back on the list when it fails it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redriven_record_gets_its_attempts_back() {
+    let b = felix_tests::start_broker!(opts(30_000, 2));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 1).await;
+    let g = Group::new(&c, JOBS, "workers");
+    for round in 0..2 {
+        for attempt in 1..=2 {
+            let r = g.poll(1).await;
+            assert_eq!((offsets(&r), attempts(&r)), (vec![0], vec![attempt]), "round {round}");
+            g.nack(&r[0]).await.unwrap();
+        }
+        let dead = g.dead_letters_detailed().await;
+        assert_eq!(dead.len(), 1, "round {round}");
+        assert_eq!((dead[0].offset, dead[0].attempts), (0, 2));
+        assert!(g.poll(1).await.is_empty(), "given up on");
+        g.redrive(0).await.unwrap();
+    }
+    let r = g.poll(1).await;
+    assert_eq!((offsets(&r), attempts(&r)), (vec![0], vec![1]));
+    g.ack(0).await.unwrap();
+    assert!(g.dead_letters().await.is_empty());
+}
+
+/// A redrive is durable before it is answered: kill -9 right after it and
+/// the restarted broker still owes the record, until it is acked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redriven_record_is_still_owed_after_a_restart() {
+    let mut b = felix_tests::start_broker!(opts(30_000, 1));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 3).await;
+    let g = Group::new(&c, JOBS, "workers");
+    let batch = g.poll(3).await;
+    g.nack(&batch[1]).await.unwrap();
+    g.ack_many(&[0, 2]).await.unwrap();
+    assert_eq!(g.position().await, 3);
+    g.redrive(1).await.unwrap();
+
+    b.kill9();
+    b.restart();
+    let c = client(&b.addr).await;
+    let g = Group::new(&c, JOBS, "workers");
+    assert!(g.dead_letters().await.is_empty());
+    assert_eq!(g.position().await, 3);
+    let again = g.poll(10).await;
+    assert_eq!((offsets(&again), attempts(&again)), (vec![1], vec![1]));
+    g.ack(1).await.unwrap();
+
+    // Finished for good: another crash does not bring it back.
+    b.kill9();
+    b.restart();
+    let g = Group::new(&client(&b.addr).await, JOBS, "workers");
+    assert!(g.poll(10).await.is_empty());
+    assert!(g.dead_letters().await.is_empty());
+}
+
+// ------------------------------------------- long work, backoff, giving up
+
+/// An extended claim stands past the visibility timeout: nobody else gets
+/// the record, and the holder's ack is taken. Extensions are capped at
+/// FELIX_GROUP_MAX_VISIBILITY_MS.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_extended_claim_outlasts_the_visibility_timeout() {
+    let b = felix_tests::start_broker!(opts(400, 5));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 1).await;
+    let g = Group::new(&c, JOBS, "workers");
+    let r = g.poll(1).await.remove(0);
+    let capped = g.extend(&r, Duration::from_secs(3600)).await.unwrap();
+    assert!(capped <= Duration::from_secs(60), "capped at the max visibility: {capped:?}");
+    let stands = g.extend(&r, Duration::from_secs(3)).await.unwrap();
+    assert!(stands > Duration::from_secs(2) && stands <= Duration::from_secs(3), "{stands:?}");
+    let start = Instant::now();
+    let other = g.via(&client(&b.addr).await);
+    // Three visibility timeouts pass; the claim still stands.
+    assert!(other.poll_wait(1, Duration::from_millis(1200)).await.is_empty());
+    assert!(start.elapsed() >= Duration::from_millis(1100));
+    let again = g.extend(&r, Duration::from_secs(2)).await.unwrap();
+    assert!(again > Duration::from_secs(1), "still held: {again:?}");
+    g.ack(r.offset).await.unwrap();
+    assert_eq!(g.position().await, 1);
+}
+
+/// Once a claim lapsed and the record went out again, the old delivery can
+/// no longer extend, hand back or dead-letter it: stale_claim. The new
+/// holder can.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_extend_after_the_record_was_handed_out_again_is_refused() {
+    let b = felix_tests::start_broker!(opts(300, 5));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 1).await;
+    let g = Group::new(&c, JOBS, "workers");
+    let old = g.poll(1).await.remove(0);
+    let other = g.via(&client(&b.addr).await);
+    let new = other.poll_wait(1, Duration::from_secs(5)).await.remove(0);
+    assert_eq!((new.offset, new.attempts), (0, 2));
+    let stale = Some(ErrorCode::StaleClaim);
+    assert_eq!(code(g.extend(&old, Duration::from_secs(5)).await), stale);
+    assert_eq!(code(g.nack(&old).await), stale);
+    assert_eq!(code(g.nack_after(&old, Duration::from_secs(1)).await), stale);
+    assert_eq!(code(g.dead_letter(&old, Some("late")).await), stale);
+    assert!(g.dead_letters().await.is_empty(), "a refused dead letter is not listed");
+    // The refusals took nothing from the current holder.
+    assert!(other.extend(&new, Duration::from_secs(5)).await.unwrap() > Duration::from_secs(4));
+    assert!(g.poll(1).await.is_empty());
+    other.ack(0).await.unwrap();
+    assert_eq!(g.position().await, 1);
+}
+
+/// A nack with a delay holds the record (nobody can extend it) until the
+/// delay passes; then it is owed and redelivered as the next attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delayed_nack_is_redelivered_after_the_delay() {
+    // A visibility far longer than the delay: redelivery is the delay's.
+    let b = felix_tests::start_broker!(opts(20_000, 5));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 1).await;
+    let g = Group::new(&c, JOBS, "workers");
+    let r = g.poll(1).await.remove(0);
+    let start = Instant::now();
+    g.nack_after(&r, Duration::from_millis(700)).await.unwrap();
+    assert!(g.poll(1).await.is_empty(), "not owed before the delay");
+    let info = g.describe().await.unwrap();
+    assert_eq!((info.in_flight, info.delayed, info.owed), (1, 1, 0));
+    assert_eq!(code(g.extend(&r, Duration::from_secs(5)).await), Some(ErrorCode::StaleClaim));
+    let again = g.poll_wait(1, Duration::from_secs(5)).await;
+    let waited = start.elapsed();
+    assert_eq!((offsets(&again), attempts(&again)), (vec![0], vec![2]));
+    assert!(waited >= Duration::from_millis(650), "redelivered after {waited:?}");
+    assert!(waited < Duration::from_secs(5), "not after the visibility timeout: {waited:?}");
+    g.ack(0).await.unwrap();
+}
+
+/// group_dead_letter lists the record (with the consumer's reason), finishes
+/// it so the cursor passes it, and it can be redriven or discarded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_dead_letter_is_listed_finished_and_redrivable() {
+    let b = felix_tests::start_broker!(opts(30_000, 5));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 3).await;
+    let g = Group::new(&c, JOBS, "workers");
+    let batch = g.poll(3).await;
+    g.dead_letter(&batch[0], Some("poison")).await.unwrap();
+    let dead = g.dead_letters_detailed().await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].offset, 0);
+    assert_eq!(dead[0].attempts, 1);
+    assert_eq!(dead[0].reason.as_deref(), Some("poison"));
+    assert!(dead[0].by_consumer);
+    g.ack(1).await.unwrap();
+    assert_eq!(g.position().await, 2, "finished: the cursor passed it");
+    assert!(g.poll(10).await.is_empty(), "a dead letter is not redelivered");
+    g.ack(2).await.unwrap();
+
+    g.redrive(0).await.unwrap();
+    let again = g.poll(10).await;
+    assert_eq!((offsets(&again), attempts(&again)), (vec![0], vec![1]));
+    g.ack(0).await.unwrap();
+    assert!(g.dead_letters().await.is_empty());
+    assert_eq!(g.position().await, 3);
+
+    // And discarded: no longer listed, never delivered, still in the log.
+    publish(&c, JOBS, 1).await;
+    let r = g.poll(10).await.remove(0);
+    g.dead_letter(&r, None).await.unwrap();
+    assert_eq!(g.dead_letters().await, vec![3]);
+    g.discard(3).await.unwrap();
+    assert!(g.dead_letters().await.is_empty());
+    assert!(g.poll(10).await.is_empty());
+    assert_eq!(g.position().await, 4);
+    let read = c.read(T, NS, JOBS, 0, StartPosition::Offset(3), 1, None).await.unwrap();
+    assert_eq!(read.records.len(), 1);
+}
+
+/// An idle group's memory is dropped (redelivering and restarting attempt
+/// counts), but not while a claim still stands: the holder keeps it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tracker_with_a_standing_claim_is_not_evicted() {
+    // Idle after max(1 ms, 2 x 300 ms); the idle check runs at least once a
+    // second.
+    let cfg = config_file("[groups]\nidle_ms = 1\n");
+    let b = felix_tests::start_broker!(opts(300, 5).env("FELIX_TEST_CONFIG", cfg.path.display()));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 1).await;
+    let held = Group::new(&c, JOBS, "held");
+    let control = Group::new(&c, JOBS, "control");
+    let r = held.poll(1).await.remove(0);
+    held.extend(&r, Duration::from_secs(10)).await.unwrap();
+    let lapses = control.poll(1).await.remove(0);
+    assert_eq!(lapses.attempts, 1);
+    // Time must pass with neither group touched, so no polling here: the
+    // control group's claim lapses (300 ms), both go idle (600 ms), and the
+    // next idle check drops the control group's memory.
+    tokio::time::sleep(Duration::from_millis(2600)).await;
+    let control_again = control.poll(1).await;
+    assert_eq!(
+        (offsets(&control_again), attempts(&control_again)),
+        (vec![0], vec![1]),
+        "the control group was evicted: its attempt count restarted"
+    );
+    // The held claim survived: nobody else gets the record, the holder
+    // still holds it.
+    assert!(held.via(&client(&b.addr).await).poll(1).await.is_empty());
+    assert!(held.extend(&r, Duration::from_secs(2)).await.is_ok());
+    held.ack(0).await.unwrap();
+    assert_eq!(held.position().await, 1);
+}
+
+/// The three claim controls in one consumer's batch: extend a slow record
+/// past the visibility, back off one for a retry, give up on a poison one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_extends_delays_and_dead_letters_its_claims() {
+    let b = felix_tests::start_broker!(opts(400, 5));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 3).await;
+    let g = Group::new(&c, JOBS, "workers");
+    let batch = g.poll(3).await;
+    let (slow, retry, poison) = (&batch[0], &batch[1], &batch[2]);
+    let start = Instant::now();
+    g.extend(slow, Duration::from_secs(5)).await.unwrap();
+    g.nack_after(retry, Duration::from_millis(700)).await.unwrap();
+    g.dead_letter(poison, Some("unparseable")).await.unwrap();
+
+    // Another worker waits: the delayed one comes back after its delay; the
+    // extended one outlasts the visibility; the dead one never comes back.
+    let other = g.via(&client(&b.addr).await);
+    let got = other.poll_wait(10, Duration::from_secs(4)).await;
+    assert_eq!((offsets(&got), attempts(&got)), (vec![1], vec![2]));
+    assert!(start.elapsed() >= Duration::from_millis(650));
+    other.ack(1).await.unwrap();
+    assert!(start.elapsed() > Duration::from_millis(400), "past the visibility timeout");
+    g.ack(slow.offset).await.unwrap();
+    let dead = g.dead_letters_detailed().await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!((dead[0].offset, dead[0].by_consumer), (2, true));
+    assert_eq!(dead[0].reason.as_deref(), Some("unparseable"));
+    assert_eq!(g.position().await, 3);
+    assert!(other.poll(10).await.is_empty());
+}
+
+// ------------------------------------------- creating, moving and deleting
+
+/// A seek backwards replays finished records (as first attempts) but keeps
+/// dead letters set aside.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_seek_backwards_replays_what_the_group_finished() {
+    let b = felix_tests::start_broker!(opts(30_000, 5));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 5).await;
+    let g = Group::new(&c, JOBS, "workers");
+    let batch = g.poll(5).await;
+    g.dead_letter(&batch[2], None).await.unwrap();
+    g.ack_many(&[0, 1, 3, 4]).await.unwrap();
+    assert_eq!(g.position().await, 5);
+    assert!(g.poll(10).await.is_empty());
+
+    g.seek(StartPosition::Offset(1)).await.unwrap();
+    assert_eq!(g.position().await, 1);
+    let replay = g.poll(10).await;
+    assert_eq!((offsets(&replay), attempts(&replay)), (vec![1, 3, 4], vec![1, 1, 1]));
+    assert_eq!(g.dead_letters().await, vec![2], "dead letters are kept across a seek");
+    g.ack_all(&replay).await;
+    assert_eq!(g.position().await, 5);
+
+    g.seek(StartPosition::Earliest).await.unwrap();
+    assert_eq!(offsets(&g.drain().await), vec![0, 1, 3, 4]);
+}
+
+/// A seek voids the claims standing when it lands: an ack for a record the
+/// group now owes is refused as stale_claim and the record is delivered
+/// again; an ack below the new position is a harmless duplicate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ack_for_a_claim_from_before_a_seek_is_refused() {
+    let b = felix_tests::start_broker!(opts(30_000, 5));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 6).await;
+    let g = Group::new(&c, JOBS, "workers");
+    let before = g.poll(4).await;
+    assert_eq!(offsets(&before), vec![0, 1, 2, 3]);
+    g.seek(StartPosition::Offset(2)).await.unwrap();
+    assert_eq!(g.describe().await.unwrap().in_flight, 0, "claims voided");
+    assert_eq!(code(g.ack(3).await), Some(ErrorCode::StaleClaim));
+    assert_eq!(code(g.ack_many(&[1, 2]).await), Some(ErrorCode::StaleClaim));
+    assert_eq!(code(g.nack(&before[2]).await), Some(ErrorCode::StaleClaim));
+    assert_eq!(code(g.extend(&before[3], Duration::from_secs(1)).await), Some(ErrorCode::StaleClaim));
+    g.ack(1).await.expect("below the new position: a harmless duplicate");
+    assert_eq!(g.position().await, 2);
+    let again = g.poll(10).await;
+    assert_eq!((offsets(&again), attempts(&again)), (vec![2, 3, 4, 5], vec![1, 1, 1, 1]));
+    g.ack_all(&again).await;
+    assert_eq!(g.position().await, 6);
+}
+
+/// An ack in flight when a seek lands either lands first (and the seek
+/// then moves the cursor back) or is refused: the cursor ends where the
+/// seek put it, durably.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ack_racing_a_seek_does_not_move_the_new_cursor() {
+    let mut b = felix_tests::start_broker!(opts(30_000, 5));
+    let c = client(&b.addr).await;
+    let c2 = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 10).await;
+    let rounds = 8;
+    for i in 0..rounds {
+        let g = Group::new(&c, JOBS, &format!("race{i}"));
+        let admin = g.via(&c2);
+        assert_eq!(g.poll(10).await.len(), 10);
+        let all: Vec<u64> = (0..10).collect();
+        let (ack, seek) = tokio::join!(g.ack_many(&all), admin.seek(StartPosition::Offset(2)));
+        seek.unwrap();
+        if let Err(e) = ack {
+            assert_eq!(e.code(), Some(ErrorCode::StaleClaim), "{e}");
+        }
+        assert_eq!(g.position().await, 2, "round {i}");
+        let again = g.poll(20).await;
+        assert_eq!(offsets(&again), (2..10).collect::<Vec<_>>(), "round {i}");
+    }
+    b.kill9();
+    b.restart();
+    let c = client(&b.addr).await;
+    for i in 0..rounds {
+        let g = Group::new(&c, JOBS, &format!("race{i}"));
+        assert_eq!(g.position().await, 2, "round {i} after a restart");
+    }
+}
+
+/// Create (at Latest, a no-op when the group exists), seek, describe, list
+/// and delete, with out-of-range offsets refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_is_created_moved_described_and_deleted() {
+    let b = felix_tests::start_broker!(opts(30_000, 1));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 5).await;
+    let g = Group::new(&c, JOBS, "workers");
+    assert_eq!(code(g.describe().await), Some(ErrorCode::NotFound));
+
+    g.create(StartPosition::Latest).await.unwrap();
+    let info = g.describe().await.unwrap();
+    assert_eq!(info.group, "workers");
+    assert_eq!((info.position, info.start_offset, info.end_offset), (5, 0, 5));
+    assert_eq!((info.lag(), info.in_flight, info.owed, info.dead_letters), (0, 0, 0, 0));
+    g.create(StartPosition::Earliest).await.expect("an existing group is left alone");
+    assert_eq!(g.position().await, 5);
+    assert!(g.poll(10).await.is_empty(), "only new work");
+    publish(&c, JOBS, 2).await;
+    let new = g.poll(10).await;
+    assert_eq!(offsets(&new), vec![5, 6]);
+    let info = g.describe().await.unwrap();
+    assert_eq!((info.in_flight, info.lag()), (2, 2));
+
+    g.seek(StartPosition::Offset(1)).await.unwrap();
+    let info = g.describe().await.unwrap();
+    assert_eq!((info.position, info.in_flight, info.lag()), (1, 0, 6));
+    assert_eq!(code(g.seek(StartPosition::Offset(99)).await), Some(ErrorCode::InvalidRequest));
+    assert_eq!(g.position().await, 1);
+
+    let late = Group::new(&c, JOBS, "late");
+    assert_eq!(code(late.create(StartPosition::Offset(99)).await), Some(ErrorCode::InvalidRequest));
+    assert_eq!(code(late.describe().await), Some(ErrorCode::NotFound));
+    assert_eq!(code(late.seek(StartPosition::Earliest).await), Some(ErrorCode::NotFound));
+    let mid = Group::new(&c, JOBS, "mid");
+    mid.create(StartPosition::Offset(3)).await.unwrap();
+    assert_eq!(offsets(&mid.poll(1).await), vec![3]);
+    let groups = c.list_groups(T, NS, JOBS, 0).await.unwrap();
+    assert_eq!(groups, vec!["mid".to_string(), "workers".to_string()]);
+
+    // A dead letter, then delete: position and dead letters go.
+    let r = g.poll(1).await;
+    assert_eq!(offsets(&r), vec![1]);
+    g.nack(&r[0]).await.unwrap();
+    assert_eq!(g.dead_letters().await, vec![1]);
+    g.delete().await.unwrap();
+    assert_eq!(code(g.describe().await), Some(ErrorCode::NotFound));
+    assert_eq!(
+        code(c.group_dead_letters(T, NS, JOBS, 0, "workers").await),
+        Some(ErrorCode::NotFound)
+    );
+    assert_eq!(c.list_groups(T, NS, JOBS, 0).await.unwrap(), vec!["mid".to_string()]);
+    // A poll brings it back into being, at offset 0, with nothing set aside.
+    assert_eq!(offsets(&g.drain().await), (0..7).collect::<Vec<_>>());
+    assert_eq!(offsets(&mid.drain().await), vec![4, 5, 6]);
+}
+
+// ------------------------------------------------------------------ limits
+
+/// Acks and hand-backs are only for offsets the group handed out; anything
+/// else, such as an offset at or past the tail, is invalid_request, and a
+/// refused ack changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acks_for_offsets_never_handed_out_are_refused() {
+    let b = felix_tests::start_broker!(opts(30_000, 5));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 5).await;
+    let g = Group::new(&c, JOBS, "workers");
+    assert_eq!(offsets(&g.poll(2).await), vec![0, 1]);
+    let invalid = Some(ErrorCode::InvalidRequest);
+    assert_eq!(code(g.ack(3).await), invalid, "written, never handed out");
+    assert_eq!(code(g.ack(5).await), invalid, "at the tail");
+    assert_eq!(code(g.ack(1000).await), invalid, "past the tail");
+    assert_eq!(code(g.ack_many(&[0, 1, 5]).await), invalid);
+    assert_eq!(g.position().await, 0, "a refused ack finishes nothing");
+    assert_eq!(code(g.nack(&fake_record(3, 1)).await), invalid);
+    assert_eq!(code(g.nack(&fake_record(7, 1)).await), invalid);
+    assert_eq!(code(g.extend(&fake_record(3, 1), Duration::from_secs(1)).await), invalid);
+    assert_eq!(code(g.dead_letter(&fake_record(9, 1), None).await), invalid);
+    assert!(g.dead_letters().await.is_empty());
+    // Offset 3 was not skipped by any of that.
+    let rest = g.poll(10).await;
+    assert_eq!((offsets(&rest), attempts(&rest)), (vec![2, 3, 4], vec![1, 1, 1]));
+    g.ack_many(&[0, 1, 2, 3, 4]).await.unwrap();
+    assert_eq!(g.position().await, 5);
+    g.ack(3).await.expect("a finished offset again: a harmless duplicate");
+}
+
+/// A consumer cannot dead-letter a record already finished: refused, and
+/// not listed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_dead_letter_of_a_finished_record_is_refused() {
+    let b = felix_tests::start_broker!(opts(30_000, 5));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 3).await;
+    let g = Group::new(&c, JOBS, "workers");
+    let batch = g.poll(3).await;
+    g.ack(0).await.unwrap(); // finished, below the position
+    g.ack(2).await.unwrap(); // finished, above the position (1 is held)
+    assert_eq!(g.position().await, 1);
+    for r in [&batch[0], &batch[2]] {
+        assert_eq!(code(g.dead_letter(r, Some("too late")).await), Some(ErrorCode::InvalidRequest));
+    }
+    assert!(g.dead_letters().await.is_empty());
+    g.ack(1).await.unwrap();
+    assert_eq!(g.position().await, 3);
+    assert!(g.dead_letters().await.is_empty());
+}
+
+/// At FELIX_GROUP_MAX_IN_FLIGHT a poll answers empty and is counted in
+/// felix_group_polls_capped_total; a poll waiting at the cap is woken when an
+/// ack frees room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poll_at_the_in_flight_cap_answers_empty_until_room_is_freed() {
+    let b = felix_tests::start_broker!(opts(30_000, 5).env("FELIX_GROUP_MAX_IN_FLIGHT", 3));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 10).await;
+    let g = Group::new(&c, JOBS, "workers");
+    assert_eq!(offsets(&g.poll(10).await), vec![0, 1, 2]);
+    assert_eq!(b.metric("felix_group_polls_capped_total"), 0.0);
+    assert!(g.poll(10).await.is_empty());
+    assert_eq!(b.metric("felix_group_polls_capped_total"), 1.0);
+    assert_eq!(g.describe().await.unwrap().in_flight, 3);
+
+    // A nack frees room too: the owed record goes out, still under the cap.
+    let r = g.poll(10).await;
+    assert!(r.is_empty());
+    let waiter = g.via(&client(&b.addr).await);
+    let wait = tokio::spawn(async move {
+        let start = Instant::now();
+        let got = waiter.poll_wait(10, Duration::from_secs(20)).await;
+        (got, start.elapsed())
+    });
+    // The waiting poll has been capped at least once: it is waiting.
+    eventually("the waiting poll to hit the cap", Duration::from_secs(10), || async {
+        b.metric("felix_group_polls_capped_total") >= 3.0
+    })
+    .await;
+    assert!(!wait.is_finished());
+    g.ack(0).await.unwrap();
+    let (got, waited) = tokio::time::timeout(Duration::from_secs(10), wait)
+        .await
+        .expect("woken by the ack")
+        .unwrap();
+    assert_eq!(offsets(&got), vec![3], "room for one");
+    assert!(waited < Duration::from_secs(15), "woken, not timed out: {waited:?}");
+    assert!(g.poll(10).await.is_empty(), "at the cap again");
+}
+
+/// One poll hands out at most 1,000 records, and stops after about 4 MiB of
+/// payload, whatever max_records asks; the rest stay for the next poll.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poll_hands_out_at_most_a_thousand_records_or_about_4_mib() {
+    let b = felix_tests::start_broker!(opts(30_000, 5));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 1500).await;
+    let g = Group::new(&c, JOBS, "workers");
+    let first = g.poll(100_000).await;
+    assert_eq!(offsets(&first), (0..1000).collect::<Vec<_>>());
+    let second = g.poll(100_000).await;
+    assert_eq!(offsets(&second), (1000..1500).collect::<Vec<_>>());
+    assert!(matches!(
+        c.group_poll(T, NS, JOBS, 0, "workers", 0).await,
+        Err(ClientError::InvalidArgument(_))
+    ));
+
+    stream(&c, "big").await;
+    for _ in 0..6 {
+        c.publish(T, NS, "big", 0, vec![7u8; 1_000_000]).await.unwrap();
+    }
+    let big = Group::new(&c, "big", "workers");
+    let first = big.poll(100).await;
+    assert!((4..6).contains(&first.len()), "about 4 MiB: {} records of 1 MB", first.len());
+    let rest = big.drain().await;
+    let mut all = offsets(&first);
+    all.extend(offsets(&rest));
+    assert_eq!(all, (0..6).collect::<Vec<_>>());
+}
+
+/// A named member that reconnects and reclaims gets the records it held
+/// from older connections first, each as another attempt, over as many
+/// polls as it takes, and nobody else gets them meanwhile; an older
+/// connection never takes anything back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_named_member_reclaims_what_it_held_on_a_new_connection() {
+    let b = felix_tests::start_broker!(opts(30_000, 5));
+    let admin = client(&b.addr).await;
+    stream(&admin, JOBS).await;
+    publish(&admin, JOBS, 6).await;
+    let opt = |max_records| GroupPollOptions { max_records, ..GroupPollOptions::default() };
+    let me = GroupMember::new("worker-1");
+    let reclaiming = me.clone().reclaim(true);
+
+    // Connection A holds 0..3, then "restarts".
+    let a = Group::new(&client(&b.addr).await, JOBS, "workers");
+    let held = a.poll_as(&me, opt(3)).await;
+    assert_eq!((offsets(&held), attempts(&held)), (vec![0, 1, 2], vec![1, 1, 1]));
+
+    // Connection B, same name: its first reclaiming poll reserves 0..3.
+    let bb = a.via(&client(&b.addr).await);
+    let first = bb.poll_as(&reclaiming, opt(1)).await;
+    assert_eq!((offsets(&first), attempts(&first)), (vec![0], vec![2]));
+    // Nobody else gets the reserved ones, not even as owed records.
+    let stranger = a.via(&client(&b.addr).await);
+    let other = stranger.poll(10).await;
+    assert_eq!(offsets(&other), vec![3, 4, 5]);
+    let rest = bb.poll_as(&reclaiming, opt(10)).await;
+    assert_eq!((offsets(&rest), attempts(&rest)), (vec![1, 2], vec![2, 2]));
+    assert!(bb.poll_as(&reclaiming, opt(10)).await.is_empty());
+
+    // A is older than the last reclaim: it takes nothing back, only new work.
+    publish(&admin, JOBS, 1).await;
+    let a_again = a.poll_as(&reclaiming, opt(10)).await;
+    assert_eq!((offsets(&a_again), attempts(&a_again)), (vec![6], vec![1]));
+
+    // A newer connection C takes back what B and A hold under the name.
+    let cc = a.via(&client(&b.addr).await);
+    let back = cc.poll_as(&reclaiming, opt(10)).await;
+    assert_eq!((offsets(&back), attempts(&back)), (vec![0, 1, 2, 6], vec![3, 3, 3, 2]));
+    // Only that first poll reclaims; the stranger's records stay its own.
+    assert!(cc.poll_as(&reclaiming, opt(10)).await.is_empty());
+    stranger.ack_many(&[3, 4, 5]).await.unwrap();
+    cc.ack_all(&back).await;
+    assert_eq!(cc.position().await, 7);
+}
+
+/// The group features are advertised by a durable broker; an in-memory one
+/// advertises none, and the client refuses group calls rather than send
+/// them. A client that negotiated FEATURE_GROUP_SKIPPED gets the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn group_features_follow_durable_storage() {
+    use felix_wire::{FEATURE_GROUPS, FEATURE_GROUP_ADMIN, FEATURE_GROUP_CLAIM_CONTROL, FEATURE_GROUP_SKIPPED};
+    let all = FEATURE_GROUPS | FEATURE_GROUP_SKIPPED | FEATURE_GROUP_CLAIM_CONTROL | FEATURE_GROUP_ADMIN;
+
+    let durable = felix_tests::start_broker!(opts(30_000, 5));
+    let c = client(&durable.addr).await;
+    assert!(c.has_feature(all), "features {:#x}", c.features());
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 1).await;
+    let r = Group::new(&c, JOBS, "workers").poll(1).await;
+    assert_eq!(r[0].skipped_before, Some(0), "negotiated: present, nothing skipped");
+
+    let mem = felix_tests::start_broker!(felix_tests::BrokerOptions::default().in_memory());
+    let c: Client = client(&mem.addr).await;
+    assert_eq!(c.features() & all, 0, "features {:#x}", c.features());
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 1).await;
+    let unsupported = |r: Result<(), ClientError>| matches!(r, Err(ClientError::Unsupported(_)));
+    let g = Group::new(&c, JOBS, "workers");
+    let rec = fake_record(0, 1);
+    assert!(unsupported(c.group_poll(T, NS, JOBS, 0, "workers", 1).await.map(|_| ())));
+    assert!(unsupported(
+        c.group_poll_wait(T, NS, JOBS, 0, "workers", 1, Duration::from_secs(1)).await.map(|_| ())
+    ));
+    assert!(unsupported(
+        g.c.group_poll_as(T, NS, JOBS, 0, "workers", &GroupMember::new("m"), GroupPollOptions::default())
+            .await
+            .map(|_| ())
+    ));
+    assert!(unsupported(g.ack(0).await));
+    assert!(unsupported(g.nack(&rec).await));
+    assert!(unsupported(g.nack_after(&rec, Duration::from_secs(1)).await));
+    assert!(unsupported(g.extend(&rec, Duration::from_secs(1)).await.map(|_| ())));
+    assert!(unsupported(g.dead_letter(&rec, None).await));
+    assert!(unsupported(c.group_dead_letters(T, NS, JOBS, 0, "workers").await.map(|_| ())));
+    assert!(unsupported(g.redrive(0).await));
+    assert!(unsupported(g.discard(0).await));
+    assert!(unsupported(g.create(StartPosition::Latest).await));
+    assert!(unsupported(g.seek(StartPosition::Latest).await));
+    assert!(unsupported(g.describe().await.map(|_| ())));
+    assert!(unsupported(g.delete().await));
+    assert!(unsupported(c.list_groups(T, NS, JOBS, 0).await.map(|_| ())));
+}
+
+/// Offsets retention removed before the group got to them are settled and
+/// counted in the next record's skipped_before; the group's state survives
+/// retention (it is snapshotted into each new segment) and a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_retention_removed_are_skipped_and_counted() {
+    let cfg = config_file("[storage]\nsegment_bytes = 65536\nretention_check_ms = 100\n");
+    let mut b = felix_tests::start_broker!(opts(30_000, 5).env("FELIX_TEST_CONFIG", cfg.path.display()));
+    let c = client(&b.addr).await;
+    let retention = felix_client::StreamOptions { retention_bytes: Some(128 << 10), retention_ms: None };
+    c.create_stream(T, NS, JOBS, 1, retention).await.unwrap();
+    publish(&c, JOBS, 2).await;
+    let g = Group::new(&c, JOBS, "workers");
+    let batch = g.poll(2).await;
+    g.dead_letter(&batch[0], Some("kept")).await.unwrap();
+    g.ack(1).await.unwrap();
+    assert_eq!(g.position().await, 2);
+    for _ in 0..48 {
+        c.publish(T, NS, JOBS, 0, vec![1u8; 16 << 10]).await.unwrap();
+    }
+    let mut start = 0;
+    eventually("retention to remove old segments", Duration::from_secs(10), || async {
+        start = c.describe_shard(T, NS, JOBS, 0).await.unwrap().start_offset;
+        start > 2
+    })
+    .await;
+    let got = g.drain().await;
+    assert_eq!(got[0].offset, start);
+    assert_eq!(got[0].skipped_before, Some(start - 2), "2..{start} were removed unread");
+    assert!(got[1..].iter().all(|r| r.skipped_before == Some(0)));
+    assert_eq!(offsets(&got), (start..50).collect::<Vec<_>>());
+    g.ack_all(&got).await;
+    assert_eq!(g.position().await, 50);
+
+    b.kill9();
+    b.restart();
+    let g = Group::new(&client(&b.addr).await, JOBS, "workers");
+    assert_eq!(g.position().await, 50, "the group outlived the segments it was written in");
+    assert_eq!(g.dead_letters().await, vec![0]);
+    assert!(g.poll(10).await.is_empty());
+}
