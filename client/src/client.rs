@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use felix_wire::{
@@ -111,23 +111,10 @@ fn unexpected(resp: Response, call: &str) -> ClientError {
     ClientError::Protocol(format!("broker answered {call} with {}", resp.name()))
 }
 
-/// `Extended.stands_ms` as a duration from now.
-///
-/// felix-wire documents the field as the deadline in unix milliseconds;
-/// brokers built on the engine's tracker send the granted duration itself.
-/// The two cannot be confused: a unix-ms time is above 10^12 (September
-/// 2001), a duration is capped by FELIX_GROUP_MAX_VISIBILITY_MS (12 hours by
-/// default, 4.3 * 10^7), so values from 10^12 up are read as a deadline.
+/// `Extended.stands_ms`: how long the claim now stands, from the broker's
+/// answer.
 fn claim_stands_for(stands_ms: u64) -> Duration {
-    const UNIX_MS_FLOOR: u64 = 1_000_000_000_000;
-    if stands_ms < UNIX_MS_FLOOR {
-        return Duration::from_millis(stands_ms);
-    }
-    let now_ms = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-        .unwrap_or(0);
-    Duration::from_millis(stands_ms.saturating_sub(now_ms))
+    Duration::from_millis(stands_ms)
 }
 
 fn published(resp: Response) -> Result<Published> {

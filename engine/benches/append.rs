@@ -23,47 +23,67 @@ const FLUSH_EVERY_BYTES: usize = 1 << 20;
 fn batch(size: usize, n: usize) -> Vec<RecordIn> {
     let p = Bytes::from(vec![0x5a; size]);
     (0..n)
-        .map(|_| RecordIn { payload: p.clone(), ..Default::default() })
+        .map(|_| RecordIn {
+            payload: p.clone(),
+            ..Default::default()
+        })
         .collect()
 }
 
-fn on_executor<R: Send + 'static>(f: impl FnOnce() -> std::pin::Pin<Box<dyn std::future::Future<Output = R>>> + Send + 'static) -> R {
-    LocalExecutorBuilder::default().spawn(move || f()).unwrap().join().unwrap()
+fn on_executor<R: Send + 'static>(
+    f: impl FnOnce() -> std::pin::Pin<Box<dyn std::future::Future<Output = R>>> + Send + 'static,
+) -> R {
+    LocalExecutorBuilder::default()
+        .spawn(move || f())
+        .unwrap()
+        .join()
+        .unwrap()
 }
 
 fn durable_append(c: &mut Criterion) {
     let mut g = c.benchmark_group("durable_append");
-    g.sample_size(10).measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_millis(500));
+    g.sample_size(10)
+        .measurement_time(Duration::from_secs(3))
+        .warm_up_time(Duration::from_millis(500));
     for size in [100usize, 1024, 64 * 1024] {
         for n in [1usize, 64, 1024] {
             if size * n > 16 << 20 {
                 continue;
             }
             g.throughput(Throughput::Bytes((size * n) as u64));
-            g.bench_with_input(BenchmarkId::new(format!("{size}B"), n), &(size, n), |b, &(size, n)| {
-                b.iter_custom(|iters| {
-                    on_executor(move || {
-                        Box::pin(async move {
-                            let dir = tempfile::tempdir().unwrap();
-                            warm_up_dma(dir.path()).await.unwrap();
-                            let log = ShardLog::open(DmaStorage::new(), &dir.path().join("s"), LogConfig::default(), &mut |_| {})
+            g.bench_with_input(
+                BenchmarkId::new(format!("{size}B"), n),
+                &(size, n),
+                |b, &(size, n)| {
+                    b.iter_custom(|iters| {
+                        on_executor(move || {
+                            Box::pin(async move {
+                                let dir = tempfile::tempdir().unwrap();
+                                warm_up_dma(dir.path()).await.unwrap();
+                                let log = ShardLog::open(
+                                    DmaStorage::new(),
+                                    &dir.path().join("s"),
+                                    LogConfig::default(),
+                                    &mut |_| {},
+                                )
                                 .await
                                 .unwrap();
-                            let recs = batch(size, n);
-                            let per_flush = (FLUSH_EVERY_BYTES / (size * n)).max(1) as u64;
-                            let t = Instant::now();
-                            for i in 0..iters {
-                                log.append(&recs).unwrap();
-                                if (i + 1) % per_flush == 0 {
-                                    log.flush().await.unwrap();
+                                let recs = batch(size, n);
+                                let per_flush = (FLUSH_EVERY_BYTES / (size * n)).max(1) as u64;
+                                let t = Instant::now();
+                                for i in 0..iters {
+                                    log.append(&recs).unwrap();
+                                    if (i + 1) % per_flush == 0 {
+                                        log.flush().await.unwrap();
+                                    }
                                 }
-                            }
-                            log.flush().await.unwrap();
-                            t.elapsed()
+                                log.flush().await.unwrap();
+                                t.elapsed()
+                            })
                         })
                     })
-                })
-            });
+                },
+            );
         }
     }
     g.finish();
@@ -80,8 +100,14 @@ fn sequential_read(c: &mut Criterion) {
                 Box::pin(async move {
                     let dir = tempfile::tempdir().unwrap();
                     warm_up_dma(dir.path()).await.unwrap();
-                    let cfg = LogConfig { read_cache_bytes: 0, ..LogConfig::default() };
-                    let log = ShardLog::open(DmaStorage::new(), &dir.path().join("s"), cfg, &mut |_| {}).await.unwrap();
+                    let cfg = LogConfig {
+                        read_cache_bytes: 0,
+                        ..LogConfig::default()
+                    };
+                    let log =
+                        ShardLog::open(DmaStorage::new(), &dir.path().join("s"), cfg, &mut |_| {})
+                            .await
+                            .unwrap();
                     let recs = batch(1024, 1024);
                     for _ in 0..(total / (1024 * 1024)) {
                         log.append(&recs).unwrap();
@@ -92,7 +118,16 @@ fn sequential_read(c: &mut Criterion) {
                         let t = Instant::now();
                         let mut at = Offset::ZERO;
                         loop {
-                            let r = log.read(at, ReadLimits { max_records: 1000, max_bytes: 4 << 20 }).await.unwrap();
+                            let r = log
+                                .read(
+                                    at,
+                                    ReadLimits {
+                                        max_records: 1000,
+                                        max_bytes: 4 << 20,
+                                    },
+                                )
+                                .await
+                                .unwrap();
                             if r.records.is_empty() {
                                 break;
                             }
@@ -113,19 +148,32 @@ fn memory_append(c: &mut Criterion) {
     for size in [100usize, 1024] {
         let n = 64;
         g.throughput(Throughput::Elements(n as u64));
-        g.bench_with_input(BenchmarkId::new(format!("{size}B_x64"), n), &size, |b, &size| {
-            let storage = SimStorage::new();
-            let log = futures_lite::future::block_on(ShardLog::open(storage, Path::new("/b"), LogConfig { segment_bytes: 1 << 40, ..LogConfig::default() }, &mut |_| {})).unwrap();
-            let recs = batch(size, n);
-            let mut i = 0u64;
-            b.iter(|| {
-                log.append(&recs).unwrap();
-                i += 1;
-                if i % 64 == 0 {
-                    futures_lite::future::block_on(log.flush()).unwrap();
-                }
-            });
-        });
+        g.bench_with_input(
+            BenchmarkId::new(format!("{size}B_x64"), n),
+            &size,
+            |b, &size| {
+                let storage = SimStorage::new();
+                let log = futures_lite::future::block_on(ShardLog::open(
+                    storage,
+                    Path::new("/b"),
+                    LogConfig {
+                        segment_bytes: 1 << 40,
+                        ..LogConfig::default()
+                    },
+                    &mut |_| {},
+                ))
+                .unwrap();
+                let recs = batch(size, n);
+                let mut i = 0u64;
+                b.iter(|| {
+                    log.append(&recs).unwrap();
+                    i += 1;
+                    if i % 64 == 0 {
+                        futures_lite::future::block_on(log.flush()).unwrap();
+                    }
+                });
+            },
+        );
     }
     g.finish();
 }

@@ -104,8 +104,8 @@ pub fn load(data_dir: &Path) -> Result<Vec<StreamMeta>, String> {
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
                     Err(e) => return Err(format!("{}: {e}", meta_path.display())),
                 };
-                let name = StreamName::new(&t, &n, &s)
-                    .map_err(|e| format!("{}: {e}", sp.display()))?;
+                let name =
+                    StreamName::new(&t, &n, &s).map_err(|e| format!("{}: {e}", sp.display()))?;
                 let meta = StreamMeta::decode(name, &text)
                     .map_err(|e| format!("{}: {e}", meta_path.display()))?;
                 out.push(meta);

@@ -67,7 +67,7 @@ impl BatchHeader {
     }
     /// One past the last offset of the batch.
     pub fn end_offset(&self) -> Offset {
-        self.base_offset.add(self.offsets())
+        self.base_offset.plus(self.offsets())
     }
 }
 
@@ -285,7 +285,7 @@ pub fn for_each_record(
         if delta != i {
             return Err(FrameError::Body("offset delta out of sequence"));
         }
-        let offset = header.base_offset.add(delta as u64);
+        let offset = header.base_offset.plus(delta as u64);
         if offset < from {
             continue;
         }

@@ -10,10 +10,10 @@
 pub mod types;
 
 pub use types::{CoreId, NameError, Offset, ShardId, ShardKey, StreamName};
+pub mod catalog;
 pub mod format;
 pub mod group;
 pub mod log;
 pub mod notify;
 pub mod runtime;
 pub mod storage;
-pub mod catalog;

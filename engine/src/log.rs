@@ -92,6 +92,9 @@ impl Default for LogConfig {
 
 const _: () = assert!(ALIGN.is_power_of_two());
 
+/// Fills in the bodies of group-state entries to open a new segment with.
+pub type SnapshotProvider = Box<dyn Fn(&mut Vec<Vec<u8>>)>;
+
 /// Which frontier an appender waits for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Frontier {
@@ -158,7 +161,9 @@ pub enum Replayed<'a> {
 }
 
 /// Upper bounds (µs) of the fsync latency histogram buckets.
-pub const SYNC_BUCKETS_US: [u64; 12] = [50, 100, 250, 500, 1000, 2500, 5000, 10_000, 25_000, 50_000, 100_000, 1_000_000];
+pub const SYNC_BUCKETS_US: [u64; 12] = [
+    50, 100, 250, 500, 1000, 2500, 5000, 10_000, 25_000, 50_000, 100_000, 1_000_000,
+];
 
 /// fsync latency: a fixed-bucket histogram (cumulative buckets are computed
 /// by whoever renders it).
@@ -174,7 +179,10 @@ impl SyncStats {
     fn record(&mut self, us: u64) {
         self.count += 1;
         self.sum_us += us;
-        let i = SYNC_BUCKETS_US.iter().position(|b| us <= *b).unwrap_or(SYNC_BUCKETS_US.len());
+        let i = SYNC_BUCKETS_US
+            .iter()
+            .position(|b| us <= *b)
+            .unwrap_or(SYNC_BUCKETS_US.len());
         self.buckets[i] += 1;
     }
 
@@ -272,7 +280,7 @@ struct Inner<F> {
     flushes: u64,
     bytes_written: u64,
     sync: SyncStats,
-    snapshot: Option<Box<dyn Fn(&mut Vec<Vec<u8>>)>>,
+    snapshot: Option<SnapshotProvider>,
 }
 
 impl<F> Inner<F> {
@@ -426,7 +434,7 @@ impl<S: Storage> ShardLog<S> {
         config: LogConfig,
         replay: &mut dyn FnMut(Replayed<'_>),
     ) -> Result<Self, LogError> {
-        assert!(config.write_chunk_bytes % ALIGN == 0 && config.write_chunk_bytes > 0);
+        assert!(config.write_chunk_bytes.is_multiple_of(ALIGN) && config.write_chunk_bytes > 0);
         assert!(config.io_depth > 0, "io_depth must be at least 1");
         storage
             .create_dir_all(dir)
@@ -588,7 +596,7 @@ impl<S: Storage> ShardLog<S> {
 
     /// Set the provider of group-state snapshot bodies written at the start
     /// of every new segment.
-    pub fn set_snapshot_provider(&self, f: Box<dyn Fn(&mut Vec<Vec<u8>>)>) {
+    pub fn set_snapshot_provider(&self, f: SnapshotProvider) {
         self.inner.borrow_mut().snapshot = Some(f);
     }
 

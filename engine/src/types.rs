@@ -20,7 +20,7 @@ impl Offset {
     }
 
     #[inline]
-    pub fn add(self, n: u64) -> Offset {
+    pub fn plus(self, n: u64) -> Offset {
         Offset(self.0 + n)
     }
 }

@@ -19,7 +19,6 @@ pub struct Broker {
     cores: u32,
 }
 
-
 /// How to start a broker.
 #[derive(Clone, Debug)]
 pub struct BrokerOptions {
@@ -96,7 +95,10 @@ impl Broker {
             .arg(&self.addr)
             .arg(self.cores.to_string())
             .env("FELIX_METRICS_LISTEN", "127.0.0.1:0")
-            .env("RUST_LOG", std::env::var("FELIX_TEST_LOG").unwrap_or_else(|_| "warn".into()))
+            .env(
+                "RUST_LOG",
+                std::env::var("FELIX_TEST_LOG").unwrap_or_else(|_| "warn".into()),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::piped());
         for (k, v) in &self.env {
@@ -122,8 +124,10 @@ impl Broker {
         // Keep draining stdout so the broker never blocks on a full pipe.
         std::thread::spawn(move || for _ in lines {});
         self.child = Some(child);
-        wait_until(Duration::from_secs(20), || TcpStream::connect(&self.addr).is_ok())
-            .unwrap_or_else(|_| panic!("broker did not start listening on {}", self.addr));
+        wait_until(Duration::from_secs(20), || {
+            TcpStream::connect(&self.addr).is_ok()
+        })
+        .unwrap_or_else(|_| panic!("broker did not start listening on {}", self.addr));
     }
 
     /// `kill -9`: no shutdown, no flush.
@@ -175,8 +179,12 @@ impl Drop for Broker {
     }
 }
 
+/// A condition did not hold before its deadline.
+#[derive(Debug)]
+pub struct TimedOut;
+
 /// Poll `cond` until it holds or `deadline` passes.
-pub fn wait_until(deadline: Duration, mut cond: impl FnMut() -> bool) -> Result<(), ()> {
+pub fn wait_until(deadline: Duration, mut cond: impl FnMut() -> bool) -> Result<(), TimedOut> {
     let end = Instant::now() + deadline;
     while Instant::now() < end {
         if cond() {
@@ -185,5 +193,5 @@ pub fn wait_until(deadline: Duration, mut cond: impl FnMut() -> bool) -> Result<
         std::thread::yield_now();
         std::thread::park_timeout(Duration::from_millis(20));
     }
-    Err(())
+    Err(TimedOut)
 }

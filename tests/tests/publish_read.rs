@@ -10,14 +10,19 @@ use std::sync::Arc;
 use std::time::Duration;
 
 async fn client(b: &Broker) -> Client {
-    Client::connect(b.addr.as_str(), ClientConfig::default()).await.expect("connect")
+    Client::connect(b.addr.as_str(), ClientConfig::default())
+        .await
+        .expect("connect")
 }
 
 async fn read_shard(c: &Client, stream: &str, shard: u32) -> Vec<(u64, Bytes)> {
     let mut out = Vec::new();
     let mut from = StartPosition::Earliest;
     loop {
-        let b = c.read("t", "ns", stream, shard, from, 1000, None).await.expect("read");
+        let b = c
+            .read("t", "ns", stream, shard, from, 1000, None)
+            .await
+            .expect("read");
         if b.records.is_empty() {
             return out;
         }
@@ -45,15 +50,22 @@ async fn concurrent_publishers_read_back_every_record_once_in_order() {
     for p in 0..producers {
         let addr = broker.addr.clone();
         tasks.push(tokio::spawn(async move {
-            let c = Client::connect(addr.as_str(), ClientConfig::default()).await.unwrap();
+            let c = Client::connect(addr.as_str(), ClientConfig::default())
+                .await
+                .unwrap();
             let mut i = 0;
             while i < per_producer {
                 let n = (per_producer - i).min(1 + (i % 37));
                 let shard = (p + i) % shards;
                 let batch: Vec<RecordIn> = (i..i + n)
-                    .map(|j| RecordIn { payload: Bytes::from(format!("p{p}-{j}")), ..Default::default() })
+                    .map(|j| RecordIn {
+                        payload: Bytes::from(format!("p{p}-{j}")),
+                        ..Default::default()
+                    })
                     .collect();
-                c.publish_batch("t", "ns", "events", shard, batch).await.unwrap();
+                c.publish_batch("t", "ns", "events", shard, batch)
+                    .await
+                    .unwrap();
                 i += n;
             }
         }));
@@ -65,10 +77,16 @@ async fn concurrent_publishers_read_back_every_record_once_in_order() {
     for shard in 0..shards {
         let recs = read_shard(&admin, "events", shard).await;
         for (i, (off, payload)) in recs.iter().enumerate() {
-            assert_eq!(*off, i as u64, "offsets are dense and ordered on shard {shard}");
+            assert_eq!(
+                *off, i as u64,
+                "offsets are dense and ordered on shard {shard}"
+            );
             assert!(seen.insert(payload.clone()), "duplicate {:?}", payload);
         }
-        let info = admin.describe_shard("t", "ns", "events", shard).await.unwrap();
+        let info = admin
+            .describe_shard("t", "ns", "events", shard)
+            .await
+            .unwrap();
         assert_eq!(info.end_offset, recs.len() as u64);
     }
     assert_eq!(seen.len() as u32, producers * per_producer);
@@ -80,7 +98,10 @@ async fn concurrent_publishers_read_back_every_record_once_in_order() {
 async fn every_acknowledged_record_survives_kill_9() {
     let mut broker = felix_tests::start_broker!(BrokerOptions::default().cores(2));
     let admin = client(&broker).await;
-    admin.create_stream("t", "ns", "durable", 2, StreamOptions::default()).await.unwrap();
+    admin
+        .create_stream("t", "ns", "durable", 2, StreamOptions::default())
+        .await
+        .unwrap();
     let acked: Arc<std::sync::Mutex<Vec<(u32, u64, String)>>> = Arc::default();
     let counter = Arc::new(AtomicU64::new(0));
     let mut tasks = Vec::new();
@@ -89,12 +110,17 @@ async fn every_acknowledged_record_survives_kill_9() {
         let acked = acked.clone();
         let counter = counter.clone();
         tasks.push(tokio::spawn(async move {
-            let c = Client::connect(addr.as_str(), ClientConfig::default()).await.unwrap();
+            let c = Client::connect(addr.as_str(), ClientConfig::default())
+                .await
+                .unwrap();
             loop {
                 let i = counter.fetch_add(1, Ordering::SeqCst);
                 let shard = (i % 2) as u32;
                 let payload = format!("p{p}-{i}");
-                match c.publish("t", "ns", "durable", shard, payload.clone()).await {
+                match c
+                    .publish("t", "ns", "durable", shard, payload.clone())
+                    .await
+                {
                     Ok(off) => acked.lock().unwrap().push((shard, off, payload)),
                     Err(_) => return,
                 }
@@ -102,7 +128,10 @@ async fn every_acknowledged_record_survives_kill_9() {
         }));
     }
     // Let some publishes land, then pull the plug.
-    felix_tests::wait_until(Duration::from_secs(20), || acked.lock().unwrap().len() >= 300).unwrap();
+    felix_tests::wait_until(Duration::from_secs(20), || {
+        acked.lock().unwrap().len() >= 300
+    })
+    .unwrap();
     broker.kill9();
     for t in tasks {
         let _ = t.await;
@@ -113,17 +142,30 @@ async fn every_acknowledged_record_survives_kill_9() {
     for shard in 0..2u32 {
         let recs = read_shard(&c, "durable", shard).await;
         let offsets: Vec<u64> = recs.iter().map(|r| r.0).collect();
-        assert_eq!(offsets, (0..recs.len() as u64).collect::<Vec<_>>(), "dense, in order");
+        assert_eq!(
+            offsets,
+            (0..recs.len() as u64).collect::<Vec<_>>(),
+            "dense, in order"
+        );
         let payloads: HashSet<_> = recs.iter().map(|r| r.1.clone()).collect();
         assert_eq!(payloads.len(), recs.len(), "no duplicates");
         for (s, off, payload) in acked.iter().filter(|a| a.0 == shard) {
-            let got = recs.get(*off as usize).unwrap_or_else(|| panic!("acked offset {off} on shard {s} lost"));
+            let got = recs
+                .get(*off as usize)
+                .unwrap_or_else(|| panic!("acked offset {off} on shard {s} lost"));
             assert_eq!(got.1, Bytes::from(payload.clone()), "acked record changed");
         }
     }
     // Appends continue after the recovered end.
     let next = c.publish("t", "ns", "durable", 0, "after").await.unwrap();
-    assert!(next >= acked.iter().filter(|a| a.0 == 0).map(|a| a.1 + 1).max().unwrap_or(0));
+    assert!(
+        next >= acked
+            .iter()
+            .filter(|a| a.0 == 0)
+            .map(|a| a.1 + 1)
+            .max()
+            .unwrap_or(0)
+    );
 }
 
 /// Errors are typed: unknown streams, bad names, shards out of range,
@@ -135,21 +177,44 @@ async fn bad_requests_get_typed_errors_and_lose_nothing() {
     fn code<T>(r: Result<T, ClientError>) -> Option<ErrorCode> {
         r.err().and_then(|e| e.code())
     }
-    assert_eq!(code(c.publish("t", "ns", "nope", 0, "x").await), Some(ErrorCode::NotFound));
-    c.create_stream("t", "ns", "s", 2, StreamOptions::default()).await.unwrap();
     assert_eq!(
-        code(c.create_stream("t", "ns", "s", 2, StreamOptions::default()).await.map(|_| ())),
+        code(c.publish("t", "ns", "nope", 0, "x").await),
+        Some(ErrorCode::NotFound)
+    );
+    c.create_stream("t", "ns", "s", 2, StreamOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(
+        code(
+            c.create_stream("t", "ns", "s", 2, StreamOptions::default())
+                .await
+                .map(|_| ())
+        ),
         Some(ErrorCode::AlreadyExists)
     );
     assert_eq!(
-        code(c.create_stream("t", "n s", "x", 1, StreamOptions::default()).await.map(|_| ())),
+        code(
+            c.create_stream("t", "n s", "x", 1, StreamOptions::default())
+                .await
+                .map(|_| ())
+        ),
         Some(ErrorCode::InvalidRequest)
     );
-    assert!(c.create_stream("t", "ns", "zero", 0, StreamOptions::default()).await.is_err());
-    assert_eq!(code(c.publish("t", "ns", "s", 9, "x").await), Some(ErrorCode::NotFound));
+    assert!(c
+        .create_stream("t", "ns", "zero", 0, StreamOptions::default())
+        .await
+        .is_err());
+    assert_eq!(
+        code(c.publish("t", "ns", "s", 9, "x").await),
+        Some(ErrorCode::NotFound)
+    );
     c.publish("t", "ns", "s", 0, "one").await.unwrap();
     assert_eq!(
-        code(c.read("t", "ns", "s", 0, StartPosition::Offset(5), 10, None).await.map(|_| ())),
+        code(
+            c.read("t", "ns", "s", 0, StartPosition::Offset(5), 10, None)
+                .await
+                .map(|_| ())
+        ),
         Some(ErrorCode::InvalidRequest)
     );
     // Oversized payload: refused, connection and data intact.
@@ -161,7 +226,14 @@ async fn bad_requests_get_typed_errors_and_lose_nothing() {
     let list = c.list_streams(None).await.unwrap();
     assert_eq!(list.len(), 1);
     c.delete_stream("t", "ns", "s").await.unwrap();
-    assert_eq!(code(c.read("t", "ns", "s", 0, StartPosition::Earliest, 1, None).await.map(|_| ())), Some(ErrorCode::NotFound));
+    assert_eq!(
+        code(
+            c.read("t", "ns", "s", 0, StartPosition::Earliest, 1, None)
+                .await
+                .map(|_| ())
+        ),
+        Some(ErrorCode::NotFound)
+    );
 }
 
 /// A long poll is woken by a publish and never blocks other requests on the
@@ -170,17 +242,32 @@ async fn bad_requests_get_typed_errors_and_lose_nothing() {
 async fn a_long_poll_wakes_on_publish_and_does_not_block_the_connection() {
     let broker = felix_tests::start_broker!(BrokerOptions::default().cores(1));
     let c = client(&broker).await;
-    c.create_stream("t", "ns", "tail", 1, StreamOptions::default()).await.unwrap();
+    c.create_stream("t", "ns", "tail", 1, StreamOptions::default())
+        .await
+        .unwrap();
     let c2 = c.clone();
     let poll = tokio::spawn(async move {
-        c2.read("t", "ns", "tail", 0, StartPosition::Latest, 10, Some(Duration::from_secs(20))).await
+        c2.read(
+            "t",
+            "ns",
+            "tail",
+            0,
+            StartPosition::Latest,
+            10,
+            Some(Duration::from_secs(20)),
+        )
+        .await
     });
     // Requests on the same connection still answer while the poll waits.
     for _ in 0..5 {
         c.describe_shard("t", "ns", "tail", 0).await.unwrap();
     }
     c.publish("t", "ns", "tail", 0, "wake").await.unwrap();
-    let got = tokio::time::timeout(Duration::from_secs(10), poll).await.expect("poll woke").unwrap().unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(10), poll)
+        .await
+        .expect("poll woke")
+        .unwrap()
+        .unwrap();
     assert_eq!(got.records.len(), 1);
     assert_eq!(&got.records[0].payload[..], b"wake");
 }
@@ -190,9 +277,22 @@ async fn a_long_poll_wakes_on_publish_and_does_not_block_the_connection() {
 async fn sigterm_shuts_down_cleanly_and_streams_survive() {
     let mut broker = felix_tests::start_broker!(BrokerOptions::default().cores(2));
     let c = client(&broker).await;
-    c.create_stream("t", "ns", "keep", 3, StreamOptions { retention_bytes: Some(1 << 30), retention_ms: None }).await.unwrap();
+    c.create_stream(
+        "t",
+        "ns",
+        "keep",
+        3,
+        StreamOptions {
+            retention_bytes: Some(1 << 30),
+            retention_ms: None,
+        },
+    )
+    .await
+    .unwrap();
     for i in 0..30u32 {
-        c.publish("t", "ns", "keep", i % 3, format!("r{i}")).await.unwrap();
+        c.publish("t", "ns", "keep", i % 3, format!("r{i}"))
+            .await
+            .unwrap();
     }
     drop(c);
     let status = broker.terminate();
@@ -217,7 +317,9 @@ async fn sigterm_shuts_down_cleanly_and_streams_survive() {
 async fn metrics_count_publishes_and_shard_offsets() {
     let broker = felix_tests::start_broker!(BrokerOptions::default().cores(2));
     let c = client(&broker).await;
-    c.create_stream("t", "ns", "m", 2, StreamOptions::default()).await.unwrap();
+    c.create_stream("t", "ns", "m", 2, StreamOptions::default())
+        .await
+        .unwrap();
     for i in 0..10u32 {
         c.publish("t", "ns", "m", i % 2, "x").await.unwrap();
     }
@@ -232,7 +334,9 @@ async fn an_in_memory_broker_works_and_does_not_advertise_groups() {
     let broker = felix_tests::start_broker!(BrokerOptions::default().in_memory());
     let c = client(&broker).await;
     assert_eq!(c.features() & felix_wire::FEATURE_GROUPS, 0);
-    c.create_stream("t", "ns", "mem", 1, StreamOptions::default()).await.unwrap();
+    c.create_stream("t", "ns", "mem", 1, StreamOptions::default())
+        .await
+        .unwrap();
     c.publish("t", "ns", "mem", 0, "x").await.unwrap();
     assert_eq!(read_shard(&c, "mem", 0).await.len(), 1);
 }
@@ -246,7 +350,9 @@ async fn malformed_frames_never_take_the_broker_down() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let broker = felix_tests::start_broker!(BrokerOptions::default().cores(2));
     let c = client(&broker).await;
-    c.create_stream("t", "ns", "safe", 1, StreamOptions::default()).await.unwrap();
+    c.create_stream("t", "ns", "safe", 1, StreamOptions::default())
+        .await
+        .unwrap();
     c.publish("t", "ns", "safe", 0, "before").await.unwrap();
     let seed: u64 = rand::random();
     let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
@@ -271,7 +377,9 @@ async fn malformed_frames_never_take_the_broker_down() {
     }
     // Still up, still correct.
     let c = client(&broker).await;
-    c.publish("t", "ns", "safe", 0, "after").await.unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+    c.publish("t", "ns", "safe", 0, "after")
+        .await
+        .unwrap_or_else(|e| panic!("seed {seed}: {e}"));
     let recs = read_shard(&c, "safe", 0).await;
     assert_eq!(recs.len(), 2, "seed {seed}");
 }

@@ -893,12 +893,17 @@ impl Sim {
         } else {
             self.rng.gen_range(0..self.end + 2)
         };
+        let frontier = self.t.frontier().0;
         let r = self.t.discard(self.now, Offset(o));
         self.note(format!("discard {o} -> {r:?}"));
         assert_eq!(r.is_ok(), dead.contains(&o));
         if let Ok(w) = r {
             self.write(w, true);
             self.discarded_ever.insert(o);
+            if o < frontier {
+                // Passed by the frontier as a dead letter: stays finished.
+                self.finished_epoch.insert(o);
+            }
             self.must_list.remove(&o);
         }
     }

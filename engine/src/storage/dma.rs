@@ -133,7 +133,7 @@ impl StorageFile for DmaStorageFile {
     async fn write_at(&self, buf: DmaBuffer, pos: u64) -> io::Result<()> {
         let len = buf.len();
         assert!(
-            pos % ALIGN as u64 == 0 && len % ALIGN == 0,
+            pos.is_multiple_of(ALIGN as u64) && len.is_multiple_of(ALIGN),
             "unaligned DMA write"
         );
         let n = self.file.write_at(buf, pos).await.map_err(gio)?;

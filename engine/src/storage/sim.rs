@@ -397,24 +397,26 @@ impl StorageFile for SimFile {
     }
 
     async fn sync(&self) -> io::Result<()> {
-        {
+        let (hang, fail) = {
             let mut d = self.disk.borrow_mut();
             d.syncs += 1;
-            if d.hang_sync_on == Some(d.syncs) {
-                drop(d);
-                return std::future::pending::<io::Result<()>>().await;
-            }
-            if d.fail_sync_on == Some(d.syncs) {
-                // Like Linux after a failed fsync: the dirty data may be gone
-                // and the error is not reported again. Drop it.
-                drop(d);
-                return self
-                    .with(|f| {
-                        f.current = f.synced.clone();
-                        f.unsynced.clear();
-                    })
-                    .and(Err(io::Error::other("simulated fsync failure")));
-            }
+            (
+                d.hang_sync_on == Some(d.syncs),
+                d.fail_sync_on == Some(d.syncs),
+            )
+        };
+        if hang {
+            return std::future::pending::<io::Result<()>>().await;
+        }
+        if fail {
+            // Like Linux after a failed fsync: the dirty data may be gone
+            // and the error is not reported again. Drop it.
+            return self
+                .with(|f| {
+                    f.current = f.synced.clone();
+                    f.unsynced.clear();
+                })
+                .and(Err(io::Error::other("simulated fsync failure")));
         }
         self.with(|f| {
             // Apply the deltas rather than copying the file: O(bytes since

@@ -6,11 +6,11 @@
 //! cross-core hop. Cross-core messages ([`CoreMsg`]) carry connection hand-offs
 //! and admin fan-out (stream create/delete, metrics scrape) only.
 
-use felix_engine::catalog::{self, StreamMeta};
 use crate::config::Config;
 use crate::conn;
 use crate::metrics::{CoreMetrics, MetricsSnapshot, ShardSnapshot};
 use crate::shard::Shard;
+use felix_engine::catalog::{self, StreamMeta};
 use felix_engine::log::LogConfig;
 use felix_engine::notify::WaitList;
 use felix_engine::runtime::{placement, CoreContext};
@@ -50,7 +50,9 @@ pub(crate) enum CoreMsg {
         reply: oneshot::Sender<Result<(), String>>,
     },
     /// Report this core's metrics.
-    Scrape { reply: oneshot::Sender<MetricsSnapshot> },
+    Scrape {
+        reply: oneshot::Sender<MetricsSnapshot>,
+    },
     /// Stop accepting, finish in-flight requests, flush, exit.
     Shutdown,
 }
@@ -210,7 +212,10 @@ impl<S: Storage> Core<S> {
                 }
                 None => Err(wire_err(
                     ErrorCode::NotFound,
-                    format!("{stream} has {} shards; there is no shard {shard}", ls.meta.shards),
+                    format!(
+                        "{stream} has {} shards; there is no shard {shard}",
+                        ls.meta.shards
+                    ),
                 )),
             };
         }
@@ -262,7 +267,10 @@ impl<S: Storage> Core<S> {
         {
             let mut cat = self.shared.catalog.lock().unwrap();
             if cat.contains_key(&name) {
-                return wire_err(ErrorCode::AlreadyExists, format!("stream {name} already exists"));
+                return wire_err(
+                    ErrorCode::AlreadyExists,
+                    format!("stream {name} already exists"),
+                );
             }
             cat.insert(name.clone(), meta.clone());
         }
@@ -328,7 +336,11 @@ impl<S: Storage> Core<S> {
             // Metadata first: once it is gone the stream does not come back
             // after a crash, whatever shard files remain.
             let dir = meta.dir(&self.data_dir());
-            if let Err(e) = self.storage.remove_file(&dir.join(catalog::META_FILE)).await {
+            if let Err(e) = self
+                .storage
+                .remove_file(&dir.join(catalog::META_FILE))
+                .await
+            {
                 tracing::warn!("removing metadata of {name}: {e}");
             }
         }
@@ -352,7 +364,10 @@ impl<S: Storage> Core<S> {
             }
         }
         if self.shared.durable {
-            let _ = self.storage.remove_dir_all(&meta.dir(&self.data_dir())).await;
+            let _ = self
+                .storage
+                .remove_dir_all(&meta.dir(&self.data_dir()))
+                .await;
         }
         tracing::info!(stream = %name, "stream deleted");
         if problems.is_empty() {
@@ -499,7 +514,10 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
     // Announce the real addresses on stdout (scripts and tests read them).
     println!("felix: listening on {listen}");
     if let Some(l) = &metrics_listener {
-        println!("felix: metrics on http://{}/metrics", l.local_addr().map_err(|e| e.to_string())?);
+        println!(
+            "felix: metrics on http://{}/metrics",
+            l.local_addr().map_err(|e| e.to_string())?
+        );
     }
     let metrics_listener = Arc::new(Mutex::new(metrics_listener));
     install_signal_thread(shared.clone());
@@ -513,7 +531,11 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
             .expect("one mailbox per core");
         let metas = metas.clone();
         let listen = listen.clone();
-        let metrics = if ctx.core.0 == 0 { metrics_listener.lock().unwrap().take() } else { None };
+        let metrics = if ctx.core.0 == 0 {
+            metrics_listener.lock().unwrap().take()
+        } else {
+            None
+        };
         async move {
             if shared.durable {
                 let storage = felix_engine::storage::dma::DmaStorage::new();
@@ -541,7 +563,9 @@ fn reserve_port(addr: &str) -> Result<(std::os::fd::OwnedFd, std::net::SocketAdd
         .next()
         .ok_or_else(|| format!("listen address {addr:?} resolves to nothing"))?;
     let std::net::SocketAddr::V4(v4) = sa else {
-        return Err(format!("listen address {sa}: only IPv4 is supported for now"));
+        return Err(format!(
+            "listen address {sa}: only IPv4 is supported for now"
+        ));
     };
     // SAFETY: plain socket calls on a descriptor we own; the sockaddr is a
     // fully initialised sockaddr_in.
@@ -552,18 +576,35 @@ fn reserve_port(addr: &str) -> Result<(std::os::fd::OwnedFd, std::net::SocketAdd
         }
         let owned = std::os::fd::OwnedFd::from_raw_fd(fd);
         let one: libc::c_int = 1;
-        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_REUSEPORT, &one as *const _ as *const libc::c_void, 4);
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_REUSEPORT,
+            &one as *const _ as *const libc::c_void,
+            4,
+        );
         let mut sin: libc::sockaddr_in = std::mem::zeroed();
         sin.sin_family = libc::AF_INET as libc::sa_family_t;
         sin.sin_port = v4.port().to_be();
         sin.sin_addr.s_addr = u32::from_ne_bytes(v4.ip().octets());
-        if libc::bind(fd, &sin as *const _ as *const libc::sockaddr, std::mem::size_of::<libc::sockaddr_in>() as u32) != 0 {
-            return Err(format!("cannot listen on {addr}: {}", std::io::Error::last_os_error()));
+        if libc::bind(
+            fd,
+            &sin as *const _ as *const libc::sockaddr,
+            std::mem::size_of::<libc::sockaddr_in>() as u32,
+        ) != 0
+        {
+            return Err(format!(
+                "cannot listen on {addr}: {}",
+                std::io::Error::last_os_error()
+            ));
         }
         let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
         libc::getsockname(fd, &mut sin as *mut _ as *mut libc::sockaddr, &mut len);
         let port = u16::from_be(sin.sin_port);
-        Ok((owned, std::net::SocketAddr::new(std::net::IpAddr::V4(*v4.ip()), port)))
+        Ok((
+            owned,
+            std::net::SocketAddr::new(std::net::IpAddr::V4(*v4.ip()), port),
+        ))
     }
 }
 
@@ -597,7 +638,10 @@ async fn core_main<S: Storage>(
     let listener = match glommio::net::TcpListener::bind(&listen) {
         Ok(l) => l,
         Err(e) => {
-            eprintln!("felix: core {}: cannot listen on {listen}: {e}", core.core_id());
+            eprintln!(
+                "felix: core {}: cannot listen on {listen}: {e}",
+                core.core_id()
+            );
             std::process::exit(1);
         }
     };
@@ -621,14 +665,18 @@ async fn core_main<S: Storage>(
             while !core.stopping.get() {
                 core.lifecycle.wait().await;
             }
-            Err(glommio::GlommioError::<()>::IoError(std::io::Error::other("stopping")))
+            Err(glommio::GlommioError::<()>::IoError(std::io::Error::other(
+                "stopping",
+            )))
         };
         match futures_lite::future::or(accept, stop).await {
             Ok(stream) => {
                 let n = shared.connections.fetch_add(1, Ordering::Relaxed);
                 if n >= shared.config.max_connections as usize {
                     shared.connections.fetch_sub(1, Ordering::Relaxed);
-                    core.metrics.connections_refused.set(core.metrics.connections_refused.get() + 1);
+                    core.metrics
+                        .connections_refused
+                        .set(core.metrics.connections_refused.get() + 1);
                     tracing::warn!("connection refused: {} open", n);
                     drop(stream);
                     continue;

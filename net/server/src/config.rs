@@ -152,7 +152,10 @@ impl Config {
         for s in SETTINGS {
             values.insert(
                 (s.section, s.name),
-                Resolved { value: s.default.to_string(), source: Source::Default },
+                Resolved {
+                    value: s.default.to_string(),
+                    source: Source::Default,
+                },
             );
         }
         if let Some(path) = file {
@@ -169,7 +172,9 @@ impl Config {
                     )));
                 };
                 for (name, v) in inner {
-                    let Some(s) = SETTINGS.iter().find(|s| s.section == section && s.name == name)
+                    let Some(s) = SETTINGS
+                        .iter()
+                        .find(|s| s.section == section && s.name == name)
                     else {
                         return Err(ConfigError(format!(
                             "{}: unknown setting `{section}.{name}`",
@@ -178,7 +183,9 @@ impl Config {
                     };
                     let value = match (&v, s.kind) {
                         (toml::Value::String(x), _) => x.clone(),
-                        (toml::Value::Integer(i), Kind::U64 | Kind::Str) if *i >= 0 => i.to_string(),
+                        (toml::Value::Integer(i), Kind::U64 | Kind::Str) if *i >= 0 => {
+                            i.to_string()
+                        }
                         (toml::Value::Boolean(b), Kind::Bool) => b.to_string(),
                         _ => {
                             return Err(ConfigError(format!(
@@ -189,7 +196,10 @@ impl Config {
                     };
                     values.insert(
                         (s.section, s.name),
-                        Resolved { value, source: Source::File(path.to_path_buf()) },
+                        Resolved {
+                            value,
+                            source: Source::File(path.to_path_buf()),
+                        },
                     );
                 }
             }
@@ -197,37 +207,66 @@ impl Config {
         for s in SETTINGS {
             if let Some(var) = s.env {
                 if let Some(v) = env.get(var) {
-                    values.insert((s.section, s.name), Resolved { value: v.clone(), source: Source::Env(var) });
+                    values.insert(
+                        (s.section, s.name),
+                        Resolved {
+                            value: v.clone(),
+                            source: Source::Env(var),
+                        },
+                    );
                 }
             }
         }
         if let Some(d) = &overrides.data_dir {
             values.insert(
                 ("storage", "data_dir"),
-                Resolved { value: d.display().to_string(), source: Source::Flag("--data-dir") },
+                Resolved {
+                    value: d.display().to_string(),
+                    source: Source::Flag("--data-dir"),
+                },
             );
         }
         if let Some(l) = &overrides.listen {
-            values.insert(("server", "listen"), Resolved { value: l.clone(), source: Source::Flag("--listen") });
+            values.insert(
+                ("server", "listen"),
+                Resolved {
+                    value: l.clone(),
+                    source: Source::Flag("--listen"),
+                },
+            );
         }
         if let Some(c) = &overrides.cores {
-            values.insert(("server", "cores"), Resolved { value: c.clone(), source: Source::Flag("--cores") });
+            values.insert(
+                ("server", "cores"),
+                Resolved {
+                    value: c.clone(),
+                    source: Source::Flag("--cores"),
+                },
+            );
         }
         Self::build(values)
     }
 
-    fn build(values: BTreeMap<(&'static str, &'static str), Resolved>) -> Result<Config, ConfigError> {
+    fn build(
+        values: BTreeMap<(&'static str, &'static str), Resolved>,
+    ) -> Result<Config, ConfigError> {
         let get = |sec: &'static str, name: &'static str| -> &Resolved { &values[&(sec, name)] };
         let num = |sec: &'static str, name: &'static str| -> Result<u64, ConfigError> {
             let r = get(sec, name);
             r.value.trim().parse::<u64>().map_err(|_| {
-                ConfigError(format!("{sec}.{name} = {:?} (from {}) is not a whole number", r.value, r.source))
+                ConfigError(format!(
+                    "{sec}.{name} = {:?} (from {}) is not a whole number",
+                    r.value, r.source
+                ))
             })
         };
         let boolean = |sec: &'static str, name: &'static str| -> Result<bool, ConfigError> {
             let r = get(sec, name);
             parse_bool(&r.value).ok_or_else(|| {
-                ConfigError(format!("{sec}.{name} = {:?} (from {}) is not true/false/1/0", r.value, r.source))
+                ConfigError(format!(
+                    "{sec}.{name} = {:?} (from {}) is not true/false/1/0",
+                    r.value, r.source
+                ))
             })
         };
         let nonzero = |v: u64, what: &str| -> Result<u64, ConfigError> {
@@ -243,7 +282,10 @@ impl Config {
         };
         let data_dir = get("storage", "data_dir").value.trim().to_string();
         let metrics = get("server", "metrics_listen").value.trim().to_string();
-        let visibility_timeout_ms = nonzero(num("groups", "visibility_timeout_ms")?, "groups.visibility_timeout_ms")?;
+        let visibility_timeout_ms = nonzero(
+            num("groups", "visibility_timeout_ms")?,
+            "groups.visibility_timeout_ms",
+        )?;
         let max_visibility_ms = num("groups", "max_visibility_ms")?;
         if max_visibility_ms < visibility_timeout_ms {
             return Err(ConfigError(format!(
@@ -252,37 +294,86 @@ impl Config {
         }
         let write_chunk_bytes = num("storage", "write_chunk_bytes")?;
         if write_chunk_bytes == 0 || write_chunk_bytes % 4096 != 0 {
-            return Err(ConfigError("storage.write_chunk_bytes must be a positive multiple of 4096".into()));
+            return Err(ConfigError(
+                "storage.write_chunk_bytes must be a positive multiple of 4096".into(),
+            ));
         }
         let cfg = Config {
             listen: get("server", "listen").value.clone(),
             cores: get("server", "cores").value.clone(),
             max_connections: nonzero(num("server", "max_connections")?, "server.max_connections")?,
             idle_timeout_ms: nonzero(num("server", "idle_timeout_ms")?, "server.idle_timeout_ms")?,
-            max_frame_bytes: u32_of(nonzero(num("server", "max_frame_bytes")?, "server.max_frame_bytes")?, "server.max_frame_bytes")?,
-            metrics_listen: if metrics.is_empty() { None } else { Some(metrics) },
+            max_frame_bytes: u32_of(
+                nonzero(num("server", "max_frame_bytes")?, "server.max_frame_bytes")?,
+                "server.max_frame_bytes",
+            )?,
+            metrics_listen: if metrics.is_empty() {
+                None
+            } else {
+                Some(metrics)
+            },
             shutdown_grace_ms: num("server", "shutdown_grace_ms")?,
             log: get("server", "log").value.clone(),
-            data_dir: if data_dir.is_empty() { None } else { Some(PathBuf::from(data_dir)) },
+            data_dir: if data_dir.is_empty() {
+                None
+            } else {
+                Some(PathBuf::from(data_dir))
+            },
             ack_on_commit: boolean("storage", "ack_on_commit")?,
             segment_bytes: nonzero(num("storage", "segment_bytes")?, "storage.segment_bytes")?,
             retention_bytes: opt(num("storage", "retention_bytes")?),
             retention_ms: opt(num("storage", "retention_ms")?),
-            io_queue_depth: nonzero(num("storage", "io_queue_depth")?, "storage.io_queue_depth")? as usize,
+            io_queue_depth: nonzero(num("storage", "io_queue_depth")?, "storage.io_queue_depth")?
+                as usize,
             write_chunk_bytes: write_chunk_bytes as usize,
             read_cache_bytes: num("storage", "read_cache_bytes")? as usize,
-            max_queued_bytes: nonzero(num("storage", "max_queued_bytes")?, "storage.max_queued_bytes")? as usize,
-            retention_check_ms: nonzero(num("storage", "retention_check_ms")?, "storage.retention_check_ms")?,
+            max_queued_bytes: nonzero(
+                num("storage", "max_queued_bytes")?,
+                "storage.max_queued_bytes",
+            )? as usize,
+            retention_check_ms: nonzero(
+                num("storage", "retention_check_ms")?,
+                "storage.retention_check_ms",
+            )?,
             visibility_timeout_ms,
-            max_attempts: u32_of(nonzero(num("groups", "max_attempts")?, "groups.max_attempts")?, "groups.max_attempts")?,
+            max_attempts: u32_of(
+                nonzero(num("groups", "max_attempts")?, "groups.max_attempts")?,
+                "groups.max_attempts",
+            )?,
             max_wait_ms: num("groups", "max_wait_ms")?,
-            max_in_flight: u32_of(nonzero(num("groups", "max_in_flight")?, "groups.max_in_flight")?, "groups.max_in_flight")?,
+            max_in_flight: u32_of(
+                nonzero(num("groups", "max_in_flight")?, "groups.max_in_flight")?,
+                "groups.max_in_flight",
+            )?,
             max_visibility_ms,
             group_idle_ms: nonzero(num("groups", "idle_ms")?, "groups.idle_ms")?,
-            max_records_per_read: u32_of(nonzero(num("limits", "max_records_per_read")?, "limits.max_records_per_read")?, "limits.max_records_per_read")?.min(1000),
-            max_bytes_per_read: u32_of(nonzero(num("limits", "max_bytes_per_read")?, "limits.max_bytes_per_read")?, "limits.max_bytes_per_read")?.min(4 << 20),
-            max_records_per_publish: u32_of(nonzero(num("limits", "max_records_per_publish")?, "limits.max_records_per_publish")?, "limits.max_records_per_publish")?,
-            max_shards: u32_of(nonzero(num("limits", "max_shards")?, "limits.max_shards")?, "limits.max_shards")?,
+            max_records_per_read: u32_of(
+                nonzero(
+                    num("limits", "max_records_per_read")?,
+                    "limits.max_records_per_read",
+                )?,
+                "limits.max_records_per_read",
+            )?
+            .min(1000),
+            max_bytes_per_read: u32_of(
+                nonzero(
+                    num("limits", "max_bytes_per_read")?,
+                    "limits.max_bytes_per_read",
+                )?,
+                "limits.max_bytes_per_read",
+            )?
+            .min(4 << 20),
+            max_records_per_publish: u32_of(
+                nonzero(
+                    num("limits", "max_records_per_publish")?,
+                    "limits.max_records_per_publish",
+                )?,
+                "limits.max_records_per_publish",
+            )?,
+            max_shards: u32_of(
+                nonzero(num("limits", "max_shards")?, "limits.max_shards")?,
+                "limits.max_shards",
+            )?,
             values,
         };
         Ok(cfg)
@@ -307,7 +398,10 @@ impl Config {
                 _ => r.value.clone(),
             };
             let env = s.env.map(|e| format!(", {e}")).unwrap_or_default();
-            out.push_str(&format!("{} = {}  # from {}{} — {}\n", s.name, shown, r.source, env, s.help));
+            out.push_str(&format!(
+                "{} = {}  # from {}{} — {}\n",
+                s.name, shown, r.source, env, s.help
+            ));
         }
         out
     }
@@ -349,9 +443,15 @@ mod tests {
         if std::env::var("FELIX_WRITE_EXAMPLE").is_ok() {
             std::fs::write(&path, example_toml()).unwrap();
         }
-        let shipped = std::fs::read_to_string(&path).expect("felix.example.toml at the repository root");
-        assert_eq!(shipped, example_toml(), "regenerate with FELIX_WRITE_EXAMPLE=1 cargo test -p felix-server");
-        let cfg = Config::load_with_env(Some(&path), &Overrides::default(), &BTreeMap::new()).unwrap();
+        let shipped =
+            std::fs::read_to_string(&path).expect("felix.example.toml at the repository root");
+        assert_eq!(
+            shipped,
+            example_toml(),
+            "regenerate with FELIX_WRITE_EXAMPLE=1 cargo test -p felix-server"
+        );
+        let cfg =
+            Config::load_with_env(Some(&path), &Overrides::default(), &BTreeMap::new()).unwrap();
         assert!(cfg.render().contains("from file"));
     }
 
@@ -365,7 +465,10 @@ mod tests {
         env.insert("FELIX_ACK_ON_COMMIT".to_string(), "0".to_string());
         let cfg = Config::load_with_env(
             Some(&file),
-            &Overrides { listen: Some("127.0.0.1:9100".into()), ..Default::default() },
+            &Overrides {
+                listen: Some("127.0.0.1:9100".into()),
+                ..Default::default()
+            },
             &env,
         )
         .unwrap();
@@ -374,9 +477,15 @@ mod tests {
         assert!(!cfg.ack_on_commit);
         assert_eq!(cfg.listen, "127.0.0.1:9100");
         let shown = cfg.render();
-        assert!(shown.contains("max_attempts = 7  # from env FELIX_GROUP_MAX_ATTEMPTS"), "{shown}");
+        assert!(
+            shown.contains("max_attempts = 7  # from env FELIX_GROUP_MAX_ATTEMPTS"),
+            "{shown}"
+        );
         assert!(shown.contains("from flag --listen"), "{shown}");
-        assert!(shown.contains("visibility_timeout_ms = 1000  # from file"), "{shown}");
+        assert!(
+            shown.contains("visibility_timeout_ms = 1000  # from file"),
+            "{shown}"
+        );
     }
 
     #[test]
@@ -384,10 +493,18 @@ mod tests {
         let dir = tempfile_dir();
         let file = dir.join("bad.toml");
         std::fs::write(&file, "[groups]\nmax_atempts = 3\n").unwrap();
-        let e = Config::load_with_env(Some(&file), &Overrides::default(), &BTreeMap::new()).unwrap_err();
-        assert!(e.to_string().contains("unknown setting `groups.max_atempts`"), "{e}");
+        let e = Config::load_with_env(Some(&file), &Overrides::default(), &BTreeMap::new())
+            .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("unknown setting `groups.max_atempts`"),
+            "{e}"
+        );
         let mut env = BTreeMap::new();
-        env.insert("FELIX_GROUP_MAX_VISIBILITY_MS".to_string(), "10".to_string());
+        env.insert(
+            "FELIX_GROUP_MAX_VISIBILITY_MS".to_string(),
+            "10".to_string(),
+        );
         let e = Config::load_with_env(None, &Overrides::default(), &env).unwrap_err();
         assert!(e.to_string().contains("max_visibility_ms"), "{e}");
         env.clear();
@@ -396,7 +513,11 @@ mod tests {
     }
 
     fn tempfile_dir() -> PathBuf {
-        let d = std::env::temp_dir().join(format!("felix-config-test-{}-{:?}", std::process::id(), std::thread::current().id()));
+        let d = std::env::temp_dir().join(format!(
+            "felix-config-test-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
         std::fs::create_dir_all(&d).unwrap();
         d
     }

@@ -31,13 +31,21 @@ use std::time::Duration;
 struct Shared(Rc<RefCell<TcpStream>>);
 
 impl AsyncRead for Shared {
-    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut [u8]) -> Poll<std::io::Result<usize>> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut [u8],
+    ) -> Poll<std::io::Result<usize>> {
         Pin::new(&mut *self.0.borrow_mut()).poll_read(cx, buf)
     }
 }
 
 impl AsyncWrite for Shared {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
         Pin::new(&mut *self.0.borrow_mut()).poll_write(cx, buf)
     }
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
@@ -80,16 +88,25 @@ pub(crate) struct ConnInfo {
 
 /// Serve one connection until it closes. `buffered` holds bytes already read
 /// (after a hand-off from another core); `handed` says it already moved once.
-pub(crate) async fn serve<S: Storage>(core: Rc<Core<S>>, stream: TcpStream, buffered: Vec<u8>, handed: bool) {
+pub(crate) async fn serve<S: Storage>(
+    core: Rc<Core<S>>,
+    stream: TcpStream,
+    buffered: Vec<u8>,
+    handed: bool,
+) {
     let _ = stream.set_nodelay(true);
     let idle = Duration::from_millis(core.shared.config.idle_timeout_ms);
     let max_frame = core.shared.config.max_frame_bytes;
     let sock = Shared(Rc::new(RefCell::new(stream)));
     let mut rbuf = BytesMut::with_capacity(64 * 1024);
     rbuf.extend_from_slice(&buffered);
-    core.metrics.connections_open.set(core.metrics.connections_open.get() + 1);
+    core.metrics
+        .connections_open
+        .set(core.metrics.connections_open.get() + 1);
     if !handed {
-        core.metrics.connections_accepted.set(core.metrics.connections_accepted.get() + 1);
+        core.metrics
+            .connections_accepted
+            .set(core.metrics.connections_accepted.get() + 1);
     }
     let conn_id = ((core.core_id() as u64) << 48) | {
         let n = core.next_conn.get() + 1;
@@ -119,9 +136,16 @@ pub(crate) async fn serve<S: Storage>(core: Rc<Core<S>>, stream: TcpStream, buff
                 Ok(Some((id, req))) => {
                     if !said_hello {
                         match req {
-                            Request::Hello { version, features, want_core, ref client_name, .. } => {
+                            Request::Hello {
+                                version,
+                                features,
+                                want_core,
+                                ref client_name,
+                                ..
+                            } => {
                                 if let Some(want) = want_core {
-                                    if !handed && want != core.core_id() && want < core.shared.cores {
+                                    if !handed && want != core.core_id() && want < core.shared.cores
+                                    {
                                         // Re-encode the HELLO in front of what
                                         // follows and hand the socket over.
                                         let mut all = BytesMut::new();
@@ -153,7 +177,13 @@ pub(crate) async fn serve<S: Storage>(core: Rc<Core<S>>, stream: TcpStream, buff
                                 continue;
                             }
                             _ => {
-                                outbox.push(id, &wire_err(ErrorCode::InvalidRequest, "the first request on a connection must be HELLO"));
+                                outbox.push(
+                                    id,
+                                    &wire_err(
+                                        ErrorCode::InvalidRequest,
+                                        "the first request on a connection must be HELLO",
+                                    ),
+                                );
                                 break 'conn;
                             }
                         }
@@ -168,7 +198,10 @@ pub(crate) async fn serve<S: Storage>(core: Rc<Core<S>>, stream: TcpStream, buff
                             outbox.push(id, &Response::Error(e.to_wire_error()));
                         }
                         _ => {
-                            tracing::debug!(conn = conn_id, "closing connection after malformed frame: {e}");
+                            tracing::debug!(
+                                conn = conn_id,
+                                "closing connection after malformed frame: {e}"
+                            );
                             outbox.push(0, &Response::Error(e.to_wire_error()));
                             break 'conn;
                         }
@@ -185,13 +218,18 @@ pub(crate) async fn serve<S: Storage>(core: Rc<Core<S>>, stream: TcpStream, buff
         }
         let mut tmp = [0u8; 64 * 1024];
         let read = glommio::timer::timeout(idle, async {
-            reader.read(&mut tmp).await.map_err(glommio::GlommioError::from)
+            reader
+                .read(&mut tmp)
+                .await
+                .map_err(glommio::GlommioError::from)
         });
         let stop = async {
             while !core.stopping.get() {
                 core.lifecycle.wait().await;
             }
-            Err(glommio::GlommioError::<()>::IoError(std::io::Error::other("stopping")))
+            Err(glommio::GlommioError::<()>::IoError(std::io::Error::other(
+                "stopping",
+            )))
         };
         match futures_lite::future::or(read, stop).await {
             Ok(0) => break,
@@ -217,7 +255,9 @@ pub(crate) async fn serve<S: Storage>(core: Rc<Core<S>>, stream: TcpStream, buff
     outbox.closed.set(true);
     outbox.ready.wake_all();
     writer.await;
-    core.metrics.connections_open.set(core.metrics.connections_open.get() - 1);
+    core.metrics
+        .connections_open
+        .set(core.metrics.connections_open.get() - 1);
     if !handed_off {
         core.shared.connections.fetch_sub(1, Ordering::Relaxed);
     }
@@ -230,7 +270,10 @@ fn hand_off<S: Storage>(core: &Rc<Core<S>>, sock: &Shared, to: u32, bytes: Vec<u
     if dup < 0 {
         return false;
     }
-    match core.shared.senders[to as usize].send(CoreMsg::Handoff { fd: dup, buffered: bytes }) {
+    match core.shared.senders[to as usize].send(CoreMsg::Handoff {
+        fd: dup,
+        buffered: bytes,
+    }) {
         Ok(()) => {
             core.metrics.handoffs.set(core.metrics.handoffs.get() + 1);
             true
@@ -263,7 +306,11 @@ async fn write_loop(mut sock: Shared, outbox: Rc<Outbox>) {
             None => {
                 if outbox.closed.get() {
                     if !outbox.handed_off.get() {
-                        let _ = sock.0.borrow().shutdown(std::net::Shutdown::Write).await;
+                        // A plain shutdown(2): nothing to wait for, and no
+                        // borrow of the socket held across an await.
+                        let fd = sock.0.borrow().as_raw_fd();
+                        // SAFETY: shutdown on a descriptor this task owns.
+                        unsafe { libc::shutdown(fd, libc::SHUT_WR) };
                     }
                     return;
                 }
@@ -273,7 +320,13 @@ async fn write_loop(mut sock: Shared, outbox: Rc<Outbox>) {
     }
 }
 
-fn spawn_request<S: Storage>(core: &Rc<Core<S>>, info: &Rc<ConnInfo>, outbox: &Rc<Outbox>, id: u64, req: Request) {
+fn spawn_request<S: Storage>(
+    core: &Rc<Core<S>>,
+    info: &Rc<ConnInfo>,
+    outbox: &Rc<Outbox>,
+    id: u64,
+    req: Request,
+) {
     let core = core.clone();
     let info = info.clone();
     let outbox = outbox.clone();
@@ -296,19 +349,37 @@ fn spawn_request<S: Storage>(core: &Rc<Core<S>>, info: &Rc<ConnInfo>, outbox: &R
 
 fn log_err(shard: &str, e: LogError) -> Response {
     match e {
-        LogError::Stopped(r) => wire_err(ErrorCode::Unavailable, format!("shard {shard} is stopped: {r}")),
-        LogError::Closed => wire_err(ErrorCode::Unavailable, format!("shard {shard} is shutting down")),
-        LogError::Empty => wire_err(ErrorCode::InvalidRequest, "a publish needs at least one record"),
+        LogError::Stopped(r) => wire_err(
+            ErrorCode::Unavailable,
+            format!("shard {shard} is stopped: {r}"),
+        ),
+        LogError::Closed => wire_err(
+            ErrorCode::Unavailable,
+            format!("shard {shard} is shutting down"),
+        ),
+        LogError::Empty => wire_err(
+            ErrorCode::InvalidRequest,
+            "a publish needs at least one record",
+        ),
         other => wire_err(ErrorCode::Internal, format!("shard {shard}: {other}")),
     }
 }
 
 async fn handle<S: Storage>(core: &Rc<Core<S>>, info: &Rc<ConnInfo>, req: Request) -> Response {
     match req {
-        Request::Hello { .. } => wire_err(ErrorCode::InvalidRequest, "HELLO was already sent on this connection"),
+        Request::Hello { .. } => wire_err(
+            ErrorCode::InvalidRequest,
+            "HELLO was already sent on this connection",
+        ),
         Request::Ping => Response::Pong,
-        Request::CreateStream { stream, shards, retention_bytes, retention_ms } => {
-            core.create_stream(&stream, shards, retention_bytes, retention_ms).await
+        Request::CreateStream {
+            stream,
+            shards,
+            retention_bytes,
+            retention_ms,
+        } => {
+            core.create_stream(&stream, shards, retention_bytes, retention_ms)
+                .await
         }
         Request::DescribeStream { stream } => {
             let name = match to_name(&stream) {
@@ -350,10 +421,20 @@ async fn handle<S: Storage>(core: &Rc<Core<S>>, info: &Rc<ConnInfo>, req: Reques
             }
             Err(e) => e,
         },
-        Request::Publish { stream, target, ack, records } => publish(core, stream, target, ack, records).await,
-        Request::Read { stream, shard, from, max_records, max_bytes, wait_ms } => {
-            read(core, stream, shard, from, max_records, max_bytes, wait_ms).await
-        }
+        Request::Publish {
+            stream,
+            target,
+            ack,
+            records,
+        } => publish(core, stream, target, ack, records).await,
+        Request::Read {
+            stream,
+            shard,
+            from,
+            max_records,
+            max_bytes,
+            wait_ms,
+        } => read(core, stream, shard, from, max_records, max_bytes, wait_ms).await,
         other => crate::groups::handle(core, info, other).await,
     }
 }
@@ -380,11 +461,20 @@ async fn publish<S: Storage>(
         Err(e) => return e,
     };
     if records.is_empty() {
-        return wire_err(ErrorCode::InvalidRequest, "a publish needs at least one record");
+        return wire_err(
+            ErrorCode::InvalidRequest,
+            "a publish needs at least one record",
+        );
     }
     let max = core.shared.config.max_records_per_publish;
     if records.len() as u64 > max as u64 {
-        return wire_err(ErrorCode::TooLarge, format!("{} records in one publish; the limit is {max}", records.len()));
+        return wire_err(
+            ErrorCode::TooLarge,
+            format!(
+                "{} records in one publish; the limit is {max}",
+                records.len()
+            ),
+        );
     }
     let now = now_ms();
     let mut bytes = 0u64;
@@ -417,7 +507,8 @@ async fn publish<S: Storage>(
         return log_err(&shard.name(), e);
     }
     let m = &core.metrics;
-    m.publish_records.set(m.publish_records.get() + appended.count as u64);
+    m.publish_records
+        .set(m.publish_records.get() + appended.count as u64);
     m.publish_bytes.set(m.publish_bytes.get() + bytes);
     Response::Published {
         shard: shard_no,
@@ -437,14 +528,21 @@ pub(crate) fn to_wire_record(r: felix_engine::format::Record) -> Record {
 }
 
 /// Resolve a start position against a shard, refusing offsets past the tail.
-pub(crate) fn resolve_start<S: Storage>(shard: &Shard<S>, from: StartPosition) -> Result<Offset, Response> {
+pub(crate) fn resolve_start<S: Storage>(
+    shard: &Shard<S>,
+    from: StartPosition,
+) -> Result<Offset, Response> {
     let (start, end) = (shard.log.start(), shard.log.end());
     match from {
         StartPosition::Earliest => Ok(start),
         StartPosition::Latest => Ok(end),
         StartPosition::Offset(n) if n > end.0 => Err(wire_err(
             ErrorCode::InvalidRequest,
-            format!("offset {n} is past the tail of shard {} (end {})", shard.name(), end.0),
+            format!(
+                "offset {n} is past the tail of shard {} (end {})",
+                shard.name(),
+                end.0
+            ),
         )),
         StartPosition::Offset(n) => Ok(Offset(n)),
     }
@@ -487,7 +585,9 @@ async fn read<S: Storage>(
     }
     match s.log.read(from, limits).await {
         Ok(r) => {
-            core.metrics.read_records.set(core.metrics.read_records.get() + r.records.len() as u64);
+            core.metrics
+                .read_records
+                .set(core.metrics.read_records.get() + r.records.len() as u64);
             Response::Records {
                 start_offset: r.start.0,
                 next_offset: r.next.0,

@@ -10,7 +10,7 @@ use crate::broker::{now_ms, wire_err, Core};
 use crate::conn::{to_wire_record, with_timeout, ConnInfo};
 use crate::shard::Shard;
 use felix_engine::format::Record;
-use felix_engine::group::{Caller, GroupEntry, GroupError, GroupTracker, Lookup, LogView, StartAt};
+use felix_engine::group::{Caller, GroupEntry, GroupError, GroupTracker, LogView, Lookup, StartAt};
 use felix_engine::log::{Frontier, ReadLimits};
 use felix_engine::storage::Storage;
 use felix_engine::types::validate_name;
@@ -48,8 +48,14 @@ fn start_at(p: StartPosition) -> StartAt {
     }
 }
 
-pub(crate) async fn handle<S: Storage>(core: &Rc<Core<S>>, info: &Rc<ConnInfo>, req: Request) -> Response {
-    use felix_wire::{FEATURE_GROUPS as G, FEATURE_GROUP_ADMIN as ADMIN, FEATURE_GROUP_CLAIM_CONTROL as CC};
+pub(crate) async fn handle<S: Storage>(
+    core: &Rc<Core<S>>,
+    info: &Rc<ConnInfo>,
+    req: Request,
+) -> Response {
+    use felix_wire::{
+        FEATURE_GROUPS as G, FEATURE_GROUP_ADMIN as ADMIN, FEATURE_GROUP_CLAIM_CONTROL as CC,
+    };
     let name = req.name();
     let key = match &req {
         Request::GroupPoll { key, .. }
@@ -83,7 +89,12 @@ pub(crate) async fn handle<S: Storage>(core: &Rc<Core<S>>, info: &Rc<ConnInfo>, 
                 Err(e) => e,
             };
         }
-        _ => return wire_err(ErrorCode::Unsupported, format!("{name} is not supported by this broker")),
+        _ => {
+            return wire_err(
+                ErrorCode::Unsupported,
+                format!("{name} is not supported by this broker"),
+            )
+        }
     };
     if let Err(e) = need(info, G, "consumer groups") {
         return e;
@@ -96,46 +107,97 @@ pub(crate) async fn handle<S: Storage>(core: &Rc<Core<S>>, info: &Rc<ConnInfo>, 
         Err(e) => return e,
     };
     let r = match req {
-        Request::GroupPoll { max_records, wait_ms, member, visibility_ms, .. } => {
+        Request::GroupPoll {
+            max_records,
+            wait_ms,
+            member,
+            visibility_ms,
+            ..
+        } => {
             if visibility_ms.is_some() {
                 if let Err(e) = need(info, CC, "a poll's visibility") {
                     return e;
                 }
             }
-            return poll(core, info, &shard, &key, max_records, wait_ms, member, visibility_ms).await;
+            return poll(
+                core,
+                info,
+                &shard,
+                &key,
+                max_records,
+                wait_ms,
+                member,
+                visibility_ms,
+            )
+            .await;
         }
         Request::GroupAck { offsets, .. } => {
             let offsets: Vec<Offset> = offsets.into_iter().map(Offset).collect();
             let n = offsets.len() as u64;
-            let r = write_op(&shard, &key.group, true, |t, now, view| t.ack(now, &offsets, view)).await;
+            let r = write_op(&shard, &key.group, true, |t, now, view| {
+                t.ack(now, &offsets, view)
+            })
+            .await;
             if matches!(r, Response::Ok) {
-                core.metrics.group_acked.set(core.metrics.group_acked.get() + n);
+                core.metrics
+                    .group_acked
+                    .set(core.metrics.group_acked.get() + n);
             }
             r
         }
-        Request::GroupNack { offset, attempts, delay_ms, reason, .. } => {
+        Request::GroupNack {
+            offset,
+            attempts,
+            delay_ms,
+            reason,
+            ..
+        } => {
             if delay_ms.is_some() {
                 if let Err(e) = need(info, CC, "a nack delay") {
                     return e;
                 }
             }
             write_op(&shard, &key.group, true, |t, now, view| {
-                t.nack(now, Offset(offset), attempts, delay_ms, reason.as_deref(), view)
+                t.nack(
+                    now,
+                    Offset(offset),
+                    attempts,
+                    delay_ms,
+                    reason.as_deref(),
+                    view,
+                )
             })
             .await
         }
-        Request::GroupExtend { offset, attempts, extend_ms, .. } => {
+        Request::GroupExtend {
+            offset,
+            attempts,
+            extend_ms,
+            ..
+        } => {
             if let Err(e) = need(info, CC, "extend") {
                 return e;
             }
             let view = view(&shard);
-            let r = with_tracker(&shard, &key.group, |t| t.extend(now_ms(), Offset(offset), attempts, extend_ms, view));
+            let now = now_ms();
+            let r = with_tracker(&shard, &key.group, |t| {
+                t.extend(now, Offset(offset), attempts, extend_ms, view)
+            });
             match r {
-                Ok(stands_ms) => Response::Extended { stands_ms },
+                // The wire carries the new deadline (unix ms); the tracker
+                // answers how long the claim now stands from `now`.
+                Ok(stands_ms) => Response::Extended {
+                    stands_ms: now.saturating_add(stands_ms),
+                },
                 Err(e) => group_err(e),
             }
         }
-        Request::GroupDeadLetter { offset, attempts, reason, .. } => {
+        Request::GroupDeadLetter {
+            offset,
+            attempts,
+            reason,
+            ..
+        } => {
             if let Err(e) = need(info, CC, "a consumer dead letter") {
                 return e;
             }
@@ -144,37 +206,51 @@ pub(crate) async fn handle<S: Storage>(core: &Rc<Core<S>>, info: &Rc<ConnInfo>, 
             })
             .await
         }
-        Request::GroupDeadLetters { .. } => match with_tracker(&shard, &key.group, |t| t.dead_letters()) {
-            Ok(list) => Response::DeadLetters(
-                list.into_iter()
-                    .map(|(o, d)| DeadLetterInfo {
-                        offset: o.0,
-                        attempts: d.attempts,
-                        at_ms: d.at_ms,
-                        reason: d.reason,
-                        by_consumer: d.by_consumer,
-                    })
-                    .collect(),
-            ),
-            Err(e) => group_err(e),
-        },
+        Request::GroupDeadLetters { .. } => {
+            match with_tracker(&shard, &key.group, |t| t.dead_letters()) {
+                Ok(list) => Response::DeadLetters(
+                    list.into_iter()
+                        .map(|(o, d)| DeadLetterInfo {
+                            offset: o.0,
+                            attempts: d.attempts,
+                            at_ms: d.at_ms,
+                            reason: d.reason,
+                            by_consumer: d.by_consumer,
+                        })
+                        .collect(),
+                ),
+                Err(e) => group_err(e),
+            }
+        }
         Request::GroupRedrive { offset, .. } => {
-            write_op(&shard, &key.group, true, |t, now, _| t.redrive(now, Offset(offset))).await
+            write_op(&shard, &key.group, true, |t, now, _| {
+                t.redrive(now, Offset(offset))
+            })
+            .await
         }
         Request::GroupDiscard { offset, .. } => {
-            write_op(&shard, &key.group, true, |t, now, _| t.discard(now, Offset(offset))).await
+            write_op(&shard, &key.group, true, |t, now, _| {
+                t.discard(now, Offset(offset))
+            })
+            .await
         }
         Request::GroupCreate { start, .. } => {
             if let Err(e) = need(info, ADMIN, "group_create") {
                 return e;
             }
-            write_op(&shard, &key.group, true, |t, now, view| t.create(now, start_at(start), view)).await
+            write_op(&shard, &key.group, true, |t, now, view| {
+                t.create(now, start_at(start), view)
+            })
+            .await
         }
         Request::GroupSeek { start, .. } => {
             if let Err(e) = need(info, ADMIN, "group_seek") {
                 return e;
             }
-            write_op(&shard, &key.group, true, |t, now, view| t.seek(now, start_at(start), view)).await
+            write_op(&shard, &key.group, true, |t, now, view| {
+                t.seek(now, start_at(start), view)
+            })
+            .await
         }
         Request::GroupDelete { .. } => {
             if let Err(e) = need(info, ADMIN, "group_delete") {
@@ -201,7 +277,8 @@ pub(crate) async fn handle<S: Storage>(core: &Rc<Core<S>>, info: &Rc<ConnInfo>, 
                     owed: st.owed.min(u32::MAX as u64) as u32,
                     delayed: st.delayed,
                     dead_letters: st.dead_letters.min(u32::MAX as u64) as u32,
-                    oldest_in_flight_age_ms: (st.in_flight > 0).then_some(st.oldest_in_flight_age_ms),
+                    oldest_in_flight_age_ms: (st.in_flight > 0)
+                        .then_some(st.oldest_in_flight_age_ms),
                     oldest_owed_age_ms: (st.owed > 0).then_some(st.oldest_owed_age_ms),
                     last_active_ms: Some(st.last_active_ms),
                 }),
@@ -224,10 +301,17 @@ fn view<S: Storage>(shard: &Shard<S>) -> LogView {
 
 /// Run `f` on the group's tracker (created empty if unknown, and dropped
 /// again if the call did not bring the group into being).
-fn with_tracker<S: Storage, R>(shard: &Shard<S>, group: &str, f: impl FnOnce(&mut GroupTracker) -> R) -> R {
+fn with_tracker<S: Storage, R>(
+    shard: &Shard<S>,
+    group: &str,
+    f: impl FnOnce(&mut GroupTracker) -> R,
+) -> R {
     let mut groups = shard.groups.borrow_mut();
     if !groups.contains_key(group) {
-        groups.insert(group.to_string(), GroupTracker::new(group, shard.group_config.clone()));
+        groups.insert(
+            group.to_string(),
+            GroupTracker::new(group, shard.group_config.clone()),
+        );
     }
     let t = groups.get_mut(group).unwrap();
     let r = f(t);
@@ -240,7 +324,10 @@ fn with_tracker<S: Storage, R>(shard: &Shard<S>, group: &str, f: impl FnOnce(&mu
 /// Append the tracker's entries to the log, in order. Returns the lsn to wait
 /// on for their durability, if any were written. The groups table must not
 /// be borrowed here (a segment roll asks it for a snapshot).
-fn append_entries<S: Storage>(shard: &Shard<S>, entries: &[GroupEntry]) -> Result<Option<u64>, Response> {
+fn append_entries<S: Storage>(
+    shard: &Shard<S>,
+    entries: &[GroupEntry],
+) -> Result<Option<u64>, Response> {
     let mut lsn = None;
     let mut body = Vec::with_capacity(64);
     for e in entries {
@@ -248,7 +335,12 @@ fn append_entries<S: Storage>(shard: &Shard<S>, entries: &[GroupEntry]) -> Resul
         e.encode(&mut body);
         match shard.log.append_group(&body) {
             Ok(a) => lsn = Some(a.lsn),
-            Err(e) => return Err(wire_err(ErrorCode::Unavailable, format!("shard {}: {e}", shard.name()))),
+            Err(e) => {
+                return Err(wire_err(
+                    ErrorCode::Unavailable,
+                    format!("shard {}: {e}", shard.name()),
+                ))
+            }
         }
     }
     Ok(lsn)
@@ -263,7 +355,10 @@ async fn write_op<S: Storage>(
     f: impl FnOnce(&mut GroupTracker, u64, LogView) -> Result<Vec<GroupEntry>, GroupError>,
 ) -> Response {
     if let Some(r) = shard.log.stopped() {
-        return wire_err(ErrorCode::Unavailable, format!("shard {} is stopped: {r}", shard.name()));
+        return wire_err(
+            ErrorCode::Unavailable,
+            format!("shard {} is stopped: {r}", shard.name()),
+        );
     }
     let view = view(shard);
     let entries = match with_tracker(shard, group, |t| f(t, now_ms(), view)) {
@@ -276,7 +371,10 @@ async fn write_op<S: Storage>(
     };
     if let (Some(lsn), true) = (lsn, durable) {
         if let Err(e) = shard.log.wait(lsn, Frontier::Durable).await {
-            return wire_err(ErrorCode::Unavailable, format!("shard {}: {e}", shard.name()));
+            return wire_err(
+                ErrorCode::Unavailable,
+                format!("shard {}: {e}", shard.name()),
+            );
         }
     }
     Response::Ok
@@ -295,7 +393,13 @@ async fn poll<S: Storage>(
 ) -> Response {
     if let Some(m) = &member {
         if m.name.is_empty() || m.name.len() > 128 {
-            return wire_err(ErrorCode::InvalidRequest, format!("member name is {} bytes; names are 1 to 128 bytes", m.name.len()));
+            return wire_err(
+                ErrorCode::InvalidRequest,
+                format!(
+                    "member name is {} bytes; names are 1 to 128 bytes",
+                    m.name.len()
+                ),
+            );
         }
     }
     let caller = Caller {
@@ -311,33 +415,52 @@ async fn poll<S: Storage>(
     let skipped = info.features.get() & felix_wire::FEATURE_GROUP_SKIPPED != 0;
     loop {
         if let Some(r) = shard.log.stopped() {
-            return wire_err(ErrorCode::Unavailable, format!("shard {} is stopped: {r}", shard.name()));
+            return wire_err(
+                ErrorCode::Unavailable,
+                format!("shard {} is stopped: {r}", shard.name()),
+            );
         }
         let view = view(shard);
-        let plan = with_tracker(shard, &key.group, |t| t.plan_poll(now_ms(), &caller, max_records, view));
+        let plan = with_tracker(shard, &key.group, |t| {
+            t.plan_poll(now_ms(), &caller, max_records, view)
+        });
         if let Err(e) = append_entries(shard, &plan.writes) {
             return e;
         }
-        let (records, skipped_offsets) = match read_offsets(core, shard, &plan.offsets, view).await {
+        let (records, skipped_offsets) = match read_offsets(core, shard, &plan.offsets, view).await
+        {
             Ok(r) => r,
             Err(e) => return e,
         };
         let view = self::view(shard);
         let outcome = with_tracker(shard, &key.group, |t| {
-            t.poll(now_ms(), &caller, max_records, visibility_ms, view, &mut |o| match records.get(&o) {
-                Some(r) => Lookup::Record { payload_bytes: r.payload.len() as u32 },
-                None if o < view.start || skipped_offsets.contains(&o) => Lookup::Skipped,
-                None => Lookup::NotLoaded,
-            })
+            t.poll(
+                now_ms(),
+                &caller,
+                max_records,
+                visibility_ms,
+                view,
+                &mut |o| match records.get(&o) {
+                    Some(r) => Lookup::Record {
+                        payload_bytes: r.payload.len() as u32,
+                    },
+                    None if o < view.start || skipped_offsets.contains(&o) => Lookup::Skipped,
+                    None => Lookup::NotLoaded,
+                },
+            )
         });
         if let Err(e) = append_entries(shard, &outcome.writes) {
             return e;
         }
         if outcome.capped {
-            core.metrics.group_polls_capped.set(core.metrics.group_polls_capped.get() + 1);
+            core.metrics
+                .group_polls_capped
+                .set(core.metrics.group_polls_capped.get() + 1);
         }
         if !outcome.deliveries.is_empty() {
-            core.metrics.group_delivered.set(core.metrics.group_delivered.get() + outcome.deliveries.len() as u64);
+            core.metrics
+                .group_delivered
+                .set(core.metrics.group_delivered.get() + outcome.deliveries.len() as u64);
             let out = outcome
                 .deliveries
                 .iter()
@@ -359,7 +482,9 @@ async fn poll<S: Storage>(
         }
         let now = now_ms();
         if now >= deadline {
-            return Response::GroupRecords { records: Vec::new() };
+            return Response::GroupRecords {
+                records: Vec::new(),
+            };
         }
         // Wait for new records, for room (acks, nacks, lapses) or for the
         // next claim deadline, whichever comes first.
@@ -381,7 +506,9 @@ async fn poll<S: Storage>(
         })
         .await;
         if core.stopping.get() {
-            return Response::GroupRecords { records: Vec::new() };
+            return Response::GroupRecords {
+                records: Vec::new(),
+            };
         }
     }
 }
@@ -417,7 +544,12 @@ async fn read_offsets<S: Storage>(
                     },
                 )
                 .await
-                .map_err(|e| wire_err(ErrorCode::Unavailable, format!("shard {}: {e}", shard.name())))?;
+                .map_err(|e| {
+                    wire_err(
+                        ErrorCode::Unavailable,
+                        format!("shard {}: {e}", shard.name()),
+                    )
+                })?;
             let run_end = offsets[j - 1].next();
             // Everything below the read's `next` that came back without a
             // record holds none: the read stepped over it.

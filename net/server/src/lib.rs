@@ -6,6 +6,10 @@
 //! hands the socket to that core once, and from then on its requests are
 //! served there without locks. See `docs/internals/` for the formats.
 
+// Handlers return `Result<_, Response>` to answer a refusal directly; the
+// error path builds one response per request, so its size does not matter.
+#![allow(clippy::result_large_err)]
+
 mod broker;
 
 pub mod config;
@@ -56,7 +60,8 @@ pub fn serve(opts: ServeOptions) -> Result<(), ServeError> {
         return Ok(());
     }
     init_logging(&config.log);
-    let cores = CoreSet::parse(&config.cores).map_err(|e| ServeError::Config(ConfigError(format!("server.cores: {e}"))))?;
+    let cores = CoreSet::parse(&config.cores)
+        .map_err(|e| ServeError::Config(ConfigError(format!("server.cores: {e}"))))?;
     let cpus = cores.cpus();
     match &config.data_dir {
         Some(d) => tracing::info!(data_dir = %d.display(), "durable storage"),
@@ -71,7 +76,10 @@ pub fn serve(opts: ServeOptions) -> Result<(), ServeError> {
 
 fn init_logging(filter: &str) {
     let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_new(filter).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_new(filter)
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
         .with_writer(std::io::stderr)
         .try_init();
 }

@@ -38,17 +38,39 @@ impl CoreMetrics {
     }
     pub fn snapshot(&self) -> MetricsSnapshot {
         MetricsSnapshot {
-            requests: self.requests.borrow().iter().map(|(k, v)| (k.to_string(), *v)).collect(),
-            errors: self.errors.borrow().iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            requests: self
+                .requests
+                .borrow()
+                .iter()
+                .map(|(k, v)| (k.to_string(), *v))
+                .collect(),
+            errors: self
+                .errors
+                .borrow()
+                .iter()
+                .map(|(k, v)| (k.to_string(), *v))
+                .collect(),
             counters: vec![
                 ("felix_publish_records_total", self.publish_records.get()),
                 ("felix_publish_bytes_total", self.publish_bytes.get()),
                 ("felix_read_records_total", self.read_records.get()),
-                ("felix_group_records_delivered_total", self.group_delivered.get()),
+                (
+                    "felix_group_records_delivered_total",
+                    self.group_delivered.get(),
+                ),
                 ("felix_group_records_acked_total", self.group_acked.get()),
-                ("felix_group_polls_capped_total", self.group_polls_capped.get()),
-                ("felix_connections_accepted_total", self.connections_accepted.get()),
-                ("felix_connections_refused_total", self.connections_refused.get()),
+                (
+                    "felix_group_polls_capped_total",
+                    self.group_polls_capped.get(),
+                ),
+                (
+                    "felix_connections_accepted_total",
+                    self.connections_accepted.get(),
+                ),
+                (
+                    "felix_connections_refused_total",
+                    self.connections_refused.get(),
+                ),
                 ("felix_connection_handoffs_total", self.handoffs.get()),
             ],
             connections_open: self.connections_open.get(),
@@ -113,37 +135,71 @@ impl MetricsSnapshot {
         for (name, v) in &self.counters {
             let _ = writeln!(s, "# TYPE {name} counter\n{name} {v}");
         }
-        let _ = writeln!(s, "# TYPE felix_connections_open gauge\nfelix_connections_open {}", self.connections_open);
+        let _ = writeln!(
+            s,
+            "# TYPE felix_connections_open gauge\nfelix_connections_open {}",
+            self.connections_open
+        );
         let mut sync = SyncStats::default();
         let (mut flushes, mut written) = (0, 0);
         let _ = writeln!(s, "# HELP felix_shard_end_offset One past the last durable offset of a shard.\n# TYPE felix_shard_end_offset gauge");
         for sh in &self.shards {
-            let _ = writeln!(s, "felix_shard_end_offset{{stream=\"{}\",shard=\"{}\"}} {}", sh.stream, sh.shard, sh.end);
+            let _ = writeln!(
+                s,
+                "felix_shard_end_offset{{stream=\"{}\",shard=\"{}\"}} {}",
+                sh.stream, sh.shard, sh.end
+            );
         }
         let _ = writeln!(s, "# TYPE felix_shard_start_offset gauge");
         for sh in &self.shards {
-            let _ = writeln!(s, "felix_shard_start_offset{{stream=\"{}\",shard=\"{}\"}} {}", sh.stream, sh.shard, sh.start);
+            let _ = writeln!(
+                s,
+                "felix_shard_start_offset{{stream=\"{}\",shard=\"{}\"}} {}",
+                sh.stream, sh.shard, sh.start
+            );
         }
         let _ = writeln!(s, "# TYPE felix_shard_bytes gauge");
         for sh in &self.shards {
-            let _ = writeln!(s, "felix_shard_bytes{{stream=\"{}\",shard=\"{}\"}} {}", sh.stream, sh.shard, sh.bytes);
+            let _ = writeln!(
+                s,
+                "felix_shard_bytes{{stream=\"{}\",shard=\"{}\"}} {}",
+                sh.stream, sh.shard, sh.bytes
+            );
         }
         let _ = writeln!(s, "# TYPE felix_shard_stopped gauge");
         for sh in &self.shards {
-            let _ = writeln!(s, "felix_shard_stopped{{stream=\"{}\",shard=\"{}\"}} {}", sh.stream, sh.shard, sh.stopped as u8);
+            let _ = writeln!(
+                s,
+                "felix_shard_stopped{{stream=\"{}\",shard=\"{}\"}} {}",
+                sh.stream, sh.shard, sh.stopped as u8
+            );
             sync.merge(&sh.sync);
             flushes += sh.flushes;
             written += sh.bytes_written;
         }
-        let _ = writeln!(s, "# TYPE felix_flushes_total counter\nfelix_flushes_total {flushes}");
+        let _ = writeln!(
+            s,
+            "# TYPE felix_flushes_total counter\nfelix_flushes_total {flushes}"
+        );
         let _ = writeln!(s, "# TYPE felix_disk_bytes_written_total counter\nfelix_disk_bytes_written_total {written}");
-        let _ = writeln!(s, "# HELP felix_fsync_seconds fdatasync latency.\n# TYPE felix_fsync_seconds histogram");
+        let _ = writeln!(
+            s,
+            "# HELP felix_fsync_seconds fdatasync latency.\n# TYPE felix_fsync_seconds histogram"
+        );
         let mut cum = 0;
         for (i, le) in SYNC_BUCKETS_US.iter().enumerate() {
             cum += sync.buckets[i];
-            let _ = writeln!(s, "felix_fsync_seconds_bucket{{le=\"{}\"}} {cum}", *le as f64 / 1e6);
+            let _ = writeln!(
+                s,
+                "felix_fsync_seconds_bucket{{le=\"{}\"}} {cum}",
+                *le as f64 / 1e6
+            );
         }
-        let _ = writeln!(s, "felix_fsync_seconds_bucket{{le=\"+Inf\"}} {}", sync.count);
+        let _ = writeln!(
+            s,
+            "felix_fsync_seconds_bucket{{le=\"+Inf\"}} {}",
+            sync.count
+        );
         let _ = writeln!(s, "felix_fsync_seconds_sum {}", sync.sum_us as f64 / 1e6);
         let _ = writeln!(s, "felix_fsync_seconds_count {}", sync.count);
         s
@@ -172,7 +228,9 @@ pub(crate) async fn scrape<S: Storage>(core: &Rc<Core<S>>) -> MetricsSnapshot {
 pub(crate) async fn serve_http<S: Storage>(core: Rc<Core<S>>, listener: std::net::TcpListener) {
     // SAFETY: ownership of the bound, listening descriptor moves to glommio.
     let listener = unsafe {
-        <glommio::net::TcpListener as std::os::fd::FromRawFd>::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(listener))
+        <glommio::net::TcpListener as std::os::fd::FromRawFd>::from_raw_fd(
+            std::os::fd::IntoRawFd::into_raw_fd(listener),
+        )
     };
     loop {
         let Ok(mut stream) = listener.accept().await else {

@@ -27,7 +27,12 @@ pub(crate) struct Shard<S: Storage> {
 }
 
 impl<S: Storage> Shard<S> {
-    pub async fn open(core: Rc<Core<S>>, meta: &StreamMeta, index: u32, dir: &Path) -> Result<Rc<Shard<S>>, LogError> {
+    pub async fn open(
+        core: Rc<Core<S>>,
+        meta: &StreamMeta,
+        index: u32,
+        dir: &Path,
+    ) -> Result<Rc<Shard<S>>, LogError> {
         let c = &core.shared.config;
         let group_config = GroupConfig {
             visibility_ms: c.visibility_timeout_ms,
@@ -106,8 +111,15 @@ async fn run_group_timers<S: Storage>(shard: std::rc::Weak<Shard<S>>) {
         let sleep_ms = {
             let Some(s) = shard.upgrade() else { return };
             let now = now_ms();
-            let next = s.groups.borrow().values().filter_map(|t| t.next_deadline()).min();
-            next.map(|d| d.saturating_sub(now)).unwrap_or(1000).clamp(1, 1000)
+            let next = s
+                .groups
+                .borrow()
+                .values()
+                .filter_map(|t| t.next_deadline())
+                .min();
+            next.map(|d| d.saturating_sub(now))
+                .unwrap_or(1000)
+                .clamp(1, 1000)
         };
         glommio::timer::sleep(Duration::from_millis(sleep_ms)).await;
         let Some(s) = shard.upgrade() else { return };

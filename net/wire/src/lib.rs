@@ -56,8 +56,9 @@ pub const FRAME_HEADER_BYTES: usize = 4 + 1 + 1 + 2 + 8;
 /// Consumer groups at all. Not advertised by a broker without durable
 /// storage, since group positions would not survive a restart.
 pub const FEATURE_GROUPS: u64 = 1 << 0;
-/// The broker fills [`GroupRecord::skipped_before`] when retention removed
-/// records a group had not yet consumed.
+/// The broker fills [`GroupRecord::skipped_before`]: how many offsets directly
+/// below a record were settled and never delivered (control records, or
+/// records retention removed before the group reached them).
 pub const FEATURE_GROUP_SKIPPED: u64 = 1 << 1;
 /// Claim control: `GroupPoll.visibility_ms`, `GroupNack.delay_ms`,
 /// `GroupExtend` and consumer-initiated `GroupDeadLetter`.

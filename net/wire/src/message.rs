@@ -535,7 +535,8 @@ pub enum Response {
     GroupRecords {
         records: Vec<GroupRecord>,
     },
-    /// The claim now stands until `stands_ms` (unix ms).
+    /// How long the claim now stands, in milliseconds from when the broker
+    /// answered (the guide: `group_extend` returns how long the claim stands).
     Extended {
         stands_ms: u64,
     },

@@ -153,7 +153,11 @@ impl Group {
             .expect("group_poll_wait")
     }
 
-    pub async fn poll_as(&self, member: &GroupMember, options: GroupPollOptions) -> Vec<GroupRecord> {
+    pub async fn poll_as(
+        &self,
+        member: &GroupMember,
+        options: GroupPollOptions,
+    ) -> Vec<GroupRecord> {
         self.c
             .group_poll_as(T, NS, &self.stream, 0, &self.group, member, options)
             .await
@@ -194,7 +198,11 @@ impl Group {
             .await
     }
 
-    pub async fn dead_letter(&self, r: &GroupRecord, reason: Option<&str>) -> Result<(), ClientError> {
+    pub async fn dead_letter(
+        &self,
+        r: &GroupRecord,
+        reason: Option<&str>,
+    ) -> Result<(), ClientError> {
         self.c
             .group_dead_letter(T, NS, &self.stream, 0, &self.group, r, reason)
             .await
