@@ -434,6 +434,13 @@ impl<S: Storage> Core<S> {
         }
     }
 
+    /// Resolves once this core starts shutting down.
+    pub async fn until_stopping(&self) {
+        while !self.stopping.get() {
+            self.lifecycle.wait().await;
+        }
+    }
+
     /// Finish in-flight requests (up to the grace period), then close every
     /// shard: flush and sync what is queued.
     pub async fn drain_and_close(&self) {

@@ -184,11 +184,9 @@ pub(crate) async fn handle<S: Storage>(
                 t.extend(now, Offset(offset), attempts, extend_ms, view)
             });
             match r {
-                // The wire carries the new deadline (unix ms); the tracker
-                // answers how long the claim now stands from `now`.
-                Ok(stands_ms) => Response::Extended {
-                    stands_ms: now.saturating_add(stands_ms),
-                },
+                // How long the claim now stands, from now (the wire's
+                // `Extended.stands_ms`).
+                Ok(stands_ms) => Response::Extended { stands_ms },
                 Err(e) => group_err(e),
             }
         }
@@ -499,10 +497,10 @@ async fn poll<S: Storage>(
         let wake = shard.group_wake.clone();
         let log = shard.log.clone();
         let _ = with_timeout(until - now, async move {
-            futures_lite::future::or(wake.wait(), async {
+            let woken = futures_lite::future::or(wake.wait(), async {
                 let _ = log.wait_for_offset(end).await;
-            })
-            .await
+            });
+            futures_lite::future::or(woken, core.until_stopping()).await
         })
         .await;
         if core.stopping.get() {
