@@ -149,6 +149,14 @@ impl Broker {
     /// Start again on the same data directory and address.
     pub fn restart(&mut self) {
         self.kill9();
+        // The old process's listening sockets can outlive it briefly (the
+        // kernel tears its io_uring down asynchronously) and still complete
+        // handshakes, then reset them; with SO_REUSEPORT they would even
+        // share connections with the new broker. Wait until nothing listens.
+        wait_until(Duration::from_secs(20), || {
+            TcpStream::connect(&self.addr).is_err()
+        })
+        .unwrap_or_else(|_| panic!("the old broker still listens on {}", self.addr));
         self.spawn();
     }
 

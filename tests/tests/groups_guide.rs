@@ -39,7 +39,11 @@ async fn an_offset_in_flight_is_not_handed_out_again() {
     for t in tasks {
         for r in t.await.unwrap() {
             assert_eq!(r.attempts, 1, "offset {} redelivered while held", r.offset);
-            assert!(seen.insert(r.offset), "offset {} handed out twice", r.offset);
+            assert!(
+                seen.insert(r.offset),
+                "offset {} handed out twice",
+                r.offset
+            );
         }
     }
     assert_eq!(seen, (0..40).collect::<HashSet<u64>>());
@@ -54,7 +58,7 @@ async fn an_offset_in_flight_is_not_handed_out_again() {
 /// record goes to whoever polls next, as another attempt.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lapsed_claim_is_handed_out_again() {
-    let b = felix_tests::start_broker!(opts(400, 5));
+    let b = felix_tests::start_broker!(opts(800, 5));
     let c = client(&b.addr).await;
     stream(&c, JOBS).await;
     publish(&c, JOBS, 1).await;
@@ -66,12 +70,21 @@ async fn a_lapsed_claim_is_handed_out_again() {
     assert!(other.poll(10).await.is_empty(), "the claim still stands");
     // The dead consumer never answers; the record comes back on its own.
     let again = other.poll_wait(10, Duration::from_secs(5)).await;
-    assert!(start.elapsed() >= Duration::from_millis(350), "lapsed early: {:?}", start.elapsed());
+    assert!(
+        start.elapsed() >= Duration::from_millis(750),
+        "lapsed early: {:?}",
+        start.elapsed()
+    );
     assert_eq!((offsets(&again), attempts(&again)), (vec![0], vec![2]));
     assert_eq!(&again[0].payload[..], b"p0");
     other.ack(0).await.unwrap();
     assert_eq!(g.position().await, 1);
-    assert!(g.poll_wait(10, Duration::from_millis(600)).await.is_empty(), "acked: gone for good");
+    assert!(
+        g.poll_wait(10, Duration::from_millis(1000))
+            .await
+            .is_empty(),
+        "acked: gone for good"
+    );
 }
 
 /// Acks out of order are fine but the saved position only passes a
@@ -110,33 +123,47 @@ async fn the_cursor_does_not_advance_over_a_gap() {
     let again = g.drain().await;
     let got = offsets(&again);
     assert_eq!(got.first(), Some(&3), "offset 3 comes back first: {got:?}");
-    assert!(got.iter().all(|&o| o >= 3), "nothing below the cursor is redelivered: {got:?}");
+    assert!(
+        got.iter().all(|&o| o >= 3),
+        "nothing below the cursor is redelivered: {got:?}"
+    );
     g.ack_all(&again).await;
     assert_eq!(g.position().await, 8);
     assert_eq!(Group::new(&c, JOBS, "side").position().await, 8);
 }
 
-/// A record handed back is owed, and owed records go out before new ones,
-/// however many new ones a producer adds.
+/// A record handed back or lapsed is owed, and owed records go out before
+/// new ones, however many new ones a producer adds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn owed_records_go_out_before_new_ones() {
-    let b = felix_tests::start_broker!(opts(400, 5));
+    let b = felix_tests::start_broker!(opts(30_000, 5));
     let c = client(&b.addr).await;
     stream(&c, JOBS).await;
     publish(&c, JOBS, 4).await;
     let g = Group::new(&c, JOBS, "workers");
-    let batch = g.poll(3).await;
-    assert_eq!(offsets(&batch), vec![0, 1, 2]);
-    g.nack(&batch[2]).await.unwrap();
+    let batch = g.poll(2).await;
+    assert_eq!(offsets(&batch), vec![0, 1]);
+    // Offset 2 is claimed for a short time only, and left to lapse.
+    let short = GroupPollOptions {
+        max_records: 1,
+        visibility: Some(Duration::from_millis(200)),
+        ..GroupPollOptions::default()
+    };
+    let lapsing = g.poll_as(&GroupMember::new("slow"), short).await;
+    assert_eq!(offsets(&lapsing), vec![2]);
+    g.nack(&batch[1]).await.unwrap();
     g.nack(&batch[0]).await.unwrap();
-    // Offset 1 is left to lapse.
+    // A fast producer adds plenty of new work meanwhile.
     publish(&c, JOBS, 200).await;
-    let next = g.poll(2).await;
-    assert_eq!((offsets(&next), attempts(&next)), (vec![0, 2], vec![2, 2]));
-    // The lapsed one is owed too, and goes before offset 3 onwards.
-    let lapsed = g.poll_wait(2, Duration::from_secs(5)).await;
-    let lapsed = if lapsed.is_empty() { g.poll_wait(2, Duration::from_secs(5)).await } else { lapsed };
-    assert_eq!((offsets(&lapsed), attempts(&lapsed)), (vec![1, 3], vec![2, 1]));
+    eventually("offset 2 to lapse", Duration::from_secs(5), || async {
+        g.describe().await.unwrap().owed == 3
+    })
+    .await;
+    let next = g.poll(4).await;
+    assert_eq!(
+        (offsets(&next), attempts(&next)),
+        (vec![0, 1, 2, 3], vec![2, 2, 2, 1])
+    );
 }
 
 // ----------------------------------------------------- retries, giving up
@@ -152,15 +179,25 @@ async fn a_record_is_given_up_on_after_the_attempt_bound() {
     publish(&c, JOBS, 2).await;
     let g = Group::new(&c, JOBS, "workers");
 
-    // Offset 0 fails every time it is tried.
+    // Offset 0 fails every time it is tried (claimed long enough that the
+    // nack, not a lapse, hands it back).
+    let long = GroupPollOptions {
+        max_records: 1,
+        visibility: Some(Duration::from_secs(10)),
+        ..GroupPollOptions::default()
+    };
+    let me = GroupMember::new("failing");
     for attempt in 1..=3 {
-        let r = g.poll(1).await;
+        let r = g.poll_as(&me, long).await;
         assert_eq!((offsets(&r), attempts(&r)), (vec![0], vec![attempt]));
         g.nack(&r[0]).await.unwrap();
     }
     let dead = g.dead_letters_detailed().await;
     assert_eq!(dead.len(), 1);
-    assert_eq!((dead[0].offset, dead[0].attempts, dead[0].by_consumer), (0, 3, false));
+    assert_eq!(
+        (dead[0].offset, dead[0].attempts, dead[0].by_consumer),
+        (0, 3, false)
+    );
 
     // Offset 1's consumer dies three times.
     let r = g.poll(1).await;
@@ -171,15 +208,27 @@ async fn a_record_is_given_up_on_after_the_attempt_bound() {
     }
     // Its third claim lapses too: given up, not handed out a fourth time.
     assert!(g.poll_wait(1, Duration::from_millis(800)).await.is_empty());
-    assert_eq!(g.dead_letters().await, vec![0, 1]);
+    let dead = g.dead_letters_detailed().await;
+    assert_eq!(
+        dead.iter()
+            .map(|d| (d.offset, d.attempts))
+            .collect::<Vec<_>>(),
+        vec![(0, 3), (1, 3)]
+    );
     let info = g.describe().await.unwrap();
-    assert_eq!((info.position, info.dead_letters, info.in_flight), (2, 2, 0));
+    assert_eq!(
+        (info.position, info.dead_letters, info.in_flight),
+        (2, 2, 0)
+    );
     // The queue is not stuck: the next record goes out.
     publish(&c, JOBS, 1).await;
     let r = g.poll(10).await;
     assert_eq!((offsets(&r), attempts(&r)), (vec![2], vec![1]));
     // A dead letter is a pointer: the record is still in the log.
-    let read = c.read(T, NS, JOBS, 0, StartPosition::Offset(0), 1, None).await.unwrap();
+    let read = c
+        .read(T, NS, JOBS, 0, StartPosition::Offset(0), 1, None)
+        .await
+        .unwrap();
     assert_eq!(&read.records[0].payload[..], b"p0");
 }
 
@@ -198,14 +247,26 @@ async fn a_redriven_record_is_handed_out_again() {
     assert_eq!(g.dead_letters().await, vec![1]);
     assert_eq!(g.position().await, 3);
     assert!(g.poll(10).await.is_empty());
-    assert_eq!(code(g.redrive(0).await), Some(ErrorCode::NotFound), "not a dead letter");
+    assert_eq!(
+        code(g.redrive(0).await),
+        Some(ErrorCode::NotFound),
+        "not a dead letter"
+    );
 
     g.redrive(1).await.unwrap();
     assert!(g.dead_letters().await.is_empty(), "owed, no longer listed");
     let info = g.describe().await.unwrap();
-    assert_eq!((info.position, info.owed), (3, 1), "the cursor stays where it was");
+    assert_eq!(
+        (info.position, info.owed),
+        (3, 1),
+        "the cursor stays where it was"
+    );
     let again = g.via(&client(&b.addr).await).poll(10).await;
-    assert_eq!(offsets(&again), vec![1], "only the redriven record, nothing finished");
+    assert_eq!(
+        offsets(&again),
+        vec![1],
+        "only the redriven record, nothing finished"
+    );
     assert_eq!(&again[0].payload[..], b"p1");
     g.ack(1).await.unwrap();
     assert_eq!(g.position().await, 3);
@@ -225,7 +286,11 @@ async fn a_redriven_record_gets_its_attempts_back() {
     for round in 0..2 {
         for attempt in 1..=2 {
             let r = g.poll(1).await;
-            assert_eq!((offsets(&r), attempts(&r)), (vec![0], vec![attempt]), "round {round}");
+            assert_eq!(
+                (offsets(&r), attempts(&r)),
+                (vec![0], vec![attempt]),
+                "round {round}"
+            );
             g.nack(&r[0]).await.unwrap();
         }
         let dead = g.dead_letters_detailed().await;
@@ -280,21 +345,30 @@ async fn a_redriven_record_is_still_owed_after_a_restart() {
 /// FELIX_GROUP_MAX_VISIBILITY_MS.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_extended_claim_outlasts_the_visibility_timeout() {
-    let b = felix_tests::start_broker!(opts(400, 5));
+    let b = felix_tests::start_broker!(opts(500, 5));
     let c = client(&b.addr).await;
     stream(&c, JOBS).await;
     publish(&c, JOBS, 1).await;
     let g = Group::new(&c, JOBS, "workers");
     let r = g.poll(1).await.remove(0);
     let capped = g.extend(&r, Duration::from_secs(3600)).await.unwrap();
-    assert!(capped <= Duration::from_secs(60), "capped at the max visibility: {capped:?}");
+    assert!(
+        capped <= Duration::from_secs(60),
+        "capped at the max visibility: {capped:?}"
+    );
     let stands = g.extend(&r, Duration::from_secs(3)).await.unwrap();
-    assert!(stands > Duration::from_secs(2) && stands <= Duration::from_secs(3), "{stands:?}");
+    assert!(
+        stands > Duration::from_secs(2) && stands <= Duration::from_secs(3),
+        "{stands:?}"
+    );
     let start = Instant::now();
     let other = g.via(&client(&b.addr).await);
     // Three visibility timeouts pass; the claim still stands.
-    assert!(other.poll_wait(1, Duration::from_millis(1200)).await.is_empty());
-    assert!(start.elapsed() >= Duration::from_millis(1100));
+    assert!(other
+        .poll_wait(1, Duration::from_millis(1500))
+        .await
+        .is_empty());
+    assert!(start.elapsed() >= Duration::from_millis(1400));
     let again = g.extend(&r, Duration::from_secs(2)).await.unwrap();
     assert!(again > Duration::from_secs(1), "still held: {again:?}");
     g.ack(r.offset).await.unwrap();
@@ -313,14 +387,28 @@ async fn an_extend_after_the_record_was_handed_out_again_is_refused() {
     let g = Group::new(&c, JOBS, "workers");
     let old = g.poll(1).await.remove(0);
     let other = g.via(&client(&b.addr).await);
-    let new = other.poll_wait(1, Duration::from_secs(5)).await.remove(0);
+    let wait_long = GroupPollOptions {
+        max_records: 1,
+        wait: Duration::from_secs(5),
+        visibility: Some(Duration::from_secs(20)),
+    };
+    let new = other
+        .poll_as(&GroupMember::new("other"), wait_long)
+        .await
+        .remove(0);
     assert_eq!((new.offset, new.attempts), (0, 2));
     let stale = Some(ErrorCode::StaleClaim);
     assert_eq!(code(g.extend(&old, Duration::from_secs(5)).await), stale);
     assert_eq!(code(g.nack(&old).await), stale);
-    assert_eq!(code(g.nack_after(&old, Duration::from_secs(1)).await), stale);
+    assert_eq!(
+        code(g.nack_after(&old, Duration::from_secs(1)).await),
+        stale
+    );
     assert_eq!(code(g.dead_letter(&old, Some("late")).await), stale);
-    assert!(g.dead_letters().await.is_empty(), "a refused dead letter is not listed");
+    assert!(
+        g.dead_letters().await.is_empty(),
+        "a refused dead letter is not listed"
+    );
     // The refusals took nothing from the current holder.
     assert!(other.extend(&new, Duration::from_secs(5)).await.unwrap() > Duration::from_secs(4));
     assert!(g.poll(1).await.is_empty());
@@ -344,12 +432,21 @@ async fn a_delayed_nack_is_redelivered_after_the_delay() {
     assert!(g.poll(1).await.is_empty(), "not owed before the delay");
     let info = g.describe().await.unwrap();
     assert_eq!((info.in_flight, info.delayed, info.owed), (1, 1, 0));
-    assert_eq!(code(g.extend(&r, Duration::from_secs(5)).await), Some(ErrorCode::StaleClaim));
+    assert_eq!(
+        code(g.extend(&r, Duration::from_secs(5)).await),
+        Some(ErrorCode::StaleClaim)
+    );
     let again = g.poll_wait(1, Duration::from_secs(5)).await;
     let waited = start.elapsed();
     assert_eq!((offsets(&again), attempts(&again)), (vec![0], vec![2]));
-    assert!(waited >= Duration::from_millis(650), "redelivered after {waited:?}");
-    assert!(waited < Duration::from_secs(5), "not after the visibility timeout: {waited:?}");
+    assert!(
+        waited >= Duration::from_millis(650),
+        "redelivered after {waited:?}"
+    );
+    assert!(
+        waited < Duration::from_secs(5),
+        "not after the visibility timeout: {waited:?}"
+    );
     g.ack(0).await.unwrap();
 }
 
@@ -372,7 +469,10 @@ async fn a_consumer_dead_letter_is_listed_finished_and_redrivable() {
     assert!(dead[0].by_consumer);
     g.ack(1).await.unwrap();
     assert_eq!(g.position().await, 2, "finished: the cursor passed it");
-    assert!(g.poll(10).await.is_empty(), "a dead letter is not redelivered");
+    assert!(
+        g.poll(10).await.is_empty(),
+        "a dead letter is not redelivered"
+    );
     g.ack(2).await.unwrap();
 
     g.redrive(0).await.unwrap();
@@ -391,7 +491,10 @@ async fn a_consumer_dead_letter_is_listed_finished_and_redrivable() {
     assert!(g.dead_letters().await.is_empty());
     assert!(g.poll(10).await.is_empty());
     assert_eq!(g.position().await, 4);
-    let read = c.read(T, NS, JOBS, 0, StartPosition::Offset(3), 1, None).await.unwrap();
+    let read = c
+        .read(T, NS, JOBS, 0, StartPosition::Offset(3), 1, None)
+        .await
+        .unwrap();
     assert_eq!(read.records.len(), 1);
 }
 
@@ -408,8 +511,15 @@ async fn a_tracker_with_a_standing_claim_is_not_evicted() {
     publish(&c, JOBS, 1).await;
     let held = Group::new(&c, JOBS, "held");
     let control = Group::new(&c, JOBS, "control");
-    let r = held.poll(1).await.remove(0);
-    held.extend(&r, Duration::from_secs(10)).await.unwrap();
+    let long = GroupPollOptions {
+        max_records: 1,
+        visibility: Some(Duration::from_secs(10)),
+        ..GroupPollOptions::default()
+    };
+    let r = held
+        .poll_as(&GroupMember::new("holder"), long)
+        .await
+        .remove(0);
     let lapses = control.poll(1).await.remove(0);
     assert_eq!(lapses.attempts, 1);
     // Time must pass with neither group touched, so no polling here: the
@@ -434,7 +544,7 @@ async fn a_tracker_with_a_standing_claim_is_not_evicted() {
 /// past the visibility, back off one for a retry, give up on a poison one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_consumer_extends_delays_and_dead_letters_its_claims() {
-    let b = felix_tests::start_broker!(opts(400, 5));
+    let b = felix_tests::start_broker!(opts(500, 5));
     let c = client(&b.addr).await;
     stream(&c, JOBS).await;
     publish(&c, JOBS, 3).await;
@@ -443,7 +553,9 @@ async fn a_consumer_extends_delays_and_dead_letters_its_claims() {
     let (slow, retry, poison) = (&batch[0], &batch[1], &batch[2]);
     let start = Instant::now();
     g.extend(slow, Duration::from_secs(5)).await.unwrap();
-    g.nack_after(retry, Duration::from_millis(700)).await.unwrap();
+    g.nack_after(retry, Duration::from_millis(700))
+        .await
+        .unwrap();
     g.dead_letter(poison, Some("unparseable")).await.unwrap();
 
     // Another worker waits: the delayed one comes back after its delay; the
@@ -453,7 +565,10 @@ async fn a_consumer_extends_delays_and_dead_letters_its_claims() {
     assert_eq!((offsets(&got), attempts(&got)), (vec![1], vec![2]));
     assert!(start.elapsed() >= Duration::from_millis(650));
     other.ack(1).await.unwrap();
-    assert!(start.elapsed() > Duration::from_millis(400), "past the visibility timeout");
+    assert!(
+        start.elapsed() > Duration::from_millis(500),
+        "past the visibility timeout"
+    );
     g.ack(slow.offset).await.unwrap();
     let dead = g.dead_letters_detailed().await;
     assert_eq!(dead.len(), 1);
@@ -483,8 +598,15 @@ async fn a_seek_backwards_replays_what_the_group_finished() {
     g.seek(StartPosition::Offset(1)).await.unwrap();
     assert_eq!(g.position().await, 1);
     let replay = g.poll(10).await;
-    assert_eq!((offsets(&replay), attempts(&replay)), (vec![1, 3, 4], vec![1, 1, 1]));
-    assert_eq!(g.dead_letters().await, vec![2], "dead letters are kept across a seek");
+    assert_eq!(
+        (offsets(&replay), attempts(&replay)),
+        (vec![1, 3, 4], vec![1, 1, 1])
+    );
+    assert_eq!(
+        g.dead_letters().await,
+        vec![2],
+        "dead letters are kept across a seek"
+    );
     g.ack_all(&replay).await;
     assert_eq!(g.position().await, 5);
 
@@ -509,11 +631,19 @@ async fn an_ack_for_a_claim_from_before_a_seek_is_refused() {
     assert_eq!(code(g.ack(3).await), Some(ErrorCode::StaleClaim));
     assert_eq!(code(g.ack_many(&[1, 2]).await), Some(ErrorCode::StaleClaim));
     assert_eq!(code(g.nack(&before[2]).await), Some(ErrorCode::StaleClaim));
-    assert_eq!(code(g.extend(&before[3], Duration::from_secs(1)).await), Some(ErrorCode::StaleClaim));
-    g.ack(1).await.expect("below the new position: a harmless duplicate");
+    assert_eq!(
+        code(g.extend(&before[3], Duration::from_secs(1)).await),
+        Some(ErrorCode::StaleClaim)
+    );
+    g.ack(1)
+        .await
+        .expect("below the new position: a harmless duplicate");
     assert_eq!(g.position().await, 2);
     let again = g.poll(10).await;
-    assert_eq!((offsets(&again), attempts(&again)), (vec![2, 3, 4, 5], vec![1, 1, 1, 1]));
+    assert_eq!(
+        (offsets(&again), attempts(&again)),
+        (vec![2, 3, 4, 5], vec![1, 1, 1, 1])
+    );
     g.ack_all(&again).await;
     assert_eq!(g.position().await, 6);
 }
@@ -566,9 +696,17 @@ async fn a_group_is_created_moved_described_and_deleted() {
     g.create(StartPosition::Latest).await.unwrap();
     let info = g.describe().await.unwrap();
     assert_eq!(info.group, "workers");
-    assert_eq!((info.position, info.start_offset, info.end_offset), (5, 0, 5));
-    assert_eq!((info.lag(), info.in_flight, info.owed, info.dead_letters), (0, 0, 0, 0));
-    g.create(StartPosition::Earliest).await.expect("an existing group is left alone");
+    assert_eq!(
+        (info.position, info.start_offset, info.end_offset),
+        (5, 0, 5)
+    );
+    assert_eq!(
+        (info.lag(), info.in_flight, info.owed, info.dead_letters),
+        (0, 0, 0, 0)
+    );
+    g.create(StartPosition::Earliest)
+        .await
+        .expect("an existing group is left alone");
     assert_eq!(g.position().await, 5);
     assert!(g.poll(10).await.is_empty(), "only new work");
     publish(&c, JOBS, 2).await;
@@ -580,13 +718,22 @@ async fn a_group_is_created_moved_described_and_deleted() {
     g.seek(StartPosition::Offset(1)).await.unwrap();
     let info = g.describe().await.unwrap();
     assert_eq!((info.position, info.in_flight, info.lag()), (1, 0, 6));
-    assert_eq!(code(g.seek(StartPosition::Offset(99)).await), Some(ErrorCode::InvalidRequest));
+    assert_eq!(
+        code(g.seek(StartPosition::Offset(99)).await),
+        Some(ErrorCode::InvalidRequest)
+    );
     assert_eq!(g.position().await, 1);
 
     let late = Group::new(&c, JOBS, "late");
-    assert_eq!(code(late.create(StartPosition::Offset(99)).await), Some(ErrorCode::InvalidRequest));
+    assert_eq!(
+        code(late.create(StartPosition::Offset(99)).await),
+        Some(ErrorCode::InvalidRequest)
+    );
     assert_eq!(code(late.describe().await), Some(ErrorCode::NotFound));
-    assert_eq!(code(late.seek(StartPosition::Earliest).await), Some(ErrorCode::NotFound));
+    assert_eq!(
+        code(late.seek(StartPosition::Earliest).await),
+        Some(ErrorCode::NotFound)
+    );
     let mid = Group::new(&c, JOBS, "mid");
     mid.create(StartPosition::Offset(3)).await.unwrap();
     assert_eq!(offsets(&mid.poll(1).await), vec![3]);
@@ -604,7 +751,10 @@ async fn a_group_is_created_moved_described_and_deleted() {
         code(c.group_dead_letters(T, NS, JOBS, 0, "workers").await),
         Some(ErrorCode::NotFound)
     );
-    assert_eq!(c.list_groups(T, NS, JOBS, 0).await.unwrap(), vec!["mid".to_string()]);
+    assert_eq!(
+        c.list_groups(T, NS, JOBS, 0).await.unwrap(),
+        vec!["mid".to_string()]
+    );
     // A poll brings it back into being, at offset 0, with nothing set aside.
     assert_eq!(offsets(&g.drain().await), (0..7).collect::<Vec<_>>());
     assert_eq!(offsets(&mid.drain().await), vec![4, 5, 6]);
@@ -631,15 +781,23 @@ async fn acks_for_offsets_never_handed_out_are_refused() {
     assert_eq!(g.position().await, 0, "a refused ack finishes nothing");
     assert_eq!(code(g.nack(&fake_record(3, 1)).await), invalid);
     assert_eq!(code(g.nack(&fake_record(7, 1)).await), invalid);
-    assert_eq!(code(g.extend(&fake_record(3, 1), Duration::from_secs(1)).await), invalid);
+    assert_eq!(
+        code(g.extend(&fake_record(3, 1), Duration::from_secs(1)).await),
+        invalid
+    );
     assert_eq!(code(g.dead_letter(&fake_record(9, 1), None).await), invalid);
     assert!(g.dead_letters().await.is_empty());
     // Offset 3 was not skipped by any of that.
     let rest = g.poll(10).await;
-    assert_eq!((offsets(&rest), attempts(&rest)), (vec![2, 3, 4], vec![1, 1, 1]));
+    assert_eq!(
+        (offsets(&rest), attempts(&rest)),
+        (vec![2, 3, 4], vec![1, 1, 1])
+    );
     g.ack_many(&[0, 1, 2, 3, 4]).await.unwrap();
     assert_eq!(g.position().await, 5);
-    g.ack(3).await.expect("a finished offset again: a harmless duplicate");
+    g.ack(3)
+        .await
+        .expect("a finished offset again: a harmless duplicate");
 }
 
 /// A consumer cannot dead-letter a record already finished: refused, and
@@ -656,7 +814,10 @@ async fn a_consumer_dead_letter_of_a_finished_record_is_refused() {
     g.ack(2).await.unwrap(); // finished, above the position (1 is held)
     assert_eq!(g.position().await, 1);
     for r in [&batch[0], &batch[2]] {
-        assert_eq!(code(g.dead_letter(r, Some("too late")).await), Some(ErrorCode::InvalidRequest));
+        assert_eq!(
+            code(g.dead_letter(r, Some("too late")).await),
+            Some(ErrorCode::InvalidRequest)
+        );
     }
     assert!(g.dead_letters().await.is_empty());
     g.ack(1).await.unwrap();
@@ -665,44 +826,61 @@ async fn a_consumer_dead_letter_of_a_finished_record_is_refused() {
 }
 
 /// At FELIX_GROUP_MAX_IN_FLIGHT a poll answers empty and is counted in
-/// felix_group_polls_capped_total; a poll waiting at the cap is woken when an
-/// ack frees room.
+/// felix_group_polls_capped_total; a delayed nack keeps its place under the
+/// cap; a poll waiting at the cap is woken when an ack frees room, and a
+/// hand-back frees room too. The cap is per group.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poll_at_the_in_flight_cap_answers_empty_until_room_is_freed() {
+    const CAPPED: &str = "felix_group_polls_capped_total";
     let b = felix_tests::start_broker!(opts(30_000, 5).env("FELIX_GROUP_MAX_IN_FLIGHT", 3));
     let c = client(&b.addr).await;
     stream(&c, JOBS).await;
     publish(&c, JOBS, 10).await;
     let g = Group::new(&c, JOBS, "workers");
-    assert_eq!(offsets(&g.poll(10).await), vec![0, 1, 2]);
-    assert_eq!(b.metric("felix_group_polls_capped_total"), 0.0);
+    let held = g.poll(10).await;
+    assert_eq!(offsets(&held), vec![0, 1, 2]);
+    assert_eq!(b.metric(CAPPED), 0.0);
     assert!(g.poll(10).await.is_empty());
-    assert_eq!(b.metric("felix_group_polls_capped_total"), 1.0);
-    assert_eq!(g.describe().await.unwrap().in_flight, 3);
+    assert_eq!(b.metric(CAPPED), 1.0);
+    let info = g.describe().await.unwrap();
+    assert_eq!((info.in_flight, info.lag()), (3, 10));
+    // Another group of the same shard has its own cap.
+    let other = Group::new(&c, JOBS, "others");
+    assert_eq!(offsets(&other.poll(10).await), vec![0, 1, 2]);
+    assert_eq!(b.metric(CAPPED), 1.0);
 
-    // A nack frees room too: the owed record goes out, still under the cap.
-    let r = g.poll(10).await;
-    assert!(r.is_empty());
+    // A delayed nack still holds its place.
+    g.nack_after(&held[1], Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert!(g.poll(10).await.is_empty());
+    assert_eq!(b.metric(CAPPED), 2.0);
+    let info = g.describe().await.unwrap();
+    assert_eq!((info.in_flight, info.delayed), (3, 1));
+
     let waiter = g.via(&client(&b.addr).await);
-    let wait = tokio::spawn(async move {
-        let start = Instant::now();
-        let got = waiter.poll_wait(10, Duration::from_secs(20)).await;
-        (got, start.elapsed())
-    });
-    // The waiting poll has been capped at least once: it is waiting.
-    eventually("the waiting poll to hit the cap", Duration::from_secs(10), || async {
-        b.metric("felix_group_polls_capped_total") >= 3.0
-    })
+    let wait = tokio::spawn(async move { waiter.poll_wait(10, Duration::from_secs(20)).await });
+    // The waiting poll has been capped: it is waiting at the cap.
+    eventually(
+        "the waiting poll to hit the cap",
+        Duration::from_secs(10),
+        || async { b.metric(CAPPED) >= 3.0 },
+    )
     .await;
     assert!(!wait.is_finished());
     g.ack(0).await.unwrap();
-    let (got, waited) = tokio::time::timeout(Duration::from_secs(10), wait)
+    let got = tokio::time::timeout(Duration::from_secs(5), wait)
         .await
-        .expect("woken by the ack")
+        .expect("woken by the ack, not by its 20 s wait")
         .unwrap();
     assert_eq!(offsets(&got), vec![3], "room for one");
-    assert!(waited < Duration::from_secs(15), "woken, not timed out: {waited:?}");
     assert!(g.poll(10).await.is_empty(), "at the cap again");
+
+    // A plain nack frees room: the owed record goes out again.
+    g.nack(&held[2]).await.unwrap();
+    let again = g.poll(10).await;
+    assert_eq!((offsets(&again), attempts(&again)), (vec![2], vec![2]));
+    assert!(g.poll(10).await.is_empty());
 }
 
 /// One poll hands out at most 1,000 records, and stops after about 4 MiB of
@@ -725,11 +903,17 @@ async fn a_poll_hands_out_at_most_a_thousand_records_or_about_4_mib() {
 
     stream(&c, "big").await;
     for _ in 0..6 {
-        c.publish(T, NS, "big", 0, vec![7u8; 1_000_000]).await.unwrap();
+        c.publish(T, NS, "big", 0, vec![7u8; 1_000_000])
+            .await
+            .unwrap();
     }
     let big = Group::new(&c, "big", "workers");
     let first = big.poll(100).await;
-    assert!((4..6).contains(&first.len()), "about 4 MiB: {} records of 1 MB", first.len());
+    assert!(
+        (4..6).contains(&first.len()),
+        "about 4 MiB: {} records of 1 MB",
+        first.len()
+    );
     let rest = big.drain().await;
     let mut all = offsets(&first);
     all.extend(offsets(&rest));
@@ -746,14 +930,20 @@ async fn a_named_member_reclaims_what_it_held_on_a_new_connection() {
     let admin = client(&b.addr).await;
     stream(&admin, JOBS).await;
     publish(&admin, JOBS, 6).await;
-    let opt = |max_records| GroupPollOptions { max_records, ..GroupPollOptions::default() };
+    let opt = |max_records| GroupPollOptions {
+        max_records,
+        ..GroupPollOptions::default()
+    };
     let me = GroupMember::new("worker-1");
     let reclaiming = me.clone().reclaim(true);
 
     // Connection A holds 0..3, then "restarts".
     let a = Group::new(&client(&b.addr).await, JOBS, "workers");
     let held = a.poll_as(&me, opt(3)).await;
-    assert_eq!((offsets(&held), attempts(&held)), (vec![0, 1, 2], vec![1, 1, 1]));
+    assert_eq!(
+        (offsets(&held), attempts(&held)),
+        (vec![0, 1, 2], vec![1, 1, 1])
+    );
 
     // Connection B, same name: its first reclaiming poll reserves 0..3.
     let bb = a.via(&client(&b.addr).await);
@@ -775,7 +965,10 @@ async fn a_named_member_reclaims_what_it_held_on_a_new_connection() {
     // A newer connection C takes back what B and A hold under the name.
     let cc = a.via(&client(&b.addr).await);
     let back = cc.poll_as(&reclaiming, opt(10)).await;
-    assert_eq!((offsets(&back), attempts(&back)), (vec![0, 1, 2, 6], vec![3, 3, 3, 2]));
+    assert_eq!(
+        (offsets(&back), attempts(&back)),
+        (vec![0, 1, 2, 6], vec![3, 3, 3, 2])
+    );
     // Only that first poll reclaims; the stranger's records stay its own.
     assert!(cc.poll_as(&reclaiming, opt(10)).await.is_empty());
     stranger.ack_many(&[3, 4, 5]).await.unwrap();
@@ -783,13 +976,106 @@ async fn a_named_member_reclaims_what_it_held_on_a_new_connection() {
     assert_eq!(cc.position().await, 7);
 }
 
+/// A reserved record whose original claim lapses before the reclaiming
+/// connection takes it goes to the whole group, like any lapsed claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reserved_record_whose_claim_lapses_goes_to_the_whole_group() {
+    let b = felix_tests::start_broker!(opts(30_000, 5));
+    let admin = client(&b.addr).await;
+    stream(&admin, JOBS).await;
+    publish(&admin, JOBS, 2).await;
+    let me = GroupMember::new("worker-1");
+    let a = Group::new(&client(&b.addr).await, JOBS, "workers");
+    let short = GroupPollOptions {
+        max_records: 2,
+        visibility: Some(Duration::from_millis(1000)),
+        ..GroupPollOptions::default()
+    };
+    assert_eq!(offsets(&a.poll_as(&me, short).await), vec![0, 1]);
+    let bb = a.via(&client(&b.addr).await);
+    let one = GroupPollOptions {
+        max_records: 1,
+        ..GroupPollOptions::default()
+    };
+    let first = bb.poll_as(&me.clone().reclaim(true), one).await;
+    assert_eq!((offsets(&first), attempts(&first)), (vec![0], vec![2]));
+    // Offset 1 is reserved for B, under A's claim, until that lapses.
+    let stranger = a.via(&client(&b.addr).await);
+    assert!(stranger.poll(10).await.is_empty());
+    eventually(
+        "A's claim on 1 to lapse",
+        Duration::from_secs(5),
+        || async { stranger.describe().await.unwrap().owed == 1 },
+    )
+    .await;
+    let got = stranger.poll(10).await;
+    assert_eq!((offsets(&got), attempts(&got)), (vec![1], vec![2]));
+    assert!(bb.poll_as(&me.clone().reclaim(true), one).await.is_empty());
+    // Names are 1 to 128 bytes; the client refuses others before sending.
+    for bad in [String::new(), "x".repeat(129)] {
+        let r =
+            bb.c.group_poll_as(T, NS, JOBS, 0, "workers", &GroupMember::new(bad), one)
+                .await;
+        assert!(matches!(r, Err(ClientError::InvalidArgument(_))), "{r:?}");
+    }
+    let longest = GroupMember::new("x".repeat(128));
+    assert!(bb.poll_as(&longest, one).await.is_empty());
+}
+
+/// On a broker that acks publishes when queued (FELIX_ACK_ON_COMMIT=0), a
+/// producer asking for commit acks gets records a poll sees at once; without
+/// them a later poll gets the record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_acked_publish_is_seen_by_the_next_poll() {
+    let b = felix_tests::start_broker!(opts(30_000, 5).env("FELIX_ACK_ON_COMMIT", 0));
+    let producer = Client::connect(
+        b.addr.as_str(),
+        felix_client::ClientConfig {
+            ack_on_commit: true,
+            ..felix_client::ClientConfig::default()
+        },
+    )
+    .await
+    .unwrap();
+    stream(&producer, JOBS).await;
+    let g = Group::new(&client(&b.addr).await, JOBS, "workers");
+    for i in 0..20u64 {
+        let at = producer
+            .publish(T, NS, JOBS, 0, format!("c{i}"))
+            .await
+            .unwrap();
+        let got = g.poll(10).await;
+        assert_eq!(
+            offsets(&got),
+            vec![at],
+            "seen by the poll right after the ack"
+        );
+        g.ack(at).await.unwrap();
+    }
+    let queued = client(&b.addr).await;
+    let at = queued.publish(T, NS, JOBS, 0, "queued").await.unwrap();
+    // Not necessarily the very next poll, but a later one.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let got = loop {
+        let got = g.poll(10).await;
+        if !got.is_empty() || Instant::now() > deadline {
+            break offsets(&got);
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert_eq!(got, vec![at]);
+}
+
 /// The group features are advertised by a durable broker; an in-memory one
 /// advertises none, and the client refuses group calls rather than send
 /// them. A client that negotiated FEATURE_GROUP_SKIPPED gets the field.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn group_features_follow_durable_storage() {
-    use felix_wire::{FEATURE_GROUPS, FEATURE_GROUP_ADMIN, FEATURE_GROUP_CLAIM_CONTROL, FEATURE_GROUP_SKIPPED};
-    let all = FEATURE_GROUPS | FEATURE_GROUP_SKIPPED | FEATURE_GROUP_CLAIM_CONTROL | FEATURE_GROUP_ADMIN;
+    use felix_wire::{
+        FEATURE_GROUPS, FEATURE_GROUP_ADMIN, FEATURE_GROUP_CLAIM_CONTROL, FEATURE_GROUP_SKIPPED,
+    };
+    let all =
+        FEATURE_GROUPS | FEATURE_GROUP_SKIPPED | FEATURE_GROUP_CLAIM_CONTROL | FEATURE_GROUP_ADMIN;
 
     let durable = felix_tests::start_broker!(opts(30_000, 5));
     let c = client(&durable.addr).await;
@@ -797,7 +1083,11 @@ async fn group_features_follow_durable_storage() {
     stream(&c, JOBS).await;
     publish(&c, JOBS, 1).await;
     let r = Group::new(&c, JOBS, "workers").poll(1).await;
-    assert_eq!(r[0].skipped_before, Some(0), "negotiated: present, nothing skipped");
+    assert_eq!(
+        r[0].skipped_before,
+        Some(0),
+        "negotiated: present, nothing skipped"
+    );
 
     let mem = felix_tests::start_broker!(felix_tests::BrokerOptions::default().in_memory());
     let c: Client = client(&mem.addr).await;
@@ -807,21 +1097,41 @@ async fn group_features_follow_durable_storage() {
     let unsupported = |r: Result<(), ClientError>| matches!(r, Err(ClientError::Unsupported(_)));
     let g = Group::new(&c, JOBS, "workers");
     let rec = fake_record(0, 1);
-    assert!(unsupported(c.group_poll(T, NS, JOBS, 0, "workers", 1).await.map(|_| ())));
     assert!(unsupported(
-        c.group_poll_wait(T, NS, JOBS, 0, "workers", 1, Duration::from_secs(1)).await.map(|_| ())
+        c.group_poll(T, NS, JOBS, 0, "workers", 1).await.map(|_| ())
     ));
     assert!(unsupported(
-        g.c.group_poll_as(T, NS, JOBS, 0, "workers", &GroupMember::new("m"), GroupPollOptions::default())
+        c.group_poll_wait(T, NS, JOBS, 0, "workers", 1, Duration::from_secs(1))
             .await
             .map(|_| ())
     ));
+    assert!(unsupported(
+        g.c.group_poll_as(
+            T,
+            NS,
+            JOBS,
+            0,
+            "workers",
+            &GroupMember::new("m"),
+            GroupPollOptions::default()
+        )
+        .await
+        .map(|_| ())
+    ));
     assert!(unsupported(g.ack(0).await));
     assert!(unsupported(g.nack(&rec).await));
-    assert!(unsupported(g.nack_after(&rec, Duration::from_secs(1)).await));
-    assert!(unsupported(g.extend(&rec, Duration::from_secs(1)).await.map(|_| ())));
+    assert!(unsupported(
+        g.nack_after(&rec, Duration::from_secs(1)).await
+    ));
+    assert!(unsupported(
+        g.extend(&rec, Duration::from_secs(1)).await.map(|_| ())
+    ));
     assert!(unsupported(g.dead_letter(&rec, None).await));
-    assert!(unsupported(c.group_dead_letters(T, NS, JOBS, 0, "workers").await.map(|_| ())));
+    assert!(unsupported(
+        c.group_dead_letters(T, NS, JOBS, 0, "workers")
+            .await
+            .map(|_| ())
+    ));
     assert!(unsupported(g.redrive(0).await));
     assert!(unsupported(g.discard(0).await));
     assert!(unsupported(g.create(StartPosition::Latest).await));
@@ -837,9 +1147,13 @@ async fn group_features_follow_durable_storage() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_retention_removed_are_skipped_and_counted() {
     let cfg = config_file("[storage]\nsegment_bytes = 65536\nretention_check_ms = 100\n");
-    let mut b = felix_tests::start_broker!(opts(30_000, 5).env("FELIX_TEST_CONFIG", cfg.path.display()));
+    let mut b =
+        felix_tests::start_broker!(opts(30_000, 5).env("FELIX_TEST_CONFIG", cfg.path.display()));
     let c = client(&b.addr).await;
-    let retention = felix_client::StreamOptions { retention_bytes: Some(128 << 10), retention_ms: None };
+    let retention = felix_client::StreamOptions {
+        retention_bytes: Some(128 << 10),
+        retention_ms: None,
+    };
     c.create_stream(T, NS, JOBS, 1, retention).await.unwrap();
     publish(&c, JOBS, 2).await;
     let g = Group::new(&c, JOBS, "workers");
@@ -848,17 +1162,33 @@ async fn records_retention_removed_are_skipped_and_counted() {
     g.ack(1).await.unwrap();
     assert_eq!(g.position().await, 2);
     for _ in 0..48 {
-        c.publish(T, NS, JOBS, 0, vec![1u8; 16 << 10]).await.unwrap();
+        c.publish(T, NS, JOBS, 0, vec![1u8; 16 << 10])
+            .await
+            .unwrap();
     }
-    let mut start = 0;
-    eventually("retention to remove old segments", Duration::from_secs(10), || async {
-        start = c.describe_shard(T, NS, JOBS, 0).await.unwrap().start_offset;
-        start > 2
-    })
+    eventually(
+        "retention to remove old segments",
+        Duration::from_secs(10),
+        || async { c.describe_shard(T, NS, JOBS, 0).await.unwrap().start_offset > 2 },
+    )
     .await;
+    let start = c.describe_shard(T, NS, JOBS, 0).await.unwrap().start_offset;
+    // Earliest is the oldest record the shard still holds.
+    let late = Group::new(&c, JOBS, "late");
+    assert_eq!(
+        code(late.create(StartPosition::Offset(0)).await),
+        Some(ErrorCode::InvalidRequest),
+        "below the log start"
+    );
+    late.create(StartPosition::Earliest).await.unwrap();
+    assert_eq!(late.position().await, start);
     let got = g.drain().await;
     assert_eq!(got[0].offset, start);
-    assert_eq!(got[0].skipped_before, Some(start - 2), "2..{start} were removed unread");
+    assert_eq!(
+        got[0].skipped_before,
+        Some(start - 2),
+        "2..{start} were removed unread"
+    );
     assert!(got[1..].iter().all(|r| r.skipped_before == Some(0)));
     assert_eq!(offsets(&got), (start..50).collect::<Vec<_>>());
     g.ack_all(&got).await;
@@ -867,7 +1197,11 @@ async fn records_retention_removed_are_skipped_and_counted() {
     b.kill9();
     b.restart();
     let g = Group::new(&client(&b.addr).await, JOBS, "workers");
-    assert_eq!(g.position().await, 50, "the group outlived the segments it was written in");
+    assert_eq!(
+        g.position().await,
+        50,
+        "the group outlived the segments it was written in"
+    );
     assert_eq!(g.dead_letters().await, vec![0]);
     assert!(g.poll(10).await.is_empty());
 }

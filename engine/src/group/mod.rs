@@ -10,23 +10,22 @@
 //! # A record's life
 //!
 //! ```text
-//!                 poll (attempts+1, for its visibility)
-//!   new ──────────────────────────────┐
-//!                                     v
-//!            ┌──────── extend ──── Claimed ──── reclaim ───> Reserved ─┐
-//!            └──────────────────────> │ │ │                   (claim,  │
-//!                                     │ │ └─ ack ─> Finished   kept for │
-//!      nack with delay ┌──────────────┘ │                      one      │
-//!                      v                │ lapse / nack         member's │
-//!                   Delayed ── delay ─> │                      newest   │
-//!                              passes   v                      conn.)   │
-//!   redrive ───────────────────────> Owed <──── lapse ─────────────────┘
-//!      ^                                │ │        (reserved poll: Claimed)
-//!      │       out of attempts          │ └─ next poll, attempts+1 ─> Claimed
-//!   DeadLetter <────────────────────────┘
-//!      │  (also: dead_letter from the holder, lapse/nack at max attempts)
-//!      └── discard ──> forgotten
+//!   (new) ──── poll ──────────────────────────> Claimed   attempts + 1, for its visibility
+//!   Claimed ── extend ────────────────────────> Claimed   same attempts, new deadline
+//!   Claimed ── reclaim by a newer connection ─> Reserved  of the same (principal, name)
+//!   Reserved ─ poll on that connection ───────> Claimed   attempts + 1, before anything else
+//!   Claimed, Reserved ── lapse, or nack ──────> Owed
+//!   Claimed ── nack with a delay ─────────────> Delayed ── delay passes ──> Owed
+//!   Owed ───── poll ──────────────────────────> Claimed   attempts + 1, before new records
+//!   Claimed, Reserved, Delayed, Owed ── ack ──> Finished
+//!   any of those ── dead_letter (same attempts) ──────────> DeadLetter
+//!   lapse, nack or reclaim of the max_attempts-th delivery ─> DeadLetter
+//!   DeadLetter ── redrive ────────────────────> Owed      attempts 0, cursor unmoved
+//!   DeadLetter ── discard ────────────────────> untracked
+//!   seek, restart, eviction: every slot is dropped; redriven records are Owed
 //! ```
+//!
+//! Finished and dead-lettered records have no slot; everything else has one.
 //!
 //! * One slot per unfinished offset: a record is held by at most one claim.
 //! * `Owed` records go out before new ones; records reserved for a reclaiming
@@ -75,13 +74,15 @@
 //!
 //! # Memory
 //!
-//! Each unfinished offset costs one 16-byte [`slot`] in a hash map keyed by
-//! offset: 24 bytes a bucket plus a control byte, so 41 bytes per claim at
-//! 10,000 claims (measured from the table's capacity: 16,384 buckets) and at
-//! most 57 bytes just after the table grows. Deadlines are indexed by a
-//! bounded list of the next 256 due timers (4 KiB a group at most), rebuilt by
-//! a scan when it drains. Member names are interned once per member;
-//! a claim holds a 24-bit holder id. See `memory_bytes`.
+//! Each unfinished offset costs one 16-byte slot in a hash map keyed by
+//! offset: 24 bytes a bucket plus a control byte. Measured from the table's
+//! capacity (test `a_claim_costs_at_most_64_bytes`): 41 bytes per claim at
+//! 10,000 claims (16,384 buckets), at most 57 bytes just after the table
+//! grows. Finished offsets cost nothing, however far the position lags.
+//! Deadlines need no per-claim memory: a list holds the next 256 due timers
+//! (plus any set earlier than its horizon) and is rebuilt by a scan when it
+//! drains. Member names are interned once per member; a claim carries a
+//! 24-bit holder id. [`GroupTracker::memory_bytes`] reports the total.
 
 mod entry;
 mod members;

@@ -22,7 +22,9 @@
 //! At the end it drains the group and checks every offset below the tail was
 //! acked, is a dead letter or was discarded, or was skipped legitimately.
 //!
-//! `FELIX_SIM_SEED=n` replays one case; `FELIX_SIM_CASES=n` sets the count.
+//! `FELIX_SIM_SEED=n` (with `FELIX_SIM_STEPS=n`, both printed on failure)
+//! replays one case; `FELIX_SIM_CASES=n` sets the count (default 3,000 short
+//! schedules and 30 long ones, a few seconds).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
@@ -66,6 +68,61 @@ struct Consumer {
     held: Vec<(u64, u32)>,
 }
 
+/// What the schedules exercised, summed over cases, so a change that stops
+/// the simulation reaching a path is noticed.
+#[derive(Default, Debug, Clone, Copy)]
+struct Stats {
+    new_deliveries: u64,
+    owed_deliveries: u64,
+    reserved_deliveries: u64,
+    capped_polls: u64,
+    skipped_before: u64,
+    dead_at_bound: u64,
+    consumer_dead_letters: u64,
+    redrives: u64,
+    stale_refusals: u64,
+    seeks: u64,
+    evictions: u64,
+    crashes: u64,
+    snapshot_replays: u64,
+}
+
+impl Stats {
+    fn fields(&self) -> [u64; 13] {
+        [
+            self.new_deliveries,
+            self.owed_deliveries,
+            self.reserved_deliveries,
+            self.capped_polls,
+            self.skipped_before,
+            self.dead_at_bound,
+            self.consumer_dead_letters,
+            self.redrives,
+            self.stale_refusals,
+            self.seeks,
+            self.evictions,
+            self.crashes,
+            self.snapshot_replays,
+        ]
+    }
+
+    fn add(&mut self, o: &Stats) {
+        self.new_deliveries += o.new_deliveries;
+        self.owed_deliveries += o.owed_deliveries;
+        self.reserved_deliveries += o.reserved_deliveries;
+        self.capped_polls += o.capped_polls;
+        self.skipped_before += o.skipped_before;
+        self.dead_at_bound += o.dead_at_bound;
+        self.consumer_dead_letters += o.consumer_dead_letters;
+        self.redrives += o.redrives;
+        self.stale_refusals += o.stale_refusals;
+        self.seeks += o.seeks;
+        self.evictions += o.evictions;
+        self.crashes += o.crashes;
+        self.snapshot_replays += o.snapshot_replays;
+    }
+}
+
 struct Plan {
     caller: Caller,
     loaded: BTreeSet<u64>,
@@ -103,14 +160,16 @@ struct Sim {
     position_may_jump: bool,
     trace: VecDeque<String>,
     step: usize,
+    steps: usize,
+    stats: Stats,
 }
 
 impl Drop for Sim {
     fn drop(&mut self) {
         if std::thread::panicking() {
             eprintln!(
-                "\n*** group simulation failed: FELIX_SIM_SEED={} (step {}, now {}, log [{}, {}))",
-                self.seed, self.step, self.now, self.start, self.end
+                "\n*** group simulation failed: FELIX_SIM_SEED={} FELIX_SIM_STEPS={} (at step {}, now {}, log [{}, {}))",
+                self.seed, self.steps, self.step, self.now, self.start, self.end
             );
             eprintln!("config: {:?}", self.cfg);
             eprintln!("last steps:");
@@ -205,6 +264,8 @@ impl Sim {
             position_may_jump: false,
             trace: VecDeque::new(),
             step: 0,
+            steps: 0,
+            stats: Stats::default(),
         }
     }
 
@@ -361,7 +422,8 @@ impl Sim {
         dead
     }
 
-    fn check_dead(&self, expected: &[u64]) {
+    fn check_dead(&mut self, expected: &[u64]) {
+        self.stats.dead_at_bound += expected.len() as u64;
         let dead = self.dead();
         for o in expected {
             assert!(
@@ -424,6 +486,7 @@ impl Sim {
         } else {
             usize::MAX
         };
+        let work = self.t.has_work_for(self.now, &caller, self.log());
         let dead = self.prepare(&caller, member);
         let frontier_before = self.t.frontier().0;
         let (start, end, now, log) = (self.start, self.end, self.now, self.log());
@@ -457,6 +520,10 @@ impl Sim {
         ));
         self.write(out.writes, false);
         self.check_dead(&dead);
+        assert!(
+            work || out.deliveries.is_empty(),
+            "has_work_for said no, the poll delivered"
+        );
 
         // Caps.
         let cap = if max == 0 {
@@ -477,6 +544,7 @@ impl Sim {
             "a poll went on after crossing the byte cap"
         );
         if out.capped {
+            self.stats.capped_polls += 1;
             assert!(out.deliveries.is_empty());
             assert!(self.model_in_flight() >= self.cfg.max_in_flight);
         }
@@ -515,10 +583,12 @@ impl Sim {
                                 "{o} handed out while another claim stands: {m:?}"
                             );
                             assert_eq!(phase, 0, "a reserved record after owed or new ones");
+                            self.stats.reserved_deliveries += 1;
                         }
                         MState::Owed => {
                             assert!(phase <= 1, "an owed record after a new one");
                             phase = 1;
+                            self.stats.owed_deliveries += 1;
                         }
                         MState::Delayed { .. } => panic!("{o} handed out during its delay"),
                     }
@@ -533,11 +603,13 @@ impl Sim {
                     );
                     assert_eq!(d.attempts, 1, "a new record's attempts");
                     phase = 2;
+                    self.stats.new_deliveries += 1;
                     let mut run = 0;
                     while o > run && self.settled_epoch.contains(&(o - run - 1)) {
                         run += 1;
                     }
                     assert_eq!(d.skipped_before, run, "{o} skipped_before");
+                    self.stats.skipped_before += (run > 0) as u64;
                     run
                 }
             };
@@ -680,6 +752,7 @@ impl Sim {
             ok,
             "nack {o}#{a}: model says {ok}, tracker {r:?}"
         );
+        self.stats.stale_refusals += matches!(r, Err(GroupError::StaleClaim(_))) as u64;
         if let Err(e) = &r {
             assert!(
                 o >= self.end || !self.t.exists() || !matches!(e, GroupError::NotFound(_)),
@@ -744,6 +817,7 @@ impl Sim {
             "dead_letter {o}#{a}: model says {ok}, tracker {r:?}"
         );
         if let Ok(w) = r {
+            self.stats.consumer_dead_letters += 1;
             self.finish(o);
             self.must_list.insert(o);
             self.write(w, true);
@@ -812,6 +886,7 @@ impl Sim {
             (true, None) => assert!(matches!(r, Err(GroupError::InvalidRequest(_)))),
             (true, Some(p)) => {
                 let w = r.expect("a valid seek");
+                self.stats.seeks += 1;
                 self.write(w, true);
                 assert_eq!(self.t.position().0, p);
                 if p > before {
@@ -868,6 +943,7 @@ impl Sim {
         self.note(format!("redrive {o} -> {r:?}"));
         assert_eq!(r.is_ok(), ok);
         if let Ok(w) = r {
+            self.stats.redrives += 1;
             self.write(w, true);
             assert!(!self.mrec.contains_key(&o));
             if o < position || o < frontier {
@@ -933,6 +1009,7 @@ impl Sim {
         if can || force {
             self.note(format!("evict (forced {force})"));
             self.t.reset_to_durable();
+            self.stats.evictions += 1;
             self.last_reclaim.clear();
             self.new_epoch();
         }
@@ -953,6 +1030,8 @@ impl Sim {
         t.reset_to_durable();
         self.t = t;
         self.replica = replica;
+        self.stats.crashes += 1;
+        self.stats.snapshot_replays += (from > 0) as u64;
         self.note(format!(
             "crash: log cut to {cut} entries, replayed from {from}"
         ));
@@ -1085,7 +1164,8 @@ impl Sim {
         self.position_may_jump = false;
     }
 
-    fn run(&mut self, steps: usize) {
+    fn run(&mut self, steps: usize) -> Stats {
+        self.steps = steps;
         for _ in 0..steps {
             self.step += 1;
             let ci = self.rng.gen_range(0..self.consumers.len());
@@ -1122,6 +1202,7 @@ impl Sim {
             self.check();
         }
         self.drain();
+        self.stats
     }
 
     /// Let every claim lapse, then poll and ack until the group is at the
@@ -1200,12 +1281,21 @@ fn env_u64(name: &str) -> Option<u64> {
 #[test]
 fn group_simulation_of_random_schedules_keeps_every_invariant() {
     if let Some(seed) = env_u64("FELIX_SIM_SEED") {
-        Sim::new(seed).run(400);
+        let steps = env_u64("FELIX_SIM_STEPS").unwrap_or(400);
+        Sim::new(seed).run(steps as usize);
         return;
     }
-    let cases = env_u64("FELIX_SIM_CASES").unwrap_or(2_000);
+    let cases = env_u64("FELIX_SIM_CASES").unwrap_or(3_000);
+    let mut stats = Stats::default();
     for i in 0..cases {
-        Sim::new(mix(i)).run(400);
+        stats.add(&Sim::new(mix(i)).run(400));
+    }
+    println!("{cases} schedules exercised {stats:?}");
+    if cases >= 500 {
+        assert!(
+            stats.fields().iter().all(|&n| n > 0),
+            "a path was never exercised: {stats:?}"
+        );
     }
 }
 
@@ -1214,8 +1304,10 @@ fn group_simulation_with_long_schedules() {
     if env_u64("FELIX_SIM_SEED").is_some() {
         return;
     }
-    let cases = env_u64("FELIX_SIM_CASES").map_or(20, |c| c / 100 + 1);
+    let cases = env_u64("FELIX_SIM_CASES").map_or(30, |c| c / 100 + 1);
+    let mut stats = Stats::default();
     for i in 0..cases {
-        Sim::new(mix(1 << 40 | i)).run(5_000);
+        stats.add(&Sim::new(mix(1 << 40 | i)).run(5_000));
     }
+    println!("{cases} long schedules exercised {stats:?}");
 }

@@ -656,6 +656,32 @@ mod rules {
     }
 
     #[test]
+    fn a_waiting_poll_knows_when_work_arrives() {
+        let mut h = Harness::with(small(|c| c.max_in_flight = 1));
+        let anon = Caller::anonymous(1);
+        assert!(!h.t.has_work_for(h.now, &anon, h.log()));
+        h.append(2);
+        assert!(
+            h.t.has_work_for(h.now, &anon, h.log()),
+            "a first poll creates the group"
+        );
+        h.poll(1);
+        assert!(!h.t.has_work_for(h.now, &anon, h.log()), "at the cap");
+        h.advance(1_000);
+        assert!(
+            h.t.has_work_for(h.now, &anon, h.log()),
+            "a lapse frees room"
+        );
+        h.tick();
+        h.poll(1);
+        h.ack(0).unwrap();
+        assert!(h.t.has_work_for(h.now, &anon, h.log()), "an ack frees room");
+        h.poll(1);
+        h.ack(1).unwrap();
+        assert!(!h.t.has_work_for(h.now, &anon, h.log()), "nothing left");
+    }
+
+    #[test]
     fn one_poll_hands_out_at_most_the_record_cap() {
         let mut h = Harness::new();
         h.append(2_500);

@@ -150,6 +150,38 @@ impl GroupTracker {
         self.timers.next().map(|(d, _)| d)
     }
 
+    /// Whether a poll by `caller` now could hand something out: records
+    /// reserved for it, a deadline that has passed (a `tick` would free room
+    /// or owe records), or room under the cap with records owed or past the
+    /// frontier. The broker re-polls a waiting poll when this turns true
+    /// (after appends, acks, nacks and ticks). A true may still answer empty
+    /// when what lies past the frontier is control records.
+    pub fn has_work_for(&self, now_ms: u64, caller: &Caller, log: LogView) -> bool {
+        let Some(g) = &self.durable else {
+            return log.start < log.end;
+        };
+        if self.stale {
+            return g.position() < log.end || !g.redriven().is_empty();
+        }
+        if self.existing_holder(caller).is_some_and(|me| {
+            self.reserved
+                .range((me, Offset(0))..)
+                .next()
+                .is_some_and(|&(h, _)| h == me)
+        }) {
+            return true;
+        }
+        if self.next_deadline().is_some_and(|d| d <= now_ms) {
+            return true;
+        }
+        if caller.reclaim && self.would_reclaim(caller) {
+            // Taking claims back can hand them out, or give up on them.
+            return true;
+        }
+        self.in_flight < self.config.max_in_flight
+            && (!self.owed.is_empty() || self.frontier.max(log.start) < log.end)
+    }
+
     // ----------------------------------------------------------------- polls
 
     /// Which offsets the broker should read for this poll, best first:
@@ -992,6 +1024,20 @@ impl GroupTracker {
             .members
             .member(&caller.principal, caller.member.as_deref()?)?;
         self.members.holder(member, caller.connection)
+    }
+
+    /// Whether a poll by `caller` would reclaim: a named member it knows,
+    /// on a connection newer than the member's last reclaiming one.
+    fn would_reclaim(&self, caller: &Caller) -> bool {
+        let Some(name) = caller.member.as_deref() else {
+            return false;
+        };
+        self.members
+            .member(&caller.principal, name)
+            .is_some_and(|m| match self.members.last_reclaim(m) {
+                None => true,
+                Some(last) => caller.connection > last,
+            })
     }
 
     /// The holder id the caller's claims carry (0 for anonymous callers),

@@ -169,6 +169,10 @@ impl StorageFile for DmaStorageFile {
         self.file.truncate(len).await.map_err(gio)
     }
 
+    async fn allocate(&self, len: u64) -> io::Result<()> {
+        self.file.pre_allocate(len, false).await.map_err(gio)
+    }
+
     async fn close(self) -> io::Result<()> {
         self.file.close().await.map_err(gio)
     }

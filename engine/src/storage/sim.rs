@@ -441,6 +441,18 @@ impl StorageFile for SimFile {
         })
     }
 
+    async fn allocate(&self, len: u64) -> io::Result<()> {
+        // Like fallocate without KEEP_SIZE: the file grows, reading as zeros.
+        // Modelled as an ordinary (unsynced) size change.
+        self.with(|f| {
+            if (f.current.len() as u64) < len {
+                let op = Op::Truncate { len };
+                apply(&mut f.current, &op);
+                f.unsynced.push(op);
+            }
+        })
+    }
+
     async fn close(self) -> io::Result<()> {
         Ok(())
     }

@@ -582,12 +582,15 @@ async fn read<S: Storage>(
     let wait = (wait_ms as u64).min(c.max_wait_ms);
     if wait > 0 && s.log.end() <= from {
         // A shutdown ends the wait early: the poll answers with what is there.
-        let _ = with_timeout(wait, futures_lite::future::or(
-            async {
-                let _ = s.log.wait_for_offset(from).await;
-            },
-            core.until_stopping(),
-        ))
+        let _ = with_timeout(
+            wait,
+            futures_lite::future::or(
+                async {
+                    let _ = s.log.wait_for_offset(from).await;
+                },
+                core.until_stopping(),
+            ),
+        )
         .await;
     }
     match s.log.read(from, limits).await {

@@ -1,0 +1,333 @@
+//! Results: the human summary and the JSON document (schema
+//! `felix-bench/1`, documented in docs/benchmarking.md).
+
+use std::io::Write;
+use std::sync::atomic::Ordering;
+
+use hdrhistogram::Histogram;
+use serde::Serialize;
+
+use crate::harness::{fmt_count, fmt_int, Run, StopReason};
+use crate::targets::TargetInfo;
+
+pub const SCHEMA: &str = "felix-bench/1";
+
+/// Latency percentiles in microseconds.
+#[derive(Debug, Clone, Serialize)]
+pub struct LatencyReport {
+    /// What was timed.
+    pub what: String,
+    /// Samples (one per batch, request or record, see `what`).
+    pub count: u64,
+    pub mean_us: f64,
+    pub p50_us: f64,
+    pub p90_us: f64,
+    pub p99_us: f64,
+    pub p999_us: f64,
+    pub max_us: f64,
+}
+
+impl LatencyReport {
+    pub fn from_hist(h: &Histogram<u64>, what: &str) -> LatencyReport {
+        let us = |ns: u64| ns as f64 / 1_000.0;
+        let q = |p: f64| {
+            if h.is_empty() {
+                0.0
+            } else {
+                us(h.value_at_quantile(p))
+            }
+        };
+        LatencyReport {
+            what: what.to_string(),
+            count: h.len(),
+            mean_us: if h.is_empty() {
+                0.0
+            } else {
+                h.mean() / 1_000.0
+            },
+            p50_us: q(0.50),
+            p90_us: q(0.90),
+            p99_us: q(0.99),
+            p999_us: q(0.999),
+            max_us: if h.is_empty() { 0.0 } else { us(h.max()) },
+        }
+    }
+}
+
+/// A consistency check on the run's counts.
+#[derive(Debug, Clone, Serialize)]
+pub struct Check {
+    pub name: String,
+    /// `None`: not checked.
+    pub ok: Option<bool>,
+    pub detail: String,
+}
+
+impl Check {
+    pub fn equal(name: &str, got: u64, want: u64) -> Check {
+        Check {
+            name: name.into(),
+            ok: Some(got == want),
+            detail: if got == want {
+                fmt_int(got)
+            } else {
+                format!("{} != {}", fmt_int(got), fmt_int(want))
+            },
+        }
+    }
+
+    pub fn passed(name: &str, detail: String) -> Check {
+        Check {
+            name: name.into(),
+            ok: Some(true),
+            detail,
+        }
+    }
+
+    pub fn failed(name: &str, detail: String) -> Check {
+        Check {
+            name: name.into(),
+            ok: Some(false),
+            detail,
+        }
+    }
+
+    pub fn skipped(name: &str, why: &str) -> Check {
+        Check {
+            name: name.into(),
+            ok: None,
+            detail: why.into(),
+        }
+    }
+}
+
+/// Counts over the whole run, warm-up included.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Totals {
+    pub published: Option<u64>,
+    pub read: Option<u64>,
+    pub passes: Option<u64>,
+    pub delivered: Option<u64>,
+    pub acked: Option<u64>,
+    pub nacked: Option<u64>,
+    pub redelivered: Option<u64>,
+}
+
+/// What a workload hands back.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub measured_secs: f64,
+    pub stop_reason: StopReason,
+    pub records: u64,
+    pub bytes: u64,
+    pub latency: LatencyReport,
+    pub publish_latency: Option<LatencyReport>,
+    pub offered_rate: Option<f64>,
+    pub totals: Totals,
+    pub checks: Vec<Check>,
+    pub errors: u64,
+    pub first_error: Option<String>,
+}
+
+impl Outcome {
+    pub fn new(run: &Run, h: Histogram<u64>, what: &str) -> Outcome {
+        Outcome {
+            measured_secs: run.measured_elapsed().as_secs_f64(),
+            stop_reason: run.stop_reason(),
+            records: run.measured_records.load(Ordering::Relaxed),
+            bytes: run.measured_bytes.load(Ordering::Relaxed),
+            latency: LatencyReport::from_hist(&h, what),
+            publish_latency: None,
+            offered_rate: None,
+            totals: Totals::default(),
+            checks: Vec::new(),
+            errors: run.errors.load(Ordering::Relaxed),
+            first_error: run.first_error(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Machine {
+    pub cpus: usize,
+    pub client_threads: usize,
+    pub kernel: String,
+}
+
+impl Machine {
+    pub fn here(client_threads: usize) -> Machine {
+        let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default();
+        Machine {
+            cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            client_threads,
+            kernel,
+        }
+    }
+}
+
+/// The JSON document.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub schema: &'static str,
+    pub workload: String,
+    pub label: Option<String>,
+    pub ok: bool,
+    pub target: TargetInfo,
+    /// Every setting of the run, as given or defaulted.
+    pub params: serde_json::Value,
+    pub started_unix_ms: u64,
+    pub warmup_secs: f64,
+    pub measured_secs: f64,
+    pub stop_reason: StopReason,
+    /// Records completed in the measured window.
+    pub records: u64,
+    /// Payload bytes completed in the measured window.
+    pub bytes: u64,
+    pub records_per_sec: f64,
+    /// Payload megabytes (10^6 bytes) per second.
+    pub mb_per_sec: f64,
+    pub offered_rate: Option<f64>,
+    pub latency: LatencyReport,
+    pub publish_latency: Option<LatencyReport>,
+    pub totals: Totals,
+    pub checks: Vec<Check>,
+    pub errors: u64,
+    pub first_error: Option<String>,
+    pub machine: Machine,
+}
+
+impl Report {
+    pub fn build(
+        workload: &str,
+        label: Option<String>,
+        target: TargetInfo,
+        params: serde_json::Value,
+        started_unix_ms: u64,
+        warmup_secs: f64,
+        o: Outcome,
+        machine: Machine,
+    ) -> Report {
+        let secs = o.measured_secs.max(1e-9);
+        let ok = o.errors == 0 && o.checks.iter().all(|c| c.ok != Some(false));
+        Report {
+            schema: SCHEMA,
+            workload: workload.to_string(),
+            label,
+            ok,
+            target,
+            params,
+            started_unix_ms,
+            warmup_secs,
+            measured_secs: o.measured_secs,
+            stop_reason: o.stop_reason,
+            records: o.records,
+            bytes: o.bytes,
+            records_per_sec: if o.records == 0 {
+                0.0
+            } else {
+                o.records as f64 / secs
+            },
+            mb_per_sec: if o.bytes == 0 {
+                0.0
+            } else {
+                o.bytes as f64 / secs / 1e6
+            },
+            offered_rate: o.offered_rate,
+            latency: o.latency,
+            publish_latency: o.publish_latency,
+            totals: o.totals,
+            checks: o.checks,
+            errors: o.errors,
+            first_error: o.first_error,
+            machine,
+        }
+    }
+
+    /// The human summary.
+    pub fn print(&self, out: &mut dyn Write) -> std::io::Result<()> {
+        let t = &self.target;
+        let cores = t
+            .broker_cores
+            .as_deref()
+            .map(|c| format!(", {c} core(s)"))
+            .unwrap_or_default();
+        writeln!(
+            out,
+            "felix-bench {} -> {} ({}{}, {})",
+            self.workload, t.version, t.broker, cores, t.mode
+        )?;
+        writeln!(
+            out,
+            "  measured {:.2}s after {:.1}s warm-up (stopped: {:?})",
+            self.measured_secs, self.warmup_secs, self.stop_reason
+        )?;
+        if let Some(r) = self.offered_rate {
+            writeln!(out, "  offered   {} rec/s", fmt_count(r))?;
+        }
+        writeln!(
+            out,
+            "  records   {:>14}   {:>12} rec/s   {:>9.1} MB/s",
+            fmt_int(self.records),
+            fmt_count(self.records_per_sec),
+            self.mb_per_sec
+        )?;
+        for l in std::iter::once(&self.latency).chain(self.publish_latency.as_ref()) {
+            writeln!(out, "  latency   {} (n={})", l.what, fmt_int(l.count))?;
+            writeln!(
+                out,
+                "            p50 {}  p90 {}  p99 {}  p99.9 {}  max {}",
+                fmt_us(l.p50_us),
+                fmt_us(l.p90_us),
+                fmt_us(l.p99_us),
+                fmt_us(l.p999_us),
+                fmt_us(l.max_us)
+            )?;
+        }
+        let tot = &self.totals;
+        let mut parts = Vec::new();
+        for (name, v) in [
+            ("published", tot.published),
+            ("read", tot.read),
+            ("passes", tot.passes),
+            ("delivered", tot.delivered),
+            ("acked", tot.acked),
+            ("nacked", tot.nacked),
+            ("redelivered", tot.redelivered),
+        ] {
+            if let Some(v) = v {
+                parts.push(format!("{name} {}", fmt_int(v)));
+            }
+        }
+        writeln!(out, "  totals    {} (warm-up included)", parts.join(", "))?;
+        for c in &self.checks {
+            let mark = match c.ok {
+                Some(true) => "ok  ",
+                Some(false) => "FAIL",
+                None => "skip",
+            };
+            writeln!(out, "  check {mark} {}: {}", c.name, c.detail)?;
+        }
+        if self.errors > 0 {
+            writeln!(
+                out,
+                "  errors    {} (first: {})",
+                self.errors,
+                self.first_error.as_deref().unwrap_or("?")
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Microseconds in a readable unit.
+pub fn fmt_us(us: f64) -> String {
+    if us >= 1_000_000.0 {
+        format!("{:.2}s", us / 1_000_000.0)
+    } else if us >= 1_000.0 {
+        format!("{:.2}ms", us / 1_000.0)
+    } else {
+        format!("{us:.0}us")
+    }
+}

@@ -1,0 +1,56 @@
+//! Durable append throughput on the real disk, with and without segment
+//! preallocation, interleaved so both see the same machine load.
+//! `cargo run --release -p felix-engine --example append_ab [record_bytes] [batch] [MiB]`
+
+use bytes::Bytes;
+use felix_engine::format::RecordIn;
+use felix_engine::log::{LogConfig, ShardLog};
+use felix_engine::runtime::warm_up_dma;
+use felix_engine::storage::dma::DmaStorage;
+use glommio::LocalExecutorBuilder;
+use std::time::Instant;
+
+fn main() {
+    let args: Vec<usize> = std::env::args()
+        .skip(1)
+        .map(|a| a.parse().expect("number"))
+        .collect();
+    let size = args.first().copied().unwrap_or(1024);
+    let batch = args.get(1).copied().unwrap_or(1024);
+    let mib = args.get(2).copied().unwrap_or(512);
+    LocalExecutorBuilder::default()
+        .spawn(move || async move {
+            let dir = tempfile::tempdir().unwrap();
+            warm_up_dma(dir.path()).await.unwrap();
+            let p = Bytes::from(vec![0x5a; size]);
+            let recs: Vec<RecordIn> = (0..batch).map(|_| RecordIn { payload: p.clone(), ..Default::default() }).collect();
+            let batches = (mib << 20) / (size * batch);
+            for round in 0..3 {
+                for pre in [false, true] {
+                    let cfg = LogConfig { preallocate: pre, ..LogConfig::default() };
+                    let path = dir.path().join(format!("r{round}-{pre}"));
+                    let log = ShardLog::open(DmaStorage::new(), &path, cfg, &mut |_| {}).await.unwrap();
+                    let t = Instant::now();
+                    for _ in 0..batches {
+                        log.append(&recs).unwrap();
+                        log.flush().await.unwrap();
+                    }
+                    let secs = t.elapsed().as_secs_f64();
+                    let mb = (batches * size * batch) as f64 / 1e6;
+                    let st = log.stats();
+                    println!(
+                        "preallocate={pre:<5} {size}B x{batch}: {:.0} MB/s payload, {:.0} records/s, {} fsyncs, p50-ish fsync {:.0} us",
+                        mb / secs,
+                        (batches * batch) as f64 / secs,
+                        st.sync.count,
+                        st.sync.sum_us as f64 / st.sync.count.max(1) as f64
+                    );
+                    log.close().await.unwrap();
+                    let _ = std::fs::remove_dir_all(&path);
+                }
+            }
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+}

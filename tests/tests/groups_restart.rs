@@ -1,0 +1,180 @@
+//! Consumer groups across `kill -9`: what the guide says survives a restart
+//! (the position, dead letters, redrives) does, and what is only the
+//! leader's memory (claims, delays, extensions, acks above the position) is
+//! handed out again from the position.
+
+mod groups_common;
+
+use felix_wire::ErrorCode;
+use groups_common::*;
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// kill -9 with claims standing, dead letters listed and a redrive pending.
+/// After the restart nothing below the position is redelivered (except the
+/// redriven record, still owed), records claimed and not acked come back,
+/// dead letters are still listed and still not delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_dead_letters_and_redrives_survive_kill_9() {
+    let mut b = felix_tests::start_broker!(opts(30_000, 2));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 10).await;
+    let g = Group::new(&c, JOBS, "workers");
+    let batch = g.poll(10).await;
+    assert_eq!(offsets(&batch), (0..10).collect::<Vec<_>>());
+    g.ack_many(&[0, 1, 2]).await.unwrap();
+    g.dead_letter(&batch[3], Some("bad input")).await.unwrap(); // finished: position 4
+    g.ack(5).await.unwrap(); // above the gap at 4
+    g.dead_letter(&batch[6], None).await.unwrap();
+    // Offset 7 runs out of attempts (bound 2) and the broker gives up.
+    g.nack(&batch[7]).await.unwrap();
+    let r = g.poll(1).await;
+    assert_eq!((offsets(&r), attempts(&r)), (vec![7], vec![2]));
+    g.nack(&r[0]).await.unwrap();
+    // A redrive of 3, below the position, is pending when the broker dies.
+    g.redrive(3).await.unwrap();
+    let info = g.describe().await.unwrap();
+    assert_eq!((info.position, info.in_flight, info.owed), (4, 3, 1));
+    assert_eq!(g.dead_letters().await, vec![6, 7]);
+
+    b.kill9();
+    b.restart();
+    let c = client(&b.addr).await;
+    let g = Group::new(&c, JOBS, "workers");
+    let info = g.describe().await.unwrap();
+    assert_eq!(info.position, 4, "the durable position");
+    let dead = g.dead_letters_detailed().await;
+    let dead: Vec<_> = dead
+        .iter()
+        .map(|d| (d.offset, d.by_consumer, d.attempts))
+        .collect();
+    assert_eq!(dead, vec![(6, true, 1), (7, false, 2)], "still listed");
+
+    let again = g.drain().await;
+    let got = offsets(&again);
+    // 3: the redrive, still owed, first. 4, 8, 9: claimed, never acked.
+    // 5: its ack was above the position, which only memory held.
+    assert_eq!(got, vec![3, 4, 5, 8, 9], "{got:?}");
+    assert!(attempts(&again).iter().all(|&a| a == 1));
+    g.ack_all(&again).await;
+    assert_eq!(g.position().await, 10);
+
+    // Everything finished stays finished; the dead letters can still be
+    // redriven and discarded after yet another crash.
+    b.kill9();
+    b.restart();
+    let c = client(&b.addr).await;
+    let g = Group::new(&c, JOBS, "workers");
+    assert!(g.poll(100).await.is_empty());
+    assert_eq!(g.position().await, 10);
+    assert_eq!(g.dead_letters().await, vec![6, 7]);
+    g.redrive(6).await.unwrap();
+    g.discard(7).await.unwrap();
+    let r = g.poll(100).await;
+    assert_eq!((offsets(&r), attempts(&r)), (vec![6], vec![1]));
+    g.ack(6).await.unwrap();
+    b.kill9();
+    b.restart();
+    let g = Group::new(&client(&b.addr).await, JOBS, "workers");
+    assert!(g.dead_letters().await.is_empty());
+    assert_eq!(g.position().await, 10);
+    assert!(g.poll(100).await.is_empty());
+}
+
+/// An ack is durable before it is answered: a consumer acking while the
+/// broker is killed loses no acknowledged record (none comes back after the
+/// restart) and the group resumes from its position with nothing missing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acknowledged_record_is_not_redelivered_after_kill_9() {
+    let mut b = felix_tests::start_broker!(opts(30_000, 5));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    let total = 3000u64;
+    for _ in 0..3 {
+        publish(&c, JOBS, 1000).await;
+    }
+    let acked: Arc<Mutex<BTreeSet<u64>>> = Arc::default();
+    let consumer = {
+        let g = Group::new(&client(&b.addr).await, JOBS, "workers");
+        let acked = acked.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok(batch) = g.c.group_poll(T, NS, JOBS, 0, "workers", 20).await else {
+                    return;
+                };
+                let o = offsets(&batch);
+                if g.ack_many(&o).await.is_err() {
+                    return;
+                }
+                acked.lock().unwrap().extend(o);
+            }
+        })
+    };
+    eventually("some acks", Duration::from_secs(20), || async {
+        acked.lock().unwrap().len() >= 500
+    })
+    .await;
+    b.kill9();
+    let _ = consumer.await;
+    let acked = acked.lock().unwrap().clone();
+    assert!((acked.len() as u64) < total, "the consumer was still going");
+
+    b.restart();
+    let g = Group::new(&client(&b.addr).await, JOBS, "workers");
+    let position = g.position().await;
+    let acked_prefix = (0..).find(|o| !acked.contains(o)).unwrap();
+    assert!(
+        position >= acked_prefix,
+        "position {position} below acknowledged {acked_prefix}"
+    );
+    let again = g.drain().await;
+    let got = offsets(&again);
+    assert_eq!(
+        got,
+        (position..total).collect::<Vec<_>>(),
+        "the rest, once, in order"
+    );
+    let redelivered_acked: Vec<u64> = got.iter().copied().filter(|o| acked.contains(o)).collect();
+    assert!(
+        redelivered_acked.is_empty(),
+        "acknowledged, then redelivered: {redelivered_acked:?}"
+    );
+}
+
+/// Delays and extensions are the leader's memory: after a restart those
+/// records are handed out from the position at once, sooner than asked. A
+/// claim from before the restart can no longer be extended or nacked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delays_and_extensions_do_not_outlive_a_restart() {
+    let mut b = felix_tests::start_broker!(opts(30_000, 5));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 3).await;
+    let g = Group::new(&c, JOBS, "workers");
+    let batch = g.poll(3).await;
+    g.nack_after(&batch[0], Duration::from_secs(50))
+        .await
+        .unwrap();
+    g.extend(&batch[1], Duration::from_secs(50)).await.unwrap();
+    g.ack(2).await.unwrap();
+    assert!(g.poll(10).await.is_empty());
+
+    b.kill9();
+    b.restart();
+    let g = Group::new(&client(&b.addr).await, JOBS, "workers");
+    assert_eq!(
+        code(g.extend(&batch[1], Duration::from_secs(5)).await),
+        Some(ErrorCode::StaleClaim),
+        "the claim did not survive"
+    );
+    let again = g.poll(10).await;
+    // 2's ack was above the position (0 was still unfinished): memory only.
+    assert_eq!(
+        (offsets(&again), attempts(&again)),
+        (vec![0, 1, 2], vec![1, 1, 1])
+    );
+    g.ack_all(&again).await;
+    assert_eq!(g.position().await, 3);
+}
