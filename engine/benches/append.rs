@@ -34,7 +34,7 @@ fn on_executor<R: Send + 'static>(
     f: impl FnOnce() -> std::pin::Pin<Box<dyn std::future::Future<Output = R>>> + Send + 'static,
 ) -> R {
     LocalExecutorBuilder::default()
-        .spawn(move || f())
+        .spawn(f)
         .unwrap()
         .join()
         .unwrap()
@@ -168,7 +168,7 @@ fn memory_append(c: &mut Criterion) {
                 b.iter(|| {
                     log.append(&recs).unwrap();
                     i += 1;
-                    if i % 64 == 0 {
+                    if i.is_multiple_of(64) {
                         futures_lite::future::block_on(log.flush()).unwrap();
                     }
                 });
