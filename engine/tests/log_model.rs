@@ -415,6 +415,7 @@ fn write_amplification_of_1kib_records_in_batches_of_64() {
         }
         let payload_bytes = 200 * 64 * 1024u64;
         let wa = storage.bytes_written() as f64 / payload_bytes as f64;
+        eprintln!("write amplification: {wa:.3}");
         assert!(wa <= 1.1, "write amplification {wa:.3}");
     });
 }
