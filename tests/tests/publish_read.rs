@@ -383,3 +383,28 @@ async fn malformed_frames_never_take_the_broker_down() {
     let recs = read_shard(&c, "safe", 0).await;
     assert_eq!(recs.len(), 2, "seed {seed}");
 }
+
+/// `server.max_connections` is enforced at accept, and a connection with
+/// nothing in flight is closed after `server.idle_timeout_ms`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_limit_and_idle_timeout_are_enforced() {
+    use tokio::io::AsyncReadExt;
+    let broker = felix_tests::start_broker!(BrokerOptions::default()
+        .cores(1)
+        .env("FELIX_MAX_CONNECTIONS", 2)
+        .env("FELIX_IDLE_TIMEOUT_MS", 300));
+    let mut a = tokio::net::TcpStream::connect(&broker.addr).await.unwrap();
+    let _b = tokio::net::TcpStream::connect(&broker.addr).await.unwrap();
+    // The third is over the limit: closed at once.
+    let mut c = tokio::net::TcpStream::connect(&broker.addr).await.unwrap();
+    let mut buf = [0u8; 16];
+    let n = tokio::time::timeout(Duration::from_secs(5), c.read(&mut buf)).await.expect("closed promptly");
+    assert!(matches!(n, Ok(0) | Err(_)), "over-limit connection was served");
+    // The first two are idle: closed after the idle timeout.
+    let n = tokio::time::timeout(Duration::from_secs(5), a.read(&mut buf)).await.expect("idle connection closed");
+    assert!(matches!(n, Ok(0) | Err(_)));
+    // Room again: a client connects and works.
+    felix_tests::wait_until(Duration::from_secs(5), || broker.metric("felix_connections_open") == 0.0).unwrap();
+    let cl = client(&broker).await;
+    cl.create_stream("t", "ns", "x", 1, StreamOptions::default()).await.unwrap();
+}
