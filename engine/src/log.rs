@@ -273,6 +273,9 @@ struct Inner<F> {
     durable_lsn: u64,
     /// Projected length of the newest target segment once all pending flushes land.
     projected_len: u64,
+    /// Base of the segment new appends go to: the active segment, or the one
+    /// a queued roll will create.
+    target_base: Offset,
     pending: VecDeque<Chunk>,
     pending_bytes: usize,
     /// Bytes of the active segment from its last page boundary to its end.
@@ -326,16 +329,15 @@ impl<F> Inner<F> {
 
     /// The chunk the next batch of `len` bytes goes into, rolling if needed.
     fn chunk_for(&mut self, len: usize) -> &mut Chunk {
-        let target_base = self
-            .pending
-            .back()
-            .map(|c| c.segment_base)
-            .unwrap_or_else(|| self.active_base());
+        // Not the active segment: a roll may be queued or in flight (the
+        // flusher creates the new segment when it reaches that chunk).
+        let target_base = self.target_base;
         let roll =
             self.projected_len > 0 && self.projected_len + len as u64 > self.config.segment_bytes;
         if roll {
             let base = self.next;
             self.projected_len = 0;
+            self.target_base = base;
             self.pending.push_back(Chunk {
                 segment_base: base,
                 buf: Vec::new(),
@@ -568,9 +570,9 @@ impl<S: Storage> ShardLog<S> {
             );
         }
         let start = *segments.keys().next().unwrap();
-        let (end, projected_len) = {
+        let (end, projected_len, end_base) = {
             let tail = segments.values().next_back().unwrap();
-            (tail.end, tail.len)
+            (tail.end, tail.len, tail.base)
         };
         let inner = Inner {
             config,
@@ -584,6 +586,7 @@ impl<S: Storage> ShardLog<S> {
             written_lsn: lsn,
             durable_lsn: lsn,
             projected_len,
+            target_base: end_base,
             pending: VecDeque::new(),
             pending_bytes: 0,
             tail_page,
@@ -1195,17 +1198,34 @@ impl<S: Storage> ShardLog<S> {
         Ok(removed)
     }
 
-    /// Flush what is queued, then refuse further appends and wake everyone.
+    /// Flush everything queued (waiting out a flush already in flight), then
+    /// refuse further appends and wake everyone.
     pub async fn close(&self) -> Result<(), LogError> {
-        let r = if self.inner.borrow().stopped.is_none() {
-            self.flush().await
-        } else {
-            Ok(())
-        };
+        let mut result = Ok(());
+        loop {
+            let progressed = self.progress.wait();
+            let (flushing, pending, stopped) = {
+                let i = self.inner.borrow();
+                (i.flushing, !i.pending.is_empty(), i.stopped.is_some())
+            };
+            if stopped {
+                break;
+            }
+            if flushing {
+                progressed.await;
+            } else if pending {
+                if let Err(e) = self.flush().await {
+                    result = Err(e);
+                    break;
+                }
+            } else {
+                break;
+            }
+        }
         self.inner.borrow_mut().closed = true;
         self.progress.wake_all();
         self.queued.wake_all();
-        r
+        result
     }
 
     /// Delete every file of this log (after close).

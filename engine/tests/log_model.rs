@@ -142,7 +142,24 @@ fn log_matches_model_under_random_operations() {
                             log.append_control(b"ctl").unwrap();
                         }
                     }
-                    5 | 6 => log.flush().await.unwrap(),
+                    5 => log.flush().await.unwrap(),
+                    6 => {
+                        // Appends arriving while a flush is in flight (a
+                        // roll among them) join the next flush.
+                        storage.set_yielding(true);
+                        let mut flush = std::pin::pin!(log.flush());
+                        let first = futures_lite::future::poll_once(&mut flush).await;
+                        for _ in 0..rng.gen_range(1..4) {
+                            let base = log.queued_end().0;
+                            let p = payload(base, &mut rng);
+                            log.append(&[record(p.clone(), &mut rng)]).unwrap();
+                            model.push((base, p));
+                        }
+                        if first.is_none() {
+                            flush.await.unwrap();
+                        }
+                        storage.set_yielding(false);
+                    }
                     7 => {
                         log.flush().await.unwrap();
                         let start = log.start();

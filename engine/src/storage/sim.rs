@@ -57,6 +57,9 @@ struct Disk {
     fail_write_on: Option<u64>,
     fail_sync_on: Option<u64>,
     hang_sync_on: Option<u64>,
+    /// Every write and sync yields to the executor once before it runs, so
+    /// tests can interleave other work with an I/O in flight.
+    yielding: bool,
     bytes_written: u64,
 }
 
@@ -118,6 +121,11 @@ impl SimStorage {
     pub fn hang_sync_after(&self, n: u64) {
         let mut d = self.disk.borrow_mut();
         d.hang_sync_on = Some(d.syncs + n);
+    }
+
+    /// Make every write and sync yield once before running (see `yielding`).
+    pub fn set_yielding(&self, on: bool) {
+        self.disk.borrow_mut().yielding = on;
     }
 
     /// Counts of write and sync calls so far.
@@ -371,6 +379,9 @@ impl StorageFile for SimFile {
     }
 
     async fn write_at(&self, buf: SimBuffer, pos: u64) -> io::Result<()> {
+        if self.disk.borrow().yielding {
+            futures_lite::future::yield_now().await;
+        }
         assert_eq!(pos % ALIGN as u64, 0, "unaligned write position {pos}");
         assert_eq!(buf.0.len() % ALIGN, 0, "unaligned write length");
         {
@@ -397,6 +408,9 @@ impl StorageFile for SimFile {
     }
 
     async fn sync(&self) -> io::Result<()> {
+        if self.disk.borrow().yielding {
+            futures_lite::future::yield_now().await;
+        }
         let (hang, fail) = {
             let mut d = self.disk.borrow_mut();
             d.syncs += 1;
