@@ -92,11 +92,17 @@ async fn concurrent_publishers_read_back_every_record_once_in_order() {
     assert_eq!(seen.len() as u32, producers * per_producer);
 }
 
-/// kill -9 while clients publish; after a restart every acknowledged record
-/// is present, in order, with no duplicates from the broker's side.
+/// kill -9 while clients publish (batches and single records, with a small
+/// segment size so rolls happen under load); after each restart every
+/// acknowledged record is present, in order, with no duplicates from the
+/// broker's side. Three crash rounds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_acknowledged_record_survives_kill_9() {
-    let mut broker = felix_tests::start_broker!(BrokerOptions::default().cores(2));
+    let cfg = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(cfg.path(), "[storage]\nsegment_bytes = 8192\n").unwrap();
+    let mut broker = felix_tests::start_broker!(BrokerOptions::default()
+        .cores(2)
+        .env("FELIX_TEST_CONFIG", cfg.path().display()));
     let admin = client(&broker).await;
     admin
         .create_stream("t", "ns", "durable", 2, StreamOptions::default())
@@ -104,68 +110,79 @@ async fn every_acknowledged_record_survives_kill_9() {
         .unwrap();
     let acked: Arc<std::sync::Mutex<Vec<(u32, u64, String)>>> = Arc::default();
     let counter = Arc::new(AtomicU64::new(0));
-    let mut tasks = Vec::new();
-    for p in 0..3u32 {
-        let addr = broker.addr.clone();
-        let acked = acked.clone();
-        let counter = counter.clone();
-        tasks.push(tokio::spawn(async move {
-            let c = Client::connect(addr.as_str(), ClientConfig::default())
-                .await
-                .unwrap();
-            loop {
-                let i = counter.fetch_add(1, Ordering::SeqCst);
-                let shard = (i % 2) as u32;
-                let payload = format!("p{p}-{i}");
-                match c
-                    .publish("t", "ns", "durable", shard, payload.clone())
+    for round in 0..3 {
+        let mut tasks = Vec::new();
+        for p in 0..3u32 {
+            let addr = broker.addr.clone();
+            let acked = acked.clone();
+            let counter = counter.clone();
+            tasks.push(tokio::spawn(async move {
+                let c = Client::connect(addr.as_str(), ClientConfig::default())
                     .await
-                {
-                    Ok(off) => acked.lock().unwrap().push((shard, off, payload)),
-                    Err(_) => return,
+                    .unwrap();
+                loop {
+                    let i = counter.fetch_add(1, Ordering::SeqCst);
+                    let shard = (i % 2) as u32;
+                    let n = 1 + (i % 5) as usize;
+                    let payloads: Vec<String> = (0..n).map(|k| format!("p{p}-{i}-{k}")).collect();
+                    let batch = payloads
+                        .iter()
+                        .map(|pl| RecordIn {
+                            payload: Bytes::from(pl.clone()),
+                            ..Default::default()
+                        })
+                        .collect();
+                    match c.publish_batch("t", "ns", "durable", shard, batch).await {
+                        Ok(pb) => {
+                            let mut a = acked.lock().unwrap();
+                            for (k, pl) in payloads.into_iter().enumerate() {
+                                a.push((shard, pb.base_offset + k as u64, pl));
+                            }
+                        }
+                        Err(_) => return,
+                    }
                 }
+            }));
+        }
+        // Let some publishes land, then pull the plug.
+        let want = 600 * (round + 1);
+        felix_tests::wait_until(Duration::from_secs(20), || {
+            acked.lock().unwrap().len() >= want
+        })
+        .unwrap();
+        broker.kill9();
+        for t in tasks {
+            let _ = t.await;
+        }
+        broker.restart();
+        let c = client(&broker).await;
+        let acked = acked.lock().unwrap().clone();
+        for shard in 0..2u32 {
+            let recs = read_shard(&c, "durable", shard).await;
+            let offsets: Vec<u64> = recs.iter().map(|r| r.0).collect();
+            assert_eq!(
+                offsets,
+                (0..recs.len() as u64).collect::<Vec<_>>(),
+                "round {round}: dense, in order"
+            );
+            let payloads: HashSet<_> = recs.iter().map(|r| r.1.clone()).collect();
+            assert_eq!(payloads.len(), recs.len(), "round {round}: no duplicates");
+            for (s, off, payload) in acked.iter().filter(|a| a.0 == shard) {
+                let got = recs.get(*off as usize).unwrap_or_else(|| {
+                    panic!("round {round}: acked offset {off} on shard {s} lost")
+                });
+                assert_eq!(
+                    got.1,
+                    Bytes::from(payload.clone()),
+                    "round {round}: acked record changed"
+                );
             }
-        }));
-    }
-    // Let some publishes land, then pull the plug.
-    felix_tests::wait_until(Duration::from_secs(20), || {
-        acked.lock().unwrap().len() >= 300
-    })
-    .unwrap();
-    broker.kill9();
-    for t in tasks {
-        let _ = t.await;
-    }
-    broker.restart();
-    let c = client(&broker).await;
-    let acked = acked.lock().unwrap().clone();
-    for shard in 0..2u32 {
-        let recs = read_shard(&c, "durable", shard).await;
-        let offsets: Vec<u64> = recs.iter().map(|r| r.0).collect();
-        assert_eq!(
-            offsets,
-            (0..recs.len() as u64).collect::<Vec<_>>(),
-            "dense, in order"
-        );
-        let payloads: HashSet<_> = recs.iter().map(|r| r.1.clone()).collect();
-        assert_eq!(payloads.len(), recs.len(), "no duplicates");
-        for (s, off, payload) in acked.iter().filter(|a| a.0 == shard) {
-            let got = recs
-                .get(*off as usize)
-                .unwrap_or_else(|| panic!("acked offset {off} on shard {s} lost"));
-            assert_eq!(got.1, Bytes::from(payload.clone()), "acked record changed");
+            let info = c.describe_shard("t", "ns", "durable", shard).await.unwrap();
+            if round == 2 {
+                assert!(info.segments > 1, "segments rolled under load");
+            }
         }
     }
-    // Appends continue after the recovered end.
-    let next = c.publish("t", "ns", "durable", 0, "after").await.unwrap();
-    assert!(
-        next >= acked
-            .iter()
-            .filter(|a| a.0 == 0)
-            .map(|a| a.1 + 1)
-            .max()
-            .unwrap_or(0)
-    );
 }
 
 /// Errors are typed: unknown streams, bad names, shards out of range,
@@ -398,13 +415,25 @@ async fn connection_limit_and_idle_timeout_are_enforced() {
     // The third is over the limit: closed at once.
     let mut c = tokio::net::TcpStream::connect(&broker.addr).await.unwrap();
     let mut buf = [0u8; 16];
-    let n = tokio::time::timeout(Duration::from_secs(5), c.read(&mut buf)).await.expect("closed promptly");
-    assert!(matches!(n, Ok(0) | Err(_)), "over-limit connection was served");
+    let n = tokio::time::timeout(Duration::from_secs(5), c.read(&mut buf))
+        .await
+        .expect("closed promptly");
+    assert!(
+        matches!(n, Ok(0) | Err(_)),
+        "over-limit connection was served"
+    );
     // The first two are idle: closed after the idle timeout.
-    let n = tokio::time::timeout(Duration::from_secs(5), a.read(&mut buf)).await.expect("idle connection closed");
+    let n = tokio::time::timeout(Duration::from_secs(5), a.read(&mut buf))
+        .await
+        .expect("idle connection closed");
     assert!(matches!(n, Ok(0) | Err(_)));
     // Room again: a client connects and works.
-    felix_tests::wait_until(Duration::from_secs(5), || broker.metric("felix_connections_open") == 0.0).unwrap();
+    felix_tests::wait_until(Duration::from_secs(5), || {
+        broker.metric("felix_connections_open") == 0.0
+    })
+    .unwrap();
     let cl = client(&broker).await;
-    cl.create_stream("t", "ns", "x", 1, StreamOptions::default()).await.unwrap();
+    cl.create_stream("t", "ns", "x", 1, StreamOptions::default())
+        .await
+        .unwrap();
 }
