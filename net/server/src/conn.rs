@@ -212,14 +212,16 @@ pub(crate) async fn serve<S: Storage>(
         if core.stopping.get() && info.in_flight.get() == 0 {
             break;
         }
-        // Read more, with the idle timeout while nothing is in flight.
-        if rbuf.capacity() - rbuf.len() < 16 * 1024 {
-            rbuf.reserve(64 * 1024);
-        }
-        let mut tmp = [0u8; 64 * 1024];
+        // Read more, straight into the frame buffer (no bounce buffer held in
+        // the connection's future), with the idle timeout while nothing is
+        // in flight.
+        const READ_CHUNK: usize = 64 * 1024;
+        let filled = rbuf.len();
+        rbuf.resize(filled + READ_CHUNK, 0);
+        let spare = &mut rbuf[filled..];
         let read = glommio::timer::timeout(idle, async {
             reader
-                .read(&mut tmp)
+                .read(spare)
                 .await
                 .map_err(glommio::GlommioError::from)
         });
@@ -231,9 +233,11 @@ pub(crate) async fn serve<S: Storage>(
                 "stopping",
             )))
         };
-        match futures_lite::future::or(read, stop).await {
+        let got = futures_lite::future::or(read, stop).await;
+        rbuf.truncate(filled + *got.as_ref().unwrap_or(&0));
+        match got {
             Ok(0) => break,
-            Ok(n) => rbuf.extend_from_slice(&tmp[..n]),
+            Ok(_) => {}
             Err(glommio::GlommioError::TimedOut(_)) => {
                 if info.in_flight.get() == 0 {
                     tracing::debug!(conn = conn_id, "closing idle connection");
