@@ -97,14 +97,18 @@ pub struct ServeArgs {
     /// below override both.
     #[arg(long, value_name = "PATH")]
     pub config: Option<PathBuf>,
-    /// Directory for durable storage. Without one the broker keeps
-    /// everything in memory and does not offer consumer groups.
+    /// Directory for durable storage (default ./felix-data, or
+    /// storage.data_dir / FELIX_DURABLE_STORAGE_DIR). Setting the storage
+    /// directory to an empty string runs the broker in memory: nothing
+    /// survives a restart and consumer groups are not offered.
     #[arg(long, value_name = "DIR")]
     pub data_dir: Option<PathBuf>,
-    /// Address to listen on, e.g. 0.0.0.0:7400.
+    /// Address to listen on (default 127.0.0.1:7400); port 0 picks a free
+    /// port, printed on stdout as `felix: listening on ADDR`.
     #[arg(long, value_name = "ADDR")]
     pub listen: Option<String>,
-    /// Cores to run on: a count (`4`) or a CPU list (`0-3`, `0,2,4`).
+    /// Cores to run on: a count (`4`, the first four CPUs) or a CPU list
+    /// (`0-3`, `0,2,4`; one CPU: `3,`). One executor is pinned to each.
     #[arg(long, value_name = "N|LIST")]
     pub cores: Option<String>,
     /// Print the effective configuration (file, environment and flags

@@ -33,7 +33,9 @@ pub struct ClientConfig {
     /// publishes to one that does not are refused rather than acknowledged
     /// on the broker's terms without a word.
     pub ack_on_commit: bool,
-    /// Largest response frame this client accepts.
+    /// Largest response frame this client accepts. A read or poll answer can
+    /// hold the broker's read cap (about 4 MiB) plus one record as large as
+    /// the broker's request frame cap, so keep this well above both.
     pub max_frame_bytes: u32,
     /// First delay before reconnecting after a failed connection attempt.
     pub reconnect_backoff_initial: Duration,
@@ -50,7 +52,7 @@ impl Default for ClientConfig {
             connect_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(30),
             ack_on_commit: false,
-            max_frame_bytes: felix_wire::DEFAULT_MAX_FRAME_BYTES,
+            max_frame_bytes: 64 << 20,
             reconnect_backoff_initial: Duration::from_millis(100),
             reconnect_backoff_max: Duration::from_secs(5),
             token: None,

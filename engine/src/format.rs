@@ -93,6 +93,43 @@ impl RecordIn {
     }
 }
 
+/// Most headers one record may carry (the count is a `u16` on disk).
+pub const RECORD_HEADERS_MAX: usize = 1024;
+
+/// Check that `records` fit the on-disk format (header counts and name
+/// lengths are `u16`, lengths `u32`, a batch at most [`BATCH_MAX_BYTES`]) and
+/// return the encoded batch length. Anything refused here must never reach
+/// the disk: it would be unreadable.
+pub fn check_records(records: &[RecordIn]) -> Result<usize, String> {
+    let mut len = BATCH_HEADER_BYTES;
+    for (i, r) in records.iter().enumerate() {
+        if r.headers.len() > RECORD_HEADERS_MAX {
+            return Err(format!(
+                "record {i} has {} headers; the limit is {RECORD_HEADERS_MAX}",
+                r.headers.len()
+            ));
+        }
+        if let Some((n, _)) = r.headers.iter().find(|(n, _)| n.len() > u16::MAX as usize) {
+            return Err(format!(
+                "record {i} has a header name of {} bytes; the limit is 65535",
+                n.len()
+            ));
+        }
+        let too_long = |x: usize| x >= u32::MAX as usize;
+        if r.key.as_ref().is_some_and(|k| too_long(k.len()))
+            || too_long(r.payload.len())
+            || r.headers.iter().any(|(_, v)| too_long(v.len()))
+        {
+            return Err(format!("record {i} has a field of 4 GiB or more"));
+        }
+        len += r.encoded_len();
+        if len > BATCH_MAX_BYTES as usize {
+            return Err(format!("the batch is over {BATCH_MAX_BYTES} bytes"));
+        }
+    }
+    Ok(len)
+}
+
 /// A record read back from the log. Key, headers and payload share the
 /// batch's buffer (no copies).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -102,6 +139,20 @@ pub struct Record {
     pub key: Option<Bytes>,
     pub headers: Vec<(String, Bytes)>,
     pub payload: Bytes,
+}
+
+impl Record {
+    /// Bytes of everything the record carries: key, header names and values,
+    /// payload.
+    pub fn size_bytes(&self) -> usize {
+        self.key.as_ref().map_or(0, |k| k.len())
+            + self
+                .headers
+                .iter()
+                .map(|(n, v)| n.len() + v.len())
+                .sum::<usize>()
+            + self.payload.len()
+    }
 }
 
 /// Why bytes are not a valid batch.

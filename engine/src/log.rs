@@ -125,6 +125,8 @@ pub enum LogError {
     Io(String),
     #[error("batch is empty")]
     Empty,
+    #[error("records cannot be stored: {0}")]
+    Invalid(String),
 }
 
 /// The result of an append: where the batch landed.
@@ -620,8 +622,7 @@ impl<S: Storage> ShardLog<S> {
         if records.is_empty() {
             return Err(LogError::Empty);
         }
-        let len =
-            format::BATCH_HEADER_BYTES + records.iter().map(|r| r.encoded_len()).sum::<usize>();
+        let len = format::check_records(records).map_err(LogError::Invalid)?;
         let a = self
             .inner
             .borrow_mut()
@@ -1271,13 +1272,18 @@ fn take_batch(
             let mut full = false;
             let from = out.next;
             format::for_each_record(batch, h, from, |r| {
+                // The byte cap counts everything a record carries (key,
+                // headers, payload) and is never crossed, except by the
+                // first record, so a response stays within the cap plus one
+                // record however large keys or headers are.
+                let size = r.size_bytes();
                 if out.records.len() >= limits.max_records
-                    || (*bytes >= limits.max_bytes && !out.records.is_empty())
+                    || (!out.records.is_empty() && *bytes + size > limits.max_bytes)
                 {
                     full = true;
                     return false;
                 }
-                *bytes += r.payload.len();
+                *bytes += size;
                 out.next = r.offset.next();
                 out.records.push(r);
                 true

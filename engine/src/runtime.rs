@@ -43,31 +43,45 @@ pub enum CoreSet {
 }
 
 impl CoreSet {
-    /// Parse `N` or a list `0,2,3`.
+    /// Parse a count `N` (the first N CPUs), or a CPU list such as `0,2,3`,
+    /// `0-3` or `0,2-3` (a list with one CPU: `3,` or `3-3`).
     pub fn parse(s: &str) -> Result<CoreSet, String> {
         let s = s.trim();
-        if s.contains(',') {
-            let list = s
-                .split(',')
-                .map(|p| {
-                    p.trim()
-                        .parse::<usize>()
-                        .map_err(|_| format!("bad CPU id {p:?} in {s:?}"))
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            if list.is_empty() {
-                return Err("empty core list".into());
-            }
-            Ok(CoreSet::List(list))
-        } else {
-            let n: usize = s
-                .parse()
-                .map_err(|_| format!("cores must be a number or a list like 0,1: {s:?}"))?;
+        if !s.contains(',') && !s.contains('-') {
+            let n: usize = s.parse().map_err(|_| {
+                format!("cores must be a count or a CPU list like 0,1 or 0-3: {s:?}")
+            })?;
             if n == 0 {
                 return Err("cores must be at least 1".into());
             }
-            Ok(CoreSet::Count(n))
+            return Ok(CoreSet::Count(n));
         }
+        let mut list = Vec::new();
+        for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let cpu = |x: &str| {
+                x.trim()
+                    .parse::<usize>()
+                    .map_err(|_| format!("bad CPU id {x:?} in {s:?}"))
+            };
+            match part.split_once('-') {
+                Some((a, b)) => {
+                    let (a, b) = (cpu(a)?, cpu(b)?);
+                    if a > b {
+                        return Err(format!("bad CPU range {part:?} in {s:?}"));
+                    }
+                    list.extend(a..=b);
+                }
+                None => list.push(cpu(part)?),
+            }
+        }
+        if list.is_empty() {
+            return Err("empty core list".into());
+        }
+        let mut seen = std::collections::HashSet::new();
+        if let Some(d) = list.iter().find(|c| !seen.insert(**c)) {
+            return Err(format!("CPU {d} appears twice in {s:?}"));
+        }
+        Ok(CoreSet::List(list))
     }
 
     /// The CPU ids to pin to.
@@ -81,6 +95,10 @@ impl CoreSet {
                 if available.len() >= *n {
                     available[..*n].to_vec()
                 } else {
+                    tracing::warn!(
+                        "{n} executors on {} CPUs: some share a CPU",
+                        available.len()
+                    );
                     // More executors than CPUs: wrap around (useful in tests).
                     (0..*n)
                         .map(|i| {
@@ -116,6 +134,9 @@ impl Runtime {
             };
             let h = LocalExecutorBuilder::new(Placement::Fixed(cpu))
                 .name(&format!("felix-core-{i}"))
+                // A timer-woken task (a long poll, a claim lapse) waits at
+                // most this long behind CPU-bound work (default: 100 ms).
+                .preempt_timer(std::time::Duration::from_millis(2))
                 .spawn(move || async move {
                     if let Some(dir) = warm {
                         if let Err(e) = warm_up_dma(&dir).await {
@@ -185,7 +206,12 @@ mod tests {
     fn core_sets_parse() {
         assert!(matches!(CoreSet::parse("2"), Ok(CoreSet::Count(2))));
         assert!(matches!(CoreSet::parse("0,1"), Ok(CoreSet::List(v)) if v == vec![0, 1]));
+        assert!(matches!(CoreSet::parse("0-2"), Ok(CoreSet::List(v)) if v == vec![0, 1, 2]));
+        assert!(matches!(CoreSet::parse("0,2-3"), Ok(CoreSet::List(v)) if v == vec![0, 2, 3]));
+        assert!(matches!(CoreSet::parse("3,"), Ok(CoreSet::List(v)) if v == vec![3]));
         assert!(CoreSet::parse("0").is_err());
         assert!(CoreSet::parse("x").is_err());
+        assert!(CoreSet::parse("3-1").is_err());
+        assert!(CoreSet::parse("1,1").is_err());
     }
 }

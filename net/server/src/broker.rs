@@ -63,9 +63,15 @@ pub(crate) struct Shared {
     pub cores: u32,
     pub durable: bool,
     pub catalog: Mutex<BTreeMap<StreamName, StreamMeta>>,
+    /// Streams with a create or delete in progress: a second one is refused
+    /// with `unavailable` instead of interleaving with the first.
+    pub busy: Mutex<std::collections::HashSet<StreamName>>,
     pub senders: Vec<mpsc::UnboundedSender<CoreMsg>>,
     pub connections: AtomicUsize,
     pub shutting_down: AtomicBool,
+    /// Cores ready to serve; the last one announces the broker's addresses.
+    pub ready: AtomicUsize,
+    pub announce: Mutex<Option<(String, Option<std::net::SocketAddr>)>>,
     pub broker_id: String,
 }
 
@@ -238,6 +244,17 @@ impl<S: Storage> Core<S> {
         self.streams.borrow().get(stream).map(|s| s.meta.shards)
     }
 
+    /// Mark a stream busy for the length of a create or delete.
+    fn claim(&self, name: &StreamName) -> Option<BusyGuard> {
+        if !self.shared.busy.lock().unwrap().insert(name.clone()) {
+            return None;
+        }
+        Some(BusyGuard {
+            shared: self.shared.clone(),
+            name: name.clone(),
+        })
+    }
+
     /// Create a stream: persist its metadata, then have every core open its shards.
     pub async fn create_stream(
         self: &Rc<Self>,
@@ -249,6 +266,12 @@ impl<S: Storage> Core<S> {
         let name = match to_name(stream) {
             Ok(n) => n,
             Err(e) => return e,
+        };
+        let Some(_busy) = self.claim(&name) else {
+            return wire_err(
+                ErrorCode::Unavailable,
+                format!("{name} is being created or deleted; retry"),
+            );
         };
         let c = &self.shared.config;
         if shards == 0 || shards > c.max_shards {
@@ -298,6 +321,18 @@ impl<S: Storage> Core<S> {
             {
                 return undo(format!("cannot write stream metadata: {e}"));
             }
+            // Make the new directories' names durable up to the data dir.
+            let root = self.data_dir();
+            let mut d = dir.clone();
+            while d != root {
+                let Some(parent) = d.parent().map(|p| p.to_path_buf()) else {
+                    break;
+                };
+                if let Err(e) = self.storage.sync_dir(&parent).await {
+                    return undo(format!("cannot sync {}: {e}", parent.display()));
+                }
+                d = parent;
+            }
         }
         if let Err(e) = self.broadcast_open(&meta).await {
             return wire_err(ErrorCode::Unavailable, e);
@@ -328,6 +363,12 @@ impl<S: Storage> Core<S> {
             Ok(n) => n,
             Err(e) => return e,
         };
+        let Some(_busy) = self.claim(&name) else {
+            return wire_err(
+                ErrorCode::Unavailable,
+                format!("{name} is being created or deleted; retry"),
+            );
+        };
         let meta = self.shared.catalog.lock().unwrap().remove(&name);
         let Some(meta) = meta else {
             return wire_err(ErrorCode::NotFound, format!("no stream {name}"));
@@ -342,6 +383,9 @@ impl<S: Storage> Core<S> {
                 .await
             {
                 tracing::warn!("removing metadata of {name}: {e}");
+            }
+            if let Err(e) = self.storage.sync_dir(&dir).await {
+                tracing::warn!("syncing {}: {e}", dir.display());
             }
         }
         let mut waits = Vec::new();
@@ -474,6 +518,24 @@ impl<S: Storage> Core<S> {
     }
 }
 
+fn shared_announce(
+    shared: &Shared,
+) -> std::sync::MutexGuard<'_, Option<(String, Option<std::net::SocketAddr>)>> {
+    shared.announce.lock().unwrap()
+}
+
+/// Releases a stream's busy mark when a create or delete ends.
+pub(crate) struct BusyGuard {
+    shared: Arc<Shared>,
+    name: StreamName,
+}
+
+impl Drop for BusyGuard {
+    fn drop(&mut self) {
+        self.shared.busy.lock().unwrap().remove(&self.name);
+    }
+}
+
 /// Start the broker's cores on `cpus` and block until they exit.
 pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
     let durable = config.data_dir.is_some();
@@ -498,9 +560,12 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
         cores,
         durable,
         catalog: Mutex::new(metas.iter().map(|m| (m.name.clone(), m.clone())).collect()),
+        busy: Mutex::new(Default::default()),
         senders,
         connections: AtomicUsize::new(0),
         shutting_down: AtomicBool::new(false),
+        ready: AtomicUsize::new(0),
+        announce: Mutex::new(None),
         broker_id: format!("felix-{}", std::process::id()),
     });
     let receivers = Arc::new(Mutex::new(receivers));
@@ -518,14 +583,13 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
         }
         None => None,
     };
-    // Announce the real addresses on stdout (scripts and tests read them).
-    println!("felix: listening on {listen}");
-    if let Some(l) = &metrics_listener {
-        println!(
-            "felix: metrics on http://{}/metrics",
-            l.local_addr().map_err(|e| e.to_string())?
-        );
-    }
+    // Announced on stdout (scripts and tests read it) by the last core to be
+    // ready: every stream open, every listener bound.
+    let metrics_addr = match &metrics_listener {
+        Some(l) => Some(l.local_addr().map_err(|e| e.to_string())?),
+        None => None,
+    };
+    *shared_announce(&shared) = Some((listen.clone(), metrics_addr));
     let metrics_listener = Arc::new(Mutex::new(metrics_listener));
     install_signal_thread(shared.clone());
     let warm = config.data_dir.clone();
@@ -655,6 +719,14 @@ async fn core_main<S: Storage>(
     if core.core_id() == 0 {
         if let Some(l) = metrics {
             glommio::spawn_local(crate::metrics::serve_http(core.clone(), l)).detach();
+        }
+    }
+    if shared.ready.fetch_add(1, Ordering::SeqCst) + 1 == shared.cores as usize {
+        if let Some((addr, metrics)) = shared_announce(&shared).take() {
+            println!("felix: listening on {addr}");
+            if let Some(m) = metrics {
+                println!("felix: metrics on http://{m}/metrics");
+            }
         }
         tracing::info!(
             listen = %listen,

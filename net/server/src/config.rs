@@ -49,6 +49,8 @@ const SETTINGS: &[Setting] = &[
     Setting { section: "server", name: "max_connections", env: Some("FELIX_MAX_CONNECTIONS"), kind: Kind::U64, default: "10000", help: "connections accepted at once, whole broker" },
     Setting { section: "server", name: "idle_timeout_ms", env: Some("FELIX_IDLE_TIMEOUT_MS"), kind: Kind::U64, default: "600000", help: "close a connection with no request in flight after this long without a frame" },
     Setting { section: "server", name: "max_frame_bytes", env: Some("FELIX_MAX_FRAME_BYTES"), kind: Kind::U64, default: "16777216", help: "largest frame accepted; larger ones are refused with too_large" },
+    Setting { section: "server", name: "max_requests_per_connection", env: None, kind: Kind::U64, default: "1024", help: "requests one connection may have in flight; the broker stops reading it until some finish" },
+    Setting { section: "server", name: "max_pending_response_bytes", env: None, kind: Kind::U64, default: "67108864", help: "unsent response bytes per connection before the broker stops reading it" },
     Setting { section: "server", name: "metrics_listen", env: Some("FELIX_METRICS_LISTEN"), kind: Kind::Str, default: "127.0.0.1:7401", help: "Prometheus text exposition over HTTP; empty disables" },
     Setting { section: "server", name: "shutdown_grace_ms", env: None, kind: Kind::U64, default: "10000", help: "on SIGTERM/SIGINT, how long in-flight requests may take to finish" },
     Setting { section: "server", name: "log", env: Some("RUST_LOG"), kind: Kind::Str, default: "info", help: "log filter (tracing EnvFilter syntax)" },
@@ -98,6 +100,8 @@ pub struct Config {
     pub max_connections: u64,
     pub idle_timeout_ms: u64,
     pub max_frame_bytes: u32,
+    pub max_requests_per_connection: usize,
+    pub max_pending_response_bytes: usize,
     pub metrics_listen: Option<String>,
     pub shutdown_grace_ms: u64,
     pub log: String,
@@ -307,6 +311,14 @@ impl Config {
                 nonzero(num("server", "max_frame_bytes")?, "server.max_frame_bytes")?,
                 "server.max_frame_bytes",
             )?,
+            max_requests_per_connection: nonzero(
+                num("server", "max_requests_per_connection")?,
+                "server.max_requests_per_connection",
+            )? as usize,
+            max_pending_response_bytes: nonzero(
+                num("server", "max_pending_response_bytes")?,
+                "server.max_pending_response_bytes",
+            )? as usize,
             metrics_listen: if metrics.is_empty() {
                 None
             } else {

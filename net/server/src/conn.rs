@@ -64,6 +64,8 @@ struct Outbox {
     /// The socket moved to another core: close our descriptor only, never
     /// shut the connection down.
     handed_off: Cell<bool>,
+    /// Woken each time the writer sent a batch of responses.
+    drained: WaitList,
 }
 
 impl Outbox {
@@ -124,6 +126,7 @@ pub(crate) async fn serve<S: Storage>(
         ready: WaitList::new(),
         closed: Cell::new(false),
         handed_off: Cell::new(false),
+        drained: WaitList::new(),
     });
     let writer = glommio::spawn_local(write_loop(sock.clone(), outbox.clone()));
     let mut said_hello = false;
@@ -158,15 +161,29 @@ pub(crate) async fn serve<S: Storage>(
                                         }
                                     }
                                 }
-                                let _ = version;
-                                let _ = client_name;
-                                let f = core.shared.features();
-                                info.features.set(features & f);
+                                if version == 0 {
+                                    outbox.push(
+                                        id,
+                                        &wire_err(
+                                            ErrorCode::Unsupported,
+                                            format!(
+                                                "protocol version 0 is not supported; this broker speaks 1..={}",
+                                                felix_wire::PROTOCOL_VERSION
+                                            ),
+                                        ),
+                                    );
+                                    break 'conn;
+                                }
+                                tracing::debug!(conn = conn_id, client = %client_name, version, "hello");
+                                // The connection runs at the lower version and
+                                // the features both sides know.
+                                let f = core.shared.features() & features;
+                                info.features.set(f);
                                 said_hello = true;
                                 outbox.push(
                                     id,
                                     &Response::HelloOk {
-                                        version: felix_wire::PROTOCOL_VERSION,
+                                        version: version.min(felix_wire::PROTOCOL_VERSION),
                                         features: f,
                                         cores: core.shared.cores,
                                         core: core.core_id(),
@@ -211,6 +228,17 @@ pub(crate) async fn serve<S: Storage>(
         }
         if core.stopping.get() && info.in_flight.get() == 0 {
             break;
+        }
+        // Backpressure: stop reading a connection that has too many requests
+        // in flight or too many unsent response bytes until that drains.
+        let max_requests = core.shared.config.max_requests_per_connection;
+        let max_pending = core.shared.config.max_pending_response_bytes;
+        while (info.in_flight.get() >= max_requests || outbox.buf.borrow().len() >= max_pending)
+            && !outbox.closed.get()
+        {
+            let drained = outbox.drained.wait();
+            let finished = core.lifecycle.wait();
+            futures_lite::future::or(drained, finished).await;
         }
         // Read more, straight into the frame buffer (no bounce buffer held in
         // the connection's future), with the idle timeout while nothing is
@@ -304,8 +332,10 @@ async fn write_loop(mut sock: Shared, outbox: Rc<Outbox>) {
             Some(d) => {
                 if sock.write_all(&d).await.is_err() {
                     outbox.closed.set(true);
+                    outbox.drained.wake_all();
                     return;
                 }
+                outbox.drained.wake_all();
             }
             None => {
                 if outbox.closed.get() {
@@ -365,6 +395,7 @@ fn log_err(shard: &str, e: LogError) -> Response {
             ErrorCode::InvalidRequest,
             "a publish needs at least one record",
         ),
+        LogError::Invalid(why) => wire_err(ErrorCode::InvalidRequest, why),
         other => wire_err(ErrorCode::Internal, format!("shard {shard}: {other}")),
     }
 }

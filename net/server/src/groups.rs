@@ -439,8 +439,9 @@ async fn poll<S: Storage>(
                 visibility_ms,
                 view,
                 &mut |o| match records.get(&o) {
+                    // Keys and headers count toward the poll's byte cap too.
                     Some(r) => Lookup::Record {
-                        payload_bytes: r.payload.len() as u32,
+                        payload_bytes: r.size_bytes().min(u32::MAX as usize) as u32,
                     },
                     None if o < view.start || skipped_offsets.contains(&o) => Lookup::Skipped,
                     None => Lookup::NotLoaded,

@@ -233,7 +233,14 @@ impl Reader {
         if n.saturating_mul(min_item_bytes.max(1)) > self.remaining() {
             return Err(DecodeError::Truncated { what });
         }
-        let mut v = Vec::with_capacity(n);
+        // An element in memory is larger than its smallest encoding (a
+        // `RecordIn` is ~100 bytes, its minimum encoding ~15), so the count
+        // is capped too: a frame of empty elements cannot make the decoder
+        // allocate many times the frame's size.
+        if n > crate::MAX_ITEMS_PER_VEC {
+            return Err(DecodeError::BadValue { what });
+        }
+        let mut v = Vec::with_capacity(n.min(1024));
         for _ in 0..n {
             v.push(item(self)?);
         }

@@ -49,6 +49,11 @@ pub const PROTOCOL_VERSION: u16 = 1;
 /// [`Response::HelloOk`].
 pub const DEFAULT_MAX_FRAME_BYTES: u32 = 16 * 1024 * 1024;
 
+/// Most elements any one list in a message may hold (records in a publish,
+/// offsets in an ack, ...). Bounds the memory a decoded frame can take to a
+/// small multiple of the frame itself.
+pub const MAX_ITEMS_PER_VEC: usize = 100_000;
+
 /// Size of the fixed frame header: `u32 len`, `u8 kind`, `u8 opcode`,
 /// `u16 flags`, `u64 request_id`.
 pub const FRAME_HEADER_BYTES: usize = 4 + 1 + 1 + 2 + 8;
