@@ -437,3 +437,154 @@ async fn connection_limit_and_idle_timeout_are_enforced() {
         .await
         .unwrap();
 }
+
+/// Send one request on a raw connection and read one response.
+async fn raw_call(
+    s: &mut tokio::net::TcpStream,
+    id: u64,
+    req: &felix_wire::Request,
+) -> felix_wire::Response {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut out = bytes::BytesMut::new();
+    felix_wire::encode_request(id, req, &mut out);
+    s.write_all(&out).await.unwrap();
+    let mut buf = bytes::BytesMut::new();
+    loop {
+        if let Some((rid, resp)) = felix_wire::decode_response(&mut buf, 64 << 20).unwrap() {
+            assert_eq!(rid, id);
+            return resp;
+        }
+        let mut chunk = [0u8; 65536];
+        let n = s.read(&mut chunk).await.unwrap();
+        assert!(n > 0, "broker closed the connection");
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+fn hello(want_core: Option<u32>, version: u16) -> felix_wire::Request {
+    felix_wire::Request::Hello {
+        version,
+        features: felix_wire::FEATURES_ALL,
+        want_core,
+        client_name: "raw-test".into(),
+        token: None,
+    }
+}
+
+/// A HELLO naming a core moves the connection to that core; a request for a
+/// shard another core owns gets `wrong_core` naming the right core; a HELLO
+/// with an unsupported version is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_move_to_the_core_they_ask_for_and_wrong_core_names_the_owner() {
+    use felix_wire::{Request, Response, StreamRef};
+    let broker = felix_tests::start_broker!(BrokerOptions::default().cores(2));
+    let c = client(&broker).await;
+    let info = c
+        .create_stream("t", "ns", "placed", 2, StreamOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(info.placement.len(), 2);
+    assert_ne!(
+        info.placement[0], info.placement[1],
+        "two shards on two cores"
+    );
+    for want in 0..2u32 {
+        for _ in 0..4 {
+            let mut s = tokio::net::TcpStream::connect(&broker.addr).await.unwrap();
+            match raw_call(&mut s, 1, &hello(Some(want), felix_wire::PROTOCOL_VERSION)).await {
+                Response::HelloOk { core, cores, .. } => {
+                    assert_eq!(core, want, "served by the core it asked for");
+                    assert_eq!(cores, 2);
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+            // The shard this core does not own: wrong_core with the owner.
+            let other_shard = info.placement.iter().position(|c| *c != want).unwrap() as u32;
+            let req = Request::DescribeShard {
+                stream: StreamRef::new("t", "ns", "placed"),
+                shard: other_shard,
+            };
+            match raw_call(&mut s, 2, &req).await {
+                Response::Error(e) => {
+                    assert_eq!(e.code, ErrorCode::WrongCore);
+                    assert_eq!(e.core, Some(info.placement[other_shard as usize]));
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+            let own_shard = info.placement.iter().position(|c| *c == want).unwrap() as u32;
+            let req = Request::DescribeShard {
+                stream: StreamRef::new("t", "ns", "placed"),
+                shard: own_shard,
+            };
+            assert!(matches!(
+                raw_call(&mut s, 3, &req).await,
+                Response::Shard(_)
+            ));
+        }
+    }
+    let mut s = tokio::net::TcpStream::connect(&broker.addr).await.unwrap();
+    match raw_call(&mut s, 1, &hello(None, 0)).await {
+        Response::Error(e) => assert_eq!(e.code, ErrorCode::Unsupported),
+        other => panic!("version 0 accepted: {other:?}"),
+    }
+}
+
+/// Records the storage format cannot hold (here: more headers than the
+/// limit) are refused with invalid_request and never reach the disk, so the
+/// shard still reads and the broker still restarts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unstorable_records_are_refused_and_the_broker_still_restarts() {
+    let mut broker = felix_tests::start_broker!(BrokerOptions::default().cores(1));
+    let c = client(&broker).await;
+    c.create_stream("t", "ns", "h", 1, StreamOptions::default())
+        .await
+        .unwrap();
+    c.publish("t", "ns", "h", 0, "ok").await.unwrap();
+    let headers = (0..70_000)
+        .map(|i| (format!("h{i}"), Bytes::new()))
+        .collect();
+    let bad = RecordIn {
+        headers,
+        payload: Bytes::from_static(b"x"),
+        ..Default::default()
+    };
+    let err = c
+        .publish_batch("t", "ns", "h", 0, vec![bad])
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::InvalidRequest), "{err}");
+    c.publish("t", "ns", "h", 0, "still ok").await.unwrap();
+    broker.kill9();
+    broker.restart();
+    let c = client(&broker).await;
+    assert_eq!(read_shard(&c, "h", 0).await.len(), 2);
+}
+
+/// The read cap counts keys and headers, not only payloads: records with
+/// large keys come back a few at a time, never in one oversized answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_of_records_with_large_keys_stay_within_the_byte_cap() {
+    let broker = felix_tests::start_broker!(BrokerOptions::default().cores(1));
+    let c = client(&broker).await;
+    c.create_stream("t", "ns", "k", 1, StreamOptions::default())
+        .await
+        .unwrap();
+    for i in 0..12u32 {
+        let rec = RecordIn {
+            key: Some(Bytes::from(vec![b'k'; 1 << 20])),
+            payload: Bytes::from(format!("r{i}")),
+            ..Default::default()
+        };
+        c.publish_batch("t", "ns", "k", 0, vec![rec]).await.unwrap();
+    }
+    let b = c
+        .read("t", "ns", "k", 0, StartPosition::Earliest, 1000, None)
+        .await
+        .unwrap();
+    assert!(
+        !b.records.is_empty() && b.records.len() <= 4,
+        "{} records of 1 MiB keys in one read",
+        b.records.len()
+    );
+    assert_eq!(read_shard(&c, "k", 0).await.len(), 12);
+}
