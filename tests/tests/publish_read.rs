@@ -588,3 +588,46 @@ async fn reads_of_records_with_large_keys_stay_within_the_byte_cap() {
     );
     assert_eq!(read_shard(&c, "k", 0).await.len(), 12);
 }
+
+/// Corruption in the middle of a shard's log (a sealed segment) is never
+/// skipped: after a restart that shard refuses requests naming the file and
+/// byte, its gauge says stopped, and every other shard is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_sealed_segment_stops_its_shard_only() {
+    let cfg = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(cfg.path(), "[storage]\nsegment_bytes = 4096\n").unwrap();
+    let mut broker = felix_tests::start_broker!(BrokerOptions::default()
+        .cores(1)
+        .env("FELIX_TEST_CONFIG", cfg.path().display()));
+    let c = client(&broker).await;
+    c.create_stream("t", "ns", "rot", 2, StreamOptions::default())
+        .await
+        .unwrap();
+    for i in 0..100u32 {
+        c.publish("t", "ns", "rot", i % 2, vec![b'x'; 200])
+            .await
+            .unwrap();
+    }
+    broker.kill9();
+    let seg = broker
+        .data_dir()
+        .unwrap()
+        .join("t/ns/rot/0/00000000000000000000.log");
+    let mut bytes = std::fs::read(&seg).unwrap();
+    bytes[1000] ^= 0x40;
+    std::fs::write(&seg, bytes).unwrap();
+    broker.restart();
+    let c = client(&broker).await;
+    let err = c
+        .read("t", "ns", "rot", 0, StartPosition::Earliest, 10, None)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::Unavailable));
+    let msg = err.to_string();
+    assert!(
+        msg.contains("00000000000000000000.log") && msg.contains("byte"),
+        "{msg}"
+    );
+    assert_eq!(read_shard(&c, "rot", 1).await.len(), 50);
+    assert_eq!(broker.metric("felix_shard_stopped"), 1.0);
+}

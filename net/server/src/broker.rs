@@ -88,11 +88,31 @@ impl Shared {
     }
 }
 
+/// One shard of a stream as one core sees it.
+pub(crate) enum Slot<S: Storage> {
+    /// Owned by another core.
+    Elsewhere,
+    /// Owned here and open.
+    Open(Rc<Shard<S>>),
+    /// Owned here but it could not be opened (e.g. corruption in a sealed
+    /// segment): refused with `unavailable` and the reason, while the rest of
+    /// the broker serves.
+    Failed(String),
+}
+
+impl<S: Storage> Slot<S> {
+    pub fn open(&self) -> Option<&Rc<Shard<S>>> {
+        match self {
+            Slot::Open(s) => Some(s),
+            _ => None,
+        }
+    }
+}
+
 /// A stream as one core knows it.
 pub(crate) struct LocalStream<S: Storage> {
     pub meta: StreamMeta,
-    /// `Some` for the shards this core owns.
-    pub shards: Vec<Option<Rc<Shard<S>>>>,
+    pub shards: Vec<Slot<S>>,
 }
 
 pub(crate) struct Core<S: Storage> {
@@ -164,36 +184,50 @@ impl<S: Storage> Core<S> {
         }
     }
 
-    /// Open this core's shards of a stream (creating their directories).
+    /// Open this core's shards of a stream (creating their directories). A
+    /// shard that fails to open is kept as failed (its requests get
+    /// `unavailable` with the reason) and reported in the error.
     pub async fn open_stream(self: &Rc<Self>, meta: StreamMeta) -> Result<(), String> {
         let key = to_ref(&meta.name);
         if self.streams.borrow().contains_key(&key) {
             return Ok(());
         }
         let mut shards = Vec::with_capacity(meta.shards as usize);
+        let mut failures = Vec::new();
         for s in 0..meta.shards {
             if placement(&meta.name, ShardId(s), self.shared.cores) != self.ctx.core {
-                shards.push(None);
+                shards.push(Slot::Elsewhere);
                 continue;
             }
             let dir = catalog::shard_dir(&self.data_dir(), &meta.name, s);
-            let shard = Shard::open(self.clone(), &meta, s, &dir)
-                .await
-                .map_err(|e| format!("{}/{s}: {e}", meta.name))?;
-            shards.push(Some(shard));
+            match Shard::open(self.clone(), &meta, s, &dir).await {
+                Ok(shard) => shards.push(Slot::Open(shard)),
+                Err(e) => {
+                    let why = format!("{}/{s}: {e}", meta.name);
+                    tracing::error!("shard cannot be opened and will refuse requests: {why}");
+                    failures.push(why.clone());
+                    shards.push(Slot::Failed(why));
+                }
+            }
         }
         self.streams
             .borrow_mut()
             .insert(key, LocalStream { meta, shards });
-        Ok(())
+        if failures.is_empty() {
+            Ok(())
+        } else {
+            Err(failures.join("; "))
+        }
     }
 
     /// Close and delete this core's shards of a stream.
     pub async fn delete_local_stream(&self, name: &StreamName) -> Result<(), String> {
         let removed = self.streams.borrow_mut().remove(&to_ref(name));
         if let Some(ls) = removed {
-            for shard in ls.shards.into_iter().flatten() {
-                shard.destroy().await.map_err(|e| e.to_string())?;
+            for slot in ls.shards {
+                if let Slot::Open(shard) = slot {
+                    shard.destroy().await.map_err(|e| e.to_string())?;
+                }
             }
         }
         Ok(())
@@ -204,8 +238,12 @@ impl<S: Storage> Core<S> {
     pub fn shard(&self, stream: &StreamRef, shard: u32) -> Result<Rc<Shard<S>>, Response> {
         if let Some(ls) = self.streams.borrow().get(stream) {
             return match ls.shards.get(shard as usize) {
-                Some(Some(s)) => Ok(s.clone()),
-                Some(None) => {
+                Some(Slot::Open(s)) => Ok(s.clone()),
+                Some(Slot::Failed(why)) => Err(wire_err(
+                    ErrorCode::Unavailable,
+                    format!("shard {shard} of {stream} could not be opened: {why}"),
+                )),
+                Some(Slot::Elsewhere) => {
                     let right = placement(&ls.meta.name, ShardId(shard), self.shared.cores);
                     Err(Response::Error(WireError::wrong_core(
                         right.0,
@@ -426,7 +464,15 @@ impl<S: Storage> Core<S> {
         let mut snap = self.metrics.snapshot();
         for (r, ls) in self.streams.borrow().iter() {
             for (i, s) in ls.shards.iter().enumerate() {
-                if let Some(s) = s {
+                if let Slot::Failed(_) = s {
+                    snap.shards.push(ShardSnapshot {
+                        stream: r.to_string(),
+                        shard: i as u32,
+                        stopped: true,
+                        ..Default::default()
+                    });
+                }
+                if let Some(s) = s.open() {
                     let st = s.log.stats();
                     snap.shards.push(ShardSnapshot {
                         stream: r.to_string(),
@@ -508,7 +554,7 @@ impl<S: Storage> Core<S> {
             .streams
             .borrow()
             .values()
-            .flat_map(|ls| ls.shards.iter().flatten().cloned())
+            .flat_map(|ls| ls.shards.iter().filter_map(|s| s.open().cloned()))
             .collect();
         for s in shards {
             if let Err(e) = s.log.close().await {
@@ -701,9 +747,12 @@ async fn core_main<S: Storage>(
     });
     for meta in metas.iter() {
         if let Err(e) = core.open_stream(meta.clone()).await {
-            tracing::error!(core = core.core_id(), "cannot open stream: {e}");
-            eprintln!("felix: cannot open stream {}: {e}", meta.name);
-            std::process::exit(1);
+            // The failed shards refuse requests with the reason; everything
+            // else is served.
+            eprintln!(
+                "felix: WARNING: shards of {} could not be opened: {e}",
+                meta.name
+            );
         }
     }
     let listener = match glommio::net::TcpListener::bind(&listen) {
@@ -789,7 +838,7 @@ async fn run_retention<S: Storage>(core: Rc<Core<S>>) {
             .streams
             .borrow()
             .values()
-            .flat_map(|ls| ls.shards.iter().flatten().cloned())
+            .flat_map(|ls| ls.shards.iter().filter_map(|s| s.open().cloned()))
             .collect();
         for s in shards {
             if let Err(e) = s.log.enforce_retention(now_ms()).await {
