@@ -430,7 +430,7 @@ fn err<T>(msg: impl Into<String>) -> Result<T, String> {
 }
 
 fn secs(flag: &str, v: f64) -> Result<Duration, String> {
-    if !v.is_finite() || v < 0.0 || v > 86_400.0 {
+    if !v.is_finite() || !(0.0..=86_400.0).contains(&v) {
         return err(format!(
             "{flag} must be between 0 and 86400 seconds, not {v}"
         ));
@@ -735,7 +735,7 @@ mod tests {
             (&["publish", "--broker-cores", "0"], "--broker-cores"),
             (&["publish", "--broker", "nohostport"], "--broker"),
             (&["publish", "--stream", "a/b"], "--stream"),
-            (&["publish", "--warmup", "-2"], "--warmup"),
+            (&["publish", "--warmup=-2"], "--warmup"),
             (&["publish", "--client-threads", "0"], "--client-threads"),
             (
                 &["publish", "--target", "redis", "--ack", "queued"],
@@ -753,7 +753,7 @@ mod tests {
             ),
             (&["queue", "--count", "100", "--backlog", "10"], "--backlog"),
             (&["e2e", "--record-size", "8"], "--record-size"),
-            (&["e2e", "--rate", "-5"], "--rate"),
+            (&["e2e", "--rate=-5"], "--rate"),
             (&["e2e", "--target", "nats", "--via", "read"], "--via"),
         ];
         for (args, flag) in cases {

@@ -158,6 +158,9 @@ impl EmbeddedBroker {
                         break;
                     }
                     Ok(None) if Instant::now() < deadline => {
+                        // The main thread, after the client runtime is gone:
+                        // no executor runs here.
+                        #[allow(clippy::disallowed_methods)]
                         std::thread::sleep(Duration::from_millis(20))
                     }
                     _ => {

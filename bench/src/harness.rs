@@ -63,6 +63,8 @@ pub struct Run {
     stop_at: Option<Instant>,
     /// Count mode: records the measurement may still start.
     budget: Option<AtomicI64>,
+    /// Count mode: records the measurement counts, at most.
+    count: Option<u64>,
     stop: AtomicBool,
     stop_reason: Mutex<Option<StopReason>>,
     /// Everything completed, warm-up included (progress line).
@@ -93,6 +95,10 @@ impl Run {
             measure_at,
             stop_at,
             budget,
+            count: match amount {
+                Amount::Count(n) => Some(n),
+                Amount::Duration(_) => None,
+            },
             stop: AtomicBool::new(false),
             stop_reason: Mutex::new(None),
             done_records: AtomicU64::new(0),
@@ -120,7 +126,7 @@ impl Run {
     }
 
     pub fn is_measured(&self, started: Instant) -> bool {
-        started >= self.measure_at && self.stop_at.map_or(true, |s| started < s)
+        started >= self.measure_at && !matches!(self.stop_at, Some(s) if started >= s)
     }
 
     pub fn stopping(&self) -> bool {
@@ -177,34 +183,49 @@ impl Run {
         }
     }
 
-    /// Count mode for work that is not started by the bench (consumers):
-    /// note `n` measured completions and stop when the count is reached.
-    pub fn consume_budget(&self, n: u64) {
-        if let Some(b) = &self.budget {
-            if b.fetch_sub(n as i64, Ordering::Relaxed) <= n as i64 {
-                self.request_stop(StopReason::Count);
-            }
-        }
-    }
-
     /// Completed work of `records`/`bytes` that started at `started`.
+    /// Returns whether it counted. In count mode the measurement counts
+    /// exactly the count: the completion that reaches it stops the run, and
+    /// anything beyond it (a consumer's last poll) is left out.
     pub fn complete(&self, started: Instant, records: u64, bytes: u64) -> bool {
         self.done_records.fetch_add(records, Ordering::Relaxed);
         self.done_bytes.fetch_add(bytes, Ordering::Relaxed);
-        if self.is_measured(started) {
-            self.measured_records.fetch_add(records, Ordering::Relaxed);
-            self.measured_bytes.fetch_add(bytes, Ordering::Relaxed);
-            let ns = u64::try_from(
-                Instant::now()
-                    .saturating_duration_since(self.measure_at)
-                    .as_nanos(),
-            )
-            .unwrap_or(u64::MAX);
-            self.last_measured_ns.fetch_max(ns, Ordering::Relaxed);
-            true
-        } else {
-            false
+        if records == 0 || !self.is_measured(started) {
+            return false;
         }
+        let take = match self.count {
+            None => {
+                self.measured_records.fetch_add(records, Ordering::Relaxed);
+                records
+            }
+            Some(c) => {
+                let prev = self.measured_records.fetch_update(
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                    |cur| (cur < c).then(|| (cur + records).min(c)),
+                );
+                match prev {
+                    Err(_) => return false,
+                    Ok(prev) => {
+                        let take = (prev + records).min(c) - prev;
+                        if prev + take >= c {
+                            self.request_stop(StopReason::Count);
+                        }
+                        take
+                    }
+                }
+            }
+        };
+        self.measured_bytes
+            .fetch_add(bytes * take / records, Ordering::Relaxed);
+        let ns = u64::try_from(
+            Instant::now()
+                .saturating_duration_since(self.measure_at)
+                .as_nanos(),
+        )
+        .unwrap_or(u64::MAX);
+        self.last_measured_ns.fetch_max(ns, Ordering::Relaxed);
+        true
     }
 
     pub fn error(&self, e: impl std::fmt::Display) {
@@ -327,14 +348,17 @@ pub async fn progress(run: Arc<Run>, every: Duration, record_size: usize, done: 
 /// 1234567 -> "1,234,567".
 pub fn fmt_int(n: u64) -> String {
     let s = n.to_string();
-    let mut out = String::with_capacity(s.len() + s.len() / 3);
-    for (i, c) in s.chars().enumerate() {
-        if i > 0 && (s.len() - i) % 3 == 0 {
-            out.push(',');
-        }
-        out.push(c);
+    let (head, rest) = s.split_at(s.len() % 3);
+    let mut parts: Vec<&str> = Vec::new();
+    if !head.is_empty() {
+        parts.push(head);
     }
-    out
+    parts.extend(
+        rest.as_bytes()
+            .chunks(3)
+            .map(|c| std::str::from_utf8(c).expect("ASCII digits")),
+    );
+    parts.join(",")
 }
 
 pub fn fmt_count(x: f64) -> String {
@@ -373,6 +397,21 @@ mod tests {
         assert!(!run.complete(t, 100, 1000));
         assert_eq!(run.measured_records.load(Ordering::Relaxed), 0);
         assert_eq!(run.done_records.load(Ordering::Relaxed), 100);
+    }
+
+    #[test]
+    fn count_mode_counts_exactly_the_count() {
+        let run = Run::new(Duration::ZERO, Amount::Count(250));
+        let t = Instant::now();
+        assert!(run.complete(t, 100, 1000));
+        assert!(run.complete(t, 100, 1000));
+        assert!(!run.stopping());
+        assert!(run.complete(t, 100, 1000));
+        assert!(run.stopping());
+        assert!(!run.complete(t, 100, 1000));
+        assert_eq!(run.measured_records.load(Ordering::Relaxed), 250);
+        assert_eq!(run.measured_bytes.load(Ordering::Relaxed), 2500);
+        assert_eq!(run.done_records.load(Ordering::Relaxed), 400);
     }
 
     #[test]

@@ -199,6 +199,7 @@ pub struct Report {
 }
 
 impl Report {
+    #[allow(clippy::too_many_arguments)]
     pub fn build(
         workload: &str,
         label: Option<String>,
@@ -210,6 +211,16 @@ impl Report {
         machine: Machine,
     ) -> Report {
         let secs = o.measured_secs.max(1e-9);
+        let mut o = o;
+        if o.records == 0 {
+            o.checks.push(Check::failed(
+                "something was measured",
+                format!(
+                    "no record completed in the measured window (stopped: {:?}); for a queue, raise --backlog",
+                    o.stop_reason
+                ),
+            ));
+        }
         let ok = o.errors == 0 && o.checks.iter().all(|c| c.ok != Some(false));
         Report {
             schema: SCHEMA,

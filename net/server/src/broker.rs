@@ -34,11 +34,18 @@ pub(crate) fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
-/// Messages between cores. Off the hot path by construction.
+/// A connection whose HELLO asked for another core, sent to it over the
+/// glommio channel mesh: the socket (a descriptor the receiver now owns) and
+/// every byte read from it so far (starting with the HELLO frame).
+pub(crate) struct Handoff {
+    pub fd: RawFd,
+    pub buffered: Vec<u8>,
+}
+
+/// Admin messages between cores (stream fan-out, metrics, shutdown): off the
+/// hot path by construction. They go over tokio channels, which also work
+/// from the signal thread.
 pub(crate) enum CoreMsg {
-    /// A connection whose HELLO asked for this core; `buffered` holds every
-    /// byte read from it so far (starting with the HELLO frame).
-    Handoff { fd: RawFd, buffered: Vec<u8> },
     /// Open (creating if needed) this core's shards of a stream.
     OpenStream {
         meta: StreamMeta,
@@ -71,6 +78,8 @@ pub(crate) struct Shared {
     pub shutting_down: AtomicBool,
     /// Cores ready to serve; the last one announces the broker's addresses.
     pub ready: AtomicUsize,
+    /// Mesh peer index of each core, filled in as cores join the mesh.
+    pub mesh_peers: Vec<AtomicUsize>,
     pub announce: Mutex<Option<(String, Option<std::net::SocketAddr>)>>,
     pub broker_id: String,
 }
@@ -126,6 +135,8 @@ pub(crate) struct Core<S: Storage> {
     pub stopping: Cell<bool>,
     /// Woken when the core starts stopping and when in-flight work drains.
     pub lifecycle: WaitList,
+    /// This core's end of the connection hand-off mesh.
+    pub handoff: glommio::channels::channel_mesh::Senders<Handoff>,
 }
 
 pub(crate) fn wire_err(code: ErrorCode, msg: impl Into<String>) -> Response {
@@ -491,19 +502,38 @@ impl<S: Storage> Core<S> {
         snap
     }
 
-    /// Process cross-core messages until shutdown.
-    pub async fn run_mailbox(self: Rc<Self>, mut rx: mpsc::UnboundedReceiver<CoreMsg>) {
-        while let Some(msg) = rx.recv().await {
-            match msg {
-                CoreMsg::Handoff { fd, buffered } => {
+    /// Serve connections other cores hand to this one.
+    pub async fn run_handoffs(
+        self: Rc<Self>,
+        mut receivers: glommio::channels::channel_mesh::Receivers<Handoff>,
+    ) {
+        for (_, rx) in receivers.streams() {
+            let core = self.clone();
+            glommio::spawn_local(async move {
+                while let Some(Handoff { fd, buffered }) = rx.recv().await {
                     // SAFETY: the sending core dup'ed this descriptor for us
                     // and gave up its own copy; we are its only owner.
                     let stream = unsafe {
                         <glommio::net::TcpStream as std::os::fd::FromRawFd>::from_raw_fd(fd)
                     };
-                    let core = self.clone();
-                    glommio::spawn_local(conn::serve(core, stream, buffered, true)).detach();
+                    glommio::spawn_local(conn::serve(core.clone(), stream, buffered, true))
+                        .detach();
                 }
+            })
+            .detach();
+        }
+    }
+
+    /// The mesh peer index of a core (cores join the mesh in any order).
+    pub fn peer_of(&self, core: u32) -> Option<usize> {
+        let p = self.shared.mesh_peers[core as usize].load(Ordering::Acquire);
+        (p != usize::MAX).then_some(p)
+    }
+
+    /// Process cross-core messages until shutdown.
+    pub async fn run_mailbox(self: Rc<Self>, mut rx: mpsc::UnboundedReceiver<CoreMsg>) {
+        while let Some(msg) = rx.recv().await {
+            match msg {
                 CoreMsg::OpenStream { meta, reply } => {
                     let r = self.open_stream(meta).await;
                     let _ = reply.send(r);
@@ -611,6 +641,7 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
         connections: AtomicUsize::new(0),
         shutting_down: AtomicBool::new(false),
         ready: AtomicUsize::new(0),
+        mesh_peers: (0..cores).map(|_| AtomicUsize::new(usize::MAX)).collect(),
         announce: Mutex::new(None),
         broker_id: format!("felix-{}", std::process::id()),
     });
@@ -641,8 +672,14 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
     let warm = config.data_dir.clone();
     let sh = shared.clone();
     let metas = Arc::new(metas);
+    // The builder is Send but not Sync; each core takes its own clone.
+    let mesh = Arc::new(Mutex::new(glommio::channels::channel_mesh::MeshBuilder::<
+        Handoff,
+        _,
+    >::full(cores as usize, 128)));
     let runtime = felix_engine::runtime::Runtime::start(&cpus, warm, move |ctx| {
         let shared = sh.clone();
+        let mesh = mesh.lock().unwrap().clone();
         let rx = receivers.lock().unwrap()[ctx.core.0 as usize]
             .take()
             .expect("one mailbox per core");
@@ -656,10 +693,10 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
         async move {
             if shared.durable {
                 let storage = felix_engine::storage::dma::DmaStorage::new();
-                core_main(ctx, shared, storage, rx, metas, listen, metrics).await;
+                core_main(ctx, shared, storage, rx, mesh, metas, listen, metrics).await;
             } else {
                 let storage = felix_engine::storage::sim::SimStorage::new();
-                core_main(ctx, shared, storage, rx, metas, listen, metrics).await;
+                core_main(ctx, shared, storage, rx, mesh, metas, listen, metrics).await;
             }
         }
     })
@@ -725,15 +762,31 @@ fn reserve_port(addr: &str) -> Result<(std::os::fd::OwnedFd, std::net::SocketAdd
     }
 }
 
+#[allow(clippy::too_many_arguments)] // the parts of one core, assembled once at start
 async fn core_main<S: Storage>(
     ctx: CoreContext,
     shared: Arc<Shared>,
     storage: S,
     rx: mpsc::UnboundedReceiver<CoreMsg>,
+    mesh: glommio::channels::channel_mesh::MeshBuilder<
+        Handoff,
+        glommio::channels::channel_mesh::Full,
+    >,
     metas: Arc<Vec<StreamMeta>>,
     listen: String,
     metrics: Option<std::net::TcpListener>,
 ) {
+    let (senders, receivers) = match mesh.join().await {
+        Ok(x) => x,
+        Err(e) => {
+            eprintln!(
+                "felix: core {}: cannot join the channel mesh: {e}",
+                ctx.core.0
+            );
+            std::process::exit(1);
+        }
+    };
+    shared.mesh_peers[ctx.core.0 as usize].store(senders.peer_id(), Ordering::Release);
     let core = Rc::new(Core {
         ctx,
         shared: shared.clone(),
@@ -744,7 +797,9 @@ async fn core_main<S: Storage>(
         in_flight: Cell::new(0),
         stopping: Cell::new(false),
         lifecycle: WaitList::new(),
+        handoff: senders,
     });
+    glommio::spawn_local(core.clone().run_handoffs(receivers)).detach();
     for meta in metas.iter() {
         if let Err(e) = core.open_stream(meta.clone()).await {
             // The failed shards refuse requests with the reason; everything

@@ -3,7 +3,7 @@
 //! own task, and a writer task that sends responses in whatever order they
 //! complete. A long poll therefore never blocks an ack on the same connection.
 
-use crate::broker::{now_ms, to_name, wire_err, Core, CoreMsg};
+use crate::broker::{now_ms, to_name, wire_err, Core, Handoff};
 use crate::shard::Shard;
 use bytes::BytesMut;
 use felix_engine::format::RecordIn as LogRecordIn;
@@ -154,7 +154,7 @@ pub(crate) async fn serve<S: Storage>(
                                         let mut all = BytesMut::new();
                                         felix_wire::encode_request(id, &req, &mut all);
                                         all.extend_from_slice(&rbuf);
-                                        if hand_off(&core, &sock, want, all.to_vec()) {
+                                        if hand_off(&core, &sock, want, all.to_vec()).await {
                                             handed_off = true;
                                             outbox.handed_off.set(true);
                                             break 'conn;
@@ -295,17 +295,29 @@ pub(crate) async fn serve<S: Storage>(
     }
 }
 
-fn hand_off<S: Storage>(core: &Rc<Core<S>>, sock: &Shared, to: u32, bytes: Vec<u8>) -> bool {
+/// Send the socket to core `to` over the channel mesh. False if it could not
+/// go (the connection then stays here).
+async fn hand_off<S: Storage>(core: &Rc<Core<S>>, sock: &Shared, to: u32, bytes: Vec<u8>) -> bool {
+    let Some(peer) = core.peer_of(to) else {
+        return false;
+    };
     let fd = sock.0.borrow().as_raw_fd();
     // SAFETY: dup of a descriptor we own; the copy goes to the other core.
     let dup = unsafe { libc::dup(fd) };
     if dup < 0 {
         return false;
     }
-    match core.shared.senders[to as usize].send(CoreMsg::Handoff {
-        fd: dup,
-        buffered: bytes,
-    }) {
+    match core
+        .handoff
+        .send_to(
+            peer,
+            Handoff {
+                fd: dup,
+                buffered: bytes,
+            },
+        )
+        .await
+    {
         Ok(()) => {
             core.metrics.handoffs.set(core.metrics.handoffs.get() + 1);
             true
