@@ -133,8 +133,15 @@ pub(crate) struct Core<S: Storage> {
     pub next_conn: Cell<u64>,
     pub in_flight: Cell<usize>,
     pub stopping: Cell<bool>,
-    /// Woken when the core starts stopping and when in-flight work drains.
+    /// Woken each time a request finishes (shutdown waits for in-flight
+    /// work to drain; backpressure waits for room).
     pub lifecycle: WaitList,
+    /// Woken once, when the core starts stopping. Separate from `lifecycle`
+    /// so that request completions never wake the accept loop or idle
+    /// readers: re-polling a pending glommio accept or read registers its
+    /// waker again, and millions of spurious polls overflow the task's
+    /// waker count.
+    pub stop_signal: WaitList,
     /// This core's end of the connection hand-off mesh.
     pub handoff: glommio::channels::channel_mesh::Senders<Handoff>,
 }
@@ -548,6 +555,7 @@ impl<S: Storage> Core<S> {
                 CoreMsg::Shutdown => {
                     self.stopping.set(true);
                     self.lifecycle.wake_all();
+                    self.stop_signal.wake_all();
                     break;
                 }
             }
@@ -557,7 +565,7 @@ impl<S: Storage> Core<S> {
     /// Resolves once this core starts shutting down.
     pub async fn until_stopping(&self) {
         while !self.stopping.get() {
-            self.lifecycle.wait().await;
+            self.stop_signal.wait().await;
         }
     }
 
@@ -797,6 +805,7 @@ async fn core_main<S: Storage>(
         in_flight: Cell::new(0),
         stopping: Cell::new(false),
         lifecycle: WaitList::new(),
+        stop_signal: WaitList::new(),
         handoff: senders,
     });
     glommio::spawn_local(core.clone().run_handoffs(receivers)).detach();
@@ -845,9 +854,7 @@ async fn core_main<S: Storage>(
     loop {
         let accept = listener.accept();
         let stop = async {
-            while !core.stopping.get() {
-                core.lifecycle.wait().await;
-            }
+            core.until_stopping().await;
             Err(glommio::GlommioError::<()>::IoError(std::io::Error::other(
                 "stopping",
             )))

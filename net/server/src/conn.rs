@@ -254,9 +254,7 @@ pub(crate) async fn serve<S: Storage>(
                 .map_err(glommio::GlommioError::from)
         });
         let stop = async {
-            while !core.stopping.get() {
-                core.lifecycle.wait().await;
-            }
+            core.until_stopping().await;
             Err(glommio::GlommioError::<()>::IoError(std::io::Error::other(
                 "stopping",
             )))
