@@ -39,14 +39,24 @@ fn serve() -> Serve {
         .stdout(Stdio::piped())
         .spawn()
         .expect("felix serve");
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let addr = loop {
-        let line = lines.next().expect("serve exited").unwrap();
-        if let Some(a) = line.strip_prefix("felix: listening on ") {
-            break a.to_string();
+    // Read the announcement on a helper thread (which then keeps draining
+    // stdout), so a broker that never starts fails the test, not hangs it.
+    let out = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            if let Some(a) = line.strip_prefix("felix: listening on ") {
+                let _ = tx.send(a.to_string());
+            }
+        }
+    });
+    let addr = match rx.recv_timeout(std::time::Duration::from_secs(60)) {
+        Ok(a) => a,
+        Err(e) => {
+            let _ = child.kill();
+            panic!("felix serve did not announce its address: {e}");
         }
     };
-    std::thread::spawn(move || for _ in lines {});
     Serve {
         child,
         addr,

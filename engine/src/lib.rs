@@ -6,6 +6,7 @@
 //! * [`log`] — a shard's segmented log: group commit, recovery, reads, retention.
 //! * [`group`] — the sans-IO consumer-group tracker.
 //! * [`runtime`] — thread-per-core executors and shard placement.
+//! * [`mailbox`] — cross-core messages (hand-offs, admin), woken through io_uring.
 
 pub mod types;
 
@@ -14,6 +15,7 @@ pub mod catalog;
 pub mod format;
 pub mod group;
 pub mod log;
+pub mod mailbox;
 pub mod notify;
 pub mod runtime;
 pub mod storage;

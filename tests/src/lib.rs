@@ -7,6 +7,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// How long a broker may take to start before the test fails.
+pub const START_DEADLINE: Duration = Duration::from_secs(60);
+
 /// A broker process under test.
 pub struct Broker {
     bin: String,
@@ -106,12 +109,33 @@ impl Broker {
         }
         let mut child = cmd.spawn().expect("start broker");
         // The broker prints the addresses it bound (port 0 picks free ports).
+        // Read them on a helper thread so a broker that never announces
+        // fails the test after a deadline instead of hanging the suite.
         let out = child.stdout.take().expect("stdout");
-        let mut lines = std::io::BufRead::lines(std::io::BufReader::new(out));
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufRead::lines(std::io::BufReader::new(out)) {
+                let Ok(line) = line else { break };
+                if line.starts_with("felix: ") && tx.send(line).is_err() {
+                    // Nobody listens any more; keep draining so the broker
+                    // never blocks on a full pipe.
+                }
+            }
+        });
+        let deadline = Instant::now() + START_DEADLINE;
         let mut found = 0;
         while found < 2 {
-            let Some(Ok(line)) = lines.next() else {
-                panic!("broker exited before announcing its address");
+            let left = deadline.saturating_duration_since(Instant::now());
+            let line = match rx.recv_timeout(left) {
+                Ok(line) => line,
+                Err(e) => {
+                    let _ = child.kill();
+                    let status = child.wait().ok();
+                    panic!(
+                        "broker did not announce its addresses within {START_DEADLINE:?} \
+                         ({e}; exit status {status:?})"
+                    );
+                }
             };
             if let Some(a) = line.strip_prefix("felix: listening on ") {
                 self.addr = a.trim().to_string();
@@ -121,8 +145,6 @@ impl Broker {
                 found += 1;
             }
         }
-        // Keep draining stdout so the broker never blocks on a full pipe.
-        std::thread::spawn(move || for _ in lines {});
         self.child = Some(child);
         wait_until(Duration::from_secs(20), || {
             TcpStream::connect(&self.addr).is_ok()

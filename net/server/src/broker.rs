@@ -12,6 +12,7 @@ use crate::metrics::{CoreMetrics, MetricsSnapshot, ShardSnapshot};
 use crate::shard::Shard;
 use felix_engine::catalog::{self, StreamMeta};
 use felix_engine::log::LogConfig;
+use felix_engine::mailbox;
 use felix_engine::notify::WaitList;
 use felix_engine::runtime::{placement, CoreContext};
 use felix_engine::storage::Storage;
@@ -19,13 +20,12 @@ use felix_engine::{ShardId, StreamName};
 use felix_wire::{ErrorCode, Response, StreamInfo, StreamRef, WireError};
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, HashMap};
-use std::os::fd::RawFd;
+use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
-use tokio::sync::{mpsc, oneshot};
 
 pub(crate) fn now_ms() -> u64 {
     SystemTime::now()
@@ -34,32 +34,36 @@ pub(crate) fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
-/// A connection whose HELLO asked for another core, sent to it over the
-/// glommio channel mesh: the socket (a descriptor the receiver now owns) and
-/// every byte read from it so far (starting with the HELLO frame).
+/// A connection whose HELLO asked for another core: the socket (a duplicate
+/// the receiving core now owns) and every byte read from it so far, starting
+/// with the HELLO frame.
 pub(crate) struct Handoff {
-    pub fd: RawFd,
+    pub fd: OwnedFd,
     pub buffered: Vec<u8>,
 }
 
-/// Admin messages between cores (stream fan-out, metrics, shutdown): off the
-/// hot path by construction. They go over tokio channels, which also work
-/// from the signal thread.
+/// A reply to a [`CoreMsg`]: a one-message mailbox back to the asking core.
+pub(crate) type Reply<T> = mailbox::Sender<T>;
+
+/// Messages between cores, over each core's [`mailbox`]: connection
+/// hand-offs, admin fan-out (stream create/delete, metrics scrape) and
+/// shutdown, which also comes from the signal thread. Never the publish,
+/// read or group path.
 pub(crate) enum CoreMsg {
+    /// Serve this connection here (its HELLO named this core).
+    Handoff(Handoff),
     /// Open (creating if needed) this core's shards of a stream.
     OpenStream {
         meta: StreamMeta,
-        reply: oneshot::Sender<Result<(), String>>,
+        reply: Reply<Result<(), String>>,
     },
     /// Close this core's shards of a stream and delete their files.
     DeleteStream {
         name: StreamName,
-        reply: oneshot::Sender<Result<(), String>>,
+        reply: Reply<Result<(), String>>,
     },
     /// Report this core's metrics.
-    Scrape {
-        reply: oneshot::Sender<MetricsSnapshot>,
-    },
+    Scrape { reply: Reply<MetricsSnapshot> },
     /// Stop accepting, finish in-flight requests, flush, exit.
     Shutdown,
 }
@@ -73,13 +77,11 @@ pub(crate) struct Shared {
     /// Streams with a create or delete in progress: a second one is refused
     /// with `unavailable` instead of interleaving with the first.
     pub busy: Mutex<std::collections::HashSet<StreamName>>,
-    pub senders: Vec<mpsc::UnboundedSender<CoreMsg>>,
+    pub senders: Vec<mailbox::Sender<CoreMsg>>,
     pub connections: AtomicUsize,
     pub shutting_down: AtomicBool,
     /// Cores ready to serve; the last one announces the broker's addresses.
     pub ready: AtomicUsize,
-    /// Mesh peer index of each core, filled in as cores join the mesh.
-    pub mesh_peers: Vec<AtomicUsize>,
     pub announce: Mutex<Option<(String, Option<std::net::SocketAddr>)>>,
     pub broker_id: String,
 }
@@ -142,8 +144,6 @@ pub(crate) struct Core<S: Storage> {
     /// waker again, and millions of spurious polls overflow the task's
     /// waker count.
     pub stop_signal: WaitList,
-    /// This core's end of the connection hand-off mesh.
-    pub handoff: glommio::channels::channel_mesh::Senders<Handoff>,
 }
 
 pub(crate) fn wire_err(code: ErrorCode, msg: impl Into<String>) -> Response {
@@ -400,7 +400,7 @@ impl<S: Storage> Core<S> {
     pub async fn broadcast_open(&self, meta: &StreamMeta) -> Result<(), String> {
         let mut waits = Vec::new();
         for tx in &self.shared.senders {
-            let (reply, rx) = oneshot::channel();
+            let (reply, rx) = mailbox::channel().map_err(|e| format!("no mailbox: {e}"))?;
             tx.send(CoreMsg::OpenStream {
                 meta: meta.clone(),
                 reply,
@@ -409,7 +409,10 @@ impl<S: Storage> Core<S> {
             waits.push(rx);
         }
         for rx in waits {
-            rx.await.map_err(|_| "a core has stopped".to_string())??;
+            rx.attach()
+                .recv()
+                .await
+                .ok_or_else(|| "a core has stopped".to_string())??;
         }
         Ok(())
     }
@@ -445,8 +448,15 @@ impl<S: Storage> Core<S> {
             }
         }
         let mut waits = Vec::new();
+        let mut problems = Vec::new();
         for tx in &self.shared.senders {
-            let (reply, rx) = oneshot::channel();
+            let (reply, rx) = match mailbox::channel() {
+                Ok(x) => x,
+                Err(e) => {
+                    problems.push(format!("no mailbox: {e}"));
+                    continue;
+                }
+            };
             if tx
                 .send(CoreMsg::DeleteStream {
                     name: name.clone(),
@@ -457,9 +467,8 @@ impl<S: Storage> Core<S> {
                 waits.push(rx);
             }
         }
-        let mut problems = Vec::new();
         for rx in waits {
-            if let Ok(Err(e)) = rx.await {
+            if let Some(Err(e)) = rx.attach().recv().await {
                 problems.push(e);
             }
         }
@@ -509,45 +518,37 @@ impl<S: Storage> Core<S> {
         snap
     }
 
-    /// Serve connections other cores hand to this one.
-    pub async fn run_handoffs(
-        self: Rc<Self>,
-        mut receivers: glommio::channels::channel_mesh::Receivers<Handoff>,
-    ) {
-        for (_, rx) in receivers.streams() {
-            let core = self.clone();
-            glommio::spawn_local(async move {
-                while let Some(Handoff { fd, buffered }) = rx.recv().await {
-                    // SAFETY: the sending core dup'ed this descriptor for us
-                    // and gave up its own copy; we are its only owner.
-                    let stream = unsafe {
-                        <glommio::net::TcpStream as std::os::fd::FromRawFd>::from_raw_fd(fd)
-                    };
-                    glommio::spawn_local(conn::serve(core.clone(), stream, buffered, true))
-                        .detach();
-                }
-            })
-            .detach();
-        }
-    }
-
-    /// The mesh peer index of a core (cores join the mesh in any order).
-    pub fn peer_of(&self, core: u32) -> Option<usize> {
-        let p = self.shared.mesh_peers[core as usize].load(Ordering::Acquire);
-        (p != usize::MAX).then_some(p)
-    }
-
     /// Process cross-core messages until shutdown.
-    pub async fn run_mailbox(self: Rc<Self>, mut rx: mpsc::UnboundedReceiver<CoreMsg>) {
+    pub async fn run_mailbox(self: Rc<Self>, rx: mailbox::Receiver<CoreMsg>) {
+        let mut rx = rx.attach();
         while let Some(msg) = rx.recv().await {
             match msg {
+                CoreMsg::Handoff(Handoff { fd, buffered }) => {
+                    let stream = <glommio::net::TcpStream as std::os::fd::FromRawFd>::from_raw_fd;
+                    // SAFETY: the descriptor is ours alone (the sending core
+                    // dup'ed it and dropped its own); glommio takes it over.
+                    let stream = unsafe { stream(std::os::fd::IntoRawFd::into_raw_fd(fd)) };
+                    glommio::spawn_local(conn::serve(self.clone(), stream, buffered, true))
+                        .detach();
+                }
+                // Stream opens and deletes run beside each other (the busy
+                // set keeps two on one stream apart) and never hold up a
+                // hand-off.
                 CoreMsg::OpenStream { meta, reply } => {
-                    let r = self.open_stream(meta).await;
-                    let _ = reply.send(r);
+                    let core = self.clone();
+                    glommio::spawn_local(async move {
+                        let r = core.open_stream(meta).await;
+                        let _ = reply.send(r);
+                    })
+                    .detach();
                 }
                 CoreMsg::DeleteStream { name, reply } => {
-                    let r = self.delete_local_stream(&name).await;
-                    let _ = reply.send(r);
+                    let core = self.clone();
+                    glommio::spawn_local(async move {
+                        let r = core.delete_local_stream(&name).await;
+                        let _ = reply.send(r);
+                    })
+                    .detach();
                 }
                 CoreMsg::Scrape { reply } => {
                     let _ = reply.send(self.snapshot());
@@ -635,7 +636,8 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
     let mut senders = Vec::new();
     let mut receivers = Vec::new();
     for _ in 0..cores {
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) =
+            mailbox::channel().map_err(|e| format!("cannot make a core mailbox: {e}"))?;
         senders.push(tx);
         receivers.push(Some(rx));
     }
@@ -649,7 +651,6 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
         connections: AtomicUsize::new(0),
         shutting_down: AtomicBool::new(false),
         ready: AtomicUsize::new(0),
-        mesh_peers: (0..cores).map(|_| AtomicUsize::new(usize::MAX)).collect(),
         announce: Mutex::new(None),
         broker_id: format!("felix-{}", std::process::id()),
     });
@@ -680,14 +681,8 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
     let warm = config.data_dir.clone();
     let sh = shared.clone();
     let metas = Arc::new(metas);
-    // The builder is Send but not Sync; each core takes its own clone.
-    let mesh = Arc::new(Mutex::new(glommio::channels::channel_mesh::MeshBuilder::<
-        Handoff,
-        _,
-    >::full(cores as usize, 128)));
     let runtime = felix_engine::runtime::Runtime::start(&cpus, warm, move |ctx| {
         let shared = sh.clone();
-        let mesh = mesh.lock().unwrap().clone();
         let rx = receivers.lock().unwrap()[ctx.core.0 as usize]
             .take()
             .expect("one mailbox per core");
@@ -701,10 +696,10 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
         async move {
             if shared.durable {
                 let storage = felix_engine::storage::dma::DmaStorage::new();
-                core_main(ctx, shared, storage, rx, mesh, metas, listen, metrics).await;
+                core_main(ctx, shared, storage, rx, metas, listen, metrics).await;
             } else {
                 let storage = felix_engine::storage::sim::SimStorage::new();
-                core_main(ctx, shared, storage, rx, mesh, metas, listen, metrics).await;
+                core_main(ctx, shared, storage, rx, metas, listen, metrics).await;
             }
         }
     })
@@ -775,26 +770,11 @@ async fn core_main<S: Storage>(
     ctx: CoreContext,
     shared: Arc<Shared>,
     storage: S,
-    rx: mpsc::UnboundedReceiver<CoreMsg>,
-    mesh: glommio::channels::channel_mesh::MeshBuilder<
-        Handoff,
-        glommio::channels::channel_mesh::Full,
-    >,
+    rx: mailbox::Receiver<CoreMsg>,
     metas: Arc<Vec<StreamMeta>>,
     listen: String,
     metrics: Option<std::net::TcpListener>,
 ) {
-    let (senders, receivers) = match mesh.join().await {
-        Ok(x) => x,
-        Err(e) => {
-            eprintln!(
-                "felix: core {}: cannot join the channel mesh: {e}",
-                ctx.core.0
-            );
-            std::process::exit(1);
-        }
-    };
-    shared.mesh_peers[ctx.core.0 as usize].store(senders.peer_id(), Ordering::Release);
     let core = Rc::new(Core {
         ctx,
         shared: shared.clone(),
@@ -806,9 +786,7 @@ async fn core_main<S: Storage>(
         stopping: Cell::new(false),
         lifecycle: WaitList::new(),
         stop_signal: WaitList::new(),
-        handoff: senders,
     });
-    glommio::spawn_local(core.clone().run_handoffs(receivers)).detach();
     for meta in metas.iter() {
         if let Err(e) = core.open_stream(meta.clone()).await {
             // The failed shards refuse requests with the reason; everything

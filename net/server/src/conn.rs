@@ -3,7 +3,7 @@
 //! own task, and a writer task that sends responses in whatever order they
 //! complete. A long poll therefore never blocks an ack on the same connection.
 
-use crate::broker::{now_ms, to_name, wire_err, Core, Handoff};
+use crate::broker::{now_ms, to_name, wire_err, Core, CoreMsg, Handoff};
 use crate::shard::Shard;
 use bytes::BytesMut;
 use felix_engine::format::RecordIn as LogRecordIn;
@@ -154,7 +154,7 @@ pub(crate) async fn serve<S: Storage>(
                                         let mut all = BytesMut::new();
                                         felix_wire::encode_request(id, &req, &mut all);
                                         all.extend_from_slice(&rbuf);
-                                        if hand_off(&core, &sock, want, all.to_vec()).await {
+                                        if hand_off(&core, &sock, want, all.to_vec()) {
                                             handed_off = true;
                                             outbox.handed_off.set(true);
                                             break 'conn;
@@ -293,38 +293,32 @@ pub(crate) async fn serve<S: Storage>(
     }
 }
 
-/// Send the socket to core `to` over the channel mesh. False if it could not
+/// Send the socket to core `to` through its mailbox. False if it could not
 /// go (the connection then stays here).
-async fn hand_off<S: Storage>(core: &Rc<Core<S>>, sock: &Shared, to: u32, bytes: Vec<u8>) -> bool {
-    let Some(peer) = core.peer_of(to) else {
+fn hand_off<S: Storage>(core: &Rc<Core<S>>, sock: &Shared, to: u32, bytes: Vec<u8>) -> bool {
+    let Some(tx) = core.shared.senders.get(to as usize) else {
         return false;
     };
-    let fd = sock.0.borrow().as_raw_fd();
-    // SAFETY: dup of a descriptor we own; the copy goes to the other core.
-    let dup = unsafe { libc::dup(fd) };
+    // The other core gets its own descriptor; ours closes when this
+    // connection's task ends.
+    let raw = sock.0.borrow().as_raw_fd();
+    // SAFETY: duplicates a descriptor this connection holds open.
+    let dup = unsafe { libc::fcntl(raw, libc::F_DUPFD_CLOEXEC, 0) };
     if dup < 0 {
         return false;
     }
-    match core
-        .handoff
-        .send_to(
-            peer,
-            Handoff {
-                fd: dup,
-                buffered: bytes,
-            },
-        )
-        .await
-    {
+    // SAFETY: `dup` is a new descriptor nobody else owns.
+    let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(dup) };
+    match tx.send(CoreMsg::Handoff(Handoff {
+        fd,
+        buffered: bytes,
+    })) {
         Ok(()) => {
             core.metrics.handoffs.set(core.metrics.handoffs.get() + 1);
             true
         }
-        Err(_) => {
-            // SAFETY: nobody else got the duplicate.
-            unsafe { libc::close(dup) };
-            false
-        }
+        // The message, and the duplicate with it, is dropped here.
+        Err(_) => false,
     }
 }
 

@@ -11,7 +11,6 @@ use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::rc::Rc;
-use tokio::sync::oneshot;
 
 #[derive(Default)]
 pub(crate) struct CoreMetrics {
@@ -211,13 +210,15 @@ pub(crate) async fn scrape<S: Storage>(core: &Rc<Core<S>>) -> MetricsSnapshot {
     let mut total = MetricsSnapshot::default();
     let mut waits = Vec::new();
     for tx in &core.shared.senders {
-        let (reply, rx) = oneshot::channel();
+        let Ok((reply, rx)) = felix_engine::mailbox::channel() else {
+            continue;
+        };
         if tx.send(CoreMsg::Scrape { reply }).is_ok() {
             waits.push(rx);
         }
     }
     for rx in waits {
-        if let Ok(s) = rx.await {
+        if let Some(s) = rx.attach().recv().await {
             total.merge(s);
         }
     }
