@@ -41,6 +41,7 @@ fn small_config(rng: &mut SmallRng) -> LogConfig {
         write_chunk_bytes: 4096 * rng.gen_range(1..3),
         index_interval_bytes: rng.gen_range(64..2048),
         read_chunk_bytes: rng.gen_range(64..4096),
+        cold_chunks: rng.gen_range(0..4),
         ..LogConfig::default()
     }
 }
@@ -480,5 +481,53 @@ fn retention_by_age_removes_only_old_sealed_segments() {
         log.enforce_retention(1_000_000).await.unwrap();
         assert_eq!(log.stats().segments, 1);
         assert_eq!(log.end(), Offset(60));
+    });
+}
+
+/// A backlog read a few records at a time (a consumer group working through
+/// it) goes to disk once a chunk, not once a read.
+#[test]
+fn small_cold_reads_are_served_from_the_chunk_read_before() {
+    let storage = SimStorage::new();
+    block_on(async {
+        let cfg = LogConfig {
+            read_cache_bytes: 0, // every read is cold
+            read_chunk_bytes: 64 << 10,
+            ..LogConfig::default()
+        };
+        let log = open(&storage, &cfg).await;
+        for i in 0..2000u64 {
+            log.append(&[RecordIn {
+                payload: Bytes::from(vec![(i % 251) as u8; 100]),
+                ..Default::default()
+            }])
+            .unwrap();
+        }
+        log.flush().await.unwrap();
+        let mut next = Offset::ZERO;
+        let mut reads = 0u64;
+        while next < log.end() {
+            let r = log
+                .read(
+                    next,
+                    ReadLimits {
+                        max_records: 16,
+                        max_bytes: usize::MAX,
+                    },
+                )
+                .await
+                .unwrap();
+            for (k, rec) in r.records.iter().enumerate() {
+                assert_eq!(rec.offset, next.plus(k as u64));
+                assert_eq!(rec.payload[0], (rec.offset.0 % 251) as u8);
+            }
+            next = r.next;
+            reads += 1;
+        }
+        assert_eq!(reads, 125);
+        let s = log.stats();
+        // 2,000 batches of 166 bytes: 332,000 bytes, about 6 chunks of 64 KiB.
+        assert!(s.cold_reads <= 8, "disk reads {}", s.cold_reads);
+        assert!(s.cold_hits >= 100, "chunk hits {}", s.cold_hits);
     });
 }

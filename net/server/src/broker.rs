@@ -510,6 +510,8 @@ impl<S: Storage> Core<S> {
                         stopped: st.stopped.is_some(),
                         flushes: st.flushes,
                         bytes_written: st.bytes_written,
+                        cold_reads: st.cold_reads,
+                        cold_hits: st.cold_hits,
                         sync: st.sync,
                     });
                 }

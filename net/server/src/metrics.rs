@@ -88,6 +88,8 @@ pub(crate) struct ShardSnapshot {
     pub stopped: bool,
     pub flushes: u64,
     pub bytes_written: u64,
+    pub cold_reads: u64,
+    pub cold_hits: u64,
     pub sync: SyncStats,
 }
 
@@ -141,6 +143,7 @@ impl MetricsSnapshot {
         );
         let mut sync = SyncStats::default();
         let (mut flushes, mut written) = (0, 0);
+        let (mut cold_reads, mut cold_hits) = (0, 0);
         let _ = writeln!(s, "# HELP felix_shard_end_offset One past the last durable offset of a shard.\n# TYPE felix_shard_end_offset gauge");
         for sh in &self.shards {
             let _ = writeln!(
@@ -175,12 +178,21 @@ impl MetricsSnapshot {
             sync.merge(&sh.sync);
             flushes += sh.flushes;
             written += sh.bytes_written;
+            cold_reads += sh.cold_reads;
+            cold_hits += sh.cold_hits;
         }
         let _ = writeln!(
             s,
             "# TYPE felix_flushes_total counter\nfelix_flushes_total {flushes}"
         );
         let _ = writeln!(s, "# TYPE felix_disk_bytes_written_total counter\nfelix_disk_bytes_written_total {written}");
+        let _ = writeln!(
+            s,
+            "# HELP felix_cold_reads_total Reads below the in-memory tail, by where they were served from.\n\
+             # TYPE felix_cold_reads_total counter\n\
+             felix_cold_reads_total{{from=\"disk\"}} {cold_reads}\n\
+             felix_cold_reads_total{{from=\"chunk\"}} {cold_hits}"
+        );
         let _ = writeln!(
             s,
             "# HELP felix_fsync_seconds fdatasync latency.\n# TYPE felix_fsync_seconds histogram"
