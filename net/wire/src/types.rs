@@ -295,9 +295,10 @@ pub struct GroupRecord {
     pub key: Option<Bytes>,
     pub headers: Vec<(String, Bytes)>,
     pub payload: Bytes,
-    /// Set (with [`FEATURE_GROUP_SKIPPED`](crate::FEATURE_GROUP_SKIPPED))
-    /// when retention removed records the group had not consumed: the group
-    /// jumped from this offset to `offset`.
+    /// How many offsets directly below `offset` the broker settled without
+    /// delivering them (control records, records retention removed first).
+    /// Present only on connections that negotiated
+    /// [`FEATURE_GROUP_SKIPPED`](crate::FEATURE_GROUP_SKIPPED).
     pub skipped_before: Option<u64>,
 }
 
