@@ -111,10 +111,16 @@ impl<T> Sender<T> {
     /// Queue `msg` for the receiver and wake it. Gives the message back if
     /// the receiver is gone.
     pub fn send(&self, msg: T) -> Result<(), T> {
-        if self.inner.receiver_gone.load(Ordering::Acquire) {
-            return Err(msg);
+        {
+            // Checked under the queue's lock, which the receiver's drop also
+            // takes: a message is either refused or dropped with the queue,
+            // never left behind in it.
+            let mut q = lock(&self.inner.queue);
+            if self.inner.receiver_gone.load(Ordering::Relaxed) {
+                return Err(msg);
+            }
+            q.push_back(msg);
         }
-        lock(&self.inner.queue).push_back(msg);
         self.ring();
         Ok(())
     }
@@ -202,9 +208,15 @@ impl<T> std::ops::Deref for Owner<T> {
 
 impl<T> Drop for Owner<T> {
     fn drop(&mut self) {
-        self.0.receiver_gone.store(true, Ordering::Release);
-        // What a sender queues after this is dropped with the last sender.
-        lock(&self.0.queue).clear();
+        // Take the queued messages out under the lock (so no send slips in
+        // after the flag) and drop them outside it: a message's own drop
+        // (a reply mailbox, a socket) must not run under our lock.
+        let queued = {
+            let mut q = lock(&self.0.queue);
+            self.0.receiver_gone.store(true, Ordering::Relaxed);
+            std::mem::take(&mut *q)
+        };
+        drop(queued);
     }
 }
 
@@ -260,6 +272,22 @@ mod tests {
         got.sort_unstable();
         got.dedup();
         assert_eq!(got.len(), 4000);
+    }
+
+    #[test]
+    fn messages_queued_when_the_receiver_goes_are_dropped_not_kept() {
+        // A queued reply mailbox stands in for a hand-off's socket or an
+        // admin request's reply: dropping it must close it, so whoever
+        // waits on it learns the core is gone.
+        let (tx, rx) = channel::<Sender<u32>>().unwrap();
+        let (reply_tx, reply_rx) = channel::<u32>().unwrap();
+        assert!(tx.send(reply_tx).is_ok());
+        drop(rx);
+        let ex = LocalExecutorBuilder::default()
+            .spawn(move || async move { reply_rx.attach().recv().await })
+            .unwrap();
+        assert_eq!(ex.join().unwrap(), None, "the reply's sender was dropped");
+        assert!(tx.send(channel::<u32>().unwrap().0).is_err());
     }
 
     #[test]

@@ -82,6 +82,11 @@ impl Broker {
         b
     }
 
+    /// The running broker's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
     pub fn data_dir(&self) -> Option<&Path> {
         self.data_dir.as_deref()
     }

@@ -50,7 +50,8 @@ const SETTINGS: &[Setting] = &[
     Setting { section: "server", name: "idle_timeout_ms", env: Some("FELIX_IDLE_TIMEOUT_MS"), kind: Kind::U64, default: "600000", help: "close a connection with no request in flight after this long without a frame" },
     Setting { section: "server", name: "max_frame_bytes", env: Some("FELIX_MAX_FRAME_BYTES"), kind: Kind::U64, default: "16777216", help: "largest frame accepted; larger ones are refused with too_large" },
     Setting { section: "server", name: "max_requests_per_connection", env: None, kind: Kind::U64, default: "1024", help: "requests one connection may have in flight; the broker stops reading it until some finish" },
-    Setting { section: "server", name: "max_pending_response_bytes", env: None, kind: Kind::U64, default: "67108864", help: "unsent response bytes per connection before the broker stops reading it" },
+    Setting { section: "server", name: "max_request_bytes_per_connection", env: None, kind: Kind::U64, default: "67108864", help: "bytes of requests one connection may have in flight (read, not yet answered); the broker stops reading it until some finish" },
+    Setting { section: "server", name: "max_pending_response_bytes", env: None, kind: Kind::U64, default: "67108864", help: "unsent response bytes per connection (reads and polls count their size cap while they run) before the broker stops reading it" },
     Setting { section: "server", name: "metrics_listen", env: Some("FELIX_METRICS_LISTEN"), kind: Kind::Str, default: "127.0.0.1:7401", help: "Prometheus text exposition over HTTP; empty disables" },
     Setting { section: "server", name: "shutdown_grace_ms", env: None, kind: Kind::U64, default: "10000", help: "on SIGTERM/SIGINT, how long in-flight requests may take to finish" },
     Setting { section: "server", name: "log", env: Some("RUST_LOG"), kind: Kind::Str, default: "info", help: "log filter (tracing EnvFilter syntax)" },
@@ -101,6 +102,7 @@ pub struct Config {
     pub idle_timeout_ms: u64,
     pub max_frame_bytes: u32,
     pub max_requests_per_connection: usize,
+    pub max_request_bytes_per_connection: usize,
     pub max_pending_response_bytes: usize,
     pub metrics_listen: Option<String>,
     pub shutdown_grace_ms: u64,
@@ -131,6 +133,17 @@ pub struct Config {
 #[derive(Debug, thiserror::Error)]
 #[error("configuration: {0}")]
 pub struct ConfigError(pub String);
+
+/// Refuse a setting above a hard limit rather than quietly use less than
+/// `--print-config` shows.
+fn at_most(n: u32, max: u32, name: &str) -> Result<u32, ConfigError> {
+    if n > max {
+        return Err(ConfigError(format!(
+            "`{name}` is {n}; it can be at most {max}"
+        )));
+    }
+    Ok(n)
+}
 
 fn parse_bool(s: &str) -> Option<bool> {
     match s.trim().to_ascii_lowercase().as_str() {
@@ -315,6 +328,10 @@ impl Config {
                 num("server", "max_requests_per_connection")?,
                 "server.max_requests_per_connection",
             )? as usize,
+            max_request_bytes_per_connection: nonzero(
+                num("server", "max_request_bytes_per_connection")?,
+                "server.max_request_bytes_per_connection",
+            )? as usize,
             max_pending_response_bytes: nonzero(
                 num("server", "max_pending_response_bytes")?,
                 "server.max_pending_response_bytes",
@@ -365,16 +382,16 @@ impl Config {
                     "limits.max_records_per_read",
                 )?,
                 "limits.max_records_per_read",
-            )?
-            .min(1000),
+            )
+            .and_then(|n| at_most(n, 1000, "limits.max_records_per_read"))?,
             max_bytes_per_read: u32_of(
                 nonzero(
                     num("limits", "max_bytes_per_read")?,
                     "limits.max_bytes_per_read",
                 )?,
                 "limits.max_bytes_per_read",
-            )?
-            .min(4 << 20),
+            )
+            .and_then(|n| at_most(n, 4 << 20, "limits.max_bytes_per_read"))?,
             max_records_per_publish: u32_of(
                 nonzero(
                     num("limits", "max_records_per_publish")?,
@@ -407,6 +424,10 @@ impl Config {
             let r = &self.values[&(s.section, s.name)];
             let shown = match s.kind {
                 Kind::Str => format!("{:?}", r.value),
+                // As the file takes it, whatever spelling the environment used.
+                Kind::Bool => parse_bool(&r.value)
+                    .map(|b| b.to_string())
+                    .unwrap_or_else(|| r.value.clone()),
                 _ => r.value.clone(),
             };
             let env = s.env.map(|e| format!(", {e}")).unwrap_or_default();
@@ -522,6 +543,31 @@ mod tests {
         env.clear();
         env.insert("FELIX_ACK_ON_COMMIT".to_string(), "maybe".to_string());
         assert!(Config::load_with_env(None, &Overrides::default(), &env).is_err());
+
+        // Over a hard cap: refused, not quietly lowered behind --print-config.
+        std::fs::write(&file, "[limits]\nmax_records_per_read = 5000\n").unwrap();
+        let e = Config::load_with_env(Some(&file), &Overrides::default(), &BTreeMap::new())
+            .unwrap_err();
+        assert!(e.to_string().contains("at most 1000"), "{e}");
+    }
+
+    #[test]
+    fn print_config_shows_booleans_as_the_file_takes_them() {
+        let mut env = BTreeMap::new();
+        env.insert("FELIX_ACK_ON_COMMIT".to_string(), "0".to_string());
+        let c = Config::load_with_env(None, &Overrides::default(), &env).unwrap();
+        let shown = c.render();
+        assert!(
+            shown.contains("ack_on_commit = false  # from env"),
+            "{shown}"
+        );
+        // And what it prints loads back.
+        let dir = tempfile_dir();
+        let file = dir.join("printed.toml");
+        std::fs::write(&file, &shown).unwrap();
+        let again =
+            Config::load_with_env(Some(&file), &Overrides::default(), &BTreeMap::new()).unwrap();
+        assert!(!again.ack_on_commit);
     }
 
     fn tempfile_dir() -> PathBuf {

@@ -86,6 +86,24 @@ pub(crate) struct ConnInfo {
     #[allow(dead_code)] // used by groups (names are scoped to it)
     pub principal: String,
     pub in_flight: Cell<usize>,
+    /// Frame bytes of the requests in flight.
+    pub in_flight_bytes: Cell<usize>,
+    /// Answer bytes reserved by the reads and polls running (see
+    /// [`answer_reservation`]).
+    pub reserved: Cell<usize>,
+}
+
+/// Bytes a request's answer may take, reserved before it runs: a read or
+/// poll's answer holds the records it found (and, for cold reads, the disk
+/// chunks they sit in) until it is sent, so a client that asks for many and
+/// reads none must be held up before the broker fetches them, not after.
+fn answer_reservation(req: &Request, config: &crate::config::Config) -> usize {
+    let cap = config.max_bytes_per_read as usize;
+    match req {
+        Request::Read { max_bytes, .. } => (*max_bytes as usize).clamp(1, cap),
+        Request::GroupPoll { .. } => cap,
+        _ => 0,
+    }
 }
 
 /// Serve one connection until it closes. `buffered` holds bytes already read
@@ -120,6 +138,8 @@ pub(crate) async fn serve<S: Storage>(
         features: Cell::new(0),
         principal: "anonymous".to_string(),
         in_flight: Cell::new(0),
+        in_flight_bytes: Cell::new(0),
+        reserved: Cell::new(0),
     });
     let outbox = Rc::new(Outbox {
         buf: RefCell::new(BytesMut::with_capacity(64 * 1024)),
@@ -135,7 +155,10 @@ pub(crate) async fn serve<S: Storage>(
     'conn: loop {
         // Decode every complete frame in the buffer.
         loop {
-            match felix_wire::decode_request(&mut rbuf, max_frame) {
+            let before = rbuf.len();
+            let decoded = felix_wire::decode_request(&mut rbuf, max_frame);
+            let frame_len = before - rbuf.len();
+            match decoded {
                 Ok(Some((id, req))) => {
                     if !said_hello {
                         match req {
@@ -146,9 +169,21 @@ pub(crate) async fn serve<S: Storage>(
                                 ref client_name,
                                 ..
                             } => {
+                                if let Some(want) = want_core.filter(|w| *w >= core.shared.cores) {
+                                    outbox.push(
+                                        id,
+                                        &wire_err(
+                                            ErrorCode::InvalidRequest,
+                                            format!(
+                                                "HELLO asks for core {want}; this broker runs cores 0..{}",
+                                                core.shared.cores
+                                            ),
+                                        ),
+                                    );
+                                    break 'conn;
+                                }
                                 if let Some(want) = want_core {
-                                    if !handed && want != core.core_id() && want < core.shared.cores
-                                    {
+                                    if !handed && want != core.core_id() {
                                         // Re-encode the HELLO in front of what
                                         // follows and hand the socket over.
                                         let mut all = BytesMut::new();
@@ -205,7 +240,7 @@ pub(crate) async fn serve<S: Storage>(
                             }
                         }
                     }
-                    spawn_request(&core, &info, &outbox, id, req);
+                    spawn_request(&core, &info, &outbox, id, req, frame_len);
                 }
                 Ok(None) => break,
                 Err(e) => {
@@ -230,10 +265,14 @@ pub(crate) async fn serve<S: Storage>(
             break;
         }
         // Backpressure: stop reading a connection that has too many requests
-        // in flight or too many unsent response bytes until that drains.
+        // (or request bytes) in flight or too many unsent response bytes
+        // until that drains.
         let max_requests = core.shared.config.max_requests_per_connection;
+        let max_request_bytes = core.shared.config.max_request_bytes_per_connection;
         let max_pending = core.shared.config.max_pending_response_bytes;
-        while (info.in_flight.get() >= max_requests || outbox.buf.borrow().len() >= max_pending)
+        while (info.in_flight.get() >= max_requests
+            || info.in_flight_bytes.get() >= max_request_bytes
+            || outbox.buf.borrow().len() >= max_pending)
             && !outbox.closed.get()
         {
             let drained = outbox.drained.wait();
@@ -284,6 +323,7 @@ pub(crate) async fn serve<S: Storage>(
     // Let the writer send what is queued, then close.
     outbox.closed.set(true);
     outbox.ready.wake_all();
+    outbox.drained.wake_all();
     writer.await;
     core.metrics
         .connections_open
@@ -364,22 +404,51 @@ fn spawn_request<S: Storage>(
     outbox: &Rc<Outbox>,
     id: u64,
     req: Request,
+    frame_len: usize,
 ) {
     let core = core.clone();
     let info = info.clone();
     let outbox = outbox.clone();
     core.in_flight.set(core.in_flight.get() + 1);
     info.in_flight.set(info.in_flight.get() + 1);
+    info.in_flight_bytes
+        .set(info.in_flight_bytes.get() + frame_len);
     glommio::spawn_local(async move {
         let op = req.name();
         core.metrics.count_request(op);
+        let max_pending = core.shared.config.max_pending_response_bytes;
+        // Room for the answer first (one reservation always goes ahead, so
+        // a single large read is never stuck behind the limit).
+        let reserve = answer_reservation(&req, &core.shared.config);
+        if reserve > 0 {
+            while info.reserved.get() > 0
+                && outbox.buf.borrow().len() + info.reserved.get() + reserve > max_pending
+                && !outbox.closed.get()
+            {
+                outbox.drained.wait().await;
+            }
+            info.reserved.set(info.reserved.get() + reserve);
+        }
         let resp = handle(&core, &info, req).await;
         if let Response::Error(e) = &resp {
             core.metrics.count_error(e.code);
         }
+        // A client that sends requests but does not read its answers holds
+        // them here, not in an ever-growing outbox: at most
+        // `max_pending_response_bytes` plus one answer is encoded and unsent.
+        while outbox.buf.borrow().len() >= max_pending && !outbox.closed.get() {
+            outbox.drained.wait().await;
+        }
         outbox.push(id, &resp);
+        drop(resp);
+        if reserve > 0 {
+            info.reserved.set(info.reserved.get() - reserve);
+            outbox.drained.wake_all();
+        }
         core.in_flight.set(core.in_flight.get() - 1);
         info.in_flight.set(info.in_flight.get() - 1);
+        info.in_flight_bytes
+            .set(info.in_flight_bytes.get() - frame_len);
         core.lifecycle.wake_all();
     })
     .detach();
@@ -465,7 +534,20 @@ async fn handle<S: Storage>(core: &Rc<Core<S>>, info: &Rc<ConnInfo>, req: Reques
             target,
             ack,
             records,
-        } => publish(core, stream, target, ack, records).await,
+        } => {
+            // The guide's rule: a client never sends a field the broker did
+            // not advertise; one that does is refused, not half-served.
+            if ack != AckMode::Default
+                && info.features.get() & felix_wire::FEATURE_PUBLISH_ACK_MODE == 0
+            {
+                return wire_err(
+                    ErrorCode::Unsupported,
+                    "this connection did not negotiate FEATURE_PUBLISH_ACK_MODE; \
+                     publish without an ack mode",
+                );
+            }
+            publish(core, stream, target, ack, records).await
+        }
         Request::Read {
             stream,
             shard,
@@ -634,9 +716,11 @@ async fn read<S: Storage>(
     }
     match s.log.read(from, limits).await {
         Ok(r) => {
-            core.metrics
-                .read_records
-                .set(core.metrics.read_records.get() + r.records.len() as u64);
+            let m = &core.metrics;
+            m.read_records
+                .set(m.read_records.get() + r.records.len() as u64);
+            let bytes: usize = r.records.iter().map(|x| x.size_bytes()).sum();
+            m.read_bytes.set(m.read_bytes.get() + bytes as u64);
             Response::Records {
                 start_offset: r.start.0,
                 next_offset: r.next.0,

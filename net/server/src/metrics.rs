@@ -11,6 +11,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::rc::Rc;
+use std::time::Duration;
 
 #[derive(Default)]
 pub(crate) struct CoreMetrics {
@@ -19,6 +20,7 @@ pub(crate) struct CoreMetrics {
     pub publish_records: Cell<u64>,
     pub publish_bytes: Cell<u64>,
     pub read_records: Cell<u64>,
+    pub read_bytes: Cell<u64>,
     pub group_delivered: Cell<u64>,
     pub group_acked: Cell<u64>,
     pub group_polls_capped: Cell<u64>,
@@ -53,6 +55,7 @@ impl CoreMetrics {
                 ("felix_publish_records_total", self.publish_records.get()),
                 ("felix_publish_bytes_total", self.publish_bytes.get()),
                 ("felix_read_records_total", self.read_records.get()),
+                ("felix_read_bytes_total", self.read_bytes.get()),
                 (
                     "felix_group_records_delivered_total",
                     self.group_delivered.get(),
@@ -246,14 +249,24 @@ pub(crate) async fn serve_http<S: Storage>(core: Rc<Core<S>>, listener: std::net
         )
     };
     loop {
-        let Ok(mut stream) = listener.accept().await else {
-            if core.stopping.get() {
-                return;
+        let mut stream = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                if core.stopping.get() {
+                    return;
+                }
+                // Out of descriptors and the like: back off rather than
+                // spin the core that also serves shards.
+                tracing::warn!("metrics endpoint: accept failed: {e}");
+                glommio::timer::sleep(Duration::from_millis(100)).await;
+                continue;
             }
-            continue;
         };
         let core = core.clone();
         glommio::spawn_local(async move {
+            // A scraper that connects and sends nothing is dropped after a
+            // while instead of holding a task and a descriptor forever.
+            stream.set_read_timeout(Some(Duration::from_secs(10))).ok();
             let mut buf = [0u8; 2048];
             let n = stream.read(&mut buf).await.unwrap_or(0);
             let req = String::from_utf8_lossy(&buf[..n]);
