@@ -728,10 +728,17 @@ impl Sim {
         self.forget(ci, o);
     }
 
-    /// Whether the model says delivery `a` of `o` is a standing claim.
-    fn standing(&self, o: u64, a: u32) -> bool {
-        matches!(self.mrec.get(&o), Some(m) if m.attempts == a
-            && matches!(m.st, MState::Claimed { deadline, .. } if deadline > self.now))
+    fn owed(&self, o: u64) -> bool {
+        matches!(self.mrec.get(&o), Some(m) if matches!(m.st, MState::Owed))
+    }
+
+    /// Whether the model says delivery `a` of `o` is still the latest one
+    /// and not handed back: its claim stands, or lapsed with the record owed
+    /// but not handed out again (the guide's condition for extend and nack).
+    fn held(&self, o: u64, a: u32) -> bool {
+        a >= 1
+            && matches!(self.mrec.get(&o), Some(m) if m.attempts == a
+                && matches!(m.st, MState::Claimed { .. } | MState::Owed))
     }
 
     fn op_nack(&mut self) {
@@ -742,7 +749,10 @@ impl Sim {
             2 => Some(self.rng.gen_range(1..4 * self.cfg.visibility_ms)),
             _ => Some(self.rng.gen_range(0..u64::MAX / 2)),
         };
-        let ok = self.t.exists() && self.standing(o, a);
+        let at_cap = self.model_in_flight() >= self.cfg.max_in_flight;
+        let ok = self.t.exists()
+            && self.held(o, a)
+            && !(self.owed(o) && delay.is_some_and(|d| d > 0) && at_cap);
         let r = self
             .t
             .nack(self.now, Offset(o), a, delay, Some("sim"), self.log());
@@ -781,7 +791,8 @@ impl Sim {
     fn op_extend(&mut self) {
         let (ci, o, a) = self.pick();
         let ms = self.rng.gen_range(0..4 * self.cfg.visibility_ms);
-        let ok = self.t.exists() && self.standing(o, a);
+        let at_cap = self.model_in_flight() >= self.cfg.max_in_flight;
+        let ok = self.t.exists() && self.held(o, a) && !(self.owed(o) && at_cap);
         let r = self.t.extend(self.now, Offset(o), a, ms, self.log());
         self.note(format!("extend {o}#{a} by {ms} -> {r:?}"));
         assert_eq!(
@@ -792,13 +803,29 @@ impl Sim {
         if let Ok(stands) = r {
             assert_eq!(stands, self.clamp_vis(ms));
             let now = self.now;
-            if let Some(MRec {
-                st: MState::Claimed { deadline, .. },
-                ..
-            }) = self.mrec.get_mut(&o)
-            {
-                *deadline = now + stands;
-            }
+            let conn = self.consumers[ci].conn;
+            let m = self.mrec.get_mut(&o).unwrap();
+            m.st = match m.st {
+                // A standing claim keeps its holder and reservation.
+                MState::Claimed {
+                    deadline,
+                    member,
+                    conn,
+                    reserved_for,
+                } if deadline > now => MState::Claimed {
+                    deadline: now + stands,
+                    member,
+                    conn,
+                    reserved_for,
+                },
+                // A lapsed one is taken back as a plain claim.
+                _ => MState::Claimed {
+                    deadline: now + stands,
+                    member: None,
+                    conn,
+                    reserved_for: None,
+                },
+            };
         } else if matches!(r, Err(GroupError::StaleClaim(_))) {
             self.forget(ci, o);
         }

@@ -387,7 +387,7 @@ impl GroupTracker {
     /// Hand back the delivery held (named by `attempts`): owed again at once,
     /// or after `delay_ms` (clamped to `max_visibility_ms`; holds an
     /// in-flight place meanwhile). At the attempt bound it becomes a dead
-    /// letter instead. Refused with `stale_claim` once the claim lapsed or
+    /// letter instead. Refused with `stale_claim` once the claim lapsed and
     /// the record went out again. Writes: wait before answering.
     pub fn nack(
         &mut self,
@@ -401,6 +401,10 @@ impl GroupTracker {
         self.begin_request(now_ms)?;
         self.observe(log);
         let s = self.held_claim(now_ms, offset, attempts, log)?;
+        if s.state() == State::Owed && delay_ms.is_some_and(|d| d > 0) {
+            // A delay holds an in-flight place the lapsed claim gave up.
+            self.room_to_take_back(offset)?;
+        }
         let mut w = Vec::new();
         if s.attempts() >= self.config.max_attempts {
             self.give_up(
@@ -426,9 +430,10 @@ impl GroupTracker {
     }
 
     /// Let the delivery held stand for `extend_ms` from now (clamped to
-    /// `[1, max_visibility_ms]`); returns how long it now stands. Refused
-    /// with `stale_claim` once the claim lapsed, the record went out again,
-    /// or for a delayed nack (nobody holds it).
+    /// `[1, max_visibility_ms]`); returns how long it now stands. A claim
+    /// that lapsed but whose record has not gone out again is taken back.
+    /// Refused with `stale_claim` once the record went out again, or for a
+    /// delayed nack (nobody holds it).
     pub fn extend(
         &mut self,
         now_ms: u64,
@@ -440,13 +445,25 @@ impl GroupTracker {
         self.begin_request(now_ms)?;
         self.observe(log);
         let s = self.held_claim(now_ms, offset, attempts, log)?;
+        if s.state() == State::Owed {
+            self.room_to_take_back(offset)?;
+        }
         let stands_ms = extend_ms.clamp(1, self.config.max_visibility_ms);
+        // A standing reservation stays its holder's; a lapsed one, or a
+        // lapsed claim the group owes, is taken back by this delivery's
+        // consumer as a plain claim.
+        let standing = s.state() != State::Owed && s.deadline_ms() > now_ms;
+        let (state, holder) = if standing {
+            (s.state(), s.holder())
+        } else {
+            (State::Claimed, 0)
+        };
         let slot = Slot::timed(
-            s.state(),
+            state,
             deadline_at(now_ms, stands_ms),
             s.since_ms(),
             s.attempts(),
-            s.holder(),
+            holder,
         );
         self.transition(offset, Some(slot));
         Ok(stands_ms)
@@ -929,7 +946,19 @@ impl GroupTracker {
         }
     }
 
-    /// The standing claim for delivery `attempts` of `o`.
+    /// A lapsed claim gave its in-flight place to the group; taking the
+    /// record back needs a free one.
+    fn room_to_take_back(&self, o: Offset) -> Result<(), GroupError> {
+        if self.in_flight >= self.config.max_in_flight {
+            return Err(GroupError::StaleClaim(format!(
+                "the claim on offset {o} lapsed and the group is at its in-flight cap; \
+                 the record stays owed to the group"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The delivery `attempts` of `o`, if it is still the latest one.
     fn held_claim(
         &self,
         now_ms: u64,
@@ -956,13 +985,15 @@ impl GroupTracker {
         if s.attempts() != attempts {
             return Err(went_out_again(o, attempts, s.attempts()));
         }
+        // The delivery named by `attempts` is still the latest one: its
+        // claim stands, or it lapsed and the record waits owed, not yet
+        // handed out again (that would have counted another attempt). The
+        // guide refuses only once the record has gone out again.
+        let _ = now_ms;
         match s.state() {
-            State::Claimed | State::Reserved if s.deadline_ms() > now_ms => Ok(s),
+            State::Claimed | State::Reserved | State::Owed => Ok(s),
             State::Delayed => Err(GroupError::StaleClaim(format!(
                 "offset {o} was handed back with a delay; nobody holds it"
-            ))),
-            _ => Err(GroupError::StaleClaim(format!(
-                "the claim on offset {o} lapsed; the group owes the record"
             ))),
         }
     }
