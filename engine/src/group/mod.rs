@@ -127,6 +127,10 @@ pub struct GroupConfig {
 
 /// Most claims plus delays a group may hold: claims carry a 24-bit holder id.
 pub const MAX_IN_FLIGHT_LIMIT: u32 = slot::HOLDER_MAX;
+/// Longest visibility, extension or delay a claim can hold (about 49 days).
+pub const MAX_VISIBILITY_LIMIT_MS: u64 = slot::SPAN_MAX_MS;
+/// Most attempts a record can be counted.
+pub const MAX_ATTEMPTS_LIMIT: u32 = u16::MAX as u32;
 
 impl Default for GroupConfig {
     fn default() -> Self {

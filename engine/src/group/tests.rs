@@ -277,6 +277,8 @@ mod guide {
         assert_eq!(h.dead(), vec![0]);
         let dl = &h.t.dead_letters().unwrap()[0].1;
         assert_eq!((dl.attempts, dl.by_consumer), (3, false));
+        // The broker says why it gave up.
+        assert_eq!(dl.reason.as_deref(), Some("claim lapsed after attempt 3"));
         h.ack(1).unwrap();
         assert_eq!(h.position(), 2);
         // The dead letter is written before the position that passes it.

@@ -407,14 +407,9 @@ impl GroupTracker {
         }
         let mut w = Vec::new();
         if s.attempts() >= self.config.max_attempts {
-            self.give_up(
-                offset,
-                s.attempts(),
-                now_ms,
-                cut_reason(reason),
-                false,
-                &mut w,
-            );
+            let why =
+                cut_reason(reason).unwrap_or_else(|| format!("nacked at attempt {}", s.attempts()));
+            self.give_up(offset, s.attempts(), now_ms, Some(why), false, &mut w);
         } else {
             match delay_ms.filter(|&d| d > 0) {
                 Some(d) => {
@@ -1150,7 +1145,7 @@ impl GroupTracker {
                 o,
                 s.attempts(),
                 run.now_ms,
-                None,
+                Some(format!("out of attempts ({})", s.attempts())),
                 false,
                 &mut run.out.writes,
             );
@@ -1206,7 +1201,8 @@ impl GroupTracker {
             debug_assert!(s.is_timed() && s.deadline_ms() == deadline);
             if s.attempts() >= self.config.max_attempts {
                 // Out of attempts: the broker gives up on it.
-                self.give_up(o, s.attempts(), deadline, None, false, w);
+                let why = format!("claim lapsed after attempt {}", s.attempts());
+                self.give_up(o, s.attempts(), deadline, Some(why), false, w);
             } else {
                 self.transition(o, Some(Slot::owed(deadline, s.attempts())));
             }

@@ -13,6 +13,8 @@ pub enum Source {
     File(PathBuf),
     Env(&'static str),
     Flag(&'static str),
+    /// The default, raised to follow another setting.
+    Raised(&'static str),
 }
 
 impl fmt::Display for Source {
@@ -22,6 +24,7 @@ impl fmt::Display for Source {
             Source::File(p) => write!(f, "file {}", p.display()),
             Source::Env(v) => write!(f, "env {v}"),
             Source::Flag(v) => write!(f, "flag {v}"),
+            Source::Raised(v) => write!(f, "default, raised to {v}"),
         }
     }
 }
@@ -303,12 +306,33 @@ impl Config {
             num("groups", "visibility_timeout_ms")?,
             "groups.visibility_timeout_ms",
         )?;
-        let max_visibility_ms = num("groups", "max_visibility_ms")?;
+        let mut max_visibility_ms = num("groups", "max_visibility_ms")?;
+        let mut raised_cap = false;
         if max_visibility_ms < visibility_timeout_ms {
-            return Err(ConfigError(format!(
-                "groups.max_visibility_ms ({max_visibility_ms}) may not be below groups.visibility_timeout_ms ({visibility_timeout_ms})"
-            )));
+            if matches!(get("groups", "max_visibility_ms").source, Source::Default) {
+                // The cap is never below the timeout: a longer timeout set
+                // alone raises the default cap with it.
+                max_visibility_ms = visibility_timeout_ms;
+                raised_cap = true;
+            } else {
+                return Err(ConfigError(format!(
+                    "groups.max_visibility_ms ({max_visibility_ms}) may not be below groups.visibility_timeout_ms ({visibility_timeout_ms})"
+                )));
+            }
         }
+        let group_limit = |v: u64, max: u64, what: &str| -> Result<u64, ConfigError> {
+            if v > max {
+                return Err(ConfigError(format!(
+                    "`{what}` is {v}; it can be at most {max}"
+                )));
+            }
+            Ok(v)
+        };
+        group_limit(
+            max_visibility_ms,
+            felix_engine::group::MAX_VISIBILITY_LIMIT_MS,
+            "groups.max_visibility_ms",
+        )?;
         let write_chunk_bytes = num("storage", "write_chunk_bytes")?;
         if write_chunk_bytes == 0 || write_chunk_bytes % 4096 != 0 {
             return Err(ConfigError(
@@ -365,15 +389,17 @@ impl Config {
                 "storage.retention_check_ms",
             )?,
             visibility_timeout_ms,
-            max_attempts: u32_of(
+            max_attempts: group_limit(
                 nonzero(num("groups", "max_attempts")?, "groups.max_attempts")?,
+                felix_engine::group::MAX_ATTEMPTS_LIMIT as u64,
                 "groups.max_attempts",
-            )?,
+            )? as u32,
             max_wait_ms: num("groups", "max_wait_ms")?,
-            max_in_flight: u32_of(
+            max_in_flight: group_limit(
                 nonzero(num("groups", "max_in_flight")?, "groups.max_in_flight")?,
+                felix_engine::group::MAX_IN_FLIGHT_LIMIT as u64,
                 "groups.max_in_flight",
-            )?,
+            )? as u32,
             max_visibility_ms,
             group_idle_ms: nonzero(num("groups", "idle_ms")?, "groups.idle_ms")?,
             max_records_per_read: u32_of(
@@ -405,6 +431,13 @@ impl Config {
             )?,
             values,
         };
+        let mut cfg = cfg;
+        if raised_cap {
+            if let Some(r) = cfg.values.get_mut(&("groups", "max_visibility_ms")) {
+                r.value = max_visibility_ms.to_string();
+                r.source = Source::Raised("groups.visibility_timeout_ms");
+            }
+        }
         Ok(cfg)
     }
 
@@ -549,6 +582,31 @@ mod tests {
         let e = Config::load_with_env(Some(&file), &Overrides::default(), &BTreeMap::new())
             .unwrap_err();
         assert!(e.to_string().contains("at most 1000"), "{e}");
+    }
+
+    #[test]
+    fn a_longer_visibility_timeout_raises_the_default_cap_only() {
+        let mut env = BTreeMap::new();
+        env.insert(
+            "FELIX_GROUP_VISIBILITY_TIMEOUT_MS".to_string(),
+            (24 * 3_600_000u64).to_string(),
+        );
+        let c = Config::load_with_env(None, &Overrides::default(), &env).unwrap();
+        assert_eq!(c.max_visibility_ms, 24 * 3_600_000);
+        assert!(c
+            .render()
+            .contains("raised to groups.visibility_timeout_ms"));
+        // Both set explicitly and contradictory: refused.
+        env.insert(
+            "FELIX_GROUP_MAX_VISIBILITY_MS".to_string(),
+            "60000".to_string(),
+        );
+        assert!(Config::load_with_env(None, &Overrides::default(), &env).is_err());
+        // Past what a claim can hold: refused, not lowered.
+        let mut env = BTreeMap::new();
+        env.insert("FELIX_GROUP_MAX_ATTEMPTS".to_string(), "70000".to_string());
+        let e = Config::load_with_env(None, &Overrides::default(), &env).unwrap_err();
+        assert!(e.to_string().contains("at most 65535"), "{e}");
     }
 
     #[test]
