@@ -986,7 +986,7 @@ impl Client {
     ) -> Result<()> {
         self.require(FEATURE_GROUPS, "group_nack")?;
         let key = Self::group_key(tenant, namespace, stream, shard, group);
-        self.nack(key, record, None).await
+        self.nack(key, record, None, None).await
     }
 
     /// Hand a claimed record back, to be owed again only once `delay` has
@@ -1012,16 +1012,49 @@ impl Client {
             Some(ms_u64(delay))
         };
         let key = Self::group_key(tenant, namespace, stream, shard, group);
-        self.nack(key, record, delay_ms).await
+        self.nack(key, record, delay_ms, None).await
     }
 
-    async fn nack(&self, key: GroupKey, record: &GroupRecord, delay_ms: Option<u64>) -> Result<()> {
+    /// [`group_nack_after`](Self::group_nack_after) with a short reason
+    /// (the broker keeps up to 256 bytes). If this hand-back uses up the
+    /// record's last attempt, the dead letter lists the reason.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn group_nack_with_reason(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        record: &GroupRecord,
+        delay: Duration,
+        reason: &str,
+    ) -> Result<()> {
+        self.require(FEATURE_GROUPS, "group_nack_with_reason")?;
+        let delay_ms = if delay.is_zero() {
+            None
+        } else {
+            self.require(FEATURE_GROUP_CLAIM_CONTROL, "a nack delay")?;
+            Some(ms_u64(delay))
+        };
+        let key = Self::group_key(tenant, namespace, stream, shard, group);
+        self.nack(key, record, delay_ms, Some(reason.to_string()))
+            .await
+    }
+
+    async fn nack(
+        &self,
+        key: GroupKey,
+        record: &GroupRecord,
+        delay_ms: Option<u64>,
+        reason: Option<String>,
+    ) -> Result<()> {
         let req = Request::GroupNack {
             key: key.clone(),
             offset: record.offset,
             attempts: record.attempts,
             delay_ms,
-            reason: None,
+            reason,
         };
         self.group_ok(&key, &req, "group_nack").await
     }
@@ -1250,6 +1283,107 @@ impl Client {
         let key = Self::group_key(tenant, namespace, stream, shard, group);
         let req = Request::GroupDelete { key: key.clone() };
         self.group_ok(&key, &req, "group_delete").await
+    }
+
+    // ----- consumer groups: a whole stream -------------------------------
+
+    /// The shard count, and `start` checked for a call on every shard: an
+    /// offset names a position in one shard's log, so it is refused for a
+    /// stream with more than one shard.
+    async fn stream_shards(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        start: Option<StartPosition>,
+    ) -> Result<u32> {
+        let shards = self
+            .describe_stream(tenant, namespace, stream)
+            .await?
+            .shards;
+        if shards > 1 && matches!(start, Some(StartPosition::Offset(_))) {
+            return Err(ClientError::InvalidArgument(format!(
+                "{tenant}/{namespace}/{stream} has {shards} shards and offsets are per \
+                 shard; use Earliest or Latest, or the per-shard call"
+            )));
+        }
+        Ok(shards)
+    }
+
+    /// [`group_create`](Self::group_create) on every shard of the stream,
+    /// one call per shard (`Latest` is each shard's own tail when its call
+    /// lands).
+    pub async fn group_create_stream(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        group: &str,
+        start: StartPosition,
+    ) -> Result<()> {
+        let shards = self
+            .stream_shards(tenant, namespace, stream, Some(start))
+            .await?;
+        for shard in 0..shards {
+            self.group_create(tenant, namespace, stream, shard, group, start)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// [`group_seek`](Self::group_seek) on every shard of the stream.
+    pub async fn group_seek_stream(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        group: &str,
+        start: StartPosition,
+    ) -> Result<()> {
+        let shards = self
+            .stream_shards(tenant, namespace, stream, Some(start))
+            .await?;
+        for shard in 0..shards {
+            self.group_seek(tenant, namespace, stream, shard, group, start)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// [`group_describe`](Self::group_describe) of every shard, in shard
+    /// order.
+    pub async fn group_describe_stream(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        group: &str,
+    ) -> Result<Vec<GroupInfo>> {
+        let shards = self.stream_shards(tenant, namespace, stream, None).await?;
+        let mut out = Vec::with_capacity(shards as usize);
+        for shard in 0..shards {
+            out.push(
+                self.group_describe(tenant, namespace, stream, shard, group)
+                    .await?,
+            );
+        }
+        Ok(out)
+    }
+
+    /// [`group_delete`](Self::group_delete) on every shard of the stream.
+    pub async fn group_delete_stream(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        group: &str,
+    ) -> Result<()> {
+        let shards = self.stream_shards(tenant, namespace, stream, None).await?;
+        for shard in 0..shards {
+            self.group_delete(tenant, namespace, stream, shard, group)
+                .await?;
+        }
+        Ok(())
     }
 
     /// Names of the groups on one shard.

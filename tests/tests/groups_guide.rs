@@ -1284,3 +1284,79 @@ async fn a_client_that_did_not_negotiate_skipped_before_gets_records_without_it(
         }
     }
 }
+
+/// The whole-stream group calls make one call per shard; an offset is
+/// refused for a stream with more than one shard. A nack may carry a reason,
+/// which the dead letter lists when that nack used up the last attempt; the
+/// broker's own give-ups say why too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_wide_group_calls_and_dead_letter_reasons() {
+    let b = felix_tests::start_broker!(opts(300, 2));
+    let c = client(&b.addr).await;
+    c.create_stream(T, NS, "wide", 3, felix_client::StreamOptions::default())
+        .await
+        .unwrap();
+    for shard in 0..3 {
+        c.publish(T, NS, "wide", shard, "old").await.unwrap();
+    }
+    c.group_create_stream(T, NS, "wide", "g", StartPosition::Latest)
+        .await
+        .unwrap();
+    let infos = c.group_describe_stream(T, NS, "wide", "g").await.unwrap();
+    assert_eq!(infos.len(), 3);
+    assert!(infos.iter().all(|i| i.position == 1), "{infos:?}");
+    assert!(matches!(
+        c.group_seek_stream(T, NS, "wide", "g", StartPosition::Offset(0))
+            .await,
+        Err(ClientError::InvalidArgument(_))
+    ));
+    c.group_seek_stream(T, NS, "wide", "g", StartPosition::Earliest)
+        .await
+        .unwrap();
+    let infos = c.group_describe_stream(T, NS, "wide", "g").await.unwrap();
+    assert!(infos.iter().all(|i| i.position == 0), "{infos:?}");
+    c.group_delete_stream(T, NS, "wide", "g").await.unwrap();
+    for shard in 0..3 {
+        assert!(c.group_describe(T, NS, "wide", shard, "g").await.is_err());
+    }
+
+    // Reasons: a nack at the bound (2 attempts) keeps the consumer's reason;
+    // a lapse at the bound gets the broker's.
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 2).await;
+    let g = Group::new(&c, JOBS, "workers");
+    for _ in 0..2 {
+        let got = g.poll(1).await;
+        assert_eq!(offsets(&got), vec![0]);
+        c.group_nack_with_reason(
+            T,
+            NS,
+            JOBS,
+            0,
+            "workers",
+            &got[0],
+            Duration::ZERO,
+            "payload does not parse",
+        )
+        .await
+        .unwrap();
+    }
+    for _ in 0..2 {
+        let got = g.poll(1).await;
+        assert_eq!(offsets(&got), vec![1]);
+        tokio::time::sleep(Duration::from_millis(400)).await; // let the claim lapse
+    }
+    // The lapse is noticed on the next request.
+    let _ = g.poll(1).await;
+    let dl = c
+        .group_dead_letters_detailed(T, NS, JOBS, 0, "workers")
+        .await
+        .unwrap();
+    let reason = |o: u64| {
+        dl.iter()
+            .find(|d| d.offset == o)
+            .and_then(|d| d.reason.clone())
+    };
+    assert_eq!(reason(0).as_deref(), Some("payload does not parse"));
+    assert_eq!(reason(1).as_deref(), Some("claim lapsed after attempt 2"));
+}
