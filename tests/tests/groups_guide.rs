@@ -510,7 +510,14 @@ async fn a_tracker_with_a_standing_claim_is_not_evicted() {
     stream(&c, JOBS).await;
     publish(&c, JOBS, 1).await;
     let held = Group::new(&c, JOBS, "held");
+    let delayed = Group::new(&c, JOBS, "delayed");
     let control = Group::new(&c, JOBS, "control");
+    // A delayed nack standing through the idle time keeps its group too.
+    let d = delayed.poll(1).await.remove(0);
+    delayed
+        .nack_after(&d, Duration::from_secs(10))
+        .await
+        .unwrap();
     let long = GroupPollOptions {
         max_records: 1,
         visibility: Some(Duration::from_secs(10)),
@@ -538,6 +545,11 @@ async fn a_tracker_with_a_standing_claim_is_not_evicted() {
     assert!(held.extend(&r, Duration::from_secs(2)).await.is_ok());
     held.ack(0).await.unwrap();
     assert_eq!(held.position().await, 1);
+    // The delayed nack survived: still held back (an evicted group would
+    // hand the record out again at once, attempt 1).
+    assert!(delayed.poll(1).await.is_empty(), "the delay still stands");
+    let info = c.group_describe(T, NS, JOBS, 0, "delayed").await.unwrap();
+    assert_eq!((info.delayed, info.in_flight), (1, 1), "{info:?}");
 }
 
 /// The three claim controls in one consumer's batch: extend a slow record
@@ -1359,4 +1371,22 @@ async fn stream_wide_group_calls_and_dead_letter_reasons() {
     };
     assert_eq!(reason(0).as_deref(), Some("payload does not parse"));
     assert_eq!(reason(1).as_deref(), Some("claim lapsed after attempt 2"));
+}
+
+/// A waiting poll waits at most FELIX_GROUP_MAX_WAIT_MS, whatever it asks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_poll_is_capped_at_the_broker_wait_limit() {
+    let b = felix_tests::start_broker!(opts(30_000, 5).env("FELIX_GROUP_MAX_WAIT_MS", 300));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    let asked = Duration::from_secs(60);
+    let t = Instant::now();
+    let got = c
+        .group_poll_wait(T, NS, JOBS, 0, "workers", 10, asked)
+        .await
+        .unwrap();
+    assert!(got.is_empty());
+    // Answered empty long before the minute it asked for (a generous bound:
+    // the cap is 300 ms).
+    assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
 }
