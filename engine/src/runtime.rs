@@ -6,6 +6,9 @@ use glommio::{LocalExecutorBuilder, Placement};
 use std::future::Future;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// Which core owns `shard` of `stream` when the broker runs `cores` cores.
 ///
@@ -31,6 +34,7 @@ pub struct CoreContext {
 /// A running set of executors.
 pub struct Runtime {
     handles: Vec<glommio::ExecutorJoinHandle<()>>,
+    watchdog: Arc<Watchdog>,
 }
 
 /// Which CPUs to run on.
@@ -123,10 +127,12 @@ impl Runtime {
         Fut: Future<Output = ()> + 'static,
     {
         let cores = cpus.len() as u32;
+        let watchdog = Watchdog::start(cpus.len())?;
         let mut handles = Vec::new();
         for (i, cpu) in cpus.iter().copied().enumerate() {
             let main = main.clone();
             let warm = warm_dir.clone();
+            let dog = watchdog.clone();
             let ctx = CoreContext {
                 core: CoreId(i as u32),
                 cores,
@@ -138,7 +144,9 @@ impl Runtime {
                 // most this long behind CPU-bound work (default: 100 ms).
                 .preempt_timer(std::time::Duration::from_millis(2))
                 .spawn(move || async move {
-                    glommio::spawn_local(heartbeat()).detach();
+                    // Deregisters when the executor's work ends, panics included.
+                    let _registered = dog.register(i);
+                    glommio::spawn_local(heartbeat(dog.clone(), i)).detach();
                     if let Some(dir) = warm {
                         if let Err(e) = warm_up_dma(&dir).await {
                             tracing::warn!("DMA warm-up in {} failed: {e}", dir.display());
@@ -149,34 +157,175 @@ impl Runtime {
                 .map_err(|e| io::Error::other(format!("start executor on CPU {cpu}: {e}")))?;
             handles.push(h);
         }
-        Ok(Runtime { handles })
+        Ok(Runtime { handles, watchdog })
+    }
+
+    /// A handle that can wake this runtime's executors from any thread.
+    pub fn kicker(&self) -> Kicker {
+        Kicker(self.watchdog.clone())
     }
 
     /// Wait for every executor to finish.
     pub fn join(self) -> io::Result<()> {
-        for h in self.handles {
+        let result = self.handles.into_iter().try_for_each(|h| {
             h.join()
-                .map_err(|e| io::Error::other(format!("executor failed: {e}")))?;
-        }
+                .map(|_| ())
+                .map_err(|e| io::Error::other(format!("executor failed: {e}")))
+        });
+        self.watchdog.stop.store(true, Ordering::Relaxed);
+        result?;
         Ok(())
     }
 }
 
-/// How often an idle executor wakes on its own.
-pub const HEARTBEAT: std::time::Duration = std::time::Duration::from_millis(10);
+/// How often an executor's heartbeat task runs.
+pub const HEARTBEAT: Duration = Duration::from_millis(10);
 
-/// Wake the executor every [`HEARTBEAT`], whatever else it waits for.
-///
-/// On this kernel (6.18) an executor parked in `io_uring_enter` sometimes
-/// stays parked after the I/O it waits for has completed: seen with both
-/// executors of a broker asleep, one with its first O_DIRECT read issued, the
-/// completion already there (interrupting the thread with a debugger let it
-/// go on at once). One start in about fifty hung for good that way, under
-/// load. A periodic timer bounds such a stall to one heartbeat: each wake-up
-/// reaps every ring. Costs 100 wake-ups a second on an idle core.
-async fn heartbeat() {
+/// How long an executor may miss its heartbeat before the watchdog wakes it.
+const STUCK_AFTER: Duration = Duration::from_millis(100);
+
+/// Count heartbeats for the watchdog.
+async fn heartbeat(dog: Arc<Watchdog>, core: usize) {
     loop {
+        dog.beats[core].fetch_add(1, Ordering::Relaxed);
         glommio::timer::sleep(HEARTBEAT).await;
+    }
+}
+
+/// Wakes an executor that stays parked in `io_uring_enter` after what it
+/// waits for has completed.
+///
+/// Seen on this kernel (6.18) under load, about one broker start in thirty
+/// with two brokers starting at once: both executors asleep in
+/// `io_uring_enter`, one with its first O_DIRECT read done, neither woken
+/// even by its own timers (the heartbeat above stopped counting), the broker
+/// never announced. Attaching a debugger released it at once: the
+/// interrupted wait returns, glommio treats `EINTR` as a wake-up, looks at
+/// its rings and finds the completion. The watchdog does the same with a
+/// signal, only to an executor whose heartbeat has stopped for
+/// [`STUCK_AFTER`], so a healthy core is never interrupted. The handler does
+/// nothing and is installed with `SA_RESTART` (other system calls the
+/// signal lands in are restarted; glommio's wait sees `EINTR`).
+struct Watchdog {
+    beats: Vec<AtomicU64>,
+    /// Each executor's thread while it runs (locked while signalling it, so
+    /// a thread is never signalled after it deregistered).
+    threads: Vec<Mutex<Option<libc::pthread_t>>>,
+    kicks: AtomicU64,
+    stop: AtomicBool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn kick_signal() -> libc::c_int {
+    libc::SIGRTMIN() + 5
+}
+
+extern "C" fn ignore_signal(_: libc::c_int) {}
+
+impl Watchdog {
+    fn start(cores: usize) -> io::Result<Arc<Watchdog>> {
+        // SAFETY: installs a handler that does nothing for a signal no one
+        // else in the process uses.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = ignore_signal as extern "C" fn(libc::c_int) as usize;
+            sa.sa_flags = libc::SA_RESTART;
+            libc::sigemptyset(&mut sa.sa_mask);
+            if libc::sigaction(kick_signal(), &sa, std::ptr::null_mut()) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+        let dog = Arc::new(Watchdog {
+            beats: (0..cores).map(|_| AtomicU64::new(0)).collect(),
+            threads: (0..cores).map(|_| Mutex::new(None)).collect(),
+            kicks: AtomicU64::new(0),
+            stop: AtomicBool::new(false),
+        });
+        let d = dog.clone();
+        std::thread::Builder::new()
+            .name("felix-watchdog".into())
+            .spawn(move || d.run())?;
+        Ok(dog)
+    }
+
+    /// Called on the executor's own thread.
+    fn register(self: &Arc<Self>, core: usize) -> Registered {
+        // SAFETY: pthread_self has no preconditions.
+        let me = unsafe { libc::pthread_self() };
+        *lock(&self.threads[core]) = Some(me);
+        Registered(self.clone(), core)
+    }
+}
+
+/// Wakes executors from outside (see [`Watchdog`]).
+#[derive(Clone)]
+pub struct Kicker(Arc<Watchdog>);
+
+impl Kicker {
+    /// Interrupt core `core`'s wait, if it is running: it looks at its
+    /// rings again. Harmless to a core that was not stuck.
+    pub fn kick(&self, core: usize) -> bool {
+        let Some(slot) = self.0.threads.get(core) else {
+            return false;
+        };
+        let thread = lock(slot);
+        let Some(t) = *thread else { return false };
+        // SAFETY: as in `Watchdog::run`: the thread cannot finish while we
+        // hold its slot.
+        unsafe { libc::pthread_kill(t, kick_signal()) };
+        self.0.kicks.fetch_add(1, Ordering::Relaxed);
+        true
+    }
+
+    /// Times an executor was woken this way, by the watchdog or by hand.
+    pub fn kicks(&self) -> u64 {
+        self.0.kicks.load(Ordering::Relaxed)
+    }
+}
+
+/// An executor thread the watchdog may signal, until this is dropped (on
+/// that thread, before it finishes).
+struct Registered(Arc<Watchdog>, usize);
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        *lock(&self.0.threads[self.1]) = None;
+    }
+}
+
+impl Watchdog {
+    fn run(&self) {
+        let mut last: Vec<(u64, Instant)> = self
+            .beats
+            .iter()
+            .map(|b| (b.load(Ordering::Relaxed), Instant::now()))
+            .collect();
+        while !self.stop.load(Ordering::Relaxed) {
+            std::thread::park_timeout(HEARTBEAT * 2);
+            let now = Instant::now();
+            for (core, (seen, since)) in last.iter_mut().enumerate() {
+                let beats = self.beats[core].load(Ordering::Relaxed);
+                if beats != *seen {
+                    (*seen, *since) = (beats, now);
+                    continue;
+                }
+                if now.duration_since(*since) < STUCK_AFTER {
+                    continue;
+                }
+                let thread = lock(&self.threads[core]);
+                let Some(t) = *thread else { continue };
+                // SAFETY: the thread registered itself and cannot finish
+                // while we hold its slot (it deregisters under this lock).
+                unsafe { libc::pthread_kill(t, kick_signal()) };
+                drop(thread);
+                self.kicks.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(core, "watchdog woke a stuck executor");
+                *since = now;
+            }
+        }
     }
 }
 

@@ -82,6 +82,8 @@ pub(crate) struct Shared {
     pub shutting_down: AtomicBool,
     /// Cores ready to serve; the last one announces the broker's addresses.
     pub ready: AtomicUsize,
+    /// Where each core is in its start-up (see [`watch_start_up`]).
+    pub start_stage: Vec<std::sync::atomic::AtomicU8>,
     pub announce: Mutex<Option<(String, Option<std::net::SocketAddr>)>>,
     pub broker_id: String,
 }
@@ -653,6 +655,7 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
         connections: AtomicUsize::new(0),
         shutting_down: AtomicBool::new(false),
         ready: AtomicUsize::new(0),
+        start_stage: (0..cores).map(|_| Default::default()).collect(),
         announce: Mutex::new(None),
         broker_id: format!("felix-{}", std::process::id()),
     });
@@ -706,9 +709,60 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
         }
     })
     .map_err(|e| e.to_string())?;
+    watch_start_up(shared.clone(), runtime.kicker());
     let r = runtime.join().map_err(|e| e.to_string());
     drop(reservation);
     r
+}
+
+const STAGES: [&str; 4] = [
+    "warming up the disk",
+    "opening its shards",
+    "binding its listener",
+    "ready",
+];
+
+fn set_stage(shared: &Shared, core: u32, stage: u8) {
+    shared.start_stage[core as usize].store(stage, Ordering::Relaxed);
+}
+
+/// Say so when start-up takes long, and which core is where; wake the
+/// executors that are not ready (see `felix_engine::runtime::Kicker`: an
+/// executor has been seen parked after its I/O completed).
+fn watch_start_up(shared: Arc<Shared>, kicker: felix_engine::runtime::Kicker) {
+    let spawned = std::thread::Builder::new()
+        .name("felix-start-watch".into())
+        .spawn(move || {
+            let began = std::time::Instant::now();
+            let mut next = Duration::from_secs(5);
+            loop {
+                std::thread::park_timeout(Duration::from_millis(200));
+                let ready = shared.ready.load(Ordering::SeqCst);
+                if ready >= shared.cores as usize || shared.shutting_down.load(Ordering::SeqCst) {
+                    return;
+                }
+                if began.elapsed() < next {
+                    continue;
+                }
+                next += Duration::from_secs(5);
+                let mut where_ = Vec::new();
+                for (core, st) in shared.start_stage.iter().enumerate() {
+                    let st = st.load(Ordering::Relaxed) as usize;
+                    if st + 1 < STAGES.len() {
+                        where_.push(format!("core {core} {}", STAGES[st.min(STAGES.len() - 1)]));
+                        kicker.kick(core);
+                    }
+                }
+                eprintln!(
+                    "felix: start-up has taken {}s ({}); waking those cores",
+                    began.elapsed().as_secs(),
+                    where_.join(", ")
+                );
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!("cannot watch start-up: {e}");
+    }
 }
 
 /// A bound (not listening) SO_REUSEPORT socket holding the broker's port
@@ -777,6 +831,7 @@ async fn core_main<S: Storage>(
     listen: String,
     metrics: Option<std::net::TcpListener>,
 ) {
+    set_stage(&shared, ctx.core.0, 1);
     let core = Rc::new(Core {
         ctx,
         shared: shared.clone(),
@@ -799,6 +854,7 @@ async fn core_main<S: Storage>(
             );
         }
     }
+    set_stage(&shared, core.core_id(), 2);
     let listener = match glommio::net::TcpListener::bind(&listen) {
         Ok(l) => l,
         Err(e) => {
@@ -814,6 +870,7 @@ async fn core_main<S: Storage>(
             glommio::spawn_local(crate::metrics::serve_http(core.clone(), l)).detach();
         }
     }
+    set_stage(&shared, core.core_id(), 3);
     if shared.ready.fetch_add(1, Ordering::SeqCst) + 1 == shared.cores as usize {
         if let Some((addr, metrics)) = shared_announce(&shared).take() {
             println!("felix: listening on {addr}");

@@ -424,7 +424,16 @@ impl Config {
                     "limits.max_records_per_publish",
                 )?,
                 "limits.max_records_per_publish",
-            )?,
+            )
+            .and_then(|n| {
+                // No message carries a longer list (the decoder answers
+                // too_large past it).
+                at_most(
+                    n,
+                    felix_wire::MAX_ITEMS_PER_VEC as u32,
+                    "limits.max_records_per_publish",
+                )
+            })?,
             max_shards: u32_of(
                 nonzero(num("limits", "max_shards")?, "limits.max_shards")?,
                 "limits.max_shards",

@@ -238,7 +238,11 @@ impl Reader {
         // is capped too: a frame of empty elements cannot make the decoder
         // allocate many times the frame's size.
         if n > crate::MAX_ITEMS_PER_VEC {
-            return Err(DecodeError::BadValue { what });
+            return Err(DecodeError::TooMany {
+                what,
+                count: n,
+                max: crate::MAX_ITEMS_PER_VEC,
+            });
         }
         let mut v = Vec::with_capacity(n.min(1024));
         for _ in 0..n {

@@ -165,6 +165,14 @@ pub enum DecodeError {
     /// the header).
     #[error("invalid {what}")]
     BadValue { what: &'static str },
+    /// A list holds more elements than any message may
+    /// ([`MAX_ITEMS_PER_VEC`](crate::MAX_ITEMS_PER_VEC)).
+    #[error("{what}: {count} elements, over the limit of {max}")]
+    TooMany {
+        what: &'static str,
+        count: usize,
+        max: usize,
+    },
     /// The body decoded but bytes were left over.
     #[error("trailing bytes after message body")]
     TrailingBytes,
@@ -215,7 +223,7 @@ impl DecodeError {
     pub fn to_wire_error(&self) -> WireError {
         let code = match self.reason() {
             DecodeError::UnknownOpcode(_) => ErrorCode::Unsupported,
-            DecodeError::TooLarge { .. } => ErrorCode::TooLarge,
+            DecodeError::TooLarge { .. } | DecodeError::TooMany { .. } => ErrorCode::TooLarge,
             _ => ErrorCode::InvalidRequest,
         };
         WireError::new(code, self.reason().to_string())

@@ -407,3 +407,27 @@ fn small_helpers() {
     assert_eq!(Request::name_of(0xEE), None);
     assert_eq!(Request::all_opcodes().count(), 22);
 }
+
+#[test]
+fn a_list_over_the_element_cap_is_too_large_not_malformed() {
+    let records = vec![RecordIn::default(); MAX_ITEMS_PER_VEC + 1];
+    let req = Request::Publish {
+        stream: StreamRef::new("t", "n", "s"),
+        target: PublishTarget::Shard(0),
+        ack: AckMode::Default,
+        records,
+    };
+    let mut buf = BytesMut::new();
+    encode_request(7, &req, &mut buf);
+    let err = decode_request(&mut buf, DEFAULT_MAX_FRAME_BYTES).unwrap_err();
+    assert!(
+        !err.is_fatal(),
+        "the frame was consumed; the connection goes on"
+    );
+    assert_eq!(err.request_id(), Some(7));
+    assert!(
+        matches!(err.reason(), DecodeError::TooMany { count, .. } if *count == MAX_ITEMS_PER_VEC + 1),
+        "{err:?}"
+    );
+    assert_eq!(err.to_wire_error().code, ErrorCode::TooLarge);
+}
