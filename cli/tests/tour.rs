@@ -23,22 +23,29 @@ fn felix() -> Command {
 }
 
 fn serve() -> Serve {
+    serve_with(&[])
+}
+
+/// `felix serve` with extra settings as `FELIX_*` environment variables.
+fn serve_with(env: &[(&str, &str)]) -> Serve {
     let dir = tempfile::tempdir().unwrap();
-    let mut child = felix()
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--cores",
-            "2",
-            "--data-dir",
-        ])
-        .arg(dir.path())
-        .env("FELIX_METRICS_LISTEN", "")
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("felix serve");
+    let mut cmd = felix();
+    cmd.args([
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--cores",
+        "2",
+        "--data-dir",
+    ])
+    .arg(dir.path())
+    .env("FELIX_METRICS_LISTEN", "")
+    .env("RUST_LOG", "warn")
+    .stdout(Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().expect("felix serve");
     // Read the announcement on a helper thread (which then keeps draining
     // stdout), so a broker that never starts fails the test, not hangs it.
     let out = child.stdout.take().unwrap();
@@ -640,4 +647,654 @@ fn stream_create_takes_retention_and_describe_shows_it() {
         None,
     );
     assert_eq!(out.status.code(), Some(2), "usage error");
+}
+
+// ----- consumer groups ------------------------------------------------------
+
+/// `felix group describe` as `name -> value`.
+fn describe(s: &Serve, stream: &str, group: &str) -> std::collections::HashMap<String, String> {
+    fields(&ok(
+        s,
+        &["group", "describe", stream, "--group", group],
+        None,
+    ))
+}
+
+/// A failed command: exit 1, nothing on stdout, and `error: <code>: ...` on
+/// stderr. Returns stderr.
+fn fails_with(s: &Serve, args: &[&str], code: &str) -> String {
+    let out = run(s, args, None);
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(out.status.code(), Some(1), "felix {args:?}: {out:?}");
+    assert!(
+        err.starts_with(&format!("error: {code}: ")),
+        "felix {args:?}: wanted {code}, got {err:?}"
+    );
+    assert!(out.stdout.is_empty(), "felix {args:?}: {out:?}");
+    err
+}
+
+/// `felix consume STREAM --group G ARGS...`: the payloads it printed, and
+/// what it said on stderr.
+fn consume(s: &Serve, stream: &str, group: &str, args: &[&str]) -> (Vec<String>, String) {
+    let mut all = vec!["consume", stream, "--group", group, "--wait-ms", "200"];
+    all.extend_from_slice(args);
+    let out = run(s, &all, None);
+    assert!(out.status.success(), "felix {all:?}: {out:?}");
+    let lines = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect();
+    (lines, String::from_utf8_lossy(&out.stderr).to_string())
+}
+
+/// Only the payloads `consume` printed.
+fn consumed(s: &Serve, stream: &str, group: &str, args: &[&str]) -> Vec<String> {
+    consume(s, stream, group, args).0
+}
+
+/// `felix consume` with its stdout a pipe whose reading end is closed before
+/// it starts: it claims records but cannot print them, so it never acks
+/// them, and they stay claimed until the claim lapses or is taken back.
+fn consume_without_acking(s: &Serve, stream: &str, group: &str, args: &[&str]) {
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = felix()
+        .arg("--broker")
+        .arg(&s.addr)
+        .args(["consume", stream, "--group", group, "--wait-ms", "200"])
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(writer)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+        .wait_with_output()
+        .unwrap();
+    // A closed stdout is not a failure (as for `felix read | head`), but
+    // nothing was acknowledged, so nothing is reported consumed either.
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        !String::from_utf8_lossy(&out.stderr).contains("consumed"),
+        "{out:?}"
+    );
+}
+
+/// `felix group dead-letters --format json`, one value per dead letter.
+fn dead_letters(s: &Serve, stream: &str, group: &str) -> Vec<serde_json::Value> {
+    json_rows(&ok(
+        s,
+        &[
+            "group",
+            "dead-letters",
+            stream,
+            "--group",
+            group,
+            "--format",
+            "json",
+        ],
+        None,
+    ))
+}
+
+fn dead_letter_offsets(s: &Serve, stream: &str, group: &str) -> Vec<u64> {
+    dead_letters(s, stream, group)
+        .iter()
+        .map(|d| d["offset"].as_u64().unwrap())
+        .collect()
+}
+
+/// Poll `f` until it holds; a bounded wait for a claim to lapse.
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !f() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "still waiting for {what} after 60s"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+/// A broker that dead-letters a record whose first claim lapses, with
+/// claims that lapse after three seconds.
+fn serve_one_attempt() -> Serve {
+    serve_with(&[
+        ("FELIX_GROUP_MAX_ATTEMPTS", "1"),
+        ("FELIX_GROUP_VISIBILITY_TIMEOUT_MS", "3000"),
+    ])
+}
+
+/// Publish `a`, `b`, `c` to a new one-shard stream and let the group's
+/// claims on `a` and `b` lapse into dead letters.
+fn two_dead_letters(s: &Serve, stream: &str, group: &str) {
+    ok(s, &["stream", "create", stream, "--shards", "1"], None);
+    ok(s, &["publish", stream, "a", "b", "c"], None);
+    consume_without_acking(s, stream, group, &["--count", "2"]);
+    wait_until("offsets 0 and 1 to be dead letters", || {
+        dead_letter_offsets(s, stream, group) == [0, 1]
+    });
+}
+
+#[test]
+fn group_create_starts_where_asked_and_leaves_an_existing_group_alone() {
+    let s = serve();
+    let st = "t/ns/gcreate";
+    ok(&s, &["stream", "create", st, "--shards", "1"], None);
+    ok(&s, &["publish", st, "r0", "r1", "r2", "r3", "r4"], None);
+
+    let out = ok(
+        &s,
+        &[
+            "group", "create", st, "--group", "early", "--to", "earliest",
+        ],
+        None,
+    );
+    assert_eq!(
+        out,
+        "group early on t/ns/gcreate shard 0: created at earliest (an existing group is left as it was)\n"
+    );
+    ok(
+        &s,
+        &["group", "create", st, "--group", "late", "--to", "latest"],
+        None,
+    );
+    ok(
+        &s,
+        &["group", "create", st, "--group", "mid", "--to", "3"],
+        None,
+    );
+    // --to defaults to earliest.
+    ok(&s, &["group", "create", st, "--group", "dflt"], None);
+    for (group, position, lag) in [
+        ("early", "0", "5"),
+        ("late", "5", "0"),
+        ("mid", "3", "2"),
+        ("dflt", "0", "5"),
+    ] {
+        let f = describe(&s, st, group);
+        assert_eq!(f["group"], group);
+        assert_eq!(f["position"], position, "{group}: {f:?}");
+        assert_eq!(f["lag"], lag, "{group}: {f:?}");
+        assert_eq!(f["end_offset"], "5", "{group}: {f:?}");
+        assert_eq!(f["in_flight"], "0", "{group}: {f:?}");
+    }
+    assert_eq!(
+        ok(&s, &["group", "list", st], None),
+        "dflt\nearly\nlate\nmid\n"
+    );
+
+    // Creating a group that exists succeeds and changes nothing.
+    assert_eq!(consumed(&s, st, "mid", &["--count", "1"]), ["r3"]);
+    assert_eq!(describe(&s, st, "mid")["position"], "4");
+    ok(
+        &s,
+        &["group", "create", st, "--group", "mid", "--to", "earliest"],
+        None,
+    );
+    ok(
+        &s,
+        &["group", "create", st, "--group", "late", "--to", "0"],
+        None,
+    );
+    assert_eq!(describe(&s, st, "mid")["position"], "4");
+    assert_eq!(describe(&s, st, "late")["position"], "5");
+
+    // Each group delivers from where it stands.
+    ok(&s, &["publish", st, "r5"], None);
+    assert_eq!(consumed(&s, st, "late", &[]), ["r5"]);
+    assert_eq!(consumed(&s, st, "mid", &[]), ["r4", "r5"]);
+    assert_eq!(consumed(&s, st, "early", &["--count", "2"]), ["r0", "r1"]);
+
+    // A start past the tail is refused, and no group is made.
+    fails_with(
+        &s,
+        &["group", "create", st, "--group", "far", "--to", "99"],
+        "invalid_request",
+    );
+    fails_with(
+        &s,
+        &["group", "describe", st, "--group", "far"],
+        "not_found",
+    );
+    assert_eq!(
+        ok(&s, &["group", "list", st], None),
+        "dflt\nearly\nlate\nmid\n"
+    );
+    fails_with(
+        &s,
+        &["group", "create", "t/ns/none", "--group", "g"],
+        "not_found",
+    );
+}
+
+#[test]
+fn group_seek_replays_backwards_and_skips_forwards() {
+    let s = serve();
+    let st = "t/ns/gseek";
+    ok(&s, &["stream", "create", st, "--shards", "1"], None);
+    ok(&s, &["publish", st, "r0", "r1", "r2", "r3", "r4"], None);
+    assert_eq!(consumed(&s, st, "g", &[]).len(), 5);
+    assert_eq!(describe(&s, st, "g")["position"], "5");
+
+    // Backwards: what was already acknowledged is delivered again.
+    let out = ok(
+        &s,
+        &["group", "seek", st, "--group", "g", "--to", "2"],
+        None,
+    );
+    assert_eq!(out, "group g on t/ns/gseek shard 0: moved to 2\n");
+    let f = describe(&s, st, "g");
+    assert_eq!((f["position"].as_str(), f["lag"].as_str()), ("2", "3"));
+    assert_eq!(consumed(&s, st, "g", &[]), ["r2", "r3", "r4"]);
+    assert_eq!(describe(&s, st, "g")["position"], "5");
+    ok(
+        &s,
+        &["group", "seek", st, "--group", "g", "--to", "earliest"],
+        None,
+    );
+    assert_eq!(describe(&s, st, "g")["position"], "0");
+    assert_eq!(consumed(&s, st, "g", &["--count", "1"]), ["r0"]);
+
+    // Forwards: what lies between is never delivered.
+    ok(
+        &s,
+        &["group", "seek", st, "--group", "g", "--to", "4"],
+        None,
+    );
+    assert_eq!(describe(&s, st, "g")["position"], "4");
+    assert_eq!(consumed(&s, st, "g", &[]), ["r4"]);
+    ok(
+        &s,
+        &["group", "seek", st, "--group", "g", "--to", "1"],
+        None,
+    );
+    ok(
+        &s,
+        &["group", "seek", st, "--group", "g", "--to", "latest"],
+        None,
+    );
+    let f = describe(&s, st, "g");
+    assert_eq!((f["position"].as_str(), f["lag"].as_str()), ("5", "0"));
+    assert!(consumed(&s, st, "g", &[]).is_empty());
+    ok(&s, &["publish", st, "r5"], None);
+    assert_eq!(consumed(&s, st, "g", &[]), ["r5"]);
+
+    // A seek voids standing claims: records held by a consumer that never
+    // acked go out again at once, not after the 30 s visibility timeout.
+    ok(&s, &["publish", st, "r6", "r7"], None);
+    consume_without_acking(&s, st, "g", &[]);
+    assert_eq!(describe(&s, st, "g")["in_flight"], "2");
+    assert!(consumed(&s, st, "g", &[]).is_empty(), "still claimed");
+    ok(
+        &s,
+        &["group", "seek", st, "--group", "g", "--to", "6"],
+        None,
+    );
+    let f = describe(&s, st, "g");
+    assert_eq!(
+        (f["position"].as_str(), f["in_flight"].as_str()),
+        ("6", "0")
+    );
+    assert_eq!(consumed(&s, st, "g", &[]), ["r6", "r7"]);
+
+    // Past the tail is refused and the group stays where it was; an
+    // unknown group cannot be moved.
+    fails_with(
+        &s,
+        &["group", "seek", st, "--group", "g", "--to", "99"],
+        "invalid_request",
+    );
+    assert_eq!(describe(&s, st, "g")["position"], "8");
+    fails_with(
+        &s,
+        &["group", "seek", st, "--group", "nobody", "--to", "0"],
+        "not_found",
+    );
+    fails_with(
+        &s,
+        &["group", "describe", st, "--group", "nobody"],
+        "not_found",
+    );
+}
+
+#[test]
+fn group_delete_removes_the_group() {
+    let s = serve();
+    let st = "t/ns/gdelete";
+    ok(&s, &["stream", "create", st, "--shards", "1"], None);
+    ok(&s, &["publish", st, "r0", "r1", "r2", "r3"], None);
+    assert_eq!(consumed(&s, st, "g", &["--count", "2"]), ["r0", "r1"]);
+    assert_eq!(consumed(&s, st, "kept", &["--count", "1"]), ["r0"]);
+    assert_eq!(ok(&s, &["group", "list", st], None), "g\nkept\n");
+
+    let out = ok(&s, &["group", "delete", st, "--group", "g"], None);
+    assert_eq!(out, "group g on t/ns/gdelete shard 0: deleted\n");
+    let err = fails_with(&s, &["group", "describe", st, "--group", "g"], "not_found");
+    assert!(err.contains("group g "), "{err}");
+    fails_with(
+        &s,
+        &["group", "dead-letters", st, "--group", "g"],
+        "not_found",
+    );
+    fails_with(&s, &["group", "delete", st, "--group", "g"], "not_found");
+    assert_eq!(ok(&s, &["group", "list", st], None), "kept\n");
+    assert_eq!(describe(&s, st, "kept")["position"], "1");
+    // The stream and its records are untouched.
+    assert_eq!(ok(&s, &["read", st], None), "r0\nr1\nr2\nr3\n");
+
+    // A later consume makes the group anew, from the start of the log.
+    assert_eq!(consumed(&s, st, "g", &[]), ["r0", "r1", "r2", "r3"]);
+    assert_eq!(describe(&s, st, "g")["position"], "4");
+}
+
+#[test]
+fn group_redrive_makes_a_dead_letter_owed_again() {
+    let s = serve_one_attempt();
+    let st = "t/ns/redrive";
+    two_dead_letters(&s, st, "g");
+
+    let text = ok(&s, &["group", "dead-letters", st, "--group", "g"], None);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 2, "{text}");
+    for (i, line) in lines.iter().enumerate() {
+        let cols: Vec<&str> = line.split('\t').collect();
+        assert_eq!(cols[0], i.to_string(), "{line}");
+        assert_eq!(cols[1], "attempts=1", "{line}");
+        assert!(cols[2].starts_with("at_ms="), "{line}");
+        assert_eq!(cols[3], "by=broker", "{line}");
+        assert_eq!(cols[4], "reason=claim lapsed after attempt 1", "{line}");
+    }
+    // Dead letters are finished as far as the cursor goes.
+    let f = describe(&s, st, "g");
+    assert_eq!(f["dead_letters"], "2", "{f:?}");
+    assert_eq!(f["position"], "2", "{f:?}");
+    assert_eq!(f["owed"], "0", "{f:?}");
+    assert_eq!(f["in_flight"], "0", "{f:?}");
+
+    // By offset: owed again, delivered before the new record, attempts reset.
+    let out = ok(
+        &s,
+        &["group", "redrive", st, "--group", "g", "--offset", "0"],
+        None,
+    );
+    assert_eq!(out, "redrove 1 dead letter\n");
+    assert_eq!(dead_letter_offsets(&s, st, "g"), [1]);
+    let f = describe(&s, st, "g");
+    assert_eq!((f["owed"].as_str(), f["dead_letters"].as_str()), ("1", "1"));
+    let (out, err) = consume(&s, st, "g", &["--format", "json"]);
+    let rows: Vec<serde_json::Value> = out
+        .iter()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let got: Vec<(u64, &str, u64)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r["offset"].as_u64().unwrap(),
+                r["payload"].as_str().unwrap(),
+                r["attempts"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(got, [(0, "a", 1), (2, "c", 1)]);
+    assert!(err.contains("consumed 2 records"), "{err}");
+    assert_eq!(dead_letter_offsets(&s, st, "g"), [1]);
+    let f = describe(&s, st, "g");
+    assert_eq!(f["position"], "3", "{f:?}");
+    assert_eq!(
+        (
+            f["owed"].as_str(),
+            f["in_flight"].as_str(),
+            f["dead_letters"].as_str()
+        ),
+        ("0", "0", "1")
+    );
+
+    // --all: every dead letter.
+    let out = ok(&s, &["group", "redrive", st, "--group", "g", "--all"], None);
+    assert_eq!(out, "redrove 1 dead letter\n");
+    assert!(dead_letter_offsets(&s, st, "g").is_empty());
+    assert_eq!(consumed(&s, st, "g", &[]), ["b"]);
+    let f = describe(&s, st, "g");
+    assert_eq!(
+        (
+            f["owed"].as_str(),
+            f["dead_letters"].as_str(),
+            f["position"].as_str()
+        ),
+        ("0", "0", "3")
+    );
+    assert!(consumed(&s, st, "g", &[]).is_empty());
+
+    // Nothing left to redrive.
+    let out = ok(&s, &["group", "redrive", st, "--group", "g", "--all"], None);
+    assert_eq!(out, "redrove 0 dead letters\n");
+    fails_with(
+        &s,
+        &["group", "redrive", st, "--group", "g", "--offset", "1"],
+        "not_found",
+    );
+}
+
+#[test]
+fn group_discard_drops_a_dead_letter_without_redelivering_it() {
+    let s = serve_one_attempt();
+    let st = "t/ns/discard";
+    two_dead_letters(&s, st, "g");
+
+    let out = ok(
+        &s,
+        &["group", "discard", st, "--group", "g", "--offset", "1"],
+        None,
+    );
+    assert_eq!(out, "discarded 1 dead letter\n");
+    assert_eq!(dead_letter_offsets(&s, st, "g"), [0]);
+    assert_eq!(describe(&s, st, "g")["dead_letters"], "1");
+    // Only the record never delivered comes out; `b` does not.
+    assert_eq!(consumed(&s, st, "g", &[]), ["c"]);
+    let f = describe(&s, st, "g");
+    assert_eq!(
+        (
+            f["position"].as_str(),
+            f["owed"].as_str(),
+            f["lag"].as_str()
+        ),
+        ("3", "0", "0")
+    );
+
+    let out = ok(&s, &["group", "discard", st, "--group", "g", "--all"], None);
+    assert_eq!(out, "discarded 1 dead letter\n");
+    assert!(dead_letter_offsets(&s, st, "g").is_empty());
+    assert_eq!(
+        ok(&s, &["group", "dead-letters", st, "--group", "g"], None),
+        ""
+    );
+    let f = describe(&s, st, "g");
+    assert_eq!((f["dead_letters"].as_str(), f["owed"].as_str()), ("0", "0"));
+    assert!(consumed(&s, st, "g", &[]).is_empty());
+    // The records stay in the log.
+    assert_eq!(ok(&s, &["read", st], None), "a\nb\nc\n");
+    fails_with(
+        &s,
+        &["group", "discard", st, "--group", "g", "--offset", "0"],
+        "not_found",
+    );
+}
+
+#[test]
+fn consume_prints_acks_and_moves_the_position() {
+    let s = serve();
+    let st = "t/ns/consume";
+    ok(&s, &["stream", "create", st, "--shards", "1"], None);
+    ok(&s, &["publish", st, "r0", "r1", "r2", "r3", "r4"], None);
+
+    let (out, err) = consume(&s, st, "g", &["--count", "2"]);
+    assert_eq!(out, ["r0", "r1"]);
+    assert!(err.contains("consumed 2 records"), "{err}");
+    let f = describe(&s, st, "g");
+    assert_eq!(
+        (
+            f["position"].as_str(),
+            f["lag"].as_str(),
+            f["in_flight"].as_str()
+        ),
+        ("2", "3", "0")
+    );
+
+    // One record per poll, as JSON: the rest, each a first delivery.
+    let (out, err) = consume(&s, st, "g", &["--batch", "1", "--format", "json"]);
+    let rows: Vec<serde_json::Value> = out
+        .iter()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 3, "{out:?}");
+    for (row, i) in rows.iter().zip(2u64..) {
+        assert_eq!(row["offset"], i);
+        assert_eq!(row["payload"], format!("r{i}"));
+        assert_eq!(row["attempts"], 1);
+    }
+    assert!(err.contains("consumed 3 records"), "{err}");
+    let f = describe(&s, st, "g");
+    assert_eq!(
+        (
+            f["position"].as_str(),
+            f["lag"].as_str(),
+            f["in_flight"].as_str(),
+            f["owed"].as_str()
+        ),
+        ("5", "0", "0", "0")
+    );
+
+    // Nothing left: prints nothing and succeeds.
+    let (out, err) = consume(&s, st, "g", &[]);
+    assert!(out.is_empty(), "{out:?}");
+    assert!(err.contains("consumed 0 records"), "{err}");
+    // Another group has its own position.
+    assert_eq!(consumed(&s, st, "other", &["--count", "1"]), ["r0"]);
+    assert_eq!(describe(&s, st, "g")["position"], "5");
+}
+
+#[test]
+fn consume_as_a_member_takes_back_what_an_earlier_run_held() {
+    let s = serve();
+    let st = "t/ns/member";
+    ok(&s, &["stream", "create", st, "--shards", "1"], None);
+    ok(&s, &["publish", st, "m0", "m1", "m2", "m3", "m4"], None);
+
+    // A run as w1 claims m0 and m1 and dies without acknowledging them.
+    consume_without_acking(&s, st, "g", &["--member", "w1", "--count", "2"]);
+    let f = describe(&s, st, "g");
+    assert_eq!(
+        (f["in_flight"].as_str(), f["position"].as_str()),
+        ("2", "0")
+    );
+
+    // Others do not get them while the claims stand (30 s by default).
+    let (out, _) = consume(
+        &s,
+        st,
+        "g",
+        &["--member", "w2", "--count", "1", "--format", "json"],
+    );
+    let row: serde_json::Value = serde_json::from_str(&out[0]).unwrap();
+    assert_eq!(
+        (row["offset"].as_u64(), row["attempts"].as_u64()),
+        (Some(2), Some(1))
+    );
+
+    // The next run as w1 takes them back at once, first, each as a second
+    // attempt, then carries on with what is new.
+    let (out, err) = consume(&s, st, "g", &["--member", "w1", "--format", "json"]);
+    let got: Vec<(u64, u64)> = out
+        .iter()
+        .map(|l| {
+            let r: serde_json::Value = serde_json::from_str(l).unwrap();
+            (
+                r["offset"].as_u64().unwrap(),
+                r["attempts"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(got, [(0, 2), (1, 2), (3, 1), (4, 1)]);
+    assert!(err.contains("consumed 4 records"), "{err}");
+    let f = describe(&s, st, "g");
+    assert_eq!(
+        (
+            f["position"].as_str(),
+            f["in_flight"].as_str(),
+            f["owed"].as_str()
+        ),
+        ("5", "0", "0")
+    );
+
+    // A third run as w1 has nothing left to take back or take.
+    let (out, err) = consume(&s, st, "g", &["--member", "w1"]);
+    assert!(out.is_empty(), "{out:?}");
+    assert!(err.contains("consumed 0 records"), "{err}");
+}
+
+#[test]
+fn group_commands_report_bad_input() {
+    let s = serve();
+    let st = "t/ns/badgroup";
+    ok(&s, &["stream", "create", st, "--shards", "1"], None);
+    ok(&s, &["publish", st, "x"], None);
+
+    // Unknown groups, streams and shards: exit 1, the code on stderr.
+    for args in [
+        &["group", "describe", st, "--group", "nope"][..],
+        &["group", "dead-letters", st, "--group", "nope"][..],
+        &["group", "seek", st, "--group", "nope", "--to", "0"][..],
+        &["group", "delete", st, "--group", "nope"][..],
+        &["group", "redrive", st, "--group", "nope", "--offset", "0"][..],
+        &["group", "discard", st, "--group", "nope", "--all"][..],
+        &["group", "describe", "no/such/stream", "--group", "g"][..],
+        &["group", "create", "no/such/stream", "--group", "g"][..],
+        &["group", "list", "no/such/stream"][..],
+        &["consume", "no/such/stream", "--group", "g"][..],
+        &["consume", st, "--shard", "3", "--group", "g"][..],
+    ] {
+        fails_with(&s, args, "not_found");
+    }
+    // None of that made a group.
+    assert_eq!(ok(&s, &["group", "list", st], None), "");
+    fails_with(
+        &s,
+        &["group", "create", st, "--group", "bad name"],
+        "invalid_request",
+    );
+    // Member names are 1 to 128 bytes (the client checks).
+    let long = "m".repeat(129);
+    fails_with(
+        &s,
+        &["consume", st, "--group", "g", "--member", long.as_str()],
+        "invalid_argument",
+    );
+
+    // Usage errors: exit 2 before talking to the broker.
+    for args in [
+        &["group", "describe", st][..],
+        &["group", "seek", st, "--group", "g"][..],
+        &["group", "seek", st, "--group", "g", "--to", "soon"][..],
+        &["group", "create", st, "--group", "g", "--to", "-1"][..],
+        &["group", "redrive", st, "--group", "g"][..],
+        &[
+            "group", "redrive", st, "--group", "g", "--offset", "0", "--all",
+        ][..],
+        &["group", "discard", st, "--group", "g"][..],
+        &["group", "discard", st, "--group", "g", "--offset", "x"][..],
+        &["group", "frobnicate", st, "--group", "g"][..],
+        &["consume", st][..],
+        &["consume", st, "--group", "g", "--count", "many"][..],
+        &["consume", "not-a-stream", "--group", "g"][..],
+        &["consume", st, "--group", "g", "--format", "xml"][..],
+    ] {
+        let out = run(&s, args, None);
+        assert_eq!(out.status.code(), Some(2), "felix {args:?}: {out:?}");
+        assert!(out.stdout.is_empty(), "felix {args:?}: {out:?}");
+        assert!(!out.stderr.is_empty(), "felix {args:?}: {out:?}");
+    }
+    assert_eq!(ok(&s, &["group", "list", st], None), "");
 }
