@@ -524,10 +524,22 @@ async fn consume(client: &Client, args: ConsumeArgs) -> Result<(), CliError> {
             }
             break;
         }
-        for r in &records {
-            output::write_group_record(&mut out, args.format, r)?;
+        // Records that could not be printed (stdout closed) are handed back
+        // at once rather than left claimed until the visibility timeout.
+        let printed = records
+            .iter()
+            .try_for_each(|r| output::write_group_record(&mut out, args.format, r))
+            .and_then(|()| out.flush());
+        if let Err(e) = printed {
+            for r in &records {
+                let _ = client.group_nack(t, n, s, g.shard, &g.group, r).await;
+            }
+            eprintln!(
+                "felix: consumed {done} records; handed back {} that could not be printed",
+                records.len()
+            );
+            return Err(e.into());
         }
-        out.flush()?;
         let offsets: Vec<u64> = records.iter().map(|r| r.offset).collect();
         client
             .group_ack_many(t, n, s, g.shard, &g.group, &offsets)

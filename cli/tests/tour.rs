@@ -694,31 +694,47 @@ fn consumed(s: &Serve, stream: &str, group: &str, args: &[&str]) -> Vec<String> 
     consume(s, stream, group, args).0
 }
 
-/// `felix consume` with its stdout a pipe whose reading end is closed before
-/// it starts: it claims records but cannot print them, so it never acks
-/// them, and they stay claimed until the claim lapses or is taken back.
+/// A consumer that claims records and dies without acknowledging them (the
+/// CLI's `consume` hands back what it cannot print, so this uses the client
+/// library directly): they stay claimed until the claim lapses or a
+/// reclaiming member takes them back. `args` takes `--count N` and
+/// `--member NAME` as `felix consume` does.
 fn consume_without_acking(s: &Serve, stream: &str, group: &str, args: &[&str]) {
-    let (reader, writer) = std::io::pipe().unwrap();
-    drop(reader);
-    let out = felix()
-        .arg("--broker")
-        .arg(&s.addr)
-        .args(["consume", stream, "--group", group, "--wait-ms", "200"])
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(writer)
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
-        .wait_with_output()
+    let mut count = 1000u32;
+    let mut member = None;
+    for pair in args.chunks(2) {
+        match pair {
+            ["--count", n] => count = n.parse().unwrap(),
+            ["--member", m] => member = Some(m.to_string()),
+            other => panic!("consume_without_acking: unsupported {other:?}"),
+        }
+    }
+    let parts: Vec<&str> = stream.split('/').collect();
+    let (t, n, st) = (parts[0], parts[1], parts[2]);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
         .unwrap();
-    // A closed stdout is not a failure (as for `felix read | head`), but
-    // nothing was acknowledged, so nothing is reported consumed either.
-    assert!(out.status.success(), "{out:?}");
-    assert!(
-        !String::from_utf8_lossy(&out.stderr).contains("consumed"),
-        "{out:?}"
-    );
+    rt.block_on(async {
+        let c =
+            felix_client::Client::connect(s.addr.as_str(), felix_client::ClientConfig::default())
+                .await
+                .unwrap();
+        let got = match member {
+            Some(m) => {
+                let opts = felix_client::GroupPollOptions {
+                    max_records: count,
+                    ..Default::default()
+                };
+                c.group_poll_as(t, n, st, 0, group, &felix_client::GroupMember::new(m), opts)
+                    .await
+                    .unwrap()
+            }
+            None => c.group_poll(t, n, st, 0, group, count).await.unwrap(),
+        };
+        assert!(!got.is_empty(), "nothing to claim");
+        // Dropped without an ack: the claims stand.
+    });
 }
 
 /// `felix group dead-letters --format json`, one value per dead letter.
@@ -1297,4 +1313,43 @@ fn group_commands_report_bad_input() {
         assert!(!out.stderr.is_empty(), "felix {args:?}: {out:?}");
     }
     assert_eq!(ok(&s, &["group", "list", st], None), "");
+}
+
+/// `felix consume` whose output goes nowhere (`| head` that already exited)
+/// hands the records it claimed back at once instead of leaving them claimed
+/// until the visibility timeout, and says so.
+#[test]
+fn consume_hands_back_what_it_could_not_print() {
+    let s = serve();
+    let st = "t/ns/closed";
+    ok(&s, &["stream", "create", st, "--shards", "1"], None);
+    ok(&s, &["publish", st, "a", "b", "c"], None);
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = felix()
+        .arg("--broker")
+        .arg(&s.addr)
+        .args(["consume", st, "--group", "g", "--count", "3"])
+        .stdin(Stdio::null())
+        .stdout(writer)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+        .wait_with_output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("handed back 3"), "{err}");
+    let f = describe(&s, st, "g");
+    assert_eq!(
+        (
+            f["position"].as_str(),
+            f["in_flight"].as_str(),
+            f["owed"].as_str()
+        ),
+        ("0", "0", "3"),
+        "{f:?}"
+    );
+    // And the next consumer gets them now, each on its second attempt.
+    let (got, _) = consume(&s, st, "g", &["--count", "3"]);
+    assert_eq!(got, ["a", "b", "c"]);
 }
