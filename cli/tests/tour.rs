@@ -769,7 +769,7 @@ fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
             std::time::Instant::now() < deadline,
             "still waiting for {what} after 60s"
         );
-        std::thread::sleep(std::time::Duration::from_millis(50));
+        std::thread::park_timeout(std::time::Duration::from_millis(50));
     }
 }
 
