@@ -7,19 +7,44 @@
 use super::{Storage, StorageFile, ALIGN};
 use bytes::Bytes;
 use glommio::io::{DmaBuffer, DmaFile, OpenOptions};
+use glommio::sync::Semaphore;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 
 /// Production storage: glommio DMA files.
-#[derive(Clone, Default)]
+///
+/// One per core. Every data-file I/O (write, read, fdatasync) on the core
+/// holds one of `queue_depth` permits while it is in flight, so the core
+/// never has more than the configured queue depth of I/Os at the device,
+/// however many shards, flushes and cold reads run at once.
+#[derive(Clone)]
 pub struct DmaStorage {
-    _priv: (),
+    depth: Rc<Semaphore>,
+}
+
+impl Default for DmaStorage {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl DmaStorage {
+    /// A generous depth, for tools and tests.
     pub fn new() -> Self {
-        DmaStorage { _priv: () }
+        Self::with_queue_depth(64)
     }
+
+    /// At most `depth` data-file I/Os in flight on this core (at least 1).
+    pub fn with_queue_depth(depth: usize) -> Self {
+        DmaStorage {
+            depth: Rc::new(Semaphore::new(depth.max(1) as u64)),
+        }
+    }
+}
+
+async fn permit(depth: &Semaphore) -> io::Result<glommio::sync::Permit<'_>> {
+    depth.acquire_permit(1).await.map_err(gio)
 }
 
 fn gio<T>(e: glommio::GlommioError<T>) -> io::Error {
@@ -47,7 +72,10 @@ impl Storage for DmaStorage {
                     format!("open {}", path.display()),
                 )
             })?;
-        Ok(DmaStorageFile { file })
+        Ok(DmaStorageFile {
+            file,
+            depth: self.depth.clone(),
+        })
     }
 
     async fn create_dir_all(&self, path: &Path) -> io::Result<()> {
@@ -118,6 +146,7 @@ pub(crate) fn write_atomic_blocking(path: &PathBuf, data: &[u8]) -> io::Result<(
 /// One DMA file.
 pub struct DmaStorageFile {
     file: DmaFile,
+    depth: Rc<Semaphore>,
 }
 
 impl StorageFile for DmaStorageFile {
@@ -136,7 +165,10 @@ impl StorageFile for DmaStorageFile {
             pos.is_multiple_of(ALIGN as u64) && len.is_multiple_of(ALIGN),
             "unaligned DMA write"
         );
-        let n = self.file.write_at(buf, pos).await.map_err(gio)?;
+        let n = {
+            let _io = permit(&self.depth).await?;
+            self.file.write_at(buf, pos).await.map_err(gio)?
+        };
         if n != len {
             return Err(io::Error::new(
                 io::ErrorKind::WriteZero,
@@ -147,6 +179,7 @@ impl StorageFile for DmaStorageFile {
     }
 
     async fn read_at(&self, pos: u64, len: usize) -> io::Result<Bytes> {
+        let _io = permit(&self.depth).await?;
         // glommio pads reads past EOF with zeros: clamp to the real size.
         let size = self.file.file_size().await.map_err(gio)?;
         if pos >= size {
@@ -158,6 +191,7 @@ impl StorageFile for DmaStorageFile {
     }
 
     async fn sync(&self) -> io::Result<()> {
+        let _io = permit(&self.depth).await?;
         self.file.fdatasync().await.map_err(gio)
     }
 

@@ -713,7 +713,9 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
         };
         async move {
             if shared.durable {
-                let storage = felix_engine::storage::dma::DmaStorage::new();
+                let storage = felix_engine::storage::dma::DmaStorage::with_queue_depth(
+                    shared.config.io_queue_depth,
+                );
                 core_main(ctx, shared, storage, rx, metas, listen, metrics).await;
             } else {
                 let storage = felix_engine::storage::sim::SimStorage::new();

@@ -63,7 +63,7 @@ const SETTINGS: &[Setting] = &[
     Setting { section: "storage", name: "segment_bytes", env: None, kind: Kind::U64, default: "134217728", help: "a segment file rolls at this size" },
     Setting { section: "storage", name: "retention_bytes", env: None, kind: Kind::U64, default: "0", help: "default per-shard size retention for new streams (0 = keep all)" },
     Setting { section: "storage", name: "retention_ms", env: None, kind: Kind::U64, default: "0", help: "default age retention for new streams (0 = keep all)" },
-    Setting { section: "storage", name: "io_queue_depth", env: Some("FELIX_IO_QUEUE_DEPTH"), kind: Kind::U64, default: "8", help: "writes in flight per shard flush" },
+    Setting { section: "storage", name: "io_queue_depth", env: Some("FELIX_IO_QUEUE_DEPTH"), kind: Kind::U64, default: "8", help: "O_DIRECT I/Os (writes, reads, fdatasyncs) in flight per core; also the writes one flush issues at once" },
     Setting { section: "storage", name: "write_chunk_bytes", env: None, kind: Kind::U64, default: "1048576", help: "size of each write of a flush (multiple of 4096)" },
     Setting { section: "storage", name: "read_cache_bytes", env: None, kind: Kind::U64, default: "8388608", help: "recent bytes per shard served from memory" },
     Setting { section: "storage", name: "max_queued_bytes", env: None, kind: Kind::U64, default: "67108864", help: "publishes wait while a shard has this much unflushed" },
