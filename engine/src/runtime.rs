@@ -146,12 +146,12 @@ impl Runtime {
                 .spawn(move || async move {
                     // Deregisters when the executor's work ends, panics included.
                     let _registered = dog.register(i);
+                    dog.set_phase(i, Phase::WarmingUp);
                     glommio::spawn_local(heartbeat(dog.clone(), i)).detach();
                     if let Some(dir) = warm {
-                        if let Err(e) = warm_up_dma(&dir).await {
-                            tracing::warn!("DMA warm-up in {} failed: {e}", dir.display());
-                        }
+                        warm_up_with_retries(&dir).await;
                     }
+                    dog.set_phase(i, Phase::Running);
                     main(ctx).await
                 })
                 .map_err(|e| io::Error::other(format!("start executor on CPU {cpu}: {e}")))?;
@@ -208,6 +208,7 @@ async fn heartbeat(dog: Arc<Watchdog>, core: usize) {
 /// signal lands in are restarted; glommio's wait sees `EINTR`).
 struct Watchdog {
     beats: Vec<AtomicU64>,
+    phases: Vec<std::sync::atomic::AtomicU8>,
     /// Each executor's thread while it runs (locked while signalling it, so
     /// a thread is never signalled after it deregistered).
     threads: Vec<Mutex<Option<libc::pthread_t>>>,
@@ -240,6 +241,7 @@ impl Watchdog {
         }
         let dog = Arc::new(Watchdog {
             beats: (0..cores).map(|_| AtomicU64::new(0)).collect(),
+            phases: (0..cores).map(|_| Default::default()).collect(),
             threads: (0..cores).map(|_| Mutex::new(None)).collect(),
             kicks: AtomicU64::new(0),
             stop: AtomicBool::new(false),
@@ -257,6 +259,23 @@ impl Watchdog {
         let me = unsafe { libc::pthread_self() };
         *lock(&self.threads[core]) = Some(me);
         Registered(self.clone(), core)
+    }
+}
+
+/// Where an executor is in its life, for start-up diagnostics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// The thread has not started running its executor yet.
+    NotStarted = 0,
+    /// Running the DMA warm-up.
+    WarmingUp = 1,
+    /// Running the core's own work.
+    Running = 2,
+}
+
+impl Watchdog {
+    fn set_phase(&self, core: usize, phase: Phase) {
+        self.phases[core].store(phase as u8, Ordering::Relaxed);
     }
 }
 
@@ -278,6 +297,21 @@ impl Kicker {
         unsafe { libc::pthread_kill(t, kick_signal()) };
         self.0.kicks.fetch_add(1, Ordering::Relaxed);
         true
+    }
+
+    /// Where core `core` is, and how many heartbeats it has counted.
+    pub fn phase(&self, core: usize) -> (Phase, u64) {
+        let phase = match self.0.phases.get(core).map(|p| p.load(Ordering::Relaxed)) {
+            Some(1) => Phase::WarmingUp,
+            Some(2) => Phase::Running,
+            _ => Phase::NotStarted,
+        };
+        let beats = self
+            .0
+            .beats
+            .get(core)
+            .map_or(0, |b| b.load(Ordering::Relaxed));
+        (phase, beats)
     }
 
     /// Times an executor was woken this way, by the watchdog or by hand.
@@ -327,6 +361,46 @@ impl Watchdog {
             }
         }
     }
+}
+
+/// How long one DMA warm-up may take before it is abandoned and retried.
+const WARM_UP_DEADLINE: Duration = Duration::from_secs(2);
+const WARM_UP_TRIES: u32 = 10;
+
+/// [`warm_up_dma`], retried: about one executor start in a few hundred
+/// (two brokers starting at once on two CPUs) the first O_DIRECT read of the
+/// warm-up never completes, although the executor keeps running (its
+/// heartbeat counts on). glommio only settles how it reads a disk once that
+/// first read completes, so a core that gave up would meet the same stall at
+/// its first segment open; abandoning the read and trying again with a new
+/// file gets through.
+async fn warm_up_with_retries(dir: &Path) {
+    for attempt in 1..=WARM_UP_TRIES {
+        match glommio::timer::timeout(WARM_UP_DEADLINE, async {
+            warm_up_dma(dir).await.map_err(glommio::GlommioError::from)
+        })
+        .await
+        {
+            Ok(()) => {
+                if attempt > 1 {
+                    tracing::warn!(attempt, "DMA warm-up went through on a retry");
+                }
+                return;
+            }
+            Err(glommio::GlommioError::TimedOut(_)) => {
+                tracing::warn!(
+                    attempt,
+                    "DMA warm-up in {} stalled for {WARM_UP_DEADLINE:?}; retrying",
+                    dir.display()
+                );
+            }
+            Err(e) => {
+                tracing::warn!("DMA warm-up in {} failed: {e}", dir.display());
+                return;
+            }
+        }
+    }
+    tracing::error!("DMA warm-up in {} never completed", dir.display());
 }
 
 /// glommio decides whether a disk supports its polling ring by test-reading

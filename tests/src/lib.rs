@@ -8,7 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// How long a broker may take to start before the test fails.
-pub const START_DEADLINE: Duration = Duration::from_secs(60);
+pub const START_DEADLINE: Duration = Duration::from_secs(20);
 
 /// A broker process under test.
 pub struct Broker {
@@ -91,7 +91,27 @@ impl Broker {
         self.data_dir.as_deref()
     }
 
+    /// Start the broker. A start that does not announce within
+    /// [`START_DEADLINE`] is killed and tried again (twice): about one start
+    /// in a few hundred under load, an executor thread never gets to run
+    /// its first task inside glommio (the broker's start-up watch reports
+    /// "executor NotStarted, 0 heartbeats"); see the session notes. The
+    /// retry is logged, so the suite says when it happened.
     fn spawn(&mut self) {
+        let mut last = String::new();
+        for attempt in 1..=3 {
+            match self.try_spawn() {
+                Ok(()) => return,
+                Err(e) => {
+                    eprintln!("felix-tests: broker start attempt {attempt} failed: {e}");
+                    last = e;
+                }
+            }
+        }
+        panic!("{last}");
+    }
+
+    fn try_spawn(&mut self) -> Result<(), String> {
         let bin = &self.bin;
         let dir = self
             .data_dir
@@ -136,10 +156,10 @@ impl Broker {
                 Err(e) => {
                     let _ = child.kill();
                     let status = child.wait().ok();
-                    panic!(
+                    return Err(format!(
                         "broker did not announce its addresses within {START_DEADLINE:?} \
                          ({e}; exit status {status:?})"
-                    );
+                    ));
                 }
             };
             if let Some(a) = line.strip_prefix("felix: listening on ") {
@@ -154,7 +174,7 @@ impl Broker {
         wait_until(Duration::from_secs(20), || {
             TcpStream::connect(&self.addr).is_ok()
         })
-        .unwrap_or_else(|_| panic!("broker did not start listening on {}", self.addr));
+        .map_err(|_| format!("broker did not start listening on {}", self.addr))
     }
 
     /// `kill -9`: no shutdown, no flush.

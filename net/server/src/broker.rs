@@ -731,7 +731,7 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
 }
 
 const STAGES: [&str; 4] = [
-    "warming up the disk",
+    "starting",
     "opening its shards",
     "binding its listener",
     "ready",
@@ -764,7 +764,11 @@ fn watch_start_up(shared: Arc<Shared>, kicker: felix_engine::runtime::Kicker) {
                 for (core, st) in shared.start_stage.iter().enumerate() {
                     let st = st.load(Ordering::Relaxed) as usize;
                     if st + 1 < STAGES.len() {
-                        where_.push(format!("core {core} {}", STAGES[st.min(STAGES.len() - 1)]));
+                        let (phase, beats) = kicker.phase(core);
+                        where_.push(format!(
+                            "core {core} {} (executor {phase:?}, {beats} heartbeats)",
+                            STAGES[st.min(STAGES.len() - 1)]
+                        ));
                         kicker.kick(core);
                     }
                 }
