@@ -250,3 +250,27 @@ pub fn wait_until(deadline: Duration, mut cond: impl FnMut() -> bool) -> Result<
     }
     Err(TimedOut)
 }
+
+/// Send one request on a raw wire connection and read one response (tests
+/// of what the client library would never send).
+pub async fn raw_call(
+    s: &mut tokio::net::TcpStream,
+    id: u64,
+    req: &felix_wire::Request,
+) -> felix_wire::Response {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut out = bytes::BytesMut::new();
+    felix_wire::encode_request(id, req, &mut out);
+    s.write_all(&out).await.unwrap();
+    let mut buf = bytes::BytesMut::new();
+    loop {
+        if let Some((rid, resp)) = felix_wire::decode_response(&mut buf, 64 << 20).unwrap() {
+            assert_eq!(rid, id);
+            return resp;
+        }
+        let mut chunk = [0u8; 65536];
+        let n = s.read(&mut chunk).await.unwrap();
+        assert!(n > 0, "broker closed the connection");
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}

@@ -1229,28 +1229,11 @@ async fn records_retention_removed_are_skipped_and_counted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_did_not_negotiate_skipped_before_gets_records_without_it() {
     use felix_wire::{GroupKey, Request, Response, StreamRef, FEATURES_ALL, FEATURE_GROUP_SKIPPED};
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let b = felix_tests::start_broker!(opts(30_000, 5).cores(1));
     let c = client(&b.addr).await;
     stream(&c, JOBS).await;
     publish(&c, JOBS, 2).await;
 
-    async fn call(s: &mut tokio::net::TcpStream, id: u64, req: &Request) -> Response {
-        let mut out = bytes::BytesMut::new();
-        felix_wire::encode_request(id, req, &mut out);
-        s.write_all(&out).await.unwrap();
-        let mut buf = bytes::BytesMut::new();
-        loop {
-            if let Some((rid, resp)) = felix_wire::decode_response(&mut buf, 64 << 20).unwrap() {
-                assert_eq!(rid, id);
-                return resp;
-            }
-            let mut chunk = [0u8; 65536];
-            let n = s.read(&mut chunk).await.unwrap();
-            assert!(n > 0, "broker closed the connection");
-            buf.extend_from_slice(&chunk[..n]);
-        }
-    }
     let poll = |group: &str| Request::GroupPoll {
         key: GroupKey {
             stream: StreamRef {
@@ -1278,14 +1261,14 @@ async fn a_client_that_did_not_negotiate_skipped_before_gets_records_without_it(
             client_name: "old-client".into(),
             token: None,
         };
-        match call(&mut s, 1, &hello).await {
+        match felix_tests::raw_call(&mut s, 1, &hello).await {
             Response::HelloOk { features, .. } => {
                 assert_eq!(features & FEATURE_GROUP_SKIPPED != 0, want.is_some())
             }
             other => panic!("unexpected {other:?}"),
         }
         let group = format!("g-{offered:x}");
-        match call(&mut s, 2, &poll(&group)).await {
+        match felix_tests::raw_call(&mut s, 2, &poll(&group)).await {
             Response::GroupRecords { records } => {
                 assert_eq!(records.len(), 2);
                 for r in records {

@@ -2,7 +2,7 @@
 
 use bytes::Bytes;
 use felix_client::{Client, ClientConfig, ClientError, StreamOptions};
-use felix_tests::{Broker, BrokerOptions};
+use felix_tests::{raw_call, Broker, BrokerOptions};
 use felix_wire::{ErrorCode, RecordIn, StartPosition};
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -436,29 +436,6 @@ async fn connection_limit_and_idle_timeout_are_enforced() {
     cl.create_stream("t", "ns", "x", 1, StreamOptions::default())
         .await
         .unwrap();
-}
-
-/// Send one request on a raw connection and read one response.
-async fn raw_call(
-    s: &mut tokio::net::TcpStream,
-    id: u64,
-    req: &felix_wire::Request,
-) -> felix_wire::Response {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut out = bytes::BytesMut::new();
-    felix_wire::encode_request(id, req, &mut out);
-    s.write_all(&out).await.unwrap();
-    let mut buf = bytes::BytesMut::new();
-    loop {
-        if let Some((rid, resp)) = felix_wire::decode_response(&mut buf, 64 << 20).unwrap() {
-            assert_eq!(rid, id);
-            return resp;
-        }
-        let mut chunk = [0u8; 65536];
-        let n = s.read(&mut chunk).await.unwrap();
-        assert!(n > 0, "broker closed the connection");
-        buf.extend_from_slice(&chunk[..n]);
-    }
 }
 
 fn hello(want_core: Option<u32>, version: u16) -> felix_wire::Request {
