@@ -155,6 +155,9 @@ pub struct ReadResult {
     pub start: Offset,
     /// The visible (durable) end.
     pub end: Offset,
+    /// Bytes the records carry (key, headers, payload), as the byte cap
+    /// counted them.
+    pub bytes: usize,
 }
 
 /// Limits of one read.
@@ -1034,6 +1037,7 @@ impl<S: Storage> ShardLog<S> {
             next: from,
             start,
             end,
+            bytes: 0,
         };
         if from >= end || limits.max_records == 0 {
             return Ok(out);
@@ -1059,11 +1063,13 @@ impl<S: Storage> ShardLog<S> {
         };
         if served {
             out.next = out.next.min(end);
+            out.bytes = bytes;
             return Ok(out);
         }
         self.read_cold(from, end, limits, &mut out, &mut bytes)
             .await?;
         out.next = out.next.min(end);
+        out.bytes = bytes;
         Ok(out)
     }
 

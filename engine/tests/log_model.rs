@@ -517,6 +517,8 @@ fn small_cold_reads_are_served_from_the_chunk_read_before() {
                 )
                 .await
                 .unwrap();
+            let carried: usize = r.records.iter().map(|x| x.size_bytes()).sum();
+            assert_eq!(r.bytes, carried, "the read reports the bytes it returns");
             for (k, rec) in r.records.iter().enumerate() {
                 assert_eq!(rec.offset, next.plus(k as u64));
                 assert_eq!(rec.payload[0], (rec.offset.0 % 251) as u8);

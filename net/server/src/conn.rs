@@ -719,8 +719,7 @@ async fn read<S: Storage>(
             let m = &core.metrics;
             m.read_records
                 .set(m.read_records.get() + r.records.len() as u64);
-            let bytes: usize = r.records.iter().map(|x| x.size_bytes()).sum();
-            m.read_bytes.set(m.read_bytes.get() + bytes as u64);
+            m.read_bytes.set(m.read_bytes.get() + r.bytes as u64);
             Response::Records {
                 start_offset: r.start.0,
                 next_offset: r.next.0,
