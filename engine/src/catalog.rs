@@ -116,8 +116,82 @@ pub fn load(data_dir: &Path) -> Result<Vec<StreamMeta>, String> {
     Ok(out)
 }
 
+/// The file in the data directory that a running broker holds locked.
+pub const LOCK_FILE: &str = "felix.lock";
+
+/// Exclusive use of a data directory for the life of a broker process.
+///
+/// Two brokers writing the same segments would corrupt each other's logs, so
+/// the second one is refused. The lock is an `flock` on
+/// `<data_dir>/felix.lock`: the kernel drops it when the holder exits, however
+/// it exits (`kill -9` included), so a stale file never blocks a restart. The
+/// holder's pid is written into the file for the error message.
+#[derive(Debug)]
+pub struct DirLock {
+    _file: std::fs::File,
+}
+
+impl DirLock {
+    /// Take the lock, or say who holds it.
+    pub fn acquire(data_dir: &Path) -> Result<DirLock, String> {
+        use std::io::{Read, Seek, Write};
+        use std::os::fd::AsRawFd;
+        let path = data_dir.join(LOCK_FILE);
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+        // SAFETY: flock on a descriptor this function owns.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if rc != 0 {
+            let err = std::io::Error::last_os_error();
+            if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
+                let mut holder = String::new();
+                let _ = file.read_to_string(&mut holder);
+                let holder = holder.trim();
+                let who = if holder.is_empty() {
+                    "another process".to_string()
+                } else {
+                    format!("another process (pid {holder})")
+                };
+                return Err(format!(
+                    "data directory {} is in use by {who}; two brokers cannot share one \
+                     (stop the other, or give this one its own --data-dir)",
+                    data_dir.display()
+                ));
+            }
+            return Err(format!("cannot lock {}: {err}", path.display()));
+        }
+        // The pid is advisory (for the message above); failing to write it
+        // does not weaken the lock.
+        let _ = file.set_len(0);
+        let _ = file.seek(std::io::SeekFrom::Start(0));
+        let _ = writeln!(file, "{}", std::process::id());
+        Ok(DirLock { _file: file })
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_data_directory_is_locked_by_one_holder_at_a_time() {
+        let dir = std::env::temp_dir().join(format!("felix-lock-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let first = DirLock::acquire(&dir).expect("first lock");
+        let err = DirLock::acquire(&dir).expect_err("second lock refused");
+        assert!(err.contains("in use by another process (pid"), "{err}");
+        assert!(err.contains(&std::process::id().to_string()), "{err}");
+        drop(first);
+        let again = DirLock::acquire(&dir).expect("free once the holder let go");
+        drop(again);
+        // The lock file is not mistaken for a stream.
+        assert!(load(&dir).unwrap().is_empty());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     use super::*;
 
     #[test]

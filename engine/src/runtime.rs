@@ -139,7 +139,7 @@ impl Runtime {
                 cpu: Some(cpu),
             };
             let h = LocalExecutorBuilder::new(Placement::Fixed(cpu))
-                .name(&format!("felix-core-{i}"))
+                .name(&thread_name(i))
                 // A timer-woken task (a long poll, a claim lapse) waits at
                 // most this long behind CPU-bound work (default: 100 ms).
                 .preempt_timer(std::time::Duration::from_millis(2))
@@ -291,7 +291,16 @@ impl Kicker {
             return false;
         };
         let thread = lock(slot);
-        let Some(t) = *thread else { return false };
+        let Some(t) = *thread else {
+            drop(thread);
+            let unstarted = self.0.phases.get(core).map(|p| p.load(Ordering::Relaxed))
+                == Some(Phase::NotStarted as u8);
+            if unstarted && kick_unstarted(core) > 0 {
+                self.0.kicks.fetch_add(1, Ordering::Relaxed);
+                return true;
+            }
+            return false;
+        };
         // SAFETY: as in `Watchdog::run`: the thread cannot finish while we
         // hold its slot.
         unsafe { libc::pthread_kill(t, kick_signal()) };
@@ -350,17 +359,84 @@ impl Watchdog {
                     continue;
                 }
                 let thread = lock(&self.threads[core]);
-                let Some(t) = *thread else { continue };
-                // SAFETY: the thread registered itself and cannot finish
-                // while we hold its slot (it deregisters under this lock).
-                unsafe { libc::pthread_kill(t, kick_signal()) };
-                drop(thread);
+                match *thread {
+                    // SAFETY: the thread registered itself and cannot finish
+                    // while we hold its slot (it deregisters under this lock).
+                    Some(t) => unsafe {
+                        libc::pthread_kill(t, kick_signal());
+                    },
+                    None if self.phases[core].load(Ordering::Relaxed)
+                        == Phase::NotStarted as u8 =>
+                    {
+                        drop(thread);
+                        // Parked before its first task ran (see
+                        // `kick_unstarted`); it has not registered, so find
+                        // it by name.
+                        if kick_unstarted(core) == 0 {
+                            *since = now;
+                            continue;
+                        }
+                    }
+                    None => continue,
+                }
                 self.kicks.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(core, "watchdog woke a stuck executor");
                 *since = now;
             }
         }
     }
+}
+
+/// The name prefix of core `core`'s executor thread (glommio appends `-N`).
+fn thread_name(core: usize) -> String {
+    format!("felix-core-{core}")
+}
+
+/// Signal the threads of core `core` that has not started; returns how many.
+///
+/// glommio 0.9 can park an executor that still has a runnable task:
+/// `run_task_queues` answers "nothing ran" both when every queue is empty
+/// and when the preemption check fired before it ran anything, and the
+/// executor parks on either. With a 2 ms preemption timer, an executor
+/// thread that loses its CPU for 2 ms between arming the timer and running
+/// its first task (two brokers starting at once on two CPUs) sleeps in
+/// `io_uring_enter` with that task queued and nothing in flight to wake it;
+/// about one start in 2,000 hung this way. Later in life the same slip is
+/// caught by the heartbeat, but before the first task runs the thread has
+/// not registered, so it is found by its name (`/proc/self/task/*/comm`,
+/// which the kernel keeps to 15 bytes; `felix-core-NNN-` still fits) and
+/// signalled with `tgkill`. The executor's wait returns `EINTR`, it looks
+/// at its queues again and runs the task. glommio's own thread pool
+/// threads carry the same name; a signal to them is a no-op (`SA_RESTART`).
+fn kick_unstarted(core: usize) -> usize {
+    let prefix = format!("{}-", thread_name(core));
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    // SAFETY: getpid has no preconditions.
+    let pid = unsafe { libc::getpid() };
+    let mut kicked = 0;
+    for task in tasks.flatten() {
+        let Some(tid) = task
+            .file_name()
+            .to_str()
+            .and_then(|t| t.parse::<libc::pid_t>().ok())
+        else {
+            continue;
+        };
+        let Ok(comm) = std::fs::read_to_string(task.path().join("comm")) else {
+            continue;
+        };
+        if comm.trim_end().starts_with(&prefix) {
+            // SAFETY: tgkill to a thread of this process (the tgid check
+            // makes a stale tid harmless); the handler does nothing.
+            let rc = unsafe { libc::syscall(libc::SYS_tgkill, pid, tid, kick_signal()) };
+            if rc == 0 {
+                kicked += 1;
+            }
+        }
+    }
+    kicked
 }
 
 /// How long one DMA warm-up may take before it is abandoned and retried.
@@ -433,6 +509,45 @@ fn thread_tag() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A core whose thread has not registered is found by its name and
+    /// interrupted; threads of other cores are left alone.
+    #[test]
+    fn an_unstarted_core_is_woken_by_its_thread_name() {
+        let dog = Watchdog::start(1).unwrap();
+        let spawn_pauser = |name: &str| {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let h = std::thread::Builder::new()
+                .name(name.into())
+                .spawn(move || {
+                    tx.send(()).unwrap();
+                    // SAFETY: pause only returns once a handled signal lands
+                    // (it is never restarted, SA_RESTART or not).
+                    unsafe { libc::pause() };
+                })
+                .unwrap();
+            rx.recv().unwrap();
+            h
+        };
+        let target = spawn_pauser(&format!("{}-1", thread_name(97)));
+        let other = spawn_pauser(&format!("{}-2", thread_name(977)));
+        // The thread may not have reached pause() yet: kick until it ends.
+        let mut kicks = 0;
+        while !target.is_finished() {
+            kicks += kick_unstarted(97);
+            std::thread::park_timeout(Duration::from_millis(5));
+        }
+        target.join().unwrap();
+        assert!(kicks >= 1);
+        assert!(!other.is_finished(), "another core's thread was signalled");
+        assert_eq!(kick_unstarted(977), 1);
+        while !other.is_finished() {
+            kick_unstarted(977);
+            std::thread::park_timeout(Duration::from_millis(5));
+        }
+        other.join().unwrap();
+        dog.stop.store(true, Ordering::Relaxed);
+    }
 
     #[test]
     fn placement_is_pure_and_spreads_shards() {

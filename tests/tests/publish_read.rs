@@ -1063,3 +1063,60 @@ async fn a_recreated_stream_never_shows_a_deleted_streams_records() {
     );
     assert_eq!(c.publish("t", "ns", "again", 0, "new").await.unwrap(), 0);
 }
+
+/// A second broker pointed at a data directory a running broker uses is
+/// refused at start with a message naming the holder, and the first broker
+/// keeps serving what it wrote.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_broker_on_the_same_data_directory_is_refused() {
+    use std::process::{Command, Stdio};
+    let broker = felix_tests::start_broker!(BrokerOptions::default().cores(1));
+    let c = client(&broker).await;
+    c.create_stream("t", "ns", "held", 1, StreamOptions::default())
+        .await
+        .unwrap();
+    c.publish("t", "ns", "held", 0, "mine").await.unwrap();
+    let dir = broker.data_dir().unwrap().display().to_string();
+    let out = Command::new(env!("CARGO_BIN_EXE_felix-test-broker"))
+        .args([dir.as_str(), "127.0.0.1:0", "1"])
+        .env("FELIX_METRICS_LISTEN", "")
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run a second broker");
+    assert!(!out.status.success(), "the second broker started");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("is in use by another process")
+            && err.contains(&format!("pid {}", broker.pid())),
+        "{err}"
+    );
+    let recs = read_shard(&c, "held", 0).await;
+    assert_eq!(recs, vec![(0, Bytes::from_static(b"mine"))]);
+}
+
+/// A broker whose listen port is taken by a live listener refuses to start
+/// (SO_REUSEPORT would otherwise let it share the port and split clients
+/// between two brokers) after waiting briefly for the port to free.
+#[test]
+fn a_broker_refuses_a_listen_port_another_process_accepts_on() {
+    use std::process::{Command, Stdio};
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let out = Command::new(env!("CARGO_BIN_EXE_felix-test-broker"))
+        .args(["-", addr.as_str(), "1"])
+        .env("FELIX_METRICS_LISTEN", "")
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run a broker");
+    assert!(!out.status.success(), "the broker started on a taken port");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!(
+            "cannot listen on {addr}: another process is accepting"
+        )),
+        "{err}"
+    );
+    drop(taken);
+}

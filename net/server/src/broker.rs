@@ -86,6 +86,8 @@ pub(crate) struct Shared {
     pub start_stage: Vec<std::sync::atomic::AtomicU8>,
     pub announce: Mutex<Option<(String, Option<std::net::SocketAddr>)>>,
     pub broker_id: String,
+    /// Set once the executors run: how the watchdog's wake-ups are counted.
+    pub kicker: std::sync::OnceLock<felix_engine::runtime::Kicker>,
 }
 
 impl Shared {
@@ -641,13 +643,18 @@ impl Drop for BusyGuard {
 /// Start the broker's cores on `cpus` and block until they exit.
 pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
     let durable = config.data_dir.is_some();
-    let metas = match &config.data_dir {
+    // First, so a broker restarted straight after `kill -9` also waits out
+    // the old process's I/O teardown before it touches the data directory.
+    wait_for_port_to_free(&config.listen)?;
+    let (metas, _dir_lock) = match &config.data_dir {
         Some(d) => {
             std::fs::create_dir_all(d)
                 .map_err(|e| format!("cannot create data directory {}: {e}", d.display()))?;
-            catalog::load(d)?
+            // Held until this function returns, after every core has exited.
+            let lock = catalog::DirLock::acquire(d)?;
+            (catalog::load(d)?, Some(lock))
         }
-        None => Vec::new(),
+        None => (Vec::new(), None),
     };
     let cores = cpus.len() as u32;
     let mut senders = Vec::new();
@@ -671,6 +678,7 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
         start_stage: (0..cores).map(|_| Default::default()).collect(),
         announce: Mutex::new(None),
         broker_id: format!("felix-{}", std::process::id()),
+        kicker: std::sync::OnceLock::new(),
     });
     let receivers = Arc::new(Mutex::new(receivers));
     // Reserve the address up front (port 0 picks a free port), so a bad or
@@ -680,8 +688,7 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
     let listen = reservation.1.to_string();
     let metrics_listener = match &config.metrics_listen {
         Some(a) => {
-            let l = std::net::TcpListener::bind(a)
-                .map_err(|e| format!("cannot serve metrics on {a}: {e}"))?;
+            let l = bind_metrics(a)?;
             l.set_nonblocking(true).map_err(|e| e.to_string())?;
             Some(l)
         }
@@ -724,6 +731,7 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
         }
     })
     .map_err(|e| e.to_string())?;
+    let _ = shared.kicker.set(runtime.kicker());
     watch_start_up(shared.clone(), runtime.kicker());
     let r = runtime.join().map_err(|e| e.to_string());
     drop(reservation);
@@ -781,6 +789,68 @@ fn watch_start_up(shared: Arc<Shared>, kicker: felix_engine::runtime::Kicker) {
         });
     if let Err(e) = spawned {
         tracing::warn!("cannot watch start-up: {e}");
+    }
+}
+
+/// How long start-up waits for a port held by a process that just died.
+const PORT_GRACE: Duration = Duration::from_secs(10);
+
+/// Refuse to share the listen port with a live listener.
+///
+/// The cores bind with `SO_REUSEPORT`, which would let a second broker (of
+/// the same user) bind the same port and silently take half of its
+/// connections. Worse, after `kill -9` the kernel tears a process's io_uring
+/// down asynchronously, and for a moment its listening sockets still complete
+/// handshakes (and then reset them). So before binding, connect to the port:
+/// while something answers, wait (up to [`PORT_GRACE`]) for it to go away,
+/// then refuse.
+fn wait_for_port_to_free(addr: &str) -> Result<(), String> {
+    use std::net::ToSocketAddrs;
+    let Some(sa) = addr.to_socket_addrs().ok().and_then(|mut a| a.next()) else {
+        return Ok(()); // reserve_port reports a bad address
+    };
+    if sa.port() == 0 {
+        return Ok(());
+    }
+    let probe = if sa.ip().is_unspecified() {
+        std::net::SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), sa.port())
+    } else {
+        sa
+    };
+    let began = std::time::Instant::now();
+    let mut said = false;
+    while std::net::TcpStream::connect_timeout(&probe, Duration::from_millis(200)).is_ok() {
+        if began.elapsed() >= PORT_GRACE {
+            return Err(format!(
+                "cannot listen on {addr}: another process is accepting connections there \
+                 (another broker?); stop it or choose another --listen address"
+            ));
+        }
+        if !said {
+            eprintln!("felix: something still accepts connections on {addr}; waiting up to {}s for it to close", PORT_GRACE.as_secs());
+            said = true;
+        }
+        std::thread::park_timeout(Duration::from_millis(100));
+    }
+    Ok(())
+}
+
+/// Bind the metrics listener, waiting out a dying process's socket.
+fn bind_metrics(addr: &str) -> Result<std::net::TcpListener, String> {
+    let began = std::time::Instant::now();
+    let mut said = false;
+    loop {
+        match std::net::TcpListener::bind(addr) {
+            Ok(l) => return Ok(l),
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && began.elapsed() < PORT_GRACE => {
+                if !said {
+                    eprintln!("felix: metrics address {addr} is in use; waiting up to {}s for it to close", PORT_GRACE.as_secs());
+                    said = true;
+                }
+                std::thread::park_timeout(Duration::from_millis(100));
+            }
+            Err(e) => return Err(format!("cannot serve metrics on {addr}: {e}")),
+        }
     }
 }
 

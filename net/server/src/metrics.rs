@@ -77,6 +77,7 @@ impl CoreMetrics {
             ],
             connections_open: self.connections_open.get(),
             shards: Vec::new(),
+            executor_wakeups: 0,
         }
     }
 }
@@ -104,6 +105,8 @@ pub(crate) struct MetricsSnapshot {
     pub counters: Vec<(&'static str, u64)>,
     pub connections_open: u64,
     pub shards: Vec<ShardSnapshot>,
+    /// Process-wide (not merged): executors the watchdog had to wake.
+    pub executor_wakeups: u64,
 }
 
 impl MetricsSnapshot {
@@ -143,6 +146,13 @@ impl MetricsSnapshot {
             s,
             "# TYPE felix_connections_open gauge\nfelix_connections_open {}",
             self.connections_open
+        );
+        let _ = writeln!(
+            s,
+            "# HELP felix_executor_wakeups_total Times the watchdog woke an executor that had stopped running its tasks.\n\
+             # TYPE felix_executor_wakeups_total counter\n\
+             felix_executor_wakeups_total {}",
+            self.executor_wakeups
         );
         let mut sync = SyncStats::default();
         let (mut flushes, mut written) = (0, 0);
@@ -237,6 +247,7 @@ pub(crate) async fn scrape<S: Storage>(core: &Rc<Core<S>>) -> MetricsSnapshot {
             total.merge(s);
         }
     }
+    total.executor_wakeups = core.shared.kicker.get().map_or(0, |k| k.kicks());
     total
 }
 
