@@ -148,6 +148,8 @@ pub(crate) struct Core<S: Storage> {
     /// waker again, and millions of spurious polls overflow the task's
     /// waker count.
     pub stop_signal: WaitList,
+    /// This core's view of the data disk's free space.
+    pub disk: crate::disk::DiskGuard,
 }
 
 pub(crate) fn wire_err(code: ErrorCode, msg: impl Into<String>) -> Response {
@@ -932,7 +934,13 @@ async fn core_main<S: Storage>(
         stopping: Cell::new(false),
         lifecycle: WaitList::new(),
         stop_signal: WaitList::new(),
+        disk: crate::disk::DiskGuard::new(
+            shared.config.data_dir.as_deref(),
+            shared.config.min_free_bytes,
+            shared.cores,
+        ),
     });
+    report_disk(&core, core.disk.refresh());
     for meta in metas.iter() {
         if let Err(e) = core.open_stream(meta.clone()).await {
             // The failed shards refuse requests with the reason; everything
@@ -976,6 +984,7 @@ async fn core_main<S: Storage>(
     }
     let mailbox = glommio::spawn_local(core.clone().run_mailbox(rx));
     let retention = glommio::spawn_local(run_retention(core.clone())).detach();
+    let disk_watch = glommio::spawn_local(watch_disk(core.clone())).detach();
     // Accept until told to stop.
     loop {
         let accept = listener.accept();
@@ -1011,8 +1020,32 @@ async fn core_main<S: Storage>(
     drop(listener);
     mailbox.await;
     drop(retention);
+    drop(disk_watch);
     core.drain_and_close().await;
     tracing::info!(core = core.core_id(), "core stopped");
+}
+
+/// Look at the data disk's free space every [`crate::disk::REFRESH`].
+async fn watch_disk<S: Storage>(core: Rc<Core<S>>) {
+    if core.shared.config.data_dir.is_none() {
+        return;
+    }
+    while !core.stopping.get() {
+        glommio::timer::sleep(crate::disk::REFRESH).await;
+        report_disk(&core, core.disk.refresh());
+    }
+}
+
+/// Log the disk guard's transitions (core 0 only: they all see one disk).
+fn report_disk<S: Storage>(core: &Core<S>, change: Option<bool>) {
+    if core.ctx.core.0 != 0 {
+        return;
+    }
+    match change {
+        Some(true) => tracing::warn!("{}", core.disk.check(0).err().unwrap_or_default()),
+        Some(false) => tracing::info!("the data disk has room again; publishes are served"),
+        None => {}
+    }
 }
 
 async fn run_retention<S: Storage>(core: Rc<Core<S>>) {

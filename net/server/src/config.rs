@@ -67,6 +67,7 @@ const SETTINGS: &[Setting] = &[
     Setting { section: "storage", name: "write_chunk_bytes", env: None, kind: Kind::U64, default: "1048576", help: "size of each write of a flush (multiple of 4096)" },
     Setting { section: "storage", name: "read_cache_bytes", env: None, kind: Kind::U64, default: "8388608", help: "recent bytes per shard served from memory" },
     Setting { section: "storage", name: "max_queued_bytes", env: None, kind: Kind::U64, default: "67108864", help: "publishes wait while a shard has this much unflushed" },
+    Setting { section: "storage", name: "min_free_bytes", env: Some("FELIX_MIN_FREE_BYTES"), kind: Kind::U64, default: "0", help: "publishes are refused (unavailable) while the data disk has less free than this, and served again once space returns; 0 = the smaller of 256 MiB and 5% of the disk" },
     Setting { section: "storage", name: "retention_check_ms", env: None, kind: Kind::U64, default: "60000", help: "how often retention runs" },
     Setting { section: "groups", name: "visibility_timeout_ms", env: Some("FELIX_GROUP_VISIBILITY_TIMEOUT_MS"), kind: Kind::U64, default: "30000", help: "how long a claim stands before the record is owed again" },
     Setting { section: "groups", name: "max_attempts", env: Some("FELIX_GROUP_MAX_ATTEMPTS"), kind: Kind::U64, default: "5", help: "deliveries before a record is dead-lettered" },
@@ -119,6 +120,8 @@ pub struct Config {
     pub write_chunk_bytes: usize,
     pub read_cache_bytes: usize,
     pub max_queued_bytes: usize,
+    /// Free bytes the data disk keeps for the broker; 0 = automatic.
+    pub min_free_bytes: u64,
     pub retention_check_ms: u64,
     pub visibility_timeout_ms: u64,
     pub max_attempts: u32,
@@ -384,6 +387,7 @@ impl Config {
                 num("storage", "max_queued_bytes")?,
                 "storage.max_queued_bytes",
             )? as usize,
+            min_free_bytes: num("storage", "min_free_bytes")?,
             retention_check_ms: nonzero(
                 num("storage", "retention_check_ms")?,
                 "storage.retention_check_ms",

@@ -611,6 +611,9 @@ async fn publish<S: Storage>(
             }
         })
         .collect();
+    if let Err(msg) = core.disk.check(bytes) {
+        return wire_err(ErrorCode::Unavailable, msg);
+    }
     if let Err(e) = shard.log.wait_room().await {
         return log_err(&shard.name(), e);
     }
@@ -618,6 +621,7 @@ async fn publish<S: Storage>(
         Ok(a) => a,
         Err(e) => return log_err(&shard.name(), e),
     };
+    core.disk.note_appended(bytes);
     let frontier = match ack {
         AckMode::Queued => Frontier::Queued,
         AckMode::Durable => Frontier::Durable,

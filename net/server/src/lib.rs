@@ -14,6 +14,7 @@ mod broker;
 
 pub mod config;
 mod conn;
+mod disk;
 mod groups;
 mod metrics;
 mod shard;

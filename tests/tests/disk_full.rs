@@ -1,0 +1,217 @@
+//! A data disk that fills up: publishes are refused with `unavailable` and a
+//! message saying why before the disk runs out, nothing acknowledged is
+//! lost, the shard keeps serving reads, and publishes are served again as
+//! soon as space is freed, without a restart.
+//!
+//! Needs root (a small ext4 file system is loop-mounted); elsewhere the test
+//! says so and passes without running.
+
+use bytes::Bytes;
+use felix_client::{Client, ClientConfig, ClientError, StreamOptions};
+use felix_wire::{ErrorCode, RecordIn, StartPosition};
+use std::io::BufRead;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A loop-mounted ext4 image, unmounted on drop.
+struct SmallDisk {
+    _tmp: tempfile::TempDir,
+    mnt: PathBuf,
+}
+
+impl SmallDisk {
+    fn mount(mib: u32) -> Result<SmallDisk, String> {
+        let tmp = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let img = tmp.path().join("disk.img");
+        let mnt = tmp.path().join("mnt");
+        std::fs::create_dir(&mnt).map_err(|e| e.to_string())?;
+        let f = std::fs::File::create(&img).map_err(|e| e.to_string())?;
+        f.set_len(u64::from(mib) << 20).map_err(|e| e.to_string())?;
+        run("mkfs.ext4", &["-q", "-F", img.to_str().unwrap()])?;
+        run(
+            "mount",
+            &["-o", "loop", img.to_str().unwrap(), mnt.to_str().unwrap()],
+        )?;
+        Ok(SmallDisk { _tmp: tmp, mnt })
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = run("umount", &["-l", self.mnt.to_str().unwrap()]);
+    }
+}
+
+fn run(cmd: &str, args: &[&str]) -> Result<(), String> {
+    let out = Command::new(cmd)
+        .args(args)
+        .output()
+        .map_err(|e| format!("{cmd}: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{cmd} {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+fn start(data: &Path) -> (Child, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_felix-test-broker"))
+        .args([data.to_str().unwrap(), "127.0.0.1:0", "1"])
+        .env("FELIX_METRICS_LISTEN", "")
+        .env("FELIX_MIN_FREE_BYTES", (4u64 << 20).to_string())
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start broker");
+    let out = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+            if let Some(a) = line.strip_prefix("felix: listening on ") {
+                let _ = tx.send(a.trim().to_string());
+            }
+        }
+    });
+    let addr = rx
+        .recv_timeout(felix_tests::START_DEADLINE)
+        .expect("the broker announced its address");
+    (child, addr)
+}
+
+fn batch(first: u64) -> Vec<RecordIn> {
+    (first..first + 64)
+        .map(|i| RecordIn {
+            payload: Bytes::from(format!("{i:08}").repeat(128)),
+            ..Default::default()
+        })
+        .collect()
+}
+
+async fn read_all(c: &Client) -> Vec<Bytes> {
+    let mut out = Vec::new();
+    let mut from = StartPosition::Earliest;
+    loop {
+        let b = c
+            .read("t", "ns", "fill", 0, from, 1000, None)
+            .await
+            .expect("read");
+        if b.records.is_empty() {
+            return out;
+        }
+        out.extend(b.records.iter().map(|r| r.payload.clone()));
+        from = StartPosition::Offset(b.next_offset);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_disk_refuses_publishes_until_space_is_freed_and_loses_nothing() {
+    let disk = match SmallDisk::mount(40) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("skipped: cannot loop-mount a small disk here ({e})");
+            return;
+        }
+    };
+    // Leave about 12 MiB for the broker, 4 of them kept in reserve.
+    let filler = disk.mnt.join("filler");
+    let free = 12u64 << 20;
+    {
+        let avail = {
+            let out = Command::new("df")
+                .args(["--output=avail", "-B1", disk.mnt.to_str().unwrap()])
+                .output()
+                .unwrap();
+            String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .nth(1)
+                .and_then(|l| l.trim().parse::<u64>().ok())
+                .expect("df")
+        };
+        let f = std::fs::File::create(&filler).unwrap();
+        // Really allocate the blocks (set_len would make a sparse file).
+        f.set_len(0).unwrap();
+        let chunk = vec![0u8; 1 << 20];
+        let mut w = std::io::BufWriter::new(f);
+        let mut left = avail.saturating_sub(free);
+        while left > 0 {
+            let n = left.min(chunk.len() as u64) as usize;
+            std::io::Write::write_all(&mut w, &chunk[..n]).unwrap();
+            left -= n as u64;
+        }
+        let f = w.into_inner().unwrap();
+        f.sync_all().unwrap();
+    }
+    let data = disk.mnt.join("data");
+    let (mut broker, addr) = start(&data);
+    let c = Client::connect(addr.as_str(), ClientConfig::default())
+        .await
+        .unwrap();
+    c.create_stream("t", "ns", "fill", 1, StreamOptions::default())
+        .await
+        .unwrap();
+
+    // Publish 64 KiB batches until the broker refuses one.
+    let mut acked = 0u64;
+    let refusal = loop {
+        match c.publish_batch("t", "ns", "fill", 0, batch(acked)).await {
+            Ok(p) => {
+                assert_eq!(p.base_offset, acked);
+                acked += p.count as u64;
+                assert!(acked < 1_000_000, "the disk never filled");
+            }
+            Err(e) => break e,
+        }
+    };
+    match &refusal {
+        ClientError::Server { code, message } => {
+            assert_eq!(*code, ErrorCode::Unavailable, "{message}");
+            assert!(message.contains("nearly full"), "{message}");
+        }
+        other => panic!("unexpected refusal: {other}"),
+    }
+    assert!(acked > 0, "something was accepted before the disk filled");
+
+    // The shard is not stopped: everything acknowledged reads back.
+    let recs = read_all(&c).await;
+    assert_eq!(recs.len() as u64, acked);
+
+    // Free space: publishes are served again, without a restart.
+    std::fs::remove_file(&filler).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match c.publish_batch("t", "ns", "fill", 0, batch(acked)).await {
+            Ok(p) => {
+                assert_eq!(p.base_offset, acked);
+                acked += p.count as u64;
+                break;
+            }
+            Err(e) => assert!(
+                Instant::now() < deadline,
+                "still refused 10 s after space was freed: {e}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // And after kill -9, every acknowledged record is there, in order.
+    drop(c);
+    broker.kill().unwrap();
+    broker.wait().unwrap();
+    let (mut broker, addr) = start(&data);
+    let c = Client::connect(addr.as_str(), ClientConfig::default())
+        .await
+        .unwrap();
+    let recs = read_all(&c).await;
+    assert_eq!(recs.len() as u64, acked);
+    for (i, r) in recs.iter().enumerate() {
+        let want = format!("{:08}", i).repeat(128);
+        assert_eq!(r, &Bytes::from(want), "record {i}");
+    }
+    broker.kill().unwrap();
+    broker.wait().unwrap();
+}
