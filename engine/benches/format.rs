@@ -35,7 +35,7 @@ fn build(c: &mut Criterion) {
             |b, recs| {
                 b.iter(|| {
                     out.clear();
-                    black_box(encode_records(&mut out, Offset(42), 1, black_box(recs)));
+                    black_box(encode_records(&mut out, Offset(42), 1, 0, black_box(recs)));
                 })
             },
         );
@@ -47,7 +47,7 @@ fn parse(c: &mut Criterion) {
     let mut g = c.benchmark_group("batch_parse");
     for (n, size) in SHAPES {
         let mut out = Vec::new();
-        encode_records(&mut out, Offset(42), 1, &records(n, size));
+        encode_records(&mut out, Offset(42), 1, 0, &records(n, size));
         let batch = Bytes::from(out);
         g.throughput(Throughput::Elements(n as u64));
         g.bench_with_input(

@@ -49,7 +49,10 @@ pub struct BatchHeader {
     pub len: u32,
     pub crc: u32,
     pub kind: BatchKind,
-    pub flags: u16,
+    /// Low 16 bits of the sequence number of the group-commit flush that
+    /// wrote the batch (0 in files written before it was recorded). Recovery
+    /// uses it to tell a torn last write from damage to older data.
+    pub flush: u16,
     pub record_count: u32,
     pub base_offset: Offset,
     /// Replication term / leader generation (0 until replication exists).
@@ -68,6 +71,22 @@ impl BatchHeader {
     /// One past the last offset of the batch.
     pub fn end_offset(&self) -> Offset {
         self.base_offset.plus(self.offsets())
+    }
+
+    /// Does the record count fit the kind and the length? (Every batch the
+    /// encoders write passes; a cheap filter for bytes that may not be a
+    /// batch at all.)
+    pub fn plausible(&self) -> bool {
+        match self.kind {
+            BatchKind::Records => {
+                self.record_count >= 1
+                    && BATCH_HEADER_BYTES as u64
+                        + RECORD_FIXED_BYTES as u64 * self.record_count as u64
+                        <= self.len as u64
+            }
+            BatchKind::Control => self.record_count == 1,
+            BatchKind::Group => self.record_count == 0,
+        }
     }
 }
 
@@ -174,11 +193,13 @@ pub enum FrameError {
     Body(&'static str),
 }
 
-/// Encode a records batch into `out`. Returns the header as written.
+/// Encode a records batch into `out`, stamped with the flush that will write
+/// it (`flush`). Returns the header as written.
 pub fn encode_records(
     out: &mut Vec<u8>,
     base: Offset,
     term: u64,
+    flush: u16,
     records: &[RecordIn],
 ) -> BatchHeader {
     let start = out.len();
@@ -211,26 +232,38 @@ pub fn encode_records(
         BatchKind::Records,
         records.len() as u32,
         base,
-        term,
+        (term, flush),
         max_ts,
     )
 }
 
 /// Encode a control batch (one offset, never delivered).
-pub fn encode_control(out: &mut Vec<u8>, base: Offset, term: u64, body: &[u8]) -> BatchHeader {
+pub fn encode_control(
+    out: &mut Vec<u8>,
+    base: Offset,
+    term: u64,
+    flush: u16,
+    body: &[u8],
+) -> BatchHeader {
     let start = out.len();
     out.resize(start + BATCH_HEADER_BYTES, 0);
     out.extend_from_slice(body);
-    finish(out, start, BatchKind::Control, 1, base, term, 0)
+    finish(out, start, BatchKind::Control, 1, base, (term, flush), 0)
 }
 
 /// Encode a group-state batch (no offset). `at` is the log's next offset when
 /// it was written, which orders it among the records.
-pub fn encode_group(out: &mut Vec<u8>, at: Offset, term: u64, body: &[u8]) -> BatchHeader {
+pub fn encode_group(
+    out: &mut Vec<u8>,
+    at: Offset,
+    term: u64,
+    flush: u16,
+    body: &[u8],
+) -> BatchHeader {
     let start = out.len();
     out.resize(start + BATCH_HEADER_BYTES, 0);
     out.extend_from_slice(body);
-    finish(out, start, BatchKind::Group, 0, at, term, 0)
+    finish(out, start, BatchKind::Group, 0, at, (term, flush), 0)
 }
 
 fn finish(
@@ -239,7 +272,7 @@ fn finish(
     kind: BatchKind,
     count: u32,
     base: Offset,
-    term: u64,
+    (term, flush): (u64, u16),
     max_ts: u64,
 ) -> BatchHeader {
     let len = (out.len() - start) as u32;
@@ -251,7 +284,7 @@ fn finish(
     h[0..4].copy_from_slice(&len.to_le_bytes());
     h[8] = FORMAT_VERSION;
     h[9] = kind as u8;
-    h[10..12].copy_from_slice(&0u16.to_le_bytes());
+    h[10..12].copy_from_slice(&flush.to_le_bytes());
     h[12..16].copy_from_slice(&count.to_le_bytes());
     h[16..24].copy_from_slice(&base.0.to_le_bytes());
     h[24..32].copy_from_slice(&term.to_le_bytes());
@@ -262,12 +295,47 @@ fn finish(
         len,
         crc,
         kind,
-        flags: 0,
+        flush,
         record_count: count,
         base_offset: base,
         term,
         max_timestamp_ms: max_ts,
     }
+}
+
+/// Decode the header at the start of `buf` (at least
+/// [`BATCH_HEADER_BYTES`]) and check its length, version and kind, but not
+/// the checksum: the batch's bytes are `buf[..len]`, which may not all be
+/// there.
+pub fn parse_header(buf: &[u8]) -> Result<BatchHeader, FrameError> {
+    if buf.len() < 4 {
+        return Err(FrameError::Incomplete(4 - buf.len()));
+    }
+    let len = u32::from_le_bytes(buf[0..4].try_into().unwrap());
+    if len == 0 {
+        return Err(FrameError::Zero);
+    }
+    if (len as usize) < BATCH_HEADER_BYTES || len > BATCH_MAX_BYTES {
+        return Err(FrameError::BadLength(len));
+    }
+    if buf.len() < BATCH_HEADER_BYTES {
+        return Err(FrameError::Incomplete(BATCH_HEADER_BYTES - buf.len()));
+    }
+    if buf[8] != FORMAT_VERSION {
+        return Err(FrameError::Version(buf[8]));
+    }
+    let kind = BatchKind::from_u8(buf[9]).ok_or(FrameError::Kind(buf[9]))?;
+    let rd64 = |at: usize| u64::from_le_bytes(buf[at..at + 8].try_into().unwrap());
+    Ok(BatchHeader {
+        len,
+        crc: u32::from_le_bytes(buf[4..8].try_into().unwrap()),
+        kind,
+        flush: u16::from_le_bytes(buf[10..12].try_into().unwrap()),
+        record_count: u32::from_le_bytes(buf[12..16].try_into().unwrap()),
+        base_offset: Offset(rd64(16)),
+        term: rd64(24),
+        max_timestamp_ms: rd64(32),
+    })
 }
 
 /// Parse and verify the batch at the start of `buf`. On success the batch is
@@ -291,21 +359,7 @@ pub fn parse_batch(buf: &[u8]) -> Result<BatchHeader, FrameError> {
     if stored != computed {
         return Err(FrameError::Checksum { stored, computed });
     }
-    if buf[8] != FORMAT_VERSION {
-        return Err(FrameError::Version(buf[8]));
-    }
-    let kind = BatchKind::from_u8(buf[9]).ok_or(FrameError::Kind(buf[9]))?;
-    let rd64 = |at: usize| u64::from_le_bytes(buf[at..at + 8].try_into().unwrap());
-    Ok(BatchHeader {
-        len,
-        crc: stored,
-        kind,
-        flags: u16::from_le_bytes(buf[10..12].try_into().unwrap()),
-        record_count: u32::from_le_bytes(buf[12..16].try_into().unwrap()),
-        base_offset: Offset(rd64(16)),
-        term: rd64(24),
-        max_timestamp_ms: rd64(32),
-    })
+    parse_header(buf)
 }
 
 /// The body of a verified batch (after the header).
@@ -402,7 +456,7 @@ mod tests {
     #[test]
     fn records_round_trip_and_every_bit_flip_is_caught() {
         let mut out = Vec::new();
-        let h = encode_records(&mut out, Offset(10), 3, &[rec("a"), rec("bc")]);
+        let h = encode_records(&mut out, Offset(10), 3, 9, &[rec("a"), rec("bc")]);
         assert_eq!(h.len as usize, out.len());
         let parsed = parse_batch(&out).unwrap();
         assert_eq!(parsed, h);
@@ -427,7 +481,7 @@ mod tests {
     #[test]
     fn truncated_batches_are_incomplete() {
         let mut out = Vec::new();
-        encode_records(&mut out, Offset(0), 0, &[rec("hello")]);
+        encode_records(&mut out, Offset(0), 0, 0, &[rec("hello")]);
         for cut in 0..out.len() {
             assert!(parse_batch(&out[..cut]).is_err());
         }

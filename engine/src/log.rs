@@ -300,6 +300,11 @@ struct Inner<F> {
     target_base: Offset,
     pending: VecDeque<Chunk>,
     pending_bytes: usize,
+    /// Stamp of the flush that will write what is queued now (low 16 bits of
+    /// its sequence number; see `format::BatchHeader::flush`). It moves on
+    /// when a flush takes the queue, so every flush's batches carry one
+    /// stamp and consecutive flushes different ones.
+    flush_stamp: u16,
     /// Bytes of the active segment from its last page boundary to its end.
     tail_page: Vec<u8>,
     cache: VecDeque<CachedBatch>,
@@ -377,7 +382,7 @@ impl<F> Inner<F> {
                 snap(&mut bodies);
                 self.snapshot = Some(snap);
                 for body in bodies {
-                    self.push_batch(|out, next| encode_group(out, next, 0, &body));
+                    self.push_batch(|out, next, flush| encode_group(out, next, 0, flush, &body));
                 }
             }
         } else if self.pending.back().map(|c| c.segment_base) != Some(target_base) {
@@ -391,11 +396,15 @@ impl<F> Inner<F> {
         self.pending.back_mut().unwrap()
     }
 
-    fn push_batch(&mut self, encode: impl FnOnce(&mut Vec<u8>, Offset) -> BatchHeader) -> Appended {
+    fn push_batch(
+        &mut self,
+        encode: impl FnOnce(&mut Vec<u8>, Offset, u16) -> BatchHeader,
+    ) -> Appended {
         let next = self.next;
+        let flush = self.flush_stamp;
         let chunk = self.pending.back_mut().expect("chunk_for first");
         let pos = chunk.buf.len();
-        let h = encode(&mut chunk.buf, next);
+        let h = encode(&mut chunk.buf, next, flush);
         chunk.batches.push((h, pos));
         chunk.lsn_end += h.len as u64;
         self.queued_lsn += h.len as u64;
@@ -412,7 +421,7 @@ impl<F> Inner<F> {
     fn append_with(
         &mut self,
         len: usize,
-        encode: impl FnOnce(&mut Vec<u8>, Offset) -> BatchHeader,
+        encode: impl FnOnce(&mut Vec<u8>, Offset, u16) -> BatchHeader,
     ) -> Result<Appended, LogError> {
         self.refuse()?;
         self.chunk_for(len);
@@ -486,6 +495,8 @@ impl<S: Storage> ShardLog<S> {
         let mut expected: Option<Offset> = None;
         let mut lsn = 0u64;
         let mut tail_page = Vec::new();
+        // Stamp of the last flush found on disk: new flushes continue after it.
+        let mut last_flush: Option<u16> = None;
         let count = bases.len();
         for (i, base) in bases.iter().copied().enumerate() {
             let path = dir.join(segment_name(base));
@@ -517,12 +528,15 @@ impl<S: Storage> ShardLog<S> {
             };
             let size = seg.file.size().await.map_err(|e| io_err("size", e))?;
             let mut notes = Vec::new();
-            let (valid_len, problem) =
-                scan_segment(&seg, size, &config, replay, &mut notes).await?;
+            let scanned = scan_segment(&seg, size, &config, replay, &mut notes).await?;
+            let valid_len = scanned.valid_len;
             for (h, pos) in &notes {
                 seg.note_batch(h, *pos, config.index_interval_bytes);
             }
-            if let Some((pos, reason)) = problem {
+            if let Some((h, _)) = notes.last() {
+                last_flush = Some(h.flush);
+            }
+            if let Some((pos, reason)) = scanned.problem {
                 if !is_tail {
                     return Err(LogError::Corrupt {
                         path: path.display().to_string(),
@@ -530,16 +544,52 @@ impl<S: Storage> ShardLog<S> {
                         reason,
                     });
                 }
-                // An unsealed tail normally ends in zeros (the partial last
-                // page, or preallocated space); anything else is a torn or
-                // corrupt write.
-                if !reason.starts_with("zero") {
-                    tracing::warn!(
-                    segment = %path.display(),
-                    position = pos,
-                    dropped = size - pos,
-                    "truncating torn or corrupt tail: {reason}"
-                    );
+                // The last segment: a torn last write is cut off, damage to
+                // data written before it refuses the open (see
+                // `look_past_damage`).
+                let chunk = config.read_chunk_bytes.max(1 << 20);
+                let past = look_past_damage(&*seg.file, size, pos, scanned.expected, chunk).await?;
+                match past {
+                    Some(PastDamage {
+                        first: (q, h),
+                        later_flush: Some((q2, h2)),
+                    }) => {
+                        return Err(LogError::Corrupt {
+                            path: path.display().to_string(),
+                            position: pos,
+                            reason: format!(
+                                "{reason}; the batch here should start at offset {}, but valid \
+                                 batches written by more than one flush follow it (the next at \
+                                 byte {q}, offset {}; one from a later flush at byte {q2}, \
+                                 offset {}): this is damage to data written before the last \
+                                 flush, not a torn write, and cutting the log here would drop \
+                                 acknowledged records, so the shard is not opened",
+                                scanned.expected, h.base_offset, h2.base_offset
+                            ),
+                        });
+                    }
+                    Some(PastDamage { first: (q, h), .. }) => {
+                        tracing::warn!(
+                            segment = %path.display(),
+                            position = pos,
+                            dropped = size - pos,
+                            "truncating a torn last write: {reason}; the valid batches after it \
+                             (from byte {q}, offset {}) were all written by the same, last flush, \
+                             which never completed",
+                            h.base_offset
+                        );
+                    }
+                    // An unsealed tail normally ends in zeros (the partial
+                    // last page, or preallocated space).
+                    None if reason.starts_with("zero") => {}
+                    None => {
+                        tracing::warn!(
+                            segment = %path.display(),
+                            position = pos,
+                            dropped = size - pos,
+                            "truncating a torn or corrupt tail: {reason}"
+                        );
+                    }
                 }
             }
             seg.len = valid_len;
@@ -601,6 +651,7 @@ impl<S: Storage> ShardLog<S> {
             (tail.end, tail.len, tail.base)
         };
         let inner = Inner {
+            flush_stamp: last_flush.map_or(1, |f| f.wrapping_add(1)),
             config,
             dir: dir.to_path_buf(),
             segments,
@@ -653,7 +704,9 @@ impl<S: Storage> ShardLog<S> {
         let a = self
             .inner
             .borrow_mut()
-            .append_with(len, |out, next| encode_records(out, next, 0, records))?;
+            .append_with(len, |out, next, flush| {
+                encode_records(out, next, 0, flush, records)
+            })?;
         self.queued.wake_all();
         Ok(a)
     }
@@ -664,7 +717,9 @@ impl<S: Storage> ShardLog<S> {
         let a = self
             .inner
             .borrow_mut()
-            .append_with(len, |out, next| encode_control(out, next, 0, body))?;
+            .append_with(len, |out, next, flush| {
+                encode_control(out, next, 0, flush, body)
+            })?;
         self.queued.wake_all();
         Ok(a)
     }
@@ -675,7 +730,9 @@ impl<S: Storage> ShardLog<S> {
         let a = self
             .inner
             .borrow_mut()
-            .append_with(len, |out, next| encode_group(out, next, 0, body))?;
+            .append_with(len, |out, next, flush| {
+                encode_group(out, next, 0, flush, body)
+            })?;
         self.queued.wake_all();
         Ok(a)
     }
@@ -831,6 +888,7 @@ impl<S: Storage> ShardLog<S> {
         let chunks: Vec<Chunk> = {
             let mut i = self.inner.borrow_mut();
             i.pending_bytes = 0;
+            i.flush_stamp = i.flush_stamp.wrapping_add(1);
             i.pending.drain(..).collect()
         };
         let mut dirty: Option<Rc<S::File>> = None;
@@ -1383,15 +1441,39 @@ fn take_batch(
     }
 }
 
-/// Scan a segment from its start, verifying every batch. Returns the length of
-/// the valid prefix and, if it stopped early, where and why.
+/// What [`scan_segment`] found.
+struct Scanned {
+    /// Length of the valid prefix.
+    valid_len: u64,
+    /// The offset the next batch after the valid prefix should start at.
+    expected: Offset,
+    /// If the scan stopped before the end of the file: where and why.
+    problem: Option<(u64, String)>,
+}
+
+/// Scan a segment from its start, verifying every batch.
 async fn scan_segment<F: StorageFile>(
     seg: &Segment<F>,
     size: u64,
     config: &LogConfig,
     replay: &mut dyn FnMut(Replayed<'_>),
     notes: &mut Vec<(BatchHeader, u64)>,
-) -> Result<(u64, Option<(u64, String)>), LogError> {
+) -> Result<Scanned, LogError> {
+    let (valid_len, expected, problem) = scan_batches(seg, size, config, replay, notes).await?;
+    Ok(Scanned {
+        valid_len,
+        expected,
+        problem,
+    })
+}
+
+async fn scan_batches<F: StorageFile>(
+    seg: &Segment<F>,
+    size: u64,
+    config: &LogConfig,
+    replay: &mut dyn FnMut(Replayed<'_>),
+    notes: &mut Vec<(BatchHeader, u64)>,
+) -> Result<(u64, Offset, Option<(u64, String)>), LogError> {
     let mut pos = 0u64;
     let mut expected = seg.base;
     let mut buf = Bytes::new();
@@ -1402,6 +1484,7 @@ async fn scan_segment<F: StorageFile>(
                 if h.base_offset != expected {
                     return Ok((
                         pos,
+                        expected,
                         Some((
                             pos,
                             format!(
@@ -1441,6 +1524,7 @@ async fn scan_segment<F: StorageFile>(
                 if pos + have >= size {
                     return Ok((
                         pos,
+                        expected,
                         Some((pos, "batch cut short by the end of the file".into())),
                     ));
                 }
@@ -1451,7 +1535,7 @@ async fn scan_segment<F: StorageFile>(
                     .await
                     .map_err(|e| io_err("read segment", e))?;
                 if buf.len() as u64 <= have {
-                    return Ok((pos, Some((pos, "short read".into()))));
+                    return Ok((pos, expected, Some((pos, "short read".into()))));
                 }
             }
             Err(FrameError::Zero) => {
@@ -1459,11 +1543,151 @@ async fn scan_segment<F: StorageFile>(
                 // tail; anything else after them is damage.
                 return Ok((
                     pos,
+                    expected,
                     Some((pos, "zero bytes where a batch was expected".into())),
                 ));
             }
-            Err(e) => return Ok((pos, Some((pos, e.to_string())))),
+            Err(e) => return Ok((pos, expected, Some((pos, e.to_string())))),
         }
     }
-    Ok((pos, None))
+    Ok((pos, expected, None))
+}
+
+/// Valid batches found past a bad spot in the last segment.
+struct PastDamage {
+    /// The first: its byte position and header.
+    first: (u64, BatchHeader),
+    /// One written by a different flush than `first`, if there is one.
+    later_flush: Option<(u64, BatchHeader)>,
+}
+
+/// Look past a bad spot at byte `bad` of the last segment (the batch there
+/// should have started at offset `expected`) for valid batches that continue
+/// the log.
+///
+/// A torn last write and damage to older data both leave a bad batch, and
+/// both can have valid batches after it: a multi-page O_DIRECT write is not
+/// atomic, so pages of the last, unsynced flush can reach the disk after a
+/// page before them did not. What tells them apart is which flushes wrote
+/// what follows. Only the last flush can be unsynced (the flusher writes a
+/// flush only after the one before it was synced), and every batch carries
+/// its flush's stamp. Valid batches after the bad spot from two different
+/// flushes mean the bad batch was written, and synced, before the last
+/// flush: damage to acknowledged data. Valid batches from one flush only are
+/// the last flush's surviving pages around a torn one.
+///
+/// Batches are packed back to back (flushes pad only the end of the file,
+/// and the next flush overwrites that padding), so a batch can start at any
+/// byte: this tries every position, skipping runs of zeros, and computes a
+/// checksum only for a header that fits what continuing the log allows: a
+/// known version and kind, a record count its length can hold, an end inside
+/// the file, and a base offset at least `expected` and at most one offset per
+/// [`format::RECORD_FIXED_BYTES`] bytes since the last valid batch. A
+/// candidate's bytes are checksummed in chunks of at most `chunk`: nothing
+/// is allocated from a length read from the file.
+async fn look_past_damage<F: StorageFile>(
+    file: &F,
+    size: u64,
+    bad: u64,
+    expected: Offset,
+    chunk: usize,
+) -> Result<Option<PastDamage>, LogError> {
+    const HEADER: u64 = format::BATCH_HEADER_BYTES as u64;
+    let chunk = (chunk as u64).max(2 * HEADER);
+    let mut first: Option<(u64, BatchHeader)> = None;
+    // Start of the stretch since the last valid batch, and the offset the
+    // next batch starts at or after.
+    let mut gap = bad;
+    let mut exp = expected;
+    let mut q = bad + 1;
+    let mut buf = Bytes::new();
+    let mut buf_pos = q;
+    while q + HEADER <= size {
+        if q < buf_pos || q + HEADER > buf_pos + buf.len() as u64 {
+            buf_pos = q;
+            buf = file
+                .read_at(q, chunk.min(size - q) as usize)
+                .await
+                .map_err(|e| io_err("read segment", e))?;
+            if (buf.len() as u64) < HEADER {
+                break;
+            }
+        }
+        let b = &buf[(q - buf_pos) as usize..];
+        let h = match format::parse_header(b) {
+            Ok(h) => h,
+            Err(FrameError::Zero) => {
+                // A batch's length field has a nonzero byte: skip to three
+                // bytes before the next one (the first four are zero).
+                q = match b.iter().position(|x| *x != 0) {
+                    Some(n) => q + n as u64 - 3,
+                    None => buf_pos + buf.len() as u64 - 3,
+                };
+                continue;
+            }
+            Err(_) => {
+                q += 1;
+                continue;
+            }
+        };
+        let most = exp.0 + (q - gap) / format::RECORD_FIXED_BYTES as u64;
+        let fits = h.plausible()
+            && q + h.len as u64 <= size
+            && h.base_offset >= exp
+            && h.base_offset.0 <= most;
+        if !fits || !checksum_matches(file, &buf, buf_pos, q, &h, chunk).await? {
+            q += 1;
+            continue;
+        }
+        match first {
+            None => first = Some((q, h)),
+            Some((_, f)) if f.flush != h.flush => {
+                return Ok(Some(PastDamage {
+                    first: first.unwrap(),
+                    later_flush: Some((q, h)),
+                }))
+            }
+            Some(_) => {}
+        }
+        q += h.len as u64;
+        gap = q;
+        exp = h.end_offset();
+    }
+    Ok(first.map(|first| PastDamage {
+        first,
+        later_flush: None,
+    }))
+}
+
+/// Does the checksum of the batch at `q` (header `h`, its first bytes in
+/// `buf`, which starts at `buf_pos`) match? Reads what `buf` lacks in pieces
+/// of at most `chunk` bytes.
+async fn checksum_matches<F: StorageFile>(
+    file: &F,
+    buf: &Bytes,
+    buf_pos: u64,
+    q: u64,
+    h: &BatchHeader,
+    chunk: u64,
+) -> Result<bool, LogError> {
+    let at = (q - buf_pos) as usize;
+    let end = q + h.len as u64;
+    let have = buf_pos + buf.len() as u64;
+    if end <= have {
+        return Ok(crc32c::crc32c(&buf[at + 8..at + h.len as usize]) == h.crc);
+    }
+    let mut crc = crc32c::crc32c(&buf[at + 8..]);
+    let mut pos = have;
+    while pos < end {
+        let piece = file
+            .read_at(pos, chunk.min(end - pos) as usize)
+            .await
+            .map_err(|e| io_err("read segment", e))?;
+        if piece.is_empty() {
+            return Ok(false);
+        }
+        crc = crc32c::crc32c_append(crc, &piece);
+        pos += piece.len() as u64;
+    }
+    Ok(crc == h.crc)
 }

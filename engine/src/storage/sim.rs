@@ -48,7 +48,7 @@ fn apply(file: &mut Vec<u8>, op: &Op) {
     }
 }
 
-#[derive(Default)]
+#[derive(Clone, Default)]
 struct Disk {
     files: BTreeMap<PathBuf, SimFileState>,
     dirs: BTreeSet<PathBuf>,
@@ -72,6 +72,21 @@ pub struct CrashPlan {
     pub tear: bool,
     /// Flip one bit somewhere in the surviving unsynced region of one file.
     pub flip_bit: bool,
+}
+
+/// A crash chosen exactly, for tests that enumerate crash points rather
+/// than sample them.
+#[derive(Clone, Debug, Default)]
+pub struct ExactCrash {
+    /// The file whose unsynced writes partly survive. Every other file keeps
+    /// only what was synced.
+    pub file: PathBuf,
+    /// How many of its unsynced writes and truncates survive, in order.
+    pub keep: usize,
+    /// Bytes of the next unsynced write that survive (a torn write).
+    pub tear: Option<usize>,
+    /// A bit flipped afterwards: (byte, bit).
+    pub flip: Option<(u64, u8)>,
 }
 
 /// A handle to the simulated disk; clones share it.
@@ -137,6 +152,77 @@ impl SimStorage {
     /// Bytes handed to `write_at` so far (for write amplification).
     pub fn bytes_written(&self) -> u64 {
         self.disk.borrow().bytes_written
+    }
+
+    /// An independent copy of the disk as it stands (unsynced writes
+    /// included), to crash in different ways from one state.
+    pub fn fork(&self) -> SimStorage {
+        SimStorage {
+            disk: Rc::new(RefCell::new(self.disk.borrow().clone())),
+        }
+    }
+
+    /// Position and length of each write made to `path` since its last sync.
+    pub fn unsynced_writes(&self, path: &Path) -> Vec<(u64, usize)> {
+        let d = self.disk.borrow();
+        let Some(f) = d.files.get(path) else {
+            return Vec::new();
+        };
+        f.unsynced
+            .iter()
+            .filter_map(|op| match op {
+                Op::Write { pos, data } => Some((*pos, data.len())),
+                Op::Truncate { .. } => None,
+            })
+            .collect()
+    }
+
+    /// Length of a file as of its last sync.
+    pub fn synced_len(&self, path: &Path) -> Option<u64> {
+        self.disk
+            .borrow()
+            .files
+            .get(path)
+            .map(|f| f.synced.len() as u64)
+    }
+
+    /// A power cut chosen exactly (see [`ExactCrash`]). Files created since
+    /// their directory was synced survive it.
+    pub fn crash_exact(&self, plan: &ExactCrash) {
+        let mut d = self.disk.borrow_mut();
+        for (path, f) in d.files.iter_mut() {
+            let mut img = f.synced.clone();
+            if *path == plan.file {
+                for (i, op) in f.unsynced.iter().enumerate() {
+                    if i < plan.keep {
+                        apply(&mut img, op);
+                        continue;
+                    }
+                    if let (Some(cut), Op::Write { pos, data }) = (plan.tear, op) {
+                        let cut = cut.min(data.len());
+                        apply(
+                            &mut img,
+                            &Op::Write {
+                                pos: *pos,
+                                data: data[..cut].to_vec(),
+                            },
+                        );
+                    }
+                    break;
+                }
+                if let Some((byte, bit)) = plan.flip {
+                    if let Some(b) = img.get_mut(byte as usize) {
+                        *b ^= 1 << bit;
+                    }
+                }
+            }
+            f.synced = img.clone();
+            f.current = img;
+            f.unsynced.clear();
+        }
+        d.fail_sync_on = None;
+        d.fail_write_on = None;
+        d.hang_sync_on = None;
     }
 
     /// Lose everything that was not synced: the strictest power cut.
@@ -225,6 +311,19 @@ impl SimStorage {
         let f = d.files.get_mut(path).expect("corrupt: no such file");
         f.current[byte as usize] ^= 1 << bit;
         f.synced[byte as usize] ^= 1 << bit;
+    }
+
+    /// Overwrite bytes of a file, durably (a lost or misdirected write, or
+    /// media damage). The file grows if needed.
+    pub fn overwrite(&self, path: &Path, pos: u64, data: &[u8]) {
+        let mut d = self.disk.borrow_mut();
+        let f = d.files.get_mut(path).expect("overwrite: no such file");
+        let op = Op::Write {
+            pos,
+            data: data.to_vec(),
+        };
+        apply(&mut f.current, &op);
+        apply(&mut f.synced, &op);
     }
 
     /// Cut a file, durably (a hand-truncated file).

@@ -1,0 +1,271 @@
+//! Targeted recovery cases on the simulated disk: what a torn last write can
+//! leave in the last segment (truncated, the shard opens) against damage to
+//! data written before it (the shard refuses to open and says where).
+
+use bytes::Bytes;
+use felix_engine::format::RecordIn;
+use felix_engine::log::{LogConfig, LogError, ReadLimits, ShardLog};
+use felix_engine::storage::sim::{ExactCrash, SimStorage};
+use felix_engine::Offset;
+use futures_lite::future::block_on;
+use std::path::{Path, PathBuf};
+
+const DIR: &str = "/d/t/n/s/0";
+/// Bytes of one batch of one record of [`PAYLOAD`] bytes (header 40, record
+/// framing 26).
+const PAYLOAD: usize = 100;
+const BATCH: u64 = 40 + 26 + PAYLOAD as u64;
+
+fn seg0() -> PathBuf {
+    Path::new(DIR).join("00000000000000000000.log")
+}
+
+fn rec(i: u64) -> RecordIn {
+    RecordIn {
+        payload: Bytes::from(vec![(i % 251) as u8; PAYLOAD]),
+        ..Default::default()
+    }
+}
+
+async fn open(s: &SimStorage, cfg: &LogConfig) -> Result<ShardLog<SimStorage>, LogError> {
+    ShardLog::open(s.clone(), Path::new(DIR), cfg.clone(), &mut |_| {}).await
+}
+
+async fn read_all(log: &ShardLog<SimStorage>) -> Vec<(u64, Bytes)> {
+    let mut out = Vec::new();
+    let mut at = Offset::ZERO;
+    loop {
+        let r = log
+            .read(
+                at,
+                ReadLimits {
+                    max_records: 100,
+                    max_bytes: usize::MAX,
+                },
+            )
+            .await
+            .expect("read");
+        for x in &r.records {
+            out.push((x.offset.0, x.payload.clone()));
+        }
+        if r.next >= r.end {
+            return out;
+        }
+        at = r.next;
+    }
+}
+
+/// `n` records, one batch and one flush (so one flush stamp) each.
+async fn flushed_one_by_one(s: &SimStorage, cfg: &LogConfig, n: u64) -> ShardLog<SimStorage> {
+    let log = open(s, cfg).await.unwrap();
+    for i in log.queued_end().0..log.queued_end().0 + n {
+        log.append(&[rec(i)]).unwrap();
+        log.flush().await.unwrap();
+    }
+    log
+}
+
+fn assert_records(got: &[(u64, Bytes)], n: u64) {
+    assert_eq!(got.len() as u64, n);
+    for (i, (o, p)) in got.iter().enumerate() {
+        assert_eq!(*o, i as u64);
+        assert_eq!(p[..], rec(i as u64).payload[..]);
+    }
+}
+
+/// A batch in the middle of the last segment that is damaged after later
+/// flushes wrote more batches behind it is not a torn write: cutting the
+/// log there would drop acknowledged records. The shard refuses to open,
+/// naming the file, the byte of the bad batch, the offset it should start
+/// at and where the next valid batch is, and leaves the file as it was.
+#[test]
+fn damage_before_the_last_flush_in_the_last_segment_refuses_to_open_and_says_where() {
+    // (what, damage, bad batch, next valid batch)
+    type Damage = fn(&SimStorage);
+    let cases: [(&str, Damage, u64, u64); 4] = [
+        (
+            "a flipped payload bit",
+            |s| s.corrupt(&seg0(), 20 * BATCH + 100, 2),
+            20,
+            21,
+        ),
+        (
+            "a flipped length bit",
+            |s| s.corrupt(&seg0(), 20 * BATCH + 1, 4),
+            20,
+            21,
+        ),
+        (
+            "a flipped offset bit",
+            |s| s.corrupt(&seg0(), 20 * BATCH + 16, 0),
+            20,
+            21,
+        ),
+        (
+            // Batch 24 starts at 3984 and runs into the page; batch 49 runs
+            // out of it; batch 50 (at 8300) is whole.
+            "a page that reads as zeros",
+            |s| s.overwrite(&seg0(), 4096, &[0u8; 4096]),
+            24,
+            50,
+        ),
+    ];
+    for (what, damage, bad, next) in cases {
+        let storage = SimStorage::new();
+        let cfg = LogConfig::default();
+        block_on(async {
+            let log = flushed_one_by_one(&storage, &cfg, 80).await;
+            log.close().await.unwrap();
+            damage(&storage);
+            let len = storage.file_len(&seg0()).unwrap();
+            for _ in 0..2 {
+                let err = open(&storage, &cfg).await.expect_err(what);
+                let msg = err.to_string();
+                assert!(matches!(err, LogError::Corrupt { .. }), "{what}: {msg}");
+                assert!(msg.contains("00000000000000000000.log"), "{what}: {msg}");
+                assert!(
+                    msg.contains(&format!("corrupt at byte {}:", bad * BATCH)),
+                    "{what}: {msg}"
+                );
+                assert!(
+                    msg.contains(&format!("should start at offset {bad}")),
+                    "{what}: {msg}"
+                );
+                assert!(
+                    msg.contains(&format!("the next at byte {}, offset {next}", next * BATCH)),
+                    "{what}: {msg}"
+                );
+                // Nothing was cut: the refusal can be repeated, and the
+                // file repaired by hand.
+                assert_eq!(storage.file_len(&seg0()), Some(len), "{what}");
+            }
+        });
+    }
+}
+
+/// The last flush's write is several pages written at once, and a power cut
+/// can land a later page and not an earlier one. Its valid batches after
+/// the hole were all written by that one flush, which never completed: a
+/// torn write. The log is cut at the hole and opens with every batch synced
+/// before it.
+#[test]
+fn a_last_write_torn_in_the_middle_is_cut_even_with_valid_pages_after_the_hole() {
+    for fill in [0u8, 0xA5] {
+        let storage = SimStorage::new();
+        let cfg = LogConfig {
+            write_chunk_bytes: 4096, // one write per page
+            io_depth: 4,
+            ..LogConfig::default()
+        };
+        block_on(async {
+            let log = flushed_one_by_one(&storage, &cfg, 10).await;
+            assert_eq!(log.end(), Offset(10));
+            // One flush of 40 batches: bytes 1660..8300, pages 0, 1 and 2.
+            for i in 10..50 {
+                log.append(&[rec(i)]).unwrap();
+            }
+            storage.hang_sync_after(1);
+            assert!(futures_lite::future::poll_once(log.flush()).await.is_none());
+            drop(log);
+            let writes = storage.unsynced_writes(&seg0());
+            assert_eq!(writes, vec![(0, 4096), (4096, 4096), (8192, 4096)]);
+            // Pages 0 and 2 land, page 1 does not (or lands as garbage).
+            storage.crash_exact(&ExactCrash {
+                file: seg0(),
+                keep: 3,
+                ..Default::default()
+            });
+            storage.overwrite(&seg0(), 4096, &[fill; 4096]);
+            let log = open(&storage, &cfg).await.unwrap();
+            // Batches 0..24 end at or before byte 4096.
+            assert_eq!(log.end(), Offset(24), "fill {fill:#x}");
+            assert_records(&read_all(&log).await, 24);
+            assert_eq!(storage.file_len(&seg0()), Some(24 * BATCH));
+            // Appends continue at the cut.
+            assert_eq!(log.append(&[rec(24)]).unwrap().base, Offset(24));
+            log.flush().await.unwrap();
+            assert_records(&read_all(&log).await, 25);
+        });
+    }
+}
+
+/// Images of batches past the valid end that do not continue the log (their
+/// offsets are behind it), or that continue it but all come from one flush,
+/// are what an older write can leave beyond a torn end: they do not stop
+/// the log from opening at its valid end.
+#[test]
+fn stale_batch_images_past_the_end_do_not_block_the_open() {
+    let cfg = LogConfig::default();
+    // Offsets behind the end: a copy of batches 3..7 after a gap of zeros.
+    let storage = SimStorage::new();
+    block_on(async {
+        let log = flushed_one_by_one(&storage, &cfg, 10).await;
+        log.close().await.unwrap();
+        let end = 10 * BATCH;
+        let f = storage.clone();
+        let image = {
+            use felix_engine::storage::{Storage, StorageFile};
+            let file = f.open(&seg0(), false).await.unwrap();
+            file.read_at(3 * BATCH, 4 * BATCH as usize).await.unwrap()
+        };
+        storage.overwrite(&seg0(), end + 300, &image);
+        let log = open(&storage, &cfg).await.unwrap();
+        assert_eq!(log.end(), Offset(10));
+        assert_records(&read_all(&log).await, 10);
+        assert_eq!(storage.file_len(&seg0()), Some(end));
+    });
+    // Offsets ahead of the end, all from one flush: batches 12..15 of a
+    // flush whose first batches are gone.
+    let storage = SimStorage::new();
+    block_on(async {
+        let log = flushed_one_by_one(&storage, &cfg, 10).await;
+        for i in 10..15 {
+            log.append(&[rec(i)]).unwrap();
+        }
+        log.flush().await.unwrap();
+        log.close().await.unwrap();
+        let end = 10 * BATCH;
+        let image = {
+            use felix_engine::storage::{Storage, StorageFile};
+            let file = storage.open(&seg0(), false).await.unwrap();
+            file.read_at(12 * BATCH, 3 * BATCH as usize).await.unwrap()
+        };
+        storage.cut(&seg0(), end);
+        storage.overwrite(&seg0(), end + 700, &image);
+        let log = open(&storage, &cfg).await.unwrap();
+        assert_eq!(log.end(), Offset(10));
+        assert_records(&read_all(&log).await, 10);
+    });
+}
+
+/// A tail of garbage (a write torn into noise) or zeros to the end of the
+/// file is cut, and the log opens at its last whole batch.
+#[test]
+fn garbage_or_zeros_to_the_end_are_cut() {
+    let cfg = LogConfig::default();
+    for garbage in [false, true] {
+        let storage = SimStorage::new();
+        block_on(async {
+            let log = flushed_one_by_one(&storage, &cfg, 10).await;
+            log.close().await.unwrap();
+            let mut x = 0x2545_F491_4F6C_DD1Du64;
+            let tail: Vec<u8> = (0..3000)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    if garbage {
+                        x as u8
+                    } else {
+                        0
+                    }
+                })
+                .collect();
+            // From the middle of batch 9 on.
+            storage.overwrite(&seg0(), 9 * BATCH + 50, &tail);
+            let log = open(&storage, &cfg).await.unwrap();
+            assert_eq!(log.end(), Offset(9));
+            assert_records(&read_all(&log).await, 9);
+        });
+    }
+}
