@@ -279,6 +279,9 @@ struct Chunk {
 struct CachedBatch {
     header: BatchHeader,
     bytes: Bytes,
+    /// Where it is on disk: its segment and byte position (for errors).
+    segment: Offset,
+    pos: u64,
 }
 
 struct Inner<F> {
@@ -1066,7 +1069,12 @@ impl<S: Storage> ShardLog<S> {
             if h.kind != BatchKind::Group {
                 let bytes = shared.slice(*pos..*pos + h.len as usize);
                 i.cache_bytes += bytes.len();
-                i.cache.push_back(CachedBatch { header: *h, bytes });
+                i.cache.push_back(CachedBatch {
+                    header: *h,
+                    bytes,
+                    segment: chunk.segment_base,
+                    pos: seg_len + *pos as u64,
+                });
             }
         }
         while i.cache_bytes > cache_max && i.cache.len() > 1 {
@@ -1108,9 +1116,18 @@ impl<S: Storage> ShardLog<S> {
                 Some(first) if first.header.base_offset <= from => {
                     let idx = i.cache.partition_point(|b| b.header.end_offset() <= from);
                     for b in i.cache.iter().skip(idx) {
-                        if b.header.base_offset >= end
-                            || !take_batch(&b.bytes, &b.header, &mut out, limits, &mut bytes)?
-                        {
+                        if b.header.base_offset >= end {
+                            break;
+                        }
+                        let more = take_batch(&b.bytes, &b.header, &mut out, limits, &mut bytes)
+                            .map_err(|e| {
+                                let path = i.segments.get(&b.segment).map_or_else(
+                                    || i.dir.join(segment_name(b.segment)),
+                                    |s| s.path.clone(),
+                                );
+                                undecodable(&path, b.pos, &b.header, "in the tail cache", e)
+                            })?;
+                        if !more {
                             break;
                         }
                     }
@@ -1181,11 +1198,14 @@ impl<S: Storage> ShardLog<S> {
                     match format::parse_batch(&buf) {
                         Ok(h) => {
                             let batch = buf.split_to(h.len as usize);
+                            let at = pos;
                             pos += h.len as u64;
                             if h.base_offset >= end {
                                 return Ok(());
                             }
-                            if !take_batch(&batch, &h, out, limits, bytes)? {
+                            let more = take_batch(&batch, &h, out, limits, bytes)
+                                .map_err(|e| undecodable(&path, at, &h, "read from disk", e))?;
+                            if !more {
                                 return Ok(());
                             }
                         }
@@ -1393,6 +1413,19 @@ async fn preallocate<F: StorageFile>(file: &F, len: u64) {
     }
 }
 
+/// A batch whose checksum matched but whose records do not decode.
+fn undecodable(path: &Path, pos: u64, h: &BatchHeader, from: &str, e: FrameError) -> LogError {
+    LogError::Corrupt {
+        path: path.display().to_string(),
+        position: pos,
+        reason: format!(
+            "the batch of offsets {}..{} ({from}) does not decode: {e}",
+            h.base_offset,
+            h.end_offset()
+        ),
+    }
+}
+
 /// Take the records of one batch at or above `out.next`. Returns false when
 /// a limit was reached and reading should stop.
 fn take_batch(
@@ -1401,7 +1434,7 @@ fn take_batch(
     out: &mut ReadResult,
     limits: ReadLimits,
     bytes: &mut usize,
-) -> Result<bool, LogError> {
+) -> Result<bool, FrameError> {
     if h.end_offset() <= out.next {
         return Ok(true);
     }
@@ -1430,11 +1463,6 @@ fn take_batch(
                 out.next = r.offset.next();
                 out.records.push(r);
                 true
-            })
-            .map_err(|e| LogError::Corrupt {
-                path: "<batch>".into(),
-                position: 0,
-                reason: e.to_string(),
             })?;
             Ok(!full && out.records.len() < limits.max_records && *bytes < limits.max_bytes)
         }

@@ -269,3 +269,59 @@ fn garbage_or_zeros_to_the_end_are_cut() {
         });
     }
 }
+
+/// A batch damaged on disk after the log opened is reported by the read
+/// that meets it (a cold read, from disk) with the segment file and the
+/// byte position of the batch, whether its checksum fails or its checksum
+/// holds over records that do not decode.
+#[test]
+fn a_corrupt_batch_met_by_a_cold_read_names_the_file_and_byte() {
+    let cfg = LogConfig {
+        read_cache_bytes: 0,
+        cold_chunks: 0,
+        ..LogConfig::default()
+    };
+    let storage = SimStorage::new();
+    block_on(async {
+        use felix_engine::storage::{Storage, StorageFile};
+        let log = flushed_one_by_one(&storage, &cfg, 20).await;
+        let limits = ReadLimits {
+            max_records: 100,
+            max_bytes: usize::MAX,
+        };
+        let name = seg0().display().to_string();
+        // A flipped payload bit in batch 7: the checksum fails.
+        storage.corrupt(&seg0(), 7 * BATCH + 80, 1);
+        let err = log.read(Offset(0), limits).await.unwrap_err();
+        let msg = err.to_string();
+        assert!(matches!(err, LogError::Corrupt { .. }), "{msg}");
+        assert!(
+            msg.starts_with(&format!("{name}: corrupt at byte {}: checksum", 7 * BATCH)),
+            "{msg}"
+        );
+        storage.corrupt(&seg0(), 7 * BATCH + 80, 1); // repaired
+                                                     // Batch 12 rewritten with a record out of sequence and a checksum
+                                                     // that matches it.
+        let file = storage.open(&seg0(), false).await.unwrap();
+        let mut b = file
+            .read_at(12 * BATCH, BATCH as usize)
+            .await
+            .unwrap()
+            .to_vec();
+        b[44..48].copy_from_slice(&5u32.to_le_bytes()); // offset delta
+        let crc = crc32c::crc32c(&b[8..]);
+        b[4..8].copy_from_slice(&crc.to_le_bytes());
+        storage.overwrite(&seg0(), 12 * BATCH, &b);
+        let err = log.read(Offset(12), limits).await.unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.starts_with(&format!("{name}: corrupt at byte {}: ", 12 * BATCH)),
+            "{msg}"
+        );
+        assert!(msg.contains("offsets 12..13"), "{msg}");
+        assert!(msg.contains("offset delta out of sequence"), "{msg}");
+        // Reads that do not meet them are served.
+        let r = log.read(Offset(13), limits).await.unwrap();
+        assert_eq!(r.records.len(), 7);
+    });
+}
