@@ -1344,19 +1344,24 @@ impl<S: Storage> ShardLog<S> {
                 }
                 seg
             };
-            tracing::info!(segment = %seg.path.display(), "retention removed segment");
-            self.storage
-                .remove_file(&seg.path)
-                .await
-                .map_err(|e| io_err("remove segment", e))?;
+            let (path, dir) = (seg.path.clone(), self.inner.borrow().dir.clone());
+            if let Err(e) = self.storage.remove_file(&path).await {
+                // Still there: keep serving it, and try again next time.
+                let mut i = self.inner.borrow_mut();
+                i.segments.insert(base, seg);
+                i.start = *i.segments.keys().next().unwrap();
+                tracing::error!(segment = %path.display(), "retention cannot remove segment: {e}");
+                return Err(io_err(&format!("remove {}", path.display()), e));
+            }
+            tracing::info!(segment = %path.display(), "retention removed segment");
+            // Each removal is made durable before the next: then a crash can
+            // bring back only the newest removed segment, never an older one
+            // without the ones after it (a gap recovery would refuse).
+            self.storage.sync_dir(&dir).await.map_err(|e| {
+                tracing::error!(dir = %dir.display(), "syncing a shard directory after retention: {e}");
+                io_err(&format!("sync {}", dir.display()), e)
+            })?;
             removed += 1;
-        }
-        if removed > 0 {
-            let dir = self.inner.borrow().dir.clone();
-            self.storage
-                .sync_dir(&dir)
-                .await
-                .map_err(|e| io_err("sync shard directory", e))?;
             self.progress.wake_all();
         }
         Ok(removed)
@@ -1398,10 +1403,10 @@ impl<S: Storage> ShardLog<S> {
         self.inner.borrow_mut().closed = true;
         self.progress.wake_all();
         self.queued.wake_all();
-        self.storage
-            .remove_dir_all(&dir)
-            .await
-            .map_err(|e| io_err("remove shard directory", e))
+        self.storage.remove_dir_all(&dir).await.map_err(|e| {
+            tracing::error!(dir = %dir.display(), "cannot remove a deleted shard's files: {e}");
+            io_err(&format!("remove {}", dir.display()), e)
+        })
     }
 }
 

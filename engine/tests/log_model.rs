@@ -627,3 +627,60 @@ fn the_flusher_task_acknowledges_only_durable_records() {
         });
     });
 }
+
+/// Deleting a shard whose files cannot be removed says so, naming the
+/// directory, and leaves the files where they are.
+#[test]
+fn destroying_a_shard_whose_files_cannot_be_removed_fails_and_says_where() {
+    let storage = SimStorage::new();
+    block_on(async {
+        let log = open(&storage, &LogConfig::default()).await;
+        log.append(&[RecordIn::default()]).unwrap();
+        log.flush().await.unwrap();
+        log.close().await.unwrap();
+        let before = storage.files();
+        storage.fail_remove_after(1);
+        let err = log.destroy().await.unwrap_err().to_string();
+        assert!(err.contains("/d/t/n/s/0"), "{err}");
+        assert!(err.contains("simulated remove failure"), "{err}");
+        assert_eq!(storage.files(), before);
+        // Once the disk lets it, the files go.
+        log.destroy().await.unwrap();
+        assert!(storage.files().is_empty());
+    });
+}
+
+/// Retention that cannot remove a segment says so, keeps serving the
+/// segment (the start does not move) and removes it on a later pass.
+#[test]
+fn retention_that_cannot_remove_a_segment_fails_and_keeps_serving_it() {
+    let storage = SimStorage::new();
+    let cfg = LogConfig {
+        segment_bytes: 1000,
+        retention_bytes: Some(3000),
+        ..LogConfig::default()
+    };
+    block_on(async {
+        let log = open(&storage, &cfg).await;
+        for i in 0..40u64 {
+            log.append(&[RecordIn {
+                payload: Bytes::from(vec![i as u8; 100]),
+                ..Default::default()
+            }])
+            .unwrap();
+            log.flush().await.unwrap();
+        }
+        let segments = log.stats().segments;
+        storage.fail_remove_after(1);
+        let err = log.enforce_retention(0).await.unwrap_err().to_string();
+        assert!(err.contains("00000000000000000000.log"), "{err}");
+        assert_eq!(log.start(), Offset::ZERO);
+        assert_eq!(log.stats().segments, segments);
+        assert_eq!(read_all(&log, Offset::ZERO).await.len(), 40);
+        assert!(log.enforce_retention(0).await.unwrap() > 0);
+        assert!(log.start() > Offset::ZERO);
+        let got = read_all(&log, Offset::ZERO).await;
+        assert_eq!(got.first().unwrap().0, log.start().0);
+        assert_eq!(got.last().unwrap().0, 39);
+    });
+}

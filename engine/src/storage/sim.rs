@@ -57,6 +57,9 @@ struct Disk {
     fail_write_on: Option<u64>,
     fail_sync_on: Option<u64>,
     hang_sync_on: Option<u64>,
+    /// Calls of `remove_file` and `remove_dir_all` so far, and the one to fail.
+    removes: u64,
+    fail_remove_on: Option<u64>,
     /// Every write and sync yields to the executor once before it runs, so
     /// tests can interleave other work with an I/O in flight.
     yielding: bool,
@@ -129,6 +132,13 @@ impl SimStorage {
     pub fn fail_sync_after(&self, n: u64) {
         let mut d = self.disk.borrow_mut();
         d.fail_sync_on = Some(d.syncs + n);
+    }
+
+    /// The `n`th `remove_file` or `remove_dir_all` from now (1 = the next
+    /// one) fails with an I/O error and removes nothing.
+    pub fn fail_remove_after(&self, n: u64) {
+        let mut d = self.disk.borrow_mut();
+        d.fail_remove_on = Some(d.removes + n);
     }
 
     /// The `n`th fsync from now never completes: the power goes out while it
@@ -402,7 +412,15 @@ impl Storage for SimStorage {
     }
 
     async fn remove_file(&self, path: &Path) -> io::Result<()> {
-        match self.disk.borrow_mut().files.remove(path) {
+        let mut d = self.disk.borrow_mut();
+        d.removes += 1;
+        if d.fail_remove_on == Some(d.removes) {
+            return Err(io::Error::other(format!(
+                "{}: simulated remove failure",
+                path.display()
+            )));
+        }
+        match d.files.remove(path) {
             Some(_) => Ok(()),
             None => Err(not_found(path)),
         }
@@ -410,6 +428,13 @@ impl Storage for SimStorage {
 
     async fn remove_dir_all(&self, path: &Path) -> io::Result<()> {
         let mut d = self.disk.borrow_mut();
+        d.removes += 1;
+        if d.fail_remove_on == Some(d.removes) {
+            return Err(io::Error::other(format!(
+                "{}: simulated remove failure",
+                path.display()
+            )));
+        }
         d.files.retain(|p, _| !p.starts_with(path));
         d.dirs.retain(|p| !p.starts_with(path));
         Ok(())

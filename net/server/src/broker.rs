@@ -244,17 +244,26 @@ impl<S: Storage> Core<S> {
         }
     }
 
-    /// Close and delete this core's shards of a stream.
+    /// Close and delete this core's shards of a stream. Every shard is
+    /// deleted even when one fails; the failures are logged and returned.
     pub async fn delete_local_stream(&self, name: &StreamName) -> Result<(), String> {
         let removed = self.streams.borrow_mut().remove(&to_ref(name));
+        let mut problems = Vec::new();
         if let Some(ls) = removed {
             for slot in ls.shards {
                 if let Slot::Open(shard) = slot {
-                    shard.destroy().await.map_err(|e| e.to_string())?;
+                    if let Err(e) = shard.destroy().await {
+                        tracing::error!("deleting shard {}: {e}", shard.name());
+                        problems.push(format!("shard {}: {e}", shard.name()));
+                    }
                 }
             }
         }
-        Ok(())
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(problems.join("; "))
+        }
     }
 
     /// The shard a request names, if this core owns it; otherwise the typed
@@ -451,23 +460,46 @@ impl<S: Storage> Core<S> {
         let Some(meta) = meta else {
             return wire_err(ErrorCode::NotFound, format!("no stream {name}"));
         };
+        let mut problems = Vec::new();
         if self.shared.durable {
             // Metadata first: once it is gone the stream does not come back
             // after a crash, whatever shard files remain.
             let dir = meta.dir(&self.data_dir());
-            if let Err(e) = self
-                .storage
-                .remove_file(&dir.join(catalog::META_FILE))
-                .await
-            {
-                tracing::warn!("removing metadata of {name}: {e}");
+            let meta_file = dir.join(catalog::META_FILE);
+            match self.storage.remove_file(&meta_file).await {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    // Nothing is deleted yet: the stream stays, whole.
+                    tracing::error!(
+                        "cannot delete {name}: removing {}: {e}",
+                        meta_file.display()
+                    );
+                    self.shared
+                        .catalog
+                        .lock()
+                        .unwrap()
+                        .insert(name.clone(), meta);
+                    return wire_err(
+                        ErrorCode::Internal,
+                        format!(
+                            "cannot delete {name}: removing {}: {e}; the stream is unchanged",
+                            meta_file.display()
+                        ),
+                    );
+                }
             }
             if let Err(e) = self.storage.sync_dir(&dir).await {
-                tracing::warn!("syncing {}: {e}", dir.display());
+                // The deletion goes on; the answer says it may not survive
+                // a crash (the stream would come back without its files).
+                tracing::error!("deleting {name}: syncing {}: {e}", dir.display());
+                problems.push(format!(
+                    "syncing {} failed, so the deletion may not survive a crash: {e}",
+                    dir.display()
+                ));
             }
         }
         let mut waits = Vec::new();
-        let mut problems = Vec::new();
         for tx in &self.shared.senders {
             let (reply, rx) = match mailbox::channel() {
                 Ok(x) => x,
@@ -492,16 +524,25 @@ impl<S: Storage> Core<S> {
             }
         }
         if self.shared.durable {
-            let _ = self
-                .storage
-                .remove_dir_all(&meta.dir(&self.data_dir()))
-                .await;
+            let dir = meta.dir(&self.data_dir());
+            if let Err(e) = self.storage.remove_dir_all(&dir).await {
+                // The stream is gone (its metadata is); the files left are
+                // removed when the name is created again.
+                tracing::error!("deleting {name}: removing {}: {e}", dir.display());
+                problems.push(format!("removing {}: {e}", dir.display()));
+            }
         }
-        tracing::info!(stream = %name, "stream deleted");
         if problems.is_empty() {
+            tracing::info!(stream = %name, "stream deleted");
             Response::Ok
         } else {
-            wire_err(ErrorCode::Internal, problems.join("; "))
+            wire_err(
+                ErrorCode::Internal,
+                format!(
+                    "stream {name} is deleted, but not cleanly: {}",
+                    problems.join("; ")
+                ),
+            )
         }
     }
 
@@ -1102,5 +1143,121 @@ fn install_signal_thread(shared: Arc<Shared>) {
                 }
             })
             .expect("signal thread");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use felix_engine::storage::sim::SimStorage;
+    use felix_engine::CoreId;
+
+    /// One durable core on the simulated disk, its mailbox served.
+    fn core_on(storage: SimStorage) -> Rc<Core<SimStorage>> {
+        let mut config =
+            Config::load_with_env(None, &Default::default(), &Default::default()).unwrap();
+        config.data_dir = Some(PathBuf::from("/data"));
+        let (tx, rx) = mailbox::channel().unwrap();
+        let shared = Arc::new(Shared {
+            config,
+            cores: 1,
+            durable: true,
+            catalog: Mutex::new(BTreeMap::new()),
+            busy: Mutex::new(Default::default()),
+            senders: vec![tx],
+            connections: AtomicUsize::new(0),
+            shutting_down: AtomicBool::new(false),
+            ready: AtomicUsize::new(0),
+            start_stage: vec![Default::default()],
+            announce: Mutex::new(None),
+            broker_id: "felix-test".into(),
+            kicker: std::sync::OnceLock::new(),
+        });
+        let core = Rc::new(Core {
+            ctx: CoreContext {
+                core: CoreId(0),
+                cores: 1,
+                cpu: None,
+            },
+            shared,
+            storage,
+            streams: RefCell::new(HashMap::new()),
+            metrics: CoreMetrics::default(),
+            next_conn: Cell::new(0),
+            in_flight: Cell::new(0),
+            stopping: Cell::new(false),
+            lifecycle: WaitList::new(),
+            stop_signal: WaitList::new(),
+            disk: crate::disk::DiskGuard::new(None, 0, 1),
+        });
+        glommio::spawn_local(core.clone().run_mailbox(rx)).detach();
+        core
+    }
+
+    fn error_of(r: Response) -> WireError {
+        match r {
+            Response::Error(e) => e,
+            other => panic!("expected an error, got {other:?}"),
+        }
+    }
+
+    /// A stream deletion that cannot remove files answers an error saying
+    /// what was not removed: the metadata (the stream stays, whole), or a
+    /// shard's files (the stream is gone, the answer names the shard).
+    #[test]
+    fn deleting_a_stream_whose_files_cannot_be_removed_answers_an_error() {
+        glommio::LocalExecutorBuilder::default()
+            .spawn(|| async {
+                let storage = SimStorage::new();
+                let core = core_on(storage.clone());
+                let stream = StreamRef {
+                    tenant: "t".into(),
+                    namespace: "n".into(),
+                    stream: "s".into(),
+                };
+                let name = to_name(&stream).unwrap();
+                let created = core.create_stream(&stream, 2, None, None).await;
+                assert!(matches!(created, Response::Stream(_)), "{created:?}");
+
+                // The metadata file cannot be removed.
+                storage.fail_remove_after(1);
+                let e = error_of(core.delete_stream(&stream).await);
+                assert_eq!(e.code, ErrorCode::Internal);
+                assert!(
+                    e.message.contains("/data/t/n/s/stream.meta"),
+                    "{}",
+                    e.message
+                );
+                assert!(e.message.contains("unchanged"), "{}", e.message);
+                assert!(core.shared.catalog.lock().unwrap().contains_key(&name));
+                assert!(core.shard(&stream, 0).is_ok());
+                assert!(core.shard(&stream, 1).is_ok());
+
+                // Shard 0's files cannot be removed (remove 1 is the
+                // metadata, 2 shard 0, 3 shard 1, 4 the stream directory).
+                storage.fail_remove_after(2);
+                let e = error_of(core.delete_stream(&stream).await);
+                assert_eq!(e.code, ErrorCode::Internal);
+                assert!(e.message.contains("shard t/n/s/0"), "{}", e.message);
+                assert!(
+                    e.message.contains("simulated remove failure"),
+                    "{}",
+                    e.message
+                );
+                assert!(!core.shared.catalog.lock().unwrap().contains_key(&name));
+                let deleted = core.delete_stream(&stream).await;
+                assert_eq!(error_of(deleted).code, ErrorCode::NotFound);
+
+                // The stream directory cannot be removed: deleted, not cleanly.
+                let created = core.create_stream(&stream, 1, None, None).await;
+                assert!(matches!(created, Response::Stream(_)), "{created:?}");
+                storage.fail_remove_after(3);
+                let e = error_of(core.delete_stream(&stream).await);
+                assert!(e.message.contains("removing /data/t/n/s"), "{}", e.message);
+                assert!(!storage.files().iter().any(|f| f.ends_with("stream.meta")));
+            })
+            .unwrap()
+            .join()
+            .unwrap();
     }
 }

@@ -97,8 +97,16 @@ impl<S: Storage> Shard<S> {
         format!("{}/{}", self.stream, self.index)
     }
 
+    /// Close the log and delete its files. A failure to flush what was
+    /// queued does not matter (the records are being deleted) and is only
+    /// logged; a failure to delete is returned.
     pub async fn destroy(&self) -> Result<(), LogError> {
-        let _ = self.log.close().await;
+        if let Err(e) = self.log.close().await {
+            tracing::warn!(
+                "shard {} failed its last flush before deletion: {e}",
+                self.name()
+            );
+        }
         self.log.destroy().await
     }
 }
