@@ -93,7 +93,7 @@ async fn stream(client: &Client, cmd: StreamCmd) -> Result<(), CliError> {
                     },
                 )
                 .await?;
-            print(&output::stream_details(&info))
+            print(&with_shards(client, &info).await?)
         }
         StreamCmd::List { tenant } => {
             let mut streams = client.list_streams(tenant.as_deref()).await?;
@@ -109,7 +109,7 @@ async fn stream(client: &Client, cmd: StreamCmd) -> Result<(), CliError> {
             let info = client
                 .describe_stream(&s.tenant, &s.namespace, &s.stream)
                 .await?;
-            print(&output::stream_details(&info))
+            print(&with_shards(client, &info).await?)
         }
         StreamCmd::Delete { stream: s } => {
             client
@@ -118,6 +118,28 @@ async fn stream(client: &Client, cmd: StreamCmd) -> Result<(), CliError> {
             println(&format!("deleted {s}"))
         }
     }
+}
+
+/// A stream's description followed by one row per shard (offsets, size,
+/// whether it stopped), one describe call per shard.
+async fn with_shards(
+    client: &Client,
+    info: &felix_client::felix_wire::StreamInfo,
+) -> Result<String, CliError> {
+    let s = &info.stream;
+    let mut shards = Vec::with_capacity(info.shards as usize);
+    for shard in 0..info.shards {
+        shards.push(
+            client
+                .describe_shard(&s.tenant, &s.namespace, &s.stream, shard)
+                .await?,
+        );
+    }
+    Ok(format!(
+        "{}\n{}",
+        output::stream_details(info),
+        output::shard_table(&shards)
+    ))
 }
 
 // ----- publish ------------------------------------------------------------

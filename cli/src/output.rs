@@ -179,6 +179,54 @@ pub fn stream_details(s: &StreamInfo) -> String {
     )
 }
 
+/// One row per shard, aligned, under a header.
+pub fn shard_table(shards: &[ShardInfo]) -> String {
+    let header = [
+        "shard",
+        "core",
+        "start_offset",
+        "end_offset",
+        "bytes",
+        "stopped",
+    ];
+    let rows: Vec<[String; 6]> = shards
+        .iter()
+        .map(|s| {
+            [
+                s.shard.to_string(),
+                s.core.to_string(),
+                s.start_offset.to_string(),
+                s.end_offset.to_string(),
+                s.bytes.to_string(),
+                s.stopped.clone().unwrap_or_else(|| "no".into()),
+            ]
+        })
+        .collect();
+    let mut width = header.map(str::len);
+    for r in &rows {
+        for (w, c) in width.iter_mut().zip(r) {
+            *w = (*w).max(c.len());
+        }
+    }
+    let line = |cells: &[&str]| {
+        let mut l = String::new();
+        for (i, (c, w)) in cells.iter().zip(width).enumerate() {
+            if i + 1 == cells.len() {
+                l.push_str(c);
+            } else {
+                l.push_str(&format!("{c:<w$}  "));
+            }
+        }
+        l.push('\n');
+        l
+    };
+    let mut out = line(&header);
+    for r in &rows {
+        out.push_str(&line(&r.each_ref().map(String::as_str)));
+    }
+    out
+}
+
 pub fn shard_details(s: &ShardInfo) -> String {
     format!(
         "stream        {}\nshard         {}\ncore          {}\nstart_offset  {}\nend_offset    {}\nrecords       {}\nbytes         {}\nsegments      {}\nstopped       {}\n",

@@ -544,6 +544,39 @@ fn stream_describe_shows_shards_retention_and_placement() {
         .collect();
     assert_eq!(cores.len(), 3, "{desc}");
     assert!(cores.iter().all(|c| *c < 2), "serve runs 2 cores: {desc}");
+    // One row per shard, under a header, with its offsets and size.
+    ok(
+        &s,
+        &["publish", "t/ns/desc", "--shard", "1"],
+        Some("a\nb\n"),
+    );
+    let desc = ok(&s, &["stream", "describe", "t/ns/desc"], None);
+    let rows: Vec<Vec<&str>> = desc
+        .lines()
+        .skip_while(|l| !l.starts_with("shard "))
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(
+        rows[0],
+        [
+            "shard",
+            "core",
+            "start_offset",
+            "end_offset",
+            "bytes",
+            "stopped"
+        ],
+        "{desc}"
+    );
+    assert_eq!(rows.len(), 4, "{desc}");
+    for (i, r) in rows[1..].iter().enumerate() {
+        assert_eq!(r[0], i.to_string(), "{desc}");
+        assert_eq!(r[1], cores[i].to_string(), "placement agrees: {desc}");
+        assert_eq!(r[2], "0", "{desc}");
+        assert_eq!(r[3], if i == 1 { "2" } else { "0" }, "{desc}");
+        assert_eq!(r[5], "no", "{desc}");
+    }
+    assert!(rows[2][4].parse::<u64>().unwrap() > 0, "{desc}");
     let out = run(&s, &["stream", "describe", "t/ns/nothing"], None);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).starts_with("error: not_found:"));
