@@ -2,10 +2,19 @@
 //!
 //! Every file keeps the bytes as of its last `sync` and the writes made since.
 //! A simulated crash keeps the synced bytes and, per file, any prefix of the
-//! unsynced writes — the last kept one possibly torn at any byte — and can flip
-//! a bit in what survived of the unsynced tail. A file created since its
-//! directory was last synced may vanish. Writes and syncs can be made to fail
-//! on the Nth call. All of it is deterministic given a seed.
+//! unsynced writes — the last kept one possibly torn at any byte — or, with
+//! [`CrashPlan::reorder`], any subset of them (the pages of a multi-page
+//! O_DIRECT write, several in flight, reach the disk in no set order), and can
+//! flip a bit in what survived of the unsynced data.
+//!
+//! Directory entries are crash-modelled too, when a plan asks
+//! ([`CrashPlan::dir_entries`]): a file created since its directory was last
+//! synced may vanish, and a file removed since then may come back (with what
+//! it held as of its last sync). A removal by `remove_dir_all(d)` is durable
+//! once `d`'s parent is synced. Directories themselves are not modelled.
+//!
+//! Writes, syncs and removals can be made to fail on the Nth call. All of it
+//! is deterministic given a seed.
 //!
 //! Single-threaded by design (`Rc`), like everything on a Felix core.
 
@@ -57,6 +66,9 @@ struct Disk {
     fail_write_on: Option<u64>,
     fail_sync_on: Option<u64>,
     hang_sync_on: Option<u64>,
+    /// Files removed since their directory was last synced: (path, state,
+    /// the path whose parent directory's sync makes the removal durable).
+    removed: Vec<(PathBuf, SimFileState, PathBuf)>,
     /// Calls of `remove_file` and `remove_dir_all` so far, and the one to fail.
     removes: u64,
     fail_remove_on: Option<u64>,
@@ -66,15 +78,49 @@ struct Disk {
     bytes_written: u64,
 }
 
+impl Disk {
+    /// Bring back files whose removal was not synced, where `back()` says
+    /// so and nothing has taken the name since, with what they held as of
+    /// their last sync.
+    fn resurrect(&mut self, mut back: impl FnMut() -> bool) {
+        for (path, mut f, _) in std::mem::take(&mut self.removed) {
+            if back() && !self.files.contains_key(&path) {
+                f.current = f.synced.clone();
+                f.unsynced.clear();
+                f.entry_durable = true;
+                if let Some(dir) = path.parent() {
+                    self.dirs.insert(dir.to_path_buf());
+                }
+                self.files.insert(path, f);
+            }
+        }
+    }
+
+    fn remove_failed(&mut self, path: &Path) -> Option<io::Error> {
+        self.removes += 1;
+        (self.fail_remove_on == Some(self.removes))
+            .then(|| io::Error::other(format!("{}: simulated remove failure", path.display())))
+    }
+}
+
 /// How a crash treats data that was not synced.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 pub struct CrashPlan {
     /// Random source for choosing how many unsynced writes survive and where to tear.
     pub seed: u64,
-    /// Allow the last surviving unsynced write to be torn at a random byte.
+    /// Allow the last surviving unsynced write to be torn at a random byte
+    /// (with `reorder`: any write that does not survive whole may survive
+    /// torn).
     pub tear: bool,
     /// Flip one bit somewhere in the surviving unsynced region of one file.
     pub flip_bit: bool,
+    /// Each unsynced write survives or not on its own, not only a prefix of
+    /// them in order. (Truncates and size changes still apply in order.)
+    pub reorder: bool,
+    /// Directory entries not yet synced may be lost: a file created since
+    /// its directory's last sync may vanish, one removed since may come
+    /// back. Without it, creations and removals are durable at once.
+    pub dir_entries: bool,
 }
 
 /// A crash chosen exactly, for tests that enumerate crash points rather
@@ -90,6 +136,9 @@ pub struct ExactCrash {
     pub tear: Option<usize>,
     /// A bit flipped afterwards: (byte, bit).
     pub flip: Option<(u64, u8)>,
+    /// Every directory entry not yet synced is lost: files created since
+    /// their directory's last sync vanish, files removed since come back.
+    pub lose_dir_entries: bool,
 }
 
 /// A handle to the simulated disk; clones share it.
@@ -148,7 +197,8 @@ impl SimStorage {
         d.hang_sync_on = Some(d.syncs + n);
     }
 
-    /// Make every write and sync yield once before running (see `yielding`).
+    /// Make every write, sync, directory sync and removal yield once before
+    /// running (see `yielding`).
     pub fn set_yielding(&self, on: bool) {
         self.disk.borrow_mut().yielding = on;
     }
@@ -200,6 +250,11 @@ impl SimStorage {
     /// their directory was synced survive it.
     pub fn crash_exact(&self, plan: &ExactCrash) {
         let mut d = self.disk.borrow_mut();
+        if plan.lose_dir_entries {
+            d.files.retain(|_, f| f.entry_durable);
+            d.resurrect(|| true);
+        }
+        d.removed.clear();
         for (path, f) in d.files.iter_mut() {
             let mut img = f.synced.clone();
             if *path == plan.file {
@@ -235,10 +290,18 @@ impl SimStorage {
         d.hang_sync_on = None;
     }
 
+    async fn maybe_yield(&self) {
+        let yielding = self.disk.borrow().yielding;
+        if yielding {
+            futures_lite::future::yield_now().await;
+        }
+    }
+
     /// Lose everything that was not synced: the strictest power cut.
     pub fn crash_lose_unsynced(&self) {
         let mut d = self.disk.borrow_mut();
         d.files.retain(|_, f| f.entry_durable);
+        d.resurrect(|| true);
         for f in d.files.values_mut() {
             f.current = f.synced.clone();
             f.unsynced.clear();
@@ -248,15 +311,17 @@ impl SimStorage {
         d.hang_sync_on = None;
     }
 
-    /// A power cut that keeps a random prefix of each file's unsynced writes,
-    /// possibly tearing the last one and flipping a bit in what survived.
+    /// A power cut that keeps a random prefix (or, with `reorder`, subset)
+    /// of each file's unsynced writes, possibly tearing one and flipping a
+    /// bit in what survived, and (with `dir_entries`) loses random directory
+    /// entries that were not synced.
     pub fn crash(&self, plan: CrashPlan) {
         let mut rng = SplitMix(plan.seed);
         let mut d = self.disk.borrow_mut();
         let mut vanished = Vec::new();
         let mut flip_done = !plan.flip_bit;
         for (path, f) in d.files.iter_mut() {
-            if !f.entry_durable && rng.below(2) == 0 {
+            if plan.dir_entries && !f.entry_durable && rng.below(2) == 0 {
                 vanished.push(path.clone());
                 continue;
             }
@@ -267,40 +332,55 @@ impl SimStorage {
             // only in data that was never synced.
             let synced_len = f.synced.len() as u64;
             let keep = rng.below(f.unsynced.len() as u64 + 1) as usize;
-            let mut touched: Option<(u64, u64)> = None;
+            let mut touched: Vec<(u64, u64)> = Vec::new();
             for (i, op) in f.unsynced.iter().enumerate() {
-                if i < keep {
-                    apply(&mut img, op);
-                    if let Op::Write { pos, data } = op {
-                        touched = Some((*pos, *pos + data.len() as u64));
-                    }
-                } else if i == keep && plan.tear {
-                    if let Op::Write { pos, data } = op {
-                        let cut = rng.below(data.len() as u64 + 1) as usize;
-                        apply(
-                            &mut img,
-                            &Op::Write {
-                                pos: *pos,
-                                data: data[..cut].to_vec(),
-                            },
-                        );
-                        if cut > 0 {
-                            touched = Some((*pos, *pos + cut as u64));
-                        }
+                let Op::Write { pos, data } = op else {
+                    if plan.reorder || i < keep {
+                        apply(&mut img, op);
+                        continue;
                     }
                     break;
+                };
+                let cut = if plan.reorder {
+                    match rng.below(if plan.tear { 3 } else { 2 }) {
+                        0 => 0,
+                        1 => data.len(),
+                        _ => rng.below(data.len() as u64 + 1) as usize,
+                    }
+                } else if i < keep {
+                    data.len()
+                } else if i == keep && plan.tear {
+                    rng.below(data.len() as u64 + 1) as usize
                 } else {
+                    break;
+                };
+                if cut > 0 {
+                    apply(
+                        &mut img,
+                        &Op::Write {
+                            pos: *pos,
+                            data: data[..cut].to_vec(),
+                        },
+                    );
+                    touched.push((*pos, *pos + cut as u64));
+                }
+                if !plan.reorder && i >= keep {
                     break;
                 }
             }
-            if !flip_done {
-                if let Some((a, b)) = touched {
-                    let a = a.max(synced_len);
-                    if b > a && (b as usize) <= img.len() {
-                        let at = a + rng.below(b - a);
-                        img[at as usize] ^= 1 << rng.below(8);
-                        flip_done = true;
-                    }
+            if !flip_done && !touched.is_empty() {
+                // In the last write that survived (any, when reordered).
+                let k = if plan.reorder {
+                    rng.below(touched.len() as u64) as usize
+                } else {
+                    touched.len() - 1
+                };
+                let (a, b) = touched[k];
+                let a = a.max(synced_len);
+                if b > a && (b as usize) <= img.len() {
+                    let at = a + rng.below(b - a);
+                    img[at as usize] ^= 1 << rng.below(8);
+                    flip_done = true;
                 }
             }
             f.synced = img.clone();
@@ -310,6 +390,10 @@ impl SimStorage {
         for p in vanished {
             d.files.remove(&p);
         }
+        if plan.dir_entries {
+            d.resurrect(|| rng.below(2) == 0);
+        }
+        d.removed.clear();
         d.fail_sync_on = None;
         d.fail_write_on = None;
         d.hang_sync_on = None;
@@ -389,12 +473,14 @@ impl Storage for SimStorage {
     }
 
     async fn sync_dir(&self, path: &Path) -> io::Result<()> {
+        self.maybe_yield().await;
         let mut d = self.disk.borrow_mut();
         for (p, f) in d.files.iter_mut() {
             if p.parent() == Some(path) {
                 f.entry_durable = true;
             }
         }
+        d.removed.retain(|(_, _, via)| via.parent() != Some(path));
         Ok(())
     }
 
@@ -412,36 +498,55 @@ impl Storage for SimStorage {
     }
 
     async fn remove_file(&self, path: &Path) -> io::Result<()> {
+        self.maybe_yield().await;
         let mut d = self.disk.borrow_mut();
-        d.removes += 1;
-        if d.fail_remove_on == Some(d.removes) {
-            return Err(io::Error::other(format!(
-                "{}: simulated remove failure",
-                path.display()
-            )));
+        if let Some(e) = d.remove_failed(path) {
+            return Err(e);
         }
         match d.files.remove(path) {
-            Some(_) => Ok(()),
+            Some(f) => {
+                if f.entry_durable {
+                    d.removed.push((path.to_path_buf(), f, path.to_path_buf()));
+                }
+                Ok(())
+            }
             None => Err(not_found(path)),
         }
     }
 
     async fn remove_dir_all(&self, path: &Path) -> io::Result<()> {
+        self.maybe_yield().await;
         let mut d = self.disk.borrow_mut();
-        d.removes += 1;
-        if d.fail_remove_on == Some(d.removes) {
-            return Err(io::Error::other(format!(
-                "{}: simulated remove failure",
-                path.display()
-            )));
+        if let Some(e) = d.remove_failed(path) {
+            return Err(e);
         }
-        d.files.retain(|p, _| !p.starts_with(path));
+        let gone: Vec<PathBuf> = d
+            .files
+            .keys()
+            .filter(|p| p.starts_with(path))
+            .cloned()
+            .collect();
+        for p in gone {
+            let f = d.files.remove(&p).unwrap();
+            if f.entry_durable {
+                d.removed.push((p, f, path.to_path_buf()));
+            }
+        }
+        // Removals made earlier under it now last as long as it does.
+        for (p, _, via) in d.removed.iter_mut() {
+            if p.starts_with(path) {
+                *via = path.to_path_buf();
+            }
+        }
         d.dirs.retain(|p| !p.starts_with(path));
         Ok(())
     }
 
     async fn write_file_atomic(&self, path: &Path, data: &[u8]) -> io::Result<()> {
         let mut d = self.disk.borrow_mut();
+        // Renamed over the name and the directory synced: whatever was
+        // removed under that name stays removed.
+        d.removed.retain(|(p, _, _)| p != path);
         d.files.insert(
             path.to_path_buf(),
             SimFileState {
