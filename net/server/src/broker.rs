@@ -385,6 +385,13 @@ impl<S: Storage> Core<S> {
                         dir.display()
                     ));
                 }
+                // Durably, before the new metadata exists: a crash must not
+                // bring the old files back under the new stream.
+                if let Some(parent) = dir.parent() {
+                    if let Err(e) = self.storage.sync_dir(parent).await {
+                        return undo(format!("cannot sync {}: {e}", parent.display()));
+                    }
+                }
                 tracing::warn!("removed files left by an earlier {name} before creating it again");
             }
             if let Err(e) = self.storage.create_dir_all(&dir).await {
@@ -1151,6 +1158,7 @@ mod tests {
     use super::*;
     use felix_engine::storage::sim::SimStorage;
     use felix_engine::CoreId;
+    use std::path::Path;
 
     /// One durable core on the simulated disk, its mailbox served.
     fn core_on(storage: SimStorage) -> Rc<Core<SimStorage>> {
@@ -1192,6 +1200,77 @@ mod tests {
         });
         glommio::spawn_local(core.clone().run_mailbox(rx)).detach();
         core
+    }
+
+    fn stream_ref() -> StreamRef {
+        StreamRef {
+            tenant: "t".into(),
+            namespace: "n".into(),
+            stream: "s".into(),
+        }
+    }
+
+    /// A stream created again over files a deleted one left behind, cut off
+    /// by a power cut at every point it can be, on a disk that loses every
+    /// directory entry not synced: once the new stream's metadata is on
+    /// disk, the old records are not.
+    #[test]
+    fn a_stream_created_again_never_gets_its_leftover_files_back_after_a_crash() {
+        glommio::LocalExecutorBuilder::default()
+            .spawn(|| async {
+                let old = felix_engine::format::RecordIn {
+                    payload: bytes::Bytes::from_static(b"old record"),
+                    ..Default::default()
+                };
+                for k in 0.. {
+                    let storage = SimStorage::new();
+                    let core = core_on(storage.clone());
+                    let stream = stream_ref();
+                    let created = core.create_stream(&stream, 1, None, None).await;
+                    assert!(matches!(created, Response::Stream(_)), "{created:?}");
+                    let shard = core.shard(&stream, 0).unwrap();
+                    shard.log.append(std::slice::from_ref(&old)).unwrap();
+                    shard.log.flush().await.unwrap();
+                    drop(shard);
+                    // Deleted, then a crash brings its files back (their
+                    // removal was never synced; the metadata's was).
+                    assert!(matches!(core.delete_stream(&stream).await, Response::Ok));
+                    storage.crash_lose_unsynced();
+                    let seg = PathBuf::from("/data/t/n/s/0/00000000000000000000.log");
+                    assert!(storage.file_len(&seg).unwrap() > 0);
+                    storage.set_yielding(true);
+                    let mut create = std::pin::pin!(core.create_stream(&stream, 1, None, None));
+                    let mut done = false;
+                    for _ in 0..k {
+                        if futures_lite::future::poll_once(&mut create).await.is_some() {
+                            done = true;
+                            break;
+                        }
+                        // Let the mailbox task and its socket run (the open
+                        // fan-out); how long does not matter, every step is
+                        // tried.
+                        glommio::timer::sleep(Duration::from_millis(1)).await;
+                    }
+                    storage.set_yielding(false);
+                    storage.crash_lose_unsynced();
+                    let _ = core.shared.senders[0].send(CoreMsg::Shutdown);
+                    let meta = storage.file_len(Path::new("/data/t/n/s/stream.meta"));
+                    if meta.is_some() {
+                        assert!(
+                            storage.file_len(&seg).unwrap_or(0) == 0,
+                            "step {k}: the new stream has the old one's records"
+                        );
+                    }
+                    if done {
+                        assert!(meta.is_some());
+                        break;
+                    }
+                    assert!(k < 200, "the create never finished");
+                }
+            })
+            .unwrap()
+            .join()
+            .unwrap();
     }
 
     fn error_of(r: Response) -> WireError {
