@@ -132,6 +132,9 @@ pub struct ExactCrash {
     pub file: PathBuf,
     /// How many of its unsynced writes and truncates survive, in order.
     pub keep: usize,
+    /// Of those, the ones that do not (indices into the unsynced writes
+    /// and truncates): the pages of one flush land in no set order.
+    pub lost: Vec<usize>,
     /// Bytes of the next unsynced write that survive (a torn write).
     pub tear: Option<usize>,
     /// A bit flipped afterwards: (byte, bit).
@@ -260,7 +263,9 @@ impl SimStorage {
             if *path == plan.file {
                 for (i, op) in f.unsynced.iter().enumerate() {
                     if i < plan.keep {
-                        apply(&mut img, op);
+                        if !plan.lost.contains(&i) {
+                            apply(&mut img, op);
+                        }
                         continue;
                     }
                     if let (Some(cut), Op::Write { pos, data }) = (plan.tear, op) {
