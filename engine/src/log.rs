@@ -23,6 +23,12 @@
 //! chunks with at most `io_depth` in flight) and one `fdatasync`, then wakes
 //! every caller waiting on a frontier at or below what it reached.
 //!
+//! Every batch carries the stamp of the flush that writes it, and a flush is
+//! written only once the one before it is synced. Recovery relies on both to
+//! tell a torn last write from damage to older data (see
+//! `look_past_damage`): a flusher that wrote a flush while an earlier one
+//! was still unsynced would have to change that rule.
+//!
 //! # Partial pages
 //!
 //! O_DIRECT writes whole pages. The log keeps the last partial page of the
