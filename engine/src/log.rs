@@ -240,6 +240,20 @@ struct ColdChunk {
     segment: Offset,
     pos: u64,
     bytes: Bytes,
+    /// Segment positions `[start, end)` of a run of whole batches in this
+    /// chunk whose checksums were verified: read again from the chunk, they
+    /// are not checked again (the bytes cannot change in memory; the disk is
+    /// what the checksum guards against). Small polls of a backlog otherwise
+    /// re-check the same large batch once per poll.
+    verified: (u64, u64),
+}
+
+impl ColdChunk {
+    fn holds(&self, segment: Offset, pos: u64, len: u64) -> bool {
+        self.segment == segment
+            && self.pos <= pos
+            && pos + len <= self.pos + self.bytes.len() as u64
+    }
 }
 
 struct Segment<F> {
@@ -1201,7 +1215,18 @@ impl<S: Storage> ShardLog<S> {
                         .await?;
                 }
                 loop {
-                    match format::parse_batch(&buf) {
+                    let parsed = match format::parse_header(&buf) {
+                        Ok(h)
+                            if buf.len() >= h.len as usize
+                                && self.cold_verified(seg_base, pos, &buf[..h.len as usize]) =>
+                        {
+                            Ok(h)
+                        }
+                        _ => format::parse_batch(&buf).inspect(|h| {
+                            self.mark_cold_verified(seg_base, pos, h.len);
+                        }),
+                    };
+                    match parsed {
                         Ok(h) => {
                             let batch = buf.split_to(h.len as usize);
                             let at = pos;
@@ -1261,6 +1286,43 @@ impl<S: Storage> ShardLog<S> {
         }
     }
 
+    /// Whether `batch`, the bytes at `pos` of `segment`, is memory of a cold
+    /// chunk (the very bytes, not a later read of the same place) in which
+    /// it was verified.
+    fn cold_verified(&self, segment: Offset, pos: u64, batch: &[u8]) -> bool {
+        let len = batch.len() as u64;
+        self.inner.borrow().cold.iter().any(|c| {
+            c.holds(segment, pos, len)
+                && c.verified.0 <= pos
+                && pos + len <= c.verified.1
+                && std::ptr::eq(batch.as_ptr(), c.bytes[(pos - c.pos) as usize..].as_ptr())
+        })
+    }
+
+    /// Note that the batch of `len` bytes at `pos` of `segment` passed its
+    /// checksum, in every cold chunk that holds it.
+    fn mark_cold_verified(&self, segment: Offset, pos: u64, len: u32) {
+        let end = pos + u64::from(len);
+        for c in self.inner.borrow_mut().cold.iter_mut() {
+            if !c.holds(segment, pos, u64::from(len)) {
+                continue;
+            }
+            let (a, b) = c.verified;
+            c.verified = if a == b {
+                (pos, end)
+            } else if pos == b {
+                (a, end)
+            } else if end == a {
+                (pos, b)
+            } else if a <= pos && end <= b {
+                (a, b)
+            } else {
+                // Not adjacent: keep the newer run (readers move forward).
+                (pos, end)
+            };
+        }
+    }
+
     /// Bytes of segment `segment` from `pos`: the rest of a recent chunk
     /// when one holds at least `need` bytes from there, otherwise `want`
     /// bytes read from disk and kept as a chunk.
@@ -1304,6 +1366,7 @@ impl<S: Storage> ShardLog<S> {
                 segment,
                 pos,
                 bytes: bytes.clone(),
+                verified: (pos, pos),
             });
         }
         Ok(bytes)
