@@ -1120,3 +1120,64 @@ fn a_broker_refuses_a_listen_port_another_process_accepts_on() {
     );
     drop(taken);
 }
+
+/// Retention by age goes by record timestamps, so a producer clock far in
+/// the future could keep a segment forever: a record stamped more than
+/// `limits.max_timestamp_ahead_ms` (1 h) ahead of the broker's clock is
+/// refused with `invalid_request`, the whole publish with it, and nothing
+/// is written. Timestamps in the past, or a little ahead, are kept as given.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_stamped_far_in_the_future_is_refused() {
+    let broker = felix_tests::start_broker!(BrokerOptions::default().cores(1));
+    let c = client(&broker).await;
+    c.create_stream("t", "ns", "clock", 1, StreamOptions::default())
+        .await
+        .unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let at = |ts: Option<u64>| RecordIn {
+        timestamp_ms: ts,
+        payload: Bytes::from_static(b"x"),
+        ..Default::default()
+    };
+    let far = now + 2 * 3_600_000;
+    let err = c
+        .publish_batch("t", "ns", "clock", 0, vec![at(None), at(Some(far))])
+        .await
+        .expect_err("a timestamp two hours ahead");
+    match err {
+        ClientError::Server { code, message } => {
+            assert_eq!(code, ErrorCode::InvalidRequest, "{message}");
+            assert!(
+                message.contains("record 1 has timestamp")
+                    && message.contains("limits.max_timestamp_ahead_ms"),
+                "{message}"
+            );
+        }
+        other => panic!("unexpected error: {other}"),
+    }
+    let p = c
+        .publish_batch(
+            "t",
+            "ns",
+            "clock",
+            0,
+            vec![at(Some(1)), at(Some(now + 60_000)), at(None)],
+        )
+        .await
+        .expect("past, slightly ahead and unstamped records are taken");
+    assert_eq!(
+        (p.base_offset, p.count),
+        (0, 3),
+        "the refused publish wrote nothing"
+    );
+    let b = c
+        .read("t", "ns", "clock", 0, StartPosition::Earliest, 10, None)
+        .await
+        .unwrap();
+    let ts: Vec<u64> = b.records.iter().map(|r| r.timestamp_ms).collect();
+    assert_eq!(ts[..2], [1, now + 60_000]);
+    assert!(ts[2] >= now, "an unstamped record gets the broker's clock");
+}

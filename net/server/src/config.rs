@@ -78,6 +78,7 @@ const SETTINGS: &[Setting] = &[
     Setting { section: "limits", name: "max_records_per_read", env: None, kind: Kind::U64, default: "1000", help: "records one read or poll returns at most" },
     Setting { section: "limits", name: "max_bytes_per_read", env: None, kind: Kind::U64, default: "4194304", help: "payload bytes after which a read or poll stops" },
     Setting { section: "limits", name: "max_records_per_publish", env: None, kind: Kind::U64, default: "100000", help: "records in one publish request" },
+    Setting { section: "limits", name: "max_timestamp_ahead_ms", env: None, kind: Kind::U64, default: "3600000", help: "a published record's timestamp may be at most this far ahead of the broker's clock (retention by age trusts timestamps); 0 = no limit" },
     Setting { section: "limits", name: "max_shards", env: None, kind: Kind::U64, default: "4096", help: "shards per stream" },
 ];
 
@@ -132,6 +133,9 @@ pub struct Config {
     pub max_records_per_read: u32,
     pub max_bytes_per_read: u32,
     pub max_records_per_publish: u32,
+    /// How far ahead of the broker's clock a record's timestamp may be
+    /// (`None`: no limit).
+    pub max_timestamp_ahead_ms: Option<u64>,
     pub max_shards: u32,
 }
 
@@ -438,6 +442,7 @@ impl Config {
                     "limits.max_records_per_publish",
                 )
             })?,
+            max_timestamp_ahead_ms: opt(num("limits", "max_timestamp_ahead_ms")?),
             max_shards: u32_of(
                 nonzero(num("limits", "max_shards")?, "limits.max_shards")?,
                 "limits.max_shards",

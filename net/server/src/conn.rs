@@ -598,6 +598,24 @@ async fn publish<S: Storage>(
         );
     }
     let now = now_ms();
+    if let Some(ahead) = core.shared.config.max_timestamp_ahead_ms {
+        let limit = now.saturating_add(ahead);
+        if let Some((i, ts)) = records
+            .iter()
+            .enumerate()
+            .find_map(|(i, r)| r.timestamp_ms.filter(|t| *t > limit).map(|t| (i, t)))
+        {
+            return wire_err(
+                ErrorCode::InvalidRequest,
+                format!(
+                    "record {i} has timestamp {ts}, {} ms ahead of the broker's clock; \
+                     at most {ahead} ms ahead is accepted (limits.max_timestamp_ahead_ms), \
+                     because retention by age goes by timestamps",
+                    ts - now
+                ),
+            );
+        }
+    }
     let mut bytes = 0u64;
     let recs: Vec<LogRecordIn> = records
         .into_iter()
