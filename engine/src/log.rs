@@ -3,17 +3,23 @@
 //!
 //! # Frontiers
 //!
-//! Every batch appended gets a log sequence number (`lsn`, the running byte
-//! count of everything ever appended) and, for records, offsets. Three
-//! frontiers move forward only and always satisfy
-//! `durable ≤ written ≤ queued` (asserted on every update):
+//! Every batch appended gets a log sequence number ([`Lsn`]: its end in the
+//! stream of batch bytes, counted from the oldest segment at open) and, for
+//! records, offsets. Three frontiers, each kept in both units, move forward
+//! only and always satisfy `durable ≤ written ≤ queued`:
 //!
 //! * **queued** — encoded into the open write buffer, in memory only;
 //! * **written** — handed to the disk and completed, not yet synced;
 //! * **durable** — covered by a completed `fdatasync`.
 //!
-//! Readers see records up to the durable frontier only: on one broker that is
-//! the committed tail, and a record a reader saw can never vanish in a crash.
+//! They live in one `Frontiers` value whose only mutators (`queue`,
+//! `mark_written`, `mark_durable`) assert both rules on every update: no
+//! code path can move a frontier without the check.
+//!
+//! An appender waits ([`ShardLog::wait`]) for its batch's lsn to reach the
+//! frontier it asked for. Readers see records up to the durable frontier
+//! only: on one broker that is the committed tail, and a record a reader saw
+//! can never vanish in a crash.
 //!
 //! # Group commit
 //!
@@ -119,6 +125,144 @@ pub enum Frontier {
     Durable,
 }
 
+/// A log sequence number: a position in the stream of batch bytes of a log,
+/// counted from the start of the oldest segment present when the log was
+/// opened. An append's lsn is the position just past its batch. Lsns are
+/// not stored and are meaningful only while the log stays open (they
+/// restart from the retained bytes on the next open): they exist to say
+/// "has this batch reached that frontier yet".
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Lsn(u64);
+
+impl Lsn {
+    pub const ZERO: Lsn = Lsn(0);
+
+    /// Bytes of the batch stream before this position.
+    #[inline]
+    pub fn get(self) -> u64 {
+        self.0
+    }
+
+    /// The position `bytes` further on.
+    #[inline]
+    pub fn plus(self, bytes: u64) -> Lsn {
+        Lsn(self.0 + bytes)
+    }
+}
+
+impl fmt::Debug for Lsn {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "lsn {}", self.0)
+    }
+}
+
+impl fmt::Display for Lsn {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// A place in the log in both of its units: the offset and the lsn just
+/// past the same batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Point {
+    offset: Offset,
+    lsn: Lsn,
+}
+
+impl Point {
+    /// At or past `o` in both units.
+    fn reaches(self, o: Point) -> bool {
+        self.offset >= o.offset && self.lsn >= o.lsn
+    }
+}
+
+/// The queued, written and durable frontiers of a log (see the module
+/// docs), each in offsets and in lsns. The fields are private and the only
+/// mutators are [`queue`](Self::queue), [`mark_written`](Self::mark_written)
+/// and [`mark_durable`](Self::mark_durable): each asserts that its frontier
+/// does not move back (in either unit) and that `durable ≤ written ≤ queued`
+/// still holds, so a broken update stops the process where it happens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Frontiers {
+    queued: Point,
+    written: Point,
+    durable: Point,
+}
+
+impl Frontiers {
+    /// All three at `at` (a log just opened: everything on disk is durable).
+    fn new(at: Point) -> Frontiers {
+        Frontiers {
+            queued: at,
+            written: at,
+            durable: at,
+        }
+    }
+
+    fn at(&self, frontier: Frontier) -> Point {
+        match frontier {
+            Frontier::Queued => self.queued,
+            Frontier::Written => self.written,
+            Frontier::Durable => self.durable,
+        }
+    }
+
+    /// The offset just past the last batch at `frontier` (for `Queued`: the
+    /// next offset to assign).
+    fn offset(&self, frontier: Frontier) -> Offset {
+        self.at(frontier).offset
+    }
+
+    /// The lsn just past the last batch at `frontier`.
+    fn lsn(&self, frontier: Frontier) -> Lsn {
+        self.at(frontier).lsn
+    }
+
+    /// A batch ending at `to` was encoded into the write buffer.
+    fn queue(&mut self, to: Point) {
+        self.advance(Frontier::Queued, to);
+    }
+
+    /// Everything up to `to` was written (and the writes completed).
+    fn mark_written(&mut self, to: Point) {
+        self.advance(Frontier::Written, to);
+    }
+
+    /// Everything up to `to` is covered by a completed fdatasync.
+    fn mark_durable(&mut self, to: Point) {
+        self.advance(Frontier::Durable, to);
+    }
+
+    fn advance(&mut self, frontier: Frontier, to: Point) {
+        let slot = match frontier {
+            Frontier::Queued => &mut self.queued,
+            Frontier::Written => &mut self.written,
+            Frontier::Durable => &mut self.durable,
+        };
+        assert!(
+            to.reaches(*slot),
+            "{frontier:?} frontier moved back: from {:?} / {:?} to {:?} / {:?}",
+            slot.offset,
+            slot.lsn,
+            to.offset,
+            to.lsn
+        );
+        *slot = to;
+        assert!(
+            self.queued.reaches(self.written) && self.written.reaches(self.durable),
+            "frontier order broken by {frontier:?}: durable {:?} / {:?}, written {:?} / {:?}, \
+             queued {:?} / {:?}",
+            self.durable.offset,
+            self.durable.lsn,
+            self.written.offset,
+            self.written.lsn,
+            self.queued.offset,
+            self.queued.lsn
+        );
+    }
+}
+
 /// Why the log refused or failed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum LogError {
@@ -148,7 +292,7 @@ pub struct Appended {
     /// Offsets taken.
     pub count: u32,
     /// Log sequence number just past the batch: wait on it.
-    pub lsn: u64,
+    pub lsn: Lsn,
 }
 
 /// What a read returns.
@@ -292,8 +436,8 @@ struct Chunk {
     buf: Vec<u8>,
     /// Batch headers and their positions in `buf`.
     batches: Vec<(BatchHeader, usize)>,
-    /// lsn just past the chunk.
-    lsn_end: u64,
+    /// Offset and lsn just past the chunk.
+    end: Point,
 }
 
 struct CachedBatch {
@@ -309,13 +453,8 @@ struct Inner<F> {
     dir: PathBuf,
     segments: BTreeMap<Offset, Segment<F>>,
     start: Offset,
-    /// Next offset to assign (queued frontier for offsets).
-    next: Offset,
-    written: Offset,
-    durable: Offset,
-    queued_lsn: u64,
-    written_lsn: u64,
-    durable_lsn: u64,
+    /// Queued, written, durable. The queued offset is the next to assign.
+    frontiers: Frontiers,
     /// Projected length of the newest target segment once all pending flushes land.
     projected_len: u64,
     /// Base of the segment new appends go to: the active segment, or the one
@@ -346,23 +485,6 @@ struct Inner<F> {
 }
 
 impl<F> Inner<F> {
-    fn check_frontiers(&self) {
-        assert!(
-            self.durable <= self.written && self.written <= self.next,
-            "frontier order broken: durable {:?} written {:?} queued {:?}",
-            self.durable,
-            self.written,
-            self.next
-        );
-        assert!(
-            self.durable_lsn <= self.written_lsn && self.written_lsn <= self.queued_lsn,
-            "lsn order broken: {} {} {}",
-            self.durable_lsn,
-            self.written_lsn,
-            self.queued_lsn
-        );
-    }
-
     fn refuse(&self) -> Result<(), LogError> {
         if let Some(r) = &self.stopped {
             return Err(LogError::Stopped(r.clone()));
@@ -389,14 +511,14 @@ impl<F> Inner<F> {
         let roll =
             self.projected_len > 0 && self.projected_len + len as u64 > self.config.segment_bytes;
         if roll {
-            let base = self.next;
+            let base = self.frontiers.offset(Frontier::Queued);
             self.projected_len = 0;
             self.target_base = base;
             self.pending.push_back(Chunk {
                 segment_base: base,
                 buf: Vec::new(),
                 batches: Vec::new(),
-                lsn_end: self.queued_lsn,
+                end: self.frontiers.at(Frontier::Queued),
             });
             // Every segment opens with a snapshot of group state, so that
             // retention deleting older segments never loses it.
@@ -413,7 +535,7 @@ impl<F> Inner<F> {
                 segment_base: target_base,
                 buf: Vec::new(),
                 batches: Vec::new(),
-                lsn_end: self.queued_lsn,
+                end: self.frontiers.at(Frontier::Queued),
             });
         }
         self.pending.back_mut().unwrap()
@@ -423,21 +545,24 @@ impl<F> Inner<F> {
         &mut self,
         encode: impl FnOnce(&mut Vec<u8>, Offset, u16) -> BatchHeader,
     ) -> Appended {
-        let next = self.next;
+        let queued = self.frontiers.at(Frontier::Queued);
         let flush = self.flush_stamp;
         let chunk = self.pending.back_mut().expect("chunk_for first");
         let pos = chunk.buf.len();
-        let h = encode(&mut chunk.buf, next, flush);
+        let h = encode(&mut chunk.buf, queued.offset, flush);
+        let end = Point {
+            offset: h.end_offset(),
+            lsn: queued.lsn.plus(h.len as u64),
+        };
         chunk.batches.push((h, pos));
-        chunk.lsn_end += h.len as u64;
-        self.queued_lsn += h.len as u64;
+        chunk.end = end;
+        self.frontiers.queue(end);
         self.projected_len += h.len as u64;
         self.pending_bytes += h.len as usize;
-        self.next = h.end_offset();
         Appended {
             base: h.base_offset,
             count: h.offsets() as u32,
-            lsn: self.queued_lsn,
+            lsn: end.lsn,
         }
     }
 
@@ -448,9 +573,7 @@ impl<F> Inner<F> {
     ) -> Result<Appended, LogError> {
         self.refuse()?;
         self.chunk_for(len);
-        let a = self.push_batch(encode);
-        self.check_frontiers();
-        Ok(a)
+        Ok(self.push_batch(encode))
     }
 }
 
@@ -516,7 +639,7 @@ impl<S: Storage> ShardLog<S> {
 
         let mut segments = BTreeMap::new();
         let mut expected: Option<Offset> = None;
-        let mut lsn = 0u64;
+        let mut lsn = Lsn::ZERO;
         let mut tail_page = Vec::new();
         // Stamp of the last flush found on disk: new flushes continue after it.
         let mut last_flush: Option<u16> = None;
@@ -637,7 +760,7 @@ impl<S: Storage> ShardLog<S> {
                     tail_page = bytes.to_vec();
                 }
             }
-            lsn += seg.len;
+            lsn = lsn.plus(seg.len);
             expected = Some(seg.end);
             segments.insert(base, seg);
         }
@@ -679,12 +802,7 @@ impl<S: Storage> ShardLog<S> {
             dir: dir.to_path_buf(),
             segments,
             start,
-            next: end,
-            written: end,
-            durable: end,
-            queued_lsn: lsn,
-            written_lsn: lsn,
-            durable_lsn: lsn,
+            frontiers: Frontiers::new(Point { offset: end, lsn }),
             projected_len,
             target_base: end_base,
             pending: VecDeque::new(),
@@ -703,7 +821,6 @@ impl<S: Storage> ShardLog<S> {
             sync: SyncStats::default(),
             snapshot: None,
         };
-        inner.check_frontiers();
         Ok(ShardLog {
             storage,
             inner: Rc::new(RefCell::new(inner)),
@@ -775,16 +892,11 @@ impl<S: Storage> ShardLog<S> {
     }
 
     /// Wait until the batch ending at `lsn` has reached `frontier`.
-    pub async fn wait(&self, lsn: u64, frontier: Frontier) -> Result<(), LogError> {
+    pub async fn wait(&self, lsn: Lsn, frontier: Frontier) -> Result<(), LogError> {
         loop {
             {
                 let i = self.inner.borrow();
-                let reached = match frontier {
-                    Frontier::Queued => i.queued_lsn,
-                    Frontier::Written => i.written_lsn,
-                    Frontier::Durable => i.durable_lsn,
-                };
-                if reached >= lsn {
+                if i.frontiers.lsn(frontier) >= lsn {
                     return Ok(());
                 }
                 i.refuse()?;
@@ -799,7 +911,7 @@ impl<S: Storage> ShardLog<S> {
         loop {
             {
                 let i = self.inner.borrow();
-                if i.durable > offset {
+                if i.frontiers.offset(Frontier::Durable) > offset {
                     return Ok(());
                 }
                 i.refuse()?;
@@ -820,12 +932,12 @@ impl<S: Storage> ShardLog<S> {
 
     /// The visible (durable, committed) end: one past the last readable offset.
     pub fn end(&self) -> Offset {
-        self.inner.borrow().durable
+        self.inner.borrow().frontiers.offset(Frontier::Durable)
     }
 
     /// One past the last offset assigned (queued).
     pub fn queued_end(&self) -> Offset {
-        self.inner.borrow().next
+        self.inner.borrow().frontiers.offset(Frontier::Queued)
     }
 
     pub fn stopped(&self) -> Option<String> {
@@ -836,8 +948,8 @@ impl<S: Storage> ShardLog<S> {
         let i = self.inner.borrow();
         LogStats {
             start: i.start,
-            end: i.durable,
-            queued: i.next,
+            end: i.frontiers.offset(Frontier::Durable),
+            queued: i.frontiers.offset(Frontier::Queued),
             bytes: i.segments.values().map(|s| s.len).sum(),
             segments: i.segments.len() as u32,
             stopped: i.stopped.clone(),
@@ -985,10 +1097,9 @@ impl<S: Storage> ShardLog<S> {
         }
         {
             let mut i = self.inner.borrow_mut();
-            i.durable = i.written;
-            i.durable_lsn = i.written_lsn;
+            let written = i.frontiers.at(Frontier::Written);
+            i.frontiers.mark_durable(written);
             i.flushes += 1;
-            i.check_frontiers();
         }
         Ok(())
     }
@@ -1074,12 +1185,10 @@ impl<S: Storage> ShardLog<S> {
         i.bytes_written += written_bytes;
         // The chunk's buffer becomes the cache's memory without a copy.
         let shared = Bytes::from(std::mem::take(&mut chunk.buf));
-        let mut written = i.written;
         {
             let seg = i.segments.values_mut().next_back().unwrap();
             for (h, pos) in &chunk.batches {
                 seg.note_batch(h, seg_len + *pos as u64, interval);
-                written = written.max(h.end_offset());
             }
             seg.len = new_len;
         }
@@ -1101,9 +1210,7 @@ impl<S: Storage> ShardLog<S> {
             let b = i.cache.pop_front().unwrap();
             i.cache_bytes -= b.bytes.len();
         }
-        i.written = written;
-        i.written_lsn = chunk.lsn_end;
-        i.check_frontiers();
+        i.frontiers.mark_written(chunk.end);
         Ok(file)
     }
 
@@ -1115,7 +1222,7 @@ impl<S: Storage> ShardLog<S> {
             if let Some(r) = &i.stopped {
                 return Err(LogError::Stopped(r.clone()));
             }
-            (i.start, i.durable)
+            (i.start, i.frontiers.offset(Frontier::Durable))
         };
         let from = from.max(start);
         let mut out = ReadResult {
@@ -1390,7 +1497,7 @@ impl<S: Storage> ShardLog<S> {
                     .retention_ms
                     .is_some_and(|ms| first.max_timestamp_ms.saturating_add(ms) < now_ms);
                 // Never remove a segment that is not fully durable.
-                if (by_bytes || by_age) && first.end <= i.durable {
+                if (by_bytes || by_age) && first.end <= i.frontiers.offset(Frontier::Durable) {
                     Some(*base)
                 } else {
                     None
@@ -1792,4 +1899,74 @@ async fn checksum_matches<F: StorageFile>(
         pos += piece.len() as u64;
     }
     Ok(crc == h.crc)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(offset: u64, lsn: u64) -> Point {
+        Point {
+            offset: Offset(offset),
+            lsn: Lsn::ZERO.plus(lsn),
+        }
+    }
+
+    #[test]
+    fn frontiers_report_what_was_set() {
+        let mut f = Frontiers::new(at(5, 100));
+        for fr in [Frontier::Queued, Frontier::Written, Frontier::Durable] {
+            assert_eq!((f.offset(fr), f.lsn(fr).get()), (Offset(5), 100));
+        }
+        f.queue(at(7, 180));
+        // A group-state entry takes bytes, not offsets.
+        f.queue(at(7, 220));
+        f.mark_written(at(7, 180));
+        assert_eq!(f.offset(Frontier::Queued), Offset(7));
+        assert_eq!(f.lsn(Frontier::Queued), Lsn::ZERO.plus(220));
+        assert_eq!(f.at(Frontier::Written), at(7, 180));
+        assert_eq!(f.at(Frontier::Durable), at(5, 100));
+        f.mark_written(at(7, 220));
+        f.mark_durable(at(7, 220));
+        for fr in [Frontier::Queued, Frontier::Written, Frontier::Durable] {
+            assert_eq!(f.at(fr), at(7, 220));
+        }
+        // Staying put is not moving back.
+        f.mark_durable(at(7, 220));
+    }
+
+    #[test]
+    #[should_panic(expected = "frontier order broken by Written")]
+    fn written_past_queued_panics() {
+        let mut f = Frontiers::new(at(0, 0));
+        f.queue(at(3, 90));
+        f.mark_written(at(4, 120));
+    }
+
+    #[test]
+    #[should_panic(expected = "frontier order broken by Durable")]
+    fn durable_past_written_panics() {
+        let mut f = Frontiers::new(at(0, 0));
+        f.queue(at(3, 90));
+        f.mark_written(at(2, 60));
+        f.mark_durable(at(3, 90));
+    }
+
+    #[test]
+    #[should_panic(expected = "Queued frontier moved back")]
+    fn queued_moving_back_panics() {
+        let mut f = Frontiers::new(at(0, 0));
+        f.queue(at(3, 90));
+        // The offset stays, the lsn goes back: either unit is checked.
+        f.queue(at(3, 80));
+    }
+
+    #[test]
+    #[should_panic(expected = "Written frontier moved back")]
+    fn written_moving_back_panics() {
+        let mut f = Frontiers::new(at(0, 0));
+        f.queue(at(3, 90));
+        f.mark_written(at(3, 90));
+        f.mark_written(at(2, 90));
+    }
 }

@@ -11,7 +11,7 @@ use crate::conn::{to_wire_record, with_timeout, ConnInfo};
 use crate::shard::Shard;
 use felix_engine::format::Record;
 use felix_engine::group::{Caller, GroupEntry, GroupError, GroupTracker, LogView, Lookup, StartAt};
-use felix_engine::log::{Frontier, ReadLimits};
+use felix_engine::log::{Frontier, Lsn, ReadLimits};
 use felix_engine::storage::Storage;
 use felix_engine::types::validate_name;
 use felix_engine::Offset;
@@ -325,7 +325,7 @@ fn with_tracker<S: Storage, R>(
 fn append_entries<S: Storage>(
     shard: &Shard<S>,
     entries: &[GroupEntry],
-) -> Result<Option<u64>, Response> {
+) -> Result<Option<Lsn>, Response> {
     let mut lsn = None;
     let mut body = Vec::with_capacity(64);
     for e in entries {
