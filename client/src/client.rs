@@ -1095,10 +1095,51 @@ impl Client {
     }
 
     /// Give up on a claimed record: list it as a dead letter of the group
-    /// and finish it. Needs
+    /// and finish it (durable before the answer; refused for a record
+    /// already finished). Needs
     /// [`FEATURE_GROUP_CLAIM_CONTROL`](crate::FEATURE_GROUP_CLAIM_CONTROL).
-    #[allow(clippy::too_many_arguments)]
+    /// [`group_dead_letter_with_reason`](Client::group_dead_letter_with_reason)
+    /// also says why.
     pub async fn group_dead_letter(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        record: &GroupRecord,
+    ) -> Result<()> {
+        self.dead_letter(tenant, namespace, stream, shard, group, record, None)
+            .await
+    }
+
+    /// [`group_dead_letter`](Client::group_dead_letter) with a short reason
+    /// the dead-letter list keeps (up to 256 bytes).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn group_dead_letter_with_reason(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        record: &GroupRecord,
+        reason: &str,
+    ) -> Result<()> {
+        self.dead_letter(
+            tenant,
+            namespace,
+            stream,
+            shard,
+            group,
+            record,
+            Some(reason),
+        )
+        .await
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn dead_letter(
         &self,
         tenant: &str,
         namespace: &str,

@@ -98,7 +98,7 @@
 //!         .group_nack_after("t1", "default", "jobs", 0, "workers", record, Duration::from_secs(30))
 //!         .await?;
 //!     client
-//!         .group_dead_letter("t1", "default", "jobs", 0, "workers", record, Some("unparseable"))
+//!         .group_dead_letter_with_reason("t1", "default", "jobs", 0, "workers", record, "unparseable")
 //!         .await?;
 //! }
 //! let dead = client.group_dead_letters("t1", "default", "jobs", 0, "workers").await?;

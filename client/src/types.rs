@@ -56,11 +56,17 @@ pub struct ReadBatch {
 /// let me = GroupMember::new("worker-1").reclaim(true);
 /// assert_eq!(me.name(), "worker-1");
 /// assert!(me.reclaims());
+/// // Or spelled out:
+/// let same = GroupMember { name: "worker-1".into(), reclaim: true };
+/// assert_eq!(me, same);
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct GroupMember {
-    name: String,
-    reclaim: bool,
+    /// The member's name, 1 to 128 bytes (checked by the broker).
+    pub name: String,
+    /// Take back what this member holds from older connections (see
+    /// [`reclaim`](GroupMember::reclaim)).
+    pub reclaim: bool,
 }
 
 impl GroupMember {

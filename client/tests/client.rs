@@ -418,7 +418,7 @@ async fn claim_control_is_refused_without_the_feature() {
         .unwrap_err();
     assert!(matches!(err, ClientError::Unsupported(_)), "{err:?}");
     let err = client
-        .group_dead_letter("t", "n", "s", 0, "g", &rec, Some("bad"))
+        .group_dead_letter_with_reason("t", "n", "s", 0, "g", &rec, "bad")
         .await
         .unwrap_err();
     assert!(matches!(err, ClientError::Unsupported(_)), "{err:?}");
@@ -583,7 +583,7 @@ async fn claim_control_fields_are_sent_when_advertised() {
         .unwrap();
     assert_eq!(stands, Duration::from_secs(60));
     client
-        .group_dead_letter("t", "n", "s", 0, "g", rec, Some("poison"))
+        .group_dead_letter_with_reason("t", "n", "s", 0, "g", rec, "poison")
         .await
         .unwrap();
 }

@@ -1373,3 +1373,72 @@ async fn a_waiting_poll_is_capped_at_the_broker_wait_limit() {
     // the cap is 300 ms).
     assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
 }
+
+// ------------------------------------------------- edges the review found
+
+/// A claim that lapses at the attempt bound is a dead letter to every call
+/// at once: the list, redrive and discard do not wait for the broker's
+/// timer to notice the lapse (describe already counted it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_that_lapses_at_the_attempt_bound_is_listed_at_once() {
+    let b = felix_tests::start_broker!(opts(30_000, 1));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 2).await;
+    let g = Group::new(&c, JOBS, "workers");
+    // Short claims, far below the broker's 30 s timeout and its timer's
+    // one-second look.
+    let short = GroupPollOptions {
+        max_records: 2,
+        visibility: Some(Duration::from_millis(200)),
+        ..GroupPollOptions::default()
+    };
+    let r = g.poll_as(&GroupMember::new("w"), short).await;
+    assert_eq!(offsets(&r), vec![0, 1]);
+    eventually(
+        "describe to count both lapses",
+        Duration::from_secs(10),
+        || async { g.describe().await.unwrap().dead_letters == 2 },
+    )
+    .await;
+    assert_eq!(
+        g.dead_letters().await,
+        vec![0, 1],
+        "listed as soon as counted"
+    );
+    g.discard(1).await.unwrap();
+    g.redrive(0).await.unwrap();
+    let again = g.poll(10).await;
+    assert_eq!((offsets(&again), attempts(&again)), (vec![0], vec![1]));
+    g.ack(0).await.unwrap();
+    assert_eq!(g.position().await, 2, "the discarded 1 stays finished");
+}
+
+/// A consumer can only acknowledge or hand back what the group handed out:
+/// for a group that does not exist yet that is nothing, so acks, nacks,
+/// extensions and dead letters are invalid_request (not not_found), and the
+/// refused calls do not create the group.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_about_a_delivery_of_a_group_that_never_polled_are_invalid() {
+    let b = felix_tests::start_broker!(opts(30_000, 5));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 2).await;
+    let g = Group::new(&c, JOBS, "nobody");
+    let r = fake_record(0, 1);
+    assert_eq!(code(g.ack(0).await), Some(ErrorCode::InvalidRequest));
+    assert_eq!(code(g.ack(2).await), Some(ErrorCode::InvalidRequest));
+    assert_eq!(code(g.nack(&r).await), Some(ErrorCode::InvalidRequest));
+    assert_eq!(
+        code(g.extend(&r, Duration::from_secs(1)).await),
+        Some(ErrorCode::InvalidRequest)
+    );
+    assert_eq!(
+        code(c.group_dead_letter(T, NS, JOBS, 0, "nobody", &r).await),
+        Some(ErrorCode::InvalidRequest)
+    );
+    assert_eq!(code(g.describe().await), Some(ErrorCode::NotFound));
+    assert!(c.list_groups(T, NS, JOBS, 0).await.unwrap().is_empty());
+    // Its first poll brings it into being at offset 0.
+    assert_eq!(offsets(&g.poll(10).await), vec![0, 1]);
+}

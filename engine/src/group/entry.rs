@@ -23,7 +23,8 @@
 //! | Snapshot | u64 position; u32 dead-letter count d; d × (u64 offset, *info*) in strictly increasing offset order; u32 redriven count r; r × u64 offset, strictly increasing, each below the position |
 //!
 //! *info*: u32 attempts, u64 at_ms, u8 flags (bit 0 by_consumer, bit 1 reason
-//! present; other bits zero), then if a reason is present u16 length (at most
+//! present, bit 2 discarded — in a snapshot only: a dead letter discarded at
+//! or above the position, still finished; other bits zero), then if a reason is present u16 length (at most
 //! [`REASON_MAX_BYTES`]) and that many bytes of UTF-8.
 //!
 //! Decoding never panics, allocates at most in proportion to the input, and
@@ -52,6 +53,7 @@ const KIND_SNAPSHOT: u8 = 9;
 
 const FLAG_BY_CONSUMER: u8 = 1;
 const FLAG_REASON: u8 = 2;
+const FLAG_DISCARDED: u8 = 4;
 /// Smallest encoded *info*: attempts, at_ms, flags.
 const INFO_MIN_BYTES: usize = 4 + 8 + 1;
 
@@ -66,6 +68,10 @@ pub struct DeadLetter {
     pub reason: Option<String>,
     /// Set by a consumer's `dead_letter` rather than the attempt bound.
     pub by_consumer: bool,
+    /// Discarded while at or above the group's position: no longer listed,
+    /// but still finished, so the group does not deliver it again once it
+    /// reaches it (dropped when the position passes it).
+    pub discarded: bool,
 }
 
 /// The durable part of a group: what its entries in the log rebuild.
@@ -114,12 +120,27 @@ impl DurableGroup {
         self.position
     }
 
+    /// Every offset given up on and not yet passed by a discard below the
+    /// position: these are finished. Includes discarded ones (see
+    /// [`DeadLetter::discarded`]); [`listed_dead_letters`] leaves them out.
+    ///
+    /// [`listed_dead_letters`]: DurableGroup::listed_dead_letters
     pub fn dead_letters(&self) -> &BTreeMap<Offset, DeadLetter> {
         &self.dead_letters
     }
 
+    /// The dead letters the group lists (not discarded).
+    pub fn listed_dead_letters(&self) -> impl Iterator<Item = (&Offset, &DeadLetter)> {
+        self.dead_letters.iter().filter(|(_, d)| !d.discarded)
+    }
+
     pub fn redriven(&self) -> &BTreeSet<Offset> {
         &self.redriven
+    }
+
+    fn forget_discarded_below(&mut self, position: Offset) {
+        self.dead_letters
+            .retain(|o, d| !(d.discarded && *o < position));
     }
 }
 
@@ -360,6 +381,7 @@ pub(crate) fn apply(state: &mut Option<DurableGroup>, entry: &GroupEntry) {
             let g = state.get_or_insert_with(|| DurableGroup::new(*position));
             g.position = *position;
             g.redriven.retain(|&r| r < *position);
+            g.forget_discarded_below(*position);
         }
         GroupEntry::Delete { .. } => *state = None,
         GroupEntry::Snapshot { state: s, .. } => *state = Some(s.clone()),
@@ -367,6 +389,7 @@ pub(crate) fn apply(state: &mut Option<DurableGroup>, entry: &GroupEntry) {
             if let Some(g) = state {
                 g.position = *position;
                 g.redriven.retain(|&r| r < *position);
+                g.forget_discarded_below(*position);
             }
         }
         GroupEntry::DeadLetter { offset, info, .. } => {
@@ -384,7 +407,13 @@ pub(crate) fn apply(state: &mut Option<DurableGroup>, entry: &GroupEntry) {
         }
         GroupEntry::Discard { offset, .. } => {
             if let Some(g) = state {
-                g.dead_letters.remove(offset);
+                if *offset < g.position {
+                    g.dead_letters.remove(offset);
+                } else if let Some(d) = g.dead_letters.get_mut(offset) {
+                    // Above a cursor held back by an earlier offset: keep it
+                    // finished until the position passes it.
+                    d.discarded = true;
+                }
             }
         }
         GroupEntry::RedriveFinished { offset, .. } => {
@@ -418,6 +447,9 @@ fn put_info(out: &mut Vec<u8>, info: &DeadLetter) {
     }
     if info.reason.is_some() {
         flags |= FLAG_REASON;
+    }
+    if info.discarded {
+        flags |= FLAG_DISCARDED;
     }
     out.push(flags);
     if let Some(reason) = &info.reason {
@@ -482,7 +514,7 @@ impl<'a> Reader<'a> {
         let attempts = self.u32()?;
         let at_ms = self.u64()?;
         let flags = self.u8()?;
-        if flags & !(FLAG_BY_CONSUMER | FLAG_REASON) != 0 {
+        if flags & !(FLAG_BY_CONSUMER | FLAG_REASON | FLAG_DISCARDED) != 0 {
             return Err(GroupEntryError::Malformed("unknown dead-letter flags"));
         }
         let reason = if flags & FLAG_REASON != 0 {
@@ -499,6 +531,7 @@ impl<'a> Reader<'a> {
             at_ms,
             reason,
             by_consumer: flags & FLAG_BY_CONSUMER != 0,
+            discarded: flags & FLAG_DISCARDED != 0,
         })
     }
 }
@@ -514,13 +547,17 @@ mod codec_tests {
             any::<u64>(),
             proptest::option::of("\\PC{0,40}"),
             any::<bool>(),
+            any::<bool>(),
         )
-            .prop_map(|(attempts, at_ms, reason, by_consumer)| DeadLetter {
-                attempts,
-                at_ms,
-                reason,
-                by_consumer,
-            })
+            .prop_map(
+                |(attempts, at_ms, reason, by_consumer, discarded)| DeadLetter {
+                    attempts,
+                    at_ms,
+                    reason,
+                    by_consumer,
+                    discarded,
+                },
+            )
     }
 
     fn arb_state() -> impl Strategy<Value = DurableGroup> {

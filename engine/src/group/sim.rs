@@ -294,10 +294,19 @@ impl Sim {
         }
     }
 
-    fn dead(&self) -> BTreeSet<u64> {
+    /// Dead letters that are finished: listed ones and those discarded
+    /// at or above the position.
+    fn finished_dead(&self) -> BTreeSet<u64> {
         self.t
             .durable()
             .map(|g| g.dead_letters().keys().map(|o| o.0).collect())
+            .unwrap_or_default()
+    }
+
+    fn dead(&self) -> BTreeSet<u64> {
+        self.t
+            .durable()
+            .map(|g| g.listed_dead_letters().map(|(o, _)| o.0).collect())
             .unwrap_or_default()
     }
 
@@ -334,6 +343,19 @@ impl Sim {
         self.finished_epoch.clear();
         self.settled_epoch.clear();
         self.plans.clear();
+        // Discarded dead letters above the position stay finished.
+        let discarded: Vec<u64> = self
+            .t
+            .durable()
+            .map(|g| {
+                g.dead_letters()
+                    .iter()
+                    .filter(|(_, d)| d.discarded)
+                    .map(|(o, _)| o.0)
+                    .collect()
+            })
+            .unwrap_or_default();
+        self.finished_epoch.extend(discarded);
         for r in self.redriven() {
             self.mrec.insert(
                 r,
@@ -665,17 +687,19 @@ impl Sim {
 
     /// What the frontier passed without delivering: settled offsets.
     fn note_frontier(&mut self, frontier_before: u64, delivered_now: &BTreeSet<u64>) {
-        let dead_now = self.dead();
+        let dead_now = self.finished_dead();
         let start = self.start;
         for q in frontier_before..self.t.frontier().0 {
             if !delivered_now.contains(&q) {
+                let discarded =
+                    self.discarded_ever.contains(&q) && self.finished_epoch.contains(&q);
                 assert!(
-                    q < start || self.control.contains(&q) || dead_now.contains(&q),
+                    q < start || self.control.contains(&q) || dead_now.contains(&q) || discarded,
                     "the frontier passed {q} without delivering it"
                 );
                 // Retention counts whatever it removed; a dead letter the
                 // frontier passes breaks the run.
-                if q < start || !dead_now.contains(&q) {
+                if q < start || !(dead_now.contains(&q) || discarded) {
                     self.settled_epoch.insert(q);
                 }
             }
@@ -1003,10 +1027,10 @@ impl Sim {
         if let Ok(w) = r {
             self.write(w, true);
             self.discarded_ever.insert(o);
-            if o < frontier {
-                // Passed by the frontier as a dead letter: stays finished.
-                self.finished_epoch.insert(o);
-            }
+            // Discarded is still finished (whether or not the frontier
+            // passed it yet): it is never delivered again.
+            let _ = frontier;
+            self.finished_epoch.insert(o);
             self.must_list.remove(&o);
         }
     }
@@ -1162,7 +1186,8 @@ impl Sim {
         assert!(self.t.in_flight() <= self.cfg.max_in_flight);
         // The position passes only finished offsets.
         let position = self.t.position().0;
-        let dead = self.dead();
+        // Finished dead letters, discarded ones above the position included.
+        let dead = self.finished_dead();
         if !self.position_may_jump {
             assert!(
                 position >= self.last_position,

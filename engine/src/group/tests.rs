@@ -568,7 +568,10 @@ mod rules {
     fn a_missing_group_is_not_found() {
         let mut h = Harness::new();
         h.append(1);
-        assert!(matches!(h.ack(0), Err(GroupError::NotFound(_))));
+        // A group that does not exist handed nothing out: acks and the
+        // other calls about a delivery are invalid_request, as for any
+        // offset the group did not hand out.
+        assert!(matches!(h.ack(0), Err(GroupError::InvalidRequest(_))));
         assert!(matches!(h.redrive(0), Err(GroupError::NotFound(_))));
         assert!(matches!(
             h.seek(StartAt::Earliest),
@@ -622,6 +625,39 @@ mod rules {
         let dl = &h.t.dead_letters().unwrap()[0].1;
         assert_eq!((dl.attempts, dl.reason.as_deref()), (2, Some("boom")));
         assert_eq!(h.position(), 1);
+    }
+
+    /// Discard stops tracking a dead letter; it does not make it new again.
+    /// Above a cursor held back by an earlier claim, the discarded offset
+    /// stays finished through a restart, and is forgotten once the cursor
+    /// passes it.
+    #[test]
+    fn a_discarded_dead_letter_above_the_cursor_stays_finished() {
+        let mut h = Harness::new();
+        h.append(3);
+        assert_eq!(h.poll_offsets(3), vec![0, 1, 2]);
+        h.dead_letter(1, 1).unwrap();
+        h.ack(2).unwrap();
+        assert_eq!(h.position(), 0, "offset 0 is still claimed");
+        h.discard(1).unwrap();
+        assert!(h.dead().is_empty(), "no longer listed");
+        assert_eq!(h.describe().dead_letters, 0);
+        assert!(h.discard(1).is_err(), "gone from the list");
+        assert!(h.redrive(1).is_err(), "gone from the list");
+        h.restart();
+        assert!(h.dead().is_empty());
+        // The restart forgot the claim on 0 and the ack of 2 (memory): both
+        // come back; the discarded 1 does not.
+        assert_eq!(h.poll_offsets(10), vec![0, 2]);
+        h.ack(0).unwrap();
+        h.ack(2).unwrap();
+        assert_eq!(h.position(), 3);
+        assert!(
+            h.t.durable().unwrap().dead_letters().is_empty(),
+            "forgotten once the cursor passed it"
+        );
+        h.restart();
+        assert!(h.poll_offsets(10).is_empty());
     }
 
     #[test]

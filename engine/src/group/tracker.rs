@@ -364,7 +364,7 @@ impl GroupTracker {
         offsets: &[Offset],
         log: LogView,
     ) -> Result<Vec<GroupEntry>, GroupError> {
-        self.begin_request(now_ms)?;
+        self.begin_record_request(now_ms)?;
         self.observe(log);
         for &o in offsets {
             if o >= log.end {
@@ -398,7 +398,7 @@ impl GroupTracker {
         reason: Option<&str>,
         log: LogView,
     ) -> Result<Vec<GroupEntry>, GroupError> {
-        self.begin_request(now_ms)?;
+        self.begin_record_request(now_ms)?;
         self.observe(log);
         let s = self.held_claim(now_ms, offset, attempts, log)?;
         if s.state() == State::Owed && delay_ms.is_some_and(|d| d > 0) {
@@ -437,7 +437,7 @@ impl GroupTracker {
         extend_ms: u64,
         log: LogView,
     ) -> Result<u64, GroupError> {
-        self.begin_request(now_ms)?;
+        self.begin_record_request(now_ms)?;
         self.observe(log);
         let s = self.held_claim(now_ms, offset, attempts, log)?;
         if s.state() == State::Owed {
@@ -477,7 +477,7 @@ impl GroupTracker {
         reason: Option<&str>,
         log: LogView,
     ) -> Result<Vec<GroupEntry>, GroupError> {
-        self.begin_request(now_ms)?;
+        self.begin_record_request(now_ms)?;
         self.observe(log);
         if offset >= log.end {
             return Err(past_tail(offset, log));
@@ -516,8 +516,7 @@ impl GroupTracker {
     /// The group's dead letters, in offset order.
     pub fn dead_letters(&self) -> Result<Vec<(Offset, DeadLetter)>, GroupError> {
         let g = self.durable.as_ref().ok_or_else(|| self.no_group())?;
-        Ok(g.dead_letters()
-            .iter()
+        Ok(g.listed_dead_letters()
             .map(|(o, d)| (*o, d.clone()))
             .collect())
     }
@@ -630,7 +629,7 @@ impl GroupTracker {
             frontier: self.frontier,
             log_start: log.start,
             log_end: log.end,
-            dead_letters: g.dead_letters().len() as u64,
+            dead_letters: g.listed_dead_letters().count() as u64,
             last_active_ms: self.last_active_ms,
             ..GroupStatus::default()
         };
@@ -896,13 +895,28 @@ impl GroupTracker {
         Ok(())
     }
 
+    /// [`begin_request`](Self::begin_request) for a call about a record
+    /// the group handed out (ack, nack, extend, dead letter): a group that
+    /// does not exist has handed out nothing, so the guide's rule answers,
+    /// `invalid_request`, not `not_found`.
+    fn begin_record_request(&mut self, now_ms: u64) -> Result<(), GroupError> {
+        self.begin_request(now_ms).map_err(|e| match e {
+            GroupError::NotFound(_) => GroupError::InvalidRequest(format!(
+                "group {} has handed out nothing on this shard (it does not exist; \
+                 a group appears on its first poll or group_create)",
+                self.group
+            )),
+            other => other,
+        })
+    }
+
     fn no_group(&self) -> GroupError {
         GroupError::NotFound(format!("group {} does not exist on this shard", self.group))
     }
 
     fn require_dead_letter(&self, offset: Offset) -> Result<(), GroupError> {
         let g = self.durable.as_ref().ok_or_else(|| self.no_group())?;
-        if !g.dead_letters().contains_key(&offset) {
+        if !g.listed_dead_letters().any(|(o, _)| *o == offset) {
             return Err(GroupError::NotFound(format!(
                 "offset {offset} is not a dead letter of group {}",
                 self.group
@@ -1227,6 +1241,7 @@ impl GroupTracker {
                     at_ms,
                     reason,
                     by_consumer,
+                    discarded: false,
                 },
             },
             w,

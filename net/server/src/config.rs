@@ -13,8 +13,12 @@ pub enum Source {
     File(PathBuf),
     Env(&'static str),
     Flag(&'static str),
-    /// The default, raised to follow another setting.
-    Raised(&'static str),
+    /// Raised to follow another setting (`was`: where the lower value came
+    /// from).
+    Raised {
+        was: Box<Source>,
+        to: &'static str,
+    },
 }
 
 impl fmt::Display for Source {
@@ -24,7 +28,7 @@ impl fmt::Display for Source {
             Source::File(p) => write!(f, "file {}", p.display()),
             Source::Env(v) => write!(f, "env {v}"),
             Source::Flag(v) => write!(f, "flag {v}"),
-            Source::Raised(v) => write!(f, "default, raised to {v}"),
+            Source::Raised { was, to } => write!(f, "{was}, raised to {to}"),
         }
     }
 }
@@ -101,6 +105,8 @@ pub struct Overrides {
 #[derive(Clone, Debug)]
 pub struct Config {
     values: BTreeMap<(&'static str, &'static str), Resolved>,
+    /// Settings adjusted to be consistent, to log at start-up.
+    pub warnings: Vec<String>,
     pub listen: String,
     pub cores: String,
     pub max_connections: u64,
@@ -314,18 +320,21 @@ impl Config {
             "groups.visibility_timeout_ms",
         )?;
         let mut max_visibility_ms = num("groups", "max_visibility_ms")?;
-        let mut raised_cap = false;
+        let mut raised_cap = None;
+        let mut warnings = Vec::new();
         if max_visibility_ms < visibility_timeout_ms {
-            if matches!(get("groups", "max_visibility_ms").source, Source::Default) {
-                // The cap is never below the timeout: a longer timeout set
-                // alone raises the default cap with it.
-                max_visibility_ms = visibility_timeout_ms;
-                raised_cap = true;
-            } else {
-                return Err(ConfigError(format!(
-                    "groups.max_visibility_ms ({max_visibility_ms}) may not be below groups.visibility_timeout_ms ({visibility_timeout_ms})"
-                )));
+            // The cap is never below the timeout: a longer timeout raises
+            // the cap with it (saying so when the cap was set explicitly).
+            let was = get("groups", "max_visibility_ms").source.clone();
+            if was != Source::Default {
+                warnings.push(format!(
+                    "groups.max_visibility_ms ({max_visibility_ms}, {was}) is below \
+                     groups.visibility_timeout_ms ({visibility_timeout_ms}); the cap is \
+                     never below the timeout, so it is raised to {visibility_timeout_ms}"
+                ));
             }
+            max_visibility_ms = visibility_timeout_ms;
+            raised_cap = Some(was);
         }
         let group_limit = |v: u64, max: u64, what: &str| -> Result<u64, ConfigError> {
             if v > max {
@@ -448,14 +457,19 @@ impl Config {
                 "limits.max_shards",
             )?,
             values,
+            warnings: Vec::new(),
         };
         let mut cfg = cfg;
-        if raised_cap {
+        if let Some(was) = raised_cap {
             if let Some(r) = cfg.values.get_mut(&("groups", "max_visibility_ms")) {
                 r.value = max_visibility_ms.to_string();
-                r.source = Source::Raised("groups.visibility_timeout_ms");
+                r.source = Source::Raised {
+                    was: Box::new(was),
+                    to: "groups.visibility_timeout_ms",
+                };
             }
         }
+        cfg.warnings = warnings;
         Ok(cfg)
     }
 
@@ -585,13 +599,6 @@ mod tests {
             "{e}"
         );
         let mut env = BTreeMap::new();
-        env.insert(
-            "FELIX_GROUP_MAX_VISIBILITY_MS".to_string(),
-            "10".to_string(),
-        );
-        let e = Config::load_with_env(None, &Overrides::default(), &env).unwrap_err();
-        assert!(e.to_string().contains("max_visibility_ms"), "{e}");
-        env.clear();
         env.insert("FELIX_ACK_ON_COMMIT".to_string(), "maybe".to_string());
         assert!(Config::load_with_env(None, &Overrides::default(), &env).is_err());
 
@@ -603,7 +610,7 @@ mod tests {
     }
 
     #[test]
-    fn a_longer_visibility_timeout_raises_the_default_cap_only() {
+    fn a_longer_visibility_timeout_raises_the_cap() {
         let mut env = BTreeMap::new();
         env.insert(
             "FELIX_GROUP_VISIBILITY_TIMEOUT_MS".to_string(),
@@ -614,12 +621,20 @@ mod tests {
         assert!(c
             .render()
             .contains("raised to groups.visibility_timeout_ms"));
-        // Both set explicitly and contradictory: refused.
+        assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+        // A cap set below the timeout: the cap is never below the timeout,
+        // so it is raised too, with a warning naming where it was set.
         env.insert(
             "FELIX_GROUP_MAX_VISIBILITY_MS".to_string(),
             "60000".to_string(),
         );
-        assert!(Config::load_with_env(None, &Overrides::default(), &env).is_err());
+        let c = Config::load_with_env(None, &Overrides::default(), &env).unwrap();
+        assert_eq!(c.max_visibility_ms, 24 * 3_600_000);
+        assert!(c
+            .render()
+            .contains("env FELIX_GROUP_MAX_VISIBILITY_MS, raised to groups.visibility_timeout_ms"));
+        assert_eq!(c.warnings.len(), 1);
+        assert!(c.warnings[0].contains("is below groups.visibility_timeout_ms"));
         // Past what a claim can hold: refused, not lowered.
         let mut env = BTreeMap::new();
         env.insert("FELIX_GROUP_MAX_ATTEMPTS".to_string(), "70000".to_string());

@@ -205,6 +205,9 @@ pub(crate) async fn handle<S: Storage>(
             .await
         }
         Request::GroupDeadLetters { .. } => {
+            if let Err(e) = apply_due(&shard, &key.group) {
+                return e;
+            }
             match with_tracker(&shard, &key.group, |t| t.dead_letters()) {
                 Ok(list) => Response::DeadLetters(
                     list.into_iter()
@@ -221,12 +224,18 @@ pub(crate) async fn handle<S: Storage>(
             }
         }
         Request::GroupRedrive { offset, .. } => {
+            if let Err(e) = apply_due(&shard, &key.group) {
+                return e;
+            }
             write_op(&shard, &key.group, true, |t, now, _| {
                 t.redrive(now, Offset(offset))
             })
             .await
         }
         Request::GroupDiscard { offset, .. } => {
+            if let Err(e) = apply_due(&shard, &key.group) {
+                return e;
+            }
             write_op(&shard, &key.group, true, |t, now, _| {
                 t.discard(now, Offset(offset))
             })
@@ -254,11 +263,11 @@ pub(crate) async fn handle<S: Storage>(
             if let Err(e) = need(info, ADMIN, "group_delete") {
                 return e;
             }
-            let r = write_op(&shard, &key.group, true, |t, now, _| t.delete(now)).await;
-            if matches!(r, Response::Ok) {
-                shard.groups.borrow_mut().remove(&key.group);
-            }
-            r
+            // The tracker leaves memory with the delete (`with_tracker`
+            // drops a group that no longer exists). Not removed again after
+            // the wait for durability: a poll meanwhile may have created
+            // the group anew, and its tracker must stay.
+            write_op(&shard, &key.group, true, |t, now, _| t.delete(now)).await
         }
         Request::GroupDescribe { .. } => {
             if let Err(e) = need(info, ADMIN, "group_describe") {
@@ -313,10 +322,26 @@ fn with_tracker<S: Storage, R>(
     }
     let t = groups.get_mut(group).unwrap();
     let r = f(t);
+    // A deadline before the timer task's next wake (a short visibility, a
+    // short delay): wake it so the lapse is applied on time.
+    if t.next_deadline().is_some_and(|d| d < shard.timer_at.get()) {
+        shard.timer_at.set(0);
+        shard.timer_wake.wake_all();
+    }
     if !t.exists() && t.in_flight() == 0 {
         groups.remove(group);
     }
     r
+}
+
+/// Apply the group's lapses and ended delays that fell due, now rather than
+/// when the timer task next runs, so that a claim that lapsed at the attempt
+/// bound is a dead letter to the calls that list and act on dead letters.
+fn apply_due<S: Storage>(shard: &Shard<S>, group: &str) -> Result<(), Response> {
+    let due = with_tracker(shard, group, |t| t.tick(now_ms()));
+    append_entries(shard, &due)?;
+    shard.group_wake.wake_all();
+    Ok(())
 }
 
 /// Append the tracker's entries to the log, in order. Returns the lsn to wait
@@ -411,6 +436,7 @@ async fn poll<S: Storage>(
     let wait = (wait_ms as u64).min(cfg.max_wait_ms);
     let deadline = now_ms() + wait;
     let skipped = info.features.get() & felix_wire::FEATURE_GROUP_SKIPPED != 0;
+    let mut counted_capped = false;
     loop {
         if let Some(r) = shard.log.stopped() {
             return wire_err(
@@ -451,7 +477,9 @@ async fn poll<S: Storage>(
         if let Err(e) = append_entries(shard, &outcome.writes) {
             return e;
         }
-        if outcome.capped {
+        // Once per poll request, however often a waiting poll looks again.
+        if outcome.capped && !counted_capped {
+            counted_capped = true;
             core.metrics
                 .group_polls_capped
                 .set(core.metrics.group_polls_capped.get() + 1);

@@ -61,6 +61,9 @@ pub fn serve(opts: ServeOptions) -> Result<(), ServeError> {
         return Ok(());
     }
     init_logging(&config.log);
+    for w in &config.warnings {
+        tracing::warn!("{w}");
+    }
     let cores = CoreSet::parse(&config.cores)
         .map_err(|e| ServeError::Config(ConfigError(format!("server.cores: {e}"))))?;
     let cpus = cores.cpus();

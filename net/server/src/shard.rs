@@ -9,12 +9,11 @@ use felix_engine::notify::WaitList;
 use felix_engine::storage::Storage;
 use felix_engine::StreamName;
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::path::Path;
 use std::rc::Rc;
 use std::time::Duration;
 
-pub(crate) type Groups = Rc<RefCell<HashMap<String, GroupTracker>>>;
+pub(crate) type Groups = Rc<RefCell<ahash::AHashMap<String, GroupTracker>>>;
 
 pub(crate) struct Shard<S: Storage> {
     pub stream: StreamName,
@@ -24,6 +23,11 @@ pub(crate) struct Shard<S: Storage> {
     pub group_config: GroupConfig,
     /// Woken when group state changes in a way a waiting poll cares about.
     pub group_wake: Rc<WaitList>,
+    /// When the group timer task next wakes (ms since the epoch) ...
+    pub timer_at: std::cell::Cell<u64>,
+    /// ... and how to wake it sooner, when a request sets an earlier
+    /// deadline (see `groups::with_tracker`).
+    pub timer_wake: Rc<WaitList>,
 }
 
 impl<S: Storage> Shard<S> {
@@ -62,7 +66,7 @@ impl<S: Storage> Shard<S> {
                 reason: format!("undecodable group entry: {err}"),
             });
         }
-        let mut groups: HashMap<String, GroupTracker> = HashMap::new();
+        let mut groups: ahash::AHashMap<String, GroupTracker> = Default::default();
         for e in &entries {
             let t = groups
                 .entry(e.group().to_string())
@@ -86,6 +90,8 @@ impl<S: Storage> Shard<S> {
             groups,
             group_config,
             group_wake: Rc::new(WaitList::new()),
+            timer_at: std::cell::Cell::new(0),
+            timer_wake: Rc::new(WaitList::new()),
         });
         let flusher = shard.log.clone();
         glommio::spawn_local(async move { flusher.run_flusher().await }).detach();
@@ -116,7 +122,7 @@ impl<S: Storage> Shard<S> {
 /// the memory of idle groups.
 async fn run_group_timers<S: Storage>(shard: std::rc::Weak<Shard<S>>) {
     loop {
-        let sleep_ms = {
+        let (sleep_ms, wake) = {
             let Some(s) = shard.upgrade() else { return };
             let now = now_ms();
             let next = s
@@ -125,11 +131,22 @@ async fn run_group_timers<S: Storage>(shard: std::rc::Weak<Shard<S>>) {
                 .values()
                 .filter_map(|t| t.next_deadline())
                 .min();
-            next.map(|d| d.saturating_sub(now))
+            let sleep_ms = next
+                .map(|d| d.saturating_sub(now))
                 .unwrap_or(1000)
-                .clamp(1, 1000)
+                .clamp(1, 1000);
+            s.timer_at.set(now + sleep_ms);
+            (sleep_ms, s.timer_wake.clone())
         };
-        glommio::timer::sleep(Duration::from_millis(sleep_ms)).await;
+        // Until the earliest deadline, or sooner if a request sets an
+        // earlier one (a claim with a short visibility made meanwhile).
+        futures_lite::future::or(
+            glommio::timer::sleep(Duration::from_millis(sleep_ms)),
+            async {
+                wake.wait().await;
+            },
+        )
+        .await;
         let Some(s) = shard.upgrade() else { return };
         if s.log.stopped().is_some() {
             return;

@@ -203,9 +203,18 @@ impl Group {
         r: &GroupRecord,
         reason: Option<&str>,
     ) -> Result<(), ClientError> {
-        self.c
-            .group_dead_letter(T, NS, &self.stream, 0, &self.group, r, reason)
-            .await
+        match reason {
+            Some(why) => {
+                self.c
+                    .group_dead_letter_with_reason(T, NS, &self.stream, 0, &self.group, r, why)
+                    .await
+            }
+            None => {
+                self.c
+                    .group_dead_letter(T, NS, &self.stream, 0, &self.group, r)
+                    .await
+            }
+        }
     }
 
     pub async fn dead_letters(&self) -> Vec<u64> {
