@@ -1442,3 +1442,457 @@ async fn calls_about_a_delivery_of_a_group_that_never_polled_are_invalid() {
     // Its first poll brings it into being at offset 0.
     assert_eq!(offsets(&g.poll(10).await), vec![0, 1]);
 }
+
+// ------------------------------------- the broker's side, over the wire
+
+/// A raw wire connection (for requests the client library would refuse to
+/// send), with the features its HELLO was granted.
+struct Raw {
+    s: tokio::net::TcpStream,
+    next_id: u64,
+    features: u64,
+}
+
+impl Raw {
+    /// Connect and say HELLO offering `features`.
+    async fn hello(addr: &str, features: u64) -> Raw {
+        let s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut raw = Raw {
+            s,
+            next_id: 1,
+            features: 0,
+        };
+        let hello = felix_wire::Request::Hello {
+            version: felix_wire::PROTOCOL_VERSION,
+            features,
+            want_core: None,
+            client_name: "raw".into(),
+            token: None,
+        };
+        match raw.call(hello).await {
+            felix_wire::Response::HelloOk { features, .. } => raw.features = features,
+            other => panic!("unexpected {other:?}"),
+        }
+        raw
+    }
+
+    async fn call(&mut self, req: felix_wire::Request) -> felix_wire::Response {
+        let id = self.next_id;
+        self.next_id += 1;
+        felix_tests::raw_call(&mut self.s, id, &req).await
+    }
+
+    /// The error code of the answer to `req` (`None` if it succeeded).
+    async fn code(&mut self, req: felix_wire::Request) -> Option<ErrorCode> {
+        match self.call(req).await {
+            felix_wire::Response::Error(e) => Some(e.code),
+            _ => None,
+        }
+    }
+}
+
+/// The wire key of `group` on shard 0 of the jobs stream.
+fn wire_key(group: &str) -> felix_wire::GroupKey {
+    felix_wire::GroupKey {
+        stream: felix_wire::StreamRef {
+            tenant: T.into(),
+            namespace: NS.into(),
+            stream: JOBS.into(),
+        },
+        shard: 0,
+        group: group.into(),
+    }
+}
+
+/// The broker itself refuses what a connection did not negotiate, whatever
+/// a client sends: without FEATURE_GROUP_CLAIM_CONTROL a poll's visibility,
+/// a nack's delay, an extend and a consumer dead letter are `unsupported`;
+/// without FEATURE_GROUP_ADMIN so are group_create, group_seek,
+/// group_describe and group_delete. A refused request changes nothing, and
+/// the rest of the group calls work on the same connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_broker_refuses_claim_control_and_admin_a_connection_did_not_negotiate() {
+    use felix_wire::{
+        Request, Response, FEATURES_ALL, FEATURE_GROUPS, FEATURE_GROUP_ADMIN,
+        FEATURE_GROUP_CLAIM_CONTROL,
+    };
+    // One core: a raw connection is served by the shard's owner.
+    let b = felix_tests::start_broker!(opts(30_000, 5).cores(1));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 3).await;
+    // The same group through a client that negotiated everything.
+    let g = Group::new(&c, JOBS, "workers");
+    let unsupported = Some(ErrorCode::Unsupported);
+    let poll = |visibility_ms: Option<u64>| Request::GroupPoll {
+        key: wire_key("workers"),
+        max_records: 10,
+        wait_ms: 0,
+        member: None,
+        visibility_ms,
+    };
+    let nack = |offset: u64, delay_ms: Option<u64>| Request::GroupNack {
+        key: wire_key("workers"),
+        offset,
+        attempts: 1,
+        delay_ms,
+        reason: None,
+    };
+
+    // ---- without claim control
+    let mut raw = Raw::hello(&b.addr, FEATURES_ALL & !FEATURE_GROUP_CLAIM_CONTROL).await;
+    assert_eq!(
+        raw.features & (FEATURE_GROUPS | FEATURE_GROUP_CLAIM_CONTROL),
+        FEATURE_GROUPS,
+        "granted {:#x}",
+        raw.features
+    );
+    assert_eq!(raw.code(poll(Some(60_000))).await, unsupported);
+    assert_eq!(
+        code(g.describe().await),
+        Some(ErrorCode::NotFound),
+        "the refused poll claimed nothing, did not even create the group"
+    );
+    // A poll without a visibility is served (the broker's timeout).
+    match raw.call(poll(None)).await {
+        Response::GroupRecords { records } => {
+            assert_eq!(offsets(&records), vec![0, 1, 2]);
+            assert_eq!(attempts(&records), vec![1, 1, 1]);
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    assert_eq!(raw.code(nack(0, Some(10_000))).await, unsupported);
+    let extend = Request::GroupExtend {
+        key: wire_key("workers"),
+        offset: 1,
+        attempts: 1,
+        extend_ms: 10_000,
+    };
+    assert_eq!(raw.code(extend).await, unsupported);
+    let dead_letter = Request::GroupDeadLetter {
+        key: wire_key("workers"),
+        offset: 2,
+        attempts: 1,
+        reason: Some("poison".into()),
+    };
+    assert_eq!(raw.code(dead_letter).await, unsupported);
+    // None of them took effect: all three are still simply held.
+    let info = g.describe().await.unwrap();
+    assert_eq!(
+        (
+            info.in_flight,
+            info.delayed,
+            info.owed,
+            info.dead_letters,
+            info.position
+        ),
+        (3, 0, 0, 0, 0)
+    );
+    assert!(g.dead_letters().await.is_empty());
+    // A plain nack and acks are served on the same connection.
+    assert_eq!(raw.code(nack(0, None)).await, None);
+    assert_eq!(g.describe().await.unwrap().owed, 1);
+    let ack = Request::GroupAck {
+        key: wire_key("workers"),
+        offsets: vec![1, 2],
+    };
+    assert_eq!(raw.code(ack).await, None);
+    match raw.call(poll(None)).await {
+        Response::GroupRecords { records } => {
+            assert_eq!((offsets(&records), attempts(&records)), (vec![0], vec![2]));
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    let ack = Request::GroupAck {
+        key: wire_key("workers"),
+        offsets: vec![0],
+    };
+    assert_eq!(raw.code(ack).await, None);
+    assert_eq!(g.position().await, 3);
+
+    // ---- without group administration
+    let mut raw = Raw::hello(&b.addr, FEATURES_ALL & !FEATURE_GROUP_ADMIN).await;
+    assert_eq!(
+        raw.features & (FEATURE_GROUPS | FEATURE_GROUP_ADMIN),
+        FEATURE_GROUPS,
+        "granted {:#x}",
+        raw.features
+    );
+    let create = Request::GroupCreate {
+        key: wire_key("fresh"),
+        start: StartPosition::Latest,
+    };
+    assert_eq!(raw.code(create).await, unsupported);
+    assert_eq!(
+        code(Group::new(&c, JOBS, "fresh").describe().await),
+        Some(ErrorCode::NotFound),
+        "the refused create made nothing"
+    );
+    let seek = Request::GroupSeek {
+        key: wire_key("workers"),
+        start: StartPosition::Offset(0),
+    };
+    assert_eq!(raw.code(seek).await, unsupported);
+    assert_eq!(g.position().await, 3, "the refused seek moved nothing");
+    let describe = Request::GroupDescribe {
+        key: wire_key("workers"),
+    };
+    assert_eq!(raw.code(describe).await, unsupported);
+    let delete = Request::GroupDelete {
+        key: wire_key("workers"),
+    };
+    assert_eq!(raw.code(delete).await, unsupported);
+    assert_eq!(g.position().await, 3, "the refused delete removed nothing");
+    // Listing the groups is not administration: FEATURE_GROUPS is enough.
+    let list = Request::ListGroups {
+        stream: wire_key("workers").stream,
+        shard: 0,
+    };
+    match raw.call(list).await {
+        Response::Groups(names) => assert_eq!(names, vec!["workers".to_string()]),
+        other => panic!("unexpected {other:?}"),
+    }
+    // Claim control was negotiated on this connection: a poll's visibility
+    // is served (nothing left to hand out).
+    match raw.call(poll(Some(60_000))).await {
+        Response::GroupRecords { records } => assert!(records.is_empty()),
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+const CAPPED: &str = "felix_group_polls_capped_total";
+
+/// A broker whose groups may have one record in flight; a group holding
+/// offset 0 of two records (claimed for the 30 s visibility); and a poll of
+/// the group on another connection, waiting up to 20 s at the cap.
+async fn a_poll_waiting_at_the_cap() -> (
+    felix_tests::Broker,
+    Group,
+    felix_wire::GroupRecord,
+    tokio::task::JoinHandle<Vec<felix_wire::GroupRecord>>,
+) {
+    let b = felix_tests::start_broker!(opts(30_000, 5).env("FELIX_GROUP_MAX_IN_FLIGHT", 1));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 2).await;
+    let g = Group::new(&c, JOBS, "workers");
+    let held = g.poll(10).await;
+    assert_eq!((offsets(&held), attempts(&held)), (vec![0], vec![1]));
+    assert_eq!(b.metric(CAPPED), 0.0);
+    let waiter = g.via(&client(&b.addr).await);
+    let wait = tokio::spawn(async move { waiter.poll_wait(10, Duration::from_secs(20)).await });
+    // Offset 1 is there to be handed out, but the cap leaves no room: the
+    // poll is counted as capped and waits.
+    eventually(
+        "the waiting poll to hit the cap",
+        Duration::from_secs(10),
+        || async { b.metric(CAPPED) >= 1.0 },
+    )
+    .await;
+    assert!(!wait.is_finished(), "nothing has freed room yet");
+    (b, g, held.into_iter().next().unwrap(), wait)
+}
+
+/// A poll waiting at the in-flight cap is woken when a claim lapses: it
+/// gets the lapsed record (the owed one, before the new offset 1), long
+/// before its own 20 s wait would end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poll_waiting_at_the_in_flight_cap_is_woken_by_a_lapse() {
+    let (_b, g, held, wait) = a_poll_waiting_at_the_cap().await;
+    // Cut the claim short now that the poll waits (so the lapse cannot come
+    // before it), and let it lapse.
+    assert_eq!(
+        g.extend(&held, Duration::from_millis(500)).await.unwrap(),
+        Duration::from_millis(500)
+    );
+    let got = wait.await.unwrap();
+    assert_eq!(
+        (offsets(&got), attempts(&got)),
+        (vec![0], vec![2]),
+        "woken by the lapse, not answered empty at the end of its wait"
+    );
+    assert_eq!(
+        code(g.extend(&held, Duration::from_secs(5)).await),
+        Some(ErrorCode::StaleClaim),
+        "the first claim lapsed and the record went out again"
+    );
+    g.ack(0).await.unwrap();
+}
+
+/// A poll waiting at the in-flight cap is woken by a nack: the handed-back
+/// record goes to it as the next attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poll_waiting_at_the_in_flight_cap_is_woken_by_a_nack() {
+    let (_b, g, held, wait) = a_poll_waiting_at_the_cap().await;
+    g.nack(&held).await.unwrap();
+    let got = wait.await.unwrap();
+    assert_eq!(
+        (offsets(&got), attempts(&got)),
+        (vec![0], vec![2]),
+        "woken by the nack, not answered empty at the end of its wait"
+    );
+    g.ack(0).await.unwrap();
+}
+
+/// A delayed nack keeps its place under the cap; a poll waiting at the cap
+/// is woken when the delay ends, and gets the record then, not before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poll_waiting_at_the_in_flight_cap_is_woken_when_a_delayed_nack_ends() {
+    let (_b, g, held, wait) = a_poll_waiting_at_the_cap().await;
+    let start = Instant::now();
+    g.nack_after(&held, Duration::from_millis(1500))
+        .await
+        .unwrap();
+    let got = wait.await.unwrap();
+    assert_eq!(
+        (offsets(&got), attempts(&got)),
+        (vec![0], vec![2]),
+        "woken when the delay ended, not answered empty at the end of its wait"
+    );
+    assert!(
+        start.elapsed() >= Duration::from_millis(1450),
+        "not owed before the delay: {:?}",
+        start.elapsed()
+    );
+    g.ack(0).await.unwrap();
+}
+
+/// FELIX_GROUP_MAX_VISIBILITY_MS caps, over TCP, a poll's visibility (the
+/// claim lapses at the cap, not at the minute asked, nor at the shorter
+/// visibility timeout), a nack's delay (redelivered at the cap) and an
+/// extension (which answers exactly the cap as how long the claim stands).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn visibility_delays_and_extensions_are_capped_at_the_max_visibility() {
+    let b = felix_tests::start_broker!(felix_tests::BrokerOptions::default()
+        .cores(2)
+        .env("FELIX_GROUP_VISIBILITY_TIMEOUT_MS", 1000)
+        .env("FELIX_GROUP_MAX_ATTEMPTS", 5)
+        .env("FELIX_GROUP_MAX_VISIBILITY_MS", 2000));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 3).await;
+    let g = Group::new(&c, JOBS, "workers");
+    let cap = Duration::from_millis(2000);
+    let a_minute = Duration::from_secs(60);
+
+    // A poll asking a minute's visibility gets the cap's.
+    let start = Instant::now();
+    let long = GroupPollOptions {
+        max_records: 1,
+        visibility: Some(a_minute),
+        ..GroupPollOptions::default()
+    };
+    let r = g.poll_as(&GroupMember::new("slow"), long).await;
+    assert_eq!((offsets(&r), attempts(&r)), (vec![0], vec![1]));
+    assert_eq!(g.describe().await.unwrap().in_flight, 1);
+    eventually(
+        "the minute-long claim to lapse at the cap",
+        Duration::from_secs(20),
+        || async {
+            let info = g.describe().await.unwrap();
+            info.owed == 1 && info.in_flight == 0
+        },
+    )
+    .await;
+    assert!(
+        start.elapsed() >= cap - Duration::from_millis(50),
+        "stood for the cap, not the 1 s visibility timeout: {:?}",
+        start.elapsed()
+    );
+    let other = g.via(&client(&b.addr).await);
+    let again = other.poll(1).await;
+    assert_eq!((offsets(&again), attempts(&again)), (vec![0], vec![2]));
+    other.ack(0).await.unwrap();
+
+    // A nack delayed a minute is owed again after the cap.
+    let r = g.poll(1).await;
+    assert_eq!((offsets(&r), attempts(&r)), (vec![1], vec![1]));
+    let start = Instant::now();
+    g.nack_after(&r[0], a_minute).await.unwrap();
+    assert_eq!(g.describe().await.unwrap().delayed, 1);
+    eventually(
+        "the minute-long delay to end at the cap",
+        Duration::from_secs(20),
+        || async {
+            let info = g.describe().await.unwrap();
+            info.owed == 1 && info.delayed == 0
+        },
+    )
+    .await;
+    assert!(
+        start.elapsed() >= cap - Duration::from_millis(50),
+        "held back for the cap: {:?}",
+        start.elapsed()
+    );
+    let again = other.poll(1).await;
+    assert_eq!((offsets(&again), attempts(&again)), (vec![1], vec![2]));
+    other.ack(1).await.unwrap();
+
+    // An extension past the cap stands for exactly the cap; one below it
+    // stands for what was asked.
+    let r = g.poll(1).await.remove(0);
+    assert_eq!(r.offset, 2);
+    assert_eq!(g.extend(&r, a_minute).await.unwrap(), cap);
+    assert_eq!(g.extend(&r, Duration::from_secs(3600)).await.unwrap(), cap);
+    assert_eq!(
+        g.extend(&r, Duration::from_millis(1500)).await.unwrap(),
+        Duration::from_millis(1500)
+    );
+    g.ack(2).await.unwrap();
+    assert_eq!(g.position().await, 3);
+}
+
+/// A record its member nacked with a delay is nobody's while it waits: the
+/// member restarting (a new connection reclaiming under its name) takes back
+/// what it still held but not the delayed record, which goes to anyone who
+/// polls once the delay has passed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_that_restarts_does_not_reclaim_a_record_it_nacked_with_a_delay() {
+    let b = felix_tests::start_broker!(opts(30_000, 5));
+    let admin = client(&b.addr).await;
+    stream(&admin, JOBS).await;
+    publish(&admin, JOBS, 2).await;
+    let opt = |max_records| GroupPollOptions {
+        max_records,
+        ..GroupPollOptions::default()
+    };
+    let me = GroupMember::new("worker-1");
+    let reclaiming = me.clone().reclaim(true);
+    let delay = Duration::from_secs(5);
+
+    let a = Group::new(&client(&b.addr).await, JOBS, "workers");
+    let held = a.poll_as(&me, opt(2)).await;
+    assert_eq!((offsets(&held), attempts(&held)), (vec![0, 1], vec![1, 1]));
+    let start = Instant::now();
+    a.nack_after(&held[0], delay).await.unwrap();
+
+    // The member restarts: a new connection, same name, reclaiming.
+    let bb = a.via(&client(&b.addr).await);
+    let back = bb.poll_as(&reclaiming, opt(10)).await;
+    assert_eq!(
+        (offsets(&back), attempts(&back)),
+        (vec![1], vec![2]),
+        "what it held, not what it nacked with a delay"
+    );
+    assert!(bb.poll_as(&reclaiming, opt(10)).await.is_empty());
+    let info = bb.describe().await.unwrap();
+    assert_eq!(
+        (info.in_flight, info.delayed, info.owed),
+        (2, 1, 0),
+        "still delayed"
+    );
+
+    // After the delay it goes to anyone: here a stranger's waiting poll
+    // (the reclaiming connection does not poll again).
+    let stranger = a.via(&client(&b.addr).await);
+    let got = stranger.poll_wait(10, Duration::from_secs(20)).await;
+    assert_eq!((offsets(&got), attempts(&got)), (vec![0], vec![2]));
+    assert!(
+        start.elapsed() >= delay - Duration::from_millis(50),
+        "not before the delay: {:?}",
+        start.elapsed()
+    );
+    stranger.ack(0).await.unwrap();
+    bb.ack(1).await.unwrap();
+    assert_eq!(bb.position().await, 2);
+}
