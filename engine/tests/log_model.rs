@@ -572,9 +572,9 @@ fn small_cold_reads_are_served_from_the_chunk_read_before() {
     });
 }
 
-/// The shard's flusher task (pipelined: the next round is written while the
-/// previous round's fdatasync is in flight) never acknowledges a record as
-/// durable before it is: producers append and wait on the durable frontier
+/// The shard's flusher task (a round is written and synced while producers
+/// keep appending to the next) never acknowledges a record as durable
+/// before it is: producers append and wait on the durable frontier
 /// while the flusher runs, the disk yields inside every write and sync (so
 /// they interleave), syncs fail at random, and the power goes out at a
 /// random moment. After recovery every acknowledged record is there, in

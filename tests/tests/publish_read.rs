@@ -1181,3 +1181,46 @@ async fn a_record_stamped_far_in_the_future_is_refused() {
     assert_eq!(ts[..2], [1, now + 60_000]);
     assert!(ts[2] >= now, "an unstamped record gets the broker's clock");
 }
+
+/// A shard whose directory vanished while the broker was down has lost its
+/// records: the broker says so and refuses that shard, rather than start it
+/// again at offset 0 and hand out offsets a second time; the other shards
+/// serve as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_shard_directory_is_refused_not_started_again_at_zero() {
+    let mut broker = felix_tests::start_broker!(BrokerOptions::default().cores(1));
+    let c = client(&broker).await;
+    c.create_stream("t", "ns", "lost", 2, StreamOptions::default())
+        .await
+        .unwrap();
+    c.publish("t", "ns", "lost", 0, "kept").await.unwrap();
+    c.publish("t", "ns", "lost", 1, "gone").await.unwrap();
+    drop(c);
+    let shard1 = broker.data_dir().unwrap().join("t/ns/lost/1");
+    assert!(shard1.is_dir(), "{}", shard1.display());
+    std::fs::remove_dir_all(&shard1).unwrap();
+    broker.restart();
+    let c = client(&broker).await;
+    assert_eq!(
+        read_shard(&c, "lost", 0).await,
+        vec![(0, Bytes::from_static(b"kept"))]
+    );
+    for r in [
+        c.publish("t", "ns", "lost", 1, "again").await.map(|_| ()),
+        c.read("t", "ns", "lost", 1, StartPosition::Earliest, 10, None)
+            .await
+            .map(|_| ()),
+    ] {
+        match r {
+            Err(ClientError::Server { code, message }) => {
+                assert_eq!(code, ErrorCode::Unavailable, "{message}");
+                assert!(message.contains("is missing"), "{message}");
+            }
+            other => panic!("shard 1 served: {other:?}"),
+        }
+    }
+    assert!(
+        !shard1.exists(),
+        "the broker did not make a new, empty shard"
+    );
+}

@@ -643,8 +643,8 @@ impl StorageFile for SimFile {
 
     async fn sync(&self) -> io::Result<()> {
         // An fdatasync covers the writes completed before it was issued,
-        // not those that land while it runs (the pipelined flusher writes
-        // the next round while a sync is in flight).
+        // not those that land while it runs (as a real disk: a flusher that
+        // wrote the next round during a sync must not count it as synced).
         let covered = self.with(|f| f.unsynced.len())?;
         if self.disk.borrow().yielding {
             futures_lite::future::yield_now().await;

@@ -218,12 +218,44 @@ impl<S: Storage> Core<S> {
         }
         let mut shards = Vec::with_capacity(meta.shards as usize);
         let mut failures = Vec::new();
+        // A stream's shard directories are made (and made durable) before
+        // its metadata, so each one the metadata names must be there. One
+        // that is not has lost its records: opening it would start it again
+        // at offset 0 and hand out offsets a second time.
+        let present: Option<Vec<String>> = if self.shared.durable {
+            let sdir = catalog::stream_dir(&self.data_dir(), &meta.name);
+            match self.storage.list_dir(&sdir).await {
+                Ok(names) => Some(names),
+                Err(e) => {
+                    tracing::error!("cannot list {}: {e}", sdir.display());
+                    Some(Vec::new())
+                }
+            }
+        } else {
+            None
+        };
         for s in 0..meta.shards {
             if placement(&meta.name, ShardId(s), self.shared.cores) != self.ctx.core {
                 shards.push(Slot::Elsewhere);
                 continue;
             }
             let dir = catalog::shard_dir(&self.data_dir(), &meta.name, s);
+            if present
+                .as_ref()
+                .is_some_and(|names| !names.iter().any(|n| *n == s.to_string()))
+            {
+                let why = format!(
+                    "{}/{s}: shard directory {} is missing, so its records are gone; the \
+                     shard refuses requests rather than start again at offset 0 \
+                     (restore the directory, or delete and re-create the stream)",
+                    meta.name,
+                    dir.display()
+                );
+                tracing::error!("shard cannot be opened and will refuse requests: {why}");
+                failures.push(why.clone());
+                shards.push(Slot::Failed(why));
+                continue;
+            }
             match Shard::open(self.clone(), &meta, s, &dir).await {
                 Ok(shard) => shards.push(Slot::Open(shard)),
                 Err(e) => {
