@@ -1141,6 +1141,9 @@ impl<S: Storage> ShardLog<S> {
                 let src_at = (at + filled).saturating_sub(tail.len());
                 let m = (n - filled).min(chunk.buf.len().saturating_sub(src_at));
                 dst[filled..filled + m].copy_from_slice(&chunk.buf[src_at..src_at + m]);
+                // Padding to the page boundary: zeros (recovery reads them
+                // as the end of the log). The buffer comes uninitialised.
+                dst[filled + m..].fill(0);
             }
             pieces.push((buf, page_start + at as u64));
             at += n;

@@ -154,9 +154,7 @@ impl StorageFile for DmaStorageFile {
 
     fn alloc(&self, len: usize) -> DmaBuffer {
         debug_assert_eq!(len % ALIGN, 0);
-        let mut buf = self.file.alloc_dma_buffer(len);
-        buf.as_bytes_mut().fill(0);
-        buf
+        self.file.alloc_dma_buffer(len)
     }
 
     async fn write_at(&self, buf: DmaBuffer, pos: u64) -> io::Result<()> {

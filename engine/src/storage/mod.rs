@@ -59,7 +59,9 @@ pub trait StorageFile: 'static {
     /// A buffer suitable for `write_at` (aligned for O_DIRECT).
     type Buffer: AsRef<[u8]> + AsMut<[u8]>;
 
-    /// An aligned, zeroed buffer of `len` bytes (`len` a multiple of [`ALIGN`]).
+    /// An aligned buffer of `len` bytes (`len` a multiple of [`ALIGN`]). Its
+    /// contents are unspecified: the caller writes every byte (zeroing a
+    /// whole buffer it then overwrites cost 4 % of a core at 1.5 GB/s).
     fn alloc(&self, len: usize) -> Self::Buffer;
     /// Write the whole buffer at `pos` (both aligned).
     async fn write_at(&self, buf: Self::Buffer, pos: u64) -> io::Result<()>;

@@ -66,6 +66,10 @@ struct Disk {
     fail_write_on: Option<u64>,
     fail_sync_on: Option<u64>,
     hang_sync_on: Option<u64>,
+    /// While set, every fsync issued waits (in flight, counted) until
+    /// [`SimStorage::release_syncs`]; the tasks it parked are kept here.
+    syncs_held: bool,
+    held_syncs: Vec<std::task::Waker>,
     /// Files removed since their directory was last synced: (path, state,
     /// the path whose parent directory's sync makes the removal durable).
     removed: Vec<(PathBuf, SimFileState, PathBuf)>,
@@ -198,6 +202,26 @@ impl SimStorage {
     pub fn hang_sync_after(&self, n: u64) {
         let mut d = self.disk.borrow_mut();
         d.hang_sync_on = Some(d.syncs + n);
+    }
+
+    /// Hold every fsync from now on in flight: it is issued (and counted)
+    /// but does not complete until [`SimStorage::release_syncs`]. For tests
+    /// of what happens between a write and the sync that makes it durable.
+    pub fn hold_syncs(&self) {
+        self.disk.borrow_mut().syncs_held = true;
+    }
+
+    /// Let the fsyncs held by [`SimStorage::hold_syncs`] complete, and stop
+    /// holding new ones.
+    pub fn release_syncs(&self) {
+        let waiters = {
+            let mut d = self.disk.borrow_mut();
+            d.syncs_held = false;
+            std::mem::take(&mut d.held_syncs)
+        };
+        for w in waiters {
+            w.wake();
+        }
     }
 
     /// Make every write, sync, directory sync and removal yield once before
@@ -609,7 +633,9 @@ impl StorageFile for SimFile {
 
     fn alloc(&self, len: usize) -> SimBuffer {
         assert_eq!(len % ALIGN, 0, "unaligned buffer length {len}");
-        SimBuffer(vec![0; len])
+        // Not zeros: a caller that leaves bytes unwritten writes this
+        // pattern to the simulated disk, and recovery notices.
+        SimBuffer(vec![0xA5; len])
     }
 
     async fn write_at(&self, buf: SimBuffer, pos: u64) -> io::Result<()> {
@@ -660,6 +686,16 @@ impl StorageFile for SimFile {
         if hang {
             return std::future::pending::<io::Result<()>>().await;
         }
+        std::future::poll_fn(|cx| {
+            let mut d = self.disk.borrow_mut();
+            if d.syncs_held {
+                d.held_syncs.push(cx.waker().clone());
+                std::task::Poll::Pending
+            } else {
+                std::task::Poll::Ready(())
+            }
+        })
+        .await;
         if fail {
             // Like Linux after a failed fsync: the dirty data may be gone
             // and the error is not reported again. Drop it.
