@@ -585,6 +585,10 @@ pub struct ShardLog<S: Storage> {
     progress: Rc<WaitList>,
     /// Woken when something is queued (the flusher waits on it) or room frees.
     queued: Rc<WaitList>,
+    /// Woken when the written frontier moves, for waiters on
+    /// [`Frontier::Written`] (apart from `progress` so that durable waiters,
+    /// the many, are not woken once per write as well).
+    written: Rc<WaitList>,
 }
 
 impl<S: Storage> Clone for ShardLog<S> {
@@ -594,6 +598,7 @@ impl<S: Storage> Clone for ShardLog<S> {
             inner: self.inner.clone(),
             progress: self.progress.clone(),
             queued: self.queued.clone(),
+            written: self.written.clone(),
         }
     }
 }
@@ -826,6 +831,7 @@ impl<S: Storage> ShardLog<S> {
             inner: Rc::new(RefCell::new(inner)),
             progress: Rc::new(WaitList::new()),
             queued: Rc::new(WaitList::new()),
+            written: Rc::new(WaitList::new()),
         })
     }
 
@@ -901,7 +907,12 @@ impl<S: Storage> ShardLog<S> {
                 }
                 i.refuse()?;
             }
-            self.progress.wait().await;
+            if frontier == Frontier::Written {
+                // The written frontier moves without the durable one.
+                futures_lite::future::or(self.progress.wait(), self.written.wait()).await;
+            } else {
+                self.progress.wait().await;
+            }
         }
     }
 
@@ -1214,6 +1225,8 @@ impl<S: Storage> ShardLog<S> {
             i.cache_bytes -= b.bytes.len();
         }
         i.frontiers.mark_written(chunk.end);
+        drop(i);
+        self.written.wake_all();
         Ok(file)
     }
 

@@ -120,3 +120,76 @@ fn a_hand_truncated_segment_reopens_at_the_last_whole_record() {
         assert_eq!(read_all(&log).await.len(), 100);
     });
 }
+
+/// The storage holds at most its queue depth of data-file I/Os in flight on
+/// a core, however many are issued at once: 32 writes, then 32 reads mixed
+/// with fdatasyncs, all issued together with a depth of 2 never have more
+/// than 2 in flight; nor does a shard log that fans a flush out 8 wide. The
+/// same load with a larger depth does go wider (the count measures it).
+#[test]
+fn io_in_flight_never_exceeds_the_queue_depth() {
+    use felix_engine::storage::{Storage, StorageFile};
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().to_path_buf();
+    run(move || async move {
+        warm_up_dma(&root).await.unwrap();
+        async fn burst(storage: &DmaStorage, path: &std::path::Path) {
+            const N: u64 = 32;
+            let file = storage.open(path, true).await.unwrap();
+            let writes = (0..N).map(|i| {
+                let mut buf = file.alloc(4096);
+                buf.as_mut().fill(i as u8);
+                file.write_at(buf, i * 4096)
+            });
+            for r in futures_util::future::join_all(writes).await {
+                r.unwrap();
+            }
+            let reads =
+                futures_util::future::join_all((0..N).map(|i| file.read_at(i * 4096, 4096)));
+            let syncs = futures_util::future::join_all((0..4).map(|_| file.sync()));
+            let (reads, syncs) = futures_util::future::join(reads, syncs).await;
+            for (i, r) in reads.into_iter().enumerate() {
+                assert!(r.unwrap().iter().all(|b| *b == i as u8));
+            }
+            for r in syncs {
+                r.unwrap();
+            }
+            file.close().await.unwrap();
+        }
+        let narrow = DmaStorage::with_queue_depth(2);
+        burst(&narrow, &root.join("narrow")).await;
+        assert_eq!(narrow.in_flight_high_water(), 2);
+
+        let wide = DmaStorage::with_queue_depth(64);
+        burst(&wide, &root.join("wide")).await;
+        assert!(
+            wide.in_flight_high_water() > 2,
+            "the unbounded burst went {} wide",
+            wide.in_flight_high_water()
+        );
+
+        // A shard log writing a flush in 4 KiB pieces, 8 at a time, on
+        // storage with a depth of 2.
+        let storage = DmaStorage::with_queue_depth(2);
+        let cfg = LogConfig {
+            io_depth: 8,
+            write_chunk_bytes: 4096,
+            read_cache_bytes: 0,
+            ..LogConfig::default()
+        };
+        let log = ShardLog::open(storage.clone(), &root.join("t/n/s/0"), cfg, &mut |_| {})
+            .await
+            .unwrap();
+        let batch: Vec<_> = (0..400).map(rec).collect();
+        log.append(&batch).unwrap();
+        log.flush().await.unwrap();
+        let bytes = log.stats().bytes;
+        assert!(
+            bytes > 8 * 4096,
+            "the flush takes more than 8 pieces: {bytes}"
+        );
+        assert_eq!(read_all(&log).await.len(), 400);
+        assert_eq!(storage.in_flight_high_water(), 2);
+        log.close().await.unwrap();
+    });
+}

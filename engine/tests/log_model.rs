@@ -724,3 +724,201 @@ fn retention_that_cannot_remove_a_segment_fails_and_keeps_serving_it() {
         assert_eq!(got.last().unwrap().0, 39);
     });
 }
+
+/// Run `f` on a glommio executor of its own (tasks spawned with
+/// `glommio::spawn_local` share its one thread).
+fn on_executor<F: std::future::Future<Output = ()> + 'static>(
+    f: impl FnOnce() -> F + Send + 'static,
+) {
+    glommio::LocalExecutorBuilder::default()
+        .spawn(f)
+        .expect("executor")
+        .join()
+        .expect("join");
+}
+
+/// Group commit: many appending tasks on one core join the open batch, and
+/// one write plus one fdatasync by the shard's flusher task completes all
+/// of them.
+///
+/// The schedule is deterministic: the flusher is already parked waiting for
+/// work when the appenders are spawned, all at once; the first append wakes
+/// it, but glommio runs ready tasks in order, so it runs after every
+/// appender has appended and parked on its durable wait.
+#[test]
+fn appends_from_many_tasks_complete_with_one_write_and_one_fdatasync() {
+    const TASKS: u64 = 64;
+    on_executor(|| async {
+        let storage = SimStorage::new();
+        let cfg = LogConfig::default();
+        let log = open(&storage, &cfg).await;
+        let flusher = {
+            let log = log.clone();
+            glommio::spawn_local(async move { log.run_flusher().await }).detach()
+        };
+        futures_lite::future::yield_now().await;
+        let before = storage.counts();
+        let bytes_before = storage.bytes_written();
+        let done = std::rc::Rc::new(std::cell::Cell::new(0u64));
+        let appenders: Vec<_> = (0..TASKS)
+            .map(|i| {
+                let log = log.clone();
+                let done = done.clone();
+                glommio::spawn_local(async move {
+                    let a = log
+                        .append(&[RecordIn {
+                            timestamp_ms: i,
+                            payload: Bytes::from(vec![i as u8; 200]),
+                            ..Default::default()
+                        }])
+                        .unwrap();
+                    log.wait(a.lsn, Frontier::Durable).await.unwrap();
+                    // Durable means readable: the whole group is visible.
+                    assert!(log.end() > a.base);
+                    done.set(done.get() + 1);
+                    a
+                })
+                .detach()
+            })
+            .collect();
+        let mut bases = Vec::new();
+        for t in appenders {
+            bases.push(t.await.expect("appender").base.0);
+        }
+        bases.sort();
+        assert_eq!(bases, (0..TASKS).collect::<Vec<_>>());
+        assert_eq!(done.get(), TASKS);
+        let (writes, syncs) = storage.counts();
+        let (writes, syncs) = (writes - before.0, syncs - before.1);
+        let s = log.stats();
+        assert_eq!(s.end, Offset(TASKS));
+        assert_eq!(s.flushes, 1, "one group-commit round");
+        assert_eq!(syncs, 1, "one fdatasync for all {TASKS} appends");
+        // One flush of the whole group: its bytes, padded to a page, in as
+        // many writes as that flush takes (`write_chunk_bytes` pieces; 1 MiB
+        // by default, so one write for these ~15 KB).
+        let padded = s.bytes.div_ceil(4096) * 4096;
+        assert_eq!(storage.bytes_written() - bytes_before, padded);
+        assert_eq!(writes, padded.div_ceil(cfg.write_chunk_bytes as u64));
+        assert_eq!(writes, 1, "one write for all {TASKS} appends");
+        log.close().await.unwrap();
+        flusher.await;
+    });
+}
+
+/// An append's wait resolves at the frontier asked for: `Queued` at once,
+/// `Written` once the write completed while its fdatasync is still in
+/// flight, `Durable` only when that fdatasync completed (and only then is
+/// the record visible to readers).
+#[test]
+fn waits_resolve_at_the_frontier_asked_for() {
+    on_executor(|| async {
+        use std::cell::Cell;
+        use std::rc::Rc;
+        let storage = SimStorage::new();
+        let log = open(&storage, &LogConfig::default()).await;
+        storage.hold_syncs();
+        let a = log
+            .append(&[RecordIn {
+                payload: Bytes::from_static(b"x"),
+                ..Default::default()
+            }])
+            .unwrap();
+        // Queued: encoded into the open batch, resolved without any I/O.
+        assert!(
+            futures_lite::future::poll_once(log.wait(a.lsn, Frontier::Queued))
+                .await
+                .is_some(),
+            "queued resolves at once"
+        );
+        assert_eq!(storage.counts(), (0, 0));
+        let reached = |frontier: Frontier| {
+            let flag = Rc::new(Cell::new(false));
+            let (log, f) = (log.clone(), flag.clone());
+            glommio::spawn_local(async move {
+                log.wait(a.lsn, frontier).await.unwrap();
+                f.set(true);
+            })
+            .detach();
+            flag
+        };
+        let written = reached(Frontier::Written);
+        let durable = reached(Frontier::Durable);
+        let flusher = {
+            let log = log.clone();
+            glommio::spawn_local(async move { log.run_flusher().await }).detach()
+        };
+        // Let everything run until the waiters have nothing left to do
+        // (bounded: a waiter never woken leaves its flag unset).
+        for _ in 0..100 {
+            futures_lite::future::yield_now().await;
+        }
+        assert_eq!(storage.counts(), (1, 1), "written, and the sync issued");
+        assert!(
+            written.get(),
+            "Written resolves while the sync is in flight"
+        );
+        assert!(!durable.get(), "Durable waits for the sync");
+        assert_eq!(log.end(), Offset::ZERO, "not visible before it is durable");
+        storage.release_syncs();
+        for _ in 0..100 {
+            if durable.get() {
+                break;
+            }
+            futures_lite::future::yield_now().await;
+        }
+        assert!(durable.get(), "Durable resolves once the sync completed");
+        assert_eq!(log.end(), Offset(1));
+        log.close().await.unwrap();
+        flusher.await;
+    });
+}
+
+/// After retention removed segments, a read from below the log's start
+/// reports the new start (so the reader learns how many offsets went) and
+/// begins there, from disk and from the tail cache alike.
+#[test]
+fn a_read_below_the_start_after_retention_reports_the_start_and_begins_there() {
+    for read_cache_bytes in [0, 1 << 20] {
+        let storage = SimStorage::new();
+        let cfg = LogConfig {
+            segment_bytes: 1000,
+            retention_bytes: Some(3000),
+            read_cache_bytes,
+            ..LogConfig::default()
+        };
+        block_on(async {
+            let log = open(&storage, &cfg).await;
+            for i in 0..40u64 {
+                log.append(&[RecordIn {
+                    payload: Bytes::from(vec![i as u8; 100]),
+                    ..Default::default()
+                }])
+                .unwrap();
+                log.flush().await.unwrap();
+            }
+            assert_eq!(log.start(), Offset::ZERO);
+            assert!(log.enforce_retention(0).await.unwrap() > 0);
+            let start = log.start();
+            assert!(start > Offset(1), "retention removed segments: {start:?}");
+            for from in [Offset::ZERO, Offset(start.0 - 1)] {
+                let r = log
+                    .read(
+                        from,
+                        ReadLimits {
+                            max_records: 5,
+                            max_bytes: 1 << 20,
+                        },
+                    )
+                    .await
+                    .unwrap();
+                assert_eq!(r.start, start, "cache {read_cache_bytes}, from {from:?}");
+                assert_eq!(r.end, Offset(40));
+                let offsets: Vec<u64> = r.records.iter().map(|x| x.offset.0).collect();
+                assert_eq!(offsets, (start.0..start.0 + 5).collect::<Vec<_>>());
+                assert_eq!(r.records[0].payload[0], start.0 as u8);
+                assert_eq!(r.next, Offset(start.0 + 5));
+            }
+        });
+    }
+}

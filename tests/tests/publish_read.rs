@@ -1224,3 +1224,72 @@ async fn a_missing_shard_directory_is_refused_not_started_again_at_zero() {
         "the broker did not make a new, empty shard"
     );
 }
+
+/// Stream metadata is validated on start: a broker whose data directory
+/// holds a stream with a garbled `stream.meta` refuses to start, exits
+/// non-zero and names the file, rather than serving the stream as
+/// something it is not or silently dropping it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_garbled_stream_meta_stops_the_broker_at_start_naming_the_file() {
+    use std::io::Read;
+    use std::process::{Command, Stdio};
+    let mut broker = felix_tests::start_broker!(BrokerOptions::default().cores(1));
+    let c = client(&broker).await;
+    c.create_stream("t", "ns", "garbled", 2, StreamOptions::default())
+        .await
+        .unwrap();
+    c.publish("t", "ns", "garbled", 0, "kept").await.unwrap();
+    drop(c);
+    assert!(broker.terminate().success());
+    let data_dir = broker.data_dir().unwrap().to_path_buf();
+    let meta = data_dir.join("t/ns/garbled/stream.meta");
+    assert!(meta.exists(), "no metadata at {}", meta.display());
+    std::fs::write(&meta, b"shards = many\n\x7f garbage {{{\n").unwrap();
+
+    let mut child = Command::new(env!("CARGO_BIN_EXE_felix-test-broker"))
+        .args([data_dir.to_str().unwrap(), "127.0.0.1:0", "1"])
+        .env("FELIX_METRICS_LISTEN", "")
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start broker");
+    // A deadline, not a timing assertion: a broker that started anyway
+    // would run until killed.
+    let mut status = None;
+    let exited = felix_tests::wait_until(felix_tests::START_DEADLINE, || {
+        status = child.try_wait().expect("try_wait");
+        status.is_some()
+    });
+    if exited.is_err() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let (mut out, mut err) = (String::new(), String::new());
+    child
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    let status = status.unwrap_or_else(|| {
+        panic!("the broker started on garbled metadata:\nstdout:\n{out}\nstderr:\n{err}")
+    });
+    assert!(!status.success(), "exit {status:?}\nstderr:\n{err}");
+    assert!(
+        err.contains(&meta.display().to_string()),
+        "the error does not name {}:\n{err}",
+        meta.display()
+    );
+    assert!(
+        !out.contains("felix: listening on"),
+        "it announced an address:\n{out}"
+    );
+}

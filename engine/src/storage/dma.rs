@@ -8,6 +8,7 @@ use super::{Storage, StorageFile, ALIGN};
 use bytes::Bytes;
 use glommio::io::{DmaBuffer, DmaFile, OpenOptions};
 use glommio::sync::Semaphore;
+use std::cell::Cell;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
@@ -20,7 +21,27 @@ use std::rc::Rc;
 /// however many shards, flushes and cold reads run at once.
 #[derive(Clone)]
 pub struct DmaStorage {
-    depth: Rc<Semaphore>,
+    depth: Rc<Depth>,
+}
+
+/// The core's I/O permits, and how many were held at once (for tests and
+/// diagnostics; plain cells, the storage lives on one core).
+struct Depth {
+    permits: Semaphore,
+    in_flight: Cell<usize>,
+    high_water: Cell<usize>,
+}
+
+/// One I/O in flight: a permit, counted while held.
+struct InFlight<'a> {
+    _permit: glommio::sync::Permit<'a>,
+    depth: &'a Depth,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.depth.in_flight.set(self.depth.in_flight.get() - 1);
+    }
 }
 
 impl Default for DmaStorage {
@@ -38,13 +59,31 @@ impl DmaStorage {
     /// At most `depth` data-file I/Os in flight on this core (at least 1).
     pub fn with_queue_depth(depth: usize) -> Self {
         DmaStorage {
-            depth: Rc::new(Semaphore::new(depth.max(1) as u64)),
+            depth: Rc::new(Depth {
+                permits: Semaphore::new(depth.max(1) as u64),
+                in_flight: Cell::new(0),
+                high_water: Cell::new(0),
+            }),
         }
+    }
+
+    /// The most data-file I/Os (writes, reads, fdatasyncs) that were in
+    /// flight at once on this storage so far: never more than the queue
+    /// depth.
+    pub fn in_flight_high_water(&self) -> usize {
+        self.depth.high_water.get()
     }
 }
 
-async fn permit(depth: &Semaphore) -> io::Result<glommio::sync::Permit<'_>> {
-    depth.acquire_permit(1).await.map_err(gio)
+async fn permit(depth: &Depth) -> io::Result<InFlight<'_>> {
+    let permit = depth.permits.acquire_permit(1).await.map_err(gio)?;
+    let n = depth.in_flight.get() + 1;
+    depth.in_flight.set(n);
+    depth.high_water.set(depth.high_water.get().max(n));
+    Ok(InFlight {
+        _permit: permit,
+        depth,
+    })
 }
 
 fn gio<T>(e: glommio::GlommioError<T>) -> io::Error {
@@ -146,7 +185,7 @@ pub(crate) fn write_atomic_blocking(path: &PathBuf, data: &[u8]) -> io::Result<(
 /// One DMA file.
 pub struct DmaStorageFile {
     file: DmaFile,
-    depth: Rc<Semaphore>,
+    depth: Rc<Depth>,
 }
 
 impl StorageFile for DmaStorageFile {
