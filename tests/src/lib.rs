@@ -187,9 +187,18 @@ impl Broker {
 
     /// SIGTERM and wait for the exit status.
     pub fn terminate(&mut self) -> std::process::ExitStatus {
+        self.signal_and_wait(libc::SIGTERM)
+    }
+
+    /// SIGINT (Ctrl-C) and wait for the exit status.
+    pub fn interrupt(&mut self) -> std::process::ExitStatus {
+        self.signal_and_wait(libc::SIGINT)
+    }
+
+    fn signal_and_wait(&mut self, sig: libc::c_int) -> std::process::ExitStatus {
         let mut c = self.child.take().expect("running");
         // SAFETY: sending a signal to our own child process.
-        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+        unsafe { libc::kill(c.id() as i32, sig) };
         c.wait().expect("wait")
     }
 

@@ -765,6 +765,121 @@ async fn oversized_frames_and_publishes_get_too_large() {
     assert_eq!(payloads, want);
 }
 
+/// Send one frame of raw bytes (possibly malformed) and read one response
+/// frame: the request id it carries and the response.
+async fn raw_frame_call(
+    s: &mut tokio::net::TcpStream,
+    frame: &[u8],
+) -> (u64, felix_wire::Response) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    s.write_all(frame).await.unwrap();
+    let mut buf = bytes::BytesMut::new();
+    loop {
+        if let Some(got) = felix_wire::decode_response(&mut buf, 64 << 20).unwrap() {
+            assert!(buf.is_empty(), "more than one answer to one frame: {buf:?}");
+            return got;
+        }
+        let mut chunk = [0u8; 65536];
+        let n = tokio::time::timeout(Duration::from_secs(20), s.read(&mut chunk))
+            .await
+            .expect("the broker answered")
+            .unwrap();
+        assert!(n > 0, "broker closed the connection");
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// After HELLO, a frame that is framed correctly but whose contents are bad
+/// is a per-frame error: a known opcode with a body cut short or with an
+/// invalid field gets `invalid_request`, an unknown opcode `unsupported`,
+/// each under the frame's own request id, and the connection keeps serving.
+/// (A declared length over the frame limit, which is fatal, is in
+/// `oversized_frames_and_publishes_get_too_large`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_request_after_hello_gets_a_typed_error_under_its_id_and_the_connection_keeps_working(
+) {
+    use bytes::BytesMut;
+    use felix_wire::{opcodes, Request, Response, StreamRef, FRAME_HEADER_BYTES};
+    // One core, so no request can be answered with wrong_core.
+    let broker = felix_tests::start_broker!(BrokerOptions::default().cores(1));
+    let c = client(&broker).await;
+    c.create_stream("t", "ns", "listed", 1, StreamOptions::default())
+        .await
+        .unwrap();
+    let mut s = tokio::net::TcpStream::connect(&broker.addr).await.unwrap();
+    match raw_call(&mut s, 1, &hello(None, felix_wire::PROTOCOL_VERSION)).await {
+        Response::HelloOk { .. } => {}
+        other => panic!("unexpected {other:?}"),
+    }
+    let set_len = |frame: &mut BytesMut| {
+        let len = (frame.len() - 4) as u32;
+        frame[..4].copy_from_slice(&len.to_le_bytes());
+    };
+
+    // (a) DESCRIBE_STREAM whose stream path stops three bytes short (the
+    // length prefix says so, so the frame itself is whole).
+    let mut frame = BytesMut::new();
+    let describe = Request::DescribeStream {
+        stream: StreamRef::new("t", "ns", "listed"),
+    };
+    felix_wire::encode_request(7, &describe, &mut frame);
+    frame.truncate(frame.len() - 3);
+    set_len(&mut frame);
+    let header = felix_wire::peek_header(&frame).unwrap();
+    assert_eq!(header.opcode, opcodes::request::DESCRIBE_STREAM);
+    match raw_frame_call(&mut s, &frame).await {
+        (7, Response::Error(e)) => {
+            assert_eq!(e.code, ErrorCode::InvalidRequest, "{e}");
+            assert!(e.message.contains("truncated"), "{e}");
+        }
+        other => panic!("a truncated DESCRIBE_STREAM: {other:?}"),
+    }
+    // (a) again: LIST_STREAMS whose optional tenant has presence byte 2.
+    let mut frame = BytesMut::new();
+    felix_wire::encode_request(7, &Request::ListStreams { tenant: None }, &mut frame);
+    assert_eq!(frame.len(), FRAME_HEADER_BYTES + 1, "{frame:?}");
+    frame[FRAME_HEADER_BYTES] = 2;
+    match raw_frame_call(&mut s, &frame).await {
+        (7, Response::Error(e)) => {
+            assert_eq!(e.code, ErrorCode::InvalidRequest, "{e}");
+            assert!(e.message.contains("invalid"), "{e}");
+        }
+        other => panic!("a LIST_STREAMS with presence byte 2: {other:?}"),
+    }
+
+    // (b) An opcode no request has, with a body the broker must skip.
+    let mut frame = BytesMut::new();
+    felix_wire::encode_request(8, &Request::Ping, &mut frame);
+    frame[5] = 0xee;
+    frame.extend_from_slice(&[1, 2, 3, 4, 5]);
+    set_len(&mut frame);
+    match raw_frame_call(&mut s, &frame).await {
+        (8, Response::Error(e)) => {
+            assert_eq!(e.code, ErrorCode::Unsupported, "{e}");
+            assert!(e.message.contains("0xee"), "names the opcode: {e}");
+            assert_eq!(e.core, None);
+        }
+        other => panic!("an unknown opcode: {other:?}"),
+    }
+
+    // (c) The same connection still serves, in sync.
+    match raw_call(&mut s, 9, &Request::ListStreams { tenant: None }).await {
+        Response::Streams(list) => {
+            let names: Vec<_> = list.iter().map(|i| i.stream.stream.as_str()).collect();
+            assert_eq!(names, ["listed"]);
+        }
+        other => panic!("list streams after the bad frames: {other:?}"),
+    }
+    assert_eq!(
+        sample(&broker, "felix_errors_total{code=\"invalid_request\"}"),
+        2.0
+    );
+    assert_eq!(
+        sample(&broker, "felix_errors_total{code=\"unsupported\"}"),
+        1.0
+    );
+}
+
 /// A keyed publish goes to `shard_for_key(key, shards)`, whether the client
 /// routes it (`publish_keyed`) or the broker does (a raw publish naming only
 /// the key): every record of a key is on that one shard, in publish order.
@@ -944,6 +1059,71 @@ async fn sigterm_finishes_in_flight_requests_before_exit() {
         assert_eq!(*off, i as u64);
         assert_eq!(payload, &Bytes::from(format!("{i:08}").repeat(512)));
     }
+}
+
+/// SIGINT (Ctrl-C) shuts down like SIGTERM: a long-polling read in flight
+/// is answered (empty, not cut off), the broker exits 0, and after a
+/// restart every acknowledged record is there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigint_shuts_down_gracefully_like_sigterm() {
+    let broker = felix_tests::start_broker!(BrokerOptions::default().cores(2));
+    let c = client(&broker).await;
+    c.create_stream("t", "ns", "ctrl_c", 3, StreamOptions::default())
+        .await
+        .unwrap();
+    let mut acked = Vec::new();
+    for i in 0..30u32 {
+        let payload = format!("r{i}");
+        let off = c
+            .publish("t", "ns", "ctrl_c", i % 3, payload.clone())
+            .await
+            .unwrap();
+        acked.push((i % 3, off, Bytes::from(payload)));
+    }
+    // A long poll at the tail of shard 0, which nothing publishes to now.
+    let c1 = c.clone();
+    let read_poll = tokio::spawn(async move {
+        c1.read(
+            "t",
+            "ns",
+            "ctrl_c",
+            0,
+            StartPosition::Latest,
+            10,
+            Some(Duration::from_secs(25)),
+        )
+        .await
+    });
+    felix_tests::wait_until(Duration::from_secs(20), || {
+        sample(&broker, "felix_requests_total{op=\"read\"}") >= 1.0
+    })
+    .expect("the broker received the poll");
+    let (mut broker, status) = tokio::task::spawn_blocking(move || {
+        let mut broker = broker;
+        let status = broker.interrupt();
+        (broker, status)
+    })
+    .await
+    .unwrap();
+    assert!(status.success(), "exit status {status:?}");
+    let polled = read_poll
+        .await
+        .unwrap()
+        .expect("the long-polling read was answered");
+    assert!(polled.records.is_empty(), "{polled:?}");
+    drop(c);
+
+    broker.restart();
+    let c = client(&broker).await;
+    let mut got = Vec::new();
+    for shard in 0..3 {
+        for (off, payload) in read_shard(&c, "ctrl_c", shard).await {
+            got.push((shard, off, payload));
+        }
+    }
+    got.sort();
+    acked.sort();
+    assert_eq!(got, acked);
 }
 
 /// Start felix-test-broker with stderr captured; returns the process and the
