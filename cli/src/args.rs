@@ -98,9 +98,9 @@ pub struct ServeArgs {
     #[arg(long, value_name = "PATH")]
     pub config: Option<PathBuf>,
     /// Directory for durable storage (default ./felix-data, or
-    /// storage.data_dir / FELIX_DURABLE_STORAGE_DIR). Setting the storage
-    /// directory to an empty string runs the broker in memory: nothing
-    /// survives a restart and consumer groups are not offered.
+    /// storage.data_dir / FELIX_DURABLE_STORAGE_DIR). To run in memory
+    /// (nothing survives a restart, no consumer groups), set
+    /// FELIX_DURABLE_STORAGE_DIR= (empty) or storage.data_dir = "" instead.
     #[arg(long, value_name = "DIR")]
     pub data_dir: Option<PathBuf>,
     /// Address to listen on (default 127.0.0.1:7400); port 0 picks a free
