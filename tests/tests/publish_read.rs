@@ -1473,3 +1473,249 @@ async fn a_garbled_stream_meta_stops_the_broker_at_start_naming_the_file() {
         "it announced an address:\n{out}"
     );
 }
+
+/// The largest values every numeric field can carry, sent raw: each gets a
+/// typed error or is clamped as the protocol says (a wait to the broker's
+/// cap, a visibility, extension or delay to `max_visibility_ms`), the broker
+/// keeps serving, and it still restarts on what those requests left on disk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn extreme_numbers_get_typed_errors_or_clamps_and_the_broker_still_restarts() {
+    use felix_wire::{
+        AckMode, GroupKey, PublishTarget, Request, Response, StreamRef, FEATURES_ALL,
+    };
+    let mut broker = felix_tests::start_broker!(BrokerOptions::default()
+        .cores(1)
+        .env("FELIX_GROUP_MAX_WAIT_MS", 200));
+    let mut s = tokio::net::TcpStream::connect(&broker.addr).await.unwrap();
+    match raw_call(&mut s, 1, &hello(None, felix_wire::PROTOCOL_VERSION)).await {
+        Response::HelloOk { features, .. } => assert_eq!(features, FEATURES_ALL),
+        other => panic!("unexpected {other:?}"),
+    }
+    let stream = StreamRef::new("t", "ns", "max");
+    let code = |r: Response| match r {
+        Response::Error(e) => e.code,
+        other => panic!("expected an error, got {other:?}"),
+    };
+
+    // Retention of u64::MAX bytes and ms: refused with invalid_request (the
+    // stream metadata could not be read back at the next start).
+    for (bytes, ms) in [(Some(u64::MAX), None), (None, Some(u64::MAX))] {
+        let create = Request::CreateStream {
+            stream: StreamRef::new("t", "ns", "forever"),
+            shards: 1,
+            retention_bytes: bytes,
+            retention_ms: ms,
+        };
+        match raw_call(&mut s, 2, &create).await {
+            Response::Error(e) => {
+                assert_eq!(e.code, ErrorCode::InvalidRequest, "{e}");
+                assert!(e.message.contains("retention"), "{e}");
+            }
+            other => panic!("retention {bytes:?} / {ms:?} accepted: {other:?}"),
+        }
+    }
+    // The largest retention that is stored is taken, and survives restarts.
+    let create = Request::CreateStream {
+        stream: stream.clone(),
+        shards: 1,
+        retention_bytes: Some(i64::MAX as u64),
+        retention_ms: Some(i64::MAX as u64),
+    };
+    match raw_call(&mut s, 3, &create).await {
+        Response::Stream(info) => {
+            assert_eq!(info.retention_bytes, Some(i64::MAX as u64));
+            assert_eq!(info.retention_ms, Some(i64::MAX as u64));
+        }
+        other => panic!("create: {other:?}"),
+    }
+    let shard = Request::DescribeShard {
+        stream: stream.clone(),
+        shard: u32::MAX,
+    };
+    assert_eq!(code(raw_call(&mut s, 4, &shard).await), ErrorCode::NotFound);
+    let publish = Request::Publish {
+        stream: stream.clone(),
+        target: PublishTarget::Shard(0),
+        ack: AckMode::Durable,
+        records: (0..3)
+            .map(|i| RecordIn {
+                payload: Bytes::from(format!("r{i}")),
+                ..Default::default()
+            })
+            .collect(),
+    };
+    match raw_call(&mut s, 5, &publish).await {
+        Response::Published { count: 3, .. } => {}
+        other => panic!("publish: {other:?}"),
+    }
+
+    // Reads: an offset past the tail is refused; the widest limits are
+    // clamped, and a wait of u32::MAX ms at the tail ends at the cap.
+    let read = |from, wait_ms| Request::Read {
+        stream: stream.clone(),
+        shard: 0,
+        from,
+        max_records: u32::MAX,
+        max_bytes: u32::MAX,
+        wait_ms,
+    };
+    assert_eq!(
+        code(raw_call(&mut s, 6, &read(StartPosition::Offset(u64::MAX), 0)).await),
+        ErrorCode::InvalidRequest
+    );
+    match raw_call(&mut s, 7, &read(StartPosition::Earliest, u32::MAX)).await {
+        Response::Records { records, .. } => assert_eq!(records.len(), 3),
+        other => panic!("read: {other:?}"),
+    }
+    let began = std::time::Instant::now();
+    match raw_call(&mut s, 8, &read(StartPosition::Latest, u32::MAX)).await {
+        Response::Records { records, .. } => assert!(records.is_empty()),
+        other => panic!("read at the tail: {other:?}"),
+    }
+    assert!(
+        began.elapsed() < Duration::from_secs(10),
+        "the wait was not capped"
+    );
+
+    // Groups.
+    let key = GroupKey {
+        stream: stream.clone(),
+        shard: 0,
+        group: "g".into(),
+    };
+    for (id, start) in [(9, StartPosition::Offset(u64::MAX))] {
+        let create = Request::GroupCreate {
+            key: key.clone(),
+            start,
+        };
+        assert_eq!(
+            code(raw_call(&mut s, id, &create).await),
+            ErrorCode::InvalidRequest
+        );
+    }
+    let poll = Request::GroupPoll {
+        key: key.clone(),
+        max_records: u32::MAX,
+        wait_ms: u32::MAX,
+        member: None,
+        visibility_ms: Some(u64::MAX),
+    };
+    let got = match raw_call(&mut s, 10, &poll).await {
+        Response::GroupRecords { records } => records,
+        other => panic!("poll: {other:?}"),
+    };
+    assert_eq!(got.len(), 3);
+    let nack = |offset, attempts, delay_ms| Request::GroupNack {
+        key: key.clone(),
+        offset,
+        attempts,
+        delay_ms,
+        reason: Some("r".repeat(u16::MAX as usize)),
+    };
+    let extend = |offset, attempts| Request::GroupExtend {
+        key: key.clone(),
+        offset,
+        attempts,
+        extend_ms: u64::MAX,
+    };
+    let dead = |offset, attempts| Request::GroupDeadLetter {
+        key: key.clone(),
+        offset,
+        attempts,
+        reason: Some("x".repeat(u16::MAX as usize)),
+    };
+    for (id, req, want) in [
+        (11, nack(u64::MAX, 1, None), ErrorCode::InvalidRequest),
+        (12, nack(0, u32::MAX, Some(u64::MAX)), ErrorCode::StaleClaim),
+        (13, extend(u64::MAX, 1), ErrorCode::InvalidRequest),
+        (14, extend(0, u32::MAX), ErrorCode::StaleClaim),
+        (15, dead(u64::MAX, u32::MAX), ErrorCode::InvalidRequest),
+        (16, dead(0, u32::MAX), ErrorCode::StaleClaim),
+    ] {
+        assert_eq!(code(raw_call(&mut s, id, &req).await), want, "request {id}");
+    }
+    // Clamped to max_visibility_ms (12 h by default).
+    match raw_call(&mut s, 17, &extend(0, 1)).await {
+        Response::Extended { stands_ms } => assert_eq!(stands_ms, 43_200_000),
+        other => panic!("extend: {other:?}"),
+    }
+    match raw_call(&mut s, 18, &nack(1, 1, Some(u64::MAX))).await {
+        Response::Ok => {}
+        other => panic!("nack with the longest delay: {other:?}"),
+    }
+    match raw_call(&mut s, 19, &dead(2, 1)).await {
+        Response::Ok => {}
+        other => panic!("dead letter with the longest reason: {other:?}"),
+    }
+    let ack = Request::GroupAck {
+        key: key.clone(),
+        offsets: vec![0, u64::MAX],
+    };
+    assert_eq!(
+        code(raw_call(&mut s, 20, &ack).await),
+        ErrorCode::InvalidRequest
+    );
+    for (id, req, want) in [
+        (
+            21,
+            Request::GroupRedrive {
+                key: key.clone(),
+                offset: u64::MAX,
+            },
+            ErrorCode::NotFound,
+        ),
+        (
+            22,
+            Request::GroupDiscard {
+                key: key.clone(),
+                offset: u64::MAX,
+            },
+            ErrorCode::NotFound,
+        ),
+        (
+            23,
+            Request::GroupSeek {
+                key: key.clone(),
+                start: StartPosition::Offset(u64::MAX),
+            },
+            ErrorCode::InvalidRequest,
+        ),
+    ] {
+        assert_eq!(code(raw_call(&mut s, id, &req).await), want, "request {id}");
+    }
+    match raw_call(&mut s, 24, &Request::GroupDescribe { key: key.clone() }).await {
+        Response::Group(g) => {
+            assert_eq!((g.in_flight, g.delayed, g.dead_letters), (2, 1, 1), "{g:?}");
+        }
+        other => panic!("describe: {other:?}"),
+    }
+    match raw_call(&mut s, 25, &Request::GroupDeadLetters { key: key.clone() }).await {
+        Response::DeadLetters(list) => {
+            assert_eq!(list.len(), 1);
+            // Cut to the 1 KiB a dead letter keeps.
+            assert_eq!(list[0].reason.as_ref().map(|r| r.len()), Some(1024));
+        }
+        other => panic!("dead letters: {other:?}"),
+    }
+    drop(s);
+
+    // Everything those requests wrote reads back after a restart.
+    broker.restart();
+    let mut s = tokio::net::TcpStream::connect(&broker.addr).await.unwrap();
+    match raw_call(&mut s, 1, &hello(None, felix_wire::PROTOCOL_VERSION)).await {
+        Response::HelloOk { .. } => {}
+        other => panic!("unexpected {other:?}"),
+    }
+    match raw_call(&mut s, 2, &read(StartPosition::Earliest, 0)).await {
+        Response::Records { records, .. } => assert_eq!(records.len(), 3),
+        other => panic!("read after the restart: {other:?}"),
+    }
+    match raw_call(&mut s, 3, &Request::DescribeStream { stream }).await {
+        Response::Stream(info) => assert_eq!(info.retention_ms, Some(i64::MAX as u64)),
+        other => panic!("describe after the restart: {other:?}"),
+    }
+    match raw_call(&mut s, 4, &Request::GroupDeadLetters { key }).await {
+        Response::DeadLetters(list) => assert_eq!(list.len(), 1),
+        other => panic!("dead letters after the restart: {other:?}"),
+    }
+}

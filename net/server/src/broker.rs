@@ -152,6 +152,10 @@ pub(crate) struct Core<S: Storage> {
     pub disk: crate::disk::DiskGuard,
 }
 
+/// Largest `retention_bytes` / `retention_ms` a stream may have: what a
+/// TOML integer (`stream.meta`) holds.
+pub(crate) const MAX_STORED_RETENTION: u64 = i64::MAX as u64;
+
 pub(crate) fn wire_err(code: ErrorCode, msg: impl Into<String>) -> Response {
     Response::Error(WireError::new(code, msg))
 }
@@ -390,6 +394,22 @@ impl<S: Storage> Core<S> {
             retention_ms: retention_ms.or(c.retention_ms).filter(|b| *b > 0),
             created_ms: now_ms(),
         };
+        // `stream.meta` is TOML, whose integers are i64: a larger limit
+        // would be written but refused when the broker next starts.
+        for (what, v) in [
+            ("retention_bytes", meta.retention_bytes),
+            ("retention_ms", meta.retention_ms),
+        ] {
+            if let Some(v) = v.filter(|v| *v > MAX_STORED_RETENTION) {
+                return wire_err(
+                    ErrorCode::InvalidRequest,
+                    format!(
+                        "{what} {v} is over the largest the broker stores, \
+                         {MAX_STORED_RETENTION}; leave it out for no limit"
+                    ),
+                );
+            }
+        }
         {
             let mut cat = self.shared.catalog.lock().unwrap();
             if cat.contains_key(&name) {
