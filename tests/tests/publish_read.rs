@@ -1719,3 +1719,62 @@ async fn extreme_numbers_get_typed_errors_or_clamps_and_the_broker_still_restart
         other => panic!("dead letters after the restart: {other:?}"),
     }
 }
+
+/// Connections to the metrics endpoint that send nothing (or never read
+/// the answer) cannot take the broker's file descriptors: past a few at
+/// once the endpoint closes new ones straight away, so with the descriptor
+/// limit close to what the broker uses, a flood of idle scrapers leaves
+/// clients served, and the endpoint answers again once the flood stops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_metrics_connections_cannot_starve_the_broker_of_descriptors() {
+    let broker = felix_tests::start_broker!(BrokerOptions::default().cores(1));
+    let c = client(&broker).await;
+    c.create_stream("t", "ns", "fds", 1, StreamOptions::default())
+        .await
+        .unwrap();
+    c.publish("t", "ns", "fds", 0, "before").await.unwrap();
+    drop(c);
+    // Room for 64 more descriptors than the broker holds now.
+    let pid = broker.pid() as libc::pid_t;
+    let open = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count() as u64;
+    let limit = libc::rlimit {
+        rlim_cur: open + 64,
+        rlim_max: open + 64,
+    };
+    // SAFETY: sets a resource limit of our own child process.
+    let r = unsafe { libc::prlimit(pid, libc::RLIMIT_NOFILE, &limit, std::ptr::null_mut()) };
+    assert_eq!(r, 0, "prlimit: {}", std::io::Error::last_os_error());
+
+    // 200 scrapers that connect and say nothing (the endpoint's read
+    // timeout is 10 s; this test is done with them well before).
+    let idle: Vec<std::net::TcpStream> = (0..200)
+        .map(|_| std::net::TcpStream::connect(&broker.metrics_addr).unwrap())
+        .collect();
+    // Time for the broker to take them in (before the fix, to run out).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let served = tokio::time::timeout(Duration::from_secs(5), async {
+        let mut conns = Vec::new();
+        for id in 0..4 {
+            let mut s = tokio::net::TcpStream::connect(&broker.addr).await.unwrap();
+            match raw_call(&mut s, id, &hello(None, felix_wire::PROTOCOL_VERSION)).await {
+                felix_wire::Response::HelloOk { .. } => {}
+                other => panic!("unexpected {other:?}"),
+            }
+            conns.push(s);
+        }
+        let c = client(&broker).await;
+        c.publish("t", "ns", "fds", 0, "during").await.unwrap();
+        read_shard(&c, "fds", 0).await.len()
+    })
+    .await
+    .expect("clients are served while idle scrapers are connected");
+    assert_eq!(served, 2);
+    drop(idle);
+    felix_tests::wait_until(Duration::from_secs(20), || {
+        std::panic::catch_unwind(|| broker.metrics())
+            .is_ok_and(|m| m.contains("felix_requests_total"))
+    })
+    .expect("the metrics endpoint answers again");
+}

@@ -251,6 +251,16 @@ pub(crate) async fn scrape<S: Storage>(core: &Rc<Core<S>>) -> MetricsSnapshot {
     total
 }
 
+/// Metrics connections served at once; more are closed as they arrive.
+/// Scrapers ask one at a time; the bound keeps connections that send
+/// nothing, or never read the answer, from taking the process's file
+/// descriptors (which the shards' segment files and clients need).
+const MAX_METRICS_CONNECTIONS: usize = 8;
+
+/// How long a metrics connection may take to send its request, or to take
+/// the answer.
+const METRICS_IO_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// A minimal HTTP/1.0 server for `GET /metrics`.
 pub(crate) async fn serve_http<S: Storage>(core: Rc<Core<S>>, listener: std::net::TcpListener) {
     // SAFETY: ownership of the bound, listening descriptor moves to glommio.
@@ -259,6 +269,7 @@ pub(crate) async fn serve_http<S: Storage>(core: Rc<Core<S>>, listener: std::net
             std::os::fd::IntoRawFd::into_raw_fd(listener),
         )
     };
+    let open = Rc::new(Cell::new(0usize));
     loop {
         let mut stream = match listener.accept().await {
             Ok(s) => s,
@@ -273,11 +284,23 @@ pub(crate) async fn serve_http<S: Storage>(core: Rc<Core<S>>, listener: std::net
                 continue;
             }
         };
+        if open.get() >= MAX_METRICS_CONNECTIONS {
+            tracing::debug!(
+                "metrics endpoint: {} connections open; closing a new one",
+                open.get()
+            );
+            drop(stream);
+            continue;
+        }
+        open.set(open.get() + 1);
         let core = core.clone();
+        let open = open.clone();
         glommio::spawn_local(async move {
-            // A scraper that connects and sends nothing is dropped after a
-            // while instead of holding a task and a descriptor forever.
-            stream.set_read_timeout(Some(Duration::from_secs(10))).ok();
+            // A scraper that connects and sends nothing, or never reads the
+            // answer, is dropped after a while instead of holding a task
+            // and a descriptor forever.
+            stream.set_read_timeout(Some(METRICS_IO_TIMEOUT)).ok();
+            stream.set_write_timeout(Some(METRICS_IO_TIMEOUT)).ok();
             let mut buf = [0u8; 2048];
             let n = stream.read(&mut buf).await.unwrap_or(0);
             let req = String::from_utf8_lossy(&buf[..n]);
@@ -293,6 +316,7 @@ pub(crate) async fn serve_http<S: Storage>(core: Rc<Core<S>>, listener: std::net
             let _ = stream.write_all(head.as_bytes()).await;
             let _ = stream.write_all(body.as_bytes()).await;
             let _ = stream.close().await;
+            open.set(open.get() - 1);
         })
         .detach();
     }
