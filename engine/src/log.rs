@@ -457,6 +457,12 @@ struct Inner<F> {
     frontiers: Frontiers,
     /// Projected length of the newest target segment once all pending flushes land.
     projected_len: u64,
+    /// Bytes of that segment taken by the group snapshots it opened with
+    /// (0 for a segment recovered at open: not known, and at most one roll
+    /// early). They do not count toward `segment_bytes`: group state larger
+    /// than a segment would otherwise roll a new segment, and write the
+    /// snapshot again, for every batch.
+    snapshot_len: u64,
     /// Base of the segment new appends go to: the active segment, or the one
     /// a queued roll will create.
     target_base: Offset,
@@ -508,11 +514,12 @@ impl<F> Inner<F> {
         // Not the active segment: a roll may be queued or in flight (the
         // flusher creates the new segment when it reaches that chunk).
         let target_base = self.target_base;
-        let roll =
-            self.projected_len > 0 && self.projected_len + len as u64 > self.config.segment_bytes;
+        let data_len = self.projected_len - self.snapshot_len;
+        let roll = data_len > 0 && data_len + len as u64 > self.config.segment_bytes;
         if roll {
             let base = self.frontiers.offset(Frontier::Queued);
             self.projected_len = 0;
+            self.snapshot_len = 0;
             self.target_base = base;
             self.pending.push_back(Chunk {
                 segment_base: base,
@@ -529,6 +536,7 @@ impl<F> Inner<F> {
                 for body in bodies {
                     self.push_batch(|out, next, flush| encode_group(out, next, 0, flush, &body));
                 }
+                self.snapshot_len = self.projected_len;
             }
         } else if self.pending.back().map(|c| c.segment_base) != Some(target_base) {
             self.pending.push_back(Chunk {
@@ -809,6 +817,7 @@ impl<S: Storage> ShardLog<S> {
             start,
             frontiers: Frontiers::new(Point { offset: end, lsn }),
             projected_len,
+            snapshot_len: 0,
             target_base: end_base,
             pending: VecDeque::new(),
             pending_bytes: 0,
