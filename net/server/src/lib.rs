@@ -64,6 +64,7 @@ pub fn serve(opts: ServeOptions) -> Result<(), ServeError> {
     for w in &config.warnings {
         tracing::warn!("{w}");
     }
+    raise_open_file_limit();
     let cores = CoreSet::parse(&config.cores)
         .map_err(|e| ServeError::Config(ConfigError(format!("server.cores: {e}"))))?;
     let cpus = cores.cpus();
@@ -76,6 +77,39 @@ pub fn serve(opts: ServeOptions) -> Result<(), ServeError> {
         }
     }
     broker::run(config, cpus).map_err(ServeError::Start)
+}
+
+/// Every segment of every shard keeps a file open, and every connection is
+/// a socket: raise the soft limit on open files to the hard limit (as the
+/// operator allows), and say what it is, so running out is a configuration
+/// the operator can see rather than a surprise (a roll that cannot open its
+/// segment stops the shard).
+fn raise_open_file_limit() {
+    // SAFETY: getrlimit/setrlimit on a struct we own.
+    unsafe {
+        let mut lim: libc::rlimit = std::mem::zeroed();
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
+            return;
+        }
+        if lim.rlim_cur < lim.rlim_max {
+            let want = libc::rlimit {
+                rlim_cur: lim.rlim_max,
+                rlim_max: lim.rlim_max,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &want) == 0 {
+                lim.rlim_cur = lim.rlim_max;
+            }
+        }
+        if lim.rlim_cur < 4096 {
+            tracing::warn!(
+                limit = lim.rlim_cur,
+                "the open-file limit is low: each segment file and each connection \
+                 takes one; raise it (ulimit -n, LimitNOFILE=) for many shards or clients"
+            );
+        } else {
+            tracing::info!(limit = lim.rlim_cur, "open-file limit");
+        }
+    }
 }
 
 fn init_logging(filter: &str) {
