@@ -1016,7 +1016,7 @@ impl Client {
     }
 
     /// [`group_nack_after`](Self::group_nack_after) with a short reason
-    /// (the broker keeps up to 256 bytes). If this hand-back uses up the
+    /// (the broker keeps up to 1 KiB). If this hand-back uses up the
     /// record's last attempt, the dead letter lists the reason.
     #[allow(clippy::too_many_arguments)]
     pub async fn group_nack_with_reason(
@@ -1114,7 +1114,7 @@ impl Client {
     }
 
     /// [`group_dead_letter`](Client::group_dead_letter) with a short reason
-    /// the dead-letter list keeps (up to 256 bytes).
+    /// the dead-letter list keeps (up to 1 KiB).
     #[allow(clippy::too_many_arguments)]
     pub async fn group_dead_letter_with_reason(
         &self,

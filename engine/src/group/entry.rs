@@ -38,6 +38,13 @@ use crate::types::Offset;
 pub const ENTRY_VERSION: u8 = 1;
 /// Longest dead-letter reason kept, in bytes; longer ones are cut.
 pub const REASON_MAX_BYTES: usize = 1024;
+
+/// Reason bytes one group keeps across all its dead letters. Past it, new
+/// dead letters are kept without their reason: the group's state goes into
+/// every new segment as one snapshot batch, and into one `GroupDeadLetters`
+/// answer, and both must stay far below their size limits however many
+/// records a group gives up on.
+pub const REASON_BUDGET_BYTES: usize = 16 << 20;
 /// Longest group name an entry can carry.
 pub const GROUP_NAME_MAX_BYTES: usize = 255;
 
@@ -74,11 +81,19 @@ pub struct DeadLetter {
     pub discarded: bool,
 }
 
+impl DeadLetter {
+    fn reason_len(&self) -> usize {
+        self.reason.as_ref().map_or(0, String::len)
+    }
+}
+
 /// The durable part of a group: what its entries in the log rebuild.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub struct DurableGroup {
     position: Offset,
     dead_letters: BTreeMap<Offset, DeadLetter>,
+    /// Sum of the reasons' lengths in `dead_letters`.
+    reason_bytes: usize,
     /// Redriven offsets below the position: owed again until finished.
     redriven: BTreeSet<Offset>,
 }
@@ -108,9 +123,11 @@ impl DurableGroup {
                 "an offset is both redriven and a dead letter",
             ));
         }
+        let reason_bytes = dead_letters.values().map(DeadLetter::reason_len).sum();
         Ok(DurableGroup {
             position,
             dead_letters,
+            reason_bytes,
             redriven,
         })
     }
@@ -139,8 +156,33 @@ impl DurableGroup {
     }
 
     fn forget_discarded_below(&mut self, position: Offset) {
-        self.dead_letters
-            .retain(|o, d| !(d.discarded && *o < position));
+        let mut freed = 0;
+        self.dead_letters.retain(|o, d| {
+            let keep = !(d.discarded && *o < position);
+            if !keep {
+                freed += d.reason_len();
+            }
+            keep
+        });
+        self.reason_bytes -= freed;
+    }
+
+    /// Bytes of reasons kept (see [`REASON_BUDGET_BYTES`]).
+    pub fn reason_bytes(&self) -> usize {
+        self.reason_bytes
+    }
+
+    fn insert_dead_letter(&mut self, offset: Offset, info: DeadLetter) {
+        self.reason_bytes += info.reason_len();
+        if let Some(old) = self.dead_letters.insert(offset, info) {
+            self.reason_bytes -= old.reason_len();
+        }
+    }
+
+    fn remove_dead_letter(&mut self, offset: &Offset) -> Option<DeadLetter> {
+        let old = self.dead_letters.remove(offset)?;
+        self.reason_bytes -= old.reason_len();
+        Some(old)
     }
 }
 
@@ -395,12 +437,12 @@ pub(crate) fn apply(state: &mut Option<DurableGroup>, entry: &GroupEntry) {
         GroupEntry::DeadLetter { offset, info, .. } => {
             if let Some(g) = state {
                 g.redriven.remove(offset);
-                g.dead_letters.insert(*offset, info.clone());
+                g.insert_dead_letter(*offset, info.clone());
             }
         }
         GroupEntry::Redrive { offset, .. } => {
             if let Some(g) = state {
-                if g.dead_letters.remove(offset).is_some() && *offset < g.position {
+                if g.remove_dead_letter(offset).is_some() && *offset < g.position {
                     g.redriven.insert(*offset);
                 }
             }
@@ -408,7 +450,7 @@ pub(crate) fn apply(state: &mut Option<DurableGroup>, entry: &GroupEntry) {
         GroupEntry::Discard { offset, .. } => {
             if let Some(g) = state {
                 if *offset < g.position {
-                    g.dead_letters.remove(offset);
+                    g.remove_dead_letter(offset);
                 } else if let Some(d) = g.dead_letters.get_mut(offset) {
                     // Above a cursor held back by an earlier offset: keep it
                     // finished until the position passes it.
@@ -670,6 +712,7 @@ mod codec_tests {
         let state = DurableGroup {
             position: Offset(3),
             dead_letters: BTreeMap::new(),
+            reason_bytes: 0,
             redriven: [Offset(7)].into_iter().collect(),
         };
         let bytes = GroupEntry::Snapshot {

@@ -627,6 +627,52 @@ mod rules {
         assert_eq!(h.position(), 1);
     }
 
+    /// However many records a group gives up on with long reasons, the
+    /// reasons it keeps stay within REASON_BUDGET_BYTES (the group's state is
+    /// one snapshot batch in every new segment): past it, dead letters are
+    /// kept without their reason, and replay agrees.
+    #[test]
+    fn dead_letter_reasons_stay_within_the_group_budget() {
+        use crate::group::entry::{REASON_BUDGET_BYTES, REASON_MAX_BYTES};
+        let mut h = Harness::new();
+        let n = (REASON_BUDGET_BYTES / REASON_MAX_BYTES + 10) as u64;
+        h.append(n);
+        let long = "r".repeat(REASON_MAX_BYTES);
+        let mut done = 0u64;
+        while done < n {
+            let batch = h.poll_offsets(1000);
+            assert!(!batch.is_empty());
+            for o in batch {
+                let log = h.log();
+                let w =
+                    h.t.dead_letter(h.now, Offset(o), 1, Some(&long), log)
+                        .unwrap();
+                h.record(w);
+                done += 1;
+            }
+        }
+        let g = h.t.durable().unwrap();
+        assert_eq!(g.dead_letters().len() as u64, n, "every record is listed");
+        assert!(g.reason_bytes() <= REASON_BUDGET_BYTES);
+        let with = g
+            .dead_letters()
+            .values()
+            .filter(|d| d.reason.is_some())
+            .count();
+        assert_eq!(with, REASON_BUDGET_BYTES / REASON_MAX_BYTES);
+        h.restart();
+        assert_eq!(
+            h.t.durable().unwrap().reason_bytes(),
+            with * REASON_MAX_BYTES
+        );
+        // A redrive gives budget back.
+        h.redrive(0).unwrap();
+        assert_eq!(
+            h.t.durable().unwrap().reason_bytes(),
+            (with - 1) * REASON_MAX_BYTES
+        );
+    }
+
     /// Discard stops tracking a dead letter; it does not make it new again.
     /// Above a cursor held back by an earlier claim, the discarded offset
     /// stays finished through a restart, and is forgotten once the cursor

@@ -2,7 +2,10 @@
 
 use std::collections::BTreeSet;
 
-use super::entry::{self, cut_reason, DeadLetter, DurableGroup, GroupEntry, GROUP_NAME_MAX_BYTES};
+use super::entry::{
+    self, cut_reason, DeadLetter, DurableGroup, GroupEntry, GROUP_NAME_MAX_BYTES,
+    REASON_BUDGET_BYTES,
+};
 use super::members::{fast_map, FastMap, Members};
 use super::slot::{Slot, State, Timers, TIME_MAX_MS};
 use super::{
@@ -1232,6 +1235,10 @@ impl GroupTracker {
         by_consumer: bool,
         w: &mut Vec<GroupEntry>,
     ) {
+        // Past the group's reason budget a dead letter is kept without its
+        // reason (decided here, so replay of the entry is exact).
+        let kept = self.durable.as_ref().map_or(0, |g| g.reason_bytes());
+        let reason = reason.filter(|r| kept + r.len() <= REASON_BUDGET_BYTES);
         self.write(
             GroupEntry::DeadLetter {
                 group: self.group.clone(),
