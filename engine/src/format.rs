@@ -303,11 +303,9 @@ fn finish(
     }
 }
 
-/// Decode the header at the start of `buf` (at least
-/// [`BATCH_HEADER_BYTES`]) and check its length, version and kind, but not
-/// the checksum: the batch's bytes are `buf[..len]`, which may not all be
-/// there.
-pub fn parse_header(buf: &[u8]) -> Result<BatchHeader, FrameError> {
+/// The declared length of the batch at the start of `buf`, checked to be
+/// one a batch can have.
+fn batch_len(buf: &[u8]) -> Result<u32, FrameError> {
     if buf.len() < 4 {
         return Err(FrameError::Incomplete(4 - buf.len()));
     }
@@ -318,6 +316,15 @@ pub fn parse_header(buf: &[u8]) -> Result<BatchHeader, FrameError> {
     if (len as usize) < BATCH_HEADER_BYTES || len > BATCH_MAX_BYTES {
         return Err(FrameError::BadLength(len));
     }
+    Ok(len)
+}
+
+/// Decode the header at the start of `buf` (at least
+/// [`BATCH_HEADER_BYTES`]) and check its length, version and kind, but not
+/// the checksum: the batch's bytes are `buf[..len]`, which may not all be
+/// there.
+pub fn parse_header(buf: &[u8]) -> Result<BatchHeader, FrameError> {
+    let len = batch_len(buf)?;
     if buf.len() < BATCH_HEADER_BYTES {
         return Err(FrameError::Incomplete(BATCH_HEADER_BYTES - buf.len()));
     }
@@ -341,16 +348,7 @@ pub fn parse_header(buf: &[u8]) -> Result<BatchHeader, FrameError> {
 /// Parse and verify the batch at the start of `buf`. On success the batch is
 /// `buf[..header.len]`.
 pub fn parse_batch(buf: &[u8]) -> Result<BatchHeader, FrameError> {
-    if buf.len() < 4 {
-        return Err(FrameError::Incomplete(4 - buf.len()));
-    }
-    let len = u32::from_le_bytes(buf[0..4].try_into().unwrap());
-    if len == 0 {
-        return Err(FrameError::Zero);
-    }
-    if (len as usize) < BATCH_HEADER_BYTES || len > BATCH_MAX_BYTES {
-        return Err(FrameError::BadLength(len));
-    }
+    let len = batch_len(buf)?;
     if buf.len() < len as usize {
         return Err(FrameError::Incomplete(len as usize - buf.len()));
     }
