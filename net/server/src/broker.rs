@@ -919,41 +919,55 @@ fn wait_for_port_to_free(addr: &str) -> Result<(), String> {
     } else {
         sa
     };
-    let began = std::time::Instant::now();
-    let mut said = false;
-    while std::net::TcpStream::connect_timeout(&probe, Duration::from_millis(200)).is_ok() {
-        if began.elapsed() >= PORT_GRACE {
-            return Err(format!(
-                "cannot listen on {addr}: another process is accepting connections there \
-                 (another broker?); stop it or choose another --listen address"
-            ));
-        }
-        if !said {
-            eprintln!("felix: something still accepts connections on {addr}; waiting up to {}s for it to close", PORT_GRACE.as_secs());
-            said = true;
-        }
-        std::thread::park_timeout(Duration::from_millis(100));
+    let taken = wait_while_taken(
+        &format!("something still accepts connections on {addr}"),
+        || std::net::TcpStream::connect_timeout(&probe, Duration::from_millis(200)).is_ok(),
+    );
+    if taken {
+        return Err(format!(
+            "cannot listen on {addr}: another process is accepting connections there \
+             (another broker?); stop it or choose another --listen address"
+        ));
     }
     Ok(())
 }
 
 /// Bind the metrics listener, waiting out a dying process's socket.
 fn bind_metrics(addr: &str) -> Result<std::net::TcpListener, String> {
+    let mut bound = None;
+    wait_while_taken(&format!("metrics address {addr} is in use"), || {
+        let r = std::net::TcpListener::bind(addr);
+        let in_use = matches!(&r, Err(e) if e.kind() == std::io::ErrorKind::AddrInUse);
+        bound = Some(r);
+        in_use
+    });
+    match bound {
+        Some(Ok(l)) => Ok(l),
+        Some(Err(e)) => Err(format!("cannot serve metrics on {addr}: {e}")),
+        None => unreachable!("wait_while_taken asks at least once"),
+    }
+}
+
+/// Ask `taken` every 100 ms until it answers false or [`PORT_GRACE`] has
+/// passed, saying once on stderr that we wait (`what` says why). Returns
+/// whether it was still taken.
+fn wait_while_taken(what: &str, mut taken: impl FnMut() -> bool) -> bool {
     let began = std::time::Instant::now();
     let mut said = false;
-    loop {
-        match std::net::TcpListener::bind(addr) {
-            Ok(l) => return Ok(l),
-            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && began.elapsed() < PORT_GRACE => {
-                if !said {
-                    eprintln!("felix: metrics address {addr} is in use; waiting up to {}s for it to close", PORT_GRACE.as_secs());
-                    said = true;
-                }
-                std::thread::park_timeout(Duration::from_millis(100));
-            }
-            Err(e) => return Err(format!("cannot serve metrics on {addr}: {e}")),
+    while taken() {
+        if began.elapsed() >= PORT_GRACE {
+            return true;
         }
+        if !said {
+            eprintln!(
+                "felix: {what}; waiting up to {}s for it to close",
+                PORT_GRACE.as_secs()
+            );
+            said = true;
+        }
+        std::thread::park_timeout(Duration::from_millis(100));
     }
+    false
 }
 
 /// A bound (not listening) SO_REUSEPORT socket holding the broker's port
