@@ -598,29 +598,23 @@ async fn publish<S: Storage>(
         );
     }
     let now = now_ms();
-    if let Some(ahead) = core.shared.config.max_timestamp_ahead_ms {
-        let limit = now.saturating_add(ahead);
-        if let Some((i, ts)) = records
-            .iter()
-            .enumerate()
-            .find_map(|(i, r)| r.timestamp_ms.filter(|t| *t > limit).map(|t| (i, t)))
-        {
-            return wire_err(
-                ErrorCode::InvalidRequest,
-                format!(
-                    "record {i} has timestamp {ts}, {} ms ahead of the broker's clock; \
-                     at most {ahead} ms ahead is accepted (limits.max_timestamp_ahead_ms), \
-                     because retention by age goes by timestamps",
-                    ts - now
-                ),
-            );
-        }
-    }
+    // One pass: convert the records, count their bytes, and note the first
+    // stamped past limits.max_timestamp_ahead_ms (retention by age goes by
+    // timestamps, so a clock far ahead would keep a segment forever).
+    let ahead = core.shared.config.max_timestamp_ahead_ms;
+    let limit = ahead.map(|a| now.saturating_add(a));
+    let mut too_far = None;
     let mut bytes = 0u64;
     let recs: Vec<LogRecordIn> = records
         .into_iter()
-        .map(|r| {
+        .enumerate()
+        .map(|(i, r)| {
             bytes += r.payload.len() as u64;
+            if let (Some(l), Some(t)) = (limit, r.timestamp_ms) {
+                if t > l && too_far.is_none() {
+                    too_far = Some((i, t));
+                }
+            }
             LogRecordIn {
                 timestamp_ms: r.timestamp_ms.unwrap_or(now),
                 key: r.key,
@@ -629,6 +623,18 @@ async fn publish<S: Storage>(
             }
         })
         .collect();
+    if let Some((i, ts)) = too_far {
+        return wire_err(
+            ErrorCode::InvalidRequest,
+            format!(
+                "record {i} has timestamp {ts}, {} ms ahead of the broker's clock; \
+                 at most {} ms ahead is accepted (limits.max_timestamp_ahead_ms), \
+                 because retention by age goes by timestamps",
+                ts - now,
+                ahead.unwrap_or(0)
+            ),
+        );
+    }
     if let Err(msg) = core.disk.check(bytes) {
         return wire_err(ErrorCode::Unavailable, msg);
     }
