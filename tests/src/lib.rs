@@ -64,6 +64,53 @@ macro_rules! start_broker {
     };
 }
 
+/// The broker binary run by hand, as [`broker_command`] builds it:
+/// `felix_tests::broker_command!(data_dir, listen)`.
+#[macro_export]
+macro_rules! broker_command {
+    ($data_dir:expr, $listen:expr) => {
+        $crate::broker_command(env!("CARGO_BIN_EXE_felix-test-broker"), $data_dir, $listen)
+    };
+}
+
+/// `felix-test-broker DATA_DIR|- LISTEN 1` with the tests' defaults (no
+/// metrics listener, warn logs, no stdin), for tests that run the binary by
+/// hand: to watch it refuse to start, or with settings of their own.
+pub fn broker_command(bin: &str, data_dir: Option<&Path>, listen: &str) -> Command {
+    let dir = data_dir.map_or_else(|| "-".to_string(), |d| d.display().to_string());
+    let mut cmd = Command::new(bin);
+    cmd.args([dir.as_str(), listen, "1"])
+        .env("FELIX_METRICS_LISTEN", "")
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null());
+    cmd
+}
+
+/// Spawn `cmd` (a [`broker_command`]) with stdout piped; returns it and the
+/// address it announced. Kills it and panics if it announces nothing within
+/// [`START_DEADLINE`].
+pub fn spawn_announcing(mut cmd: Command) -> (Child, String) {
+    use std::io::BufRead;
+    let mut child = cmd.stdout(Stdio::piped()).spawn().expect("start broker");
+    let out = child.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+            if let Some(a) = line.strip_prefix("felix: listening on ") {
+                let _ = tx.send(a.trim().to_string());
+            }
+        }
+    });
+    match rx.recv_timeout(START_DEADLINE) {
+        Ok(addr) => (child, addr),
+        Err(e) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the broker did not announce its address: {e}");
+        }
+    }
+}
+
 impl Broker {
     pub fn start_with(bin: &str, opts: BrokerOptions) -> Broker {
         let tmp = tempfile::tempdir().expect("tempdir");

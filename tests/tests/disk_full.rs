@@ -9,9 +9,8 @@
 use bytes::Bytes;
 use felix_client::{Client, ClientConfig, ClientError, StreamOptions};
 use felix_wire::{ErrorCode, RecordIn, StartPosition};
-use std::io::BufRead;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 /// A loop-mounted ext4 image, unmounted on drop.
@@ -59,28 +58,9 @@ fn run(cmd: &str, args: &[&str]) -> Result<(), String> {
 }
 
 fn start(data: &Path) -> (Child, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_felix-test-broker"))
-        .args([data.to_str().unwrap(), "127.0.0.1:0", "1"])
-        .env("FELIX_METRICS_LISTEN", "")
-        .env("FELIX_MIN_FREE_BYTES", (4u64 << 20).to_string())
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("start broker");
-    let out = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
-            if let Some(a) = line.strip_prefix("felix: listening on ") {
-                let _ = tx.send(a.trim().to_string());
-            }
-        }
-    });
-    let addr = rx
-        .recv_timeout(felix_tests::START_DEADLINE)
-        .expect("the broker announced its address");
-    (child, addr)
+    let mut cmd = felix_tests::broker_command!(Some(data), "127.0.0.1:0");
+    cmd.env("FELIX_MIN_FREE_BYTES", (4u64 << 20).to_string());
+    felix_tests::spawn_announcing(cmd)
 }
 
 fn batch(first: u64) -> Vec<RecordIn> {

@@ -1129,35 +1129,9 @@ async fn sigint_shuts_down_gracefully_like_sigterm() {
 /// Start felix-test-broker with stderr captured; returns the process and the
 /// address it announced on stdout.
 fn spawn_capturing_stderr(data_dir: Option<&std::path::Path>) -> (std::process::Child, String) {
-    use std::io::BufRead;
-    use std::process::{Command, Stdio};
-    let dir = data_dir.map_or_else(|| "-".to_string(), |d| d.display().to_string());
-    let mut child = Command::new(env!("CARGO_BIN_EXE_felix-test-broker"))
-        .args([dir.as_str(), "127.0.0.1:0", "1"])
-        .env("FELIX_METRICS_LISTEN", "")
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start broker");
-    let out = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
-            if let Some(a) = line.strip_prefix("felix: listening on ") {
-                let _ = tx.send(a.trim().to_string());
-            }
-        }
-    });
-    match rx.recv_timeout(felix_tests::START_DEADLINE) {
-        Ok(addr) => (child, addr),
-        Err(e) => {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("the broker did not announce its address: {e}");
-        }
-    }
+    let mut cmd = felix_tests::broker_command!(data_dir, "127.0.0.1:0");
+    cmd.stderr(std::process::Stdio::piped());
+    felix_tests::spawn_announcing(cmd)
 }
 
 /// Kill a broker and return everything it wrote to stderr.
@@ -1249,19 +1223,13 @@ async fn a_recreated_stream_never_shows_a_deleted_streams_records() {
 /// keeps serving what it wrote.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_broker_on_the_same_data_directory_is_refused() {
-    use std::process::{Command, Stdio};
     let broker = felix_tests::start_broker!(BrokerOptions::default().cores(1));
     let c = client(&broker).await;
     c.create_stream("t", "ns", "held", 1, StreamOptions::default())
         .await
         .unwrap();
     c.publish("t", "ns", "held", 0, "mine").await.unwrap();
-    let dir = broker.data_dir().unwrap().display().to_string();
-    let out = Command::new(env!("CARGO_BIN_EXE_felix-test-broker"))
-        .args([dir.as_str(), "127.0.0.1:0", "1"])
-        .env("FELIX_METRICS_LISTEN", "")
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
+    let out = felix_tests::broker_command!(broker.data_dir(), "127.0.0.1:0")
         .output()
         .expect("run a second broker");
     assert!(!out.status.success(), "the second broker started");
@@ -1280,14 +1248,9 @@ async fn a_second_broker_on_the_same_data_directory_is_refused() {
 /// between two brokers) after waiting briefly for the port to free.
 #[test]
 fn a_broker_refuses_a_listen_port_another_process_accepts_on() {
-    use std::process::{Command, Stdio};
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = taken.local_addr().unwrap().to_string();
-    let out = Command::new(env!("CARGO_BIN_EXE_felix-test-broker"))
-        .args(["-", addr.as_str(), "1"])
-        .env("FELIX_METRICS_LISTEN", "")
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
+    let out = felix_tests::broker_command!(None, &addr)
         .output()
         .expect("run a broker");
     assert!(!out.status.success(), "the broker started on a taken port");
@@ -1412,7 +1375,7 @@ async fn a_missing_shard_directory_is_refused_not_started_again_at_zero() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_garbled_stream_meta_stops_the_broker_at_start_naming_the_file() {
     use std::io::Read;
-    use std::process::{Command, Stdio};
+    use std::process::Stdio;
     let mut broker = felix_tests::start_broker!(BrokerOptions::default().cores(1));
     let c = client(&broker).await;
     c.create_stream("t", "ns", "garbled", 2, StreamOptions::default())
@@ -1426,11 +1389,7 @@ async fn a_garbled_stream_meta_stops_the_broker_at_start_naming_the_file() {
     assert!(meta.exists(), "no metadata at {}", meta.display());
     std::fs::write(&meta, b"shards = many\n\x7f garbage {{{\n").unwrap();
 
-    let mut child = Command::new(env!("CARGO_BIN_EXE_felix-test-broker"))
-        .args([data_dir.to_str().unwrap(), "127.0.0.1:0", "1"])
-        .env("FELIX_METRICS_LISTEN", "")
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
+    let mut child = felix_tests::broker_command!(Some(&data_dir), "127.0.0.1:0")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
