@@ -1698,7 +1698,7 @@ async fn a_poll_waiting_at_the_cap() -> (
 /// before its own 20 s wait would end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poll_waiting_at_the_in_flight_cap_is_woken_by_a_lapse() {
-    let (_b, g, held, wait) = a_poll_waiting_at_the_cap().await;
+    let (b, g, held, wait) = a_poll_waiting_at_the_cap().await;
     // Cut the claim short now that the poll waits (so the lapse cannot come
     // before it), and let it lapse.
     assert_eq!(
@@ -1711,6 +1711,9 @@ async fn a_poll_waiting_at_the_in_flight_cap_is_woken_by_a_lapse() {
         (vec![0], vec![2]),
         "woken by the lapse, not answered empty at the end of its wait"
     );
+    // The extend woke the waiting poll, which looked again, still at the
+    // cap: one poll past the cap is counted once, however often it looks.
+    assert_eq!(b.metric(CAPPED), 1.0);
     assert_eq!(
         code(g.extend(&held, Duration::from_secs(5)).await),
         Some(ErrorCode::StaleClaim),
