@@ -180,12 +180,25 @@ log "time budget: ${BUDGET_SECS}s (COMPARE_BUDGET_SECS); install/build took $((B
 
 # ---------------------------------------------------------------- disk + loopback
 if command -v fio >/dev/null; then
-  if fits 14; then
-    log "disk: fio sequential 1 MiB O_DIRECT writes, fdatasync after each"
-    fio --name=seqwrite-fdatasync --directory="$WORK" --rw=write --bs=1M --size=2G \
-        --direct=1 --fdatasync=1 --ioengine=psync --runtime=10 --time_based \
+  if fits 22; then
+    # A log appends: every write lands in blocks the file never had. fio
+    # with --time_based wraps around its file and spends most of its run
+    # overwriting blocks already written, which needs no block allocation
+    # or extent conversion and so syncs far faster than an append can (here
+    # about 3.0 against 2.1 GB/s). The target is measured against appends to a
+    # fresh file (--size bounds it, no wrap); the overwrite figure is kept
+    # beside it as the disk's raw ceiling.
+    log "disk: fio sequential 1 MiB O_DIRECT appends to a fresh file, fdatasync after each"
+    rm -f "$WORK"/seqwrite-fdatasync*
+    fio --name=seqwrite-fdatasync --directory="$WORK" --rw=write --bs=1M --size=4G \
+        --direct=1 --fdatasync=1 --ioengine=psync --runtime=10 \
         --output-format=json > "$OUT/fio-1m.json" 2>"$OUT/fio-1m.log" || log "fio failed"
-    echo "fio --name=seqwrite-fdatasync --rw=write --bs=1M --size=2G --direct=1 --fdatasync=1 --ioengine=psync --runtime=10 --time_based" >> "$OUT/commands.txt"
+    echo "fio --name=seqwrite-fdatasync --rw=write --bs=1M --size=4G --direct=1 --fdatasync=1 --ioengine=psync --runtime=10   # fresh file: appends" >> "$OUT/commands.txt"
+    log "disk: the same, overwriting the file just written"
+    fio --name=seqwrite-fdatasync --directory="$WORK" --rw=write --bs=1M --size=4G \
+        --direct=1 --fdatasync=1 --ioengine=psync --runtime=10 \
+        --output-format=json > "$OUT/fio-1m-overwrite.json" 2>"$OUT/fio-1m-overwrite.log" || log "fio failed"
+    echo "fio (same command again, over the file the first run wrote: overwrites)" >> "$OUT/commands.txt"
   else
     skip fio-1m "time budget"
   fi

@@ -222,6 +222,7 @@ w("")
 
 # ---------------------------------------------------------------- targets
 f1 = fio("fio-1m.json")
+f1o = fio("fio-1m-overwrite.json")
 f4 = fio("fio-4k.json")
 
 
@@ -275,7 +276,10 @@ def disk_row(name, default_shape):
         return "| %s | %s MB/s; fio: %s | not measured |" % (label, fmt_int(d["mb_per_sec"]), why)
 
     def measure(docs):
-        return "%s MB/s = %.0f %% of %s MB/s" % (fmt_int(docs[0]["mb_per_sec"]), 100 * docs[0]["mb_per_sec"] / f1["mbps"], fmt_int(f1["mbps"]))
+        cell = "%s MB/s = %.0f %% of %s MB/s" % (fmt_int(docs[0]["mb_per_sec"]), 100 * docs[0]["mb_per_sec"] / f1["mbps"], fmt_int(f1["mbps"]))
+        if f1o:
+            cell += " (%.0f %% of the %s MB/s overwrite ceiling)" % (100 * docs[0]["mb_per_sec"] / f1o["mbps"], fmt_int(f1o["mbps"]))
+        return cell
     return target(label, [name], measure, lambda docs: docs[0]["mb_per_sec"] >= 0.7 * f1["mbps"])
 
 
@@ -304,7 +308,10 @@ w(target("e2e p99 ≤ 2 ms at 50%% of peak (%s records/s offered)" % (fmt_int(fe
 w("")
 w("Disk bandwidth: payload MB/s (10⁶ bytes, record framing not counted) of durably")
 w("acknowledged publishes — 4 producers × 8 batches in flight, 2 shards — against fio's")
-w("1 MiB O_DIRECT sequential writes with an fdatasync after each, in the same directory.")
+w("1 MiB O_DIRECT sequential writes with an fdatasync after each, appending to a fresh file in")
+w("the same directory, as a log does. fio run over a file it already wrote (what `--time_based`")
+w("does once it wraps) only overwrites blocks already allocated and initialised, which syncs")
+w("much faster; that figure is shown beside the target as the disk's raw ceiling.")
 w("64 KiB is the smallest batch the issue's \"64 KiB+ batches\" covers; 1 MiB is fio's block.")
 w("The queue rows at 16 and 256 a poll are the ends of the issue's range (4 consumers, 2")
 w("shards). Ratio targets compare the same workload on both brokers (Results above).")
@@ -367,7 +374,9 @@ for k, label in [("date", "date"), ("cpu_model", "CPU"), ("cpus", "CPUs"), ("mem
     if m.get(k):
         w("| %s | %s |" % (label, m[k]))
 if f1:
-    w("| disk: 1 MiB O_DIRECT sequential writes, fdatasync each (fio) | %s MB/s |" % fmt_int(f1["mbps"]))
+    w("| disk: 1 MiB O_DIRECT sequential appends to a fresh file, fdatasync each (fio) | %s MB/s |" % fmt_int(f1["mbps"]))
+if f1o:
+    w("| disk: the same over the written file (overwrites, fio) | %s MB/s |" % fmt_int(f1o["mbps"]))
 elif skip_of("fio-1m"):
     w("| disk: 1 MiB O_DIRECT sequential writes, fdatasync each (fio) | %s |" % skip_of("fio-1m"))
 if f4:

@@ -83,6 +83,70 @@ fn write_close_reopen_read_back_on_disk() {
     });
 }
 
+/// With `preallocate`, each segment is reserved at its full size when it is
+/// made (fallocate), sealed segments are cut back to their data, and the
+/// last one, still reserved when the log stops, reopens at its last record
+/// with the zeros past it ignored and keeps appending.
+#[test]
+fn preallocated_segments_are_cut_when_sealed_and_reopen_past_their_zeros() {
+    let dir = tempfile::tempdir().unwrap();
+    let path: PathBuf = dir.path().join("t/n/s/0");
+    let root = dir.path().to_path_buf();
+    run(move || async move {
+        warm_up_dma(&root).await.unwrap();
+        let cfg = LogConfig {
+            segment_bytes: 64 << 10,
+            read_cache_bytes: 0,
+            preallocate: true,
+            ..LogConfig::default()
+        };
+        let log = ShardLog::open(DmaStorage::new(), &path, cfg.clone(), &mut |_| {})
+            .await
+            .unwrap();
+        for chunk in 0..30u64 {
+            let batch: Vec<_> = (0..25).map(|i| rec(chunk * 25 + i)).collect();
+            log.append(&batch).unwrap();
+            log.flush().await.unwrap();
+        }
+        assert!(log.stats().segments > 1, "segments should roll");
+        // Stop without sealing, as a kill -9 would (everything was synced).
+        drop(log);
+        let mut sizes: Vec<(String, u64)> = std::fs::read_dir(&path)
+            .unwrap()
+            .map(|e| {
+                let e = e.unwrap();
+                (
+                    e.file_name().to_string_lossy().into_owned(),
+                    e.metadata().unwrap().len(),
+                )
+            })
+            .filter(|(n, _)| n.ends_with(".log"))
+            .collect();
+        sizes.sort();
+        let (last, sealed) = sizes.split_last().unwrap();
+        assert_eq!(last.1, 64 << 10, "the open segment is reserved in full");
+        for (name, len) in sealed {
+            assert!(
+                *len < 64 << 10,
+                "{name} was sealed at {len} bytes, its data"
+            );
+        }
+        let log = ShardLog::open(DmaStorage::new(), &path, cfg, &mut |_| {})
+            .await
+            .unwrap();
+        assert_eq!(log.end(), Offset(750));
+        let more: Vec<_> = (750..800).map(rec).collect();
+        log.append(&more).unwrap();
+        log.flush().await.unwrap();
+        let got = read_all(&log).await;
+        assert_eq!(got.len(), 800);
+        for (i, p) in got.iter().enumerate() {
+            assert_eq!(p, &rec(i as u64).payload, "record {i}");
+        }
+        log.close().await.unwrap();
+    });
+}
+
 #[test]
 fn a_hand_truncated_segment_reopens_at_the_last_whole_record() {
     let dir = tempfile::tempdir().unwrap();
