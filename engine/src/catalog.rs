@@ -7,6 +7,7 @@
 //! when a core meets a stream it has not seen: never on the publish/poll/ack
 //! path, which uses each core's own shard table.
 
+use crate::storage::Storage;
 use crate::types::StreamName;
 use std::path::{Path, PathBuf};
 
@@ -77,33 +78,30 @@ pub fn shard_dir(data_dir: &Path, name: &StreamName, shard: u32) -> PathBuf {
     stream_dir(data_dir, name).join(shard.to_string())
 }
 
-/// Find and validate every stream under `data_dir` (blocking; at start-up).
-pub fn load(data_dir: &Path) -> Result<Vec<StreamMeta>, String> {
+/// Find and validate every stream under `data_dir` (at start-up), reading
+/// through the storage seam like every other disk access.
+///
+/// A stream is a `<tenant>/<namespace>/<stream>` directory holding a
+/// [`META_FILE`]. A directory without one (a creation that did not complete,
+/// or a deletion cut short) is not a stream; files where directories would
+/// be (the broker's lock file) are passed over. Metadata that does not
+/// parse, or a stream directory whose name is not a valid stream name, fails
+/// the load naming the file: the broker must not start without a stream it
+/// holds data for.
+pub async fn load<S: Storage>(storage: &S, data_dir: &Path) -> Result<Vec<StreamMeta>, String> {
     let mut out = Vec::new();
-    if !data_dir.exists() {
-        return Ok(out);
-    }
-    let dirs = |p: &Path| -> Result<Vec<(String, PathBuf)>, String> {
-        let mut v = Vec::new();
-        for e in std::fs::read_dir(p).map_err(|e| format!("{}: {e}", p.display()))? {
-            let e = e.map_err(|e| format!("{}: {e}", p.display()))?;
-            if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
-                v.push((e.file_name().to_string_lossy().into_owned(), e.path()));
-            }
-        }
-        Ok(v)
-    };
-    for (t, tp) in dirs(data_dir)? {
-        for (n, np) in dirs(&tp)? {
-            for (s, sp) in dirs(&np)? {
+    for (t, tp) in subdirs(storage, data_dir).await? {
+        for (n, np) in subdirs(storage, &tp).await? {
+            for (s, sp) in subdirs(storage, &np).await? {
                 let meta_path = sp.join(META_FILE);
-                let text = match std::fs::read_to_string(&meta_path) {
-                    Ok(t) => t,
-                    // A directory without metadata: a stream whose creation
-                    // did not complete, or one being deleted. Not a stream.
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                let bytes = match storage.read_file(&meta_path).await {
+                    Ok(Some(b)) => b,
+                    Ok(None) => continue,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotADirectory => continue,
                     Err(e) => return Err(format!("{}: {e}", meta_path.display())),
                 };
+                let text = String::from_utf8(bytes)
+                    .map_err(|_| format!("{}: not UTF-8 text", meta_path.display()))?;
                 let name =
                     StreamName::new(&t, &n, &s).map_err(|e| format!("{}: {e}", sp.display()))?;
                 let meta = StreamMeta::decode(name, &text)
@@ -114,6 +112,32 @@ pub fn load(data_dir: &Path) -> Result<Vec<StreamMeta>, String> {
     }
     out.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(out)
+}
+
+/// The entries of directory `p` with their paths; nothing if `p` is missing
+/// or is not a directory.
+async fn subdirs<S: Storage>(storage: &S, p: &Path) -> Result<Vec<(String, PathBuf)>, String> {
+    match storage.list_dir(p).await {
+        Ok(mut names) => {
+            names.sort();
+            Ok(names
+                .into_iter()
+                .map(|n| {
+                    let q = p.join(&n);
+                    (n, q)
+                })
+                .collect())
+        }
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
+            ) =>
+        {
+            Ok(Vec::new())
+        }
+        Err(e) => Err(format!("{}: {e}", p.display())),
+    }
 }
 
 /// The file in the data directory that a running broker holds locked.
@@ -187,8 +211,14 @@ mod tests {
         drop(first);
         let again = DirLock::acquire(&dir).expect("free once the holder let go");
         drop(again);
-        // The lock file is not mistaken for a stream.
-        assert!(load(&dir).unwrap().is_empty());
+        // The lock file is not mistaken for a stream, on the real disk.
+        let d = dir.clone();
+        let found = glommio::LocalExecutorBuilder::default()
+            .spawn(move || async move { load(&crate::storage::dma::DmaStorage::new(), &d).await })
+            .unwrap()
+            .join()
+            .unwrap();
+        assert!(found.unwrap().is_empty());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -208,5 +238,55 @@ mod tests {
         assert!(StreamMeta::decode(name.clone(), "version = 1\nshards = 0\n").is_err());
         assert!(StreamMeta::decode(name.clone(), "garbage ===").is_err());
         assert!(StreamMeta::decode(name, "version = 9\nshards = 1\n").is_err());
+    }
+
+    /// Loading the catalog on the simulated disk: streams with metadata are
+    /// found in order, half-made ones and stray files are passed over, and
+    /// metadata that does not parse fails the load naming the file.
+    #[test]
+    fn load_finds_streams_skips_half_made_ones_and_names_a_bad_file() {
+        use crate::storage::sim::SimStorage;
+        use futures_lite::future::block_on;
+        let disk = SimStorage::new();
+        let root = Path::new("/data");
+        block_on(async {
+            let meta = |s: &str, shards| StreamMeta {
+                name: StreamName::parse(s).unwrap(),
+                shards,
+                retention_bytes: None,
+                retention_ms: Some(60_000),
+                created_ms: 1,
+            };
+            assert!(
+                load(&disk, root).await.unwrap().is_empty(),
+                "no data dir yet"
+            );
+            for m in [meta("t/n/b", 2), meta("t/n/a", 1), meta("u/m/c", 3)] {
+                let dir = m.dir(root);
+                disk.create_dir_all(&dir).await.unwrap();
+                disk.write_file_atomic(&dir.join(META_FILE), m.encode().as_bytes())
+                    .await
+                    .unwrap();
+            }
+            // A creation that never wrote its metadata, and a stray file.
+            disk.create_dir_all(&root.join("t/n/half/0")).await.unwrap();
+            disk.write_file_atomic(&root.join(LOCK_FILE), b"123\n")
+                .await
+                .unwrap();
+            let got = load(&disk, root).await.unwrap();
+            let names: Vec<String> = got.iter().map(|m| m.name.to_string()).collect();
+            assert_eq!(names, ["t/n/a", "t/n/b", "u/m/c"]);
+            assert_eq!(got[2], meta("u/m/c", 3));
+
+            let bad = root.join("t/n/b").join(META_FILE);
+            disk.write_file_atomic(&bad, b"shards = many")
+                .await
+                .unwrap();
+            let err = load(&disk, root).await.unwrap_err();
+            assert!(err.contains(&bad.display().to_string()), "{err}");
+            disk.write_file_atomic(&bad, &[0xff, 0xfe]).await.unwrap();
+            let err = load(&disk, root).await.unwrap_err();
+            assert!(err.contains("not UTF-8"), "{err}");
+        });
     }
 }

@@ -21,7 +21,7 @@ use felix_wire::{ErrorCode, Response, StreamInfo, StreamRef, WireError};
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::OwnedFd;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -755,7 +755,7 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
                 .map_err(|e| format!("cannot create data directory {}: {e}", d.display()))?;
             // Held until this function returns, after every core has exited.
             let lock = catalog::DirLock::acquire(d)?;
-            (catalog::load(d)?, Some(lock))
+            (load_catalog(d)?, Some(lock))
         }
         None => (Vec::new(), None),
     };
@@ -893,6 +893,26 @@ fn watch_start_up(shared: Arc<Shared>, kicker: felix_engine::runtime::Kicker) {
     if let Err(e) = spawned {
         tracing::warn!("cannot watch start-up: {e}");
     }
+}
+
+/// Read the stream catalog before the cores start (each core needs it to know
+/// which shards to open), through the same storage seam as every other disk
+/// access, on a short-lived executor of its own.
+fn load_catalog(data_dir: &Path) -> Result<Vec<StreamMeta>, String> {
+    let dir = data_dir.to_path_buf();
+    glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
+        .name("felix-catalog")
+        // A long preemption interval: glommio 0.9 can park an executor for
+        // good if its preemption timer fires before the first task runs
+        // (see `felix_engine::runtime`); this one runs a single short task.
+        .preempt_timer(Duration::from_secs(1))
+        .spawn(move || async move {
+            let storage = felix_engine::storage::dma::DmaStorage::new();
+            catalog::load(&storage, &dir).await
+        })
+        .map_err(|e| format!("cannot start an executor to read the catalog: {e}"))?
+        .join()
+        .map_err(|e| format!("reading the catalog failed: {e}"))?
 }
 
 /// How long start-up waits for a port held by a process that just died.
