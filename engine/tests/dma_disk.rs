@@ -83,10 +83,10 @@ fn write_close_reopen_read_back_on_disk() {
     });
 }
 
-/// With `preallocate`, each segment is reserved at its full size when it is
-/// made (fallocate), sealed segments are cut back to their data, and the
-/// last one, still reserved when the log stops, reopens at its last record
-/// with the zeros past it ignored and keeps appending.
+/// With `preallocate`, the active segment is reserved ahead of its writes a
+/// step at a time (fallocate), sealed segments are cut back to their data,
+/// and the last one, still reserved when the log stops, reopens at its last
+/// record with the zeros past it ignored and keeps appending.
 #[test]
 fn preallocated_segments_are_cut_when_sealed_and_reopen_past_their_zeros() {
     let dir = tempfile::tempdir().unwrap();
@@ -98,6 +98,7 @@ fn preallocated_segments_are_cut_when_sealed_and_reopen_past_their_zeros() {
             segment_bytes: 64 << 10,
             read_cache_bytes: 0,
             preallocate: true,
+            preallocate_step: 32 << 10,
             ..LogConfig::default()
         };
         let log = ShardLog::open(DmaStorage::new(), &path, cfg.clone(), &mut |_| {})

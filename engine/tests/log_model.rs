@@ -46,6 +46,7 @@ fn small_config(rng: &mut SmallRng) -> LogConfig {
         // a last segment that reads as zeros past its data, and sealing
         // must cut that reservation off.
         preallocate: rng.gen_bool(0.5),
+        preallocate_step: 4096 * rng.gen_range(1..5),
         ..LogConfig::default()
     }
 }

@@ -188,7 +188,8 @@ impl<S: Storage> Core<S> {
             io_depth: c.io_queue_depth,
             write_chunk_bytes: c.write_chunk_bytes,
             max_queued_bytes: c.max_queued_bytes,
-            preallocate: c.preallocate,
+            preallocate: c.preallocate_bytes > 0,
+            preallocate_step: c.preallocate_bytes,
             ..LogConfig::default()
         }
     }

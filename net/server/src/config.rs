@@ -69,7 +69,7 @@ const SETTINGS: &[Setting] = &[
     Setting { section: "storage", name: "retention_ms", env: None, kind: Kind::U64, default: "0", help: "default age retention for new streams (0 = keep all)" },
     Setting { section: "storage", name: "io_queue_depth", env: Some("FELIX_IO_QUEUE_DEPTH"), kind: Kind::U64, default: "8", help: "O_DIRECT I/Os (writes, reads, fdatasyncs) in flight per core; also the writes one flush issues at once" },
     Setting { section: "storage", name: "write_chunk_bytes", env: None, kind: Kind::U64, default: "1048576", help: "size of each write of a flush (multiple of 4096)" },
-    Setting { section: "storage", name: "preallocate", env: Some("FELIX_PREALLOCATE"), kind: Kind::Bool, default: "false", help: "reserve each new segment's blocks up front (fallocate: the whole segment_bytes per shard), so flushes write into the file instead of growing it; lowers fsync latency and CPU (no io-wq hop) at the cost of disk space reserved per shard" },
+    Setting { section: "storage", name: "preallocate_bytes", env: Some("FELIX_PREALLOCATE_BYTES"), kind: Kind::U64, default: "8388608", help: "reserve each shard's active segment this far ahead of its writes (fallocate), so flushes write inside the file instead of growing it (cheaper fdatasync, no kernel worker hop); 0 = off. Costs up to this much disk per shard until the segment is sealed" },
     Setting { section: "storage", name: "read_cache_bytes", env: None, kind: Kind::U64, default: "8388608", help: "recent bytes per shard served from memory" },
     Setting { section: "storage", name: "max_queued_bytes", env: None, kind: Kind::U64, default: "67108864", help: "publishes wait while a shard has this much unflushed" },
     Setting { section: "storage", name: "min_free_bytes", env: Some("FELIX_MIN_FREE_BYTES"), kind: Kind::U64, default: "0", help: "publishes are refused (unavailable) while the data disk has less free than this, and served again once space returns; 0 = the smaller of 256 MiB and 5% of the disk" },
@@ -126,7 +126,8 @@ pub struct Config {
     pub retention_ms: Option<u64>,
     pub io_queue_depth: usize,
     pub write_chunk_bytes: usize,
-    pub preallocate: bool,
+    /// 0 = off.
+    pub preallocate_bytes: u64,
     pub read_cache_bytes: usize,
     pub max_queued_bytes: usize,
     /// Free bytes the data disk keeps for the broker; 0 = automatic.
@@ -397,7 +398,7 @@ impl Config {
             io_queue_depth: nonzero(num("storage", "io_queue_depth")?, "storage.io_queue_depth")?
                 as usize,
             write_chunk_bytes: write_chunk_bytes as usize,
-            preallocate: boolean("storage", "preallocate")?,
+            preallocate_bytes: num("storage", "preallocate_bytes")?,
             read_cache_bytes: num("storage", "read_cache_bytes")? as usize,
             max_queued_bytes: nonzero(
                 num("storage", "max_queued_bytes")?,
