@@ -15,6 +15,10 @@ pub const GROUP: &str = "bench";
 pub struct FelixTarget {
     clients: Vec<Client>,
     spec: Arc<Spec>,
+    /// Whether this run created the stream: only then does `delete` remove
+    /// it. A stream that already existed (`--stream` naming a user's own) is
+    /// refused by `create` and never touched.
+    created: Arc<std::sync::atomic::AtomicBool>,
 }
 
 fn e(err: felix_client::ClientError) -> String {
@@ -51,7 +55,11 @@ impl FelixTarget {
             };
             clients.push(c);
         }
-        Ok(FelixTarget { clients, spec })
+        Ok(FelixTarget {
+            clients,
+            spec,
+            created: Default::default(),
+        })
     }
 
     fn client(&self, idx: usize) -> &Client {
@@ -78,6 +86,8 @@ impl FelixTarget {
         )
         .await
         .map_err(|err| format!("create_stream {s}: {err}"))?;
+        self.created
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         // Every client learns the placement once, before the clock starts.
         for c in &self.clients {
             c.describe_stream(&s.tenant, &s.namespace, &s.stream)
@@ -101,7 +111,11 @@ impl FelixTarget {
         Ok(())
     }
 
+    /// Remove the benchmark stream, if this run created it.
     pub async fn delete(&self) -> Result<(), String> {
+        if !self.created.load(std::sync::atomic::Ordering::Relaxed) {
+            return Ok(());
+        }
         let s = &self.spec.name;
         self.client(0)
             .delete_stream(&s.tenant, &s.namespace, &s.stream)

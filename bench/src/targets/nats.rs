@@ -386,6 +386,8 @@ pub struct NatsTarget {
     addr: String,
     admin: Conn,
     spec: Arc<Spec>,
+    /// Streams this run created; `delete` removes only these.
+    created: Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 fn stream_name(spec: &Spec, shard: u32) -> String {
@@ -403,6 +405,7 @@ impl NatsTarget {
             addr: addr.to_string(),
             admin,
             spec,
+            created: Default::default(),
         })
     }
 
@@ -413,11 +416,18 @@ impl NatsTarget {
     pub async fn create(&self) -> Result<(), String> {
         for shard in 0..self.spec.shards {
             let name = stream_name(&self.spec, shard);
-            // A leftover from an earlier run with the same name.
-            let _ = self
+            // Never replace a stream this run did not make.
+            if self
                 .admin
-                .js(&format!("STREAM.DELETE.{name}"), &json!({}))
-                .await;
+                .js(&format!("STREAM.INFO.{name}"), &json!({}))
+                .await
+                .is_ok()
+            {
+                return Err(format!(
+                    "JetStream stream {name} already exists; felix-bench does not touch data it \
+                     did not create (pick another --stream)"
+                ));
+            }
             let retention = match self.spec.kind {
                 StreamKind::Queue => "workqueue",
                 StreamKind::Log => "limits",
@@ -435,6 +445,7 @@ impl NatsTarget {
                     }),
                 )
                 .await?;
+            self.created.lock().unwrap().push(name.clone());
             if self.spec.kind == StreamKind::Queue {
                 self.admin
                     .js(
@@ -459,9 +470,10 @@ impl NatsTarget {
         Ok(())
     }
 
+    /// Remove the streams this run created (and only those).
     pub async fn delete(&self) -> Result<(), String> {
-        for shard in 0..self.spec.shards {
-            let name = stream_name(&self.spec, shard);
+        let names = std::mem::take(&mut *self.created.lock().unwrap());
+        for name in names {
             self.admin
                 .js(&format!("STREAM.DELETE.{name}"), &json!({}))
                 .await?;

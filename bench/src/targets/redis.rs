@@ -214,6 +214,8 @@ impl Conn {
 pub struct RedisTarget {
     addr: String,
     spec: Arc<Spec>,
+    /// Keys of the shards this run created; `delete` removes only these.
+    created: Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 impl RedisTarget {
@@ -223,6 +225,7 @@ impl RedisTarget {
         Ok(RedisTarget {
             addr: addr.to_string(),
             spec,
+            created: Default::default(),
         })
     }
 
@@ -260,7 +263,16 @@ impl RedisTarget {
         let mut c = Conn::connect(&self.addr).await?;
         for shard in 0..self.spec.shards {
             let k = self.key(shard);
-            c.cmd(&[b"DEL", k.as_bytes()]).await?;
+            // Never overwrite a key this run did not make.
+            if let Value::Int(n) = c.cmd(&[b"EXISTS", k.as_bytes()]).await? {
+                if n > 0 {
+                    return Err(format!(
+                        "Redis key {k} already exists; felix-bench does not touch data it did not \
+                         create (pick another --stream)"
+                    ));
+                }
+            }
+            self.created.lock().unwrap().push(k.clone());
             if self.spec.kind == StreamKind::Queue {
                 c.cmd(&[
                     b"XGROUP",
@@ -277,9 +289,13 @@ impl RedisTarget {
     }
 
     pub async fn delete(&self) -> Result<(), String> {
+        let keys = std::mem::take(&mut *self.created.lock().unwrap());
+        if keys.is_empty() {
+            return Ok(());
+        }
         let mut c = Conn::connect(&self.addr).await?;
-        for shard in 0..self.spec.shards {
-            c.cmd(&[b"DEL", self.key(shard).as_bytes()]).await?;
+        for k in keys {
+            c.cmd(&[b"DEL", k.as_bytes()]).await?;
         }
         Ok(())
     }
