@@ -47,7 +47,8 @@
 //! A failed write or fsync stops the shard: every waiter gets
 //! [`LogError::Stopped`], further appends are refused, and nothing is retried
 //! (after a failed fsync the kernel may have dropped the dirty pages, so a
-//! retry that "succeeds" would be a lie).
+//! retry that "succeeds" would be a lie). So does a flush dropped while its
+//! round is in flight: what the round took from the queue is gone from it.
 
 use crate::format::{
     self, encode_control, encode_group, encode_records, BatchHeader, BatchKind, FrameError, Record,
@@ -992,6 +993,14 @@ impl<S: Storage> ShardLog<S> {
         }
     }
 
+    /// Each segment's base offset and the bytes of batches written to it
+    /// (what [`LogStats::bytes`] sums and retention by bytes counts), oldest
+    /// first; the last is the active segment.
+    pub fn segment_sizes(&self) -> Vec<(Offset, u64)> {
+        let i = self.inner.borrow();
+        i.segments.values().map(|s| (s.base, s.len)).collect()
+    }
+
     /// Is anything queued and not yet written?
     pub fn has_pending(&self) -> bool {
         !self.inner.borrow().pending.is_empty()
@@ -1019,19 +1028,53 @@ impl<S: Storage> ShardLog<S> {
         }
     }
 
-    /// One group-commit round: write everything queued, fdatasync, advance
-    /// the frontiers and wake waiters.
+    /// Make everything appended before this call durable: when it returns
+    /// `Ok`, every batch queued before the call is covered by a completed
+    /// fdatasync (and its records are visible to readers).
+    ///
+    /// With no flush in flight, this runs one group-commit round: write
+    /// everything queued, fdatasync, advance the frontiers and wake waiters.
+    /// With one in flight (the flusher task's or another caller's), it waits
+    /// for that round to finish and then, if what it must cover is still not
+    /// durable (queued after that round took the queue), runs the next round
+    /// itself. Rounds never overlap, and a caller whose batches the round in
+    /// flight already covers adds no write or sync.
+    ///
+    /// Returns an error if the log stopped before everything was durable (a
+    /// failed round, its own or the one it waited for). On a closed log
+    /// (`close` flushed everything) it returns `Ok`. Dropping a flush while
+    /// its round is in flight stops the shard: what the round took from the
+    /// queue may be partly written and is not retried.
     pub async fn flush(&self) -> Result<(), LogError> {
-        {
-            let mut i = self.inner.borrow_mut();
-            i.refuse()
-                .or_else(|e| if i.closed { Ok(()) } else { Err(e) })?;
-            if i.flushing || i.pending.is_empty() {
-                return Ok(());
+        // The position just past everything queued before this call.
+        let target = self.inner.borrow().frontiers.lsn(Frontier::Queued);
+        loop {
+            // Registered before the check, so a round ending in between
+            // still wakes it.
+            let progressed = self.progress.wait();
+            {
+                let mut i = self.inner.borrow_mut();
+                i.refuse()
+                    .or_else(|e| if i.closed { Ok(()) } else { Err(e) })?;
+                if i.frontiers.lsn(Frontier::Durable) >= target {
+                    return Ok(());
+                }
+                if !i.flushing {
+                    // A round makes everything it took durable, so what is
+                    // not durable with no round in flight is still queued.
+                    debug_assert!(!i.pending.is_empty());
+                    i.flushing = true;
+                    break;
+                }
             }
-            i.flushing = true;
+            progressed.await;
         }
+        let mut round = RoundGuard {
+            log: self,
+            done: false,
+        };
         let result = self.flush_inner().await;
+        round.done = true;
         let mut i = self.inner.borrow_mut();
         i.flushing = false;
         if let Err(e) = &result {
@@ -1634,6 +1677,35 @@ impl<S: Storage> ShardLog<S> {
             tracing::error!(dir = %dir.display(), "cannot remove a deleted shard's files: {e}");
             io_err(&format!("remove {}", dir.display()), e)
         })
+    }
+}
+
+/// Stops the log if a flush round is dropped before it finished (its
+/// future cancelled): the chunks it took from the queue may be partly
+/// written and are gone from the queue, so nothing can make them durable.
+/// Without this, `flushing` would stay set and every later flush, and every
+/// waiter on the durable frontier, would wait forever.
+struct RoundGuard<'a, S: Storage> {
+    log: &'a ShardLog<S>,
+    done: bool,
+}
+
+impl<S: Storage> Drop for RoundGuard<'_, S> {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        if let Ok(mut i) = self.log.inner.try_borrow_mut() {
+            i.flushing = false;
+            if i.stopped.is_none() {
+                tracing::error!(dir = %i.dir.display(), "shard stopped: a flush was dropped in flight");
+                i.stopped = Some("a flush was dropped before it completed".into());
+            }
+            i.pending.clear();
+            i.pending_bytes = 0;
+        }
+        self.log.progress.wake_all();
+        self.log.queued.wake_all();
     }
 }
 

@@ -4,12 +4,15 @@
 
 use bytes::Bytes;
 use felix_engine::format::RecordIn;
-use felix_engine::log::{Frontier, LogConfig, ReadLimits, Replayed, ShardLog};
+use felix_engine::log::{
+    Frontier, LogConfig, LogError, ReadLimits, ReadResult, Replayed, ShardLog,
+};
 use felix_engine::storage::sim::{CrashPlan, SimStorage};
 use felix_engine::Offset;
 use futures_lite::future::block_on;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
+use std::collections::BTreeMap;
 use std::path::Path;
 
 fn cases(default: u64) -> Vec<u64> {
@@ -75,6 +78,17 @@ fn record(p: Bytes, rng: &mut SmallRng) -> RecordIn {
     }
 }
 
+/// Bytes a record carries as the read's byte cap counts them: key, header
+/// names and values, payload.
+fn carried(r: &RecordIn) -> usize {
+    r.key.as_ref().map_or(0, |k| k.len())
+        + r.headers
+            .iter()
+            .map(|(n, v)| n.len() + v.len())
+            .sum::<usize>()
+        + r.payload.len()
+}
+
 async fn open(s: &SimStorage, cfg: &LogConfig) -> ShardLog<SimStorage> {
     ShardLog::open(s.clone(), Path::new("/d/t/n/s/0"), cfg.clone(), &mut |_| {})
         .await
@@ -111,8 +125,188 @@ async fn read_all(log: &ShardLog<SimStorage>, from: Offset) -> Vec<(u64, Bytes)>
     }
 }
 
+/// Limits for one read: tight, loose or unbounded in each unit.
+fn random_limits(rng: &mut SmallRng) -> ReadLimits {
+    ReadLimits {
+        max_records: if rng.gen_bool(0.1) {
+            usize::MAX
+        } else {
+            rng.gen_range(1..12)
+        },
+        max_bytes: match rng.gen_range(0..4) {
+            0 => rng.gen_range(0..64),
+            1 => rng.gen_range(64..1_000),
+            2 => rng.gen_range(1_000..10_000),
+            _ => usize::MAX,
+        },
+    }
+}
+
+/// Check one read from `at` within `limits` against the model (`model`:
+/// offset and payload of every record appended, in order; `sizes`: the
+/// bytes each carries, key and headers included). The read's contract:
+///
+/// * it starts at `at`, or at the log's start if `at` is below it, and
+///   returns exactly the records from there up to `next`, none skipped;
+/// * at most `max_records` of them;
+/// * their bytes (key, headers, payload) stay within `max_bytes`, except
+///   that the first record is returned whatever its size (so a reader is
+///   never stuck before a large record);
+/// * it stops short of `max_records` with visible records left only when
+///   the next would cross the byte cap (or the cap is reached);
+/// * with neither cap reached and no record left, `next` is the end.
+fn check_read(
+    at: Offset,
+    limits: ReadLimits,
+    r: &ReadResult,
+    start: Offset,
+    end: Offset,
+    model: &[(u64, Bytes)],
+    sizes: &BTreeMap<u64, usize>,
+) {
+    let ctx = format!("read from {at:?} with {limits:?}");
+    assert_eq!((r.start, r.end), (start, end), "{ctx}");
+    let from = at.max(start);
+    assert!(r.next >= from, "{ctx}: next {:?} went back", r.next);
+    if from < end {
+        assert!(r.next <= end, "{ctx}: next {:?} past the end", r.next);
+    }
+    assert!(
+        r.records.len() <= limits.max_records,
+        "{ctx}: {} records",
+        r.records.len()
+    );
+    let carried: usize = r.records.iter().map(|x| x.size_bytes()).sum();
+    assert_eq!(r.bytes, carried, "{ctx}: the bytes reported");
+    if r.records.len() > 1 {
+        assert!(
+            r.bytes <= limits.max_bytes,
+            "{ctx}: {} records carrying {} bytes",
+            r.records.len(),
+            r.bytes
+        );
+    }
+    let lo = model.partition_point(|(o, _)| *o < from.0);
+    let hi = model.partition_point(|(o, _)| *o < r.next.0);
+    let got: Vec<(u64, Bytes)> = r
+        .records
+        .iter()
+        .map(|x| (x.offset.0, x.payload.clone()))
+        .collect();
+    assert_eq!(
+        got,
+        model[lo..hi.max(lo)],
+        "{ctx}: not the records from {from:?} to {:?}",
+        r.next
+    );
+    for rec in &r.records {
+        assert_eq!(rec.size_bytes(), sizes[&rec.offset.0], "{ctx}: {rec:?}");
+    }
+    let left = model[hi.max(lo)..].first().filter(|(o, _)| *o < end.0);
+    let byte_capped =
+        |next: usize| r.bytes >= limits.max_bytes || r.bytes + next > limits.max_bytes;
+    match left {
+        Some((o, _)) => {
+            assert!(
+                !r.records.is_empty() || limits.max_records == 0,
+                "{ctx}: nothing returned, {o} there"
+            );
+            if r.records.len() < limits.max_records {
+                assert!(
+                    byte_capped(sizes[o]),
+                    "{ctx}: stopped after {} records and {} bytes with record {o} ({} \
+                     bytes) left",
+                    r.records.len(),
+                    r.bytes,
+                    sizes[o]
+                );
+            }
+        }
+        None => {
+            let capped = r.records.len() >= limits.max_records || r.bytes >= limits.max_bytes;
+            if !capped && from < end {
+                assert_eq!(r.next, end, "{ctx}: stopped short with nothing left");
+            }
+        }
+    }
+}
+
+/// [`read_all`] with limits drawn for every read, each read checked by
+/// [`check_read`] against the model.
+async fn read_all_checked(
+    log: &ShardLog<SimStorage>,
+    from: Offset,
+    model: &[(u64, Bytes)],
+    sizes: &BTreeMap<u64, usize>,
+    rng: &mut SmallRng,
+) -> Vec<(u64, Bytes)> {
+    let mut out = Vec::new();
+    let mut at = from;
+    loop {
+        let limits = random_limits(rng);
+        let r = log.read(at, limits).await.expect("read");
+        check_read(at, limits, &r, log.start(), log.end(), model, sizes);
+        if r.records.is_empty() && r.next >= r.end {
+            return out;
+        }
+        assert!(r.next > at, "read made no progress at {at:?}");
+        for rec in &r.records {
+            out.push((rec.offset.0, rec.payload.clone()));
+        }
+        at = r.next;
+    }
+}
+
+/// Check one pass of retention by bytes (`limit`) that removed `removed`
+/// segments, given the segment sizes before and after it (everything
+/// durable): it removed whole segments, oldest first, never the active one;
+/// the start is the base of the oldest kept; and it removed exactly what
+/// the rule asks: the oldest sealed segments while the shard holds more
+/// than the limit. So with sealed segments left the shard is within the
+/// limit, and before the last removal it was not.
+fn check_retention_by_bytes(
+    limit: Option<u64>,
+    before: &[(Offset, u64)],
+    removed: usize,
+    after: &[(Offset, u64)],
+    start: Offset,
+) {
+    let total = |s: &[(Offset, u64)]| s.iter().map(|x| x.1).sum::<u64>();
+    let ctx = format!("limit {limit:?}, segments {before:?}, removed {removed}");
+    assert!(removed < before.len(), "{ctx}: the active segment went");
+    assert_eq!(
+        after,
+        &before[removed..],
+        "{ctx}: not whole oldest segments"
+    );
+    assert_eq!(
+        start, after[0].0,
+        "{ctx}: start is not the oldest base kept"
+    );
+    match limit {
+        None => assert_eq!(removed, 0, "{ctx}: no limit"),
+        Some(limit) => {
+            if after.len() > 1 {
+                assert!(
+                    total(after) <= limit,
+                    "{ctx}: kept {} bytes with sealed segments left",
+                    total(after)
+                );
+            }
+            if removed > 0 {
+                assert!(
+                    total(&before[removed - 1..]) > limit,
+                    "{ctx}: removed more than the limit asks"
+                );
+            }
+        }
+    }
+}
+
 /// Random appends, flushes, reads, retention and reopens against a model:
 /// what the log returns is exactly the model's records from the start offset.
+/// Reads use limits drawn per read and each is checked against the read
+/// contract (see [`check_read`]); each retention pass against the rule.
 #[test]
 fn log_matches_model_under_random_operations() {
     run_cases("log_matches_model", 2000, |seed| {
@@ -125,6 +319,7 @@ fn log_matches_model_under_random_operations() {
         block_on(async {
             let mut log = open(&storage, &cfg).await;
             let mut model: Vec<(u64, Bytes)> = Vec::new();
+            let mut sizes: BTreeMap<u64, usize> = BTreeMap::new();
             for _ in 0..rng.gen_range(10..120) {
                 match rng.gen_range(0..10) {
                     0..=4 => {
@@ -140,6 +335,7 @@ fn log_matches_model_under_random_operations() {
                         assert_eq!(a.base.0, base);
                         for (i, r) in recs.iter().enumerate() {
                             model.push((base + i as u64, r.payload.clone()));
+                            sizes.insert(base + i as u64, carried(r));
                         }
                         if rng.gen_bool(0.1) {
                             log.append_group(b"group-entry").unwrap();
@@ -157,30 +353,69 @@ fn log_matches_model_under_random_operations() {
                         let first = futures_lite::future::poll_once(&mut flush).await;
                         for _ in 0..rng.gen_range(1..4) {
                             let base = log.queued_end().0;
-                            let p = payload(base, &mut rng);
-                            log.append(&[record(p.clone(), &mut rng)]).unwrap();
-                            model.push((base, p));
+                            let r = record(payload(base, &mut rng), &mut rng);
+                            log.append(std::slice::from_ref(&r)).unwrap();
+                            model.push((base, r.payload.clone()));
+                            sizes.insert(base, carried(&r));
                         }
                         if first.is_none() {
-                            flush.await.unwrap();
+                            if rng.gen_bool(0.5) {
+                                // A second flush called meanwhile returns
+                                // once all of it is durable too.
+                                let (a, b) = futures_lite::future::zip(flush, async {
+                                    let r = log.flush().await;
+                                    assert_eq!(log.end(), log.queued_end(), "seed {seed}");
+                                    r
+                                })
+                                .await;
+                                a.unwrap();
+                                b.unwrap();
+                            } else {
+                                flush.await.unwrap();
+                            }
                         }
                         storage.set_yielding(false);
                     }
                     7 => {
-                        log.flush().await.unwrap();
-                        let start = log.start();
-                        let from = Offset(rng.gen_range(0..=log.end().0 + 1));
-                        let got = read_all(&log, from).await;
+                        // Mostly of everything; sometimes only up to the
+                        // durable end, with more queued past it.
+                        if rng.gen_bool(0.7) {
+                            log.flush().await.unwrap();
+                        }
+                        let (start, end) = (log.start(), log.end());
+                        let from = Offset(rng.gen_range(0..=end.0 + 1));
+                        if rng.gen_bool(0.1) {
+                            let limits = ReadLimits {
+                                max_records: 0,
+                                max_bytes: usize::MAX,
+                            };
+                            let r = log.read(from, limits).await.unwrap();
+                            check_read(from, limits, &r, start, end, &model, &sizes);
+                            assert!(r.records.is_empty(), "seed {seed}: read of 0 records");
+                        }
+                        let got = read_all_checked(&log, from, &model, &sizes, &mut rng).await;
                         let want: Vec<_> = model
                             .iter()
-                            .filter(|(o, _)| *o >= from.max(start).0)
+                            .filter(|(o, _)| *o >= from.max(start).0 && *o < end.0)
                             .cloned()
                             .collect();
                         assert_eq!(got, want, "seed {seed}: read from {from:?}");
                     }
                     8 => {
                         log.flush().await.unwrap();
-                        log.enforce_retention(u64::MAX / 2).await.unwrap();
+                        let before = log.segment_sizes();
+                        let removed = log.enforce_retention(u64::MAX / 2).await.unwrap();
+                        let after = log.segment_sizes();
+                        check_retention_by_bytes(
+                            cfg.retention_bytes,
+                            &before,
+                            removed,
+                            &after,
+                            log.start(),
+                        );
+                        let s = log.stats();
+                        assert_eq!(s.bytes, after.iter().map(|x| x.1).sum::<u64>());
+                        assert_eq!(s.segments as usize, after.len());
                     }
                     _ => {
                         log.close().await.unwrap();
@@ -190,7 +425,7 @@ fn log_matches_model_under_random_operations() {
             }
             log.flush().await.unwrap();
             let start = log.start();
-            let got = read_all(&log, Offset::ZERO).await;
+            let got = read_all_checked(&log, Offset::ZERO, &model, &sizes, &mut rng).await;
             let want: Vec<_> = model
                 .iter()
                 .filter(|(o, _)| *o >= start.0)
@@ -924,6 +1159,217 @@ fn a_read_below_the_start_after_retention_reports_the_start_and_begins_there() {
                 assert_eq!(r.records[0].payload[0], start.0 as u8);
                 assert_eq!(r.next, Offset(start.0 + 5));
             }
+        });
+    }
+}
+
+/// A flush called while another is in flight does not return until what
+/// was appended before it is durable: it waits out the round in flight (its
+/// fsync held here), then writes and syncs its own batch, and only then
+/// returns. The disk, crashed the moment it returns, still has the batch.
+#[test]
+fn a_flush_while_another_is_in_flight_returns_once_its_batch_is_durable() {
+    let storage = SimStorage::new();
+    let rec = |p: &'static [u8]| RecordIn {
+        payload: Bytes::from_static(p),
+        ..Default::default()
+    };
+    block_on(async {
+        use futures_lite::future::poll_once;
+        let log = open(&storage, &LogConfig::default()).await;
+        storage.hold_syncs();
+        log.append(&[rec(b"a")]).unwrap();
+        let mut first = std::pin::pin!(log.flush());
+        assert!(poll_once(&mut first).await.is_none(), "held in its fsync");
+        assert_eq!(storage.counts(), (1, 1));
+        let b = log.append(&[rec(b"b")]).unwrap();
+        let crashed_at_return = std::cell::RefCell::new(None);
+        let mut second = std::pin::pin!(async {
+            log.flush().await.unwrap();
+            // Everything the disk would keep if the power went out now.
+            let disk = storage.fork();
+            disk.crash_lose_unsynced();
+            *crashed_at_return.borrow_mut() = Some(disk);
+        });
+        for _ in 0..10 {
+            assert!(
+                poll_once(&mut second).await.is_none(),
+                "returned while the first flush's fsync is in flight and b not written"
+            );
+        }
+        // It waits: no write of its own beside the round in flight.
+        assert_eq!(storage.counts(), (1, 1));
+        assert_eq!(log.end(), Offset::ZERO);
+        storage.release_syncs();
+        let (first, ()) = futures_lite::future::zip(first, second).await;
+        first.unwrap();
+        assert_eq!(storage.counts(), (2, 2), "one more round, for b");
+        assert_eq!(log.end(), Offset(2));
+        assert!(poll_once(log.wait(b.lsn, Frontier::Durable))
+            .await
+            .is_some());
+        let disk = crashed_at_return
+            .borrow_mut()
+            .take()
+            .expect("second returned");
+        let log = open(&disk, &LogConfig::default()).await;
+        let got = read_all(&log, Offset::ZERO).await;
+        assert_eq!(
+            got,
+            vec![(0, Bytes::from_static(b"a")), (1, Bytes::from_static(b"b"))]
+        );
+    });
+}
+
+/// A flush whose batches the round in flight already covers waits for that
+/// round and adds no write or sync of its own.
+#[test]
+fn a_flush_covered_by_the_round_in_flight_adds_no_io() {
+    let storage = SimStorage::new();
+    block_on(async {
+        use futures_lite::future::poll_once;
+        let log = open(&storage, &LogConfig::default()).await;
+        storage.hold_syncs();
+        log.append(&[RecordIn::default()]).unwrap();
+        let mut first = std::pin::pin!(log.flush());
+        assert!(poll_once(&mut first).await.is_none());
+        let mut second = std::pin::pin!(log.flush());
+        assert!(
+            poll_once(&mut second).await.is_none(),
+            "a is not durable yet"
+        );
+        storage.release_syncs();
+        let (a, b) = futures_lite::future::zip(first, second).await;
+        a.unwrap();
+        b.unwrap();
+        assert_eq!(storage.counts(), (1, 1));
+        assert_eq!(log.stats().flushes, 1);
+        assert_eq!(log.end(), Offset(1));
+    });
+}
+
+/// A flush waiting for a round in flight that fails returns the error: its
+/// batch was never made durable.
+#[test]
+fn a_flush_waiting_for_a_round_that_fails_fails() {
+    let storage = SimStorage::new();
+    block_on(async {
+        use futures_lite::future::poll_once;
+        let log = open(&storage, &LogConfig::default()).await;
+        storage.hold_syncs();
+        storage.fail_sync_after(1);
+        log.append(&[RecordIn::default()]).unwrap();
+        let mut first = std::pin::pin!(log.flush());
+        assert!(poll_once(&mut first).await.is_none());
+        log.append(&[RecordIn::default()]).unwrap();
+        let mut second = std::pin::pin!(log.flush());
+        assert!(poll_once(&mut second).await.is_none());
+        storage.release_syncs();
+        let (a, b) = futures_lite::future::zip(first, second).await;
+        assert!(a.is_err());
+        assert!(matches!(b, Err(LogError::Stopped(_))), "{b:?}");
+        assert_eq!(log.end(), Offset::ZERO);
+    });
+}
+
+/// A flush dropped while its round is in flight stops the shard (what it
+/// took from the queue cannot be made durable any more): a flush waiting
+/// for it, and waiters on the durable frontier, get an error instead of
+/// waiting forever.
+#[test]
+fn a_flush_dropped_in_flight_stops_the_shard() {
+    let storage = SimStorage::new();
+    block_on(async {
+        use futures_lite::future::poll_once;
+        let log = open(&storage, &LogConfig::default()).await;
+        storage.hold_syncs();
+        let a = log.append(&[RecordIn::default()]).unwrap();
+        let mut second = std::pin::pin!(log.flush());
+        {
+            let mut first = std::pin::pin!(log.flush());
+            assert!(poll_once(&mut first).await.is_none());
+            assert!(poll_once(&mut second).await.is_none());
+        }
+        // Polled once, not awaited: without the stop they would hang.
+        let second = poll_once(&mut second).await;
+        assert!(
+            matches!(second, Some(Err(LogError::Stopped(_)))),
+            "{second:?}"
+        );
+        let waited = poll_once(log.wait(a.lsn, Frontier::Durable)).await;
+        assert!(matches!(waited, Some(Err(_))), "{waited:?}");
+        assert!(log.stopped().is_some());
+        assert!(log.append(&[RecordIn::default()]).is_err());
+        assert_eq!(log.end(), Offset::ZERO);
+    });
+}
+
+/// The read caps, from the tail cache and from disk alike: `max_records`
+/// bounds the count; `max_bytes` counts key, header names and values and
+/// payload, and is never crossed except by the first record, which is
+/// returned whatever its size (a reader is never stuck before it).
+#[test]
+fn reads_honour_the_record_and_byte_caps() {
+    // 10 + 11 + 100 = 121 bytes each, then one of 5,000 and 3 more of 121.
+    let small = |i: u8| RecordIn {
+        key: Some(Bytes::from(vec![b'k'; 10])),
+        headers: vec![("h".into(), Bytes::from(vec![b'v'; 10]))],
+        payload: Bytes::from(vec![i; 100]),
+        ..Default::default()
+    };
+    for read_cache_bytes in [0, 1 << 20] {
+        let storage = SimStorage::new();
+        let cfg = LogConfig {
+            read_cache_bytes,
+            ..LogConfig::default()
+        };
+        block_on(async {
+            let log = open(&storage, &cfg).await;
+            for i in 0..5 {
+                log.append(&[small(i)]).unwrap();
+            }
+            log.append(&[RecordIn {
+                payload: Bytes::from(vec![9; 5000]),
+                ..Default::default()
+            }])
+            .unwrap();
+            log.append(&[small(6), small(7), small(8)]).unwrap();
+            log.flush().await.unwrap();
+            let read = |from: u64, max_records: usize, max_bytes: usize| {
+                let log = log.clone();
+                async move {
+                    let r = log
+                        .read(
+                            Offset(from),
+                            ReadLimits {
+                                max_records,
+                                max_bytes,
+                            },
+                        )
+                        .await
+                        .unwrap();
+                    let offsets: Vec<u64> = r.records.iter().map(|x| x.offset.0).collect();
+                    (offsets, r.bytes, r.next.0)
+                }
+            };
+            let ctx = format!("cache {read_cache_bytes}");
+            assert_eq!(
+                read(0, 3, usize::MAX).await,
+                (vec![0, 1, 2], 363, 3),
+                "{ctx}"
+            );
+            assert_eq!(read(0, 100, 363).await, (vec![0, 1, 2], 363, 3), "{ctx}");
+            assert_eq!(read(0, 100, 362).await, (vec![0, 1], 242, 2), "{ctx}");
+            assert_eq!(read(0, 100, 0).await, (vec![0], 121, 1), "{ctx}");
+            assert_eq!(read(1, 100, 1).await, (vec![1], 121, 2), "{ctx}");
+            // The large record: alone when it crosses the cap, first or not.
+            assert_eq!(read(5, 100, 100).await, (vec![5], 5000, 6), "{ctx}");
+            assert_eq!(read(4, 100, 5000).await, (vec![4], 121, 5), "{ctx}");
+            assert_eq!(read(4, 100, 5121).await, (vec![4, 5], 5121, 6), "{ctx}");
+            // Within one batch of three.
+            assert_eq!(read(6, 2, usize::MAX).await, (vec![6, 7], 242, 8), "{ctx}");
+            assert_eq!(read(6, 100, 300).await, (vec![6, 7], 242, 8), "{ctx}");
+            assert_eq!(read(0, 0, usize::MAX).await, (vec![], 0, 0), "{ctx}");
         });
     }
 }
