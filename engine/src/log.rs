@@ -505,6 +505,17 @@ struct Inner<F> {
 }
 
 impl<F> Inner<F> {
+    /// A flush round failed or was abandoned: stop the shard (the first
+    /// reason stands) and drop what was queued, which nothing will write.
+    fn stop_after_round(&mut self, why: String) {
+        if self.stopped.is_none() {
+            tracing::error!(dir = %self.dir.display(), "shard stopped: {why}");
+            self.stopped = Some(why);
+        }
+        self.pending.clear();
+        self.pending_bytes = 0;
+    }
+
     fn refuse(&self) -> Result<(), LogError> {
         if let Some(r) = &self.stopped {
             return Err(LogError::Stopped(r.clone()));
@@ -689,19 +700,18 @@ impl<S: Storage> ShardLog<S> {
                 .open(&path, false)
                 .await
                 .map_err(|e| io_err("open segment", e))?;
+            let size = file.size().await.map_err(|e| io_err("size", e))?;
             let mut seg = Segment {
                 base,
                 path: path.clone(),
                 file: Rc::new(file),
                 len: 0,
-                reserved: 0,
+                reserved: size,
                 end: base,
                 index: Vec::new(),
                 last_indexed_pos: None,
                 max_timestamp_ms: 0,
             };
-            let size = seg.file.size().await.map_err(|e| io_err("size", e))?;
-            seg.reserved = size;
             let mut notes = Vec::new();
             let scanned = scan_segment(&seg, size, &config, replay, &mut notes).await?;
             let valid_len = scanned.valid_len;
@@ -1078,12 +1088,7 @@ impl<S: Storage> ShardLog<S> {
         let mut i = self.inner.borrow_mut();
         i.flushing = false;
         if let Err(e) = &result {
-            if i.stopped.is_none() {
-                tracing::error!(dir = %i.dir.display(), "shard stopped: {e}");
-                i.stopped = Some(e.to_string());
-            }
-            i.pending.clear();
-            i.pending_bytes = 0;
+            i.stop_after_round(e.to_string());
         }
         drop(i);
         self.progress.wake_all();
@@ -1697,12 +1702,7 @@ impl<S: Storage> Drop for RoundGuard<'_, S> {
         }
         if let Ok(mut i) = self.log.inner.try_borrow_mut() {
             i.flushing = false;
-            if i.stopped.is_none() {
-                tracing::error!(dir = %i.dir.display(), "shard stopped: a flush was dropped in flight");
-                i.stopped = Some("a flush was dropped before it completed".into());
-            }
-            i.pending.clear();
-            i.pending_bytes = 0;
+            i.stop_after_round("a flush was dropped before it completed".into());
         }
         self.log.progress.wake_all();
         self.log.queued.wake_all();
