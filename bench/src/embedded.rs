@@ -39,9 +39,16 @@ pub struct EmbeddedOptions<'a> {
 }
 
 impl EmbeddedBroker {
+    /// Start this executable again as the broker.
     pub fn start(opts: &EmbeddedOptions<'_>) -> Result<EmbeddedBroker, String> {
         let exe =
             std::env::current_exe().map_err(|e| format!("cannot find own executable: {e}"))?;
+        Self::start_exe(&exe, opts)
+    }
+
+    /// Start `exe` (a felix-bench binary: it must have `__serve`) as the
+    /// broker. Tests use it, where the running executable is the test.
+    pub fn start_exe(exe: &Path, opts: &EmbeddedOptions<'_>) -> Result<EmbeddedBroker, String> {
         let dir = match opts.parent_dir {
             Some(p) => {
                 std::fs::create_dir_all(p)

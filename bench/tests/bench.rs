@@ -292,62 +292,29 @@ fn json_to_stdout_keeps_the_summary_on_stderr() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("felix-bench publish"));
 }
 
-/// A broker of our own for tests that need `--broker`: `felix-bench __serve`
-/// on a temporary directory and a free port; killed on drop.
-struct Broker {
-    child: std::process::Child,
-    addr: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Broker {
-    fn start() -> Broker {
-        use std::io::{BufRead, BufReader};
-        let dir = tempfile::tempdir().unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_felix-bench"))
-            .args(["__serve", "--listen", "127.0.0.1:0", "--cores", "1"])
-            .arg("--data-dir")
-            .arg(dir.path().join("data"))
-            .current_dir(dir.path())
-            .env("FELIX_METRICS_LISTEN", "")
-            .env("RUST_LOG", "warn")
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .expect("start broker");
-        let out = BufReader::new(child.stdout.take().unwrap());
-        let addr = out
-            .lines()
-            .map_while(Result::ok)
-            .find_map(|l| l.strip_prefix("felix: listening on ").map(str::to_string))
-            .expect("the broker announces its address");
-        Broker {
-            child,
-            addr,
-            _dir: dir,
-        }
-    }
-}
-
-impl Drop for Broker {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// `--stream` naming a stream that already exists on the broker is refused,
 /// and the stream and its records are left exactly as they were (the bench
 /// removes only streams it created); a run on its own stream cleans it up.
 #[test]
 fn an_existing_stream_is_refused_and_left_alone_and_the_bench_removes_only_its_own() {
-    let broker = Broker::start();
+    let broker = felix_bench::embedded::EmbeddedBroker::start_exe(
+        Path::new(env!("CARGO_BIN_EXE_felix-bench")),
+        &felix_bench::embedded::EmbeddedOptions {
+            cores: "1",
+            parent_dir: None,
+            log: "warn",
+            ack_on_commit: true,
+        },
+    )
+    .expect("start a broker");
+    let addr = broker.addr().to_string();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
     let client = rt
         .block_on(felix_client::Client::connect(
-            broker.addr.as_str(),
+            addr.as_str(),
             felix_client::ClientConfig::default(),
         ))
         .expect("connect");
@@ -361,7 +328,7 @@ fn an_existing_stream_is_refused_and_left_alone_and_the_bench_removes_only_its_o
     let o = bench(&[
         "publish",
         "--broker",
-        &broker.addr,
+        &addr,
         "--stream",
         "keep/me/here",
         "--count",
@@ -385,7 +352,7 @@ fn an_existing_stream_is_refused_and_left_alone_and_the_bench_removes_only_its_o
     let o = bench(&[
         "publish",
         "--broker",
-        &broker.addr,
+        &addr,
         "--count",
         "100",
         "--warmup",
