@@ -174,6 +174,27 @@ pub(crate) fn to_name(r: &StreamRef) -> Result<StreamName, Response> {
 }
 
 impl<S: Storage> Core<S> {
+    fn new(
+        ctx: CoreContext,
+        shared: Arc<Shared>,
+        storage: S,
+        disk: crate::disk::DiskGuard,
+    ) -> Rc<Core<S>> {
+        Rc::new(Core {
+            ctx,
+            shared,
+            storage,
+            streams: RefCell::new(HashMap::new()),
+            metrics: CoreMetrics::default(),
+            next_conn: Cell::new(0),
+            in_flight: Cell::new(0),
+            stopping: Cell::new(false),
+            lifecycle: WaitList::new(),
+            stop_signal: WaitList::new(),
+            disk,
+        })
+    }
+
     pub fn core_id(&self) -> u32 {
         self.ctx.core.0
     }
@@ -1059,23 +1080,12 @@ async fn core_main<S: Storage>(
     metrics: Option<std::net::TcpListener>,
 ) {
     set_stage(&shared, ctx.core.0, 1);
-    let core = Rc::new(Core {
-        ctx,
-        shared: shared.clone(),
-        storage,
-        streams: RefCell::new(HashMap::new()),
-        metrics: CoreMetrics::default(),
-        next_conn: Cell::new(0),
-        in_flight: Cell::new(0),
-        stopping: Cell::new(false),
-        lifecycle: WaitList::new(),
-        stop_signal: WaitList::new(),
-        disk: crate::disk::DiskGuard::new(
-            shared.config.data_dir.as_deref(),
-            shared.config.min_free_bytes,
-            shared.cores,
-        ),
-    });
+    let disk = crate::disk::DiskGuard::new(
+        shared.config.data_dir.as_deref(),
+        shared.config.min_free_bytes,
+        shared.cores,
+    );
+    let core = Core::new(ctx, shared.clone(), storage, disk);
     report_disk(&core, core.disk.refresh());
     for meta in metas.iter() {
         if let Err(e) = core.open_stream(meta.clone()).await {
@@ -1269,23 +1279,17 @@ mod tests {
             broker_id: "felix-test".into(),
             kicker: std::sync::OnceLock::new(),
         });
-        let core = Rc::new(Core {
-            ctx: CoreContext {
-                core: CoreId(0),
-                cores: 1,
-                cpu: None,
-            },
+        let ctx = CoreContext {
+            core: CoreId(0),
+            cores: 1,
+            cpu: None,
+        };
+        let core = Core::new(
+            ctx,
             shared,
             storage,
-            streams: RefCell::new(HashMap::new()),
-            metrics: CoreMetrics::default(),
-            next_conn: Cell::new(0),
-            in_flight: Cell::new(0),
-            stopping: Cell::new(false),
-            lifecycle: WaitList::new(),
-            stop_signal: WaitList::new(),
-            disk: crate::disk::DiskGuard::new(None, 0, 1),
-        });
+            crate::disk::DiskGuard::new(None, 0, 1),
+        );
         glommio::spawn_local(core.clone().run_mailbox(rx)).detach();
         core
     }
