@@ -154,6 +154,29 @@ impl IntoFuture for PendingPublish {
     }
 }
 
+/// An acknowledgement sent by [`Client::begin_group_ack_many`] whose answer
+/// is still to come. `.await` it to learn that the records are finished
+/// (their position change, if any, durable). Dropping it does not recall
+/// the acknowledgement.
+#[must_use = "the ack was sent; await it to learn whether it was applied"]
+pub struct PendingAck {
+    fut: Pin<Box<dyn Future<Output = Result<()>> + Send>>,
+}
+
+impl std::fmt::Debug for PendingAck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingAck").finish_non_exhaustive()
+    }
+}
+
+impl IntoFuture for PendingAck {
+    type Output = Result<()>;
+    type IntoFuture = Pin<Box<dyn Future<Output = Result<()>> + Send>>;
+    fn into_future(self) -> Self::IntoFuture {
+        self.fut
+    }
+}
+
 fn feature_name(bit: u64) -> &'static str {
     match bit {
         FEATURE_GROUPS => "FEATURE_GROUPS",
@@ -684,23 +707,37 @@ impl Client {
             ack: self.ack_mode()?,
             records,
         };
+        let answer = self.begin_shard_call(stream, shard, req).await?;
+        Ok(PendingPublish {
+            fut: Box::pin(async move { published(answer.await?) }),
+        })
+    }
+
+    /// Put `req` on the connection to `shard`'s core and return once it is
+    /// queued there, with the answer to come. A `wrong_core` answer is
+    /// followed once (to the core the broker names), like
+    /// [`call_shard`](Client::call_shard); other error answers become
+    /// errors.
+    async fn begin_shard_call(
+        &self,
+        stream: StreamRef,
+        shard: u32,
+        req: Request,
+    ) -> Result<impl Future<Output = Result<Response>> + Send + 'static> {
         let core = self.core_for(&stream, shard).await?;
         let conn = self.conn(core).await?;
         let waiter = conn.send(&req, self.inner.config.request_timeout).await?;
         let client = self.clone();
-        Ok(PendingPublish {
-            fut: Box::pin(async move {
-                match waiter.wait().await? {
-                    Response::Error(e) if e.code == ErrorCode::WrongCore => {
-                        let resp = client
-                            .redirect(&stream, shard, &req, e, Duration::ZERO)
-                            .await?;
-                        published(resp)
-                    }
-                    Response::Error(e) => Err(e.into()),
-                    resp => published(resp),
+        Ok(async move {
+            match waiter.wait().await? {
+                Response::Error(e) if e.code == ErrorCode::WrongCore => {
+                    client
+                        .redirect(&stream, shard, &req, e, Duration::ZERO)
+                        .await
                 }
-            }),
+                Response::Error(e) => Err(e.into()),
+                resp => Ok(resp),
+            }
         })
     }
 
@@ -969,6 +1006,60 @@ impl Client {
             offsets: offsets.to_vec(),
         };
         self.group_ok(&key, &req, "group_ack").await
+    }
+
+    /// Send [`group_ack_many`](Client::group_ack_many) and return as soon as
+    /// the request is queued on the shard's connection, with a
+    /// [`PendingAck`] to await its answer.
+    ///
+    /// A consumer that acknowledges one batch and at once polls for the next
+    /// does not wait a round trip (and the broker's sync of the group's
+    /// position) between the two: requests queued together also leave
+    /// together, in one write to the socket. An empty slice sends nothing
+    /// and answers at once.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: felix_client::Client) -> Result<(), felix_client::ClientError> {
+    /// let (s, g) = (("t1", "default", "jobs"), "workers");
+    /// let batch = client.group_poll(s.0, s.1, s.2, 0, g, 16).await?;
+    /// let offsets: Vec<u64> = batch.iter().map(|r| r.offset).collect();
+    /// let ack = client.begin_group_ack_many(s.0, s.1, s.2, 0, g, &offsets).await?;
+    /// let next = client.group_poll(s.0, s.1, s.2, 0, g, 16).await?;
+    /// ack.await?; // the first batch is finished
+    /// # let _ = next;
+    /// # Ok(())
+    /// # }
+    /// ```
+    #[allow(clippy::too_many_arguments)]
+    pub async fn begin_group_ack_many(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        offsets: &[u64],
+    ) -> Result<PendingAck> {
+        self.require(FEATURE_GROUPS, "group_ack")?;
+        if offsets.is_empty() {
+            return Ok(PendingAck {
+                fut: Box::pin(async { Ok(()) }),
+            });
+        }
+        let key = Self::group_key(tenant, namespace, stream, shard, group);
+        let req = Request::GroupAck {
+            key: key.clone(),
+            offsets: offsets.to_vec(),
+        };
+        let answer = self.begin_shard_call(key.stream, key.shard, req).await?;
+        Ok(PendingAck {
+            fut: Box::pin(async move {
+                match answer.await? {
+                    Response::Ok => Ok(()),
+                    other => Err(unexpected(other, "group_ack")),
+                }
+            }),
+        })
     }
 
     /// Hand a claimed record back now, to be owed to the group again.

@@ -17,6 +17,16 @@ fn run<F: std::future::Future<Output = ()> + 'static>(f: impl FnOnce() -> F + Se
         .expect("join");
 }
 
+fn run_and_return<T: Send + 'static, F: std::future::Future<Output = T> + 'static>(
+    f: impl FnOnce() -> F + Send + 'static,
+) -> T {
+    LocalExecutorBuilder::default()
+        .spawn(f)
+        .expect("executor")
+        .join()
+        .expect("join")
+}
+
 fn rec(i: u64) -> RecordIn {
     RecordIn {
         timestamp_ms: i,
@@ -257,4 +267,168 @@ fn io_in_flight_never_exceeds_the_queue_depth() {
         assert_eq!(storage.in_flight_high_water(), 2);
         log.close().await.unwrap();
     });
+}
+
+/// Byte ranges of `file` that the filesystem holds as unwritten extents
+/// (reserved by fallocate, never written), through the FIEMAP ioctl.
+fn unwritten_ranges(file: &std::path::Path) -> Vec<(u64, u64)> {
+    use std::os::fd::AsRawFd;
+    const FS_IOC_FIEMAP: libc::c_ulong = 0xC020_660B;
+    const FIEMAP_FLAG_SYNC: u32 = 0x1;
+    const FIEMAP_EXTENT_UNWRITTEN: u32 = 0x800;
+    const EXTENTS: usize = 256;
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    struct Extent {
+        logical: u64,
+        physical: u64,
+        length: u64,
+        reserved64: [u64; 2],
+        flags: u32,
+        reserved: [u32; 3],
+    }
+    #[repr(C)]
+    struct Map {
+        start: u64,
+        length: u64,
+        flags: u32,
+        mapped: u32,
+        count: u32,
+        reserved: u32,
+        extents: [Extent; EXTENTS],
+    }
+    let f = std::fs::File::open(file).unwrap();
+    let mut map = Map {
+        start: 0,
+        length: u64::MAX,
+        flags: FIEMAP_FLAG_SYNC,
+        mapped: 0,
+        count: EXTENTS as u32,
+        reserved: 0,
+        extents: [Extent::default(); EXTENTS],
+    };
+    // SAFETY: FIEMAP fills at most `count` extents of the struct we own.
+    let rc = unsafe { libc::ioctl(f.as_raw_fd(), FS_IOC_FIEMAP as _, &mut map as *mut Map) };
+    assert_eq!(rc, 0, "FIEMAP: {}", std::io::Error::last_os_error());
+    map.extents[..map.mapped as usize]
+        .iter()
+        .filter(|e| e.flags & FIEMAP_EXTENT_UNWRITTEN != 0)
+        .map(|e| (e.logical, e.logical + e.length))
+        .collect()
+}
+
+/// The active segment's file, with the size of the data in it.
+fn active_segment(path: &std::path::Path) -> PathBuf {
+    let mut logs: Vec<PathBuf> = std::fs::read_dir(path)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "log"))
+        .collect();
+    logs.sort();
+    logs.pop().unwrap()
+}
+
+#[test]
+fn small_flushes_write_zeros_ahead_so_later_ones_overwrite_written_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let path: PathBuf = dir.path().join("t/n/s/0");
+    let root = dir.path().to_path_buf();
+    let p2 = path.clone();
+    let data_len = run_and_return(move || async move {
+        warm_up_dma(&root).await.unwrap();
+        let cfg = LogConfig {
+            segment_bytes: 8 << 20,
+            read_cache_bytes: 0,
+            preallocate: true,
+            preallocate_step: 1 << 20,
+            ..LogConfig::default()
+        };
+        let log = ShardLog::open(DmaStorage::new(), &p2, cfg, &mut |_| {})
+            .await
+            .unwrap();
+        // Forty small rounds, a few KiB each.
+        for chunk in 0..40u64 {
+            let batch: Vec<_> = (0..10).map(|i| rec(chunk * 10 + i)).collect();
+            log.append(&batch).unwrap();
+            log.flush().await.unwrap();
+        }
+        let len = log.stats().bytes;
+        drop(log); // as kill -9 would leave it (everything was synced)
+        len
+    });
+    let seg = active_segment(&path);
+    let size = std::fs::metadata(&seg).unwrap().len();
+    assert!(
+        size >= data_len + (256 << 10),
+        "zeros are written ahead of the data ({data_len} bytes; file {size})"
+    );
+    // The megabyte after the data holds written zeros, not reserved-only
+    // blocks: a flush there has no extent to convert.
+    let ahead = data_len + (1 << 20);
+    for (from, to) in unwritten_ranges(&seg) {
+        assert!(
+            to <= data_len.next_multiple_of(4096) || from >= ahead,
+            "unwritten extent {from}..{to} inside the zeroed stretch (data ends at {data_len})"
+        );
+    }
+    // And the log reopens at its data, past the zeros.
+    let root = dir.path().to_path_buf();
+    run(move || async move {
+        warm_up_dma(&root).await.unwrap();
+        let log = ShardLog::open(DmaStorage::new(), &path, LogConfig::default(), &mut |_| {})
+            .await
+            .unwrap();
+        assert_eq!(log.end(), Offset(400));
+        let got = read_all(&log).await;
+        for (i, p) in got.iter().enumerate() {
+            assert_eq!(p, &rec(i as u64).payload, "record {i}");
+        }
+        log.close().await.unwrap();
+    });
+}
+
+#[test]
+fn large_flushes_reserve_without_writing_zeros() {
+    let dir = tempfile::tempdir().unwrap();
+    let path: PathBuf = dir.path().join("t/n/s/0");
+    let root = dir.path().to_path_buf();
+    let p2 = path.clone();
+    let data_len = run_and_return(move || async move {
+        warm_up_dma(&root).await.unwrap();
+        let cfg = LogConfig {
+            segment_bytes: 64 << 20,
+            read_cache_bytes: 0,
+            preallocate: true,
+            preallocate_step: 8 << 20,
+            ..LogConfig::default()
+        };
+        let log = ShardLog::open(DmaStorage::new(), &p2, cfg, &mut |_| {})
+            .await
+            .unwrap();
+        // Rounds of about 1 MiB each: bandwidth-bound, no zeros.
+        let big = Bytes::from(vec![7u8; 64 << 10]);
+        for _ in 0..4 {
+            let batch: Vec<_> = (0..16)
+                .map(|_| RecordIn {
+                    timestamp_ms: 1,
+                    key: None,
+                    headers: vec![],
+                    payload: big.clone(),
+                })
+                .collect();
+            log.append(&batch).unwrap();
+            log.flush().await.unwrap();
+        }
+        let len = log.stats().bytes;
+        drop(log);
+        len
+    });
+    let seg = active_segment(&path);
+    assert_eq!(std::fs::metadata(&seg).unwrap().len(), 8 << 20);
+    let unwritten: u64 = unwritten_ranges(&seg).iter().map(|(a, b)| b - a).sum();
+    assert!(
+        unwritten >= (8 << 20) - data_len.next_multiple_of(4096) - (1 << 20),
+        "the reservation past {data_len} bytes of data stays unwritten (fallocated), \
+         {unwritten} bytes are"
+    );
 }

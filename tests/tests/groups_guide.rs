@@ -590,6 +590,58 @@ async fn a_consumer_extends_delays_and_dead_letters_its_claims() {
     assert!(other.poll(10).await.is_empty());
 }
 
+/// Pipelined acks (`begin_group_ack_many`, each sent before the next poll
+/// and awaited only at the end) finish their batches: no offset is handed
+/// out twice, and once they are awaited the position has passed them all.
+/// A refused pipelined ack is an error when awaited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pipelined_ack_finishes_its_batch_while_the_next_poll_runs() {
+    let b = felix_tests::start_broker!(opts(30_000, 5));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 32).await;
+    let mut pending = Vec::new();
+    let mut seen = Vec::new();
+    loop {
+        let batch = c.group_poll(T, NS, JOBS, 0, "workers", 8).await.unwrap();
+        if batch.is_empty() {
+            break;
+        }
+        let offs = offsets(&batch);
+        seen.extend(offs.iter().copied());
+        pending.push(
+            c.begin_group_ack_many(T, NS, JOBS, 0, "workers", &offs)
+                .await
+                .unwrap(),
+        );
+    }
+    assert_eq!(
+        seen,
+        (0..32).collect::<Vec<u64>>(),
+        "each offset once, in order"
+    );
+    for p in pending {
+        p.await.unwrap();
+    }
+    let g = Group::new(&c, JOBS, "workers");
+    assert_eq!(g.position().await, 32);
+    let refused = c
+        .begin_group_ack_many(T, NS, JOBS, 0, "workers", &[500])
+        .await
+        .unwrap()
+        .await;
+    assert_eq!(
+        code(refused),
+        Some(ErrorCode::InvalidRequest),
+        "past the tail"
+    );
+    c.begin_group_ack_many(T, NS, JOBS, 0, "workers", &[])
+        .await
+        .unwrap()
+        .await
+        .expect("nothing to ack answers at once");
+}
+
 // ------------------------------------------- creating, moving and deleting
 
 /// A seek backwards replays finished records (as first attempts) but keeps

@@ -343,6 +343,28 @@ async fn metrics_count_publishes_and_shard_offsets() {
     assert_eq!(broker.metric("felix_publish_records_total"), 10.0);
     assert_eq!(broker.metric("felix_shard_end_offset"), 10.0);
     assert!(broker.metric("felix_fsync_seconds_count") >= 1.0);
+    // Counters never go backwards: deleting the stream keeps what its
+    // shards did in the broker's totals.
+    let counters = [
+        "felix_fsync_seconds_count",
+        "felix_fsync_seconds_sum",
+        "felix_flushes_total",
+        "felix_disk_bytes_written_total",
+    ];
+    let before: Vec<f64> = counters.iter().map(|m| broker.metric(m)).collect();
+    c.delete_stream("t", "ns", "m").await.unwrap();
+    for (m, was) in counters.iter().zip(before) {
+        let now = broker.metric(m);
+        assert!(
+            now >= was,
+            "{m} went from {was} to {now} when the stream was deleted"
+        );
+    }
+    assert_eq!(
+        broker.metric("felix_shard_end_offset"),
+        0.0,
+        "the shards are gone"
+    );
 }
 
 /// Without durable storage the broker runs in memory and does not offer groups.

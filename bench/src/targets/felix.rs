@@ -253,7 +253,7 @@ impl Reader {
 pub struct Consumer {
     client: Client,
     spec: Arc<Spec>,
-    acks: VecDeque<tokio::task::JoinHandle<Result<(), String>>>,
+    acks: VecDeque<felix_client::PendingAck>,
     ack_inflight: usize,
 }
 
@@ -296,21 +296,20 @@ impl Consumer {
         while self.acks.len() >= self.ack_inflight {
             self.wait_oldest().await?;
         }
-        let client = self.client.clone();
-        let spec = self.spec.clone();
-        self.acks.push_back(tokio::spawn(async move {
-            let s = &spec.name;
-            client
-                .group_ack_many(&s.tenant, &s.namespace, &s.stream, shard, GROUP, &offsets)
-                .await
-                .map_err(e)
-        }));
+        // Queued on the connection now, so the next poll leaves with it.
+        let s = &self.spec.name;
+        let pending = self
+            .client
+            .begin_group_ack_many(&s.tenant, &s.namespace, &s.stream, shard, GROUP, &offsets)
+            .await
+            .map_err(e)?;
+        self.acks.push_back(pending);
         Ok(())
     }
 
     async fn wait_oldest(&mut self) -> Result<(), String> {
-        if let Some(h) = self.acks.pop_front() {
-            h.await.map_err(|err| format!("ack task failed: {err}"))??;
+        if let Some(p) = self.acks.pop_front() {
+            p.await.map_err(e)?;
         }
         Ok(())
     }

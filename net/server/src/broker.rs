@@ -136,6 +136,9 @@ pub(crate) struct Core<S: Storage> {
     pub storage: S,
     pub streams: RefCell<HashMap<StreamRef, LocalStream<S>>>,
     pub metrics: CoreMetrics,
+    /// I/O totals of the shards this core deleted, so that the broker-wide
+    /// counters built from them never go backwards.
+    pub retired: RefCell<ShardSnapshot>,
     pub next_conn: Cell<u64>,
     pub in_flight: Cell<usize>,
     pub stopping: Cell<bool>,
@@ -186,6 +189,7 @@ impl<S: Storage> Core<S> {
             storage,
             streams: RefCell::new(HashMap::new()),
             metrics: CoreMetrics::default(),
+            retired: RefCell::new(ShardSnapshot::default()),
             next_conn: Cell::new(0),
             in_flight: Cell::new(0),
             stopping: Cell::new(false),
@@ -311,6 +315,7 @@ impl<S: Storage> Core<S> {
         if let Some(ls) = removed {
             for slot in ls.shards {
                 if let Slot::Open(shard) = slot {
+                    self.retired.borrow_mut().add_io(&shard.log.stats());
                     if let Err(e) = shard.destroy().await {
                         tracing::error!("deleting shard {}: {e}", shard.name());
                         problems.push(format!("shard {}: {e}", shard.name()));
@@ -631,6 +636,7 @@ impl<S: Storage> Core<S> {
     /// Metrics of this core, as plain numbers another core can merge.
     pub fn snapshot(&self) -> MetricsSnapshot {
         let mut snap = self.metrics.snapshot();
+        snap.retired = self.retired.borrow().clone();
         for (r, ls) in self.streams.borrow().iter() {
             for (i, s) in ls.shards.iter().enumerate() {
                 if let Slot::Failed(_) = s {

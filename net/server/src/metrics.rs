@@ -77,6 +77,7 @@ impl CoreMetrics {
             ],
             connections_open: self.connections_open.get(),
             shards: Vec::new(),
+            retired: ShardSnapshot::default(),
             executor_wakeups: 0,
         }
     }
@@ -97,6 +98,25 @@ pub(crate) struct ShardSnapshot {
     pub sync: SyncStats,
 }
 
+impl ShardSnapshot {
+    /// Add a log's I/O counters (not its shape) to these.
+    pub fn add_io(&mut self, st: &felix_engine::log::LogStats) {
+        self.flushes += st.flushes;
+        self.bytes_written += st.bytes_written;
+        self.cold_reads += st.cold_reads;
+        self.cold_hits += st.cold_hits;
+        self.sync.merge(&st.sync);
+    }
+
+    fn add_io_of(&mut self, o: &ShardSnapshot) {
+        self.flushes += o.flushes;
+        self.bytes_written += o.bytes_written;
+        self.cold_reads += o.cold_reads;
+        self.cold_hits += o.cold_hits;
+        self.sync.merge(&o.sync);
+    }
+}
+
 /// One core's numbers, `Send` so they can cross to the scraping core.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct MetricsSnapshot {
@@ -105,6 +125,8 @@ pub(crate) struct MetricsSnapshot {
     pub counters: Vec<(&'static str, u64)>,
     pub connections_open: u64,
     pub shards: Vec<ShardSnapshot>,
+    /// I/O totals of deleted shards (counters only; no shape).
+    pub retired: ShardSnapshot,
     /// Process-wide (not merged): executors the watchdog had to wake.
     pub executor_wakeups: u64,
 }
@@ -126,6 +148,7 @@ impl MetricsSnapshot {
         }
         self.connections_open += o.connections_open;
         self.shards.extend(o.shards);
+        self.retired.add_io_of(&o.retired);
     }
 
     /// Prometheus text exposition format 0.0.4.
@@ -154,9 +177,11 @@ impl MetricsSnapshot {
              felix_executor_wakeups_total {}",
             self.executor_wakeups
         );
-        let mut sync = SyncStats::default();
-        let (mut flushes, mut written) = (0, 0);
-        let (mut cold_reads, mut cold_hits) = (0, 0);
+        // Counters start from the deleted shards' totals, so that deleting a
+        // stream never makes them go backwards.
+        let mut sync = self.retired.sync;
+        let (mut flushes, mut written) = (self.retired.flushes, self.retired.bytes_written);
+        let (mut cold_reads, mut cold_hits) = (self.retired.cold_reads, self.retired.cold_hits);
         let _ = writeln!(s, "# HELP felix_shard_end_offset One past the last durable offset of a shard.\n# TYPE felix_shard_end_offset gauge");
         for sh in &self.shards {
             let _ = writeln!(
