@@ -239,9 +239,11 @@ E2E_ARGS=(--shards 2 --producers 4 --consumers 2 --per-poll 500 --record-size 10
 # batches (64 KiB records x 16, fio's block size).
 DISK_64K_ARGS=(--shards 2 --producers 4 --batch 64 --inflight 8 --record-size 1024)
 DISK_1M_ARGS=(--shards 2 --producers 4 --batch 16 --inflight 8 --record-size 65536)
-# Queue poll + ack at the ends of the issue's 16-256 range, several consumers.
+# Queue poll + ack at the ends of the issue's 16-256 range, several consumers
+# (each with up to 16 acks in flight: an ack leaves with the next poll), the
+# broker on 2 cores as the target states.
 QUEUE_TARGET_POLLS=(16 256)
-QUEUE_TARGET_ARGS=(--shards 2 --consumers 4 --record-size 100)
+QUEUE_TARGET_ARGS=(--shards 2 --consumers 8 --ack-inflight 16 --record-size 100)
 
 RUN_OVERHEAD=4   # seconds a run takes beyond warm-up + duration + prefill
 
@@ -368,7 +370,8 @@ if want felix; then
   backlog=$(backlog_for "$qpeak")
   for n in "${QUEUE_TARGET_POLLS[@]}"; do
     run "felix-queue-$n" $(( BASE_EST + $(fill_secs "$backlog" "$peak") )) \
-      queue "${FELIX[@]}" "${QUEUE_TARGET_ARGS[@]}" --per-poll "$n" --backlog "$backlog"
+      queue --target felix --broker-cores 2 --data-dir "$WORK/felix" \
+      "${QUEUE_TARGET_ARGS[@]}" --per-poll "$n" --backlog "$backlog"
   done
 
   run felix-queued-publish "$BASE_EST" publish "${FELIX[@]}" --ack queued "${PUBLISH_ARGS[@]}"

@@ -297,8 +297,8 @@ w(target("durable publish ≥ 4× NATS (defaults)", ["felix-publish", "nats-defa
 w(disk_row("felix-disk-64k", "64 KiB batches"))
 w(disk_row("felix-disk-1m", "1 MiB batches"))
 for name, shape in [("felix-queue", "2 consumers, 500 a poll"),
-                    ("felix-queue-16", "4 consumers, 16 a poll"),
-                    ("felix-queue-256", "4 consumers, 256 a poll")]:
+                    ("felix-queue-16", "broker on 2 cores, 8 consumers, 16 a poll"),
+                    ("felix-queue-256", "broker on 2 cores, 8 consumers, 256 a poll")]:
     w(target("queue poll + ack ≥ 500,000 records/s, %s" % shape, [name],
              lambda d: cell_rate(d[0]), lambda d: d[0]["records_per_sec"] >= 5e5))
 w(target("queue poll + ack ≥ 3× NATS (defaults), 2 consumers, 500 a poll", ["felix-queue", "nats-default-queue"],
@@ -313,8 +313,9 @@ w("the same directory, as a log does. fio run over a file it already wrote (what
 w("does once it wraps) only overwrites blocks already allocated and initialised, which syncs")
 w("much faster; that figure is shown beside the target as the disk's raw ceiling.")
 w("64 KiB is the smallest batch the issue's \"64 KiB+ batches\" covers; 1 MiB is fio's block.")
-w("The queue rows at 16 and 256 a poll are the ends of the issue's range (4 consumers, 2")
-w("shards). Ratio targets compare the same workload on both brokers (Results above).")
+w("The queue rows at 16 and 256 a poll are the ends of the issue's range (broker on 2 cores,")
+w("8 consumers, 2 shards, up to 16 acks in flight per consumer, each sent with the next poll).")
+w("Ratio targets compare the same workload on both brokers (Results above).")
 w("")
 
 # ---------------------------------------------------------------- run status
