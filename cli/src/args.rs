@@ -281,13 +281,21 @@ pub enum GroupCmd {
         #[arg(long, value_name = "N", default_value_t = 0)]
         shard: u32,
     },
-    /// List a group's dead letters: offset, attempts, when, by whom, why.
+    /// List a group's dead letters in offset order: offset, attempts, when,
+    /// by whom, why. Prints all of them (fetched a page at a time) unless
+    /// --from or --limit narrows the list.
     DeadLetters {
         #[command(flatten)]
         target: GroupTarget,
         /// Output format (json: one object per line).
         #[arg(long, value_enum, default_value_t = Format::Text)]
         format: Format,
+        /// List only the dead letters at this offset and above.
+        #[arg(long, value_name = "OFFSET", default_value_t = 0)]
+        from: u64,
+        /// List at most N dead letters (default: all of them).
+        #[arg(long, value_name = "N")]
+        limit: Option<u64>,
     },
     /// Put a dead letter back to be delivered again, its attempts reset.
     Redrive {

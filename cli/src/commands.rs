@@ -8,14 +8,15 @@ use bytes::Bytes;
 use felix_client::{
     Client, ClientConfig, ClientError, GroupMember, GroupPollOptions, PendingPublish, RecordIn,
     StartPosition, StreamOptions, StreamRef, FEATURE_GROUPS, FEATURE_GROUP_ADMIN,
-    FEATURE_GROUP_CLAIM_CONTROL, FEATURE_GROUP_SKIPPED, FEATURE_PUBLISH_ACK_MODE,
+    FEATURE_GROUP_CLAIM_CONTROL, FEATURE_GROUP_DEAD_LETTER_PAGES, FEATURE_GROUP_SKIPPED,
+    FEATURE_PUBLISH_ACK_MODE,
 };
 use futures_lite::future::poll_once;
 use tokio::io::AsyncBufReadExt;
 
 use crate::args::{
-    Command, ConsumeArgs, GlobalArgs, GroupCmd, GroupTarget, PublishArgs, ReadArgs, ShardCmd,
-    StreamCmd,
+    Command, ConsumeArgs, Format, GlobalArgs, GroupCmd, GroupTarget, PublishArgs, ReadArgs,
+    ShardCmd, StreamCmd,
 };
 use crate::output;
 use crate::CliError;
@@ -438,18 +439,12 @@ async fn group(client: &Client, cmd: GroupCmd) -> Result<(), CliError> {
             }
             print(&text)
         }
-        GroupCmd::DeadLetters { target: g, format } => {
-            let (t, n, s) = parts(&g.stream);
-            let v = client
-                .group_dead_letters_detailed(t, n, s, g.shard, &g.group)
-                .await?;
-            let mut text = String::new();
-            for d in &v {
-                text.push_str(&output::dead_letter_line(d, format));
-                text.push('\n');
-            }
-            print(&text)
-        }
+        GroupCmd::DeadLetters {
+            target: g,
+            format,
+            from,
+            limit,
+        } => dead_letters(client, &g, format, from, limit).await,
         GroupCmd::Redrive {
             target: g,
             offset,
@@ -461,6 +456,57 @@ async fn group(client: &Client, cmd: GroupCmd) -> Result<(), CliError> {
             all,
         } => settle_dead_letters(client, &g, offset, all, false).await,
     }
+}
+
+/// Print a group's dead letters from offset `from`, at most `limit` of them,
+/// a page at a time as they come (the whole list in one answer from a
+/// broker without pages).
+async fn dead_letters(
+    client: &Client,
+    g: &GroupTarget,
+    format: Format,
+    from: u64,
+    limit: Option<u64>,
+) -> Result<(), CliError> {
+    let (t, n, s) = parts(&g.stream);
+    let mut left = limit.unwrap_or(u64::MAX);
+    let lines = |letters: &[felix_client::DeadLetterInfo]| {
+        let mut text = String::new();
+        for d in letters {
+            text.push_str(&output::dead_letter_line(d, format));
+            text.push('\n');
+        }
+        text
+    };
+    if !client.has_feature(FEATURE_GROUP_DEAD_LETTER_PAGES) {
+        let mut v = client
+            .group_dead_letters_detailed(t, n, s, g.shard, &g.group)
+            .await?;
+        v.retain(|d| d.offset >= from);
+        v.truncate(usize::try_from(left).unwrap_or(usize::MAX));
+        return print(&lines(&v));
+    }
+    let mut from = from;
+    while left > 0 {
+        let max = u32::try_from(left).unwrap_or(u32::MAX);
+        let mut page = client
+            .group_dead_letters_page(t, n, s, g.shard, &g.group, from, max)
+            .await?;
+        page.letters
+            .truncate(usize::try_from(left).unwrap_or(usize::MAX));
+        left -= page.letters.len() as u64;
+        print(&lines(&page.letters))?;
+        match page.next {
+            Some(next) if next > from => from = next,
+            Some(next) => {
+                return Err(CliError::Client(ClientError::Protocol(format!(
+                    "broker answered a dead-letter page from {from} with next {next}"
+                ))))
+            }
+            None => break,
+        }
+    }
+    Ok(())
 }
 
 fn parts(s: &StreamRef) -> (&str, &str, &str) {
@@ -581,6 +627,7 @@ async fn ping(client: &Client) -> Result<(), CliError> {
         (FEATURE_GROUP_CLAIM_CONTROL, "group_claim_control"),
         (FEATURE_GROUP_ADMIN, "group_admin"),
         (FEATURE_PUBLISH_ACK_MODE, "publish_ack_mode"),
+        (FEATURE_GROUP_DEAD_LETTER_PAGES, "group_dead_letter_pages"),
     ];
     let features: Vec<&str> = names
         .iter()

@@ -1127,6 +1127,51 @@ fn group_redrive_makes_a_dead_letter_owed_again() {
     );
 }
 
+/// `group dead-letters` prints every dead letter of a list longer than one
+/// page (the broker's pages hold at most 1,000), and `--from` / `--limit`
+/// pick a window of it across page boundaries.
+#[test]
+fn group_dead_letters_prints_a_long_list_and_a_window_of_it() {
+    let s = serve_one_attempt();
+    let st = "t/ns/manydead";
+    ok(&s, &["stream", "create", st, "--shards", "1"], None);
+    let input: String = (0..2500).map(|i| format!("r{i}\n")).collect();
+    ok(&s, &["publish", st], Some(&input));
+    for _ in 0..3 {
+        consume_without_acking(&s, st, "g", &["--count", "1000"]);
+    }
+    wait_until("2,500 dead letters", || {
+        describe(&s, st, "g")["dead_letters"] == "2500"
+    });
+    assert_eq!(
+        dead_letter_offsets(&s, st, "g"),
+        (0..2500).collect::<Vec<u64>>()
+    );
+    let text = ok(&s, &["group", "dead-letters", st, "--group", "g"], None);
+    assert_eq!(text.lines().count(), 2500);
+
+    let window = |args: &[&str]| -> Vec<u64> {
+        let mut all = vec!["group", "dead-letters", st, "--group", "g"];
+        all.extend_from_slice(args);
+        ok(&s, &all, None)
+            .lines()
+            .map(|l| l.split('\t').next().unwrap().parse().unwrap())
+            .collect()
+    };
+    assert_eq!(
+        window(&["--from", "900", "--limit", "1300"]),
+        (900..2200).collect::<Vec<u64>>()
+    );
+    assert_eq!(window(&["--limit", "3"]), vec![0, 1, 2]);
+    assert_eq!(
+        window(&["--from", "2498"]),
+        vec![2498, 2499],
+        "to the end of the list"
+    );
+    assert!(window(&["--from", "2500"]).is_empty());
+    assert!(window(&["--limit", "0"]).is_empty());
+}
+
 #[test]
 fn group_discard_drops_a_dead_letter_without_redelivering_it() {
     let s = serve_one_attempt();

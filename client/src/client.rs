@@ -12,8 +12,8 @@ use bytes::Bytes;
 use felix_wire::{
     AckMode, DeadLetterInfo, ErrorCode, GroupInfo, GroupKey, GroupMemberRef, GroupRecord,
     PublishTarget, RecordIn, Request, Response, ShardInfo, StartPosition, StreamInfo, StreamRef,
-    FEATURE_GROUPS, FEATURE_GROUP_ADMIN, FEATURE_GROUP_CLAIM_CONTROL, FEATURE_GROUP_SKIPPED,
-    FEATURE_PUBLISH_ACK_MODE,
+    FEATURE_GROUPS, FEATURE_GROUP_ADMIN, FEATURE_GROUP_CLAIM_CONTROL,
+    FEATURE_GROUP_DEAD_LETTER_PAGES, FEATURE_GROUP_SKIPPED, FEATURE_PUBLISH_ACK_MODE,
 };
 use tokio::net::ToSocketAddrs;
 
@@ -21,7 +21,9 @@ use crate::config::ClientConfig;
 use crate::conn::Conn;
 use crate::error::{ClientError, Result};
 use crate::subscribe::Subscription;
-use crate::types::{GroupMember, GroupPollOptions, Published, ReadBatch, StreamOptions};
+use crate::types::{
+    DeadLetterPage, GroupMember, GroupPollOptions, Published, ReadBatch, StreamOptions,
+};
 
 /// A connection to one Felix broker.
 ///
@@ -184,6 +186,7 @@ fn feature_name(bit: u64) -> &'static str {
         FEATURE_GROUP_CLAIM_CONTROL => "FEATURE_GROUP_CLAIM_CONTROL",
         FEATURE_GROUP_ADMIN => "FEATURE_GROUP_ADMIN",
         FEATURE_PUBLISH_ACK_MODE => "FEATURE_PUBLISH_ACK_MODE",
+        FEATURE_GROUP_DEAD_LETTER_PAGES => "FEATURE_GROUP_DEAD_LETTER_PAGES",
         _ => "an unknown feature",
     }
 }
@@ -1254,7 +1257,24 @@ impl Client {
         self.group_ok(&key, &req, "group_dead_letter").await
     }
 
-    /// Offsets of the group's dead letters.
+    /// Offsets of the group's dead letters, in order.
+    ///
+    /// The whole list, however long: with
+    /// [`FEATURE_GROUP_DEAD_LETTER_PAGES`](crate::FEATURE_GROUP_DEAD_LETTER_PAGES)
+    /// the client fetches it a page at a time (see
+    /// [`group_dead_letters_page`](Client::group_dead_letters_page)); from an
+    /// older broker it asks for the list in one answer. The pages are not
+    /// one snapshot: a letter dead-lettered, redriven or discarded while
+    /// they are fetched may or may not be in the result.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: felix_client::Client) -> Result<(), felix_client::ClientError> {
+    /// for offset in client.group_dead_letters("t1", "default", "jobs", 0, "workers").await? {
+    ///     client.group_redrive("t1", "default", "jobs", 0, "workers", offset).await?;
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn group_dead_letters(
         &self,
         tenant: &str,
@@ -1270,7 +1290,8 @@ impl Client {
     }
 
     /// The group's dead letters with attempts, time, reason and who gave
-    /// up on each.
+    /// up on each, in offset order: the whole list, fetched as
+    /// [`group_dead_letters`](Client::group_dead_letters) does.
     pub async fn group_dead_letters_detailed(
         &self,
         tenant: &str,
@@ -1280,11 +1301,92 @@ impl Client {
         group: &str,
     ) -> Result<Vec<DeadLetterInfo>> {
         self.require(FEATURE_GROUPS, "group_dead_letters")?;
+        if self.has_feature(FEATURE_GROUP_DEAD_LETTER_PAGES) {
+            let mut all = Vec::new();
+            let mut from = 0;
+            loop {
+                // As many per page as the broker allows.
+                let page = self
+                    .group_dead_letters_page(
+                        tenant,
+                        namespace,
+                        stream,
+                        shard,
+                        group,
+                        from,
+                        u32::MAX,
+                    )
+                    .await?;
+                all.extend(page.letters);
+                match page.next {
+                    None => return Ok(all),
+                    Some(next) if next > from => from = next,
+                    Some(next) => {
+                        return Err(ClientError::Protocol(format!(
+                            "broker answered a dead-letter page from {from} with next {next}"
+                        )))
+                    }
+                }
+            }
+        }
         let key = Self::group_key(tenant, namespace, stream, shard, group);
         let req = Request::GroupDeadLetters { key: key.clone() };
         match self.group_call(&key, &req, Duration::ZERO).await? {
             Response::DeadLetters(v) => Ok(v),
             other => Err(unexpected(other, "group_dead_letters")),
+        }
+    }
+
+    /// One page of the group's dead letters: those at offset `from` and
+    /// above, in offset order, at most `max` of them. The broker caps a
+    /// page further (by default at 1,000 letters and about 4 MiB; `max` 0
+    /// counts as 1) and never sends an empty page while letters remain
+    /// past `from`. [`DeadLetterPage::next`] is the `from` of the following
+    /// page, `None` once the list is exhausted. Needs
+    /// [`FEATURE_GROUP_DEAD_LETTER_PAGES`](crate::FEATURE_GROUP_DEAD_LETTER_PAGES).
+    ///
+    /// ```no_run
+    /// # async fn demo(client: felix_client::Client) -> Result<(), felix_client::ClientError> {
+    /// let mut from = 0;
+    /// loop {
+    ///     let page = client
+    ///         .group_dead_letters_page("t1", "default", "jobs", 0, "workers", from, 500)
+    ///         .await?;
+    ///     for d in &page.letters {
+    ///         println!("{} after {} attempts: {:?}", d.offset, d.attempts, d.reason);
+    ///     }
+    ///     match page.next {
+    ///         Some(next) => from = next,
+    ///         None => break,
+    ///     }
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    #[allow(clippy::too_many_arguments)]
+    pub async fn group_dead_letters_page(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        from: u64,
+        max: u32,
+    ) -> Result<DeadLetterPage> {
+        self.require(
+            FEATURE_GROUPS | FEATURE_GROUP_DEAD_LETTER_PAGES,
+            "group_dead_letters_page",
+        )?;
+        let key = Self::group_key(tenant, namespace, stream, shard, group);
+        let req = Request::GroupDeadLettersPage {
+            key: key.clone(),
+            from,
+            max,
+        };
+        match self.group_call(&key, &req, Duration::ZERO).await? {
+            Response::DeadLetterPage { letters, next } => Ok(DeadLetterPage { letters, next }),
+            other => Err(unexpected(other, "group_dead_letters_page")),
         }
     }
 

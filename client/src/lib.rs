@@ -122,7 +122,9 @@
 //! broker did not advertise: group calls need [`FEATURE_GROUPS`];
 //! `group_create`/`seek`/`describe`/`delete` need [`FEATURE_GROUP_ADMIN`]; a
 //! poll visibility, a nack delay, `group_extend` and `group_dead_letter` need
-//! [`FEATURE_GROUP_CLAIM_CONTROL`]; `ack_on_commit` needs
+//! [`FEATURE_GROUP_CLAIM_CONTROL`]; `group_dead_letters_page` needs
+//! [`FEATURE_GROUP_DEAD_LETTER_PAGES`] (`group_dead_letters` pages with it
+//! and asks for the whole list without it); `ack_on_commit` needs
 //! [`FEATURE_PUBLISH_ACK_MODE`]. Without the bit the call fails with
 //! [`ClientError::Unsupported`] before anything is sent.
 //! [`GroupRecord::skipped_before`] is only ever set with
@@ -152,13 +154,15 @@ pub use client::{Client, PendingAck, PendingPublish};
 pub use config::ClientConfig;
 pub use error::{ClientError, Result};
 pub use subscribe::Subscription;
-pub use types::{GroupMember, GroupPollOptions, Published, ReadBatch, StreamOptions};
+pub use types::{
+    DeadLetterPage, GroupMember, GroupPollOptions, Published, ReadBatch, StreamOptions,
+};
 
 pub use bytes::Bytes;
 pub use felix_wire;
 pub use felix_wire::{
     shard_for_key, AckMode, DeadLetterInfo, ErrorCode, GroupInfo, GroupRecord, Record, RecordIn,
     ShardInfo, StartPosition, StreamInfo, StreamRef, FEATURES_ALL, FEATURE_GROUPS,
-    FEATURE_GROUP_ADMIN, FEATURE_GROUP_CLAIM_CONTROL, FEATURE_GROUP_SKIPPED,
-    FEATURE_PUBLISH_ACK_MODE,
+    FEATURE_GROUP_ADMIN, FEATURE_GROUP_CLAIM_CONTROL, FEATURE_GROUP_DEAD_LETTER_PAGES,
+    FEATURE_GROUP_SKIPPED, FEATURE_PUBLISH_ACK_MODE,
 };

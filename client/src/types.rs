@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use felix_wire::Record;
+use felix_wire::{DeadLetterInfo, Record};
 
 /// Settings for [`Client::create_stream`](crate::Client::create_stream).
 /// `None` leaves the broker's default.
@@ -41,6 +41,17 @@ pub struct ReadBatch {
     pub start_offset: u64,
     /// Offset the next published record will get (the tail).
     pub end_offset: u64,
+}
+
+/// One page of a group's dead letters, the answer to
+/// [`Client::group_dead_letters_page`](crate::Client::group_dead_letters_page).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadLetterPage {
+    /// In offset order.
+    pub letters: Vec<DeadLetterInfo>,
+    /// The `from` to ask for the following page; `None` once the list is
+    /// exhausted.
+    pub next: Option<u64>,
 }
 
 /// A named member of a consumer group, for

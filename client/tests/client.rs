@@ -12,7 +12,8 @@ use fake::{Action, Fake};
 use felix_client::{
     AckMode, Client, ClientConfig, ClientError, ErrorCode, GroupMember, GroupPollOptions,
     GroupRecord, Record, StartPosition, StreamInfo, StreamRef, FEATURES_ALL, FEATURE_GROUPS,
-    FEATURE_GROUP_ADMIN, FEATURE_GROUP_SKIPPED, FEATURE_PUBLISH_ACK_MODE,
+    FEATURE_GROUP_ADMIN, FEATURE_GROUP_DEAD_LETTER_PAGES, FEATURE_GROUP_SKIPPED,
+    FEATURE_PUBLISH_ACK_MODE,
 };
 use felix_wire::{Request, Response, WireError};
 
@@ -511,6 +512,100 @@ async fn group_admin_and_groups_are_refused_without_their_features() {
         );
     }
     assert!(fake.requests().is_empty());
+}
+
+fn dead_letter(offset: u64) -> felix_client::DeadLetterInfo {
+    felix_client::DeadLetterInfo {
+        offset,
+        attempts: 1,
+        at_ms: 5,
+        reason: None,
+        by_consumer: false,
+    }
+}
+
+/// With FEATURE_GROUP_DEAD_LETTER_PAGES, `group_dead_letters` follows the
+/// pages from offset 0 until `next` is `None`; without it, it sends the
+/// whole-list request and `group_dead_letters_page` is refused unsent.
+#[tokio::test]
+async fn dead_letters_are_paged_when_the_broker_pages() {
+    let fake = Fake::start(1, FEATURES_ALL, |_, req| async move {
+        match req {
+            Request::GroupDeadLettersPage { from, .. } => {
+                // Pages of two, over offsets 10, 11, 20, 21, 30.
+                let all = [10u64, 11, 20, 21, 30];
+                let rest: Vec<u64> = all.iter().copied().filter(|o| *o >= from).collect();
+                let letters = rest.iter().take(2).map(|o| dead_letter(*o)).collect();
+                let next = (rest.len() > 2).then(|| rest[1] + 1);
+                Response::DeadLetterPage { letters, next }.into()
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    })
+    .await;
+    let client = Client::connect(fake.addr, config()).await.unwrap();
+    assert_eq!(
+        client
+            .group_dead_letters("t", "n", "s", 0, "g")
+            .await
+            .unwrap(),
+        vec![10, 11, 20, 21, 30]
+    );
+    // From 0, then just past each page; as many a page as the broker allows.
+    let asked: Vec<(u64, u32)> = fake
+        .requests()
+        .iter()
+        .map(|r| match r.request {
+            Request::GroupDeadLettersPage { from, max, .. } => (from, max),
+            _ => unreachable!(),
+        })
+        .collect();
+    assert_eq!(asked, vec![(0, u32::MAX), (12, u32::MAX), (22, u32::MAX)]);
+    let page = client
+        .group_dead_letters_page("t", "n", "s", 0, "g", 21, 10)
+        .await
+        .unwrap();
+    let offsets: Vec<u64> = page.letters.iter().map(|d| d.offset).collect();
+    assert_eq!((offsets, page.next), (vec![21, 30], None));
+    assert!(matches!(
+        fake.requests().last().unwrap().request,
+        Request::GroupDeadLettersPage {
+            from: 21,
+            max: 10,
+            ..
+        }
+    ));
+
+    let fake = Fake::start(
+        1,
+        FEATURES_ALL & !FEATURE_GROUP_DEAD_LETTER_PAGES,
+        |_, req| async move {
+            match req {
+                Request::GroupDeadLetters { .. } => {
+                    Response::DeadLetters(vec![dead_letter(3), dead_letter(4)]).into()
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        },
+    )
+    .await;
+    let client = Client::connect(fake.addr, config()).await.unwrap();
+    assert_eq!(
+        client
+            .group_dead_letters("t", "n", "s", 0, "g")
+            .await
+            .unwrap(),
+        vec![3, 4]
+    );
+    let err = client
+        .group_dead_letters_page("t", "n", "s", 0, "g", 0, 10)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, ClientError::Unsupported(m) if m.contains("FEATURE_GROUP_DEAD_LETTER_PAGES")),
+        "{err:?}"
+    );
+    assert_eq!(fake.requests().len(), 1, "the refused page was not sent");
 }
 
 #[tokio::test]

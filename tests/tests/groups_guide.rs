@@ -1136,10 +1136,14 @@ async fn a_commit_acked_publish_is_seen_by_the_next_poll() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn group_features_follow_durable_storage() {
     use felix_wire::{
-        FEATURE_GROUPS, FEATURE_GROUP_ADMIN, FEATURE_GROUP_CLAIM_CONTROL, FEATURE_GROUP_SKIPPED,
+        FEATURE_GROUPS, FEATURE_GROUP_ADMIN, FEATURE_GROUP_CLAIM_CONTROL,
+        FEATURE_GROUP_DEAD_LETTER_PAGES, FEATURE_GROUP_SKIPPED,
     };
-    let all =
-        FEATURE_GROUPS | FEATURE_GROUP_SKIPPED | FEATURE_GROUP_CLAIM_CONTROL | FEATURE_GROUP_ADMIN;
+    let all = FEATURE_GROUPS
+        | FEATURE_GROUP_SKIPPED
+        | FEATURE_GROUP_CLAIM_CONTROL
+        | FEATURE_GROUP_ADMIN
+        | FEATURE_GROUP_DEAD_LETTER_PAGES;
 
     let durable = felix_tests::start_broker!(opts(30_000, 5));
     let c = client(&durable.addr).await;
@@ -1193,6 +1197,11 @@ async fn group_features_follow_durable_storage() {
     assert!(unsupported(g.dead_letter(&rec, None).await));
     assert!(unsupported(
         c.group_dead_letters(T, NS, JOBS, 0, "workers")
+            .await
+            .map(|_| ())
+    ));
+    assert!(unsupported(
+        c.group_dead_letters_page(T, NS, JOBS, 0, "workers", 0, 10)
             .await
             .map(|_| ())
     ));
@@ -1950,4 +1959,229 @@ async fn a_member_that_restarts_does_not_reclaim_a_record_it_nacked_with_a_delay
     stranger.ack(0).await.unwrap();
     bb.ack(1).await.unwrap();
     assert_eq!(bb.position().await, 2);
+}
+
+// ------------------------------- beyond the guide: paging dead letters
+
+/// Dead-letter `n` records of the jobs stream through `g` (a broker with
+/// one attempt): claim them with short claims, a thousand a poll, and wait
+/// for the claims to lapse into dead letters.
+async fn dead_letter_by_lapse(g: &Group, n: u64) {
+    let short = GroupPollOptions {
+        max_records: 1000,
+        visibility: Some(Duration::from_millis(300)),
+        ..GroupPollOptions::default()
+    };
+    let mut claimed = 0;
+    while claimed < n {
+        let r = g.poll_as(&GroupMember::new("w"), short).await;
+        assert!(!r.is_empty(), "{claimed} of {n} claimed, then nothing");
+        claimed += r.len() as u64;
+    }
+    assert_eq!(claimed, n);
+    eventually(
+        "every claim to lapse into a dead letter",
+        Duration::from_secs(20),
+        || async { u64::from(g.describe().await.unwrap().dead_letters) == n },
+    )
+    .await;
+}
+
+/// A dead-letter list longer than a page comes back a page at a time: pages
+/// of at most what was asked (and at most the broker's 1,000), ascending and
+/// contiguous, each starting where the last said, the last one saying the
+/// list is exhausted. `group_dead_letters` pages through all of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_dead_letter_list_is_paged_in_order() {
+    let b = felix_tests::start_broker!(opts(30_000, 1));
+    let c = client(&b.addr).await;
+    assert!(c.has_feature(felix_wire::FEATURE_GROUP_DEAD_LETTER_PAGES));
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 2500).await;
+    let g = Group::new(&c, JOBS, "workers");
+    dead_letter_by_lapse(&g, 2500).await;
+    let page = |from: u64, max: u32| {
+        let c = c.clone();
+        async move {
+            c.group_dead_letters_page(T, NS, JOBS, 0, "workers", from, max)
+                .await
+                .expect("group_dead_letters_page")
+        }
+    };
+
+    let mut from = 0;
+    let mut seen: Vec<u64> = Vec::new();
+    let mut sizes = Vec::new();
+    loop {
+        let p = page(from, 1000).await;
+        let offs: Vec<u64> = p.letters.iter().map(|d| d.offset).collect();
+        assert!(!offs.is_empty(), "an empty page from {from}");
+        assert!(offs[0] >= from, "page from {from} starts at {}", offs[0]);
+        assert!(
+            offs.windows(2).all(|w| w[1] == w[0] + 1),
+            "page from {from} is not ascending and contiguous"
+        );
+        if let Some(last) = seen.last() {
+            assert_eq!(offs[0], last + 1, "pages overlap or leave a gap");
+        }
+        assert!(p
+            .letters
+            .iter()
+            .all(|d| d.attempts == 1 && !d.by_consumer && d.reason.is_some()));
+        sizes.push(offs.len());
+        seen.extend(&offs);
+        match p.next {
+            Some(next) => {
+                assert_eq!(next, offs[offs.len() - 1] + 1, "next is just past the page");
+                from = next;
+            }
+            None => break,
+        }
+        assert!(sizes.len() < 10, "the pages do not end");
+    }
+    assert_eq!(sizes, vec![1000, 1000, 500]);
+    assert_eq!(seen, (0..2500).collect::<Vec<u64>>());
+
+    // The broker caps a page at its 1,000.
+    let p = page(0, 5000).await;
+    assert_eq!((p.letters.len(), p.next), (1000, Some(1000)));
+    // From the middle, a small page; past the end, an empty last page.
+    let p = page(1234, 10).await;
+    let offs: Vec<u64> = p.letters.iter().map(|d| d.offset).collect();
+    assert_eq!((offs, p.next), ((1234..1244).collect(), Some(1244)));
+    let p = page(2499, 10).await;
+    assert_eq!((p.letters.len(), p.next), (1, None));
+    let p = page(2500, 10).await;
+    assert_eq!((p.letters.len(), p.next), (0, None));
+    let p = page(u64::MAX, 10).await;
+    assert_eq!((p.letters.len(), p.next), (0, None));
+
+    // The guide's call lists all of them (three pages under the hood).
+    assert_eq!(g.dead_letters().await, (0..2500).collect::<Vec<u64>>());
+    let detailed = g.dead_letters_detailed().await;
+    assert_eq!(detailed.len(), 2500);
+    // A redriven letter leaves the list; paging skips over the hole.
+    g.redrive(1000).await.unwrap();
+    let p = page(999, 2).await;
+    let offs: Vec<u64> = p.letters.iter().map(|d| d.offset).collect();
+    assert_eq!((offs, p.next), (vec![999, 1001], Some(1002)));
+    assert_eq!(g.dead_letters().await.len(), 2499);
+    // A group that does not exist has no list to page.
+    assert_eq!(
+        code(
+            c.group_dead_letters_page(T, NS, JOBS, 0, "nobody", 0, 10)
+                .await
+        ),
+        Some(ErrorCode::NotFound)
+    );
+}
+
+/// With a small frame cap, a list of dead letters with long reasons does
+/// not fit in one answer: the whole-list request is refused with
+/// `too_large` (naming the paged call) instead of sending a frame over the
+/// cap, while paging lists every letter, reasons intact, each page within
+/// the cap. A short list still comes back whole, and a connection that did
+/// not negotiate pages is refused them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_list_over_the_frame_cap_must_be_paged() {
+    use felix_wire::{Request, Response, FEATURES_ALL, FEATURE_GROUP_DEAD_LETTER_PAGES};
+    const CAP: usize = 64 * 1024;
+    // One core: a raw connection is served by the shard's owner.
+    let b = felix_tests::start_broker!(opts(30_000, 5).cores(1).env("FELIX_MAX_FRAME_BYTES", CAP));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 200).await;
+    let g = Group::new(&c, JOBS, "workers");
+    let claimed = g.poll(1000).await;
+    assert_eq!(claimed.len(), 200);
+    let reason = |o: u64| format!("{o:04}:{}", "x".repeat(1000));
+    for r in &claimed {
+        g.dead_letter(r, Some(&reason(r.offset))).await.unwrap();
+    }
+    // A second group with a short list.
+    let few = Group::new(&c, JOBS, "few");
+    for r in few.poll(2).await {
+        few.dead_letter(&r, Some("short")).await.unwrap();
+    }
+
+    let mut raw = Raw::hello(&b.addr, FEATURES_ALL).await;
+    assert_ne!(raw.features & FEATURE_GROUP_DEAD_LETTER_PAGES, 0);
+    match raw
+        .call(Request::GroupDeadLetters {
+            key: wire_key("workers"),
+        })
+        .await
+    {
+        Response::Error(e) => {
+            assert_eq!(e.code, ErrorCode::TooLarge, "{e:?}");
+            assert!(e.message.contains("group_dead_letters_page"), "{e:?}");
+            assert!(
+                e.message.contains("FEATURE_GROUP_DEAD_LETTER_PAGES"),
+                "{e:?}"
+            );
+        }
+        other => panic!("a whole list over the cap answered {}", other.name()),
+    }
+    match raw
+        .call(Request::GroupDeadLetters {
+            key: wire_key("few"),
+        })
+        .await
+    {
+        Response::DeadLetters(list) => {
+            assert_eq!(list.iter().map(|d| d.offset).collect::<Vec<_>>(), [0, 1])
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+
+    // Paged, over the wire: every page fits the cap.
+    let mut from = 0;
+    let mut seen = Vec::new();
+    let mut pages = 0;
+    loop {
+        let req = Request::GroupDeadLettersPage {
+            key: wire_key("workers"),
+            from,
+            max: 1000,
+        };
+        let resp = raw.call(req).await;
+        let mut frame = bytes::BytesMut::new();
+        felix_wire::encode_response(0, &resp, &mut frame);
+        assert!(frame.len() - 4 <= CAP, "a page of {} bytes", frame.len());
+        let Response::DeadLetterPage { letters, next } = resp else {
+            panic!("unexpected {resp:?}");
+        };
+        assert!(!letters.is_empty());
+        pages += 1;
+        seen.extend(letters.iter().map(|d| d.offset));
+        match next {
+            Some(n) => from = n,
+            None => break,
+        }
+    }
+    assert!(pages >= 3, "{pages} pages");
+    assert_eq!(seen, (0..200).collect::<Vec<u64>>());
+
+    // The client pages on its own; reasons come back whole.
+    assert_eq!(g.dead_letters().await, (0..200).collect::<Vec<u64>>());
+    let detailed = g.dead_letters_detailed().await;
+    assert_eq!(detailed.len(), 200);
+    for d in &detailed {
+        assert_eq!(d.reason.as_deref(), Some(reason(d.offset).as_str()));
+        assert!(d.by_consumer);
+    }
+
+    // A connection without the bit is refused pages, not served them.
+    let mut old = Raw::hello(&b.addr, FEATURES_ALL & !FEATURE_GROUP_DEAD_LETTER_PAGES).await;
+    assert_eq!(old.features & FEATURE_GROUP_DEAD_LETTER_PAGES, 0);
+    let req = Request::GroupDeadLettersPage {
+        key: wire_key("workers"),
+        from: 0,
+        max: 10,
+    };
+    assert_eq!(old.code(req).await, Some(ErrorCode::Unsupported));
+    let req = Request::GroupDeadLetters {
+        key: wire_key("workers"),
+    };
+    assert_eq!(old.code(req).await, Some(ErrorCode::TooLarge));
 }

@@ -151,6 +151,16 @@ impl DurableGroup {
         self.dead_letters.iter().filter(|(_, d)| !d.discarded)
     }
 
+    /// The listed dead letters at `from` and above, in offset order.
+    pub fn listed_dead_letters_from(
+        &self,
+        from: Offset,
+    ) -> impl Iterator<Item = (&Offset, &DeadLetter)> {
+        self.dead_letters
+            .range(from..)
+            .filter(|(_, d)| !d.discarded)
+    }
+
     pub fn redriven(&self) -> &BTreeSet<Offset> {
         &self.redriven
     }

@@ -306,6 +306,17 @@ impl GroupStatus {
     }
 }
 
+/// One page of a group's dead-letter list
+/// ([`GroupTracker::dead_letter_page`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DeadLetterPage {
+    /// In offset order.
+    pub letters: Vec<(Offset, DeadLetter)>,
+    /// Where the following page starts (just past the last letter here);
+    /// `None` when no listed dead letter lies beyond this page.
+    pub next: Option<Offset>,
+}
+
 /// Why a group request was refused. Maps 1:1 to the wire codes
 /// `invalid_request`, `stale_claim` and `not_found`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -1076,6 +1076,66 @@ mod rules {
         println!("worst slot table {worst:.1} B/claim");
         assert!(worst <= 64.0, "{worst} bytes per claim");
     }
+
+    /// Pages of the dead-letter list: from an offset, in order, capped by
+    /// count and by size (never empty while letters remain), discarded ones
+    /// left out, and `next` just past the page until the list ends.
+    #[test]
+    fn dead_letters_are_listed_a_page_at_a_time() {
+        let mut h = Harness::new();
+        assert!(matches!(
+            h.t.dead_letter_page(Offset(0), 10, 1_000, |_| 1),
+            Err(GroupError::NotFound(_))
+        ));
+        h.append(10);
+        h.poll(10);
+        for o in 0..10 {
+            h.dead_letter(o, 1).unwrap();
+        }
+        h.discard(4).unwrap();
+        let listed = |p: &DeadLetterPage| p.letters.iter().map(|(o, _)| o.0).collect::<Vec<_>>();
+
+        let p =
+            h.t.dead_letter_page(Offset(0), 3, usize::MAX, |_| 1)
+                .unwrap();
+        assert_eq!((listed(&p), p.next), (vec![0, 1, 2], Some(Offset(3))));
+        let p =
+            h.t.dead_letter_page(Offset(3), 3, usize::MAX, |_| 1)
+                .unwrap();
+        assert_eq!(
+            (listed(&p), p.next),
+            (vec![3, 5, 6], Some(Offset(7))),
+            "the discarded 4 is not listed"
+        );
+        let p =
+            h.t.dead_letter_page(Offset(7), 3, usize::MAX, |_| 1)
+                .unwrap();
+        assert_eq!((listed(&p), p.next), (vec![7, 8, 9], None), "ends exactly");
+        let p =
+            h.t.dead_letter_page(Offset(10), 3, usize::MAX, |_| 1)
+                .unwrap();
+        assert_eq!((listed(&p), p.next), (vec![], None));
+        // A `from` between letters starts at the next one.
+        let p =
+            h.t.dead_letter_page(Offset(4), 1, usize::MAX, |_| 1)
+                .unwrap();
+        assert_eq!((listed(&p), p.next), (vec![5], Some(Offset(6))));
+        // By size: 10 bytes each, 25 allowed: two fit.
+        let p = h.t.dead_letter_page(Offset(0), 100, 25, |_| 10).unwrap();
+        assert_eq!((listed(&p), p.next), (vec![0, 1], Some(Offset(2))));
+        // One letter over the byte budget still comes back alone; a count
+        // of 0 is taken as 1.
+        let p = h.t.dead_letter_page(Offset(0), 100, 5, |_| 10).unwrap();
+        assert_eq!((listed(&p), p.next), (vec![0], Some(Offset(1))));
+        let p = h.t.dead_letter_page(Offset(9), 0, 5, |_| 10).unwrap();
+        assert_eq!((listed(&p), p.next), (vec![9], None));
+        // The whole list in one page matches `dead_letters`.
+        let p =
+            h.t.dead_letter_page(Offset(0), 100, usize::MAX, |_| 1)
+                .unwrap();
+        assert_eq!(p.letters, h.t.dead_letters().unwrap());
+        assert_eq!(p.next, None);
+    }
 }
 
 /// Reclaim: a member that restarts takes its records back.

@@ -9,8 +9,8 @@ use super::entry::{
 use super::members::{fast_map, FastMap, Members};
 use super::slot::{Slot, State, Timers, TIME_MAX_MS};
 use super::{
-    Caller, Delivery, GroupConfig, GroupError, GroupStatus, LogView, Lookup, PollOutcome, PollPlan,
-    StartAt,
+    Caller, DeadLetterPage, Delivery, GroupConfig, GroupError, GroupStatus, LogView, Lookup,
+    PollOutcome, PollPlan, StartAt,
 };
 use crate::types::Offset;
 
@@ -522,6 +522,37 @@ impl GroupTracker {
         Ok(g.listed_dead_letters()
             .map(|(o, d)| (*o, d.clone()))
             .collect())
+    }
+
+    /// One page of the group's dead letters: those at `from` and above, in
+    /// offset order, at most `max_entries` of them, and only as many as keep
+    /// the sum of their `size_of` within `max_bytes` (the first is taken
+    /// whatever its size, so a page is never empty while letters remain).
+    /// Clones the page only, and looks one letter past it to tell whether
+    /// the list goes on.
+    pub fn dead_letter_page(
+        &self,
+        from: Offset,
+        max_entries: usize,
+        max_bytes: usize,
+        size_of: impl Fn(&DeadLetter) -> usize,
+    ) -> Result<DeadLetterPage, GroupError> {
+        let g = self.durable.as_ref().ok_or_else(|| self.no_group())?;
+        let mut page = DeadLetterPage::default();
+        let mut bytes = 0usize;
+        for (o, d) in g.listed_dead_letters_from(from) {
+            let size = size_of(d);
+            let full = page.letters.len() >= max_entries.max(1)
+                || (!page.letters.is_empty() && bytes.saturating_add(size) > max_bytes);
+            if full {
+                // `o` is above the last letter taken, so this cannot wrap.
+                page.next = page.letters.last().map(|(last, _)| last.next());
+                break;
+            }
+            bytes = bytes.saturating_add(size);
+            page.letters.push((*o, d.clone()));
+        }
+        Ok(page)
     }
 
     /// Make a dead letter owed again with its attempts reset. Never moves the

@@ -97,7 +97,8 @@ impl Shared {
             f |= felix_wire::FEATURE_GROUPS
                 | felix_wire::FEATURE_GROUP_SKIPPED
                 | felix_wire::FEATURE_GROUP_CLAIM_CONTROL
-                | felix_wire::FEATURE_GROUP_ADMIN;
+                | felix_wire::FEATURE_GROUP_ADMIN
+                | felix_wire::FEATURE_GROUP_DEAD_LETTER_PAGES;
         }
         f
     }

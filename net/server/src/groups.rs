@@ -10,7 +10,9 @@ use crate::broker::{now_ms, wire_err, Core};
 use crate::conn::{to_wire_record, with_timeout, ConnInfo};
 use crate::shard::Shard;
 use felix_engine::format::Record;
-use felix_engine::group::{Caller, GroupEntry, GroupError, GroupTracker, LogView, Lookup, StartAt};
+use felix_engine::group::{
+    Caller, DeadLetter, GroupEntry, GroupError, GroupTracker, LogView, Lookup, StartAt,
+};
 use felix_engine::log::{Frontier, Lsn, ReadLimits};
 use felix_engine::storage::Storage;
 use felix_engine::types::validate_name;
@@ -40,6 +42,26 @@ fn need(info: &ConnInfo, feature: u64, what: &str) -> Result<(), Response> {
     Ok(())
 }
 
+/// A dead letter as the wire carries it.
+fn dead_letter_info(o: Offset, d: DeadLetter) -> DeadLetterInfo {
+    DeadLetterInfo {
+        offset: o.0,
+        attempts: d.attempts,
+        at_ms: d.at_ms,
+        reason: d.reason,
+        by_consumer: d.by_consumer,
+    }
+}
+
+/// Bytes a dead letter takes in an answer.
+fn dead_letter_size(d: &DeadLetter) -> usize {
+    DeadLetterInfo::wire_size(d.reason.as_deref())
+}
+
+/// Frame bytes counted in `len` that are not a message body: the header
+/// after the length field.
+const FRAME_OVERHEAD: usize = felix_wire::FRAME_HEADER_BYTES - 4;
+
 fn start_at(p: StartPosition) -> StartAt {
     match p {
         StartPosition::Earliest => StartAt::Earliest,
@@ -55,6 +77,7 @@ pub(crate) async fn handle<S: Storage>(
 ) -> Response {
     use felix_wire::{
         FEATURE_GROUPS as G, FEATURE_GROUP_ADMIN as ADMIN, FEATURE_GROUP_CLAIM_CONTROL as CC,
+        FEATURE_GROUP_DEAD_LETTER_PAGES as PAGES,
     };
     let name = req.name();
     let key = match &req {
@@ -64,6 +87,7 @@ pub(crate) async fn handle<S: Storage>(
         | Request::GroupExtend { key, .. }
         | Request::GroupDeadLetter { key, .. }
         | Request::GroupDeadLetters { key }
+        | Request::GroupDeadLettersPage { key, .. }
         | Request::GroupRedrive { key, .. }
         | Request::GroupDiscard { key, .. }
         | Request::GroupCreate { key, .. }
@@ -208,18 +232,70 @@ pub(crate) async fn handle<S: Storage>(
             if let Err(e) = apply_due(&shard, &key.group) {
                 return e;
             }
-            match with_tracker(&shard, &key.group, |t| t.dead_letters()) {
-                Ok(list) => Response::DeadLetters(
-                    list.into_iter()
-                        .map(|(o, d)| DeadLetterInfo {
-                            offset: o.0,
-                            attempts: d.attempts,
-                            at_ms: d.at_ms,
-                            reason: d.reason,
-                            by_consumer: d.by_consumer,
-                        })
+            // The whole list, unless it would not fit in one frame (or one
+            // list): then the caller must page, rather than get a frame it
+            // cannot take.
+            let max_frame = core.shared.config.max_frame_bytes as usize;
+            let budget = max_frame.saturating_sub(FRAME_OVERHEAD + 4);
+            let page = with_tracker(&shard, &key.group, |t| {
+                t.dead_letter_page(
+                    Offset(0),
+                    felix_wire::MAX_ITEMS_PER_VEC,
+                    budget,
+                    dead_letter_size,
+                )
+            });
+            match page {
+                Ok(page) => {
+                    let bytes: usize = page.letters.iter().map(|(_, d)| dead_letter_size(d)).sum();
+                    if page.next.is_some() || bytes > budget {
+                        return wire_err(
+                            ErrorCode::TooLarge,
+                            format!(
+                                "group {}'s dead letters do not fit in one answer \
+                                 (max_frame_bytes {max_frame}, at most {} letters); \
+                                 page through them with group_dead_letters_page \
+                                 (FEATURE_GROUP_DEAD_LETTER_PAGES)",
+                                key.group,
+                                felix_wire::MAX_ITEMS_PER_VEC
+                            ),
+                        );
+                    }
+                    Response::DeadLetters(
+                        page.letters
+                            .into_iter()
+                            .map(|(o, d)| dead_letter_info(o, d))
+                            .collect(),
+                    )
+                }
+                Err(e) => group_err(e),
+            }
+        }
+        Request::GroupDeadLettersPage { from, max, .. } => {
+            if let Err(e) = need(info, PAGES, "group_dead_letters_page") {
+                return e;
+            }
+            if let Err(e) = apply_due(&shard, &key.group) {
+                return e;
+            }
+            // A page is a read: capped like one, and always within a frame
+            // (a `vec` count and the `next` field besides the letters).
+            let cfg = &core.shared.config;
+            let max_entries = max.clamp(1, cfg.max_records_per_read) as usize;
+            let budget = (cfg.max_bytes_per_read as usize)
+                .min((cfg.max_frame_bytes as usize).saturating_sub(FRAME_OVERHEAD + 4 + 1 + 8));
+            let page = with_tracker(&shard, &key.group, |t| {
+                t.dead_letter_page(Offset(from), max_entries, budget, dead_letter_size)
+            });
+            match page {
+                Ok(page) => Response::DeadLetterPage {
+                    letters: page
+                        .letters
+                        .into_iter()
+                        .map(|(o, d)| dead_letter_info(o, d))
                         .collect(),
-                ),
+                    next: page.next.map(|o| o.0),
+                },
                 Err(e) => group_err(e),
             }
         }

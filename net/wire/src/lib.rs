@@ -74,10 +74,15 @@ pub const FEATURE_GROUP_ADMIN: u64 = 1 << 3;
 /// The broker honours `Publish.ack`; without it every publish gets the
 /// broker's default acknowledgement.
 pub const FEATURE_PUBLISH_ACK_MODE: u64 = 1 << 4;
+/// Paged dead-letter lists: `GroupDeadLettersPage` and its
+/// `DeadLetterPage` answer, for lists too long for one frame (the
+/// whole-list `GroupDeadLetters` is then refused with `too_large`).
+pub const FEATURE_GROUP_DEAD_LETTER_PAGES: u64 = 1 << 5;
 
 /// Every feature bit this version of the crate knows about.
 pub const FEATURES_ALL: u64 = FEATURE_GROUPS
     | FEATURE_GROUP_SKIPPED
     | FEATURE_GROUP_CLAIM_CONTROL
     | FEATURE_GROUP_ADMIN
-    | FEATURE_PUBLISH_ACK_MODE;
+    | FEATURE_PUBLISH_ACK_MODE
+    | FEATURE_GROUP_DEAD_LETTER_PAGES;

@@ -40,6 +40,7 @@ pub mod opcodes {
         pub const GROUP_DEAD_LETTERS: u8 = 0x35;
         pub const GROUP_REDRIVE: u8 = 0x36;
         pub const GROUP_DISCARD: u8 = 0x37;
+        pub const GROUP_DEAD_LETTERS_PAGE: u8 = 0x38;
 
         pub const GROUP_CREATE: u8 = 0x40;
         pub const GROUP_SEEK: u8 = 0x41;
@@ -65,6 +66,7 @@ pub mod opcodes {
         pub const GROUP_RECORDS: u8 = 0x30;
         pub const EXTENDED: u8 = 0x31;
         pub const DEAD_LETTERS: u8 = 0x32;
+        pub const DEAD_LETTER_PAGE: u8 = 0x33;
 
         pub const GROUP: u8 = 0x40;
         pub const GROUPS: u8 = 0x41;
@@ -155,8 +157,20 @@ pub enum Request {
         attempts: u32,
         reason: Option<String>,
     },
+    /// The whole dead-letter list in one answer. A broker refuses it with
+    /// `too_large` when the list would not fit in one frame; page with
+    /// [`GroupDeadLettersPage`](Request::GroupDeadLettersPage) instead.
     GroupDeadLetters {
         key: GroupKey,
+    },
+    /// One page of the dead-letter list: the dead letters at offsets
+    /// `from` and above, in offset order, at most `max` of them (the broker
+    /// caps it further). Needs
+    /// [`FEATURE_GROUP_DEAD_LETTER_PAGES`](crate::FEATURE_GROUP_DEAD_LETTER_PAGES).
+    GroupDeadLettersPage {
+        key: GroupKey,
+        from: u64,
+        max: u32,
     },
     GroupRedrive {
         key: GroupKey,
@@ -188,7 +202,7 @@ pub enum Request {
 }
 
 /// Every request opcode with its name, in opcode order.
-const REQUEST_NAMES: [(u8, &str); 22] = [
+const REQUEST_NAMES: [(u8, &str); 23] = [
     (rq::HELLO, "hello"),
     (rq::PING, "ping"),
     (rq::CREATE_STREAM, "create_stream"),
@@ -206,6 +220,7 @@ const REQUEST_NAMES: [(u8, &str); 22] = [
     (rq::GROUP_DEAD_LETTERS, "group_dead_letters"),
     (rq::GROUP_REDRIVE, "group_redrive"),
     (rq::GROUP_DISCARD, "group_discard"),
+    (rq::GROUP_DEAD_LETTERS_PAGE, "group_dead_letters_page"),
     (rq::GROUP_CREATE, "group_create"),
     (rq::GROUP_SEEK, "group_seek"),
     (rq::GROUP_DESCRIBE, "group_describe"),
@@ -246,6 +261,7 @@ impl Request {
             Request::GroupDeadLetters { .. } => rq::GROUP_DEAD_LETTERS,
             Request::GroupRedrive { .. } => rq::GROUP_REDRIVE,
             Request::GroupDiscard { .. } => rq::GROUP_DISCARD,
+            Request::GroupDeadLettersPage { .. } => rq::GROUP_DEAD_LETTERS_PAGE,
             Request::GroupCreate { .. } => rq::GROUP_CREATE,
             Request::GroupSeek { .. } => rq::GROUP_SEEK,
             Request::GroupDescribe { .. } => rq::GROUP_DESCRIBE,
@@ -380,6 +396,11 @@ impl Request {
                 key.put(out);
                 out.put_u64_le(*offset);
             }
+            Request::GroupDeadLettersPage { key, from, max } => {
+                key.put(out);
+                out.put_u64_le(*from);
+                out.put_u32_le(*max);
+            }
             Request::GroupCreate { key, start } | Request::GroupSeek { key, start } => {
                 key.put(out);
                 start.put(out);
@@ -472,6 +493,11 @@ impl Request {
                 key: GroupKey::get(r)?,
                 offset: r.u64("offset")?,
             },
+            rq::GROUP_DEAD_LETTERS_PAGE => Request::GroupDeadLettersPage {
+                key: GroupKey::get(r)?,
+                from: r.u64("from")?,
+                max: r.u32("max")?,
+            },
             rq::GROUP_CREATE => Request::GroupCreate {
                 key: GroupKey::get(r)?,
                 start: StartPosition::get(r)?,
@@ -541,6 +567,12 @@ pub enum Response {
         stands_ms: u64,
     },
     DeadLetters(Vec<DeadLetterInfo>),
+    /// Answer to `GroupDeadLettersPage`: dead letters in offset order, and
+    /// the `from` of the following page (`None`: the list ends here).
+    DeadLetterPage {
+        letters: Vec<DeadLetterInfo>,
+        next: Option<u64>,
+    },
     Group(GroupInfo),
     Groups(Vec<String>),
     Pong,
@@ -560,6 +592,7 @@ impl Response {
             Response::GroupRecords { .. } => rs::GROUP_RECORDS,
             Response::Extended { .. } => rs::EXTENDED,
             Response::DeadLetters(_) => rs::DEAD_LETTERS,
+            Response::DeadLetterPage { .. } => rs::DEAD_LETTER_PAGE,
             Response::Group(_) => rs::GROUP,
             Response::Groups(_) => rs::GROUPS,
             Response::Pong => rs::PONG,
@@ -580,6 +613,7 @@ impl Response {
             Response::GroupRecords { .. } => "group_records",
             Response::Extended { .. } => "extended",
             Response::DeadLetters(_) => "dead_letters",
+            Response::DeadLetterPage { .. } => "dead_letter_page",
             Response::Group(_) => "group",
             Response::Groups(_) => "groups",
             Response::Pong => "pong",
@@ -631,6 +665,10 @@ impl Response {
             Response::GroupRecords { records } => put_wire_vec(out, records),
             Response::Extended { stands_ms } => out.put_u64_le(*stands_ms),
             Response::DeadLetters(v) => put_wire_vec(out, v),
+            Response::DeadLetterPage { letters, next } => {
+                put_wire_vec(out, letters);
+                put_opt_u64(out, *next);
+            }
             Response::Group(info) => info.put(out),
             Response::Groups(names) => put_strings(out, names),
             Response::Error(e) => e.put(out),
@@ -670,6 +708,10 @@ impl Response {
                 stands_ms: r.u64("stands_ms")?,
             },
             rs::DEAD_LETTERS => Response::DeadLetters(r.wire_vec("dead letters")?),
+            rs::DEAD_LETTER_PAGE => Response::DeadLetterPage {
+                letters: r.wire_vec("dead letters")?,
+                next: r.opt_u64("next")?,
+            },
             rs::GROUP => Response::Group(GroupInfo::get(r)?),
             rs::GROUPS => Response::Groups(get_strings(r, "group names")?),
             rs::PONG => Response::Pong,

@@ -455,6 +455,16 @@ pub struct DeadLetterInfo {
     pub by_consumer: bool,
 }
 
+impl DeadLetterInfo {
+    /// Bytes a dead letter with this reason takes in a message body (at
+    /// most: a reason over 65,535 bytes is cut, possibly a little shorter
+    /// at a character boundary). Lets a sender fill a frame without
+    /// encoding first.
+    pub fn wire_size(reason: Option<&str>) -> usize {
+        Self::MIN_BYTES + reason.map_or(0, |r| STR + r.len().min(u16::MAX as usize))
+    }
+}
+
 impl Wire for DeadLetterInfo {
     const MIN_BYTES: usize = U64 + U32 + U64 + OPT + U8;
     fn put(&self, out: &mut BytesMut) {

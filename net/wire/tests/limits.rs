@@ -405,7 +405,113 @@ fn small_helpers() {
     assert_eq!(Request::Ping.name(), "ping");
     assert_eq!(Response::Pong.name(), "pong");
     assert_eq!(Request::name_of(0xEE), None);
-    assert_eq!(Request::all_opcodes().count(), 22);
+    assert_eq!(Request::all_opcodes().count(), 23);
+    let page = Request::GroupDeadLettersPage {
+        key: key(),
+        from: 0,
+        max: 1000,
+    };
+    assert_eq!(page.name(), "group_dead_letters_page");
+    assert_eq!(page.opcode(), opcodes::request::GROUP_DEAD_LETTERS_PAGE);
+    let answer = Response::DeadLetterPage {
+        letters: Vec::new(),
+        next: None,
+    };
+    assert_eq!(answer.name(), "dead_letter_page");
+    assert_eq!(answer.opcode(), opcodes::response::DEAD_LETTER_PAGE);
+}
+
+/// A dead-letter page's body is checked like any other: a count the bytes
+/// cannot hold and a bad presence byte for `next` are errors, and a page
+/// with nothing after its list is truncated.
+#[test]
+fn dead_letter_page_bodies_are_checked() {
+    let decode = |body: &[u8]| {
+        let mut buf = raw_frame(
+            KIND_RESPONSE,
+            opcodes::response::DEAD_LETTER_PAGE,
+            0,
+            5,
+            body,
+        );
+        let r = decode_response(&mut buf, DEFAULT_MAX_FRAME_BYTES);
+        assert!(buf.is_empty(), "frame consumed");
+        r
+    };
+    // An empty last page: no letters, no next.
+    let mut body = BytesMut::new();
+    body.put_u32_le(0);
+    body.put_u8(0);
+    assert_eq!(
+        decode(&body).unwrap(),
+        Some((
+            5,
+            Response::DeadLetterPage {
+                letters: Vec::new(),
+                next: None
+            }
+        ))
+    );
+    // A billion letters claimed in a few bytes.
+    let mut body = BytesMut::new();
+    body.put_u32_le(1_000_000_000);
+    body.put_u8(0);
+    let err = decode(&body).unwrap_err();
+    assert!(
+        matches!(err.reason(), DecodeError::Truncated { .. }),
+        "{err:?}"
+    );
+    // A presence byte that is neither 0 nor 1.
+    let mut body = BytesMut::new();
+    body.put_u32_le(0);
+    body.put_u8(2);
+    let err = decode(&body).unwrap_err();
+    assert!(
+        matches!(err.reason(), DecodeError::BadValue { .. }),
+        "{err:?}"
+    );
+    // No `next` at all.
+    let mut body = BytesMut::new();
+    body.put_u32_le(0);
+    let err = decode(&body).unwrap_err();
+    assert!(
+        matches!(err.reason(), DecodeError::Truncated { .. }),
+        "{err:?}"
+    );
+    // The request: a group key then `from` and `max`; one byte short fails.
+    let mut body = BytesMut::new();
+    group_key_body(&mut body);
+    body.put_u64_le(7);
+    body.put_u32_le(100);
+    let mut buf = raw_frame(
+        KIND_REQUEST,
+        opcodes::request::GROUP_DEAD_LETTERS_PAGE,
+        0,
+        6,
+        &body,
+    );
+    assert_eq!(
+        decode_request(&mut buf, DEFAULT_MAX_FRAME_BYTES).unwrap(),
+        Some((
+            6,
+            Request::GroupDeadLettersPage {
+                key: key(),
+                from: 7,
+                max: 100
+            }
+        ))
+    );
+    expect_body_error(
+        raw_frame(
+            KIND_REQUEST,
+            opcodes::request::GROUP_DEAD_LETTERS_PAGE,
+            0,
+            6,
+            &body[..body.len() - 1],
+        ),
+        6,
+        DecodeError::Truncated { what: "max" },
+    );
 }
 
 #[test]

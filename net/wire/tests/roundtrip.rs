@@ -64,6 +64,17 @@ proptest! {
         prop_assert!(buf.is_empty());
     }
 
+    /// `DeadLetterInfo::wire_size` is what a dead letter takes in a frame.
+    #[test]
+    fn dead_letter_wire_size(letters in proptest::collection::vec(dead_letter(), 0..4)) {
+        let want: usize = letters
+            .iter()
+            .map(|d| DeadLetterInfo::wire_size(d.reason.as_deref()))
+            .sum();
+        let frame = encode_resp(1, &Response::DeadLetters(letters));
+        prop_assert_eq!(frame.len(), FRAME_HEADER_BYTES + 4 + want);
+    }
+
     #[test]
     fn response_round_trip(id in any::<u64>(), resp in response()) {
         let mut buf = encode_resp(id, &resp);

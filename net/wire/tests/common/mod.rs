@@ -348,6 +348,9 @@ pub fn request() -> impl Strategy<Value = Request> {
         (group_key(), any::<u64>())
             .prop_map(|(key, offset)| Request::GroupDiscard { key, offset })
             .boxed(),
+        (group_key(), any::<u64>(), any::<u32>())
+            .prop_map(|(key, from, max)| Request::GroupDeadLettersPage { key, from, max })
+            .boxed(),
         (group_key(), start())
             .prop_map(|(key, start)| Request::GroupCreate { key, start })
             .boxed(),
@@ -411,6 +414,9 @@ pub fn response() -> impl Strategy<Value = Response> {
             .boxed(),
         vec(dead_letter(), 0..4)
             .prop_map(Response::DeadLetters)
+            .boxed(),
+        (vec(dead_letter(), 0..4), option::of(any::<u64>()))
+            .prop_map(|(letters, next)| Response::DeadLetterPage { letters, next })
             .boxed(),
         group_info().prop_map(Response::Group).boxed(),
         vec(text(), 0..5).prop_map(Response::Groups).boxed(),
