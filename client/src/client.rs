@@ -1018,7 +1018,7 @@ impl Client {
     /// A consumer that acknowledges one batch and at once polls for the next
     /// does not wait a round trip (and the broker's sync of the group's
     /// position) between the two: requests queued together also leave
-    /// together, in one write to the socket. An empty slice sends nothing
+    /// together, usually in one write to the socket. An empty slice sends nothing
     /// and answers at once.
     ///
     /// ```no_run

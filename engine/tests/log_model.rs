@@ -1373,3 +1373,87 @@ fn reads_honour_the_record_and_byte_caps() {
         });
     }
 }
+
+/// Zeros ahead of small flushes, in steady state: only about one flush in
+/// every 192 KiB of data carries a piece (the rest overwrite written zeros),
+/// and the file grows only by its reservation steps, never by a write.
+#[test]
+fn small_flushes_write_zeros_now_and_then_inside_the_reservation() {
+    let storage = SimStorage::new();
+    let step = 1u64 << 20;
+    let cfg = LogConfig {
+        segment_bytes: 8 << 20,
+        preallocate: true,
+        preallocate_step: step,
+        ..LogConfig::default()
+    };
+    let seg = Path::new("/d/t/n/s/0/00000000000000000000.log");
+    block_on(async {
+        let log = open(&storage, &cfg).await;
+        let (mut with_zeros, mut rounds) = (0u64, 0u64);
+        for i in 0..600u64 {
+            let (writes_before, _) = storage.counts();
+            log.append(&[RecordIn {
+                payload: Bytes::from(vec![i as u8; 3000]),
+                ..Default::default()
+            }])
+            .unwrap();
+            log.flush().await.unwrap();
+            let (writes_after, _) = storage.counts();
+            match writes_after - writes_before {
+                1 => {}
+                2 => with_zeros += 1,
+                n => panic!("flush {i} made {n} writes"),
+            }
+            rounds += 1;
+            let len = storage.file_len(seg).unwrap();
+            assert_eq!(
+                len % step,
+                0,
+                "flush {i}: the file grew to {len}, past its reservation"
+            );
+        }
+        let data = log.stats().bytes;
+        // A piece is 256 KiB, written when less than 64 KiB is left ahead.
+        let most = data / (192 << 10) + 2;
+        assert!(
+            (1..=most).contains(&with_zeros),
+            "{with_zeros} of {rounds} flushes wrote zeros for {data} bytes of data (at most {most})"
+        );
+    });
+}
+
+/// A failed write of zeros ahead costs only the speed-up: the flush
+/// succeeds, the data is durable, the shard keeps serving.
+#[test]
+fn a_failed_write_of_zeros_ahead_does_not_stop_the_shard() {
+    let storage = SimStorage::new();
+    let cfg = LogConfig {
+        preallocate: true,
+        preallocate_step: 1 << 20,
+        ..LogConfig::default()
+    };
+    block_on(async {
+        let log = open(&storage, &cfg).await;
+        log.append(&[RecordIn {
+            payload: Bytes::from_static(b"first"),
+            ..Default::default()
+        }])
+        .unwrap();
+        // The first flush of a segment writes its data, then zeros ahead.
+        storage.fail_write_after(2);
+        log.flush().await.expect("zeros are not the data");
+        assert!(log.stopped().is_none());
+        log.append(&[RecordIn {
+            payload: Bytes::from_static(b"second"),
+            ..Default::default()
+        }])
+        .unwrap();
+        log.flush().await.unwrap();
+        let got = read_all(&log, Offset::ZERO).await;
+        assert_eq!(got.len(), 2);
+        log.close().await.unwrap();
+        let log = open(&storage, &cfg).await;
+        assert_eq!(log.end(), Offset(2));
+    });
+}

@@ -314,13 +314,29 @@ impl<S: Storage> Core<S> {
         let removed = self.streams.borrow_mut().remove(&to_ref(name));
         let mut problems = Vec::new();
         if let Some(ls) = removed {
-            for slot in ls.shards {
-                if let Slot::Open(shard) = slot {
-                    self.retired.borrow_mut().add_io(&shard.log.stats());
-                    if let Err(e) = shard.destroy().await {
-                        tracing::error!("deleting shard {}: {e}", shard.name());
-                        problems.push(format!("shard {}: {e}", shard.name()));
-                    }
+            let open: Vec<_> = ls
+                .shards
+                .into_iter()
+                .filter_map(|slot| match slot {
+                    Slot::Open(shard) => Some(shard),
+                    _ => None,
+                })
+                .collect();
+            // Every shard's counters move to the core's totals before the
+            // first await, so a scrape in between sees none of them missing;
+            // what the last flush adds while closing follows below.
+            let before: Vec<_> = open.iter().map(|s| s.log.stats()).collect();
+            for st in &before {
+                self.retired.borrow_mut().add_io(st);
+            }
+            for (shard, was) in open.into_iter().zip(before) {
+                let result = shard.destroy().await;
+                self.retired
+                    .borrow_mut()
+                    .add_io_since(&was, &shard.log.stats());
+                if let Err(e) = result {
+                    tracing::error!("deleting shard {}: {e}", shard.name());
+                    problems.push(format!("shard {}: {e}", shard.name()));
                 }
             }
         }

@@ -108,6 +108,28 @@ impl ShardSnapshot {
         self.sync.merge(&st.sync);
     }
 
+    /// Add what a log's I/O counters grew by from `was` to `now`.
+    pub fn add_io_since(
+        &mut self,
+        was: &felix_engine::log::LogStats,
+        now: &felix_engine::log::LogStats,
+    ) {
+        self.flushes += now.flushes.saturating_sub(was.flushes);
+        self.bytes_written += now.bytes_written.saturating_sub(was.bytes_written);
+        self.cold_reads += now.cold_reads.saturating_sub(was.cold_reads);
+        self.cold_hits += now.cold_hits.saturating_sub(was.cold_hits);
+        self.sync.count += now.sync.count.saturating_sub(was.sync.count);
+        self.sync.sum_us += now.sync.sum_us.saturating_sub(was.sync.sum_us);
+        for (b, (n, w)) in self
+            .sync
+            .buckets
+            .iter_mut()
+            .zip(now.sync.buckets.iter().zip(was.sync.buckets.iter()))
+        {
+            *b += n.saturating_sub(*w);
+        }
+    }
+
     fn add_io_of(&mut self, o: &ShardSnapshot) {
         self.flushes += o.flushes;
         self.bytes_written += o.bytes_written;
