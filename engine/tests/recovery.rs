@@ -6,8 +6,10 @@ use bytes::Bytes;
 use felix_engine::format::RecordIn;
 use felix_engine::log::{LogConfig, LogError, ReadLimits, ShardLog};
 use felix_engine::storage::sim::{CrashPlan, ExactCrash, SimStorage};
+use felix_engine::storage::Storage;
 use felix_engine::Offset;
 use futures_lite::future::block_on;
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 const DIR: &str = "/d/t/n/s/0";
@@ -561,4 +563,748 @@ fn every_tear_byte_and_every_unsynced_bit_of_a_short_log_recovers_the_durable_pr
         }
     }
     eprintln!("{cases} crash points recovered as they should");
+}
+
+// ---------------------------------------------------------------------------
+// Zeros written ahead of small flushes (`LogConfig::preallocate`): a flush of
+// at most 64 KiB, finding less than 64 KiB of written zeros past its end,
+// also writes a piece of 256 KiB of zeros there, in the same writes as its
+// data and before its fdatasync.
+
+/// A piece of zeros ahead, and the largest round that writes one.
+const ZERO_PIECE: usize = 256 << 10;
+const SMALL_ROUND: u64 = 64 << 10;
+const PAGE: u64 = 4096;
+
+/// Payload of the records of the zeros-ahead crash tests: about 1 KiB a
+/// batch, so a log reaches its second piece of zeros (past 192 KiB of data)
+/// in under 200 flushes. No byte of it is zero: zeros written over it
+/// cannot go unnoticed.
+const ZPAYLOAD: usize = 1000;
+
+fn zrec(i: u64) -> RecordIn {
+    RecordIn {
+        payload: Bytes::from(vec![(i % 250 + 1) as u8; ZPAYLOAD]),
+        ..Default::default()
+    }
+}
+
+fn assert_zrecords(got: &[(u64, Bytes)], n: u64, what: &dyn std::fmt::Debug) {
+    assert_eq!(got.len() as u64, n, "{what:?}");
+    for (i, (o, p)) in got.iter().enumerate() {
+        assert_eq!(*o, i as u64, "{what:?}");
+        assert_eq!(p[..], zrec(i as u64).payload[..], "{what:?}: offset {o}");
+    }
+}
+
+fn zcfg(step: u64, io_depth: usize) -> LogConfig {
+    LogConfig {
+        segment_bytes: 4 << 20,
+        preallocate: true,
+        preallocate_step: step,
+        io_depth,
+        ..LogConfig::default()
+    }
+}
+
+/// What the hung round left unsynced in the segment, in order.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum RoundOp {
+    /// The reservation extended to this size (a size change).
+    Extend(u64),
+    /// The data write (position, length): the partial last page and the
+    /// round's batch.
+    Data(u64, usize),
+    /// The piece of zeros ahead (position, length).
+    Zeros(u64, usize),
+}
+
+/// Every power cut [`ExactCrash`] can make of `ops`: each of them landed
+/// or lost, and the one after the last landed torn at every byte if it is
+/// the data write, or at every 512th byte and its first and last 64 if it
+/// is the zeros. With each, how many bytes of the data write landed.
+fn every_cut(ops: &[RoundOp]) -> Vec<(ExactCrash, usize)> {
+    let data = ops.iter().position(|o| matches!(o, RoundOp::Data(..)));
+    let data = data.expect("a data write");
+    let RoundOp::Data(_, data_len) = ops[data] else {
+        unreachable!()
+    };
+    let mut out = Vec::new();
+    for keep in 0..=ops.len() {
+        for mask in 0..1u32 << keep {
+            let lost: Vec<usize> = (0..keep).filter(|i| mask & 1 << i != 0).collect();
+            let tears: Vec<Option<usize>> = match ops.get(keep) {
+                Some(RoundOp::Data(_, len)) => (0..=*len).map(Some).collect(),
+                Some(RoundOp::Zeros(_, len)) => {
+                    let mut t: Vec<usize> = (0..=*len)
+                        .step_by(512)
+                        .chain(0..64)
+                        .chain(len - 64..=*len)
+                        .collect();
+                    t.sort();
+                    t.dedup();
+                    t.into_iter().map(Some).collect()
+                }
+                _ => vec![None],
+            };
+            for tear in tears {
+                let landed = if data < keep {
+                    if lost.contains(&data) {
+                        0
+                    } else {
+                        data_len
+                    }
+                } else if data == keep {
+                    tear.unwrap_or(0)
+                } else {
+                    0
+                };
+                out.push((
+                    ExactCrash {
+                        file: seg0(),
+                        keep,
+                        lost: lost.clone(),
+                        tear,
+                        ..Default::default()
+                    },
+                    landed,
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// Where the bytes of a run of a crash image come from.
+#[derive(Clone, Copy, Debug)]
+enum Source {
+    Synced,
+    Zeros,
+    /// The unsynced operation with this index.
+    Op(usize),
+}
+
+/// A round hung in its fdatasync, as the simulated disk holds it: the
+/// segment's synced bytes, and its unsynced operations with the bytes of
+/// each write.
+#[derive(Debug, PartialEq)]
+struct Unsynced {
+    synced: Vec<u8>,
+    ops: Vec<RoundOp>,
+    data: Vec<Vec<u8>>,
+}
+
+impl Unsynced {
+    /// Read off `storage` (left as it is).
+    fn of(storage: &SimStorage, ops: Vec<RoundOp>) -> Unsynced {
+        let image = |crash: Option<ExactCrash>| {
+            let disk = storage.fork();
+            match crash {
+                Some(c) => disk.crash_exact(&c),
+                None => disk.crash_lose_unsynced(),
+            }
+            block_on(disk.read_file(&seg0())).unwrap().unwrap()
+        };
+        let synced = image(None);
+        let data = (0..ops.len())
+            .map(|i| match ops[i] {
+                RoundOp::Extend(_) => Vec::new(),
+                RoundOp::Data(pos, n) | RoundOp::Zeros(pos, n) => {
+                    // Only this one lands.
+                    let img = image(Some(ExactCrash {
+                        file: seg0(),
+                        keep: i + 1,
+                        lost: (0..i).collect(),
+                        ..Default::default()
+                    }));
+                    img[pos as usize..pos as usize + n].to_vec()
+                }
+            })
+            .collect();
+        Unsynced { synced, ops, data }
+    }
+
+    /// The segment as `crash` leaves it, as runs `[start, end)` over the
+    /// synced bytes and the writes, applied the way
+    /// `SimStorage::crash_exact` applies them: thousands of crashes are
+    /// told apart by a checksum of this without a copy of the disk each.
+    fn paint(&self, crash: &ExactCrash) -> Painted {
+        let mut p = Painted {
+            len: 0,
+            runs: Vec::new(),
+        };
+        p.resize(self.synced.len() as u64, Source::Synced);
+        for (i, op) in self.ops.iter().enumerate() {
+            let cut = if i < crash.keep {
+                if crash.lost.contains(&i) {
+                    continue;
+                }
+                None
+            } else {
+                match (crash.tear, op) {
+                    (Some(t), RoundOp::Data(..) | RoundOp::Zeros(..)) => Some(t),
+                    _ => break,
+                }
+            };
+            match *op {
+                RoundOp::Extend(to) => p.resize(to, Source::Zeros),
+                RoundOp::Data(pos, n) | RoundOp::Zeros(pos, n) => {
+                    let end = pos + cut.map_or(n, |t| t.min(n)) as u64;
+                    if p.len < end {
+                        p.resize(end, Source::Zeros);
+                    }
+                    let mut runs = Vec::with_capacity(p.runs.len() + 2);
+                    for &(s, e, src) in &p.runs {
+                        if s < pos {
+                            runs.push((s, e.min(pos), src));
+                        }
+                        if e > end {
+                            runs.push((s.max(end), e, src));
+                        }
+                    }
+                    if end > pos {
+                        runs.push((pos, end, Source::Op(i)));
+                    }
+                    runs.sort_by_key(|r| r.0);
+                    p.runs = runs;
+                }
+            }
+            if i >= crash.keep {
+                break;
+            }
+        }
+        p
+    }
+
+    /// Calls `f` with the bytes of `p` from `a` to `b`, piece by piece.
+    fn bytes(&self, p: &Painted, a: u64, b: u64, mut f: impl FnMut(&[u8])) {
+        const ZEROS: [u8; 4096] = [0; 4096];
+        for &(s, e, src) in &p.runs {
+            let (s, e) = (s.max(a), e.min(b));
+            if s >= e {
+                continue;
+            }
+            match src {
+                Source::Synced => f(&self.synced[s as usize..e as usize]),
+                Source::Zeros => {
+                    let mut n = e - s;
+                    while n > 0 {
+                        let k = n.min(ZEROS.len() as u64);
+                        f(&ZEROS[..k as usize]);
+                        n -= k;
+                    }
+                }
+                Source::Op(i) => {
+                    let (RoundOp::Data(pos, _) | RoundOp::Zeros(pos, _)) = self.ops[i] else {
+                        unreachable!()
+                    };
+                    f(&self.data[i][(s - pos) as usize..(e - pos) as usize])
+                }
+            }
+        }
+    }
+}
+
+/// A crash image (see [`Unsynced::paint`]).
+struct Painted {
+    len: u64,
+    runs: Vec<(u64, u64, Source)>,
+}
+
+impl Painted {
+    fn resize(&mut self, to: u64, fill: Source) {
+        if to > self.len {
+            self.runs.push((self.len, to, fill));
+        } else {
+            self.runs.retain_mut(|r| {
+                r.1 = r.1.min(to);
+                r.0 < r.1
+            });
+        }
+        self.len = to;
+    }
+}
+
+/// Bytes of a batch of one [`zrec`].
+fn zbatch() -> u64 {
+    let storage = SimStorage::new();
+    block_on(async {
+        let log = open(&storage, &LogConfig::default()).await.unwrap();
+        log.append(&[zrec(0)]).unwrap();
+        log.flush().await.unwrap();
+        log.stats().bytes
+    })
+}
+
+/// The smallest count of batches from `at` on after which one more batch
+/// fits in the same page (so the write of a round of one batch is one page).
+fn batches_to_leave_room(at: u64) -> u64 {
+    let b = zbatch();
+    (at..).find(|n| n * b % PAGE + b <= PAGE).unwrap()
+}
+
+/// Which round with zeros ahead is cut off.
+#[derive(Clone, Copy, Debug)]
+enum ZeroRound {
+    /// After a flush of more than 64 KiB (which writes no zeros), a round
+    /// of one batch: its zeros start right past its data, inside the
+    /// reservation that flush made.
+    AfterABurst,
+    /// Rounds of one batch each from the start: the first writes a piece of
+    /// zeros, and the one cut off is the next to write a piece, when less
+    /// than 64 KiB of the first is left: its zeros start where the first
+    /// piece ends, past its data.
+    SecondPiece,
+    /// The first round after the log was killed and reopened (the reopen
+    /// cuts the zeros off): its zeros start right past its data.
+    AfterAReopen,
+}
+
+/// A round hung in its fdatasync after `durable` batches of `batch` bytes
+/// each, of one more batch and a piece of zeros ahead.
+struct HungRound {
+    storage: SimStorage,
+    durable: u64,
+    batch: u64,
+    unsynced: Unsynced,
+}
+
+fn hang_a_round_with_zeros_ahead(cfg: &LogConfig, round: ZeroRound) -> HungRound {
+    let storage = SimStorage::new();
+    let (durable, before, batch, writes, len, grew) = block_on(async {
+        let mut log = open(&storage, cfg).await.unwrap();
+        match round {
+            ZeroRound::AfterABurst => {
+                // One flush of more than 64 KiB.
+                for i in 0..batches_to_leave_room(SMALL_ROUND / zbatch() + 1) {
+                    log.append(&[zrec(i)]).unwrap();
+                }
+                log.flush().await.unwrap();
+                assert!(log.stats().bytes > SMALL_ROUND);
+            }
+            ZeroRound::SecondPiece => {}
+            ZeroRound::AfterAReopen => {
+                for i in 0..batches_to_leave_room(10) {
+                    log.append(&[zrec(i)]).unwrap();
+                    log.flush().await.unwrap();
+                }
+                let n = log.end();
+                drop(log); // kill -9
+                log = open(&storage, cfg).await.unwrap();
+                assert_eq!(log.end(), n);
+            }
+        }
+        let first = log.end().0;
+        loop {
+            let i = log.queued_end().0;
+            assert!(i < 400, "no round wrote zeros ahead");
+            let before = log.stats().bytes;
+            log.append(&[zrec(i)]).unwrap();
+            let len0 = storage.file_len(&seg0()).unwrap();
+            storage.hold_syncs();
+            let mut flush = Box::pin(log.flush());
+            assert!(futures_lite::future::poll_once(&mut flush).await.is_none());
+            let writes = storage.unsynced_writes(&seg0());
+            let len = storage.file_len(&seg0()).unwrap();
+            let batch = log.stats().bytes - before;
+            let target = match round {
+                ZeroRound::SecondPiece => i > first && writes.len() == 2,
+                _ => {
+                    assert_eq!(writes.len(), 2, "{round:?}: {writes:?}");
+                    true
+                }
+            };
+            if target {
+                // The power goes out in the fdatasync.
+                drop(flush);
+                drop(log);
+                storage.release_syncs();
+                return (i, before, batch, writes, len, len > len0);
+            }
+            storage.release_syncs();
+            flush.await.unwrap();
+        }
+    });
+    // Every batch is one record of the same size.
+    assert_eq!(before, durable * batch);
+    let (d, z) = (writes[0], writes[1]);
+    let from = before / PAGE * PAGE;
+    let data_end = (before + batch).next_multiple_of(PAGE);
+    assert_eq!(d, (from, (data_end - from) as usize), "{round:?}");
+    assert_eq!(z.1, ZERO_PIECE, "{round:?}: {writes:?}");
+    match round {
+        ZeroRound::SecondPiece => {
+            assert!(z.0 > data_end, "{round:?}: {writes:?}")
+        }
+        _ => {
+            assert_eq!(d.1 as u64, PAGE, "{round:?}: the data write is one page");
+            assert_eq!(
+                z.0, data_end,
+                "{round:?}: nothing known written past the data"
+            );
+        }
+    }
+    assert!(z.0 + z.1 as u64 <= len, "the zeros grew the file: {len}");
+    let mut ops = vec![RoundOp::Data(d.0, d.1), RoundOp::Zeros(z.0, z.1)];
+    if grew {
+        // The reservation is extended before the writes (the writes
+        // themselves stay inside it).
+        assert_eq!(len % cfg.preallocate_step, 0);
+        ops.insert(0, RoundOp::Extend(len));
+    }
+    let unsynced = Unsynced::of(&storage, ops);
+    let zeros = unsynced.data.last().unwrap();
+    assert!(zeros.iter().all(|b| *b == 0), "the zeros ahead are zeros");
+    HungRound {
+        storage,
+        durable,
+        batch,
+        unsynced,
+    }
+}
+
+/// A round of one batch whose writes carry a piece of zeros ahead, hung in
+/// its fdatasync, with `io_depth` 1 and the default (which leave the same
+/// unsynced writes), and every crash of it (see [`every_cut`]): the log
+/// opens with every record durable before the round, the round's batch
+/// only if its write landed whole, nothing else; its torn tail and zeros
+/// are cut off; and it takes appends (writing zeros ahead again) that
+/// survive a kill and a reopen, with each `io_depth` in turn. Crashes that
+/// leave the same bytes (a tear inside what was durable already, zeros
+/// landing on zeros) are recovered once. Returns the unsynced operations, the crash
+/// points and the distinct disks.
+fn crash_a_round_with_zeros_ahead(step: u64, round: ZeroRound) -> (Vec<RoundOp>, u64, usize) {
+    let hung: Vec<(LogConfig, HungRound)> = [1, LogConfig::default().io_depth]
+        .into_iter()
+        .map(|depth| {
+            let cfg = zcfg(step, depth);
+            let h = hang_a_round_with_zeros_ahead(&cfg, round);
+            (cfg, h)
+        })
+        .collect();
+    let first = &hung[0].1;
+    for (cfg, h) in &hung[1..] {
+        assert_eq!(
+            (h.durable, h.batch, &h.unsynced),
+            (first.durable, first.batch, &first.unsynced),
+            "{round:?}: io_depth {} left other writes",
+            cfg.io_depth
+        );
+    }
+    let (durable, batch, u) = (first.durable, first.batch, &first.unsynced);
+    let before = durable * batch;
+    let RoundOp::Data(d0, dn) = u.ops[u.ops.len() - 2] else {
+        unreachable!()
+    };
+    let mut seen: HashMap<(u64, u32, Vec<u8>), u64> = HashMap::new();
+    let mut cases = 0u64;
+    for (crash, landed) in every_cut(&u.ops) {
+        cases += 1;
+        // The round's batch is there if the data write landed to its end.
+        let whole = d0 + landed as u64 >= before + batch;
+        let end = durable + whole as u64;
+        let what = (&crash, landed, &u.ops);
+        let painted = u.paint(&crash);
+        let mut crc = 0;
+        u.bytes(&painted, 0, painted.len, |b| {
+            crc = crc32c::crc32c_append(crc, b)
+        });
+        let mut data = Vec::new();
+        u.bytes(&painted, d0, d0 + dn as u64, |b| data.extend_from_slice(b));
+        if let Some(was) = seen.insert((painted.len, crc, data), end) {
+            assert_eq!(was, end, "{what:?}: the same disk as another crash");
+            continue;
+        }
+        let disk = first.storage.fork();
+        disk.crash_exact(&crash);
+        let image = block_on(disk.read_file(&seg0())).unwrap().unwrap();
+        assert_eq!(
+            (image.len() as u64, crc32c::crc32c(&image)),
+            (painted.len, crc),
+            "{what:?}: the painted image is the crash's"
+        );
+        drop(image);
+        // Opened with each io_depth in turn (recovery does not depend on
+        // it; the appends do), appended to (writing zeros ahead again),
+        // killed; and opened once more.
+        block_on(async {
+            let mut n = end;
+            for (k, (cfg, _)) in hung.iter().chain(&hung[..1]).enumerate() {
+                let log = open(&disk, cfg)
+                    .await
+                    .unwrap_or_else(|e| panic!("{what:?}: open {k}: {e}"));
+                assert_eq!(log.end(), Offset(n), "{what:?}: open {k}");
+                assert_zrecords(&read_all(&log).await, n, &what);
+                // The torn tail and the zeros are cut.
+                assert_eq!(disk.file_len(&seg0()), Some(n * batch), "{what:?}");
+                if k < hung.len() {
+                    for i in n..n + 2 {
+                        log.append(&[zrec(i)]).unwrap();
+                        log.flush().await.unwrap();
+                    }
+                    n += 2;
+                }
+            }
+        });
+    }
+    eprintln!(
+        "{round:?}: {:?}: {cases} crash points, {} distinct disks, each recovered and appended to with io_depth 1 and {}",
+        u.ops,
+        seen.len(),
+        LogConfig::default().io_depth
+    );
+    (u.ops.clone(), cases, seen.len())
+}
+
+/// A round of one batch after a burst, whose zeros ahead start right past
+/// its data inside the reservation the burst made (no size change), cut
+/// off in its fdatasync: every subset of its two writes landed, the next
+/// torn at every byte of the data write or every 512th of the zeros (and
+/// their first and last 64).
+#[test]
+fn a_round_with_zeros_right_past_its_data_cut_off_anywhere_keeps_the_durable_prefix() {
+    let (ops, ..) = crash_a_round_with_zeros_ahead(384 << 10, ZeroRound::AfterABurst);
+    assert_eq!(ops.len(), 2, "inside the reservation: {ops:?}");
+}
+
+/// The next round to write zeros after a log's first (its zeros start
+/// where the first piece ended, past its data), extending the reservation
+/// for them (a 64 KiB step, smaller than a piece), cut off in its
+/// fdatasync: every subset of the size change and the two writes, every
+/// tear.
+#[test]
+fn a_round_with_a_second_piece_of_zeros_cut_off_anywhere_keeps_the_durable_prefix() {
+    let (ops, ..) = crash_a_round_with_zeros_ahead(64 << 10, ZeroRound::SecondPiece);
+    assert!(matches!(ops[0], RoundOp::Extend(_)), "{ops:?}");
+}
+
+/// The first round after a kill and a reopen, which cut the zeros and the
+/// reservation off: its zeros start right past its data and extend the
+/// reservation again. Cut off in its fdatasync: every subset of the size
+/// change and the two writes, every tear.
+#[test]
+fn the_first_round_after_a_reopen_cut_off_anywhere_keeps_the_durable_prefix() {
+    let (ops, ..) = crash_a_round_with_zeros_ahead(128 << 10, ZeroRound::AfterAReopen);
+    assert!(matches!(ops[0], RoundOp::Extend(_)), "{ops:?}");
+}
+
+/// A flush that rolls to a new segment, with zeros ahead (the segment
+/// before it holds a piece of zeros past its data, the round's chunk for it
+/// is small, and the new segment gets a piece of its own), cut off at every
+/// point it can be, then power cuts that lose everything unsynced, keep all
+/// of the old or of the new segment's unsynced writes, or keep the new
+/// segment's writes and lose its directory entry: what was acknowledged is
+/// there, and every sealed segment ends at its data (its zeros and
+/// reservation cut off: recovery would refuse zeros in a sealed segment).
+#[test]
+fn a_roll_with_zeros_ahead_cut_off_anywhere_keeps_what_was_acknowledged_and_seals_at_the_data() {
+    let seg = |base: u64| Path::new(DIR).join(format!("{base:020}.log"));
+    let mut cases = 0u64;
+    for io_depth in [1, LogConfig::default().io_depth] {
+        let cfg = LogConfig {
+            // Not a multiple of a page: the zeros run to the page after it.
+            segment_bytes: 12_000,
+            preallocate: true,
+            preallocate_step: 64 << 10,
+            io_depth,
+            ..LogConfig::default()
+        };
+        // 72 batches fit in segment 0; the 73rd rolls.
+        let fit = cfg.segment_bytes / BATCH;
+        for k in 0.. {
+            let storage = SimStorage::new();
+            let (done, acked) = block_on(async {
+                let log = flushed_one_by_one(&storage, &cfg, fit - 2).await;
+                // The first flush wrote zeros up to the segment's size.
+                assert_eq!(
+                    storage.counts().0,
+                    fit - 2 + 1,
+                    "a write a flush, and one piece of zeros"
+                );
+                assert_eq!(storage.file_len(&seg0()), Some(64 << 10));
+                let writes = storage.counts().0;
+                storage.set_yielding(true);
+                for i in fit - 2..=fit {
+                    log.append(&[rec(i)]).unwrap();
+                }
+                let done = poll_times(log.flush(), k).await;
+                let acked = log.end();
+                if done {
+                    assert_eq!(log.stats().segments, 2);
+                    assert_eq!(acked, Offset(fit + 1));
+                    assert_eq!(storage.file_len(&seg0()), Some(fit * BATCH));
+                    // One write to segment 0 (no zeros: it is sealed), and
+                    // one to the new segment with a piece of zeros past it,
+                    // inside the reservation.
+                    assert_eq!(storage.counts().0, writes + 3);
+                    assert_eq!(storage.file_len(&seg(fit)), Some(64 << 10));
+                }
+                drop(log);
+                storage.set_yielding(false);
+                (done, acked)
+            });
+            // Everything unsynced lost; or all of one segment's unsynced
+            // writes kept (with the new segment's directory entry, or not).
+            let crashes = [
+                ("lose unsynced", None),
+                ("keep segment 0", Some((seg0(), false))),
+                ("keep segment 1", Some((seg(fit), false))),
+                ("keep segment 1, lose its entry", Some((seg(fit), true))),
+            ];
+            for (what, exact) in crashes {
+                let disk = storage.fork();
+                match exact {
+                    None => disk.crash_lose_unsynced(),
+                    Some((file, lose_dir_entries)) => disk.crash_exact(&ExactCrash {
+                        file,
+                        keep: usize::MAX,
+                        lose_dir_entries,
+                        ..Default::default()
+                    }),
+                }
+                block_on(async {
+                    let log = open(&disk, &cfg)
+                        .await
+                        .unwrap_or_else(|e| panic!("depth {io_depth} k {k} {what}: {e}"));
+                    let end = log.end();
+                    assert!(end >= acked, "depth {io_depth} k {k} {what}: {end:?}");
+                    assert_records(&read_all(&log).await, end.0);
+                    let sizes = log.segment_sizes();
+                    for (n, (base, len)) in sizes.iter().enumerate() {
+                        let next = sizes.get(n + 1).map_or(end, |s| s.0);
+                        // Sealed or recovered, a segment ends at its data.
+                        assert_eq!(len, &((next.0 - base.0) * BATCH), "{what}");
+                        assert_eq!(
+                            disk.file_len(&seg(base.0)),
+                            Some(*len),
+                            "depth {io_depth} k {k} {what}: segment {base:?}"
+                        );
+                    }
+                    if sizes.len() == 2 {
+                        assert_eq!(sizes[1].0, Offset(fit));
+                    }
+                    // Appends continue.
+                    log.append(&[rec(end.0)]).unwrap();
+                    log.flush().await.unwrap();
+                    drop(log);
+                    let log = open(&disk, &cfg).await.unwrap();
+                    assert_records(&read_all(&log).await, end.0 + 1);
+                });
+                cases += 1;
+            }
+            if done {
+                break;
+            }
+        }
+    }
+    eprintln!("{cases} crash points recovered as they should");
+}
+
+/// Steady state with zeros ahead, across a kill and a reopen: many small
+/// flushes (and a large one, which writes none), the log killed, reopened,
+/// more small flushes, twice. Every round's writes are looked at before its
+/// fdatasync: its data from its partial last page, then at most one piece
+/// of zeros, which starts past its data, and after a reopen (which cuts the
+/// zeros off with the reservation) right past it. After every round the
+/// file holds, up to the end of the data, exactly what a log without
+/// preallocation (so without zeros) fed the same rounds holds; past it,
+/// zeros. Every record reads back from disk before and after each reopen.
+#[test]
+fn zeros_ahead_never_cover_data_in_steady_state_or_across_a_reopen() {
+    for io_depth in [1, LogConfig::default().io_depth] {
+        let cfg = LogConfig {
+            segment_bytes: 4 << 20,
+            preallocate: true,
+            preallocate_step: 256 << 10,
+            io_depth,
+            // Reads come from the disk.
+            read_cache_bytes: 0,
+            cold_chunks: 0,
+            ..LogConfig::default()
+        };
+        let plain_cfg = LogConfig {
+            preallocate: false,
+            ..cfg.clone()
+        };
+        let storage = SimStorage::new();
+        let plain = SimStorage::new();
+        block_on(async {
+            let mut log = open(&storage, &cfg).await.unwrap();
+            let mut plain_log = open(&plain, &plain_cfg).await.unwrap();
+            for phase in 0..3 {
+                let mut pieces = 0;
+                for r in 0..150u64 {
+                    // 1 to 40 batches (166 B to 6.6 KiB), and one round of
+                    // 83 KiB, larger than a round that writes zeros.
+                    let m = if r == 60 { 500 } else { 1 + r * 7 % 40 };
+                    let before = log.stats().bytes;
+                    for _ in 0..m {
+                        let i = log.queued_end().0;
+                        log.append(&[rec(i)]).unwrap();
+                        plain_log.append(&[rec(i)]).unwrap();
+                    }
+                    plain_log.flush().await.unwrap();
+                    storage.hold_syncs();
+                    let mut flush = Box::pin(log.flush());
+                    assert!(futures_lite::future::poll_once(&mut flush).await.is_none());
+                    let writes = storage.unsynced_writes(&seg0());
+                    let len = storage.file_len(&seg0()).unwrap();
+                    storage.release_syncs();
+                    flush.await.unwrap();
+                    let after = log.stats().bytes;
+                    let what = format!("depth {io_depth} phase {phase} round {r}: {writes:?}");
+                    let from = before / PAGE * PAGE;
+                    let data_end = after.next_multiple_of(PAGE);
+                    assert_eq!(writes[0], (from, (data_end - from) as usize), "{what}");
+                    match writes[1..] {
+                        [] => {}
+                        [(pos, n)] => {
+                            assert!(after - before <= SMALL_ROUND, "{what}");
+                            assert!(pos >= data_end, "zeros over the data: {what}");
+                            assert!(pos + n as u64 <= len, "zeros grew the file: {what}");
+                            assert_eq!((pos % PAGE, n as u64 % PAGE), (0, 0), "{what}");
+                            assert_eq!(n, ZERO_PIECE, "{what}");
+                            pieces += 1;
+                        }
+                        _ => panic!("{what}"),
+                    }
+                    if r == 0 {
+                        // Nothing is known written past the data of a log
+                        // just opened: its first round writes zeros at once,
+                        // right past its data.
+                        assert_eq!(writes.get(1).map(|w| w.0), Some(data_end), "{what}");
+                    }
+                    // The data on disk is the data.
+                    let image = storage.read_file(&seg0()).await.unwrap().unwrap();
+                    let plain_image = plain.read_file(&seg0()).await.unwrap().unwrap();
+                    let after = after as usize;
+                    if let Some(k) = (0..after).find(|&k| image[k] != plain_image[k]) {
+                        panic!("{what}: byte {k} of the data is {:#x}", image[k]);
+                    }
+                    if let Some(k) = (after..image.len()).find(|&k| image[k] != 0) {
+                        panic!("{what}: byte {k} past the data is {:#x}", image[k]);
+                    }
+                }
+                // Three pieces or more: a new one whenever less than 64 KiB
+                // of the last is left.
+                assert!(
+                    pieces >= 3,
+                    "depth {io_depth} phase {phase}: {pieces} pieces"
+                );
+                let n = log.end().0;
+                let data = log.stats().bytes;
+                assert_eq!(data, n * BATCH);
+                assert_records(&read_all(&log).await, n);
+                // Killed; a power cut loses nothing (every round synced).
+                drop(log);
+                drop(plain_log);
+                storage.crash_lose_unsynced();
+                log = open(&storage, &cfg).await.unwrap();
+                plain_log = open(&plain, &plain_cfg).await.unwrap();
+                assert_eq!(log.end(), Offset(n));
+                assert_eq!(storage.file_len(&seg0()), Some(data), "zeros cut");
+                assert_records(&read_all(&log).await, n);
+            }
+        });
+    }
 }
