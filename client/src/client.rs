@@ -119,6 +119,32 @@ fn claim_stands_for(stands_ms: u64) -> Duration {
     Duration::from_millis(stands_ms)
 }
 
+/// A dead-letter page must move forward: letters ascending, at or above
+/// `from`, below `next`, and not empty while more are promised. Anything
+/// else is a broker fault (and would make a paging loop repeat or stall).
+fn check_dead_letter_page(from: u64, page: &DeadLetterPage) -> Result<()> {
+    let mut floor = from;
+    for (i, d) in page.letters.iter().enumerate() {
+        if d.offset < floor || (i > 0 && d.offset == floor) {
+            return Err(ClientError::Protocol(format!(
+                "dead-letter page from {from} lists offset {} out of order",
+                d.offset
+            )));
+        }
+        floor = d.offset;
+    }
+    match (page.next, page.letters.last()) {
+        (Some(next), None) => Err(ClientError::Protocol(format!(
+            "empty dead-letter page from {from} promised more from {next}"
+        ))),
+        (Some(next), Some(last)) if next <= last.offset => Err(ClientError::Protocol(format!(
+            "dead-letter page from {from} ends at {} but says next {next}",
+            last.offset
+        ))),
+        _ => Ok(()),
+    }
+}
+
 fn published(resp: Response) -> Result<Published> {
     match resp {
         Response::Published {
@@ -1320,12 +1346,7 @@ impl Client {
                 all.extend(page.letters);
                 match page.next {
                     None => return Ok(all),
-                    Some(next) if next > from => from = next,
-                    Some(next) => {
-                        return Err(ClientError::Protocol(format!(
-                            "broker answered a dead-letter page from {from} with next {next}"
-                        )))
-                    }
+                    Some(next) => from = next,
                 }
             }
         }
@@ -1385,7 +1406,11 @@ impl Client {
             max,
         };
         match self.group_call(&key, &req, Duration::ZERO).await? {
-            Response::DeadLetterPage { letters, next } => Ok(DeadLetterPage { letters, next }),
+            Response::DeadLetterPage { letters, next } => {
+                let page = DeadLetterPage { letters, next };
+                check_dead_letter_page(from, &page)?;
+                Ok(page)
+            }
             other => Err(unexpected(other, "group_dead_letters_page")),
         }
     }
@@ -1640,6 +1665,50 @@ impl Client {
         {
             Response::Groups(v) => Ok(v),
             other => Err(unexpected(other, "list_groups")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn page(offsets: &[u64], next: Option<u64>) -> DeadLetterPage {
+        DeadLetterPage {
+            letters: offsets
+                .iter()
+                .map(|&offset| DeadLetterInfo {
+                    offset,
+                    attempts: 1,
+                    at_ms: 0,
+                    reason: None,
+                    by_consumer: false,
+                })
+                .collect(),
+            next,
+        }
+    }
+
+    #[test]
+    fn a_dead_letter_page_must_move_forward() {
+        assert!(check_dead_letter_page(0, &page(&[], None)).is_ok());
+        assert!(check_dead_letter_page(5, &page(&[5, 9, 12], Some(13))).is_ok());
+        assert!(check_dead_letter_page(5, &page(&[5, 9, 12], None)).is_ok());
+        for (from, bad) in [
+            (0, page(&[], Some(10))),    // empty, yet more promised
+            (5, page(&[4, 9], None)),    // below `from`
+            (0, page(&[3, 3], None)),    // repeated
+            (0, page(&[7, 3], None)),    // descending
+            (0, page(&[3, 7], Some(7))), // next not past the last
+            (0, page(&[3, 7], Some(2))), // next going back
+        ] {
+            assert!(
+                matches!(
+                    check_dead_letter_page(from, &bad),
+                    Err(ClientError::Protocol(_))
+                ),
+                "from {from}: {bad:?}"
+            );
         }
     }
 }

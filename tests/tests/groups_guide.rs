@@ -2094,7 +2094,10 @@ async fn a_dead_letter_list_over_the_frame_cap_must_be_paged() {
     let g = Group::new(&c, JOBS, "workers");
     let claimed = g.poll(1000).await;
     assert_eq!(claimed.len(), 200);
-    let reason = |o: u64| format!("{o:04}:{}", "x".repeat(1000));
+    // 1,000-byte reasons make each listed letter exactly 1,024 bytes on the
+    // wire, so a page is 63 letters when the frame's own bytes are counted
+    // and 64 (one frame too large) if they were not.
+    let reason = |o: u64| format!("{o:04}:{}", "x".repeat(995));
     for r in &claimed {
         g.dead_letter(r, Some(&reason(r.offset))).await.unwrap();
     }
@@ -2152,6 +2155,9 @@ async fn a_dead_letter_list_over_the_frame_cap_must_be_paged() {
             panic!("unexpected {resp:?}");
         };
         assert!(!letters.is_empty());
+        if next.is_some() {
+            assert_eq!(letters.len(), 63, "a full page under a 64 KiB frame");
+        }
         pages += 1;
         seen.extend(letters.iter().map(|d| d.offset));
         match next {
@@ -2159,7 +2165,7 @@ async fn a_dead_letter_list_over_the_frame_cap_must_be_paged() {
             None => break,
         }
     }
-    assert!(pages >= 3, "{pages} pages");
+    assert_eq!(pages, 4, "200 letters, 63 a page");
     assert_eq!(seen, (0..200).collect::<Vec<u64>>());
 
     // The client pages on its own; reasons come back whole.
@@ -2180,8 +2186,16 @@ async fn a_dead_letter_list_over_the_frame_cap_must_be_paged() {
         max: 10,
     };
     assert_eq!(old.code(req).await, Some(ErrorCode::Unsupported));
-    let req = Request::GroupDeadLetters {
-        key: wire_key("workers"),
-    };
-    assert_eq!(old.code(req).await, Some(ErrorCode::TooLarge));
+    match old
+        .call(Request::GroupDeadLetters {
+            key: wire_key("workers"),
+        })
+        .await
+    {
+        Response::Error(e) => {
+            assert_eq!(e.code, ErrorCode::TooLarge, "{e:?}");
+            assert!(e.message.contains("predates paging"), "{e:?}");
+        }
+        other => panic!("a whole list over the cap answered {}", other.name()),
+    }
 }

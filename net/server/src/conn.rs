@@ -93,8 +93,8 @@ pub(crate) struct ConnInfo {
     pub reserved: Cell<usize>,
 }
 
-/// Bytes a request's answer may take, reserved before it runs: a read or
-/// poll's answer holds the records it found (and, for cold reads, the disk
+/// Bytes a request's answer may take, reserved before it runs: a read,
+/// poll or dead-letter list's answer holds the records it found (and, for cold reads, the disk
 /// chunks they sit in) until it is sent, so a client that asks for many and
 /// reads none must be held up before the broker fetches them, not after.
 fn answer_reservation(req: &Request, config: &crate::config::Config) -> usize {
@@ -102,6 +102,10 @@ fn answer_reservation(req: &Request, config: &crate::config::Config) -> usize {
     match req {
         Request::Read { max_bytes, .. } => (*max_bytes as usize).clamp(1, cap),
         Request::GroupPoll { .. } => cap,
+        // A page of dead letters is capped like a read; the whole list only
+        // by the frame.
+        Request::GroupDeadLettersPage { .. } => cap.min(config.max_frame_bytes as usize),
+        Request::GroupDeadLetters { .. } => config.max_frame_bytes as usize,
         _ => 0,
     }
 }

@@ -249,13 +249,19 @@ pub(crate) async fn handle<S: Storage>(
                 Ok(page) => {
                     let bytes: usize = page.letters.iter().map(|(_, d)| dead_letter_size(d)).sum();
                     if page.next.is_some() || bytes > budget {
+                        let pages = felix_wire::FEATURE_GROUP_DEAD_LETTER_PAGES;
+                        let how = if info.features.get() & pages != 0 {
+                            "page through them with group_dead_letters_page \
+                             (FEATURE_GROUP_DEAD_LETTER_PAGES)"
+                        } else {
+                            "this client predates paging (FEATURE_GROUP_DEAD_LETTER_PAGES): \
+                             upgrade it to list them a page at a time"
+                        };
                         return wire_err(
                             ErrorCode::TooLarge,
                             format!(
                                 "group {}'s dead letters do not fit in one answer \
-                                 (max_frame_bytes {max_frame}, at most {} letters); \
-                                 page through them with group_dead_letters_page \
-                                 (FEATURE_GROUP_DEAD_LETTER_PAGES)",
+                                 (max_frame_bytes {max_frame}, at most {} letters); {how}",
                                 key.group,
                                 felix_wire::MAX_ITEMS_PER_VEC
                             ),
