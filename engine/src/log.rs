@@ -1780,7 +1780,42 @@ impl<S: Storage> ShardLog<S> {
         self.inner.borrow_mut().closed = true;
         self.progress.wake_all();
         self.queued.wake_all();
+        if result.is_ok() {
+            result = self.release_reservation().await;
+        }
         result
+    }
+
+    /// Cut the active segment back to its data, as sealing does: a clean
+    /// stop leaves no reserved blocks (nor zeros written ahead) for the next
+    /// open to read through, and gives the space back. Nothing is lost if
+    /// this is cut short: recovery reads zeros past the data as the end.
+    async fn release_reservation(&self) -> Result<(), LogError> {
+        let (file, len, reserved) = {
+            let i = self.inner.borrow();
+            if i.stopped.is_some() {
+                return Ok(());
+            }
+            let Some(s) = i.segments.values().next_back() else {
+                return Ok(());
+            };
+            (s.file.clone(), s.len, s.reserved.max(s.zeroed))
+        };
+        if reserved <= len {
+            return Ok(());
+        }
+        file.truncate(len)
+            .await
+            .map_err(|e| io_err("release reservation", e))?;
+        file.sync()
+            .await
+            .map_err(|e| io_err("sync released segment", e))?;
+        let mut i = self.inner.borrow_mut();
+        if let Some(s) = i.segments.values_mut().next_back() {
+            s.reserved = len;
+            s.zeroed = len;
+        }
+        Ok(())
     }
 
     /// Delete every file of this log (after close).

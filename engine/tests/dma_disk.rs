@@ -429,3 +429,52 @@ fn large_flushes_reserve_without_writing_zeros() {
          {unwritten} bytes are"
     );
 }
+
+#[test]
+fn a_clean_close_gives_the_reservation_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let path: PathBuf = dir.path().join("t/n/s/0");
+    let root = dir.path().to_path_buf();
+    let p2 = path.clone();
+    let cfg = LogConfig {
+        segment_bytes: 8 << 20,
+        read_cache_bytes: 0,
+        preallocate: true,
+        preallocate_step: 1 << 20,
+        ..LogConfig::default()
+    };
+    let cfg2 = cfg.clone();
+    let data_len = run_and_return(move || async move {
+        warm_up_dma(&root).await.unwrap();
+        let log = ShardLog::open(DmaStorage::new(), &p2, cfg2, &mut |_| {})
+            .await
+            .unwrap();
+        for chunk in 0..20u64 {
+            let batch: Vec<_> = (0..10).map(|i| rec(chunk * 10 + i)).collect();
+            log.append(&batch).unwrap();
+            log.flush().await.unwrap();
+        }
+        let len = log.stats().bytes;
+        log.close().await.unwrap();
+        len
+    });
+    let seg = active_segment(&path);
+    assert_eq!(
+        std::fs::metadata(&seg).unwrap().len(),
+        data_len,
+        "closed at its data, reservation and zeros cut off"
+    );
+    let root = dir.path().to_path_buf();
+    run(move || async move {
+        warm_up_dma(&root).await.unwrap();
+        let log = ShardLog::open(DmaStorage::new(), &path, cfg, &mut |_| {})
+            .await
+            .unwrap();
+        assert_eq!(log.end(), Offset(200));
+        // And it reserves again as it is written.
+        log.append(&[rec(200)]).unwrap();
+        log.flush().await.unwrap();
+        assert_eq!(read_all(&log).await.len(), 201);
+        log.close().await.unwrap();
+    });
+}
