@@ -55,7 +55,7 @@ const SETTINGS: &[Setting] = &[
     Setting { section: "server", name: "cores", env: Some("FELIX_CORES"), kind: Kind::Str, default: "1", help: "executors: a count (first N CPUs) or a CPU list like \"0,1\"" },
     Setting { section: "server", name: "max_connections", env: Some("FELIX_MAX_CONNECTIONS"), kind: Kind::U64, default: "10000", help: "connections accepted at once, whole broker" },
     Setting { section: "server", name: "idle_timeout_ms", env: Some("FELIX_IDLE_TIMEOUT_MS"), kind: Kind::U64, default: "600000", help: "close a connection with no request in flight after this long without a frame" },
-    Setting { section: "server", name: "max_frame_bytes", env: Some("FELIX_MAX_FRAME_BYTES"), kind: Kind::U64, default: "16777216", help: "largest frame accepted; larger ones are refused with too_large" },
+    Setting { section: "server", name: "max_frame_bytes", env: Some("FELIX_MAX_FRAME_BYTES"), kind: Kind::U64, default: "16777216", help: "largest frame accepted (at least 4096); larger ones are refused with too_large. Also bounds a whole dead-letter list answer (larger lists must be paged)" },
     Setting { section: "server", name: "max_requests_per_connection", env: None, kind: Kind::U64, default: "1024", help: "requests one connection may have in flight; the broker stops reading it until some finish" },
     Setting { section: "server", name: "max_request_bytes_per_connection", env: None, kind: Kind::U64, default: "67108864", help: "bytes of requests one connection may have in flight (read, not yet answered); the broker stops reading it until some finish" },
     Setting { section: "server", name: "max_pending_response_bytes", env: None, kind: Kind::U64, default: "67108864", help: "unsent response bytes per connection (reads and polls count their size cap while they run) before the broker stops reading it" },
@@ -358,6 +358,15 @@ impl Config {
                 "storage.write_chunk_bytes must be a positive multiple of 4096".into(),
             ));
         }
+        // Below this a frame cannot carry one dead letter with its reason,
+        // nor a useful batch: refuse the setting rather than a broker that
+        // answers too_large to ordinary requests.
+        const MIN_FRAME: u64 = 4096;
+        if num("server", "max_frame_bytes")? < MIN_FRAME {
+            return Err(ConfigError(format!(
+                "server.max_frame_bytes must be at least {MIN_FRAME}"
+            )));
+        }
         let cfg = Config {
             listen: get("server", "listen").value.clone(),
             cores: get("server", "cores").value.clone(),
@@ -611,6 +620,16 @@ mod tests {
         let e = Config::load_with_env(Some(&file), &Overrides::default(), &BTreeMap::new())
             .unwrap_err();
         assert!(e.to_string().contains("at most 1000"), "{e}");
+
+        // A frame cap too small to carry ordinary answers.
+        std::fs::write(&file, "[server]\nmax_frame_bytes = 1000\n").unwrap();
+        let e = Config::load_with_env(Some(&file), &Overrides::default(), &BTreeMap::new())
+            .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("server.max_frame_bytes must be at least 4096"),
+            "{e}"
+        );
     }
 
     #[test]
