@@ -123,15 +123,15 @@ fn claim_stands_for(stands_ms: u64) -> Duration {
 /// `from`, below `next`, and not empty while more are promised. Anything
 /// else is a broker fault (and would make a paging loop repeat or stall).
 fn check_dead_letter_page(from: u64, page: &DeadLetterPage) -> Result<()> {
-    let mut floor = from;
-    for (i, d) in page.letters.iter().enumerate() {
-        if d.offset < floor || (i > 0 && d.offset == floor) {
+    let mut prev: Option<u64> = None;
+    for d in &page.letters {
+        if d.offset < from || prev.is_some_and(|p| d.offset <= p) {
             return Err(ClientError::Protocol(format!(
                 "dead-letter page from {from} lists offset {} out of order",
                 d.offset
             )));
         }
-        floor = d.offset;
+        prev = Some(d.offset);
     }
     match (page.next, page.letters.last()) {
         (Some(next), None) => Err(ClientError::Protocol(format!(
@@ -160,50 +160,42 @@ fn published(resp: Response) -> Result<Published> {
     }
 }
 
-/// A publish sent by [`Client::begin_publish_batch`] whose answer is still
-/// to come. `.await` it for the [`Published`] offsets. Dropping it does not
-/// recall the records: they may still be written.
-#[must_use = "the publish was sent; await it to learn whether it was written"]
-pub struct PendingPublish {
-    fut: Pin<Box<dyn Future<Output = Result<Published>> + Send>>,
+/// A request already sent whose answer is still to come: `.await` it for
+/// the answer. Dropping it does not recall the request (a publish may still
+/// be written, an ack still applied).
+#[must_use = "the request was sent; await it to learn whether it was applied"]
+pub struct Pending<T> {
+    fut: Pin<Box<dyn Future<Output = Result<T>> + Send>>,
 }
 
-impl std::fmt::Debug for PendingPublish {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PendingPublish").finish_non_exhaustive()
+impl<T> Pending<T> {
+    fn new(fut: impl Future<Output = Result<T>> + Send + 'static) -> Self {
+        Pending { fut: Box::pin(fut) }
     }
 }
 
-impl IntoFuture for PendingPublish {
-    type Output = Result<Published>;
-    type IntoFuture = Pin<Box<dyn Future<Output = Result<Published>> + Send>>;
+impl<T> std::fmt::Debug for Pending<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pending").finish_non_exhaustive()
+    }
+}
+
+impl<T> IntoFuture for Pending<T> {
+    type Output = Result<T>;
+    type IntoFuture = Pin<Box<dyn Future<Output = Result<T>> + Send>>;
     fn into_future(self) -> Self::IntoFuture {
         self.fut
     }
 }
 
-/// An acknowledgement sent by [`Client::begin_group_ack_many`] whose answer
-/// is still to come. `.await` it to learn that the records are finished
-/// (their position change, if any, durable). Dropping it does not recall
-/// the acknowledgement.
-#[must_use = "the ack was sent; await it to learn whether it was applied"]
-pub struct PendingAck {
-    fut: Pin<Box<dyn Future<Output = Result<()>> + Send>>,
-}
+/// A publish sent by [`Client::begin_publish_batch`]: `.await` it for the
+/// [`Published`] offsets.
+pub type PendingPublish = Pending<Published>;
 
-impl std::fmt::Debug for PendingAck {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PendingAck").finish_non_exhaustive()
-    }
-}
-
-impl IntoFuture for PendingAck {
-    type Output = Result<()>;
-    type IntoFuture = Pin<Box<dyn Future<Output = Result<()>> + Send>>;
-    fn into_future(self) -> Self::IntoFuture {
-        self.fut
-    }
-}
+/// An acknowledgement sent by [`Client::begin_group_ack_many`]: `.await` it
+/// to learn that the records are finished (their position change, if any,
+/// durable).
+pub type PendingAck = Pending<()>;
 
 fn feature_name(bit: u64) -> &'static str {
     match bit {
@@ -737,9 +729,7 @@ impl Client {
             records,
         };
         let answer = self.begin_shard_call(stream, shard, req).await?;
-        Ok(PendingPublish {
-            fut: Box::pin(async move { published(answer.await?) }),
-        })
+        Ok(Pending::new(async move { published(answer.await?) }))
     }
 
     /// Put `req` on the connection to `shard`'s core and return once it is
@@ -1071,9 +1061,7 @@ impl Client {
     ) -> Result<PendingAck> {
         self.require(FEATURE_GROUPS, "group_ack")?;
         if offsets.is_empty() {
-            return Ok(PendingAck {
-                fut: Box::pin(async { Ok(()) }),
-            });
+            return Ok(Pending::new(async { Ok(()) }));
         }
         let key = Self::group_key(tenant, namespace, stream, shard, group);
         let req = Request::GroupAck {
@@ -1081,14 +1069,12 @@ impl Client {
             offsets: offsets.to_vec(),
         };
         let answer = self.begin_shard_call(key.stream, key.shard, req).await?;
-        Ok(PendingAck {
-            fut: Box::pin(async move {
-                match answer.await? {
-                    Response::Ok => Ok(()),
-                    other => Err(unexpected(other, "group_ack")),
-                }
-            }),
-        })
+        Ok(Pending::new(async move {
+            match answer.await? {
+                Response::Ok => Ok(()),
+                other => Err(unexpected(other, "group_ack")),
+            }
+        }))
     }
 
     /// Hand a claimed record back now, to be owed to the group again.

@@ -150,7 +150,7 @@ mod error;
 mod subscribe;
 mod types;
 
-pub use client::{Client, PendingAck, PendingPublish};
+pub use client::{Client, Pending, PendingAck, PendingPublish};
 pub use config::ClientConfig;
 pub use error::{ClientError, Result};
 pub use subscribe::Subscription;

@@ -691,6 +691,18 @@ fn io_err(what: &str, e: std::io::Error) -> LogError {
     LogError::Io(format!("{what}: {e}"))
 }
 
+/// Cut a segment file back to `len` bytes (its data) and make that durable:
+/// how recovery trims a torn tail, sealing drops the reservation, and a clean
+/// close gives it back. `what` names the step in errors.
+async fn cut_to<F: StorageFile>(file: &F, len: u64, what: &str) -> Result<(), LogError> {
+    file.truncate(len)
+        .await
+        .map_err(|e| io_err(&format!("{what}: truncate"), e))?;
+    file.sync()
+        .await
+        .map_err(|e| io_err(&format!("{what}: sync"), e))
+}
+
 impl<S: Storage> ShardLog<S> {
     /// Open (or create) the log in `dir`, recovering its tail. Entries that
     /// are not user records are passed to `replay` in log order.
@@ -822,11 +834,7 @@ impl<S: Storage> ShardLog<S> {
             seg.zeroed = valid_len;
             if is_tail {
                 if size != valid_len {
-                    seg.file
-                        .truncate(valid_len)
-                        .await
-                        .map_err(|e| io_err("truncate tail", e))?;
-                    seg.file.sync().await.map_err(|e| io_err("sync tail", e))?;
+                    cut_to(&*seg.file, valid_len, "trim tail").await?;
                     seg.reserved = valid_len;
                 }
                 let page_start = align_down(valid_len);
@@ -1170,12 +1178,7 @@ impl<S: Storage> ShardLog<S> {
                     let s = i.segments.get(&active_base).unwrap();
                     (s.file.clone(), s.len)
                 };
-                file.truncate(len)
-                    .await
-                    .map_err(|e| io_err("seal segment", e))?;
-                file.sync()
-                    .await
-                    .map_err(|e| io_err("sync sealed segment", e))?;
+                cut_to(&*file, len, "seal segment").await?;
                 let path = dir.join(segment_name(chunk.segment_base));
                 let new = self
                     .storage
@@ -1322,14 +1325,16 @@ impl<S: Storage> ShardLog<S> {
                 // as the end of the log). The buffer comes uninitialised.
                 dst[filled + m..].fill(0);
             }
-            pieces.push((buf, page_start + at as u64, false));
+            pieces.push((buf, page_start + at as u64));
             at += n;
         }
+        // The zeros go last, so they are the last write of the last group.
         if let Some((pos, len)) = zeros {
             let mut buf = file.alloc(len);
             buf.as_mut().fill(0);
-            pieces.push((buf, pos, true));
+            pieces.push((buf, pos));
         }
+        let mut left = pieces.len();
         let mut written_bytes = 0u64;
         let mut zeros_written = zeros.is_some();
         let mut iter = pieces.into_iter();
@@ -1338,16 +1343,13 @@ impl<S: Storage> ShardLog<S> {
             if group.is_empty() {
                 break;
             }
-            let kinds: Vec<bool> = group.iter().map(|p| p.2).collect();
-            let futs = group.into_iter().map(|(buf, pos, _)| {
+            let futs = group.into_iter().map(|(buf, pos)| {
                 written_bytes += buf.as_ref().len() as u64;
                 file.write_at(buf, pos)
             });
-            for (r, is_zeros) in futures_util::future::join_all(futs)
-                .await
-                .into_iter()
-                .zip(kinds)
-            {
+            for r in futures_util::future::join_all(futs).await {
+                left -= 1;
+                let is_zeros = zeros.is_some() && left == 0;
                 match r {
                     Ok(_) => {}
                     // Zeros are an optimisation inside reserved blocks that
@@ -1804,12 +1806,7 @@ impl<S: Storage> ShardLog<S> {
         if reserved <= len {
             return Ok(());
         }
-        file.truncate(len)
-            .await
-            .map_err(|e| io_err("release reservation", e))?;
-        file.sync()
-            .await
-            .map_err(|e| io_err("sync released segment", e))?;
+        cut_to(&*file, len, "release reservation").await?;
         let mut i = self.inner.borrow_mut();
         if let Some(s) = i.segments.values_mut().next_back() {
             s.reserved = len;

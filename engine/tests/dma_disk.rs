@@ -10,11 +10,7 @@ use glommio::LocalExecutorBuilder;
 use std::path::PathBuf;
 
 fn run<F: std::future::Future<Output = ()> + 'static>(f: impl FnOnce() -> F + Send + 'static) {
-    LocalExecutorBuilder::default()
-        .spawn(f)
-        .expect("executor")
-        .join()
-        .expect("join");
+    run_and_return(f)
 }
 
 fn run_and_return<T: Send + 'static, F: std::future::Future<Output = T> + 'static>(

@@ -2109,22 +2109,9 @@ async fn a_dead_letter_list_over_the_frame_cap_must_be_paged() {
 
     let mut raw = Raw::hello(&b.addr, FEATURES_ALL).await;
     assert_ne!(raw.features & FEATURE_GROUP_DEAD_LETTER_PAGES, 0);
-    match raw
-        .call(Request::GroupDeadLetters {
-            key: wire_key("workers"),
-        })
-        .await
-    {
-        Response::Error(e) => {
-            assert_eq!(e.code, ErrorCode::TooLarge, "{e:?}");
-            assert!(e.message.contains("group_dead_letters_page"), "{e:?}");
-            assert!(
-                e.message.contains("FEATURE_GROUP_DEAD_LETTER_PAGES"),
-                "{e:?}"
-            );
-        }
-        other => panic!("a whole list over the cap answered {}", other.name()),
-    }
+    let why = whole_list_refused(&mut raw, "workers").await;
+    assert!(why.contains("group_dead_letters_page"), "{why}");
+    assert!(why.contains("FEATURE_GROUP_DEAD_LETTER_PAGES"), "{why}");
     match raw
         .call(Request::GroupDeadLetters {
             key: wire_key("few"),
@@ -2186,15 +2173,22 @@ async fn a_dead_letter_list_over_the_frame_cap_must_be_paged() {
         max: 10,
     };
     assert_eq!(old.code(req).await, Some(ErrorCode::Unsupported));
-    match old
-        .call(Request::GroupDeadLetters {
-            key: wire_key("workers"),
+    let why = whole_list_refused(&mut old, "workers").await;
+    assert!(why.contains("predates paging"), "{why}");
+}
+
+/// Ask for a group's whole dead-letter list, expect `too_large`, and return
+/// the broker's message.
+async fn whole_list_refused(raw: &mut Raw, group: &str) -> String {
+    match raw
+        .call(felix_wire::Request::GroupDeadLetters {
+            key: wire_key(group),
         })
         .await
     {
-        Response::Error(e) => {
+        felix_wire::Response::Error(e) => {
             assert_eq!(e.code, ErrorCode::TooLarge, "{e:?}");
-            assert!(e.message.contains("predates paging"), "{e:?}");
+            e.message
         }
         other => panic!("a whole list over the cap answered {}", other.name()),
     }

@@ -140,6 +140,9 @@ pub(crate) struct Core<S: Storage> {
     /// I/O totals of the shards this core deleted, so that the broker-wide
     /// counters built from them never go backwards.
     pub retired: RefCell<ShardSnapshot>,
+    /// Shards of a deleted stream still closing: out of `streams`, still
+    /// counted in the metrics until `retired` holds their final numbers.
+    pub retiring: RefCell<Vec<Rc<Shard<S>>>>,
     pub next_conn: Cell<u64>,
     pub in_flight: Cell<usize>,
     pub stopping: Cell<bool>,
@@ -191,6 +194,7 @@ impl<S: Storage> Core<S> {
             streams: RefCell::new(HashMap::new()),
             metrics: CoreMetrics::default(),
             retired: RefCell::new(ShardSnapshot::default()),
+            retiring: RefCell::new(Vec::new()),
             next_conn: Cell::new(0),
             in_flight: Cell::new(0),
             stopping: Cell::new(false),
@@ -322,18 +326,17 @@ impl<S: Storage> Core<S> {
                     _ => None,
                 })
                 .collect();
-            // Every shard's counters move to the core's totals before the
-            // first await, so a scrape in between sees none of them missing;
-            // what the last flush adds while closing follows below.
-            let before: Vec<_> = open.iter().map(|s| s.log.stats()).collect();
-            for st in &before {
-                self.retired.borrow_mut().add_io(st);
-            }
-            for (shard, was) in open.into_iter().zip(before) {
+            // Counted as retiring before the first await, so a scrape while
+            // they close misses none of their counters.
+            self.retiring.borrow_mut().extend(open.iter().cloned());
+            for shard in open {
                 let result = shard.destroy().await;
+                self.retiring
+                    .borrow_mut()
+                    .retain(|s| !Rc::ptr_eq(s, &shard));
                 self.retired
                     .borrow_mut()
-                    .add_io_since(&was, &shard.log.stats());
+                    .add_io(&ShardSnapshot::io_of(&shard.log.stats()));
                 if let Err(e) = result {
                     tracing::error!("deleting shard {}: {e}", shard.name());
                     problems.push(format!("shard {}: {e}", shard.name()));
@@ -654,6 +657,9 @@ impl<S: Storage> Core<S> {
     pub fn snapshot(&self) -> MetricsSnapshot {
         let mut snap = self.metrics.snapshot();
         snap.retired = self.retired.borrow().clone();
+        for s in self.retiring.borrow().iter() {
+            snap.retired.add_io(&ShardSnapshot::io_of(&s.log.stats()));
+        }
         for (r, ls) in self.streams.borrow().iter() {
             for (i, s) in ls.shards.iter().enumerate() {
                 if let Slot::Failed(_) = s {
@@ -673,11 +679,7 @@ impl<S: Storage> Core<S> {
                         end: st.end.0,
                         bytes: st.bytes,
                         stopped: st.stopped.is_some(),
-                        flushes: st.flushes,
-                        bytes_written: st.bytes_written,
-                        cold_reads: st.cold_reads,
-                        cold_hits: st.cold_hits,
-                        sync: st.sync,
+                        ..ShardSnapshot::io_of(&st)
                     });
                 }
             }

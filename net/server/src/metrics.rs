@@ -99,38 +99,20 @@ pub(crate) struct ShardSnapshot {
 }
 
 impl ShardSnapshot {
-    /// Add a log's I/O counters (not its shape) to these.
-    pub fn add_io(&mut self, st: &felix_engine::log::LogStats) {
-        self.flushes += st.flushes;
-        self.bytes_written += st.bytes_written;
-        self.cold_reads += st.cold_reads;
-        self.cold_hits += st.cold_hits;
-        self.sync.merge(&st.sync);
-    }
-
-    /// Add what a log's I/O counters grew by from `was` to `now`.
-    pub fn add_io_since(
-        &mut self,
-        was: &felix_engine::log::LogStats,
-        now: &felix_engine::log::LogStats,
-    ) {
-        self.flushes += now.flushes.saturating_sub(was.flushes);
-        self.bytes_written += now.bytes_written.saturating_sub(was.bytes_written);
-        self.cold_reads += now.cold_reads.saturating_sub(was.cold_reads);
-        self.cold_hits += now.cold_hits.saturating_sub(was.cold_hits);
-        self.sync.count += now.sync.count.saturating_sub(was.sync.count);
-        self.sync.sum_us += now.sync.sum_us.saturating_sub(was.sync.sum_us);
-        for (b, (n, w)) in self
-            .sync
-            .buckets
-            .iter_mut()
-            .zip(now.sync.buckets.iter().zip(was.sync.buckets.iter()))
-        {
-            *b += n.saturating_sub(*w);
+    /// A log's I/O counters, with no shape (stream, offsets, size).
+    pub fn io_of(st: &felix_engine::log::LogStats) -> ShardSnapshot {
+        ShardSnapshot {
+            flushes: st.flushes,
+            bytes_written: st.bytes_written,
+            cold_reads: st.cold_reads,
+            cold_hits: st.cold_hits,
+            sync: st.sync,
+            ..ShardSnapshot::default()
         }
     }
 
-    fn add_io_of(&mut self, o: &ShardSnapshot) {
+    /// Add another snapshot's I/O counters to these.
+    pub fn add_io(&mut self, o: &ShardSnapshot) {
         self.flushes += o.flushes;
         self.bytes_written += o.bytes_written;
         self.cold_reads += o.cold_reads;
@@ -170,7 +152,7 @@ impl MetricsSnapshot {
         }
         self.connections_open += o.connections_open;
         self.shards.extend(o.shards);
-        self.retired.add_io_of(&o.retired);
+        self.retired.add_io(&o.retired);
     }
 
     /// Prometheus text exposition format 0.0.4.
@@ -201,9 +183,7 @@ impl MetricsSnapshot {
         );
         // Counters start from the deleted shards' totals, so that deleting a
         // stream never makes them go backwards.
-        let mut sync = self.retired.sync;
-        let (mut flushes, mut written) = (self.retired.flushes, self.retired.bytes_written);
-        let (mut cold_reads, mut cold_hits) = (self.retired.cold_reads, self.retired.cold_hits);
+        let mut io = self.retired.clone();
         let _ = writeln!(s, "# HELP felix_shard_end_offset One past the last durable offset of a shard.\n# TYPE felix_shard_end_offset gauge");
         for sh in &self.shards {
             let _ = writeln!(
@@ -235,12 +215,16 @@ impl MetricsSnapshot {
                 "felix_shard_stopped{{stream=\"{}\",shard=\"{}\"}} {}",
                 sh.stream, sh.shard, sh.stopped as u8
             );
-            sync.merge(&sh.sync);
-            flushes += sh.flushes;
-            written += sh.bytes_written;
-            cold_reads += sh.cold_reads;
-            cold_hits += sh.cold_hits;
+            io.add_io(sh);
         }
+        let ShardSnapshot {
+            flushes,
+            bytes_written: written,
+            cold_reads,
+            cold_hits,
+            sync,
+            ..
+        } = io;
         let _ = writeln!(
             s,
             "# TYPE felix_flushes_total counter\nfelix_flushes_total {flushes}"
