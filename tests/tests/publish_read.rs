@@ -423,29 +423,62 @@ async fn malformed_frames_never_take_the_broker_down() {
     assert_eq!(recs.len(), 2, "seed {seed}");
 }
 
-/// `server.max_connections` is enforced at accept, and a connection with
-/// nothing in flight is closed after `server.idle_timeout_ms`.
+/// `server.max_connections` is enforced at accept (a connection over it is
+/// answered `busy` and closed), and a connection with nothing in flight is
+/// closed after `server.idle_timeout_ms`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connection_limit_and_idle_timeout_are_enforced() {
-    use tokio::io::AsyncReadExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let broker = felix_tests::start_broker!(BrokerOptions::default()
         .cores(1)
         .env("FELIX_MAX_CONNECTIONS", 2)
-        .env("FELIX_IDLE_TIMEOUT_MS", 300));
+        .env("FELIX_IDLE_TIMEOUT_MS", 2000));
+    // Fill the broker to its limit, one connection at a time (the start-up
+    // probe's connection must be gone first).
+    let open = |n: f64| {
+        felix_tests::wait_until(Duration::from_secs(5), || {
+            broker.metric("felix_connections_open") == n
+        })
+        .unwrap_or_else(|_| panic!("never {n} open: {}", broker.metrics()))
+    };
+    open(0.0);
     let mut a = tokio::net::TcpStream::connect(&broker.addr).await.unwrap();
+    open(1.0);
     let _b = tokio::net::TcpStream::connect(&broker.addr).await.unwrap();
-    // The third is over the limit: closed at once.
+    open(2.0);
+    // The third is over the limit: its HELLO is answered `busy`, then it
+    // is closed.
     let mut c = tokio::net::TcpStream::connect(&broker.addr).await.unwrap();
-    let mut buf = [0u8; 16];
-    let n = tokio::time::timeout(Duration::from_secs(5), c.read(&mut buf))
+    let mut frame = bytes::BytesMut::new();
+    felix_wire::encode_request(7, &hello(None, felix_wire::PROTOCOL_VERSION), &mut frame);
+    c.write_all(&frame).await.unwrap();
+    let mut got = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), c.read_to_end(&mut got))
         .await
-        .expect("closed promptly");
-    assert!(
-        matches!(n, Ok(0) | Err(_)),
-        "over-limit connection was served"
-    );
+        .expect("closed promptly")
+        .unwrap();
+    let mut got = bytes::BytesMut::from(&got[..]);
+    let (id, resp) = felix_wire::decode_response(&mut got, 1 << 20)
+        .unwrap()
+        .expect("an answer before the close");
+    assert_eq!(id, 7);
+    match resp {
+        felix_wire::Response::Error(e) => {
+            assert_eq!(e.code, ErrorCode::Busy, "{e:?}");
+            assert!(e.message.contains("max_connections = 2"), "{e:?}");
+        }
+        other => panic!("over-limit connection was served: {other:?}"),
+    }
+    assert!(got.is_empty(), "nothing after the refusal");
+    // A client sees the typed error too.
+    match Client::connect(&broker.addr, ClientConfig::default()).await {
+        Err(e) => assert_eq!(e.code(), Some(ErrorCode::Busy), "{e}"),
+        Ok(_) => panic!("a client over the limit was served"),
+    }
+    assert!(broker.metric("felix_connections_refused_total") >= 2.0);
+    let mut buf = [0u8; 16];
     // The first two are idle: closed after the idle timeout.
-    let n = tokio::time::timeout(Duration::from_secs(5), a.read(&mut buf))
+    let n = tokio::time::timeout(Duration::from_secs(10), a.read(&mut buf))
         .await
         .expect("idle connection closed");
     assert!(matches!(n, Ok(0) | Err(_)));

@@ -144,6 +144,8 @@ pub(crate) struct Core<S: Storage> {
     /// counted in the metrics until `retired` holds their final numbers.
     pub retiring: RefCell<Vec<Rc<Shard<S>>>>,
     pub next_conn: Cell<u64>,
+    /// Connections over the limit being answered `busy` (see `refuse`).
+    refusing: Cell<usize>,
     pub in_flight: Cell<usize>,
     pub stopping: Cell<bool>,
     /// Woken each time a request finishes (shutdown waits for in-flight
@@ -196,6 +198,7 @@ impl<S: Storage> Core<S> {
             retired: RefCell::new(ShardSnapshot::default()),
             retiring: RefCell::new(Vec::new()),
             next_conn: Cell::new(0),
+            refusing: Cell::new(0),
             in_flight: Cell::new(0),
             stopping: Cell::new(false),
             lifecycle: WaitList::new(),
@@ -1174,7 +1177,7 @@ async fn core_main<S: Storage>(
                         .connections_refused
                         .set(core.metrics.connections_refused.get() + 1);
                     tracing::warn!("connection refused: {} open", n);
-                    drop(stream);
+                    refuse(&core, stream);
                     continue;
                 }
                 glommio::spawn_local(conn::serve(core.clone(), stream, Vec::new(), false)).detach();
@@ -1194,6 +1197,70 @@ async fn core_main<S: Storage>(
     drop(disk_watch);
     core.drain_and_close().await;
     tracing::info!(core = core.core_id(), "core stopped");
+}
+
+/// Connections over `server.max_connections` being answered at once on a
+/// core; past this many the rest are closed without an answer (a flood of
+/// connections must not buy itself tasks and buffers).
+const MAX_REFUSING: usize = 32;
+
+/// How long a refused connection has to send its HELLO.
+const REFUSE_WAIT: Duration = Duration::from_secs(1);
+
+/// Close a connection over `server.max_connections`, answering its HELLO
+/// with a typed `busy` error first, so the client reports (and backs off
+/// on) a full broker rather than a connection reset. Reads at most one
+/// small frame and waits at most [`REFUSE_WAIT`] for it.
+fn refuse<S: Storage>(core: &Rc<Core<S>>, stream: glommio::net::TcpStream) {
+    if core.refusing.get() >= MAX_REFUSING {
+        return;
+    }
+    core.refusing.set(core.refusing.get() + 1);
+    let core = core.clone();
+    glommio::spawn_local(async move {
+        use futures_lite::{AsyncReadExt, AsyncWriteExt};
+        let limit = core.shared.config.max_connections;
+        let mut stream = stream;
+        let answer = glommio::timer::timeout(REFUSE_WAIT, async {
+            // A HELLO is small; anything that does not fit is not one.
+            const MAX_HELLO: u32 = 4096;
+            let mut buf = bytes::BytesMut::new();
+            let mut chunk = [0u8; 1024];
+            let id = loop {
+                let n = stream.read(&mut chunk).await?;
+                if n == 0 {
+                    return Ok(());
+                }
+                buf.extend_from_slice(&chunk[..n]);
+                match felix_wire::decode_request(&mut buf, MAX_HELLO) {
+                    Ok(Some((id, _))) => break id,
+                    Ok(None) => continue,
+                    Err(e) => break e.request_id().unwrap_or(0),
+                }
+            };
+            let mut out = bytes::BytesMut::new();
+            felix_wire::encode_response(
+                id,
+                &wire_err(
+                    ErrorCode::Busy,
+                    format!(
+                        "the broker is at its connection limit (server.max_connections = {limit}); try again later"
+                    ),
+                ),
+                &mut out,
+            );
+            stream.write_all(&out).await?;
+            stream.flush().await?;
+            Ok(())
+        })
+        .await;
+        if let Err(e) = answer {
+            tracing::debug!("refused connection not answered: {e}");
+        }
+        let _ = stream.shutdown(std::net::Shutdown::Both).await;
+        core.refusing.set(core.refusing.get() - 1);
+    })
+    .detach();
 }
 
 /// Look at the data disk's free space every [`crate::disk::REFRESH`].
