@@ -178,3 +178,52 @@ async fn delays_and_extensions_do_not_outlive_a_restart() {
     g.ack_all(&again).await;
     assert_eq!(g.position().await, 3);
 }
+
+/// Two polls of one group reading cold records at once (after a restart
+/// nothing is in the read cache): the one whose planned records the other
+/// took while both were reading plans and reads again, rather than
+/// answering empty while records wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_polls_over_cold_records_never_answer_empty_while_records_wait() {
+    const N: u64 = 2_000;
+    let mut b = felix_tests::start_broker!(opts(30_000, 5));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    for _ in 0..4 {
+        publish(&c, JOBS, (N / 4) as u32).await;
+    }
+    b.kill9();
+    b.restart();
+    let (c1, c2) = (client(&b.addr).await, client(&b.addr).await);
+    let (g1, g2) = (
+        Group::new(&c1, JOBS, "workers"),
+        Group::new(&c2, JOBS, "workers"),
+    );
+    let mut seen = BTreeSet::new();
+    let mut round = 0;
+    while (seen.len() as u64) < N {
+        let (a, b2) = tokio::join!(g1.poll(10), g2.poll(10));
+        let left = N - seen.len() as u64;
+        for (name, got) in [("first", &a), ("second", &b2)] {
+            assert!(
+                !got.is_empty() || left <= 10,
+                "round {round}: the {name} poll answered empty with {left} records waiting"
+            );
+            for r in got.iter() {
+                assert!(
+                    seen.insert(r.offset),
+                    "offset {} handed out twice",
+                    r.offset
+                );
+            }
+        }
+        g1.ack_all(&a).await;
+        g2.ack_all(&b2).await;
+        round += 1;
+    }
+    assert_eq!(
+        seen.into_iter().collect::<Vec<_>>(),
+        (0..N).collect::<Vec<_>>()
+    );
+    assert_eq!(g1.position().await, N);
+}

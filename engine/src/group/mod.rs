@@ -275,6 +275,12 @@ pub struct PollOutcome {
     /// The group was at `max_in_flight` with work waiting, so nothing could
     /// be handed out (`felix_group_polls_capped_total`).
     pub capped: bool,
+    /// The poll stopped at a record that was not looked up for it: the plan
+    /// it was read for went stale (another poll on the group took the
+    /// planned records while they were being read). With no deliveries the
+    /// caller plans and reads again at once rather than answering empty or
+    /// waiting while records are there.
+    pub unread: bool,
 }
 
 /// Where a group stands (`group_describe`). Counts are the leader's memory.

@@ -332,7 +332,10 @@ impl GroupTracker {
                         self.frontier = o.next();
                         self.note_skipped(o, o.next());
                     }
-                    Lookup::NotLoaded => break 'poll,
+                    Lookup::NotLoaded => {
+                        run.out.unread = true;
+                        break 'poll;
+                    }
                 }
             }
         }
@@ -1220,7 +1223,10 @@ impl GroupTracker {
                 self.finish(o, &mut run.out.writes);
                 Step::Go
             }
-            Lookup::NotLoaded => Step::Stop,
+            Lookup::NotLoaded => {
+                run.out.unread = true;
+                Step::Stop
+            }
         }
     }
 

@@ -485,6 +485,11 @@ async fn write_op<S: Storage>(
     Response::Ok
 }
 
+/// How often one poll request plans and reads again after another poll on
+/// its group took what it had read. Each retry follows a read in which the
+/// other poll made progress, so a few are plenty.
+const MAX_REPLANS: u32 = 16;
+
 #[allow(clippy::too_many_arguments)]
 async fn poll<S: Storage>(
     core: &Rc<Core<S>>,
@@ -519,6 +524,9 @@ async fn poll<S: Storage>(
     let deadline = now_ms() + wait;
     let skipped = info.features.get() & felix_wire::FEATURE_GROUP_SKIPPED != 0;
     let mut counted_capped = false;
+    // Plans gone stale under this poll (see `PollOutcome::unread`), read
+    // again at once; bounded so that a poll can never spin.
+    let mut replans = 0;
     loop {
         if let Some(r) = shard.log.stopped() {
             return wire_err(
@@ -588,6 +596,10 @@ async fn poll<S: Storage>(
                 })
                 .collect();
             return Response::GroupRecords { records: out };
+        }
+        if outcome.unread && replans < MAX_REPLANS {
+            replans += 1;
+            continue;
         }
         let now = now_ms();
         if now >= deadline {
