@@ -704,12 +704,80 @@ async fn an_ack_for_a_claim_from_before_a_seek_is_refused() {
         .expect("below the new position: a harmless duplicate");
     assert_eq!(g.position().await, 2);
     let again = g.poll(10).await;
+    // 2 and 3 went out before the seek: this is their second delivery.
     assert_eq!(
         (offsets(&again), attempts(&again)),
-        (vec![2, 3, 4, 5], vec![1, 1, 1, 1])
+        (vec![2, 3, 4, 5], vec![2, 2, 1, 1])
     );
     g.ack_all(&again).await;
     assert_eq!(g.position().await, 6);
+}
+
+/// The calls a consumer makes for a delivery voided by a seek stay refused
+/// once the record has gone out again to someone else: the new delivery
+/// counts one more attempt, so a late nack, extension or dead letter from
+/// before the seek cannot take the record from its new holder.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_for_a_delivery_voided_by_a_seek_stay_refused_after_it_goes_out_again() {
+    let b = felix_tests::start_broker!(opts(30_000, 5));
+    let (c1, c2) = (client(&b.addr).await, client(&b.addr).await);
+    stream(&c1, JOBS).await;
+    publish(&c1, JOBS, 3).await;
+    let (a, other) = (
+        Group::new(&c1, JOBS, "workers"),
+        Group::new(&c2, JOBS, "workers"),
+    );
+    let old = a.poll(3).await;
+    assert_eq!(attempts(&old), vec![1, 1, 1]);
+    a.seek(StartPosition::Earliest).await.unwrap();
+    let new = other.poll(3).await;
+    assert_eq!(
+        (offsets(&new), attempts(&new)),
+        (vec![0, 1, 2], vec![2, 2, 2])
+    );
+    assert_eq!(code(a.nack(&old[0]).await), Some(ErrorCode::StaleClaim));
+    assert_eq!(
+        code(a.extend(&old[1], Duration::from_secs(5)).await),
+        Some(ErrorCode::StaleClaim)
+    );
+    assert_eq!(
+        code(a.dead_letter(&old[2], Some("late")).await),
+        Some(ErrorCode::StaleClaim)
+    );
+    // Nothing was taken from the new holder.
+    let info = a.describe().await.unwrap();
+    assert_eq!((info.in_flight, info.owed, info.dead_letters), (3, 0, 0));
+    assert!(a.poll(3).await.is_empty());
+    other.ack_all(&new).await;
+    assert_eq!(other.position().await, 3);
+}
+
+/// A seek voids a claim already at the attempt bound; the record is still
+/// delivered again from the new position, counting on (one delivery past
+/// the bound), and given up on if that delivery fails too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_at_the_attempt_bound_voided_by_a_seek_goes_out_once_more() {
+    let b = felix_tests::start_broker!(opts(30_000, 2));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 2).await;
+    let g = Group::new(&c, JOBS, "workers");
+    let first = g.poll(1).await;
+    g.nack(&first[0]).await.unwrap();
+    let second = g.poll(1).await;
+    assert_eq!((offsets(&second), attempts(&second)), (vec![0], vec![2]));
+    g.seek(StartPosition::Earliest).await.unwrap();
+    assert!(g.dead_letters().await.is_empty());
+    let again = g.poll(10).await;
+    assert_eq!(
+        (offsets(&again), attempts(&again)),
+        (vec![0, 1], vec![3, 1])
+    );
+    assert_eq!(code(g.nack(&second[0]).await), Some(ErrorCode::StaleClaim));
+    g.nack(&again[0]).await.unwrap();
+    assert_eq!(g.dead_letters().await, vec![0]);
+    g.ack(1).await.unwrap();
+    assert_eq!(g.position().await, 2);
 }
 
 /// An ack in flight when a seek lands either lands first (and the seek

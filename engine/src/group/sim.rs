@@ -147,6 +147,8 @@ struct Sim {
     // The model of the current epoch (since the last seek, restart, delete).
     mrec: BTreeMap<u64, MRec>,
     handed_epoch: BTreeSet<u64>,
+    /// Attempts of records a seek voided, for their next delivery.
+    carried: BTreeMap<u64, u32>,
     finished_epoch: BTreeSet<u64>,
     settled_epoch: BTreeSet<u64>,
     last_reclaim: HashMap<usize, u64>,
@@ -260,6 +262,7 @@ impl Sim {
             exempt: Vec::new(),
             must_owe: BTreeSet::new(),
             must_list: BTreeSet::new(),
+            carried: BTreeMap::new(),
             last_position: 0,
             position_may_jump: false,
             trace: VecDeque::new(),
@@ -339,6 +342,7 @@ impl Sim {
     /// A new epoch: the memory is gone, the durable state stays.
     fn new_epoch(&mut self) {
         self.mrec.clear();
+        self.carried.clear();
         self.handed_epoch.clear();
         self.finished_epoch.clear();
         self.settled_epoch.clear();
@@ -585,8 +589,10 @@ impl Sim {
                 "delivered {o}, which is not a record"
             );
             assert!(delivered.insert(o), "{o} delivered twice in one poll");
+            // A delivery a seek voided goes out again even at the bound.
+            let carried = self.carried.remove(&o);
             assert!(
-                d.attempts >= 1 && d.attempts <= self.cfg.max_attempts,
+                d.attempts >= 1 && (d.attempts <= self.cfg.max_attempts || carried.is_some()),
                 "{o} delivered at attempt {}",
                 d.attempts
             );
@@ -623,7 +629,11 @@ impl Sim {
                         !self.handed_epoch.contains(&o),
                         "{o} handed out again as if new"
                     );
-                    assert_eq!(d.attempts, 1, "a new record's attempts");
+                    assert_eq!(
+                        d.attempts,
+                        1 + carried.unwrap_or(0),
+                        "a new record's attempts"
+                    );
                     phase = 2;
                     self.stats.new_deliveries += 1;
                     let mut run = 0;
@@ -946,7 +956,26 @@ impl Sim {
                 // Redriven offsets the seek passed are skipped with the rest.
                 let redriven = self.redriven();
                 self.must_owe.retain(|o| redriven.contains(o));
+                let voided: Vec<(u64, u32)> = self
+                    .mrec
+                    .iter()
+                    .filter(|(_, m)| m.attempts > 0)
+                    .map(|(o, m)| (*o, m.attempts))
+                    .chain(self.carried.iter().map(|(o, a)| (*o, *a)))
+                    .collect();
                 self.new_epoch();
+                // Voided deliveries keep their attempts: the next delivery
+                // counts on from them, and is made even at the bound.
+                for (o, a) in voided {
+                    let redriven = self.mrec.contains_key(&o);
+                    if !redriven && o < p {
+                        continue;
+                    }
+                    if let Some(m) = self.mrec.get_mut(&o) {
+                        m.attempts = a;
+                    }
+                    self.carried.insert(o, a);
+                }
             }
         }
     }

@@ -4,6 +4,8 @@ use crate::types::Offset;
 
 /// Times are kept in 48 bits of milliseconds (about 8,900 years).
 pub(super) const TIME_MAX_MS: u64 = (1 << 48) - 1;
+/// Attempts are 16 bits.
+pub(super) const ATTEMPTS_MAX: u32 = u16::MAX as u32;
 /// Holder ids are 24 bits; id 0 means nobody (anonymous or delayed).
 pub(super) const HOLDER_MAX: u32 = (1 << 24) - 1;
 /// Longest span between a slot's `since` and its deadline that is kept
@@ -54,10 +56,7 @@ impl Slot {
             deadline_ms <= TIME_MAX_MS,
             "deadline {deadline_ms} out of range"
         );
-        assert!(
-            attempts <= u16::MAX as u32,
-            "attempts {attempts} out of range"
-        );
+        assert!(attempts <= ATTEMPTS_MAX, "attempts {attempts} out of range");
         assert!(holder <= HOLDER_MAX, "holder {holder} out of range");
         assert!(
             state != State::Delayed || holder == 0,
@@ -74,10 +73,7 @@ impl Slot {
     /// Owed since `since_ms`.
     pub(super) fn owed(since_ms: u64, attempts: u32) -> Slot {
         assert!(since_ms <= TIME_MAX_MS, "time {since_ms} out of range");
-        assert!(
-            attempts <= u16::MAX as u32,
-            "attempts {attempts} out of range"
-        );
+        assert!(attempts <= ATTEMPTS_MAX, "attempts {attempts} out of range");
         Slot {
             word: since_ms | ((attempts as u64) << 48),
             span_ms: 0,

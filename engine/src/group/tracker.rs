@@ -7,7 +7,7 @@ use super::entry::{
     REASON_BUDGET_BYTES,
 };
 use super::members::{fast_map, FastMap, Members};
-use super::slot::{Slot, State, Timers, TIME_MAX_MS};
+use super::slot::{Slot, State, Timers, ATTEMPTS_MAX, TIME_MAX_MS};
 use super::{
     Caller, DeadLetterPage, Delivery, GroupConfig, GroupError, GroupStatus, LogView, Lookup,
     PollOutcome, PollPlan, StartAt,
@@ -45,6 +45,15 @@ pub struct GroupTracker {
     skip_run_len: u64,
     /// `skipped_before` of unfinished records that had one, for redeliveries.
     skipped_below: FastMap<Offset, u64>,
+    /// Records whose deliveries a seek voided (at or above the new position,
+    /// or redriven), with their attempts, until each goes out again. The
+    /// guide has each delivered again from the new position, so the next
+    /// delivery counts on from these attempts (a call from before the seek,
+    /// named by its attempts, can never match the delivery after it:
+    /// `stale_claim`) and is made even at the attempt bound; the bound
+    /// applies again after it. Empty except after a seek; a rebuild forgets
+    /// it, as it forgets every attempt count.
+    carried: FastMap<Offset, u32>,
     /// No offset at or above this was handed out by this tracker. `None`
     /// after a rebuild: learned (conservatively, as the log end) from the
     /// next `LogView`.
@@ -104,6 +113,7 @@ impl GroupTracker {
             skip_run_end: Offset(0),
             skip_run_len: 0,
             skipped_below: fast_map(),
+            carried: fast_map(),
             handed_out_end: None,
             last_active_ms: 0,
         }
@@ -316,20 +326,23 @@ impl GroupTracker {
                             0
                         };
                         self.frontier = o.next();
+                        let attempts = 1 + self.take_carried(o);
+                        debug_assert!(attempts <= ATTEMPTS_MAX);
                         let h = self.holder_for(caller, &mut run.holder);
-                        self.claim(o, 1, h, run.deadline, now_ms);
+                        self.claim(o, attempts, h, run.deadline, now_ms);
                         if skipped_before > 0 {
                             self.skipped_below.insert(o, skipped_before);
                         }
                         run.out.deliveries.push(Delivery {
                             offset: o,
-                            attempts: 1,
+                            attempts,
                             skipped_before,
                         });
                         run.bytes += payload_bytes as u64;
                     }
                     Lookup::Skipped => {
                         self.frontier = o.next();
+                        self.take_carried(o);
                         self.note_skipped(o, o.next());
                     }
                     Lookup::NotLoaded => {
@@ -617,8 +630,10 @@ impl GroupTracker {
     }
 
     /// Move the group to `to`, backwards to replay or forwards to skip. Voids
-    /// every standing claim and delay; keeps dead letters. Writes: wait
-    /// before answering.
+    /// every standing claim and delay; keeps dead letters. A voided record
+    /// at or above the new position (or redriven) is delivered again,
+    /// counting on from its attempts (see `carried`). Writes: wait before
+    /// answering.
     pub fn seek(
         &mut self,
         now_ms: u64,
@@ -628,6 +643,14 @@ impl GroupTracker {
         self.begin_request(now_ms)?;
         self.observe(log);
         let position = resolve(to, log)?;
+        let mut voided: Vec<(Offset, u32)> = self
+            .slots
+            .iter()
+            .filter(|(_, s)| s.attempts() > 0)
+            .map(|(o, s)| (*o, s.attempts()))
+            .chain(self.carried.iter().map(|(o, a)| (*o, *a)))
+            .collect();
+        voided.sort_unstable();
         let mut w = Vec::new();
         self.write(
             GroupEntry::Seek {
@@ -637,6 +660,21 @@ impl GroupTracker {
             &mut w,
         );
         self.rebuild_memory(now_ms);
+        for (o, attempts) in voided {
+            // A slot now is a redriven record, owed again; any other record
+            // below the new position is finished.
+            let redriven = self.slots.contains_key(&o);
+            if !redriven && o < position {
+                continue;
+            }
+            // Saturating: each seek may add a delivery past the bound.
+            let attempts = attempts.min(ATTEMPTS_MAX - 1);
+            if redriven {
+                let since = self.slots[&o].since_ms();
+                self.transition(o, Some(Slot::owed(since, attempts)));
+            }
+            self.carried.insert(o, attempts);
+        }
         Ok(w)
     }
 
@@ -805,8 +843,12 @@ impl GroupTracker {
                 !g.dead_letters().contains_key(&o),
                 "dead letter {o:?} still has a slot"
             );
+            // Past the bound only by a delivery a seek voided (carried, or
+            // claimed again since).
             assert!(
-                s.attempts() <= self.config.max_attempts,
+                s.attempts() <= self.config.max_attempts
+                    || s.is_claim()
+                    || self.carried.contains_key(&o),
                 "{o:?} has {} attempts",
                 s.attempts()
             );
@@ -814,7 +856,7 @@ impl GroupTracker {
                 State::Owed => {
                     assert!(self.owed.contains(&o), "owed {o:?} not indexed");
                     assert!(
-                        s.attempts() < self.config.max_attempts,
+                        s.attempts() < self.config.max_attempts || self.carried.contains_key(&o),
                         "owed {o:?} at the bound"
                     );
                     assert_eq!(s.holder(), 0);
@@ -1083,6 +1125,18 @@ impl GroupTracker {
         if self.frontier < log.start {
             self.note_skipped(self.frontier, log.start);
             self.frontier = log.start;
+            if !self.carried.is_empty() {
+                self.carried.retain(|o, _| *o >= log.start);
+            }
+        }
+    }
+
+    /// Attempts a seek carried for `o` (0 if none), forgotten once used.
+    fn take_carried(&mut self, o: Offset) -> u32 {
+        if self.carried.is_empty() {
+            0
+        } else {
+            self.carried.remove(&o).unwrap_or(0)
         }
     }
 
@@ -1191,7 +1245,8 @@ impl GroupTracker {
         lookup: &mut dyn FnMut(Offset) -> Lookup,
     ) -> Step {
         let s = self.slots[&o];
-        if s.attempts() >= self.config.max_attempts {
+        let carried = !self.carried.is_empty() && self.carried.contains_key(&o);
+        if s.attempts() >= self.config.max_attempts && !carried {
             self.give_up(
                 o,
                 s.attempts(),
@@ -1208,7 +1263,8 @@ impl GroupTracker {
         }
         match lookup(o) {
             Lookup::Record { payload_bytes } => {
-                let attempts = s.attempts() + 1;
+                let attempts = (s.attempts() + 1).min(ATTEMPTS_MAX);
+                self.take_carried(o);
                 let h = self.holder_for(run.caller, &mut run.holder);
                 self.claim(o, attempts, h, run.deadline, run.now_ms);
                 run.out.deliveries.push(Delivery {
@@ -1365,6 +1421,7 @@ impl GroupTracker {
         self.delayed = 0;
         self.members.clear_holders();
         self.skipped_below = fast_map();
+        self.carried = fast_map();
         let position = self.position();
         self.frontier = position;
         self.skip_run_end = position;
