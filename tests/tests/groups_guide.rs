@@ -752,6 +752,36 @@ async fn calls_for_a_delivery_voided_by_a_seek_stay_refused_after_it_goes_out_ag
     assert_eq!(other.position().await, 3);
 }
 
+/// A redriven record (below the position, so the seek does not pass it)
+/// whose redelivery a seek voided is owed again: an ack or nack from before
+/// the seek is `stale_claim`, and its next delivery counts on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redriven_record_voided_by_a_seek_is_owed_again() {
+    let b = felix_tests::start_broker!(opts(30_000, 5));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 4).await;
+    let g = Group::new(&c, JOBS, "workers");
+    let first = g.poll(4).await;
+    g.dead_letter(&first[0], Some("bad")).await.unwrap();
+    g.ack_many(&[1, 2, 3]).await.unwrap();
+    assert_eq!(g.position().await, 4);
+    g.redrive(0).await.unwrap();
+    let again = g.poll(1).await;
+    assert_eq!((offsets(&again), attempts(&again)), (vec![0], vec![1]));
+    g.seek(StartPosition::Offset(2)).await.unwrap();
+    assert_eq!(code(g.ack(0).await), Some(ErrorCode::StaleClaim));
+    assert_eq!(code(g.nack(&again[0]).await), Some(ErrorCode::StaleClaim));
+    let next = g.poll(10).await;
+    assert_eq!(
+        (offsets(&next), attempts(&next)),
+        (vec![0, 2, 3], vec![2, 1, 1])
+    );
+    g.ack_all(&next).await;
+    assert!(g.dead_letters().await.is_empty());
+    assert_eq!(g.position().await, 4);
+}
+
 /// A seek voids a claim already at the attempt bound; the record is still
 /// delivered again from the new position, counting on (one delivery past
 /// the bound), and given up on if that delivery fails too.

@@ -375,6 +375,7 @@ impl Sim {
 
     fn finish(&mut self, o: u64) {
         self.mrec.remove(&o);
+        self.carried.remove(&o);
         self.finished_epoch.insert(o);
         self.must_owe.remove(&o);
     }
@@ -739,9 +740,18 @@ impl Sim {
 
     fn op_ack(&mut self) {
         let (ci, o, _) = self.pick();
-        let in_play = self.mrec.contains_key(&o);
+        // Below the log start the tracker may or may not have dropped a
+        // carried entry yet; either answer is fine there.
+        let voided = self.carried.contains_key(&o) && o >= self.start;
+        let in_play = self.mrec.contains_key(&o) && !self.carried.contains_key(&o);
         let r = self.t.ack(self.now, &[Offset(o)], self.log());
         self.note(format!("ack {o} by c{ci} -> {r:?}"));
+        if self.t.exists() && o < self.end && voided {
+            assert!(
+                matches!(r, Err(GroupError::StaleClaim(_))),
+                "an ack of {o}, voided by a seek, was not refused: {r:?}"
+            );
+        }
         if self.t.exists() {
             if in_play {
                 assert!(r.is_ok(), "an ack of {o}, in play, was refused: {r:?}");
@@ -771,6 +781,7 @@ impl Sim {
     /// but not handed out again (the guide's condition for extend and nack).
     fn held(&self, o: u64, a: u32) -> bool {
         a >= 1
+            && !self.carried.contains_key(&o)
             && matches!(self.mrec.get(&o), Some(m) if m.attempts == a
                 && matches!(m.st, MState::Claimed { .. } | MState::Owed))
     }
@@ -826,7 +837,12 @@ impl Sim {
         let (ci, o, a) = self.pick();
         let ms = self.rng.gen_range(0..4 * self.cfg.visibility_ms);
         let at_cap = self.model_in_flight() >= self.cfg.max_in_flight;
-        let ok = self.t.exists() && self.held(o, a) && !(self.owed(o) && at_cap);
+        // A claim lapsed at the bound is the broker's to give up on.
+        let lapsed_at_bound = matches!(self.mrec.get(&o), Some(m)
+            if m.attempts >= self.cfg.max_attempts
+                && matches!(m.st, MState::Claimed { deadline, .. } if deadline <= self.now));
+        let ok =
+            self.t.exists() && self.held(o, a) && !(self.owed(o) && at_cap) && !lapsed_at_bound;
         let r = self.t.extend(self.now, Offset(o), a, ms, self.log());
         self.note(format!("extend {o}#{a} by {ms} -> {r:?}"));
         assert_eq!(
@@ -867,7 +883,10 @@ impl Sim {
 
     fn op_dead_letter(&mut self) {
         let (ci, o, a) = self.pick();
-        let ok = self.t.exists() && a >= 1 && self.mrec.get(&o).is_some_and(|m| m.attempts == a);
+        let ok = self.t.exists()
+            && a >= 1
+            && !self.carried.contains_key(&o)
+            && self.mrec.get(&o).is_some_and(|m| m.attempts == a);
         let r = self
             .t
             .dead_letter(self.now, Offset(o), a, Some("sim gives up"), self.log());

@@ -240,7 +240,7 @@ impl GroupTracker {
 
     /// Hand out records: reserved for this connection first, then owed, then
     /// new ones from the frontier up to `log.end`. Stops at the first
-    /// [`Lookup::NotLoaded`], after `max_records` (0: the broker's cap) or
+    /// [`Lookup::NotLoaded`], after `max_records` (0: the group's `poll_max_records`; the broker passes at least 1) or
     /// `poll_max_records` deliveries, after the record that reaches
     /// `poll_max_bytes`, and when `max_in_flight` leaves no room.
     /// `visibility_ms` overrides the group's visibility for these claims
@@ -389,6 +389,9 @@ impl GroupTracker {
             if o >= log.end {
                 return Err(past_tail(o, log));
             }
+            if self.voided_by_seek(o) {
+                return Err(voided(o));
+            }
             if !(self.slots.contains_key(&o) || o < self.frontier || o < self.position()) {
                 return Err(self.not_handed_out(o));
             }
@@ -459,6 +462,14 @@ impl GroupTracker {
         self.begin_record_request(now_ms)?;
         self.observe(log);
         let s = self.held_claim(now_ms, offset, attempts, log)?;
+        if s.is_claim() && s.deadline_ms() <= now_ms && s.attempts() >= self.config.max_attempts {
+            // Lapsed at the bound: the broker gives up on it at its next
+            // look (describe already counts it a dead letter).
+            return Err(GroupError::StaleClaim(format!(
+                "the claim on offset {offset} lapsed at the attempt bound ({}); the record is set aside as a dead letter",
+                self.config.max_attempts
+            )));
+        }
         if s.state() == State::Owed {
             self.room_to_take_back(offset)?;
         }
@@ -505,6 +516,9 @@ impl GroupTracker {
             return Err(GroupError::InvalidRequest(
                 "attempts count from 1".to_string(),
             ));
+        }
+        if self.voided_by_seek(offset) {
+            return Err(voided(offset));
         }
         let Some(&s) = self.slots.get(&offset) else {
             if offset < self.frontier || offset < self.position() {
@@ -1062,6 +1076,9 @@ impl GroupTracker {
                 "attempts count from 1".to_string(),
             ));
         }
+        if self.voided_by_seek(o) {
+            return Err(voided(o));
+        }
         let Some(&s) = self.slots.get(&o) else {
             if o < self.frontier || o < self.position() {
                 return Err(GroupError::StaleClaim(format!(
@@ -1129,6 +1146,12 @@ impl GroupTracker {
                 self.carried.retain(|o, _| *o >= log.start);
             }
         }
+    }
+
+    /// A seek voided the delivery of `o` and it has not gone out since: the
+    /// group owes it, and nothing from before the seek may settle it.
+    fn voided_by_seek(&self, o: Offset) -> bool {
+        !self.carried.is_empty() && self.carried.contains_key(&o)
     }
 
     /// Attempts a seek carried for `o` (0 if none), forgotten once used.
@@ -1445,7 +1468,12 @@ impl GroupTracker {
         }
         let old = match new {
             Some(n) => self.slots.insert(o, n),
-            None => self.slots.remove(&o),
+            None => {
+                if !self.carried.is_empty() {
+                    self.carried.remove(&o);
+                }
+                self.slots.remove(&o)
+            }
         };
         if let Some(old) = old {
             match old.state() {
@@ -1511,6 +1539,12 @@ fn past_tail(o: Offset, log: LogView) -> GroupError {
     GroupError::InvalidRequest(format!(
         "offset {o} is at or past the tail {}; acknowledging a record that does not exist yet would skip it",
         log.end
+    ))
+}
+
+fn voided(o: Offset) -> GroupError {
+    GroupError::StaleClaim(format!(
+        "the delivery of offset {o} was voided by a seek; the group owes the record again"
     ))
 }
 

@@ -488,11 +488,13 @@ impl Wire for DeadLetterInfo {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GroupInfo {
     pub group: String,
-    /// Next offset the group will hand out for the first time.
+    /// The group's cursor: the lowest offset not yet finished (acked or
+    /// dead-lettered); everything below it is finished. Durable.
     pub position: u64,
     pub end_offset: u64,
     pub start_offset: u64,
-    /// Claimed and not yet acked.
+    /// Standing claims plus delayed nacks: what `FELIX_GROUP_MAX_IN_FLIGHT`
+    /// caps.
     pub in_flight: u32,
     /// Nacked or expired, waiting to be handed out again.
     pub owed: u32,
