@@ -21,7 +21,6 @@ use felix_wire::{
     DeadLetterInfo, ErrorCode, GroupInfo, GroupKey, GroupMemberRef, GroupRecord, Request, Response,
     StartPosition,
 };
-use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 
 fn group_err(e: GroupError) -> Response {
@@ -541,8 +540,7 @@ async fn poll<S: Storage>(
         if let Err(e) = append_entries(shard, &plan.writes) {
             return e;
         }
-        let (records, skipped_offsets) = match read_offsets(core, shard, &plan.offsets, view).await
-        {
+        let mut loaded = match read_offsets(core, shard, &plan.offsets, view).await {
             Ok(r) => r,
             Err(e) => return e,
         };
@@ -554,12 +552,12 @@ async fn poll<S: Storage>(
                 max_records,
                 visibility_ms,
                 view,
-                &mut |o| match records.get(&o) {
+                &mut |o| match loaded.get(o) {
                     // Keys and headers count toward the poll's byte cap too.
                     Some(r) => Lookup::Record {
                         payload_bytes: r.size_bytes().min(u32::MAX as usize) as u32,
                     },
-                    None if o < view.start || skipped_offsets.contains(&o) => Lookup::Skipped,
+                    None if o < view.start || loaded.skipped(o) => Lookup::Skipped,
                     None => Lookup::NotLoaded,
                 },
             )
@@ -582,7 +580,7 @@ async fn poll<S: Storage>(
                 .deliveries
                 .iter()
                 .filter_map(|d| {
-                    let r = records.get(&d.offset)?.clone();
+                    let r = loaded.take(d.offset)?;
                     let w = to_wire_record(r);
                     Some(GroupRecord {
                         offset: w.offset,
@@ -634,18 +632,67 @@ async fn poll<S: Storage>(
     }
 }
 
+/// What a poll read for its plan: the records found, and the offsets the log
+/// showed to hold no deliverable record (control records, or removed by
+/// retention); offsets in neither were not reached (a byte cap) and must
+/// not be settled. Both sorted by offset, looked up by binary search (a
+/// poll asks for each offset a few times; no hashing on this path).
+#[derive(Default)]
+struct Loaded {
+    offsets: Vec<Offset>,
+    records: Vec<Option<Record>>,
+    skipped: Vec<Offset>,
+}
+
+impl Loaded {
+    fn insert(&mut self, r: Record) {
+        self.offsets.push(r.offset);
+        self.records.push(Some(r));
+    }
+
+    /// Sort what the runs added (usually in order already).
+    fn finish(&mut self) {
+        if !self.offsets.is_sorted() {
+            let mut pairs: Vec<(Offset, Option<Record>)> =
+                self.offsets.drain(..).zip(self.records.drain(..)).collect();
+            pairs.sort_unstable_by_key(|(o, _)| *o);
+            pairs.dedup_by_key(|(o, _)| *o);
+            (self.offsets, self.records) = pairs.into_iter().unzip();
+        }
+        self.skipped.sort_unstable();
+    }
+
+    fn index(&self, o: Offset) -> Option<usize> {
+        self.offsets.binary_search(&o).ok()
+    }
+
+    fn get(&self, o: Offset) -> Option<&Record> {
+        self.records[self.index(o)?].as_ref()
+    }
+
+    /// The record at `o`, moved out (each is delivered once).
+    fn take(&mut self, o: Offset) -> Option<Record> {
+        let i = self.index(o)?;
+        self.records[i].take()
+    }
+
+    fn skipped(&self, o: Offset) -> bool {
+        self.skipped.binary_search(&o).is_ok()
+    }
+}
+
 /// Read the records at `offsets` (runs of consecutive offsets in one read).
-/// Returns the records found and the offsets the log showed to hold no
-/// deliverable record (control records, or removed by retention); offsets in
-/// neither were not reached (a byte cap) and must not be settled.
 async fn read_offsets<S: Storage>(
     core: &Rc<Core<S>>,
     shard: &Shard<S>,
     offsets: &[Offset],
     view: LogView,
-) -> Result<(HashMap<Offset, Record>, HashSet<Offset>), Response> {
-    let mut out = HashMap::with_capacity(offsets.len());
-    let mut skipped = HashSet::new();
+) -> Result<Loaded, Response> {
+    let mut out = Loaded {
+        offsets: Vec::with_capacity(offsets.len()),
+        records: Vec::with_capacity(offsets.len()),
+        skipped: Vec::new(),
+    };
     let max_bytes = core.shared.config.max_bytes_per_read as usize;
     let mut i = 0;
     while i < offsets.len() {
@@ -672,30 +719,33 @@ async fn read_offsets<S: Storage>(
                     )
                 })?;
             let run_end = offsets[j - 1].next();
-            // Everything below the read's `next` that came back without a
-            // record holds none: the read stepped over it.
-            let reached = r.next.min(run_end);
+            // Everything below the read's `next` (or below the log's start,
+            // which retention removed) that came back without a record
+            // holds none: the read stepped over it.
+            let reached = r.next.max(r.start).min(run_end);
+            let first = out.offsets.len();
+            let mut expect = start;
             for rec in r.records {
-                if rec.offset < run_end {
-                    out.insert(rec.offset, rec);
+                if rec.offset >= run_end {
+                    break;
                 }
-            }
-            if r.start > start {
-                for o in start.0..r.start.0.min(run_end.0) {
-                    skipped.insert(Offset(o));
+                if rec.offset < start {
+                    continue;
                 }
+                // Offsets the read stepped over below this record hold none.
+                out.skipped.extend((expect.0..rec.offset.0).map(Offset));
+                expect = rec.offset.next();
+                out.insert(rec);
             }
-            for o in start.0..reached.0 {
-                if !out.contains_key(&Offset(o)) {
-                    skipped.insert(Offset(o));
-                }
+            if expect < reached {
+                out.skipped.extend((expect.0..reached.0).map(Offset));
             }
+            debug_assert!(out.offsets[first..].is_sorted());
         } else {
-            for o in &offsets[i..j] {
-                skipped.insert(*o);
-            }
+            out.skipped.extend_from_slice(&offsets[i..j]);
         }
         i = j;
     }
-    Ok((out, skipped))
+    out.finish();
+    Ok(out)
 }
