@@ -1382,6 +1382,59 @@ async fn records_retention_removed_are_skipped_and_counted() {
     assert!(g.poll(10).await.is_empty());
 }
 
+/// A member reclaims claims retention removed meanwhile, right below the
+/// records the group has not handed out yet: the removed ones are settled,
+/// and every retained record after them is delivered (none is settled as
+/// if it had been removed too).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reclaimed_claims_retention_removed_do_not_take_the_next_records_with_them() {
+    let cfg = config_file("[storage]\nsegment_bytes = 65536\nretention_check_ms = 100\n");
+    let b =
+        felix_tests::start_broker!(opts(30_000, 5).env("FELIX_TEST_CONFIG", cfg.path.display()));
+    let c = client(&b.addr).await;
+    let retention = felix_client::StreamOptions {
+        retention_bytes: Some(128 << 10),
+        retention_ms: None,
+    };
+    c.create_stream(T, NS, JOBS, 1, retention).await.unwrap();
+    // Three 16 KiB records fill the first 64 KiB segment.
+    let big = |n: usize| {
+        (0..n)
+            .map(|_| felix_wire::RecordIn {
+                payload: vec![7u8; 16 << 10].into(),
+                ..Default::default()
+            })
+            .collect::<Vec<_>>()
+    };
+    for _ in 0..3 {
+        c.publish_batch(T, NS, JOBS, 0, big(1)).await.unwrap();
+    }
+    let me = GroupMember::new("m").reclaim(true);
+    let g = Group::new(&c, JOBS, "workers");
+    let opt = |n| GroupPollOptions {
+        max_records: n,
+        ..GroupPollOptions::default()
+    };
+    assert_eq!(offsets(&g.poll_as(&me, opt(3)).await), vec![0, 1, 2]);
+    // More records: the first segment (0..=2) goes to retention.
+    for _ in 0..6 {
+        c.publish_batch(T, NS, JOBS, 0, big(1)).await.unwrap();
+    }
+    eventually(
+        "retention to remove the first segment",
+        Duration::from_secs(10),
+        || async { c.describe_shard(T, NS, JOBS, 0).await.unwrap().start_offset == 3 },
+    )
+    .await;
+    // The member comes back on a new connection and reclaims 0..=2.
+    let c2 = client(&b.addr).await;
+    let g2 = g.via(&c2);
+    let got = g2.poll_as(&me, opt(10)).await;
+    assert_eq!(offsets(&got), (3..9).collect::<Vec<_>>());
+    g2.ack_all(&got).await;
+    assert_eq!(g2.position().await, 9);
+}
+
 /// A client that did not offer FEATURE_GROUP_SKIPPED in its HELLO (one that
 /// predates it) gets delivered records without the field, on the same broker
 /// that gives it to clients that did.

@@ -519,6 +519,7 @@ impl Sim {
         let (start, end, now, log) = (self.start, self.end, self.now, self.log());
         let control = &self.control;
         let mut calls = 0;
+        let mut not_loaded = false;
         let mut lookup = |o: Offset| {
             let o = o.0;
             assert!(o < end, "looked up {o} past the tail {end}");
@@ -526,6 +527,7 @@ impl Sim {
             if o < start || control.contains(&o) {
                 Lookup::Skipped
             } else if calls > fail_after || loaded.as_ref().is_some_and(|l| !l.contains(&o)) {
+                not_loaded = true;
                 Lookup::NotLoaded
             } else {
                 Lookup::Record {
@@ -534,6 +536,10 @@ impl Sim {
             }
         };
         let out = self.t.poll(now, &caller, max, vis, log, &mut lookup);
+        assert_eq!(
+            out.unread, not_loaded,
+            "unread says whether a lookup missed"
+        );
         self.note(format!(
             "poll c{ci} conn {} reclaim {} max {max} vis {vis:?} fail_after {fail_after} planned {} -> {:?} capped {}",
             caller.connection,

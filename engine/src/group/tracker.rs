@@ -466,7 +466,7 @@ impl GroupTracker {
             // Lapsed at the bound: the broker gives up on it at its next
             // look (describe already counts it a dead letter).
             return Err(GroupError::StaleClaim(format!(
-                "the claim on offset {offset} lapsed at the attempt bound ({}); the record is set aside as a dead letter",
+                "the claim on offset {offset} lapsed at the attempt bound ({}); the record is being set aside as a dead letter",
                 self.config.max_attempts
             )));
         }
@@ -804,6 +804,7 @@ impl GroupTracker {
         let btree_entry = |key: usize| key * 2 + 8;
         map_bytes::<Offset, Slot>(self.slots.capacity())
             + map_bytes::<Offset, u64>(self.skipped_below.capacity())
+            + map_bytes::<Offset, u32>(self.carried.capacity())
             + self.owed.len() * btree_entry(8)
             + self.reserved.len() * btree_entry(16)
             + self.timers.heap_bytes()
@@ -828,6 +829,18 @@ impl GroupTracker {
             return;
         };
         let position = g.position();
+        // A carried record is either redriven and owed again (below the
+        // position) or not handed out since the seek (no slot, at or above
+        // the frontier).
+        for o in self.carried.keys() {
+            match self.slots.get(o) {
+                Some(s) => assert!(
+                    s.state() == State::Owed && g.redriven().contains(o),
+                    "carried {o:?} has slot {s:?}"
+                ),
+                None => assert!(*o >= self.frontier, "carried {o:?} below the frontier"),
+            }
+        }
         assert!(
             position <= self.frontier,
             "position {position} passed the frontier {}",

@@ -701,11 +701,15 @@ async fn read_offsets<S: Storage>(
         while j < offsets.len() && offsets[j] == offsets[j - 1].next() {
             j += 1;
         }
-        if start >= view.start {
+        let run_end = offsets[j - 1].next();
+        if run_end > view.start {
+            // A run may begin below the log start (a reclaimed claim on a
+            // record retention removed, next to the first retained ones):
+            // read what is retained; the offsets below it hold nothing.
             let r = shard
                 .log
                 .read(
-                    start,
+                    start.max(view.start),
                     ReadLimits {
                         max_records: j - i,
                         max_bytes,
@@ -718,7 +722,6 @@ async fn read_offsets<S: Storage>(
                         format!("shard {}: {e}", shard.name()),
                     )
                 })?;
-            let run_end = offsets[j - 1].next();
             // Everything below the read's `next` (or below the log's start,
             // which retention removed) that came back without a record
             // holds none: the read stepped over it.
