@@ -1792,3 +1792,34 @@ async fn idle_metrics_connections_cannot_starve_the_broker_of_descriptors() {
     })
     .expect("the metrics endpoint answers again");
 }
+
+/// The broker takes a record only if an answer can carry it back within the
+/// frame cap: the largest it takes is readable by a read and a group poll,
+/// one byte more is `too_large` (with nothing stored).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_record_the_broker_takes_can_be_read_back() {
+    const FRAME: usize = 65_536;
+    let biggest = FRAME - 1024;
+    let broker = felix_tests::start_broker!(BrokerOptions::default()
+        .cores(1)
+        .env("FELIX_MAX_FRAME_BYTES", FRAME));
+    let c = client(&broker).await;
+    c.create_stream("t", "ns", "big", 1, StreamOptions::default())
+        .await
+        .unwrap();
+    let err = c
+        .publish("t", "ns", "big", 0, vec![9u8; biggest + 1])
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::TooLarge), "{err}");
+    assert!(err.to_string().contains("read back"), "{err}");
+    c.publish("t", "ns", "big", 0, vec![7u8; biggest])
+        .await
+        .unwrap();
+    let recs = read_shard(&c, "big", 0).await;
+    assert_eq!(recs.len(), 1, "only the record that fits was stored");
+    assert_eq!(recs[0].1.len(), biggest);
+    let polled = c.group_poll("t", "ns", "big", 0, "g", 10).await.unwrap();
+    assert_eq!(polled.len(), 1);
+    assert_eq!(polled[0].payload.len(), biggest);
+}

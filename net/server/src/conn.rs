@@ -66,6 +66,8 @@ struct Outbox {
     handed_off: Cell<bool>,
     /// Woken each time the writer sent a batch of responses.
     drained: WaitList,
+    /// The frame cap announced in HELLO.
+    max_frame: u32,
 }
 
 impl Outbox {
@@ -73,9 +75,50 @@ impl Outbox {
         if self.closed.get() {
             return;
         }
-        felix_wire::encode_response(request_id, resp, &mut self.buf.borrow_mut());
+        {
+            let mut buf = self.buf.borrow_mut();
+            let at = buf.len();
+            felix_wire::encode_response(request_id, resp, &mut buf);
+            // The client refuses a frame over the cap it was told in HELLO
+            // (and drops the connection): answer too_large instead. Publish
+            // keeps records small enough to come back; this catches a cap
+            // lowered since they were written.
+            if buf.len() - at > self.max_frame as usize {
+                let n = buf.len() - at;
+                buf.truncate(at);
+                felix_wire::encode_response(
+                    request_id,
+                    &wire_err(
+                        ErrorCode::TooLarge,
+                        format!(
+                            "the answer is {n} bytes, over this broker's {}-byte frame cap \
+                             (server.max_frame_bytes); ask for fewer records or bytes",
+                            self.max_frame
+                        ),
+                    ),
+                    &mut buf,
+                );
+            }
+        }
         self.ready.wake_all();
     }
+}
+
+/// Bytes of framing an answer may add around one record (frame header,
+/// response fields, the record's offset, timestamp, attempts and lengths),
+/// with room to spare: a record is accepted only if it fits the frame cap
+/// with this much left, so that every record can be read back.
+pub(crate) const ANSWER_HEADROOM: usize = 1024;
+
+/// A record's bytes as an answer carries them, less fixed framing: key,
+/// headers (each with its name and two lengths) and payload.
+fn answer_bytes(r: &felix_wire::RecordIn) -> usize {
+    r.key.as_ref().map_or(0, |k| k.len())
+        + r.headers
+            .iter()
+            .map(|(n, v)| n.len() + v.len() + 8)
+            .sum::<usize>()
+        + r.payload.len()
 }
 
 /// Per-connection facts a request handler needs.
@@ -151,6 +194,7 @@ pub(crate) async fn serve<S: Storage>(
         closed: Cell::new(false),
         handed_off: Cell::new(false),
         drained: WaitList::new(),
+        max_frame,
     });
     let writer = glommio::spawn_local(write_loop(sock.clone(), outbox.clone()));
     let mut said_hello = false;
@@ -598,6 +642,22 @@ async fn publish<S: Storage>(
             format!(
                 "{} records in one publish; the limit is {max}",
                 records.len()
+            ),
+        );
+    }
+    let biggest = core.shared.config.max_frame_bytes as usize - ANSWER_HEADROOM;
+    if let Some((i, n)) = records
+        .iter()
+        .map(answer_bytes)
+        .enumerate()
+        .find(|(_, n)| *n > biggest)
+    {
+        return wire_err(
+            ErrorCode::TooLarge,
+            format!(
+                "record {i} carries {n} bytes; the largest record this broker takes is \
+                 {biggest} bytes (server.max_frame_bytes less {ANSWER_HEADROOM} bytes of \
+                 answer framing, so that it can be read back)"
             ),
         );
     }
