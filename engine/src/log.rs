@@ -542,6 +542,13 @@ struct Inner<F> {
     bytes_written: u64,
     sync: SyncStats,
     snapshot: Option<SnapshotProvider>,
+    /// Complete group snapshots this process queued: (segment, lsn just
+    /// past the snapshot's last batch). Retention removes a segment only
+    /// once a later segment holds one of these durably: a snapshot that
+    /// opens a segment recovered from disk may have been cut short by a
+    /// crash, and the segments before it may hold the only copy of group
+    /// state.
+    covers: Vec<(Offset, Lsn)>,
 }
 
 impl<F> Inner<F> {
@@ -602,6 +609,8 @@ impl<F> Inner<F> {
                     self.push_batch(|out, next, flush| encode_group(out, next, 0, flush, &body));
                 }
                 self.snapshot_len = self.projected_len;
+                let lsn = self.frontiers.lsn(Frontier::Queued);
+                self.covers.push((base, lsn));
             }
         } else if self.pending.back().map(|c| c.segment_base) != Some(target_base) {
             self.pending.push_back(Chunk {
@@ -907,6 +916,7 @@ impl<S: Storage> ShardLog<S> {
             bytes_written: 0,
             sync: SyncStats::default(),
             snapshot: None,
+            covers: Vec::new(),
         };
         Ok(ShardLog {
             storage,
@@ -918,9 +928,44 @@ impl<S: Storage> ShardLog<S> {
     }
 
     /// Set the provider of group-state snapshot bodies written at the start
-    /// of every new segment.
+    /// of every new segment, and queue one snapshot now: the segments
+    /// recovered from disk cannot show that theirs are complete (a crash
+    /// may have cut the newest short), so retention waits for this one (see
+    /// `Inner::covers`). Call it once the group state is replayed.
     pub fn set_snapshot_provider(&self, f: SnapshotProvider) {
-        self.inner.borrow_mut().snapshot = Some(f);
+        let mut bodies = Vec::new();
+        f(&mut bodies);
+        let mut i = self.inner.borrow_mut();
+        i.snapshot = Some(f);
+        if i.refuse().is_err() {
+            return;
+        }
+        if !bodies.is_empty() {
+            // All in one segment: one roll decision for the whole snapshot.
+            // A roll writes its own snapshot (and notes it), which is as
+            // good; otherwise this one goes into the active segment and,
+            // like that one, does not count toward `segment_bytes`.
+            let len: usize = bodies
+                .iter()
+                .map(|b| format::BATCH_HEADER_BYTES + b.len())
+                .sum();
+            let before = i.target_base;
+            i.chunk_for(len);
+            if i.target_base == before {
+                for body in &bodies {
+                    i.push_batch(|out, next, flush| encode_group(out, next, 0, flush, body));
+                }
+                i.snapshot_len += len as u64;
+                let (base, lsn) = (i.target_base, i.frontiers.lsn(Frontier::Queued));
+                i.covers.push((base, lsn));
+            }
+        } else {
+            // No group state: nothing for retention to keep.
+            let (base, lsn) = (i.target_base, i.frontiers.lsn(Frontier::Queued));
+            i.covers.push((base, lsn));
+        }
+        drop(i);
+        self.queued.wake_all();
     }
 
     /// Queue a batch of records. Offsets are assigned now.
@@ -1115,8 +1160,13 @@ impl<S: Storage> ShardLog<S> {
             let progressed = self.progress.wait();
             {
                 let mut i = self.inner.borrow_mut();
-                i.refuse()
-                    .or_else(|e| if i.closed { Ok(()) } else { Err(e) })?;
+                // A closed log flushed everything, unless it stopped: a
+                // stopped log is an error whether or not it is also closed
+                // (never let a later round mark a failed one durable).
+                i.refuse().or_else(|e| match e {
+                    LogError::Closed => Ok(()),
+                    e => Err(e),
+                })?;
                 if i.frontiers.lsn(Frontier::Durable) >= target {
                     return Ok(());
                 }
@@ -1152,6 +1202,10 @@ impl<S: Storage> ShardLog<S> {
     async fn flush_inner(&self) -> Result<(), LogError> {
         let chunks: Vec<Chunk> = {
             let mut i = self.inner.borrow_mut();
+            // Only a round that syncs what it wrote marks it durable.
+            if let Some(r) = &i.stopped {
+                return Err(LogError::Stopped(r.clone()));
+            }
             i.pending_bytes = 0;
             i.flush_stamp = i.flush_stamp.wrapping_add(1);
             i.pending.drain(..).collect()
@@ -1708,17 +1762,36 @@ impl<S: Storage> ShardLog<S> {
                     .config
                     .retention_ms
                     .is_some_and(|ms| first.max_timestamp_ms.saturating_add(ms) < now_ms);
-                // Never remove a segment that is not fully durable.
-                if (by_bytes || by_age) && first.end <= i.frontiers.offset(Frontier::Durable) {
+                // Never remove a segment that is not fully durable, nor one
+                // whose group state no later durable snapshot holds.
+                let durable = i.frontiers.lsn(Frontier::Durable);
+                let covered = i.snapshot.is_none()
+                    || i.covers.iter().any(|&(b, l)| b > *base && l <= durable);
+                if (by_bytes || by_age)
+                    && covered
+                    && first.end <= i.frontiers.offset(Frontier::Durable)
+                {
                     Some(*base)
                 } else {
                     None
                 }
             };
             let Some(base) = victim else { break };
-            let seg = {
+            // Remove the file first: until that is done the segment stays
+            // readable and the log start does not move (a group must not
+            // settle offsets as removed that a failed removal keeps).
+            let (path, dir) = {
+                let i = self.inner.borrow();
+                (i.segments[&base].path.clone(), i.dir.clone())
+            };
+            if let Err(e) = self.storage.remove_file(&path).await {
+                tracing::error!(segment = %path.display(), "retention cannot remove segment: {e}");
+                return Err(io_err(&format!("remove {}", path.display()), e));
+            }
+            {
                 let mut i = self.inner.borrow_mut();
-                let seg = i.segments.remove(&base).unwrap();
+                i.segments.remove(&base);
+                i.covers.retain(|&(b, _)| b > base);
                 i.cold.retain(|c| c.segment != base);
                 i.start = *i.segments.keys().next().unwrap();
                 let start = i.start;
@@ -1730,16 +1803,6 @@ impl<S: Storage> ShardLog<S> {
                     let b = i.cache.pop_front().unwrap();
                     i.cache_bytes -= b.bytes.len();
                 }
-                seg
-            };
-            let (path, dir) = (seg.path.clone(), self.inner.borrow().dir.clone());
-            if let Err(e) = self.storage.remove_file(&path).await {
-                // Still there: keep serving it, and try again next time.
-                let mut i = self.inner.borrow_mut();
-                i.segments.insert(base, seg);
-                i.start = *i.segments.keys().next().unwrap();
-                tracing::error!(segment = %path.display(), "retention cannot remove segment: {e}");
-                return Err(io_err(&format!("remove {}", path.display()), e));
             }
             tracing::info!(segment = %path.display(), "retention removed segment");
             // Each removal is made durable before the next: then a crash can
@@ -1763,9 +1826,10 @@ impl<S: Storage> ShardLog<S> {
             let progressed = self.progress.wait();
             let (flushing, pending, stopped) = {
                 let i = self.inner.borrow();
-                (i.flushing, !i.pending.is_empty(), i.stopped.is_some())
+                (i.flushing, !i.pending.is_empty(), i.stopped.clone())
             };
-            if stopped {
+            if let Some(why) = stopped {
+                result = Err(LogError::Stopped(why));
                 break;
             }
             if flushing {

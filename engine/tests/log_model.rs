@@ -606,6 +606,25 @@ fn failed_fsync_stops_the_shard() {
     });
 }
 
+/// A shard whose flush failed while it was being closed stays stopped: a
+/// later flush is an error, not a round with nothing to sync that marks the
+/// failed round's writes durable.
+#[test]
+fn a_failed_flush_during_close_is_never_marked_durable() {
+    let storage = SimStorage::new();
+    block_on(async {
+        let log = open(&storage, &LogConfig::default()).await;
+        let a = log.append(&[RecordIn::default()]).unwrap();
+        storage.fail_sync_after(1);
+        assert!(log.close().await.is_err(), "close reports the failed round");
+        assert!(log.stopped().is_some());
+        assert!(log.flush().await.is_err(), "a stopped, closed log");
+        assert!(log.wait(a.lsn, Frontier::Durable).await.is_err());
+        assert_eq!(log.end(), Offset::ZERO, "nothing durable");
+        assert!(log.close().await.is_err(), "closing again still says why");
+    });
+}
+
 /// A failed write stops the shard the same way.
 #[test]
 fn failed_write_stops_the_shard() {

@@ -693,9 +693,12 @@ async fn read_offsets<S: Storage>(
         records: Vec::with_capacity(offsets.len()),
         skipped: Vec::new(),
     };
-    let max_bytes = core.shared.config.max_bytes_per_read as usize;
+    // One byte budget for the whole plan, not one per run: owed records
+    // scattered among finished ones make many short runs, and each read
+    // returns at least one record.
+    let mut budget = core.shared.config.max_bytes_per_read as usize;
     let mut i = 0;
-    while i < offsets.len() {
+    while i < offsets.len() && budget > 0 {
         let start = offsets[i];
         let mut j = i + 1;
         while j < offsets.len() && offsets[j] == offsets[j - 1].next() {
@@ -712,7 +715,7 @@ async fn read_offsets<S: Storage>(
                     start.max(view.start),
                     ReadLimits {
                         max_records: j - i,
-                        max_bytes,
+                        max_bytes: budget,
                     },
                 )
                 .await
@@ -738,6 +741,7 @@ async fn read_offsets<S: Storage>(
                 // Offsets the read stepped over below this record hold none.
                 out.skipped.extend((expect.0..rec.offset.0).map(Offset));
                 expect = rec.offset.next();
+                budget = budget.saturating_sub(rec.size_bytes());
                 out.insert(rec);
             }
             if expect < reached {
