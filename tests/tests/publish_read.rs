@@ -1823,3 +1823,93 @@ async fn every_record_the_broker_takes_can_be_read_back() {
     assert_eq!(polled.len(), 1);
     assert_eq!(polled[0].payload.len(), biggest);
 }
+
+/// Frames already read count against `server.max_requests_per_connection`
+/// as they are taken from the buffer: a burst far over the limit in one
+/// write is held in the buffer and answered in full, in as many turns as
+/// the limit needs, without the client sending anything more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_over_the_request_limit_is_held_back_and_answered_in_full() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("felix.toml");
+    std::fs::write(&cfg, "[server]\nmax_requests_per_connection = 2\n").unwrap();
+    let broker = felix_tests::start_broker!(BrokerOptions::default()
+        .cores(1)
+        .env("FELIX_TEST_CONFIG", cfg.display()));
+    let mut s = tokio::net::TcpStream::connect(&broker.addr).await.unwrap();
+    let ok = raw_call(&mut s, 1, &hello(None, felix_wire::PROTOCOL_VERSION)).await;
+    assert!(matches!(ok, felix_wire::Response::HelloOk { .. }), "{ok:?}");
+    const N: u64 = 500;
+    let mut burst = bytes::BytesMut::new();
+    for id in 100..100 + N {
+        felix_wire::encode_request(id, &felix_wire::Request::Ping, &mut burst);
+    }
+    s.write_all(&burst).await.unwrap();
+    let mut answered = HashSet::new();
+    let mut buf = bytes::BytesMut::new();
+    while (answered.len() as u64) < N {
+        while let Some((id, resp)) = felix_wire::decode_response(&mut buf, 1 << 20).unwrap() {
+            assert!(matches!(resp, felix_wire::Response::Pong), "{resp:?}");
+            assert!(answered.insert(id), "{id} answered twice");
+        }
+        if (answered.len() as u64) == N {
+            break;
+        }
+        let mut chunk = [0u8; 65536];
+        let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut chunk))
+            .await
+            .unwrap_or_else(|_| panic!("stalled after {} answers", answered.len()))
+            .unwrap();
+        assert!(n > 0, "closed after {} answers", answered.len());
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    assert_eq!(answered, (100..100 + N).collect::<HashSet<_>>());
+}
+
+/// Long polls waiting on a connection hold no answer room: with more of
+/// them waiting than `max_pending_response_bytes` could hold answers for
+/// (20 × 4 MiB against 64 MiB), a read on the same connection is answered
+/// at once rather than after the polls time out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_polls_do_not_hold_up_a_read_on_their_connection() {
+    let broker = felix_tests::start_broker!(BrokerOptions::default().cores(1));
+    let c = client(&broker).await;
+    c.create_stream("t", "ns", "quiet", 1, StreamOptions::default())
+        .await
+        .unwrap();
+    c.publish("t", "ns", "quiet", 0, "only").await.unwrap();
+    let mut polls = Vec::new();
+    for g in 0..20 {
+        let c = c.clone();
+        polls.push(tokio::spawn(async move {
+            // Past the one record, nothing comes: each waits it out.
+            let group = format!("g{g}");
+            let first = c
+                .group_poll("t", "ns", "quiet", 0, &group, 1)
+                .await
+                .unwrap();
+            assert_eq!(first.len(), 1);
+            c.group_poll_wait("t", "ns", "quiet", 0, &group, 10, Duration::from_secs(8))
+                .await
+                .unwrap()
+        }));
+    }
+    felix_tests::wait_until(Duration::from_secs(5), || {
+        sample(&broker, "felix_requests_total{op=\"group_poll\"}") >= 40.0
+    })
+    .unwrap();
+    let t = std::time::Instant::now();
+    let r = tokio::time::timeout(
+        Duration::from_secs(4),
+        c.read("t", "ns", "quiet", 0, StartPosition::Earliest, 10, None),
+    )
+    .await
+    .expect("a read behind waiting polls is answered at once")
+    .unwrap();
+    assert_eq!(r.records.len(), 1);
+    assert!(t.elapsed() < Duration::from_secs(4));
+    for p in polls {
+        assert!(p.await.unwrap().is_empty());
+    }
+}

@@ -125,8 +125,10 @@ pub struct GroupConfig {
     pub idle_ms: u64,
 }
 
-/// Most claims plus delays a group may hold: claims carry a 24-bit holder id.
-pub const MAX_IN_FLIGHT_LIMIT: u32 = slot::HOLDER_MAX;
+/// Most claims plus delays a group may hold: claims carry a 24-bit holder id
+/// (one more holder than this can be interned by a reclaiming poll at the
+/// cap).
+pub const MAX_IN_FLIGHT_LIMIT: u32 = slot::HOLDER_MAX - 1;
 /// Longest visibility, extension or delay a claim can hold (about 49 days).
 pub const MAX_VISIBILITY_LIMIT_MS: u64 = slot::SPAN_MAX_MS;
 /// Most attempts a record can be counted.

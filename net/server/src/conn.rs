@@ -132,9 +132,69 @@ pub(crate) struct ConnInfo {
     /// Frame bytes of the requests in flight.
     pub in_flight_bytes: Cell<usize>,
     /// Answer bytes reserved by the reads and polls running (see
-    /// [`answer_reservation`]).
+    /// [`answer_reservation`] and [`AnswerRoom`]).
     pub reserved: Cell<usize>,
+    outbox: Rc<Outbox>,
+    /// `server.max_pending_response_bytes`.
+    max_pending: usize,
 }
+
+/// The answer bytes one request holds (see [`answer_reservation`]): taken
+/// before it runs, or, for a read or poll that may wait for records, only
+/// once it has something to read, so that long polls waiting on a
+/// connection never hold up its other reads. Given back after the answer is
+/// queued.
+pub(crate) struct AnswerRoom {
+    info: Rc<ConnInfo>,
+    held: Cell<usize>,
+}
+
+impl AnswerRoom {
+    fn new(info: &Rc<ConnInfo>) -> AnswerRoom {
+        AnswerRoom {
+            info: info.clone(),
+            held: Cell::new(0),
+        }
+    }
+
+    /// Hold `bytes` of answer room, unless this request already holds some.
+    /// Waits while the connection's unsent answers and the room held by its
+    /// other requests would pass `max_pending_response_bytes` (one holder
+    /// always goes ahead, so a single large read is never stuck).
+    pub(crate) async fn take(&self, bytes: usize) {
+        if self.held.get() > 0 || bytes == 0 {
+            return;
+        }
+        let info = &self.info;
+        let outbox = &info.outbox;
+        while info.reserved.get() > 0
+            && outbox.buf.borrow().len() + info.reserved.get() + bytes > info.max_pending
+            && !outbox.closed.get()
+        {
+            outbox.drained.wait().await;
+        }
+        info.reserved.set(info.reserved.get() + bytes);
+        self.held.set(bytes);
+    }
+
+    fn give_back(&self) {
+        let n = self.held.replace(0);
+        if n > 0 {
+            self.info.reserved.set(self.info.reserved.get() - n);
+            self.info.outbox.drained.wake_all();
+        }
+    }
+}
+
+impl Drop for AnswerRoom {
+    fn drop(&mut self) {
+        self.give_back();
+    }
+}
+
+/// How long a new connection has to send its HELLO (at most the idle
+/// timeout).
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Bytes a request's answer may take, reserved before it runs: a read,
 /// poll or dead-letter list's answer holds the records it found (and, for cold reads, the disk
@@ -143,6 +203,8 @@ pub(crate) struct ConnInfo {
 fn answer_reservation(req: &Request, config: &crate::config::Config) -> usize {
     let cap = config.max_bytes_per_read as usize;
     match req {
+        // One that may wait takes its room once it has records to read.
+        Request::Read { wait_ms, .. } | Request::GroupPoll { wait_ms, .. } if *wait_ms > 0 => 0,
         Request::Read { max_bytes, .. } => (*max_bytes as usize).clamp(1, cap),
         Request::GroupPoll { .. } => cap,
         // A page of dead letters is capped like a read; the whole list only
@@ -180,14 +242,6 @@ pub(crate) async fn serve<S: Storage>(
         core.next_conn.set(n);
         n
     };
-    let info = Rc::new(ConnInfo {
-        id: conn_id,
-        features: Cell::new(0),
-        principal: "anonymous".to_string(),
-        in_flight: Cell::new(0),
-        in_flight_bytes: Cell::new(0),
-        reserved: Cell::new(0),
-    });
     let outbox = Rc::new(Outbox {
         buf: RefCell::new(BytesMut::with_capacity(64 * 1024)),
         ready: WaitList::new(),
@@ -196,13 +250,40 @@ pub(crate) async fn serve<S: Storage>(
         drained: WaitList::new(),
         max_frame,
     });
+    let info = Rc::new(ConnInfo {
+        id: conn_id,
+        features: Cell::new(0),
+        principal: "anonymous".to_string(),
+        in_flight: Cell::new(0),
+        in_flight_bytes: Cell::new(0),
+        reserved: Cell::new(0),
+        outbox: outbox.clone(),
+        max_pending: core.shared.config.max_pending_response_bytes,
+    });
     let writer = glommio::spawn_local(write_loop(sock.clone(), outbox.clone()));
     let mut said_hello = false;
     let mut handed_off = false;
     let mut reader = sock.clone();
+    let max_requests = core.shared.config.max_requests_per_connection;
+    let max_request_bytes = core.shared.config.max_request_bytes_per_connection;
+    let max_pending = core.shared.config.max_pending_response_bytes;
+    let over_limits = |info: &ConnInfo, outbox: &Outbox| {
+        info.in_flight.get() >= max_requests
+            || info.in_flight_bytes.get() >= max_request_bytes
+            || outbox.buf.borrow().len() >= max_pending
+    };
+    // A connection has this long to say HELLO (however slowly its bytes
+    // trickle in), so idle sockets cannot hold connection places.
+    let hello_by = std::time::Instant::now() + HELLO_TIMEOUT.min(idle);
     'conn: loop {
-        // Decode every complete frame in the buffer.
+        // Decode the complete frames in the buffer, up to the limits (the
+        // rest wait in the buffer until requests finish).
+        let mut held_back = false;
         loop {
+            if over_limits(&info, &outbox) {
+                held_back = true;
+                break;
+            }
             let before = rbuf.len();
             let decoded = felix_wire::decode_request(&mut rbuf, max_frame);
             let frame_len = before - rbuf.len();
@@ -315,17 +396,21 @@ pub(crate) async fn serve<S: Storage>(
         // Backpressure: stop reading a connection that has too many requests
         // (or request bytes) in flight or too many unsent response bytes
         // until that drains.
-        let max_requests = core.shared.config.max_requests_per_connection;
-        let max_request_bytes = core.shared.config.max_request_bytes_per_connection;
-        let max_pending = core.shared.config.max_pending_response_bytes;
-        while (info.in_flight.get() >= max_requests
-            || info.in_flight_bytes.get() >= max_request_bytes
-            || outbox.buf.borrow().len() >= max_pending)
-            && !outbox.closed.get()
-        {
+        while over_limits(&info, &outbox) && !outbox.closed.get() {
             let drained = outbox.drained.wait();
             let finished = core.lifecycle.wait();
             futures_lite::future::or(drained, finished).await;
+        }
+        if outbox.closed.get() {
+            break;
+        }
+        if held_back {
+            // Frames left in the buffer: decode them before reading more.
+            continue;
+        }
+        if !said_hello && std::time::Instant::now() >= hello_by {
+            tracing::debug!(conn = conn_id, "closing a connection that never said HELLO");
+            break;
         }
         // Read more, straight into the frame buffer (no bounce buffer held in
         // the connection's future), with the idle timeout while nothing is
@@ -334,7 +419,14 @@ pub(crate) async fn serve<S: Storage>(
         let filled = rbuf.len();
         rbuf.resize(filled + READ_CHUNK, 0);
         let spare = &mut rbuf[filled..];
-        let read = glommio::timer::timeout(idle, async {
+        let wait = if said_hello {
+            idle
+        } else {
+            hello_by
+                .saturating_duration_since(std::time::Instant::now())
+                .max(Duration::from_millis(1))
+        };
+        let read = glommio::timer::timeout(wait, async {
             reader
                 .read(spare)
                 .await
@@ -465,19 +557,11 @@ fn spawn_request<S: Storage>(
         let op = req.name();
         core.metrics.count_request(op);
         let max_pending = core.shared.config.max_pending_response_bytes;
-        // Room for the answer first (one reservation always goes ahead, so
-        // a single large read is never stuck behind the limit).
-        let reserve = answer_reservation(&req, &core.shared.config);
-        if reserve > 0 {
-            while info.reserved.get() > 0
-                && outbox.buf.borrow().len() + info.reserved.get() + reserve > max_pending
-                && !outbox.closed.get()
-            {
-                outbox.drained.wait().await;
-            }
-            info.reserved.set(info.reserved.get() + reserve);
-        }
-        let resp = handle(&core, &info, req).await;
+        // Room for the answer first.
+        let room = AnswerRoom::new(&info);
+        room.take(answer_reservation(&req, &core.shared.config))
+            .await;
+        let resp = handle(&core, &info, &room, req).await;
         if let Response::Error(e) = &resp {
             core.metrics.count_error(e.code);
         }
@@ -489,10 +573,7 @@ fn spawn_request<S: Storage>(
         }
         outbox.push(id, &resp);
         drop(resp);
-        if reserve > 0 {
-            info.reserved.set(info.reserved.get() - reserve);
-            outbox.drained.wake_all();
-        }
+        room.give_back();
         core.in_flight.set(core.in_flight.get() - 1);
         info.in_flight.set(info.in_flight.get() - 1);
         info.in_flight_bytes
@@ -521,7 +602,12 @@ fn log_err(shard: &str, e: LogError) -> Response {
     }
 }
 
-async fn handle<S: Storage>(core: &Rc<Core<S>>, info: &Rc<ConnInfo>, req: Request) -> Response {
+async fn handle<S: Storage>(
+    core: &Rc<Core<S>>,
+    info: &Rc<ConnInfo>,
+    room: &AnswerRoom,
+    req: Request,
+) -> Response {
     match req {
         Request::Hello { .. } => wire_err(
             ErrorCode::InvalidRequest,
@@ -603,8 +689,20 @@ async fn handle<S: Storage>(core: &Rc<Core<S>>, info: &Rc<ConnInfo>, req: Reques
             max_records,
             max_bytes,
             wait_ms,
-        } => read(core, stream, shard, from, max_records, max_bytes, wait_ms).await,
-        other => crate::groups::handle(core, info, other).await,
+        } => {
+            read(
+                core,
+                room,
+                stream,
+                shard,
+                from,
+                max_records,
+                max_bytes,
+                wait_ms,
+            )
+            .await
+        }
+        other => crate::groups::handle(core, info, room, other).await,
     }
 }
 
@@ -770,8 +868,10 @@ pub(crate) async fn with_timeout<T>(ms: u64, f: impl std::future::Future<Output 
     futures_lite::future::or(async { Some(f.await) }, sleep).await
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn read<S: Storage>(
     core: &Rc<Core<S>>,
+    room: &AnswerRoom,
     stream: StreamRef,
     shard: u32,
     from: StartPosition,
@@ -806,6 +906,7 @@ async fn read<S: Storage>(
         )
         .await;
     }
+    room.take(limits.max_bytes).await;
     match s.log.read(from, limits).await {
         Ok(r) => {
             let m = &core.metrics;

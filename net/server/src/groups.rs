@@ -7,7 +7,7 @@
 //! Nothing here takes a lock or leaves the core.
 
 use crate::broker::{now_ms, wire_err, Core};
-use crate::conn::{to_wire_record, with_timeout, ConnInfo};
+use crate::conn::{to_wire_record, with_timeout, AnswerRoom, ConnInfo};
 use crate::shard::Shard;
 use felix_engine::format::Record;
 use felix_engine::group::{
@@ -72,6 +72,7 @@ fn start_at(p: StartPosition) -> StartAt {
 pub(crate) async fn handle<S: Storage>(
     core: &Rc<Core<S>>,
     info: &Rc<ConnInfo>,
+    room: &AnswerRoom,
     req: Request,
 ) -> Response {
     use felix_wire::{
@@ -145,6 +146,7 @@ pub(crate) async fn handle<S: Storage>(
             return poll(
                 core,
                 info,
+                room,
                 &shard,
                 &key,
                 max_records,
@@ -493,6 +495,7 @@ const MAX_REPLANS: u32 = 16;
 async fn poll<S: Storage>(
     core: &Rc<Core<S>>,
     info: &Rc<ConnInfo>,
+    room: &AnswerRoom,
     shard: &Rc<Shard<S>>,
     key: &GroupKey,
     max_records: u32,
@@ -539,6 +542,11 @@ async fn poll<S: Storage>(
         });
         if let Err(e) = append_entries(shard, &plan.writes) {
             return e;
+        }
+        if !plan.offsets.is_empty() {
+            // A waiting poll takes its answer room only now (a no-op for
+            // one that took it before it ran).
+            room.take(cfg.max_bytes_per_read as usize).await;
         }
         let mut loaded = match read_offsets(core, shard, &plan.offsets, view).await {
             Ok(r) => r,
