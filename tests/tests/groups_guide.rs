@@ -2344,3 +2344,33 @@ async fn whole_list_refused(raw: &mut Raw, group: &str) -> String {
         other => panic!("a whole list over the cap answered {}", other.name()),
     }
 }
+
+/// A shard keeps at most `groups.max_groups_per_shard` groups: a poll or
+/// create that would add one more is `too_large`, existing groups go on, and
+/// deleting one makes room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_keeps_at_most_its_group_limit() {
+    let cfg = config_file("[groups]\nmax_groups_per_shard = 2\n");
+    let b =
+        felix_tests::start_broker!(opts(30_000, 5).env("FELIX_TEST_CONFIG", cfg.path.display()));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 3).await;
+    let (g1, g2, g3) = (
+        Group::new(&c, JOBS, "one"),
+        Group::new(&c, JOBS, "two"),
+        Group::new(&c, JOBS, "three"),
+    );
+    assert_eq!(offsets(&g1.poll(1).await), vec![0]);
+    g2.create(StartPosition::Earliest).await.unwrap();
+    let refused = c.group_poll(T, NS, JOBS, 0, "three", 1).await;
+    assert_eq!(code(refused), Some(ErrorCode::TooLarge));
+    assert_eq!(
+        code(g3.create(StartPosition::Earliest).await),
+        Some(ErrorCode::TooLarge)
+    );
+    assert_eq!(offsets(&g1.poll(1).await), vec![1], "existing groups go on");
+    assert_eq!(offsets(&g2.poll(1).await), vec![0]);
+    g1.delete().await.unwrap();
+    assert_eq!(offsets(&g3.poll(1).await), vec![0], "room after a delete");
+}

@@ -79,6 +79,7 @@ const SETTINGS: &[Setting] = &[
     Setting { section: "groups", name: "max_wait_ms", env: Some("FELIX_GROUP_MAX_WAIT_MS"), kind: Kind::U64, default: "30000", help: "cap on how long a poll may ask the broker to wait" },
     Setting { section: "groups", name: "max_in_flight", env: Some("FELIX_GROUP_MAX_IN_FLIGHT"), kind: Kind::U64, default: "10000", help: "records one group may have handed out and unsettled on a shard" },
     Setting { section: "groups", name: "max_visibility_ms", env: Some("FELIX_GROUP_MAX_VISIBILITY_MS"), kind: Kind::U64, default: "43200000", help: "cap on a poll's visibility, an extension and a nack delay (never below the visibility timeout)" },
+    Setting { section: "groups", name: "max_groups_per_shard", env: None, kind: Kind::U64, default: "10000", help: "consumer groups one shard keeps; a poll or group_create that would add one more is refused with too_large (delete unused groups)" },
     Setting { section: "groups", name: "idle_ms", env: None, kind: Kind::U64, default: "600000", help: "idle groups drop their memory state after this (or twice the visibility timeout)" },
     Setting { section: "limits", name: "max_records_per_read", env: None, kind: Kind::U64, default: "1000", help: "records one read or poll returns at most" },
     Setting { section: "limits", name: "max_bytes_per_read", env: None, kind: Kind::U64, default: "4194304", help: "payload bytes after which a read or poll stops" },
@@ -139,6 +140,7 @@ pub struct Config {
     pub max_in_flight: u32,
     pub max_visibility_ms: u64,
     pub group_idle_ms: u64,
+    pub max_groups_per_shard: usize,
     pub max_records_per_read: u32,
     pub max_bytes_per_read: u32,
     pub max_records_per_publish: u32,
@@ -469,6 +471,10 @@ impl Config {
                 nonzero(num("limits", "max_shards")?, "limits.max_shards")?,
                 "limits.max_shards",
             )?,
+            max_groups_per_shard: nonzero(
+                num("groups", "max_groups_per_shard")?,
+                "groups.max_groups_per_shard",
+            )? as usize,
             values,
             warnings: Vec::new(),
         };

@@ -328,6 +328,9 @@ pub(crate) async fn handle<S: Storage>(
             if let Err(e) = need(info, ADMIN, "group_create") {
                 return e;
             }
+            if let Err(e) = room_for_group(core, &shard, &key.group) {
+                return e;
+            }
             write_op(&shard, &key.group, true, |t, now, view| {
                 t.create(now, start_at(start), view)
             })
@@ -391,6 +394,29 @@ fn view<S: Storage>(shard: &Shard<S>) -> LogView {
 
 /// Run `f` on the group's tracker (created empty if unknown, and dropped
 /// again if the call did not bring the group into being).
+/// Refuse a call that would add a group to a shard already keeping
+/// `groups.max_groups_per_shard` of them.
+fn room_for_group<S: Storage>(
+    core: &Core<S>,
+    shard: &Shard<S>,
+    group: &str,
+) -> Result<(), Response> {
+    let groups = shard.groups.borrow();
+    let cap = core.shared.config.max_groups_per_shard;
+    if groups.contains_key(group) || groups.len() < cap {
+        return Ok(());
+    }
+    Err(wire_err(
+        ErrorCode::TooLarge,
+        format!(
+            "shard {} keeps {} consumer groups, its limit (groups.max_groups_per_shard); \
+             delete groups no longer used",
+            shard.name(),
+            groups.len()
+        ),
+    ))
+}
+
 fn with_tracker<S: Storage, R>(
     shard: &Shard<S>,
     group: &str,
@@ -513,6 +539,9 @@ async fn poll<S: Storage>(
                 ),
             );
         }
+    }
+    if let Err(e) = room_for_group(core, shard, &key.group) {
+        return e;
     }
     let caller = Caller {
         principal: info.principal.clone(),
