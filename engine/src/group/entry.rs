@@ -7,7 +7,7 @@
 //! | bytes | field |
 //! | --- | --- |
 //! | 1 | version = 1 |
-//! | 1 | kind: 1 Create, 2 Seek, 3 Delete, 4 Position, 5 DeadLetter, 6 Redrive, 7 Discard, 8 RedriveFinished, 9 Snapshot |
+//! | 1 | kind: 1 Create, 2 Seek, 3 Delete, 4 Position, 5 DeadLetter, 6 Redrive, 7 Discard, 8 RedriveFinished, 9 Snapshot, 10 SnapshotDeadLetters |
 //! | 2 | group name length n, 1..=255 |
 //! | n | group name, UTF-8 |
 //! | … | body |
@@ -21,6 +21,7 @@
 //! | Redrive, Discard, RedriveFinished | u64 offset |
 //! | DeadLetter | u64 offset, then *info* |
 //! | Snapshot | u64 position; u32 dead-letter count d; d × (u64 offset, *info*) in strictly increasing offset order; u32 redriven count r; r × u64 offset, strictly increasing, each below the position |
+//! | SnapshotDeadLetters | u32 dead-letter count d; d × (u64 offset, *info*) in strictly increasing offset order: more of the snapshot just before it (a long list is split, [`SNAPSHOT_DEAD_LETTERS`] a piece, so no entry nears the batch size limit) |
 //!
 //! *info*: u32 attempts, u64 at_ms, u8 flags (bit 0 by_consumer, bit 1 reason
 //! present, bit 2 discarded — in a snapshot only: a dead letter discarded at
@@ -57,6 +58,13 @@ const KIND_REDRIVE: u8 = 6;
 const KIND_DISCARD: u8 = 7;
 const KIND_REDRIVE_FINISHED: u8 = 8;
 const KIND_SNAPSHOT: u8 = 9;
+const KIND_SNAPSHOT_DEAD_LETTERS: u8 = 10;
+
+/// Dead letters one snapshot entry carries at most; the rest follow in
+/// `SnapshotDeadLetters` entries of as many. About 21 bytes each without a
+/// reason, plus at most the group's 16 MiB of reasons in all: a few tens of
+/// MiB an entry, far below the 1 GiB batch limit whatever the list's length.
+pub const SNAPSHOT_DEAD_LETTERS: usize = 1 << 20;
 
 const FLAG_BY_CONSUMER: u8 = 1;
 const FLAG_REASON: u8 = 2;
@@ -182,6 +190,43 @@ impl DurableGroup {
         self.reason_bytes
     }
 
+    /// The entries that write this state whole: a `Snapshot` with the
+    /// first `piece` dead letters, then `SnapshotDeadLetters` of `piece`
+    /// each for the rest. Replayed in order they rebuild exactly this state.
+    pub fn snapshot(&self, group: &str, piece: usize) -> Vec<GroupEntry> {
+        let piece = piece.max(1);
+        let mut letters = self.dead_letters.iter();
+        let first: BTreeMap<Offset, DeadLetter> = letters
+            .by_ref()
+            .take(piece)
+            .map(|(o, d)| (*o, d.clone()))
+            .collect();
+        let head = DurableGroup {
+            position: self.position,
+            reason_bytes: first.values().map(DeadLetter::reason_len).sum(),
+            dead_letters: first,
+            redriven: self.redriven.clone(),
+        };
+        let mut out = vec![GroupEntry::Snapshot {
+            group: group.to_string(),
+            state: head,
+        }];
+        loop {
+            let more: Vec<(Offset, DeadLetter)> = letters
+                .by_ref()
+                .take(piece)
+                .map(|(o, d)| (*o, d.clone()))
+                .collect();
+            if more.is_empty() {
+                return out;
+            }
+            out.push(GroupEntry::SnapshotDeadLetters {
+                group: group.to_string(),
+                letters: more,
+            });
+        }
+    }
+
     fn insert_dead_letter(&mut self, offset: Offset, info: DeadLetter) {
         self.reason_bytes += info.reason_len();
         if let Some(old) = self.dead_letters.insert(offset, info) {
@@ -222,8 +267,14 @@ pub enum GroupEntry {
     Discard { group: String, offset: Offset },
     /// The redriven `offset` was finished.
     RedriveFinished { group: String, offset: Offset },
-    /// The whole durable state, written at the start of each log segment.
+    /// The whole durable state, written at the start of each log segment
+    /// (for a long dead-letter list, its first [`SNAPSHOT_DEAD_LETTERS`]).
     Snapshot { group: String, state: DurableGroup },
+    /// More dead letters of the `Snapshot` just before it.
+    SnapshotDeadLetters {
+        group: String,
+        letters: Vec<(Offset, DeadLetter)>,
+    },
 }
 
 /// Why bytes did not decode as a [`GroupEntry`].
@@ -253,7 +304,8 @@ impl GroupEntry {
             | GroupEntry::Redrive { group, .. }
             | GroupEntry::Discard { group, .. }
             | GroupEntry::RedriveFinished { group, .. }
-            | GroupEntry::Snapshot { group, .. } => group,
+            | GroupEntry::Snapshot { group, .. }
+            | GroupEntry::SnapshotDeadLetters { group, .. } => group,
         }
     }
 
@@ -297,6 +349,14 @@ impl GroupEntry {
                 out.extend_from_slice(&redriven.to_le_bytes());
                 for offset in &state.redriven {
                     put_u64(out, offset.0);
+                }
+            }
+            GroupEntry::SnapshotDeadLetters { letters, .. } => {
+                let n = u32::try_from(letters.len()).expect("dead letters fit u32");
+                out.extend_from_slice(&n.to_le_bytes());
+                for (offset, info) in letters {
+                    put_u64(out, offset.0);
+                    put_info(out, info);
                 }
             }
         }
@@ -357,24 +417,13 @@ impl GroupEntry {
                 group,
                 offset: Offset(r.u64()?),
             },
+            KIND_SNAPSHOT_DEAD_LETTERS => GroupEntry::SnapshotDeadLetters {
+                group,
+                letters: r.dead_letters()?.into_iter().collect(),
+            },
             KIND_SNAPSHOT => {
                 let position = Offset(r.u64()?);
-                let dead = r.u32()? as usize;
-                if dead > r.remaining() / (8 + INFO_MIN_BYTES) {
-                    return Err(GroupEntryError::Truncated { at: r.at });
-                }
-                let mut dead_letters = BTreeMap::new();
-                let mut last: Option<Offset> = None;
-                for _ in 0..dead {
-                    let offset = Offset(r.u64()?);
-                    if last.is_some_and(|l| offset <= l) {
-                        return Err(GroupEntryError::Malformed(
-                            "snapshot dead letters are not in increasing order",
-                        ));
-                    }
-                    last = Some(offset);
-                    dead_letters.insert(offset, r.info()?);
-                }
+                let dead_letters = r.dead_letters()?;
                 let count = r.u32()? as usize;
                 if count > r.remaining() / 8 {
                     return Err(GroupEntryError::Truncated { at: r.at });
@@ -415,6 +464,7 @@ impl GroupEntry {
             GroupEntry::Discard { .. } => KIND_DISCARD,
             GroupEntry::RedriveFinished { .. } => KIND_REDRIVE_FINISHED,
             GroupEntry::Snapshot { .. } => KIND_SNAPSHOT,
+            GroupEntry::SnapshotDeadLetters { .. } => KIND_SNAPSHOT_DEAD_LETTERS,
         }
     }
 }
@@ -437,6 +487,15 @@ pub(crate) fn apply(state: &mut Option<DurableGroup>, entry: &GroupEntry) {
         }
         GroupEntry::Delete { .. } => *state = None,
         GroupEntry::Snapshot { state: s, .. } => *state = Some(s.clone()),
+        GroupEntry::SnapshotDeadLetters { letters, .. } => {
+            if let Some(g) = state {
+                for (offset, info) in letters {
+                    // As the snapshot itself holds them: never also redriven.
+                    g.redriven.remove(offset);
+                    g.insert_dead_letter(*offset, info.clone());
+                }
+            }
+        }
         GroupEntry::Position { position, .. } => {
             if let Some(g) = state {
                 g.position = *position;
@@ -562,6 +621,28 @@ impl<'a> Reader<'a> {
             .map_err(|_| GroupEntryError::Malformed("text is not UTF-8"))
     }
 
+    /// A count, then that many (offset, info) in strictly increasing
+    /// offset order.
+    fn dead_letters(&mut self) -> Result<BTreeMap<Offset, DeadLetter>, GroupEntryError> {
+        let dead = self.u32()? as usize;
+        if dead > self.remaining() / (8 + INFO_MIN_BYTES) {
+            return Err(GroupEntryError::Truncated { at: self.at });
+        }
+        let mut dead_letters = BTreeMap::new();
+        let mut last: Option<Offset> = None;
+        for _ in 0..dead {
+            let offset = Offset(self.u64()?);
+            if last.is_some_and(|l| offset <= l) {
+                return Err(GroupEntryError::Malformed(
+                    "snapshot dead letters are not in increasing order",
+                ));
+            }
+            last = Some(offset);
+            dead_letters.insert(offset, self.info()?);
+        }
+        Ok(dead_letters)
+    }
+
     fn info(&mut self) -> Result<DeadLetter, GroupEntryError> {
         let attempts = self.u32()?;
         let at_ms = self.u64()?;
@@ -666,6 +747,14 @@ mod codec_tests {
                 offset: Offset(o)
             }),
             (group, arb_state()).prop_map(|(group, state)| GroupEntry::Snapshot { group, state }),
+            (
+                group,
+                proptest::collection::btree_map(any::<u64>(), arb_info(), 0..8)
+            )
+                .prop_map(|(group, dead)| GroupEntry::SnapshotDeadLetters {
+                    group,
+                    letters: dead.into_iter().map(|(o, i)| (Offset(o), i)).collect(),
+                }),
         ]
     }
 
@@ -683,6 +772,21 @@ mod codec_tests {
             let mut longer = bytes.clone();
             longer.push(0);
             prop_assert_eq!(GroupEntry::decode(&longer), Err(GroupEntryError::Trailing(1)));
+        }
+
+        #[test]
+        fn a_snapshot_split_into_pieces_rebuilds_the_state(state in arb_state(), piece in 1usize..5) {
+            let entries = state.snapshot("g", piece);
+            let letters = state.dead_letters().len();
+            prop_assert_eq!(entries.len(), 1 + letters.saturating_sub(1) / piece);
+            let mut rebuilt = None;
+            for e in &entries {
+                let e = GroupEntry::decode(&e.to_bytes()).unwrap();
+                apply(&mut rebuilt, &e);
+            }
+            let rebuilt = rebuilt.unwrap();
+            prop_assert_eq!(rebuilt.reason_bytes(), state.reason_bytes());
+            prop_assert_eq!(rebuilt, state);
         }
 
         #[test]

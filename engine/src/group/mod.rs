@@ -61,7 +61,7 @@
 //! written before it. Claims, owed and delayed records, acks above the
 //! position, attempt counts and reservations are memory: a restart or an
 //! eviction ([`GroupTracker::reset_to_durable`]) redelivers them from the
-//! position, as the guide says. Write [`GroupTracker::snapshot_entry`] at the
+//! position, as the guide says. Write [`GroupTracker::snapshot_entries`] at the
 //! start of each new log segment so retention never removes group state.
 //!
 //! # Time

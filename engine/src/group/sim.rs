@@ -1161,10 +1161,11 @@ impl Sim {
     }
 
     fn op_snapshot(&mut self) {
-        if let Some(s) = self.t.snapshot_entry() {
+        let s = self.t.snapshot_entries();
+        if !s.is_empty() {
             self.snapshots.push(self.entries.len());
             self.note(format!("snapshot at entry {}", self.entries.len()));
-            self.write(vec![s], false);
+            self.write(s, false);
         }
     }
 

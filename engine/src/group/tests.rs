@@ -1003,9 +1003,10 @@ mod rules {
         h.ack(1).unwrap();
         h.redrive(0).unwrap();
         h.ack(2).unwrap();
-        let snap = h.t.snapshot_entry().unwrap();
+        let snap = h.t.snapshot_entries();
+        assert_eq!(snap.len(), 1);
         let mut fresh = GroupTracker::new("workers", GroupConfig::default());
-        assert!(fresh.apply_entry(&GroupEntry::decode(&snap.to_bytes()).unwrap()));
+        assert!(fresh.apply_entry(&GroupEntry::decode(&snap[0].to_bytes()).unwrap()));
         assert_eq!(fresh.durable(), h.t.durable());
         assert!(!fresh.apply_entry(&GroupEntry::Delete {
             group: "other".into()

@@ -790,12 +790,12 @@ impl GroupTracker {
         true
     }
 
-    /// The whole durable state as one entry, for the start of a new log
-    /// segment; `None` if the group does not exist.
-    pub fn snapshot_entry(&self) -> Option<GroupEntry> {
-        self.durable.as_ref().map(|state| GroupEntry::Snapshot {
-            group: self.group.clone(),
-            state: state.clone(),
+    /// The whole durable state as entries (one, or a few for a long
+    /// dead-letter list), for the start of a new log segment; none if the
+    /// group does not exist.
+    pub fn snapshot_entries(&self) -> Vec<GroupEntry> {
+        self.durable.as_ref().map_or_else(Vec::new, |state| {
+            state.snapshot(&self.group, super::entry::SNAPSHOT_DEAD_LETTERS)
         })
     }
 

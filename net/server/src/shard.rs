@@ -78,7 +78,7 @@ impl<S: Storage> Shard<S> {
         let snap = groups.clone();
         log.set_snapshot_provider(Box::new(move |out| {
             for t in snap.borrow().values() {
-                if let Some(e) = t.snapshot_entry() {
+                for e in t.snapshot_entries() {
                     out.push(e.to_bytes());
                 }
             }
