@@ -587,9 +587,13 @@ impl<F> Inner<F> {
         // flusher creates the new segment when it reaches that chunk).
         let target_base = self.target_base;
         let data_len = self.projected_len - self.snapshot_len;
-        let roll = data_len > 0 && data_len + len as u64 > self.config.segment_bytes;
+        // A segment is named by its first offset, so one that holds no
+        // record yet (group entries only) cannot roll: the next one would
+        // have its name.
+        let base = self.frontiers.offset(Frontier::Queued);
+        let roll =
+            data_len > 0 && data_len + len as u64 > self.config.segment_bytes && base > target_base;
         if roll {
-            let base = self.frontiers.offset(Frontier::Queued);
             self.projected_len = 0;
             self.snapshot_len = 0;
             self.target_base = base;

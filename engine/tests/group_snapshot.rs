@@ -122,3 +122,48 @@ fn retention_waits_for_a_durable_snapshot_before_removing_group_state() {
         );
     });
 }
+
+/// A segment that holds only group entries cannot roll (a segment is named
+/// by its first offset): they accumulate in it, with no snapshot repeated
+/// among them, and the first record after them rolls as usual.
+#[test]
+fn group_entries_alone_do_not_roll_a_segment() {
+    block_on(async {
+        let storage = SimStorage::new();
+        let cfg = LogConfig {
+            segment_bytes: 16 << 10,
+            ..LogConfig::default()
+        };
+        let log = ShardLog::open(storage.clone(), Path::new(DIR), cfg.clone(), &mut |_| {})
+            .await
+            .unwrap();
+        log.set_snapshot_provider(Box::new(|out| out.push(b"state".to_vec())));
+        for _ in 0..64 {
+            log.append_group(&[1u8; 1024]).unwrap();
+            log.flush().await.unwrap();
+        }
+        assert_eq!(log.stats().segments, 1);
+        for _ in 0..200 {
+            log.append(&[rec()]).unwrap();
+            log.flush().await.unwrap();
+        }
+        assert!(log.stats().segments >= 2, "records roll as usual");
+        log.close().await.unwrap();
+        let mut entries = Vec::new();
+        let log = ShardLog::open(storage.clone(), Path::new(DIR), cfg, &mut |e| {
+            if let Replayed::Group(body) = e {
+                entries.push(body.to_vec());
+            }
+        })
+        .await
+        .unwrap();
+        let ones = entries.iter().filter(|b| b.len() == 1024).count();
+        let snapshots = entries.iter().filter(|b| b.as_slice() == b"state").count();
+        assert_eq!(ones, 64);
+        assert!(
+            snapshots <= log.stats().segments as usize,
+            "{snapshots} snapshots"
+        );
+        assert_eq!(log.end().0, 200);
+    });
+}
