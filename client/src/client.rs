@@ -325,7 +325,11 @@ impl Client {
             Ok(conn) => {
                 let hello = &conn.hello;
                 self.inner.features.store(hello.features, Ordering::Relaxed);
-                self.inner.cores.store(hello.cores, Ordering::Relaxed);
+                let was = self.inner.cores.swap(hello.cores, Ordering::Relaxed);
+                if was != hello.cores {
+                    // Restarted with another core count: placements moved.
+                    lock(&self.inner.placement).clear();
+                }
                 *lock(&self.inner.broker) = hello.broker.clone();
                 st.backoff = config.reconnect_backoff_initial;
                 st.retry_at = None;
@@ -336,8 +340,11 @@ impl Client {
             }
             Err(e) => {
                 tracing::debug!(core, error = %e, backoff = ?st.backoff, "felix connect failed");
-                st.retry_at = Some(Instant::now() + st.backoff);
-                st.backoff = (st.backoff * 2).min(config.reconnect_backoff_max);
+                st.retry_at = Instant::now().checked_add(st.backoff);
+                st.backoff = st
+                    .backoff
+                    .saturating_mul(2)
+                    .min(config.reconnect_backoff_max);
                 let kind = match &e {
                     ClientError::Io(io) => io.kind(),
                     ClientError::Timeout => std::io::ErrorKind::TimedOut,
@@ -391,11 +398,18 @@ impl Client {
         if self.cores() <= 1 {
             return Ok(self.inner.home_core);
         }
-        let p = self.placement(stream, false).await?;
-        // A shard the placement does not know: let the broker answer.
+        let cores = self.cores();
+        let mut p = self.placement(stream, false).await?;
+        if p.cores.get(shard as usize).is_some_and(|&c| c >= cores) {
+            // Cached before the broker came back with fewer cores.
+            p = self.placement(stream, true).await?;
+        }
+        // A shard the placement does not know (or a core the broker does
+        // not have): let the broker answer, with the right core.
         Ok(p.cores
             .get(shard as usize)
             .copied()
+            .filter(|&c| c < cores)
             .unwrap_or(self.inner.home_core))
     }
 
@@ -433,7 +447,8 @@ impl Client {
             Ok(p) => p.cores.get(shard as usize).copied(),
             Err(_) => None,
         };
-        let Some(right) = e.core.or(fresh) else {
+        let cores = self.cores();
+        let Some(right) = e.core.or(fresh).filter(|&c| c < cores) else {
             return Err(e.into());
         };
         match self.call_core(right, req, wait).await? {
@@ -686,8 +701,12 @@ impl Client {
     /// one after another (each `begin_publish_batch` awaited before the
     /// next) are sent on the shard's connection in that order, and so get
     /// ascending offsets. Await the pending answers in the same order. A
-    /// `wrong_core` answer is followed as usual when its `PendingPublish` is
-    /// awaited.
+    /// `wrong_core` answer (the shard's core changed: the broker came back
+    /// with another core count) is returned, not followed: following it
+    /// when awaited would send that batch after batches begun later. The
+    /// batch was not written; the client has refreshed the shard's
+    /// placement, so batches begun from then on, resent ones included, go
+    /// to the right core.
     ///
     /// ```no_run
     /// # async fn demo(client: felix_client::Client) -> Result<(), felix_client::ClientError> {
@@ -733,10 +752,10 @@ impl Client {
     }
 
     /// Put `req` on the connection to `shard`'s core and return once it is
-    /// queued there, with the answer to come. A `wrong_core` answer is
-    /// followed once (to the core the broker names), like
-    /// [`call_shard`](Client::call_shard); other error answers become
-    /// errors.
+    /// queued there, with the answer to come. Error answers become errors;
+    /// a `wrong_core` one also refreshes the stream's placement (it is not
+    /// followed: requests pipelined after this one may already be on their
+    /// way, and resending it would reorder them).
     async fn begin_shard_call(
         &self,
         stream: StreamRef,
@@ -750,9 +769,9 @@ impl Client {
         Ok(async move {
             match waiter.wait().await? {
                 Response::Error(e) if e.code == ErrorCode::WrongCore => {
-                    client
-                        .redirect(&stream, shard, &req, e, Duration::ZERO)
-                        .await
+                    tracing::debug!(%stream, shard, right = ?e.core, "wrong_core on a pipelined call; refreshing placement");
+                    let _ = client.placement(&stream, true).await;
+                    Err(e.into())
                 }
                 Response::Error(e) => Err(e.into()),
                 resp => Ok(resp),
@@ -1605,7 +1624,7 @@ impl Client {
         group: &str,
     ) -> Result<Vec<GroupInfo>> {
         let shards = self.stream_shards(tenant, namespace, stream, None).await?;
-        let mut out = Vec::with_capacity(shards as usize);
+        let mut out = Vec::new();
         for shard in 0..shards {
             out.push(
                 self.group_describe(tenant, namespace, stream, shard, group)

@@ -262,11 +262,12 @@ impl Conn {
         }
         if let Some(want) = want_core {
             if info.core != want {
-                tracing::warn!(
-                    want,
-                    got = info.core,
-                    "broker put the connection on another core than asked"
-                );
+                // Filed under the core asked for, it would get wrong_core
+                // for every request; refuse it (the next call reconnects).
+                return Err(ClientError::Io(std::io::Error::other(format!(
+                    "broker put the connection on core {} instead of core {want}",
+                    info.core
+                ))));
             }
         }
 
@@ -305,7 +306,10 @@ impl Conn {
     /// next) go out on the socket in that order. `timeout` counts from now
     /// and covers queueing for the writer as well as the answer.
     pub(crate) async fn send(&self, req: &Request, timeout: Duration) -> Result<Waiter> {
-        let deadline = tokio::time::Instant::now() + timeout;
+        let now = tokio::time::Instant::now();
+        let deadline = now
+            .checked_add(timeout)
+            .unwrap_or(now + Duration::from_secs(86_400 * 365));
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let mut frame = BytesMut::new();
         encode_request(id, req, &mut frame);

@@ -10,7 +10,7 @@ use felix_wire::{Record, StartPosition, StreamRef};
 use futures_lite::Stream;
 
 use crate::client::Client;
-use crate::error::Result;
+use crate::error::{ClientError, Result};
 use crate::types::ReadBatch;
 
 type ReadFuture = Pin<Box<dyn Future<Output = (Result<ReadBatch>, Instant)> + Send>>;
@@ -48,6 +48,8 @@ pub struct Subscription {
     buffered: VecDeque<Record>,
     in_flight: Option<ReadFuture>,
     pause: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Offsets retention removed before this subscription reached them.
+    skipped: u64,
 }
 
 impl std::fmt::Debug for Subscription {
@@ -59,6 +61,30 @@ impl std::fmt::Debug for Subscription {
             .field("buffered", &self.buffered.len())
             .finish()
     }
+}
+
+/// A read's answer must move forward from where it was asked to start:
+/// records in ascending order at or above it, and the next position past
+/// them. Anything else would repeat or skip records; it is refused as a
+/// protocol error (and the same position read again).
+fn check_batch(from: Option<u64>, batch: ReadBatch) -> Result<ReadBatch> {
+    let mut prev: Option<u64> = None;
+    for r in &batch.records {
+        if from.is_some_and(|f| r.offset < f) || prev.is_some_and(|p| r.offset <= p) {
+            return Err(ClientError::Protocol(format!(
+                "read answer out of order: record {} after {prev:?}, asked from {from:?}",
+                r.offset
+            )));
+        }
+        prev = Some(r.offset);
+    }
+    if prev.is_some_and(|p| batch.next_offset <= p) || from.is_some_and(|f| batch.next_offset < f) {
+        return Err(ClientError::Protocol(format!(
+            "read answer's next offset {} does not move past its records (last {prev:?}, asked from {from:?})",
+            batch.next_offset
+        )));
+    }
+    Ok(batch)
 }
 
 /// An empty answer faster than this means the broker did not wait; pause
@@ -83,7 +109,16 @@ impl Subscription {
             buffered: VecDeque::new(),
             in_flight: None,
             pause: None,
+            skipped: 0,
         }
+    }
+
+    /// How many offsets retention removed before this subscription read
+    /// them: a reader that falls further behind than the stream's retention
+    /// jumps to the oldest record the shard still holds (and logs a
+    /// warning), and this says how far.
+    pub fn skipped_by_retention(&self) -> u64 {
+        self.skipped
     }
 
     /// Most records fetched per read (default 500).
@@ -147,8 +182,21 @@ impl Stream for Subscription {
                 Poll::Ready(r) => r,
             };
             this.in_flight = None;
-            match result {
+            let from = match this.position {
+                StartPosition::Offset(o) => Some(o),
+                _ => None,
+            };
+            match result.and_then(|b| check_batch(from, b)) {
                 Ok(batch) => {
+                    if let Some(f) = from.filter(|f| batch.start_offset > *f) {
+                        let gap = batch.start_offset - f;
+                        this.skipped += gap;
+                        tracing::warn!(
+                            stream = %this.stream, shard = this.shard, from = f,
+                            start = batch.start_offset,
+                            "subscription fell behind retention: {gap} offsets were removed before it read them"
+                        );
+                    }
                     this.position = StartPosition::Offset(batch.next_offset);
                     if batch.records.is_empty() && started.elapsed() < TOO_FAST {
                         this.pause = Some(Box::pin(tokio::time::sleep(EMPTY_PAUSE)));
@@ -165,6 +213,54 @@ impl Stream for Subscription {
                     return Poll::Ready(Some(Err(e)));
                 }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn batch(offsets: &[u64], next: u64, start: u64) -> ReadBatch {
+        ReadBatch {
+            records: offsets
+                .iter()
+                .map(|&offset| Record {
+                    offset,
+                    timestamp_ms: 0,
+                    key: None,
+                    headers: Vec::new(),
+                    payload: Default::default(),
+                })
+                .collect(),
+            next_offset: next,
+            start_offset: start,
+            end_offset: next,
+        }
+    }
+
+    #[test]
+    fn a_read_answer_must_move_forward_from_where_it_was_asked() {
+        // Fine: ascending from the position, next past the last; gaps
+        // (control records, retention) are allowed.
+        assert!(check_batch(Some(5), batch(&[5, 6, 9], 10, 0)).is_ok());
+        assert!(check_batch(Some(5), batch(&[], 5, 0)).is_ok());
+        assert!(check_batch(Some(5), batch(&[12], 13, 12)).is_ok());
+        assert!(check_batch(None, batch(&[0, 1], 2, 0)).is_ok());
+        // Refused: below the position, out of order, repeated, or a next
+        // offset that would read the same records again.
+        for (from, b) in [
+            (Some(5), batch(&[4, 5], 6, 0)),
+            (Some(5), batch(&[6, 5], 7, 0)),
+            (Some(5), batch(&[5, 5], 6, 0)),
+            (Some(5), batch(&[5, 6], 6, 0)),
+            (Some(5), batch(&[], 4, 0)),
+            (None, batch(&[3, 2], 4, 0)),
+        ] {
+            assert!(
+                matches!(check_batch(from, b.clone()), Err(ClientError::Protocol(_))),
+                "{from:?} {b:?}"
+            );
         }
     }
 }

@@ -27,7 +27,8 @@ impl Published {
     /// The offset of the last record written (`base_offset` for an empty
     /// answer).
     pub fn last_offset(&self) -> u64 {
-        self.base_offset + u64::from(self.count.saturating_sub(1))
+        self.base_offset
+            .saturating_add(u64::from(self.count.saturating_sub(1)))
     }
 }
 
