@@ -15,7 +15,9 @@ F=${FELIX:-target/release/felix}
 PORT=${PORT:-7612}
 W=$(mktemp -d /tmp/felix-groups-kill9.XXXXXX)
 BPID=
-trap 'if [ -n "$BPID" ]; then kill -9 "$BPID" 2>/dev/null; fi; [ -n "${KEEP:-}" ] || rm -rf "$W"' EXIT
+# On exit: the broker and any publisher or consumer still running (a
+# consumer left behind would go on taking records from the next run's group).
+trap 'kill $(jobs -p) 2>/dev/null; if [ -n "$BPID" ]; then kill -9 "$BPID" 2>/dev/null; fi; [ -n "${KEEP:-}" ] || rm -rf "$W"' EXIT
 felix() { "$F" --broker "127.0.0.1:$PORT" "$@"; }
 
 start() {
