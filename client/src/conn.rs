@@ -306,6 +306,17 @@ impl Conn {
     /// next) go out on the socket in that order. `timeout` counts from now
     /// and covers queueing for the writer as well as the answer.
     pub(crate) async fn send(&self, req: &Request, timeout: Duration) -> Result<Waiter> {
+        // The last word on the guide's rule: checked against this
+        // connection's HELLO (the client's own checks use the latest HELLO
+        // of any connection, which a broker restarted as an older version
+        // may no longer match).
+        let missing = req.required_features() & !self.hello.features;
+        if missing != 0 {
+            return Err(ClientError::Unsupported(format!(
+                "{} needs feature bits {missing:#x}, which the broker on this connection did not advertise",
+                req.name()
+            )));
+        }
         let now = tokio::time::Instant::now();
         let deadline = now
             .checked_add(timeout)

@@ -271,6 +271,36 @@ impl Request {
         }
     }
 
+    /// The feature bits a broker must have advertised for this request, as
+    /// sent, to be understood: the table in the wire-protocol doc. A client
+    /// checks it against the connection the request goes on, never sending
+    /// a field the broker did not advertise.
+    pub fn required_features(&self) -> u64 {
+        use crate::{
+            FEATURE_GROUPS as G, FEATURE_GROUP_ADMIN as ADMIN, FEATURE_GROUP_CLAIM_CONTROL as CC,
+            FEATURE_GROUP_DEAD_LETTER_PAGES as PAGES, FEATURE_PUBLISH_ACK_MODE as ACK,
+        };
+        match self {
+            Request::Publish { ack, .. } if *ack != AckMode::Default => ACK,
+            Request::GroupPoll { visibility_ms, .. } => {
+                G | if visibility_ms.is_some() { CC } else { 0 }
+            }
+            Request::GroupNack { delay_ms, .. } => G | if delay_ms.is_some() { CC } else { 0 },
+            Request::GroupExtend { .. } | Request::GroupDeadLetter { .. } => G | CC,
+            Request::GroupDeadLettersPage { .. } => G | PAGES,
+            Request::GroupCreate { .. }
+            | Request::GroupSeek { .. }
+            | Request::GroupDescribe { .. }
+            | Request::GroupDelete { .. } => G | ADMIN,
+            Request::GroupAck { .. }
+            | Request::GroupDeadLetters { .. }
+            | Request::GroupRedrive { .. }
+            | Request::GroupDiscard { .. }
+            | Request::ListGroups { .. } => G,
+            _ => 0,
+        }
+    }
+
     /// snake_case name for metrics labels and logs, e.g. `"group_poll"`.
     pub fn name(&self) -> &'static str {
         // Every opcode() value is in REQUEST_NAMES (checked by a unit test).
@@ -724,6 +754,63 @@ impl Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn required_features_follow_the_table() {
+        use crate::{
+            FEATURE_GROUPS as G, FEATURE_GROUP_ADMIN as ADMIN, FEATURE_GROUP_CLAIM_CONTROL as CC,
+            FEATURE_GROUP_DEAD_LETTER_PAGES as PAGES, FEATURE_PUBLISH_ACK_MODE as ACK,
+        };
+        let key = GroupKey {
+            stream: StreamRef {
+                tenant: "t".into(),
+                namespace: "n".into(),
+                stream: "s".into(),
+            },
+            shard: 0,
+            group: "g".into(),
+        };
+        let publish = |ack| Request::Publish {
+            stream: key.stream.clone(),
+            target: PublishTarget::Shard(0),
+            ack,
+            records: Vec::new(),
+        };
+        let poll = |visibility_ms| Request::GroupPoll {
+            key: key.clone(),
+            max_records: 1,
+            wait_ms: 0,
+            member: None,
+            visibility_ms,
+        };
+        let nack = |delay_ms| Request::GroupNack {
+            key: key.clone(),
+            offset: 0,
+            attempts: 1,
+            delay_ms,
+            reason: None,
+        };
+        assert_eq!(Request::Ping.required_features(), 0);
+        assert_eq!(publish(AckMode::Default).required_features(), 0);
+        assert_eq!(publish(AckMode::Durable).required_features(), ACK);
+        assert_eq!(poll(None).required_features(), G);
+        assert_eq!(poll(Some(5)).required_features(), G | CC);
+        assert_eq!(nack(None).required_features(), G);
+        assert_eq!(nack(Some(0)).required_features(), G | CC);
+        assert_eq!(
+            Request::GroupDescribe { key: key.clone() }.required_features(),
+            G | ADMIN
+        );
+        assert_eq!(
+            Request::GroupDeadLettersPage {
+                key: key.clone(),
+                from: 0,
+                max: 1
+            }
+            .required_features(),
+            G | PAGES
+        );
+    }
 
     #[test]
     fn request_opcodes_are_unique_and_named() {
