@@ -1913,3 +1913,31 @@ async fn waiting_polls_do_not_hold_up_a_read_on_their_connection() {
         assert!(p.await.unwrap().is_empty());
     }
 }
+
+/// `limits.max_total_shards` bounds the shards of all streams together:
+/// a create past it is `too_large`, and deleting a stream makes room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_broker_holds_at_most_its_total_shard_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("felix.toml");
+    std::fs::write(&cfg, "[limits]\nmax_total_shards = 5\n").unwrap();
+    let broker = felix_tests::start_broker!(BrokerOptions::default()
+        .cores(2)
+        .env("FELIX_TEST_CONFIG", cfg.display()));
+    let c = client(&broker).await;
+    let create = |name: &'static str, shards: u32| {
+        let c = c.clone();
+        async move {
+            c.create_stream("t", "ns", name, shards, StreamOptions::default())
+                .await
+                .map(|_| ())
+        }
+    };
+    create("a", 3).await.unwrap();
+    let err = create("b", 3).await.unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::TooLarge), "{err}");
+    assert!(err.to_string().contains("max_total_shards"), "{err}");
+    create("b", 2).await.unwrap();
+    c.delete_stream("t", "ns", "a").await.unwrap();
+    create("c", 3).await.unwrap();
+}

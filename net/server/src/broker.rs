@@ -469,6 +469,17 @@ impl<S: Storage> Core<S> {
                     format!("stream {name} already exists"),
                 );
             }
+            let held: u64 = cat.values().map(|m| u64::from(m.shards)).sum();
+            if held + u64::from(shards) > c.max_total_shards {
+                return wire_err(
+                    ErrorCode::TooLarge,
+                    format!(
+                        "the broker holds {held} shards; {shards} more would pass \
+                         limits.max_total_shards ({})",
+                        c.max_total_shards
+                    ),
+                );
+            }
             cat.insert(name.clone(), meta.clone());
         }
         let undo = |why: String| {

@@ -86,6 +86,7 @@ const SETTINGS: &[Setting] = &[
     Setting { section: "limits", name: "max_records_per_publish", env: None, kind: Kind::U64, default: "100000", help: "records in one publish request" },
     Setting { section: "limits", name: "max_timestamp_ahead_ms", env: None, kind: Kind::U64, default: "3600000", help: "a published record's timestamp may be at most this far ahead of the broker's clock (retention by age trusts timestamps); 0 = no limit" },
     Setting { section: "limits", name: "max_shards", env: None, kind: Kind::U64, default: "4096", help: "shards per stream" },
+    Setting { section: "limits", name: "max_total_shards", env: None, kind: Kind::U64, default: "16384", help: "shards of all streams together (each keeps files open and its own caches); a create past it is refused with too_large" },
 ];
 
 /// A resolved value and where it came from.
@@ -148,6 +149,7 @@ pub struct Config {
     /// (`None`: no limit).
     pub max_timestamp_ahead_ms: Option<u64>,
     pub max_shards: u32,
+    pub max_total_shards: u64,
 }
 
 /// A configuration that cannot be used, and why.
@@ -470,6 +472,10 @@ impl Config {
             max_shards: u32_of(
                 nonzero(num("limits", "max_shards")?, "limits.max_shards")?,
                 "limits.max_shards",
+            )?,
+            max_total_shards: nonzero(
+                num("limits", "max_total_shards")?,
+                "limits.max_total_shards",
             )?,
             max_groups_per_shard: nonzero(
                 num("groups", "max_groups_per_shard")?,
