@@ -307,6 +307,19 @@ impl Client {
             if !c.is_closed() {
                 return Ok(c.clone());
             }
+            let config = &self.inner.config;
+            if c.proved() {
+                st.backoff = config.reconnect_backoff_initial;
+            } else {
+                // Closed before it answered anything (a broker taking
+                // connections and dropping them): a failed attempt, so the
+                // next one waits out the backoff too, and it keeps growing.
+                st.retry_at = Instant::now().checked_add(st.backoff);
+                st.backoff = st
+                    .backoff
+                    .saturating_mul(2)
+                    .min(config.reconnect_backoff_max);
+            }
             st.conn = None;
         }
         // Someone else tried while we queued for the lock, and failed.
@@ -331,7 +344,8 @@ impl Client {
                     lock(&self.inner.placement).clear();
                 }
                 *lock(&self.inner.broker) = hello.broker.clone();
-                st.backoff = config.reconnect_backoff_initial;
+                // The backoff is reset once the broker answers on this
+                // connection (above), not by a HELLO alone.
                 st.retry_at = None;
                 st.last_error = None;
                 let conn = Arc::new(conn);

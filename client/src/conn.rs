@@ -47,6 +47,9 @@ struct Pending {
 
 struct Shared {
     pending: Mutex<Pending>,
+    /// The broker answered a request on this connection (see
+    /// [`Conn::answered`]).
+    answered: std::sync::atomic::AtomicBool,
 }
 
 impl Shared {
@@ -139,6 +142,7 @@ pub(crate) struct Conn {
     next_id: AtomicU64,
     pub hello: HelloInfo,
     reader: tokio::task::JoinHandle<()>,
+    opened: std::time::Instant,
 }
 
 impl Drop for Conn {
@@ -277,6 +281,7 @@ impl Conn {
                 closed: None,
                 waiters: HashMap::new(),
             }),
+            answered: std::sync::atomic::AtomicBool::new(false),
         });
         let (tx, rx) = mpsc::channel(256);
         tokio::spawn(write_loop(wr, rx, shared.clone()));
@@ -287,7 +292,17 @@ impl Conn {
             next_id: AtomicU64::new(1),
             hello: info,
             reader,
+            opened: std::time::Instant::now(),
         })
+    }
+
+    /// Whether this connection proved healthy: the broker answered a
+    /// request on it, or it stayed open a while. One that closes at once
+    /// without answering anything counts as a failed attempt (the reconnect
+    /// backoff goes on growing).
+    pub(crate) fn proved(&self) -> bool {
+        self.shared.answered.load(Ordering::Relaxed)
+            || self.opened.elapsed() >= Duration::from_secs(5)
     }
 
     pub(crate) fn is_closed(&self) -> bool {
@@ -378,7 +393,10 @@ async fn read_loop(mut rd: OwnedReadHalf, mut buf: BytesMut, shared: Arc<Shared>
     let reason = loop {
         loop {
             match decode_response(&mut buf, max) {
-                Ok(Some((id, resp))) => shared.complete(id, Ok(resp)),
+                Ok(Some((id, resp))) => {
+                    shared.answered.store(true, Ordering::Relaxed);
+                    shared.complete(id, Ok(resp))
+                }
                 Ok(None) => break,
                 Err(e) => match e.request_id() {
                     // The frame was consumed: fail that one request only.

@@ -1073,3 +1073,29 @@ async fn pipelined_publishes_go_out_in_order() {
         .collect();
     assert_eq!(sent, (0..40).map(|n| n.to_string()).collect::<Vec<_>>());
 }
+
+/// A broker that completes HELLO and then drops every connection before
+/// answering is not reconnected to in a tight loop: such a connection
+/// counts as a failed attempt, so the backoff keeps growing.
+#[tokio::test]
+async fn connections_dropped_before_any_answer_back_off() {
+    let fake = Fake::start(1, FEATURES_ALL, |_, _| async { Action::Close }).await;
+    let cfg = ClientConfig {
+        reconnect_backoff_initial: Duration::from_millis(50),
+        reconnect_backoff_max: Duration::from_millis(400),
+        ..config()
+    };
+    let client = Client::connect(fake.addr, cfg).await.unwrap();
+    let until = std::time::Instant::now() + Duration::from_secs(1);
+    let mut calls = 0;
+    while std::time::Instant::now() < until {
+        assert!(client.ping().await.is_err());
+        calls += 1;
+    }
+    let hellos = fake.count(|r| matches!(r, Request::Hello { .. }));
+    // 50 + 100 + 200 + 400 + 400 ms of backoff fit in a second: about six.
+    assert!(
+        hellos <= 8,
+        "{hellos} connections in a second ({calls} calls)"
+    );
+}
