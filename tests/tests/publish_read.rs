@@ -432,7 +432,7 @@ async fn connection_limit_and_idle_timeout_are_enforced() {
     let broker = felix_tests::start_broker!(BrokerOptions::default()
         .cores(1)
         .env("FELIX_MAX_CONNECTIONS", 2)
-        .env("FELIX_IDLE_TIMEOUT_MS", 2000));
+        .env("FELIX_IDLE_TIMEOUT_MS", 4000));
     // Fill the broker to its limit, one connection at a time (the start-up
     // probe's connection must be gone first).
     let open = |n: f64| {
