@@ -462,7 +462,8 @@ impl Client {
             Err(_) => None,
         };
         let cores = self.cores();
-        let Some(right) = e.core.or(fresh).filter(|&c| c < cores) else {
+        let in_range = |c: &u32| *c < cores;
+        let Some(right) = e.core.filter(in_range).or(fresh.filter(in_range)) else {
             return Err(e.into());
         };
         match self.call_core(right, req, wait).await? {

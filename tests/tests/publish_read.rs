@@ -432,7 +432,7 @@ async fn connection_limit_and_idle_timeout_are_enforced() {
     let broker = felix_tests::start_broker!(BrokerOptions::default()
         .cores(1)
         .env("FELIX_MAX_CONNECTIONS", 2)
-        .env("FELIX_IDLE_TIMEOUT_MS", 4000));
+        .env("FELIX_IDLE_TIMEOUT_MS", 8000));
     // Fill the broker to its limit, one connection at a time (the start-up
     // probe's connection must be gone first).
     let open = |n: f64| {
@@ -478,7 +478,7 @@ async fn connection_limit_and_idle_timeout_are_enforced() {
     assert!(broker.metric("felix_connections_refused_total") >= 2.0);
     let mut buf = [0u8; 16];
     // The first two are idle: closed after the idle timeout.
-    let n = tokio::time::timeout(Duration::from_secs(10), a.read(&mut buf))
+    let n = tokio::time::timeout(Duration::from_secs(20), a.read(&mut buf))
         .await
         .expect("idle connection closed");
     assert!(matches!(n, Ok(0) | Err(_)));

@@ -21,7 +21,7 @@
 //! | Redrive, Discard, RedriveFinished | u64 offset |
 //! | DeadLetter | u64 offset, then *info* |
 //! | Snapshot | u64 position; u32 dead-letter count d; d × (u64 offset, *info*) in strictly increasing offset order; u32 redriven count r; r × u64 offset, strictly increasing, each below the position |
-//! | SnapshotDeadLetters | u32 dead-letter count d; d × (u64 offset, *info*) in strictly increasing offset order: more of the snapshot just before it (a long list is split, [`SNAPSHOT_DEAD_LETTERS`] a piece, so no entry nears the batch size limit) |
+//! | SnapshotDeadLetters | u32 dead-letter count d; d × (u64 offset, *info*) in strictly increasing offset order: more of the `Snapshot` that follows (a long list is split, [`SNAPSHOT_DEAD_LETTERS`] a piece, so no entry nears the batch size limit). The pieces come first and the `Snapshot` last, so a snapshot a crash cut short is ignored whole on replay |
 //!
 //! *info*: u32 attempts, u64 at_ms, u8 flags (bit 0 by_consumer, bit 1 reason
 //! present, bit 2 discarded — in a snapshot only: a dead letter discarded at
@@ -190,9 +190,12 @@ impl DurableGroup {
         self.reason_bytes
     }
 
-    /// The entries that write this state whole: a `Snapshot` with the
-    /// first `piece` dead letters, then `SnapshotDeadLetters` of `piece`
-    /// each for the rest. Replayed in order they rebuild exactly this state.
+    /// The entries that write this state whole: `SnapshotDeadLetters` of
+    /// `piece` dead letters each for all but the first `piece`, then the
+    /// `Snapshot` with those and everything else. Replayed in order (pieces
+    /// staged until their `Snapshot`, see [`with_pieces`](Self::with_pieces))
+    /// they rebuild exactly this state; a crash that keeps only some of
+    /// them leaves no `Snapshot`, and the state before it stands.
     pub fn snapshot(&self, group: &str, piece: usize) -> Vec<GroupEntry> {
         let piece = piece.max(1);
         let mut letters = self.dead_letters.iter();
@@ -207,10 +210,7 @@ impl DurableGroup {
             dead_letters: first,
             redriven: self.redriven.clone(),
         };
-        let mut out = vec![GroupEntry::Snapshot {
-            group: group.to_string(),
-            state: head,
-        }];
+        let mut out = Vec::new();
         loop {
             let more: Vec<(Offset, DeadLetter)> = letters
                 .by_ref()
@@ -218,13 +218,30 @@ impl DurableGroup {
                 .map(|(o, d)| (*o, d.clone()))
                 .collect();
             if more.is_empty() {
-                return out;
+                break;
             }
             out.push(GroupEntry::SnapshotDeadLetters {
                 group: group.to_string(),
                 letters: more,
             });
         }
+        out.push(GroupEntry::Snapshot {
+            group: group.to_string(),
+            state: head,
+        });
+        out
+    }
+
+    /// A `Snapshot`'s state with the `SnapshotDeadLetters` pieces staged
+    /// before it.
+    pub(crate) fn with_pieces(&self, pieces: Vec<(Offset, DeadLetter)>) -> DurableGroup {
+        let mut g = self.clone();
+        for (offset, info) in pieces {
+            // As the snapshot itself holds them: never also redriven.
+            g.redriven.remove(&offset);
+            g.insert_dead_letter(offset, info);
+        }
+        g
     }
 
     fn insert_dead_letter(&mut self, offset: Offset, info: DeadLetter) {
@@ -268,9 +285,10 @@ pub enum GroupEntry {
     /// The redriven `offset` was finished.
     RedriveFinished { group: String, offset: Offset },
     /// The whole durable state, written at the start of each log segment
-    /// (for a long dead-letter list, its first [`SNAPSHOT_DEAD_LETTERS`]).
+    /// (for a long dead-letter list, after `SnapshotDeadLetters` pieces that
+    /// hold all but its first [`SNAPSHOT_DEAD_LETTERS`]).
     Snapshot { group: String, state: DurableGroup },
-    /// More dead letters of the `Snapshot` just before it.
+    /// More dead letters of the `Snapshot` that follows.
     SnapshotDeadLetters {
         group: String,
         letters: Vec<(Offset, DeadLetter)>,
@@ -487,15 +505,9 @@ pub(crate) fn apply(state: &mut Option<DurableGroup>, entry: &GroupEntry) {
         }
         GroupEntry::Delete { .. } => *state = None,
         GroupEntry::Snapshot { state: s, .. } => *state = Some(s.clone()),
-        GroupEntry::SnapshotDeadLetters { letters, .. } => {
-            if let Some(g) = state {
-                for (offset, info) in letters {
-                    // As the snapshot itself holds them: never also redriven.
-                    g.redriven.remove(offset);
-                    g.insert_dead_letter(*offset, info.clone());
-                }
-            }
-        }
+        // Staged by the replaying tracker until the `Snapshot` after them
+        // (see `GroupTracker::apply_entry`); alone they change nothing.
+        GroupEntry::SnapshotDeadLetters { .. } => {}
         GroupEntry::Position { position, .. } => {
             if let Some(g) = state {
                 g.position = *position;
@@ -779,11 +791,20 @@ mod codec_tests {
             let entries = state.snapshot("g", piece);
             let letters = state.dead_letters().len();
             prop_assert_eq!(entries.len(), 1 + letters.saturating_sub(1) / piece);
+            // Replayed as the tracker does: pieces staged until the head.
+            let mut staged = Vec::new();
             let mut rebuilt = None;
             for e in &entries {
-                let e = GroupEntry::decode(&e.to_bytes()).unwrap();
-                apply(&mut rebuilt, &e);
+                match GroupEntry::decode(&e.to_bytes()).unwrap() {
+                    GroupEntry::SnapshotDeadLetters { letters, .. } => staged.extend(letters),
+                    GroupEntry::Snapshot { state, .. } => {
+                        rebuilt = Some(state.with_pieces(std::mem::take(&mut staged)));
+                    }
+                    other => panic!("{other:?}"),
+                }
             }
+            let last_is_head = matches!(entries.last(), Some(GroupEntry::Snapshot { .. }));
+            prop_assert!(last_is_head, "the Snapshot closes the pieces");
             let rebuilt = rebuilt.unwrap();
             prop_assert_eq!(rebuilt.reason_bytes(), state.reason_bytes());
             prop_assert_eq!(rebuilt, state);

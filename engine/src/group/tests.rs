@@ -1238,3 +1238,88 @@ mod reclaim {
         assert_eq!(h.dead(), vec![0]);
     }
 }
+
+/// Replaying a long snapshot: its pieces wait for the `Snapshot` that
+/// closes it, and pieces a crash left without it change nothing.
+#[test]
+fn a_snapshot_cut_short_by_a_crash_leaves_the_earlier_state() {
+    let letter = |o: u64| {
+        (
+            Offset(o),
+            DeadLetter {
+                attempts: 5,
+                at_ms: 1,
+                reason: None,
+                by_consumer: false,
+                discarded: false,
+            },
+        )
+    };
+    let mut full = GroupTracker::new("g", GroupConfig::default());
+    full.apply_entry(&GroupEntry::Create {
+        group: "g".into(),
+        position: Offset(0),
+    });
+    for o in 0..5 {
+        let (offset, info) = letter(o);
+        full.apply_entry(&GroupEntry::DeadLetter {
+            group: "g".into(),
+            offset,
+            info,
+        });
+    }
+    full.apply_entry(&GroupEntry::Position {
+        group: "g".into(),
+        position: Offset(10),
+    });
+    let state = full.durable().unwrap().clone();
+    let entries = state.snapshot("g", 2);
+    assert_eq!(
+        entries.len(),
+        3,
+        "pieces [2, 3] and [4], then the head with 0 and 1"
+    );
+
+    // Replay with the snapshot complete: the same state.
+    let mut t = GroupTracker::new("g", GroupConfig::default());
+    for e in &entries {
+        t.apply_entry(e);
+    }
+    assert_eq!(t.durable(), Some(&state));
+
+    // The log before it, then only the pieces (the head was torn off): the
+    // earlier state stands; a later entry drops the stray pieces.
+    let mut t = GroupTracker::new("g", GroupConfig::default());
+    t.apply_entry(&GroupEntry::Create {
+        group: "g".into(),
+        position: Offset(0),
+    });
+    let (offset, info) = letter(0);
+    t.apply_entry(&GroupEntry::DeadLetter {
+        group: "g".into(),
+        offset,
+        info,
+    });
+    let before = t.durable().unwrap().clone();
+    for e in &entries[..2] {
+        t.apply_entry(e);
+    }
+    assert_eq!(t.durable(), Some(&before));
+    t.apply_entry(&GroupEntry::Position {
+        group: "g".into(),
+        position: Offset(1),
+    });
+    t.apply_entry(&entries[2]);
+    let listed: Vec<u64> = t
+        .durable()
+        .unwrap()
+        .dead_letters()
+        .keys()
+        .map(|o| o.0)
+        .collect();
+    assert_eq!(
+        listed,
+        vec![0, 1],
+        "the head alone, the stray pieces dropped"
+    );
+}

@@ -54,6 +54,8 @@ pub struct GroupTracker {
     /// applies again after it. Empty except after a seek; a rebuild forgets
     /// it, as it forgets every attempt count.
     carried: FastMap<Offset, u32>,
+    /// `SnapshotDeadLetters` pieces replayed, waiting for their `Snapshot`.
+    staged: Vec<(Offset, DeadLetter)>,
     /// No offset at or above this was handed out by this tracker. `None`
     /// after a rebuild: learned (conservatively, as the log end) from the
     /// next `LogView`.
@@ -114,6 +116,7 @@ impl GroupTracker {
             skip_run_len: 0,
             skipped_below: fast_map(),
             carried: fast_map(),
+            staged: Vec::new(),
             handed_out_end: None,
             last_active_ms: 0,
         }
@@ -784,7 +787,21 @@ impl GroupTracker {
         if entry.group() != self.group {
             return false;
         }
-        entry::apply(&mut self.durable, entry);
+        match entry {
+            // A long snapshot's pieces wait for the `Snapshot` that closes
+            // it: pieces a crash left without it are dropped, and the state
+            // written before them stands.
+            GroupEntry::SnapshotDeadLetters { letters, .. } => {
+                self.staged.extend(letters.iter().cloned());
+            }
+            GroupEntry::Snapshot { state, .. } => {
+                self.durable = Some(state.with_pieces(std::mem::take(&mut self.staged)));
+            }
+            other => {
+                self.staged = Vec::new();
+                entry::apply(&mut self.durable, other);
+            }
+        }
         self.stale = true;
         self.handed_out_end = None;
         true
@@ -1458,6 +1475,7 @@ impl GroupTracker {
         self.members.clear_holders();
         self.skipped_below = fast_map();
         self.carried = fast_map();
+        self.staged = Vec::new();
         let position = self.position();
         self.frontier = position;
         self.skip_run_end = position;

@@ -177,7 +177,7 @@ impl AnswerRoom {
         self.held.set(bytes);
     }
 
-    fn give_back(&self) {
+    pub(crate) fn give_back(&self) {
         let n = self.held.replace(0);
         if n > 0 {
             self.info.reserved.set(self.info.reserved.get() - n);

@@ -651,6 +651,8 @@ async fn poll<S: Storage>(
             .and_then(|t| t.next_deadline())
             .unwrap_or(u64::MAX);
         let until = deadline.min(next.max(now + 1));
+        // Nothing to answer yet: hold no answer room while waiting.
+        room.give_back();
         let end = shard.log.end();
         let wake = shard.group_wake.clone();
         let log = shard.log.clone();
@@ -768,6 +770,7 @@ async fn read_offsets<S: Storage>(
             let reached = r.next.max(r.start).min(run_end);
             let first = out.offsets.len();
             let mut expect = start;
+            let mut cut = false;
             for rec in r.records {
                 if rec.offset >= run_end {
                     break;
@@ -775,13 +778,23 @@ async fn read_offsets<S: Storage>(
                 if rec.offset < start {
                     continue;
                 }
+                // A read lets its first record pass the byte cap; only the
+                // poll's first may (a run further on leaves the record
+                // unloaded for the next poll), so an answer stays within
+                // the budget plus one record, and within the frame.
+                if !out.offsets.is_empty() && rec.size_bytes() > budget {
+                    // Not loaded, and nothing from it on is settled.
+                    budget = 0;
+                    cut = true;
+                    break;
+                }
                 // Offsets the read stepped over below this record hold none.
                 out.skipped.extend((expect.0..rec.offset.0).map(Offset));
                 expect = rec.offset.next();
                 budget = budget.saturating_sub(rec.size_bytes());
                 out.insert(rec);
             }
-            if expect < reached {
+            if expect < reached && !cut {
                 out.skipped.extend((expect.0..reached.0).map(Offset));
             }
             debug_assert!(out.offsets[first..].is_sorted());
