@@ -2374,3 +2374,47 @@ async fn a_shard_keeps_at_most_its_group_limit() {
     g1.delete().await.unwrap();
     assert_eq!(offsets(&g3.poll(1).await), vec![0], "room after a delete");
 }
+
+/// A poll's answer stays within the frame cap: owed records scattered among
+/// finished ones are loaded only while they fit the poll's byte budget
+/// (only the poll's first record may pass it), so a large record behind
+/// them waits for the next poll instead of pushing the answer over the cap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scattered_owed_records_never_push_a_poll_over_the_frame_cap() {
+    let cfg = config_file("[limits]\nmax_bytes_per_read = 524288\n");
+    let b = felix_tests::start_broker!(opts(30_000, 5)
+        .env("FELIX_TEST_CONFIG", cfg.path.display())
+        .env("FELIX_MAX_FRAME_BYTES", 1 << 20));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    // 0, 2, 4, 6, 8: 100 KiB; 1, 3, 5, 7, 9: tiny; 10: nearly a frame.
+    let sizes: Vec<usize> = (0..10)
+        .map(|o| if o % 2 == 0 { 100 << 10 } else { 8 })
+        .chain([(1 << 20) - 4096])
+        .collect();
+    for n in &sizes {
+        c.publish(T, NS, JOBS, 0, vec![1u8; *n]).await.unwrap();
+    }
+    let g = Group::new(&c, JOBS, "workers");
+    let mut first = Vec::new();
+    while first.len() < sizes.len() {
+        let got = g.poll(100).await;
+        assert!(!got.is_empty());
+        first.extend(got);
+    }
+    for r in &first {
+        if r.offset % 2 == 1 {
+            g.ack(r.offset).await.unwrap();
+        } else {
+            g.nack(r).await.unwrap();
+        }
+    }
+    // Owed now: 0, 2, 4, 6, 8 (500 KiB) and 10, each its own run.
+    let again = g.poll(100).await;
+    assert_eq!(offsets(&again), vec![0, 2, 4, 6, 8], "the large one waits");
+    let last = g.poll(100).await;
+    assert_eq!(offsets(&last), vec![10]);
+    g.ack_all(&again).await;
+    g.ack_all(&last).await;
+    assert_eq!(g.position().await, 11);
+}
