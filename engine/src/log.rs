@@ -609,12 +609,7 @@ impl<F> Inner<F> {
                 let mut bodies = Vec::new();
                 snap(&mut bodies);
                 self.snapshot = Some(snap);
-                for body in bodies {
-                    self.push_batch(|out, next, flush| encode_group(out, next, 0, flush, &body));
-                }
-                self.snapshot_len = self.projected_len;
-                let lsn = self.frontiers.lsn(Frontier::Queued);
-                self.covers.push((base, lsn));
+                self.queue_snapshot(&bodies);
             }
         } else if self.pending.back().map(|c| c.segment_base) != Some(target_base) {
             self.pending.push_back(Chunk {
@@ -625,6 +620,19 @@ impl<F> Inner<F> {
             });
         }
         self.pending.back_mut().unwrap()
+    }
+
+    /// Queue group-state snapshot bodies into the chunk `chunk_for` made
+    /// ready (they do not count toward `segment_bytes`), and note the
+    /// complete snapshot for retention (see `covers`).
+    fn queue_snapshot(&mut self, bodies: &[Vec<u8>]) {
+        let before = self.projected_len;
+        for body in bodies {
+            self.push_batch(|out, next, flush| encode_group(out, next, 0, flush, body));
+        }
+        self.snapshot_len += self.projected_len - before;
+        let point = (self.target_base, self.frontiers.lsn(Frontier::Queued));
+        self.covers.push(point);
     }
 
     fn push_batch(
@@ -944,29 +952,19 @@ impl<S: Storage> ShardLog<S> {
         if i.refuse().is_err() {
             return;
         }
+        // All in one segment: one roll decision for the whole snapshot. A
+        // roll queues its own snapshot, which is as good. With no group
+        // state there is nothing to queue, only the mark for retention.
+        let before = i.target_base;
         if !bodies.is_empty() {
-            // All in one segment: one roll decision for the whole snapshot.
-            // A roll writes its own snapshot (and notes it), which is as
-            // good; otherwise this one goes into the active segment and,
-            // like that one, does not count toward `segment_bytes`.
-            let len: usize = bodies
+            let len = bodies
                 .iter()
                 .map(|b| format::BATCH_HEADER_BYTES + b.len())
                 .sum();
-            let before = i.target_base;
             i.chunk_for(len);
-            if i.target_base == before {
-                for body in &bodies {
-                    i.push_batch(|out, next, flush| encode_group(out, next, 0, flush, body));
-                }
-                i.snapshot_len += len as u64;
-                let (base, lsn) = (i.target_base, i.frontiers.lsn(Frontier::Queued));
-                i.covers.push((base, lsn));
-            }
-        } else {
-            // No group state: nothing for retention to keep.
-            let (base, lsn) = (i.target_base, i.frontiers.lsn(Frontier::Queued));
-            i.covers.push((base, lsn));
+        }
+        if i.target_base == before {
+            i.queue_snapshot(&bodies);
         }
         drop(i);
         self.queued.wake_all();
