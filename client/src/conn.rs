@@ -336,6 +336,27 @@ impl Conn {
         let deadline = now
             .checked_add(timeout)
             .unwrap_or(now + Duration::from_secs(86_400 * 365));
+        // A publish's records alone can pass the frame limit (or the 4 GiB a
+        // frame can describe at all): refuse it before encoding any of it.
+        if let Request::Publish { records, .. } = req {
+            let bytes = records.iter().fold(0u64, |n, r| {
+                n.saturating_add(
+                    r.payload.len() as u64
+                        + r.key.as_ref().map_or(0, |k| k.len() as u64)
+                        + r.headers
+                            .iter()
+                            .map(|(k, v)| (k.len() + v.len()) as u64)
+                            .sum::<u64>(),
+                )
+            });
+            if bytes > self.hello.max_frame_bytes as u64 {
+                return Err(ClientError::InvalidArgument(format!(
+                    "publish of {} records holds {bytes} bytes, over the broker's frame limit of {} bytes; split it",
+                    records.len(),
+                    self.hello.max_frame_bytes
+                )));
+            }
+        }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let mut frame = BytesMut::new();
         encode_request(id, req, &mut frame);

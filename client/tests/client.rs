@@ -959,6 +959,20 @@ async fn oversized_requests_are_refused_before_sending() {
     let big = vec![0u8; felix_wire::DEFAULT_MAX_FRAME_BYTES as usize + 1];
     let err = client.publish("t", "n", "s", 0, big).await.unwrap_err();
     assert!(matches!(err, ClientError::InvalidArgument(_)), "{err:?}");
+    // A batch past the 4 GiB a frame can describe (its records share one
+    // buffer) is an error, not a panic and a 4 GiB allocation.
+    let chunk = bytes::Bytes::from(vec![7u8; 1 << 20]);
+    let records = (0..4100)
+        .map(|_| felix_client::RecordIn {
+            payload: chunk.clone(),
+            ..Default::default()
+        })
+        .collect();
+    let err = client
+        .publish_batch("t", "n", "s", 0, records)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ClientError::InvalidArgument(_)), "{err:?}");
     let err = client
         .group_poll_as(
             "t",

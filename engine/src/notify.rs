@@ -29,7 +29,12 @@ impl WaitList {
 
     /// Wake every task currently waiting.
     pub fn wake_all(&self) {
+        // The epoch moves even with nobody listed: a `Wait` made but not yet
+        // polled resolves on its first poll.
         self.epoch.set(self.epoch.get() + 1);
+        if self.slots.borrow().is_empty() {
+            return;
+        }
         let slots = std::mem::take(&mut *self.slots.borrow_mut());
         self.free.borrow_mut().clear();
         for w in slots.into_iter().flatten() {

@@ -129,3 +129,259 @@ async fn a_client_that_never_reads_its_answers_costs_bounded_memory() {
     }
     writer.await.unwrap();
 }
+
+/// A raw connection that has said HELLO (its answer left unread).
+async fn raw_connection(
+    addr: &str,
+    name: &str,
+) -> (
+    tokio::net::tcp::OwnedReadHalf,
+    tokio::net::tcp::OwnedWriteHalf,
+) {
+    let s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (rd, mut wr) = s.into_split();
+    let mut out = bytes::BytesMut::new();
+    felix_wire::encode_request(
+        0,
+        &Request::Hello {
+            version: felix_wire::PROTOCOL_VERSION,
+            features: felix_wire::FEATURES_ALL,
+            want_core: None,
+            client_name: name.into(),
+            token: None,
+        },
+        &mut out,
+    );
+    wr.write_all(&out).await.unwrap();
+    (rd, wr)
+}
+
+/// Read answers until `want` (HELLO's included) have come, checking each.
+async fn drain_answers(
+    mut rd: tokio::net::tcp::OwnedReadHalf,
+    want: u64,
+    check: impl Fn(&Response) -> bool,
+) {
+    let mut got = 0u64;
+    let mut buf = bytes::BytesMut::new();
+    let mut chunk = vec![0u8; 1 << 20];
+    loop {
+        while let Some((_, resp)) = felix_wire::decode_response(&mut buf, 64 << 20).unwrap() {
+            assert!(
+                matches!(resp, Response::HelloOk { .. }) || check(&resp),
+                "unexpected {resp:?}"
+            );
+            got += 1;
+        }
+        if got == want {
+            return;
+        }
+        let n = tokio::time::timeout(Duration::from_secs(60), rd.read(&mut chunk))
+            .await
+            .expect("answers keep coming")
+            .unwrap();
+        assert!(n > 0, "broker closed the connection after {got} answers");
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+fn stream_ref(name: &str) -> StreamRef {
+    StreamRef {
+        tenant: "t".into(),
+        namespace: "ns".into(),
+        stream: name.into(),
+    }
+}
+
+/// Per-connection bounds multiply by the number of connections; the core's
+/// budget (`server.max_buffered_bytes_per_core`) bounds them all together.
+/// Twelve connections that each ask for 200 answers of 4 MiB and read none
+/// would hold 12 × 64 MiB of answers under the per-connection bound alone;
+/// with a 32 MiB budget the core holds about that plus one answer each, and
+/// others are still served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_clients_that_never_read_cost_memory_bounded_by_the_core_budget() {
+    const BUDGET: u64 = 32 << 20;
+    const CONNS: u64 = 12;
+    const READS: u64 = 200;
+    let b = felix_tests::start_broker!(BrokerOptions::default()
+        .cores(1)
+        .env("FELIX_MAX_BUFFERED_BYTES_PER_CORE", BUDGET));
+    let c = Client::connect(b.addr.as_str(), ClientConfig::default())
+        .await
+        .unwrap();
+    c.create_stream("t", "ns", "big", 1, StreamOptions::default())
+        .await
+        .unwrap();
+    for _ in 0..8 {
+        let records = (0..16)
+            .map(|_| RecordIn {
+                payload: vec![9u8; 64 << 10].into(),
+                ..Default::default()
+            })
+            .collect();
+        c.publish_batch("t", "ns", "big", 0, records).await.unwrap();
+    }
+    let pid = b.pid();
+    let base = rss_bytes(pid);
+
+    let mut readers = Vec::new();
+    let mut writers = Vec::new();
+    for i in 0..CONNS {
+        let (rd, mut wr) = raw_connection(&b.addr, &format!("never-reads-{i}")).await;
+        let mut out = bytes::BytesMut::new();
+        for id in 1..=READS {
+            felix_wire::encode_request(
+                id,
+                &Request::Read {
+                    stream: stream_ref("big"),
+                    shard: 0,
+                    from: StartPosition::Offset(0),
+                    max_records: 1000,
+                    max_bytes: 4 << 20,
+                    wait_ms: 0,
+                },
+                &mut out,
+            );
+        }
+        readers.push(rd);
+        writers.push(tokio::spawn(async move {
+            wr.write_all(&out).await.unwrap();
+            wr
+        }));
+    }
+    let mut last = 0;
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = rss_bytes(pid);
+        if now == last {
+            break;
+        }
+        last = now;
+    }
+
+    // Others are served meanwhile (a connection holding nothing goes ahead).
+    let other = Client::connect(b.addr.as_str(), ClientConfig::default())
+        .await
+        .unwrap();
+    let r = other
+        .read("t", "ns", "big", 0, StartPosition::Earliest, 10, None)
+        .await
+        .unwrap();
+    assert_eq!(r.records.len(), 10);
+
+    // What the core counted: the budget plus about one answer (and its
+    // reservation) per connection, far from 12 × 64 MiB.
+    let peak = b.metric("felix_core_buffered_bytes_peak") as u64;
+    let bound = BUDGET + (CONNS + 2) * (9 << 20);
+    assert!(
+        peak <= bound,
+        "the core held {} MiB (bound {} MiB)",
+        peak >> 20,
+        bound >> 20
+    );
+    assert!(b.metric("felix_core_buffered_waits_total") > 0.0);
+    let grown = rss_bytes(pid).saturating_sub(base);
+    assert!(
+        grown < 320 << 20,
+        "broker grew by {} MiB for {CONNS} clients that do not read",
+        grown >> 20
+    );
+
+    // Reading now drains everything: every request is answered.
+    let drains: Vec<_> = readers
+        .into_iter()
+        .map(|rd| {
+            tokio::spawn(drain_answers(rd, READS + 1, |r| {
+                matches!(r, Response::Records { .. })
+            }))
+        })
+        .collect();
+    for d in drains {
+        d.await.unwrap();
+    }
+    for w in writers {
+        w.await.unwrap();
+    }
+    // Everything counted was released.
+    let mut left = f64::MAX;
+    for _ in 0..50 {
+        left = b.metric("felix_core_buffered_bytes");
+        if left == 0.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(left, 0.0, "bytes still counted after every answer was read");
+}
+
+/// Publishers pipelining far more than the core's budget are slowed, never
+/// refused or lost: every publish is acknowledged and every record stored,
+/// while the core holds about its budget plus one request per connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publishers_past_the_core_budget_are_slowed_not_refused() {
+    const BUDGET: u64 = 8 << 20;
+    const CONNS: u64 = 8;
+    const PUBLISHES: u64 = 24;
+    const PER: u64 = 16;
+    let b = felix_tests::start_broker!(BrokerOptions::default()
+        .cores(1)
+        .env("FELIX_MAX_BUFFERED_BYTES_PER_CORE", BUDGET));
+    let c = Client::connect(b.addr.as_str(), ClientConfig::default())
+        .await
+        .unwrap();
+    c.create_stream("t", "ns", "many", 1, StreamOptions::default())
+        .await
+        .unwrap();
+    let mut tasks = Vec::new();
+    for i in 0..CONNS {
+        let (rd, mut wr) = raw_connection(&b.addr, &format!("publisher-{i}")).await;
+        let mut out = bytes::BytesMut::new();
+        for id in 1..=PUBLISHES {
+            felix_wire::encode_request(
+                id,
+                &Request::Publish {
+                    stream: stream_ref("many"),
+                    target: felix_wire::PublishTarget::Shard(0),
+                    ack: felix_wire::AckMode::Default,
+                    records: (0..PER)
+                        .map(|_| felix_wire::RecordIn {
+                            payload: vec![i as u8; 64 << 10].into(),
+                            ..Default::default()
+                        })
+                        .collect(),
+                },
+                &mut out,
+            );
+        }
+        tasks.push(tokio::spawn(async move {
+            let write = async move {
+                wr.write_all(&out).await.unwrap();
+                wr
+            };
+            let read = drain_answers(rd, PUBLISHES + 1, |r| {
+                matches!(r, Response::Published { .. })
+            });
+            let (wr, ()) = tokio::join!(write, read);
+            drop(wr);
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let end = c
+        .describe_shard("t", "ns", "many", 0)
+        .await
+        .unwrap()
+        .end_offset;
+    assert_eq!(end, CONNS * PUBLISHES * PER);
+    let peak = b.metric("felix_core_buffered_bytes_peak") as u64;
+    let bound = BUDGET + (CONNS + 1) * ((PER << 16) + (64 << 10));
+    assert!(
+        peak <= bound,
+        "the core held {} MiB (bound {} MiB)",
+        peak >> 20,
+        bound >> 20
+    );
+    assert!(b.metric("felix_core_buffered_waits_total") > 0.0);
+}

@@ -159,6 +159,9 @@ pub(crate) struct Core<S: Storage> {
     pub stop_signal: WaitList,
     /// This core's view of the data disk's free space.
     pub disk: crate::disk::DiskGuard,
+    /// Bytes this core's connections hold, against
+    /// `server.max_buffered_bytes_per_core`.
+    pub budget: Rc<crate::memory::Budget>,
 }
 
 /// Largest `retention_bytes` / `retention_ms` a stream may have: what a
@@ -189,6 +192,9 @@ impl<S: Storage> Core<S> {
         storage: S,
         disk: crate::disk::DiskGuard,
     ) -> Rc<Core<S>> {
+        let budget = Rc::new(crate::memory::Budget::new(
+            shared.config.max_buffered_bytes_per_core,
+        ));
         Rc::new(Core {
             ctx,
             shared,
@@ -203,6 +209,7 @@ impl<S: Storage> Core<S> {
             stopping: Cell::new(false),
             lifecycle: WaitList::new(),
             stop_signal: WaitList::new(),
+            budget,
             disk,
         })
     }
@@ -670,6 +677,12 @@ impl<S: Storage> Core<S> {
     /// Metrics of this core, as plain numbers another core can merge.
     pub fn snapshot(&self) -> MetricsSnapshot {
         let mut snap = self.metrics.snapshot();
+        snap.buffered.push(crate::metrics::BufferedSnapshot {
+            core: self.core_id(),
+            bytes: self.budget.used() as u64,
+            peak: self.budget.peak() as u64,
+            waits: self.budget.waits(),
+        });
         snap.retired = self.retired.borrow().clone();
         for s in self.retiring.borrow().iter() {
             snap.retired.add_io(&ShardSnapshot::io_of(&s.log.stats()));

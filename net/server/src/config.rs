@@ -59,6 +59,7 @@ const SETTINGS: &[Setting] = &[
     Setting { section: "server", name: "max_requests_per_connection", env: None, kind: Kind::U64, default: "1024", help: "requests one connection may have in flight; the broker stops reading it until some finish" },
     Setting { section: "server", name: "max_request_bytes_per_connection", env: None, kind: Kind::U64, default: "67108864", help: "bytes of requests one connection may have in flight (read, not yet answered); the broker stops reading it until some finish" },
     Setting { section: "server", name: "max_pending_response_bytes", env: None, kind: Kind::U64, default: "67108864", help: "unsent response bytes per connection (reads and polls count their size cap while they run) before the broker stops reading it" },
+    Setting { section: "server", name: "max_buffered_bytes_per_core", env: Some("FELIX_MAX_BUFFERED_BYTES_PER_CORE"), kind: Kind::U64, default: "1073741824", help: "request and answer bytes all connections of one core may hold together (requests read and not yet answered, room reserved by reads and polls, answers not yet sent); at the budget the core stops reading connections that already hold something until some is freed" },
     Setting { section: "server", name: "metrics_listen", env: Some("FELIX_METRICS_LISTEN"), kind: Kind::Str, default: "127.0.0.1:7401", help: "Prometheus text exposition over HTTP; empty disables" },
     Setting { section: "server", name: "shutdown_grace_ms", env: None, kind: Kind::U64, default: "10000", help: "on SIGTERM/SIGINT, how long in-flight requests may take to finish" },
     Setting { section: "server", name: "log", env: Some("RUST_LOG"), kind: Kind::Str, default: "info", help: "log filter (tracing EnvFilter syntax)" },
@@ -118,6 +119,7 @@ pub struct Config {
     pub max_requests_per_connection: usize,
     pub max_request_bytes_per_connection: usize,
     pub max_pending_response_bytes: usize,
+    pub max_buffered_bytes_per_core: usize,
     pub metrics_listen: Option<String>,
     pub shutdown_grace_ms: u64,
     pub log: String,
@@ -391,6 +393,10 @@ impl Config {
             max_pending_response_bytes: nonzero(
                 num("server", "max_pending_response_bytes")?,
                 "server.max_pending_response_bytes",
+            )? as usize,
+            max_buffered_bytes_per_core: nonzero(
+                num("server", "max_buffered_bytes_per_core")?,
+                "server.max_buffered_bytes_per_core",
             )? as usize,
             metrics_listen: if metrics.is_empty() {
                 None

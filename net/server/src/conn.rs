@@ -4,6 +4,7 @@
 //! complete. A long poll therefore never blocks an ack on the same connection.
 
 use crate::broker::{now_ms, to_name, wire_err, Core, CoreMsg, Handoff};
+use crate::memory::Budget;
 use crate::shard::Shard;
 use bytes::BytesMut;
 use felix_engine::format::RecordIn as LogRecordIn;
@@ -68,9 +69,18 @@ struct Outbox {
     drained: WaitList,
     /// The frame cap announced in HELLO.
     max_frame: u32,
+    /// The core's budget, which counts the encoded answers not yet sent.
+    budget: Rc<Budget>,
+    /// Bytes taken from `buf` by the writer and not yet fully written.
+    writing: Cell<usize>,
 }
 
 impl Outbox {
+    /// Encoded answers not yet sent, including those being written.
+    fn unsent(&self) -> usize {
+        self.buf.borrow().len() + self.writing.get()
+    }
+
     fn push(&self, request_id: u64, resp: &Response) {
         if self.closed.get() {
             return;
@@ -99,6 +109,7 @@ impl Outbox {
                     &mut buf,
                 );
             }
+            self.budget.add(buf.len() - at);
         }
         self.ready.wake_all();
     }
@@ -167,13 +178,26 @@ impl AnswerRoom {
         }
         let info = &self.info;
         let outbox = &info.outbox;
-        while info.reserved.get() > 0
-            && outbox.buf.borrow().len() + info.reserved.get() + bytes > info.max_pending
-            && !outbox.closed.get()
-        {
-            outbox.drained.wait().await;
+        let budget = &outbox.budget;
+        let mut counted = false;
+        while !outbox.closed.get() {
+            let unsent = outbox.unsent();
+            let holds = info.reserved.get() > 0;
+            let conn_full = holds && unsent + info.reserved.get() + bytes > info.max_pending;
+            // A connection holding no room and no unsent answer always goes
+            // ahead (see `memory`): nobody starves, nothing deadlocks.
+            let core_full = (holds || unsent > 0) && budget.over(bytes);
+            if !conn_full && !core_full {
+                break;
+            }
+            if core_full && !counted {
+                budget.count_wait();
+                counted = true;
+            }
+            futures_lite::future::or(outbox.drained.wait(), budget.wait_freed()).await;
         }
         info.reserved.set(info.reserved.get() + bytes);
+        budget.add(bytes);
         self.held.set(bytes);
     }
 
@@ -181,6 +205,7 @@ impl AnswerRoom {
         let n = self.held.replace(0);
         if n > 0 {
             self.info.reserved.set(self.info.reserved.get() - n);
+            self.info.outbox.budget.release(n);
             self.info.outbox.drained.wake_all();
         }
     }
@@ -249,6 +274,8 @@ pub(crate) async fn serve<S: Storage>(
         handed_off: Cell::new(false),
         drained: WaitList::new(),
         max_frame,
+        budget: core.budget.clone(),
+        writing: Cell::new(0),
     });
     let info = Rc::new(ConnInfo {
         id: conn_id,
@@ -267,10 +294,17 @@ pub(crate) async fn serve<S: Storage>(
     let max_requests = core.shared.config.max_requests_per_connection;
     let max_request_bytes = core.shared.config.max_request_bytes_per_connection;
     let max_pending = core.shared.config.max_pending_response_bytes;
+    // Once the core is at its budget, a connection that holds something
+    // (a request in flight or an unsent answer) waits for room; one that
+    // holds nothing still goes ahead with one request.
+    let budget_bound = |info: &ConnInfo, outbox: &Outbox| {
+        core.budget.full() && (info.in_flight.get() > 0 || outbox.unsent() > 0)
+    };
     let over_limits = |info: &ConnInfo, outbox: &Outbox| {
         info.in_flight.get() >= max_requests
             || info.in_flight_bytes.get() >= max_request_bytes
             || outbox.buf.borrow().len() >= max_pending
+            || budget_bound(info, outbox)
     };
     // A connection has this long to say HELLO (however slowly its bytes
     // trickle in), so idle sockets cannot hold connection places.
@@ -394,12 +428,16 @@ pub(crate) async fn serve<S: Storage>(
             break;
         }
         // Backpressure: stop reading a connection that has too many requests
-        // (or request bytes) in flight or too many unsent response bytes
-        // until that drains.
+        // (or request bytes) in flight or too many unsent response bytes, or
+        // while the core is at its budget, until that drains.
+        if budget_bound(&info, &outbox) {
+            core.budget.count_wait();
+        }
         while over_limits(&info, &outbox) && !outbox.closed.get() {
             let drained = outbox.drained.wait();
             let finished = core.lifecycle.wait();
-            futures_lite::future::or(drained, finished).await;
+            let freed = core.budget.wait_freed();
+            futures_lite::future::or(drained, futures_lite::future::or(finished, freed)).await;
         }
         if outbox.closed.get() {
             break;
@@ -514,8 +552,17 @@ async fn write_loop(mut sock: Shared, outbox: Rc<Outbox>) {
         };
         match data {
             Some(d) => {
-                if sock.write_all(&d).await.is_err() {
+                outbox.writing.set(d.len());
+                let sent = sock.write_all(&d).await;
+                outbox.writing.set(0);
+                outbox.budget.release(d.len());
+                drop(d);
+                if sent.is_err() {
+                    // Nothing more goes out: what is queued is dropped (and
+                    // pushes from now on are ignored).
                     outbox.closed.set(true);
+                    let left = std::mem::take(&mut *outbox.buf.borrow_mut());
+                    outbox.budget.release(left.len());
                     outbox.drained.wake_all();
                     return;
                 }
@@ -553,6 +600,7 @@ fn spawn_request<S: Storage>(
     info.in_flight.set(info.in_flight.get() + 1);
     info.in_flight_bytes
         .set(info.in_flight_bytes.get() + frame_len);
+    core.budget.add(frame_len);
     glommio::spawn_local(async move {
         let op = req.name();
         core.metrics.count_request(op);
@@ -578,6 +626,7 @@ fn spawn_request<S: Storage>(
         info.in_flight.set(info.in_flight.get() - 1);
         info.in_flight_bytes
             .set(info.in_flight_bytes.get() - frame_len);
+        core.budget.release(frame_len);
         core.lifecycle.wake_all();
     })
     .detach();

@@ -16,6 +16,7 @@ pub mod config;
 mod conn;
 mod disk;
 mod groups;
+mod memory;
 mod metrics;
 mod shard;
 

@@ -76,6 +76,7 @@ impl CoreMetrics {
                 ("felix_connection_handoffs_total", self.handoffs.get()),
             ],
             connections_open: self.connections_open.get(),
+            buffered: Vec::new(),
             shards: Vec::new(),
             retired: ShardSnapshot::default(),
             executor_wakeups: 0,
@@ -121,6 +122,15 @@ impl ShardSnapshot {
     }
 }
 
+/// A core's buffered-bytes budget (`server.max_buffered_bytes_per_core`).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct BufferedSnapshot {
+    pub core: u32,
+    pub bytes: u64,
+    pub peak: u64,
+    pub waits: u64,
+}
+
 /// One core's numbers, `Send` so they can cross to the scraping core.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct MetricsSnapshot {
@@ -128,6 +138,8 @@ pub(crate) struct MetricsSnapshot {
     pub errors: BTreeMap<String, u64>,
     pub counters: Vec<(&'static str, u64)>,
     pub connections_open: u64,
+    /// One entry per core (labelled, not summed).
+    pub buffered: Vec<BufferedSnapshot>,
     pub shards: Vec<ShardSnapshot>,
     /// I/O totals of deleted shards (counters only; no shape).
     pub retired: ShardSnapshot,
@@ -151,6 +163,7 @@ impl MetricsSnapshot {
             }
         }
         self.connections_open += o.connections_open;
+        self.buffered.extend(o.buffered);
         self.shards.extend(o.shards);
         self.retired.add_io(&o.retired);
     }
@@ -174,6 +187,32 @@ impl MetricsSnapshot {
             "# TYPE felix_connections_open gauge\nfelix_connections_open {}",
             self.connections_open
         );
+        let mut buffered = self.buffered.clone();
+        buffered.sort_by_key(|b| b.core);
+        let _ = writeln!(s, "# HELP felix_core_buffered_bytes Request and answer bytes a core's connections hold (server.max_buffered_bytes_per_core).\n# TYPE felix_core_buffered_bytes gauge");
+        for b in &buffered {
+            let _ = writeln!(
+                s,
+                "felix_core_buffered_bytes{{core=\"{}\"}} {}",
+                b.core, b.bytes
+            );
+        }
+        let _ = writeln!(s, "# HELP felix_core_buffered_bytes_peak The most felix_core_buffered_bytes has been since start.\n# TYPE felix_core_buffered_bytes_peak gauge");
+        for b in &buffered {
+            let _ = writeln!(
+                s,
+                "felix_core_buffered_bytes_peak{{core=\"{}\"}} {}",
+                b.core, b.peak
+            );
+        }
+        let _ = writeln!(s, "# HELP felix_core_buffered_waits_total Times a connection or a read waited for the core's buffered-bytes budget.\n# TYPE felix_core_buffered_waits_total counter");
+        for b in &buffered {
+            let _ = writeln!(
+                s,
+                "felix_core_buffered_waits_total{{core=\"{}\"}} {}",
+                b.core, b.waits
+            );
+        }
         let _ = writeln!(
             s,
             "# HELP felix_executor_wakeups_total Times the watchdog woke an executor that had stopped running its tasks.\n\

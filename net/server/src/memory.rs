@@ -1,0 +1,121 @@
+//! One core's budget for the bytes its connections hold
+//! (`server.max_buffered_bytes_per_core`).
+//!
+//! Each connection is already bounded on its own (requests in flight,
+//! request bytes, unsent answers), but those bounds multiply by the number of
+//! connections: ten thousand connections each allowed 64 MiB of requests and
+//! 64 MiB of answers would be far more memory than a machine has. The budget
+//! counts, across every connection of the core,
+//!
+//! * the frame bytes of requests read and not yet answered,
+//! * the answer room reads and polls reserve before they fetch records, and
+//! * encoded answers waiting to be written to their sockets.
+//!
+//! Once the core is at its budget, a connection that already holds something
+//! (a request in flight, reserved room or an unsent answer) is not read from,
+//! and a read or poll waits for room, until other work finishes and frees
+//! some. A connection holding nothing may always go ahead with one request,
+//! so no connection is starved by others and the core cannot deadlock on
+//! its own budget: everything counted is released when requests finish and
+//! clients read their answers. The memory a core can hold is therefore the
+//! budget plus at most one request and one answer per connection.
+
+use felix_engine::notify::WaitList;
+use std::cell::Cell;
+
+pub(crate) struct Budget {
+    used: Cell<usize>,
+    peak: Cell<usize>,
+    limit: usize,
+    /// Times a connection or a read was held back for the budget.
+    waits: Cell<u64>,
+    /// Woken when a release leaves the core under its budget.
+    freed: WaitList,
+}
+
+impl Budget {
+    pub fn new(limit: usize) -> Budget {
+        Budget {
+            used: Cell::new(0),
+            peak: Cell::new(0),
+            limit,
+            waits: Cell::new(0),
+            freed: WaitList::new(),
+        }
+    }
+
+    pub fn add(&self, n: usize) {
+        let used = self.used.get() + n;
+        self.used.set(used);
+        if used > self.peak.get() {
+            self.peak.set(used);
+        }
+    }
+
+    pub fn release(&self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let used = self.used.get() - n;
+        self.used.set(used);
+        // Waiters need the core under its budget; below it, wake them to
+        // look again (each re-checks its own condition).
+        if used < self.limit {
+            self.freed.wake_all();
+        }
+    }
+
+    /// Whether `more` bytes would pass the budget.
+    pub fn over(&self, more: usize) -> bool {
+        self.used.get().saturating_add(more) > self.limit
+    }
+
+    /// Whether the core is at its budget.
+    pub fn full(&self) -> bool {
+        self.used.get() >= self.limit
+    }
+
+    /// Resolves after the next release.
+    pub fn wait_freed(&self) -> felix_engine::notify::Wait<'_> {
+        self.freed.wait()
+    }
+
+    pub fn count_wait(&self) {
+        self.waits.set(self.waits.get() + 1);
+    }
+
+    pub fn used(&self) -> usize {
+        self.used.get()
+    }
+
+    pub fn peak(&self) -> usize {
+        self.peak.get()
+    }
+
+    pub fn waits(&self) -> u64 {
+        self.waits.get()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_use_peak_and_the_limit() {
+        let b = Budget::new(100);
+        assert!(!b.full());
+        b.add(60);
+        assert!(!b.full());
+        assert!(b.over(41));
+        assert!(!b.over(40));
+        b.add(40);
+        assert!(b.full());
+        b.release(70);
+        assert_eq!(b.used(), 30);
+        assert_eq!(b.peak(), 100);
+        assert!(!b.full());
+        // No overflow on absurd sizes.
+        assert!(b.over(usize::MAX));
+    }
+}
