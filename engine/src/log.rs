@@ -100,9 +100,12 @@ pub struct LogConfig {
     /// written blocks. Sealing cuts the reservation off; recovery reads the
     /// zeros past the last batch of the last segment as its end.
     pub preallocate: bool,
-    /// How far ahead of the data the active segment is reserved: a flush
-    /// whose writes would pass the reservation first extends it to the next
-    /// multiple of this (so a crash leaves at most this much to scan).
+    /// How far ahead of the data the active segment is reserved at most: a
+    /// flush whose writes would pass the reservation first extends it, to
+    /// the next power of two past its writes (at least 256 KiB) while that
+    /// is smaller than this, else to the next multiple of this (so a crash
+    /// leaves at most this much to scan, and a shard barely written holds
+    /// little disk).
     pub preallocate_step: u64,
 }
 
@@ -139,6 +142,23 @@ const ZERO_AHEAD_LOW: u64 = 64 << 10;
 /// its bandwidth makes rounds larger than this (more data gathers while each
 /// one is written), so zeros never take bandwidth the data needs.
 const ZERO_AHEAD_ROUND: usize = 64 << 10;
+/// Smallest reservation step. A segment's reservation grows to the next
+/// power of two past its writes (at least this) until that reaches
+/// `preallocate_step`, then a step at a time: a shard that is barely written
+/// reserves little disk (thousands of shards would otherwise each hold a
+/// full step), and one written fast reaches full steps after a few extends.
+const MIN_RESERVE_STEP: u64 = 256 << 10;
+
+/// How far a segment whose writes end at `need` is reserved, with steps of
+/// at most `step` (see [`MIN_RESERVE_STEP`]).
+fn reservation_for(need: u64, step: u64) -> u64 {
+    let step = step.max(ALIGN as u64);
+    let grow = need.max(MIN_RESERVE_STEP).checked_next_power_of_two();
+    match grow {
+        Some(to) if to < step => to,
+        _ => need.div_ceil(step).saturating_mul(step),
+    }
+}
 
 impl Default for LogConfig {
     fn default() -> Self {
@@ -1341,11 +1361,10 @@ impl<S: Storage> ShardLog<S> {
         let need = zeros.map_or(write_end, |(at, len)| at + len as u64);
         let mut reserved = reserved;
         if let Some(step) = step.filter(|_| need > reserved) {
-            // Reserve up to the next step boundary past these writes. Best
-            // effort: a filesystem without fallocate grows the file as it is
-            // written, and it is not asked again for this segment.
-            let step = step.max(ALIGN as u64);
-            let to = need.div_ceil(step).saturating_mul(step);
+            // Reserve past these writes (`reservation_for`). Best effort: a
+            // filesystem without fallocate grows the file as it is written,
+            // and it is not asked again for this segment.
+            let to = reservation_for(need, step);
             reserved = match file.allocate(to).await {
                 Ok(()) => to,
                 Err(e) => {
@@ -2228,6 +2247,34 @@ async fn checksum_matches<F: StorageFile>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reservations_double_up_to_the_step_then_go_a_step_at_a_time() {
+        let mib = 1u64 << 20;
+        let step = 8 * mib;
+        // A barely written segment holds 256 KiB, not a whole step.
+        assert_eq!(reservation_for(4096, step), 256 << 10);
+        assert_eq!(reservation_for(260 << 10, step), 512 << 10);
+        assert_eq!(reservation_for(3 * mib, step), 4 * mib);
+        assert_eq!(reservation_for(5 * mib, step), step);
+        assert_eq!(reservation_for(8 * mib, step), step);
+        assert_eq!(reservation_for(8 * mib + 1, step), 2 * step);
+        assert_eq!(reservation_for(100 * mib, step), 104 * mib);
+        // Always past the writes.
+        for need in [1, 4096, 300 << 10, 7 * mib, 9 * mib, 33 * mib] {
+            for step in [4096, 12288, 32 << 10, mib, 3 * mib, 8 * mib] {
+                let to = reservation_for(need, step);
+                assert!(to >= need, "need {need} step {step}: {to}");
+                assert!(
+                    to - need < step.max(MIN_RESERVE_STEP).max(need),
+                    "need {need} step {step}: {to}"
+                );
+            }
+        }
+        // Steps at or under the smallest are used as they are.
+        assert_eq!(reservation_for(40 << 10, 32 << 10), 64 << 10);
+        assert_eq!(reservation_for(u64::MAX - 5, mib), u64::MAX);
+    }
 
     #[test]
     fn first_nonzero_finds_the_first_set_byte_anywhere() {
