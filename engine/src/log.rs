@@ -442,6 +442,8 @@ pub struct LogStats {
     /// Cold reads that went to disk, and those served from a recent chunk.
     pub cold_reads: u64,
     pub cold_hits: u64,
+    /// Bytes held for reads: recent batches and cold-read chunks.
+    pub cache_bytes: u64,
 }
 
 /// Bytes read from a segment by a cold read. Bytes below a segment's length
@@ -1118,6 +1120,26 @@ impl<S: Storage> ShardLog<S> {
             sync: i.sync,
             cold_reads: i.cold_reads,
             cold_hits: i.cold_hits,
+            cache_bytes: (i.cache_bytes + i.cold.iter().map(|c| c.bytes.len()).sum::<usize>())
+                as u64,
+        }
+    }
+
+    /// Change how much this log keeps for reads: recent batches
+    /// ([`LogConfig::read_cache_bytes`], at least the newest batch is kept)
+    /// and cold-read chunks ([`LogConfig::cold_chunks`]). Anything over the
+    /// new limits is dropped now. A broker running thousands of shards on a
+    /// core shares one memory budget between them this way.
+    pub fn set_cache_limits(&self, read_cache_bytes: usize, cold_chunks: usize) {
+        let mut i = self.inner.borrow_mut();
+        i.config.read_cache_bytes = read_cache_bytes;
+        i.config.cold_chunks = cold_chunks;
+        while i.cache_bytes > read_cache_bytes && i.cache.len() > 1 {
+            let b = i.cache.pop_front().unwrap();
+            i.cache_bytes -= b.bytes.len();
+        }
+        while i.cold.len() > cold_chunks {
+            i.cold.pop_front();
         }
     }
 

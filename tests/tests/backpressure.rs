@@ -385,3 +385,69 @@ async fn publishers_past_the_core_budget_are_slowed_not_refused() {
     );
     assert!(b.metric("felix_core_buffered_waits_total") > 0.0);
 }
+
+/// Shards on a core share one read-cache budget
+/// (`storage.read_cache_bytes_per_core`): sixteen shards with 1 MiB each
+/// would keep 16 MiB at the per-shard default; with a 4 MiB budget they keep
+/// at most that, and every record still reads back (from disk).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shards_on_a_core_share_one_read_cache_budget() {
+    const BUDGET: u64 = 4 << 20;
+    const SHARDS: u32 = 16;
+    let b = felix_tests::start_broker!(BrokerOptions::default()
+        .cores(1)
+        .env("FELIX_READ_CACHE_BYTES_PER_CORE", BUDGET));
+    let c = Client::connect(b.addr.as_str(), ClientConfig::default())
+        .await
+        .unwrap();
+    c.create_stream("t", "ns", "wide", SHARDS, StreamOptions::default())
+        .await
+        .unwrap();
+    for shard in 0..SHARDS {
+        for i in 0..16u8 {
+            let record = RecordIn {
+                payload: vec![i; 64 << 10].into(),
+                ..Default::default()
+            };
+            c.publish_batch("t", "ns", "wide", shard, vec![record])
+                .await
+                .unwrap();
+        }
+    }
+    let cached = b.metric("felix_read_cache_bytes") as u64;
+    assert!(cached > 0, "nothing cached at all");
+    assert!(
+        cached <= BUDGET,
+        "{SHARDS} shards keep {} KiB for reads, over the {} KiB budget",
+        cached >> 10,
+        BUDGET >> 10
+    );
+    for shard in [0, SHARDS - 1] {
+        let mut got = Vec::new();
+        let mut from = 0u64;
+        while got.len() < 16 {
+            let r = c
+                .read(
+                    "t",
+                    "ns",
+                    "wide",
+                    shard,
+                    StartPosition::Offset(from),
+                    100,
+                    None,
+                )
+                .await
+                .unwrap();
+            assert!(!r.records.is_empty());
+            from = r.records.last().unwrap().offset + 1;
+            got.extend(r.records);
+        }
+        for (i, r) in got.iter().enumerate() {
+            assert_eq!(r.offset, i as u64);
+            assert!(
+                r.payload.iter().all(|b| *b == i as u8),
+                "shard {shard} record {i}"
+            );
+        }
+    }
+}

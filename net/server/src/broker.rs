@@ -315,10 +315,38 @@ impl<S: Storage> Core<S> {
         self.streams
             .borrow_mut()
             .insert(key, LocalStream { meta, shards });
+        self.share_caches();
         if failures.is_empty() {
             Ok(())
         } else {
             Err(failures.join("; "))
+        }
+    }
+
+    /// Share `storage.read_cache_bytes_per_core` evenly between this core's
+    /// open shards (each keeping at most `storage.read_cache_bytes` of
+    /// recent batches): thousands of shards on a core must not each keep a
+    /// full cache. An eighth of a share (at least one chunk, at most the
+    /// default count) goes to chunks of cold reads. Run whenever shards open
+    /// or close.
+    pub fn share_caches(&self) {
+        let streams = self.streams.borrow();
+        let open: Vec<_> = streams
+            .values()
+            .flat_map(|ls| ls.shards.iter().filter_map(Slot::open))
+            .collect();
+        if open.is_empty() {
+            return;
+        }
+        let c = &self.shared.config;
+        let d = LogConfig::default();
+        let share = c.read_cache_bytes_per_core / open.len();
+        let cold = (share / 8 / d.read_chunk_bytes).clamp(1, d.cold_chunks);
+        let recent = c
+            .read_cache_bytes
+            .min(share.saturating_sub(cold * d.read_chunk_bytes));
+        for s in open {
+            s.log.set_cache_limits(recent, cold);
         }
     }
 
@@ -336,6 +364,8 @@ impl<S: Storage> Core<S> {
                     _ => None,
                 })
                 .collect();
+            // The shards left get the room these free.
+            self.share_caches();
             // Counted as retiring before the first await, so a scrape while
             // they close misses none of their counters.
             self.retiring.borrow_mut().extend(open.iter().cloned());

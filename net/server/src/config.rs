@@ -72,6 +72,7 @@ const SETTINGS: &[Setting] = &[
     Setting { section: "storage", name: "write_chunk_bytes", env: None, kind: Kind::U64, default: "1048576", help: "size of each write of a flush (multiple of 4096)" },
     Setting { section: "storage", name: "preallocate_bytes", env: Some("FELIX_PREALLOCATE_BYTES"), kind: Kind::U64, default: "8388608", help: "reserve each shard's active segment this far ahead of its writes (fallocate), so flushes write inside the file instead of growing it (cheaper fdatasync, no kernel worker hop), and let small flushes (<= 64 KiB) write zeros ahead of their data inside it so later flushes overwrite written blocks; 0 = off. A segment's reservation starts at 256 KiB and doubles up to this step, so it costs a barely written shard little and a busy one up to this much disk until the segment is sealed or the shard closed cleanly" },
     Setting { section: "storage", name: "read_cache_bytes", env: None, kind: Kind::U64, default: "8388608", help: "recent bytes per shard served from memory" },
+    Setting { section: "storage", name: "read_cache_bytes_per_core", env: Some("FELIX_READ_CACHE_BYTES_PER_CORE"), kind: Kind::U64, default: "1073741824", help: "memory one core keeps for reads, shared evenly by its shards: each keeps the smaller of read_cache_bytes and its share (an eighth of the share, at least one 256 KiB chunk, goes to chunks of cold reads)" },
     Setting { section: "storage", name: "max_queued_bytes", env: None, kind: Kind::U64, default: "67108864", help: "publishes wait while a shard has this much unflushed" },
     Setting { section: "storage", name: "min_free_bytes", env: Some("FELIX_MIN_FREE_BYTES"), kind: Kind::U64, default: "0", help: "publishes are refused (unavailable) while the data disk has less free than this, and served again once space returns; 0 = the smaller of 256 MiB and 5% of the disk" },
     Setting { section: "storage", name: "retention_check_ms", env: None, kind: Kind::U64, default: "60000", help: "how often retention runs" },
@@ -133,6 +134,7 @@ pub struct Config {
     /// 0 = off.
     pub preallocate_bytes: u64,
     pub read_cache_bytes: usize,
+    pub read_cache_bytes_per_core: usize,
     pub max_queued_bytes: usize,
     /// Free bytes the data disk keeps for the broker; 0 = automatic.
     pub min_free_bytes: u64,
@@ -419,6 +421,7 @@ impl Config {
             write_chunk_bytes: write_chunk_bytes as usize,
             preallocate_bytes: num("storage", "preallocate_bytes")?,
             read_cache_bytes: num("storage", "read_cache_bytes")? as usize,
+            read_cache_bytes_per_core: num("storage", "read_cache_bytes_per_core")? as usize,
             max_queued_bytes: nonzero(
                 num("storage", "max_queued_bytes")?,
                 "storage.max_queued_bytes",

@@ -96,6 +96,8 @@ pub(crate) struct ShardSnapshot {
     pub bytes_written: u64,
     pub cold_reads: u64,
     pub cold_hits: u64,
+    /// Bytes kept for reads (a gauge: not carried into `retired`).
+    pub cache_bytes: u64,
     pub sync: SyncStats,
 }
 
@@ -107,6 +109,7 @@ impl ShardSnapshot {
             bytes_written: st.bytes_written,
             cold_reads: st.cold_reads,
             cold_hits: st.cold_hits,
+            cache_bytes: st.cache_bytes,
             sync: st.sync,
             ..ShardSnapshot::default()
         }
@@ -256,6 +259,12 @@ impl MetricsSnapshot {
             );
             io.add_io(sh);
         }
+        let cache: u64 = self.shards.iter().map(|sh| sh.cache_bytes).sum();
+        let _ = writeln!(
+            s,
+            "# HELP felix_read_cache_bytes Bytes the shards keep in memory for reads (storage.read_cache_bytes_per_core).\n\
+             # TYPE felix_read_cache_bytes gauge\nfelix_read_cache_bytes {cache}"
+        );
         let ShardSnapshot {
             flushes,
             bytes_written: written,
