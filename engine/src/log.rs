@@ -1517,6 +1517,19 @@ impl<S: Storage> ShardLog<S> {
             let b = i.cache.pop_front().unwrap();
             i.cache_bytes -= b.bytes.len();
         }
+        // Cached batches are slices of this round's buffer and keep all of
+        // it alive. When the cache is smaller than the round (a shard with a
+        // small share of its core's budget), copy out what it keeps so the
+        // round's buffer is freed.
+        if cache_max < shared.len() {
+            let seg = chunk.segment_base;
+            for b in i.cache.iter_mut().rev() {
+                if b.segment != seg || b.pos < seg_len {
+                    break;
+                }
+                b.bytes = Bytes::copy_from_slice(&b.bytes);
+            }
+        }
         i.frontiers.mark_written(chunk.end);
         drop(i);
         self.written.wake_all();

@@ -326,6 +326,7 @@ async fn publishers_past_the_core_budget_are_slowed_not_refused() {
     const PER: u64 = 16;
     let b = felix_tests::start_broker!(BrokerOptions::default()
         .cores(1)
+        .env("FELIX_MAX_FRAME_BYTES", 2 << 20)
         .env("FELIX_MAX_BUFFERED_BYTES_PER_CORE", BUDGET));
     let c = Client::connect(b.addr.as_str(), ClientConfig::default())
         .await
@@ -450,4 +451,79 @@ async fn shards_on_a_core_share_one_read_cache_budget() {
             );
         }
     }
+}
+
+/// A client that takes none of its answers (its socket open, its receive
+/// window shut) is cut off after `server.write_timeout_ms`, and what its
+/// answers held is freed: it cannot keep a share of the core's budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_takes_no_answers_is_cut_off_after_the_write_timeout() {
+    let b = felix_tests::start_broker!(BrokerOptions::default()
+        .cores(1)
+        .env("FELIX_WRITE_TIMEOUT_MS", 1000));
+    let c = Client::connect(b.addr.as_str(), ClientConfig::default())
+        .await
+        .unwrap();
+    c.create_stream("t", "ns", "big", 1, StreamOptions::default())
+        .await
+        .unwrap();
+    let records = (0..16)
+        .map(|_| RecordIn {
+            payload: vec![9u8; 64 << 10].into(),
+            ..Default::default()
+        })
+        .collect();
+    c.publish_batch("t", "ns", "big", 0, records).await.unwrap();
+    let (mut rd, mut wr) = raw_connection(&b.addr, "stalls").await;
+    let mut out = bytes::BytesMut::new();
+    for id in 1..=200u64 {
+        felix_wire::encode_request(
+            id,
+            &Request::Read {
+                stream: stream_ref("big"),
+                shard: 0,
+                from: StartPosition::Offset(0),
+                max_records: 1000,
+                max_bytes: 4 << 20,
+                wait_ms: 0,
+            },
+            &mut out,
+        );
+    }
+    let writer = tokio::spawn(async move {
+        // The broker stops reading, then cuts the connection off: this
+        // write fails or finishes, either way it ends.
+        let _ = wr.write_all(&out).await;
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        b.metric("felix_core_buffered_bytes") > 0.0,
+        "the unread answers are held"
+    );
+    // Past the write timeout everything is let go.
+    let freed = felix_tests::wait_until(Duration::from_secs(20), || {
+        b.metric("felix_core_buffered_bytes") == 0.0 && b.metric("felix_connections_open") <= 1.0
+    });
+    assert!(
+        freed.is_ok(),
+        "the stalled connection still holds {} bytes",
+        b.metric("felix_core_buffered_bytes")
+    );
+    tokio::time::timeout(Duration::from_secs(10), writer)
+        .await
+        .expect("the request writer ends")
+        .unwrap();
+    // Reading now finds the connection closed (after whatever the socket
+    // buffers held).
+    let mut sink = vec![0u8; 1 << 20];
+    let closed = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match rd.read(&mut sink).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "the connection was not closed");
 }

@@ -257,7 +257,17 @@ impl<S: Storage> Core<S> {
     /// Open this core's shards of a stream (creating their directories). A
     /// shard that fails to open is kept as failed (its requests get
     /// `unavailable` with the reason) and reported in the error.
+    /// Share the read-cache budget again after the stream opens (see
+    /// [`Self::open_stream_only`]).
     pub async fn open_stream(self: &Rc<Self>, meta: StreamMeta) -> Result<(), String> {
+        let r = self.open_stream_only(meta).await;
+        self.share_caches();
+        r
+    }
+
+    /// Open a stream's shards, leaving the read-cache budget as it is: at
+    /// start-up the budget is shared once, after every stream is open.
+    pub async fn open_stream_only(self: &Rc<Self>, meta: StreamMeta) -> Result<(), String> {
         let key = to_ref(&meta.name);
         if self.streams.borrow().contains_key(&key) {
             return Ok(());
@@ -315,7 +325,6 @@ impl<S: Storage> Core<S> {
         self.streams
             .borrow_mut()
             .insert(key, LocalStream { meta, shards });
-        self.share_caches();
         if failures.is_empty() {
             Ok(())
         } else {
@@ -326,9 +335,10 @@ impl<S: Storage> Core<S> {
     /// Share `storage.read_cache_bytes_per_core` evenly between this core's
     /// open shards (each keeping at most `storage.read_cache_bytes` of
     /// recent batches): thousands of shards on a core must not each keep a
-    /// full cache. An eighth of a share (at least one chunk, at most the
-    /// default count) goes to chunks of cold reads. Run whenever shards open
-    /// or close.
+    /// full cache. An eighth of a share (at most the default count of
+    /// chunks; none for a share under 2 MiB) goes to chunks of cold reads.
+    /// Each shard also keeps its newest batch whatever its share. Run
+    /// whenever shards open or close.
     pub fn share_caches(&self) {
         let streams = self.streams.borrow();
         let open: Vec<_> = streams
@@ -341,7 +351,7 @@ impl<S: Storage> Core<S> {
         let c = &self.shared.config;
         let d = LogConfig::default();
         let share = c.read_cache_bytes_per_core / open.len();
-        let cold = (share / 8 / d.read_chunk_bytes).clamp(1, d.cold_chunks);
+        let cold = (share / 8 / d.read_chunk_bytes.max(1)).min(d.cold_chunks);
         let recent = c
             .read_cache_bytes
             .min(share.saturating_sub(cold * d.read_chunk_bytes));
@@ -364,7 +374,11 @@ impl<S: Storage> Core<S> {
                     _ => None,
                 })
                 .collect();
-            // The shards left get the room these free.
+            // The shards left get the room these free (they let theirs go
+            // first, as they close).
+            for shard in &open {
+                shard.log.set_cache_limits(0, 0);
+            }
             self.share_caches();
             // Counted as retiring before the first await, so a scrape while
             // they close misses none of their counters.
@@ -707,11 +721,19 @@ impl<S: Storage> Core<S> {
     /// Metrics of this core, as plain numbers another core can merge.
     pub fn snapshot(&self) -> MetricsSnapshot {
         let mut snap = self.metrics.snapshot();
+        let read_cache = self
+            .streams
+            .borrow()
+            .values()
+            .flat_map(|ls| ls.shards.iter().filter_map(Slot::open))
+            .map(|s| s.log.stats().cache_bytes)
+            .sum();
         snap.buffered.push(crate::metrics::BufferedSnapshot {
             core: self.core_id(),
             bytes: self.budget.used() as u64,
             peak: self.budget.peak() as u64,
             waits: self.budget.waits(),
+            read_cache,
         });
         snap.retired = self.retired.borrow().clone();
         for s in self.retiring.borrow().iter() {
@@ -1170,7 +1192,7 @@ async fn core_main<S: Storage>(
     let core = Core::new(ctx, shared.clone(), storage, disk);
     report_disk(&core, core.disk.refresh());
     for meta in metas.iter() {
-        if let Err(e) = core.open_stream(meta.clone()).await {
+        if let Err(e) = core.open_stream_only(meta.clone()).await {
             // The failed shards refuse requests with the reason; everything
             // else is served.
             eprintln!(
@@ -1179,6 +1201,7 @@ async fn core_main<S: Storage>(
             );
         }
     }
+    core.share_caches();
     set_stage(&shared, core.core_id(), 2);
     let listener = match glommio::net::TcpListener::bind(&listen) {
         Ok(l) => l,

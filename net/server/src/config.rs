@@ -55,6 +55,7 @@ const SETTINGS: &[Setting] = &[
     Setting { section: "server", name: "cores", env: Some("FELIX_CORES"), kind: Kind::Str, default: "1", help: "executors: a count (first N CPUs) or a CPU list like \"0,1\"" },
     Setting { section: "server", name: "max_connections", env: Some("FELIX_MAX_CONNECTIONS"), kind: Kind::U64, default: "10000", help: "connections accepted at once, whole broker" },
     Setting { section: "server", name: "idle_timeout_ms", env: Some("FELIX_IDLE_TIMEOUT_MS"), kind: Kind::U64, default: "600000", help: "close a connection with no request in flight after this long without a frame" },
+    Setting { section: "server", name: "write_timeout_ms", env: Some("FELIX_WRITE_TIMEOUT_MS"), kind: Kind::U64, default: "60000", help: "close a connection whose client takes none of its answers for this long (what the answers held is freed)" },
     Setting { section: "server", name: "max_frame_bytes", env: Some("FELIX_MAX_FRAME_BYTES"), kind: Kind::U64, default: "16777216", help: "largest frame accepted (at least 4096); larger ones are refused with too_large. Also bounds a whole dead-letter list answer (larger lists must be paged)" },
     Setting { section: "server", name: "max_requests_per_connection", env: None, kind: Kind::U64, default: "1024", help: "requests one connection may have in flight; the broker stops reading it until some finish" },
     Setting { section: "server", name: "max_request_bytes_per_connection", env: None, kind: Kind::U64, default: "67108864", help: "bytes of requests one connection may have in flight (read, not yet answered); the broker stops reading it until some finish" },
@@ -116,6 +117,7 @@ pub struct Config {
     pub cores: String,
     pub max_connections: u64,
     pub idle_timeout_ms: u64,
+    pub write_timeout_ms: u64,
     pub max_frame_bytes: u32,
     pub max_requests_per_connection: usize,
     pub max_request_bytes_per_connection: usize,
@@ -375,11 +377,22 @@ impl Config {
                 "server.max_frame_bytes must be at least {MIN_FRAME}"
             )));
         }
+        // A budget under one frame would let a connection holding anything
+        // run no request that carries a frame's worth.
+        if num("server", "max_buffered_bytes_per_core")? < num("server", "max_frame_bytes")? {
+            return Err(ConfigError(
+                "server.max_buffered_bytes_per_core must be at least server.max_frame_bytes".into(),
+            ));
+        }
         let cfg = Config {
             listen: get("server", "listen").value.clone(),
             cores: get("server", "cores").value.clone(),
             max_connections: nonzero(num("server", "max_connections")?, "server.max_connections")?,
             idle_timeout_ms: nonzero(num("server", "idle_timeout_ms")?, "server.idle_timeout_ms")?,
+            write_timeout_ms: nonzero(
+                num("server", "write_timeout_ms")?,
+                "server.write_timeout_ms",
+            )?,
             max_frame_bytes: u32_of(
                 nonzero(num("server", "max_frame_bytes")?, "server.max_frame_bytes")?,
                 "server.max_frame_bytes",

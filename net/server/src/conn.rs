@@ -190,11 +190,15 @@ impl AnswerRoom {
             if !conn_full && !core_full {
                 break;
             }
-            if core_full && !counted {
-                budget.count_wait();
-                counted = true;
+            if core_full {
+                if !counted {
+                    budget.count_wait();
+                    counted = true;
+                }
+                futures_lite::future::or(outbox.drained.wait(), budget.wait_freed()).await;
+            } else {
+                outbox.drained.wait().await;
             }
-            futures_lite::future::or(outbox.drained.wait(), budget.wait_freed()).await;
         }
         info.reserved.set(info.reserved.get() + bytes);
         budget.add(bytes);
@@ -287,7 +291,11 @@ pub(crate) async fn serve<S: Storage>(
         outbox: outbox.clone(),
         max_pending: core.shared.config.max_pending_response_bytes,
     });
-    let writer = glommio::spawn_local(write_loop(sock.clone(), outbox.clone()));
+    let writer = glommio::spawn_local(write_loop(
+        sock.clone(),
+        outbox.clone(),
+        Duration::from_millis(core.shared.config.write_timeout_ms),
+    ));
     let mut said_hello = false;
     let mut handed_off = false;
     let mut reader = sock.clone();
@@ -436,8 +444,14 @@ pub(crate) async fn serve<S: Storage>(
         while over_limits(&info, &outbox) && !outbox.closed.get() {
             let drained = outbox.drained.wait();
             let finished = core.lifecycle.wait();
-            let freed = core.budget.wait_freed();
-            futures_lite::future::or(drained, futures_lite::future::or(finished, freed)).await;
+            if budget_bound(&info, &outbox) {
+                // Only connections the budget holds listen for it: a release
+                // wakes every listener.
+                let freed = core.budget.wait_freed();
+                futures_lite::future::or(drained, futures_lite::future::or(finished, freed)).await;
+            } else {
+                futures_lite::future::or(drained, finished).await;
+            }
         }
         if outbox.closed.get() {
             break;
@@ -540,7 +554,25 @@ fn hand_off<S: Storage>(core: &Rc<Core<S>>, sock: &Shared, to: u32, bytes: Vec<u
     }
 }
 
-async fn write_loop(mut sock: Shared, outbox: Rc<Outbox>) {
+/// Write `d` whole, giving up when the peer takes nothing for `stall`.
+async fn write_all_or_stall(sock: &mut Shared, d: &[u8], stall: Duration) -> Result<(), ()> {
+    let mut at = 0;
+    while at < d.len() {
+        let wrote = glommio::timer::timeout(stall, async {
+            sock.write(&d[at..])
+                .await
+                .map_err(glommio::GlommioError::from)
+        })
+        .await;
+        match wrote {
+            Ok(n) if n > 0 => at += n,
+            _ => return Err(()),
+        }
+    }
+    Ok(())
+}
+
+async fn write_loop(mut sock: Shared, outbox: Rc<Outbox>, stall: Duration) {
     loop {
         let data = {
             let mut b = outbox.buf.borrow_mut();
@@ -553,13 +585,21 @@ async fn write_loop(mut sock: Shared, outbox: Rc<Outbox>) {
         match data {
             Some(d) => {
                 outbox.writing.set(d.len());
-                let sent = sock.write_all(&d).await;
+                let sent = write_all_or_stall(&mut sock, &d, stall).await;
                 outbox.writing.set(0);
                 outbox.budget.release(d.len());
                 drop(d);
                 if sent.is_err() {
                     // Nothing more goes out: what is queued is dropped (and
-                    // pushes from now on are ignored).
+                    // pushes from now on are ignored). A peer that stopped
+                    // taking answers is cut off, so that the reader's pending
+                    // read ends too and the connection lets go of everything.
+                    tracing::debug!("closing a connection whose answers could not be sent");
+                    if !outbox.handed_off.get() {
+                        let fd = sock.0.borrow().as_raw_fd();
+                        // SAFETY: shutdown on a descriptor this task owns.
+                        unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+                    }
                     outbox.closed.set(true);
                     let left = std::mem::take(&mut *outbox.buf.borrow_mut());
                     outbox.budget.release(left.len());

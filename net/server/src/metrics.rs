@@ -96,8 +96,6 @@ pub(crate) struct ShardSnapshot {
     pub bytes_written: u64,
     pub cold_reads: u64,
     pub cold_hits: u64,
-    /// Bytes kept for reads (a gauge: not carried into `retired`).
-    pub cache_bytes: u64,
     pub sync: SyncStats,
 }
 
@@ -109,7 +107,6 @@ impl ShardSnapshot {
             bytes_written: st.bytes_written,
             cold_reads: st.cold_reads,
             cold_hits: st.cold_hits,
-            cache_bytes: st.cache_bytes,
             sync: st.sync,
             ..ShardSnapshot::default()
         }
@@ -132,6 +129,8 @@ pub(crate) struct BufferedSnapshot {
     pub bytes: u64,
     pub peak: u64,
     pub waits: u64,
+    /// Bytes the core's shards keep for reads.
+    pub read_cache: u64,
 }
 
 /// One core's numbers, `Send` so they can cross to the scraping core.
@@ -208,6 +207,14 @@ impl MetricsSnapshot {
                 b.core, b.peak
             );
         }
+        let _ = writeln!(s, "# HELP felix_read_cache_bytes Bytes a core's shards keep in memory for reads (storage.read_cache_bytes_per_core).\n# TYPE felix_read_cache_bytes gauge");
+        for b in &buffered {
+            let _ = writeln!(
+                s,
+                "felix_read_cache_bytes{{core=\"{}\"}} {}",
+                b.core, b.read_cache
+            );
+        }
         let _ = writeln!(s, "# HELP felix_core_buffered_waits_total Times a connection or a read waited for the core's buffered-bytes budget.\n# TYPE felix_core_buffered_waits_total counter");
         for b in &buffered {
             let _ = writeln!(
@@ -259,12 +266,6 @@ impl MetricsSnapshot {
             );
             io.add_io(sh);
         }
-        let cache: u64 = self.shards.iter().map(|sh| sh.cache_bytes).sum();
-        let _ = writeln!(
-            s,
-            "# HELP felix_read_cache_bytes Bytes the shards keep in memory for reads (storage.read_cache_bytes_per_core).\n\
-             # TYPE felix_read_cache_bytes gauge\nfelix_read_cache_bytes {cache}"
-        );
         let ShardSnapshot {
             flushes,
             bytes_written: written,
