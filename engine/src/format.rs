@@ -371,11 +371,45 @@ pub fn for_each_record(
     batch: &Bytes,
     header: &BatchHeader,
     from: Offset,
-    mut f: impl FnMut(Record) -> bool,
+    f: impl FnMut(Record) -> bool,
 ) -> Result<(), FrameError> {
+    for_each_record_from(batch, header, from, None, f).map(|_| ())
+}
+
+/// Where a record starts in its batch: its index and its byte position in
+/// the batch's body. A reader that stopped inside a batch can start the next
+/// read there instead of stepping over every record before it again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RecordPos {
+    pub index: u32,
+    pub at: usize,
+}
+
+/// [`for_each_record`], starting the walk at `start` (a position an earlier
+/// call returned for this same batch, at or below `from`) when given.
+/// Returns where the first record not handed to `f` starts, if `f` stopped
+/// before the end of the batch. A position that does not fit the batch is
+/// caught by the same checks as a corrupt batch.
+pub fn for_each_record_from(
+    batch: &Bytes,
+    header: &BatchHeader,
+    from: Offset,
+    start: Option<RecordPos>,
+    mut f: impl FnMut(Record) -> bool,
+) -> Result<Option<RecordPos>, FrameError> {
     debug_assert_eq!(header.kind, BatchKind::Records);
     let mut body = batch_body(batch, header);
-    for i in 0..header.record_count {
+    let body_len = body.len();
+    let mut first = 0;
+    if let Some(p) = start {
+        if p.at > body_len || p.index > header.record_count {
+            return Err(FrameError::Body("record position past the batch"));
+        }
+        body.advance(p.at);
+        first = p.index;
+    }
+    for i in first..header.record_count {
+        let at = body_len - body.remaining();
         if body.remaining() < 4 {
             return Err(FrameError::Body("record length"));
         }
@@ -437,10 +471,10 @@ pub fn for_each_record(
             payload: rec,
         });
         if !keep_going {
-            break;
+            return Ok(Some(RecordPos { index: i, at }));
         }
     }
-    Ok(())
+    Ok(None)
 }
 
 #[cfg(test)]
@@ -478,6 +512,81 @@ mod tests {
             let mut bad = out.clone();
             bad[byte] ^= 0x10;
             assert!(parse_batch(&bad).is_err(), "flip at {byte} not caught");
+        }
+    }
+
+    #[test]
+    fn reads_started_where_the_last_stopped_see_the_same_records() {
+        let records: Vec<_> = (0..300)
+            .map(|i| {
+                let mut r = rec(&"x".repeat(i % 37));
+                if i % 3 == 0 {
+                    r.key = None;
+                    r.headers.clear();
+                }
+                r
+            })
+            .collect();
+        let mut out = Vec::new();
+        let h = encode_records(&mut out, Offset(1000), 3, 9, &records);
+        let bytes = Bytes::from(out);
+        let mut whole = Vec::new();
+        for_each_record(&bytes, &h, Offset(0), |r| {
+            whole.push(r);
+            true
+        })
+        .unwrap();
+        assert_eq!(whole.len(), 300);
+        for step in [1usize, 7, 16, 299, 300] {
+            let (mut from, mut pos, mut got) = (Offset(1000), None, Vec::new());
+            loop {
+                let mut n = 0;
+                let stopped = for_each_record_from(&bytes, &h, from, pos, |r| {
+                    if n == step {
+                        return false;
+                    }
+                    n += 1;
+                    from = r.offset.next();
+                    got.push(r);
+                    true
+                })
+                .unwrap();
+                match stopped {
+                    Some(p) => {
+                        assert_eq!(Offset(1000).plus(p.index as u64), from);
+                        pos = Some(p);
+                    }
+                    None => break,
+                }
+            }
+            assert_eq!(got, whole, "reading {step} at a time");
+        }
+        // A start below `from` steps forward to it.
+        let p = for_each_record_from(&bytes, &h, Offset(1010), None, |_| false)
+            .unwrap()
+            .unwrap();
+        assert_eq!(p.index, 10);
+        let mut first = None;
+        for_each_record_from(&bytes, &h, Offset(1020), Some(p), |r| {
+            first = Some(r.offset);
+            false
+        })
+        .unwrap();
+        assert_eq!(first, Some(Offset(1020)));
+        // A position that does not fit the batch is an error, not a panic.
+        for bad in [
+            RecordPos { index: 0, at: 5 },
+            RecordPos { index: 2, at: 0 },
+            RecordPos { index: 400, at: 0 },
+            RecordPos {
+                index: 0,
+                at: usize::MAX,
+            },
+        ] {
+            assert!(
+                for_each_record_from(&bytes, &h, Offset(0), Some(bad), |_| true).is_err(),
+                "{bad:?}"
+            );
         }
     }
 
