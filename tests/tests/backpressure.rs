@@ -527,3 +527,43 @@ async fn a_client_that_takes_no_answers_is_cut_off_after_the_write_timeout() {
     .await;
     assert!(closed.is_ok(), "the connection was not closed");
 }
+
+/// An idle connection costs the broker a few KiB, not a 64 KiB read buffer:
+/// reads start small and grow only while they come back full.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_cost_a_few_kib_each() {
+    const CONNS: usize = 1000;
+    let b = felix_tests::start_broker!(BrokerOptions::default().cores(1));
+    let pid = b.pid();
+    // One connection first, so the base counts what any connection sets up.
+    let first = raw_connection(&b.addr, "idle-0").await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let base = rss_bytes(pid);
+    let mut conns = vec![first];
+    for i in 1..CONNS {
+        conns.push(raw_connection(&b.addr, &format!("idle-{i}")).await);
+    }
+    // Every HELLO answered: each connection is served and waiting to read.
+    let mut answered = 0;
+    for (rd, _) in conns.iter_mut() {
+        let mut buf = bytes::BytesMut::new();
+        let mut chunk = [0u8; 4096];
+        loop {
+            if let Some((_, resp)) = felix_wire::decode_response(&mut buf, 1 << 20).unwrap() {
+                assert!(matches!(resp, Response::HelloOk { .. }), "{resp:?}");
+                answered += 1;
+                break;
+            }
+            let n = tokio::time::timeout(Duration::from_secs(10), rd.read(&mut chunk))
+                .await
+                .expect("HELLO answered")
+                .unwrap();
+            assert!(n > 0);
+            buf.extend_from_slice(&chunk[..n]);
+        }
+    }
+    assert_eq!(answered, CONNS);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let per = rss_bytes(pid).saturating_sub(base) / CONNS as u64;
+    assert!(per < 24 << 10, "an idle connection costs {} KiB", per >> 10);
+}

@@ -221,6 +221,10 @@ impl Drop for AnswerRoom {
     }
 }
 
+/// Smallest and largest read from a connection's socket (see `serve`).
+const MIN_READ: usize = 4 << 10;
+const MAX_READ: usize = 64 << 10;
+
 /// How long a new connection has to send its HELLO (at most the idle
 /// timeout).
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
@@ -256,7 +260,8 @@ pub(crate) async fn serve<S: Storage>(
     let idle = Duration::from_millis(core.shared.config.idle_timeout_ms);
     let max_frame = core.shared.config.max_frame_bytes;
     let sock = Shared(Rc::new(RefCell::new(stream)));
-    let mut rbuf = BytesMut::with_capacity(64 * 1024);
+    let mut rbuf = BytesMut::with_capacity(MIN_READ);
+    let mut read_size = MIN_READ;
     rbuf.extend_from_slice(&buffered);
     core.metrics
         .connections_open
@@ -272,7 +277,7 @@ pub(crate) async fn serve<S: Storage>(
         n
     };
     let outbox = Rc::new(Outbox {
-        buf: RefCell::new(BytesMut::with_capacity(64 * 1024)),
+        buf: RefCell::new(BytesMut::new()),
         ready: WaitList::new(),
         closed: Cell::new(false),
         handed_off: Cell::new(false),
@@ -466,10 +471,15 @@ pub(crate) async fn serve<S: Storage>(
         }
         // Read more, straight into the frame buffer (no bounce buffer held in
         // the connection's future), with the idle timeout while nothing is
-        // in flight.
-        const READ_CHUNK: usize = 64 * 1024;
+        // in flight. Reads grow while they come back full and shrink when
+        // they come back small, so that an idle connection holds a few KiB
+        // (and the buffer is zeroed only as far as data is likely to come),
+        // and a buffer a burst grew large is let go once it is empty.
+        if rbuf.is_empty() && rbuf.capacity() > 4 * MAX_READ {
+            rbuf = BytesMut::with_capacity(MIN_READ);
+        }
         let filled = rbuf.len();
-        rbuf.resize(filled + READ_CHUNK, 0);
+        rbuf.resize(filled + read_size, 0);
         let spare = &mut rbuf[filled..];
         let wait = if said_hello {
             idle
@@ -491,7 +501,13 @@ pub(crate) async fn serve<S: Storage>(
             )))
         };
         let got = futures_lite::future::or(read, stop).await;
-        rbuf.truncate(filled + *got.as_ref().unwrap_or(&0));
+        let n = *got.as_ref().unwrap_or(&0);
+        rbuf.truncate(filled + n);
+        if n == read_size {
+            read_size = (read_size * 2).min(MAX_READ);
+        } else if n < read_size / 4 {
+            read_size = (read_size / 2).max(MIN_READ);
+        }
         match got {
             Ok(0) => break,
             Ok(_) => {}
