@@ -713,6 +713,21 @@ async fn handle<S: Storage>(
     room: &AnswerRoom,
     req: Request,
 ) -> Response {
+    // The guide's rule: a client never sends a call or a field the broker
+    // did not advertise; one that does is refused whole, not half-served.
+    // One check for every request, from the same table the client uses.
+    let missing = req.required_features() & !info.features.get();
+    if missing != 0 {
+        return wire_err(
+            ErrorCode::Unsupported,
+            format!(
+                "{} needs {}, which this connection did not negotiate in HELLO \
+                 (or this broker does not offer: consumer groups need durable storage)",
+                req.name(),
+                felix_wire::feature_names(missing)
+            ),
+        );
+    }
     match req {
         Request::Hello { .. } => wire_err(
             ErrorCode::InvalidRequest,
@@ -773,20 +788,7 @@ async fn handle<S: Storage>(
             target,
             ack,
             records,
-        } => {
-            // The guide's rule: a client never sends a field the broker did
-            // not advertise; one that does is refused, not half-served.
-            if ack != AckMode::Default
-                && info.features.get() & felix_wire::FEATURE_PUBLISH_ACK_MODE == 0
-            {
-                return wire_err(
-                    ErrorCode::Unsupported,
-                    "this connection did not negotiate FEATURE_PUBLISH_ACK_MODE; \
-                     publish without an ack mode",
-                );
-            }
-            publish(core, stream, target, ack, records).await
-        }
+        } => publish(core, stream, target, ack, records).await,
         Request::Read {
             stream,
             shard,

@@ -31,16 +31,6 @@ fn group_err(e: GroupError) -> Response {
     }
 }
 
-fn need(info: &ConnInfo, feature: u64, what: &str) -> Result<(), Response> {
-    if info.features.get() & feature == 0 {
-        return Err(wire_err(
-            ErrorCode::Unsupported,
-            format!("{what} needs a feature this broker does not offer or this connection did not negotiate"),
-        ));
-    }
-    Ok(())
-}
-
 /// A dead letter as the wire carries it.
 fn dead_letter_info(o: Offset, d: DeadLetter) -> DeadLetterInfo {
     DeadLetterInfo {
@@ -75,10 +65,6 @@ pub(crate) async fn handle<S: Storage>(
     room: &AnswerRoom,
     req: Request,
 ) -> Response {
-    use felix_wire::{
-        FEATURE_GROUPS as G, FEATURE_GROUP_ADMIN as ADMIN, FEATURE_GROUP_CLAIM_CONTROL as CC,
-        FEATURE_GROUP_DEAD_LETTER_PAGES as PAGES,
-    };
     let name = req.name();
     let key = match &req {
         Request::GroupPoll { key, .. }
@@ -95,9 +81,6 @@ pub(crate) async fn handle<S: Storage>(
         | Request::GroupDescribe { key }
         | Request::GroupDelete { key } => key.clone(),
         Request::ListGroups { stream, shard } => {
-            if let Err(e) = need(info, G, name) {
-                return e;
-            }
             return match core.shard(stream, *shard) {
                 Ok(s) => {
                     let mut names: Vec<String> = s
@@ -120,9 +103,6 @@ pub(crate) async fn handle<S: Storage>(
             )
         }
     };
-    if let Err(e) = need(info, G, "consumer groups") {
-        return e;
-    }
     if let Err(e) = validate_name("group", &key.group) {
         return wire_err(ErrorCode::InvalidRequest, e.to_string());
     }
@@ -138,11 +118,6 @@ pub(crate) async fn handle<S: Storage>(
             visibility_ms,
             ..
         } => {
-            if visibility_ms.is_some() {
-                if let Err(e) = need(info, CC, "a poll's visibility") {
-                    return e;
-                }
-            }
             return poll(
                 core,
                 info,
@@ -177,11 +152,6 @@ pub(crate) async fn handle<S: Storage>(
             reason,
             ..
         } => {
-            if delay_ms.is_some() {
-                if let Err(e) = need(info, CC, "a nack delay") {
-                    return e;
-                }
-            }
             write_op(&shard, &key.group, true, |t, now, view| {
                 t.nack(
                     now,
@@ -200,9 +170,6 @@ pub(crate) async fn handle<S: Storage>(
             extend_ms,
             ..
         } => {
-            if let Err(e) = need(info, CC, "extend") {
-                return e;
-            }
             let view = view(&shard);
             let now = now_ms();
             let r = with_tracker(&shard, &key.group, |t| {
@@ -221,9 +188,6 @@ pub(crate) async fn handle<S: Storage>(
             reason,
             ..
         } => {
-            if let Err(e) = need(info, CC, "a consumer dead letter") {
-                return e;
-            }
             write_op(&shard, &key.group, true, |t, now, view| {
                 t.dead_letter(now, Offset(offset), attempts, reason.as_deref(), view)
             })
@@ -279,9 +243,6 @@ pub(crate) async fn handle<S: Storage>(
             }
         }
         Request::GroupDeadLettersPage { from, max, .. } => {
-            if let Err(e) = need(info, PAGES, "group_dead_letters_page") {
-                return e;
-            }
             if let Err(e) = apply_due(&shard, &key.group) {
                 return e;
             }
@@ -325,9 +286,6 @@ pub(crate) async fn handle<S: Storage>(
             .await
         }
         Request::GroupCreate { start, .. } => {
-            if let Err(e) = need(info, ADMIN, "group_create") {
-                return e;
-            }
             if let Err(e) = room_for_group(core, &shard, &key.group) {
                 return e;
             }
@@ -337,18 +295,12 @@ pub(crate) async fn handle<S: Storage>(
             .await
         }
         Request::GroupSeek { start, .. } => {
-            if let Err(e) = need(info, ADMIN, "group_seek") {
-                return e;
-            }
             write_op(&shard, &key.group, true, |t, now, view| {
                 t.seek(now, start_at(start), view)
             })
             .await
         }
         Request::GroupDelete { .. } => {
-            if let Err(e) = need(info, ADMIN, "group_delete") {
-                return e;
-            }
             // The tracker leaves memory with the delete (`with_tracker`
             // drops a group that no longer exists). Not removed again after
             // the wait for durability: a poll meanwhile may have created
@@ -356,9 +308,6 @@ pub(crate) async fn handle<S: Storage>(
             write_op(&shard, &key.group, true, |t, now, _| t.delete(now)).await
         }
         Request::GroupDescribe { .. } => {
-            if let Err(e) = need(info, ADMIN, "group_describe") {
-                return e;
-            }
             let view = view(&shard);
             match with_tracker(&shard, &key.group, |t| t.describe(now_ms(), view)) {
                 Ok(st) => Response::Group(GroupInfo {

@@ -86,3 +86,29 @@ pub const FEATURES_ALL: u64 = FEATURE_GROUPS
     | FEATURE_GROUP_ADMIN
     | FEATURE_PUBLISH_ACK_MODE
     | FEATURE_GROUP_DEAD_LETTER_PAGES;
+
+/// The names of the feature bits set in `bits` (unknown bits as hex), for
+/// messages: `"FEATURE_GROUPS | FEATURE_GROUP_ADMIN"`.
+pub fn feature_names(bits: u64) -> String {
+    const NAMES: [(u64, &str); 6] = [
+        (FEATURE_GROUPS, "FEATURE_GROUPS"),
+        (FEATURE_GROUP_SKIPPED, "FEATURE_GROUP_SKIPPED"),
+        (FEATURE_GROUP_CLAIM_CONTROL, "FEATURE_GROUP_CLAIM_CONTROL"),
+        (FEATURE_GROUP_ADMIN, "FEATURE_GROUP_ADMIN"),
+        (FEATURE_PUBLISH_ACK_MODE, "FEATURE_PUBLISH_ACK_MODE"),
+        (
+            FEATURE_GROUP_DEAD_LETTER_PAGES,
+            "FEATURE_GROUP_DEAD_LETTER_PAGES",
+        ),
+    ];
+    let mut out: Vec<String> = NAMES
+        .iter()
+        .filter(|(b, _)| bits & b != 0)
+        .map(|(_, n)| n.to_string())
+        .collect();
+    let unknown = bits & !FEATURES_ALL;
+    if unknown != 0 {
+        out.push(format!("{unknown:#x}"));
+    }
+    out.join(" | ")
+}

@@ -756,6 +756,20 @@ mod tests {
     use super::*;
 
     #[test]
+    fn feature_names_spell_out_the_bits() {
+        use crate::{feature_names, FEATURE_GROUPS, FEATURE_GROUP_ADMIN};
+        assert_eq!(feature_names(0), "");
+        assert_eq!(
+            feature_names(FEATURE_GROUPS | FEATURE_GROUP_ADMIN),
+            "FEATURE_GROUPS | FEATURE_GROUP_ADMIN"
+        );
+        assert_eq!(
+            feature_names(FEATURE_GROUPS | 1 << 40),
+            "FEATURE_GROUPS | 0x10000000000"
+        );
+    }
+
+    #[test]
     fn required_features_follow_the_table() {
         use crate::{
             FEATURE_GROUPS as G, FEATURE_GROUP_ADMIN as ADMIN, FEATURE_GROUP_CLAIM_CONTROL as CC,
