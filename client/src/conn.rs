@@ -339,6 +339,13 @@ impl Conn {
         // A publish's records alone can pass the frame limit (or the 4 GiB a
         // frame can describe at all): refuse it before encoding any of it.
         if let Request::Publish { records, .. } = req {
+            if records.len() > felix_wire::MAX_ITEMS_PER_VEC {
+                return Err(ClientError::InvalidArgument(format!(
+                    "publish of {} records: a request carries at most {}; split it",
+                    records.len(),
+                    felix_wire::MAX_ITEMS_PER_VEC
+                )));
+            }
             let bytes = records.iter().fold(0u64, |n, r| {
                 n.saturating_add(
                     r.payload.len() as u64

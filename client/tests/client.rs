@@ -973,6 +973,16 @@ async fn oversized_requests_are_refused_before_sending() {
         .await
         .unwrap_err();
     assert!(matches!(err, ClientError::InvalidArgument(_)), "{err:?}");
+    // More records than a request may carry: refused here, not by the
+    // broker's decoder.
+    let records = (0..felix_wire::MAX_ITEMS_PER_VEC + 1)
+        .map(|_| felix_client::RecordIn::default())
+        .collect();
+    let err = client
+        .publish_batch("t", "n", "s", 0, records)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ClientError::InvalidArgument(_)), "{err:?}");
     let err = client
         .group_poll_as(
             "t",
