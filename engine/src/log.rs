@@ -1136,11 +1136,20 @@ impl<S: Storage> ShardLog<S> {
     /// core shares one memory budget between them this way.
     pub fn set_cache_limits(&self, read_cache_bytes: usize, cold_chunks: usize) {
         let mut i = self.inner.borrow_mut();
+        let lowered = read_cache_bytes < i.config.read_cache_bytes;
         i.config.read_cache_bytes = read_cache_bytes;
         i.config.cold_chunks = cold_chunks;
         while i.cache_bytes > read_cache_bytes && i.cache.len() > 1 {
             let b = i.cache.pop_front().unwrap();
             i.cache_bytes -= b.bytes.len();
+        }
+        if lowered {
+            // What is kept may be slices of whole flush rounds (see the
+            // write path): copy it out so that the rounds are freed now, not
+            // whenever this shard next writes.
+            for b in i.cache.iter_mut() {
+                b.bytes = Bytes::copy_from_slice(&b.bytes);
+            }
         }
         while i.cold.len() > cold_chunks {
             i.cold.pop_front();
@@ -1522,16 +1531,28 @@ impl<S: Storage> ShardLog<S> {
             i.cache_bytes -= b.bytes.len();
         }
         // Cached batches are slices of this round's buffer and keep all of
-        // it alive. When the cache is smaller than the round (a shard with a
-        // small share of its core's budget), copy out what it keeps so the
-        // round's buffer is freed.
+        // it alive. When the cache keeps a small part of a large round (a
+        // shard with a small share of its core's budget), copy that part out
+        // so the round's buffer is freed; when it keeps a good part (a busy
+        // shard whose rounds pass its cache), the copy would cost more than
+        // the memory it frees.
         if cache_max < shared.len() {
             let seg = chunk.segment_base;
-            for b in i.cache.iter_mut().rev() {
-                if b.segment != seg || b.pos < seg_len {
-                    break;
+            let from_round = |b: &CachedBatch| b.segment == seg && b.pos >= seg_len;
+            let kept: usize = i
+                .cache
+                .iter()
+                .rev()
+                .take_while(|b| from_round(b))
+                .map(|b| b.bytes.len())
+                .sum();
+            if kept * 4 <= shared.len() {
+                for b in i.cache.iter_mut().rev() {
+                    if !from_round(b) {
+                        break;
+                    }
+                    b.bytes = Bytes::copy_from_slice(&b.bytes);
                 }
-                b.bytes = Bytes::copy_from_slice(&b.bytes);
             }
         }
         i.frontiers.mark_written(chunk.end);
@@ -2009,29 +2030,28 @@ struct ReadHints {
 }
 
 impl ReadHints {
-    /// The furthest known start in batch `base` at or below `from`.
-    fn find(&self, base: Offset, from: Offset) -> Option<format::RecordPos> {
+    /// The furthest known start in batch `base` at or below `from`, and the
+    /// slot it is in.
+    fn find(&self, base: Offset, from: Offset) -> Option<(usize, format::RecordPos)> {
         self.slots
             .iter()
-            .flatten()
-            .filter(|(b, o, _)| *b == base && *o <= from)
-            .max_by_key(|(_, o, _)| *o)
-            .map(|(_, _, p)| *p)
+            .enumerate()
+            .filter_map(|(k, s)| s.map(|s| (k, s)))
+            .filter(|(_, (b, o, _))| *b == base && *o <= from)
+            .max_by_key(|(_, (_, o, _))| *o)
+            .map(|(k, (_, _, p))| (k, p))
     }
 
-    fn note(&mut self, base: Offset, pos: format::RecordPos) {
-        let offset = base.plus(pos.index as u64);
-        // A read that started at a hint replaces it.
-        let slot = self
-            .slots
-            .iter()
-            .position(|s| s.is_some_and(|(b, o, _)| b == base && o <= offset))
-            .unwrap_or_else(|| {
-                let n = self.next;
-                self.next = (n + 1) % self.slots.len();
-                n
-            });
-        self.slots[slot] = Some((base, offset, pos));
+    /// Remember where a read of batch `base` stopped. A read that started at
+    /// a hint (`used`, the slot `find` gave it) replaces that hint; another
+    /// takes the oldest slot, never a hint another reader is using.
+    fn note(&mut self, base: Offset, pos: format::RecordPos, used: Option<usize>) {
+        let slot = used.unwrap_or_else(|| {
+            let n = self.next;
+            self.next = (n + 1) % self.slots.len();
+            n
+        });
+        self.slots[slot] = Some((base, base.plus(pos.index as u64), pos));
     }
 }
 
@@ -2057,7 +2077,8 @@ fn take_batch(
         BatchKind::Records => {
             let mut full = false;
             let from = out.next;
-            let start = hints.borrow().find(h.base_offset, from);
+            let hint = hints.borrow().find(h.base_offset, from);
+            let start = hint.map(|(_, p)| p);
             let stopped = format::for_each_record_from(batch, h, from, start, |r| {
                 // The byte cap counts everything a record carries (key,
                 // headers, payload) and is never crossed, except by the
@@ -2076,7 +2097,9 @@ fn take_batch(
                 true
             })?;
             if let Some(pos) = stopped {
-                hints.borrow_mut().note(h.base_offset, pos);
+                hints
+                    .borrow_mut()
+                    .note(h.base_offset, pos, hint.map(|(k, _)| k));
             }
             Ok(!full && out.records.len() < limits.max_records && *bytes < limits.max_bytes)
         }
@@ -2337,6 +2360,35 @@ async fn checksum_matches<F: StorageFile>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn two_readers_in_one_batch_keep_their_own_hints() {
+        let pos = |index: u32| format::RecordPos {
+            index,
+            at: index as usize * 10,
+        };
+        let base = Offset(1000);
+        let mut h = ReadHints::default();
+        // Two readers start in the batch, far apart, neither from a hint.
+        h.note(base, pos(100), None);
+        h.note(base, pos(500), None);
+        // Each moves on from its own hint; neither takes the other's.
+        for step in 1..20u32 {
+            let (k, a) = h
+                .find(base, base.plus(100 + 16 * (step - 1) as u64))
+                .unwrap();
+            assert_eq!(a.index, 100 + 16 * (step - 1));
+            h.note(base, pos(a.index + 16), Some(k));
+            let (k, b) = h
+                .find(base, base.plus(500 + 16 * (step - 1) as u64))
+                .unwrap();
+            assert_eq!(b.index, 500 + 16 * (step - 1));
+            h.note(base, pos(b.index + 16), Some(k));
+        }
+        // Another batch, and offsets below every hint, find nothing.
+        assert_eq!(h.find(Offset(7), Offset(2000)), None);
+        assert_eq!(h.find(base, base.plus(50)), None);
+    }
 
     #[test]
     fn reservations_double_up_to_the_step_then_go_a_step_at_a_time() {

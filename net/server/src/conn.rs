@@ -475,11 +475,14 @@ pub(crate) async fn serve<S: Storage>(
         // they come back small, so that an idle connection holds a few KiB
         // (and the buffer is zeroed only as far as data is likely to come),
         // and a buffer a burst grew large is let go once it is empty.
-        if rbuf.is_empty() && rbuf.capacity() > 4 * MAX_READ {
-            rbuf = BytesMut::with_capacity(MIN_READ);
-        }
         let filled = rbuf.len();
         rbuf.resize(filled + read_size, 0);
+        if filled == 0 && rbuf.capacity() > 4 * MAX_READ {
+            // `resize` took back the whole allocation a large frame left
+            // (nothing else holds it now): not for an idle wait.
+            rbuf = BytesMut::with_capacity(read_size);
+            rbuf.resize(read_size, 0);
+        }
         let spare = &mut rbuf[filled..];
         let wait = if said_hello {
             idle
@@ -661,11 +664,16 @@ fn spawn_request<S: Storage>(
         let op = req.name();
         core.metrics.count_request(op);
         let max_pending = core.shared.config.max_pending_response_bytes;
-        // Room for the answer first.
         let room = AnswerRoom::new(&info);
-        room.take(answer_reservation(&req, &core.shared.config))
-            .await;
-        let resp = handle(&core, &info, &room, req).await;
+        let resp = match unnegotiated(&req, &info) {
+            Some(refused) => refused,
+            None => {
+                // Room for the answer first.
+                room.take(answer_reservation(&req, &core.shared.config))
+                    .await;
+                handle(&core, &info, &room, req).await
+            }
+        };
         if let Response::Error(e) = &resp {
             core.metrics.count_error(e.code);
         }
@@ -686,6 +694,30 @@ fn spawn_request<S: Storage>(
         core.lifecycle.wake_all();
     })
     .detach();
+}
+
+/// The guide's rule: a client never sends a call or a field the broker did
+/// not advertise; one that does is refused whole, not half-served. One check
+/// for every request, from the same table the client uses, before it takes
+/// any room.
+fn unnegotiated(req: &Request, info: &ConnInfo) -> Option<Response> {
+    let missing = req.required_features() & !info.features.get();
+    if missing == 0 {
+        return None;
+    }
+    let why = if missing & felix_wire::FEATURE_GROUPS != 0 {
+        " (a broker without durable storage offers no consumer groups)"
+    } else {
+        ""
+    };
+    Some(wire_err(
+        ErrorCode::Unsupported,
+        format!(
+            "{} needs {}, which this connection did not negotiate in HELLO{why}",
+            req.name(),
+            felix_wire::feature_names(missing)
+        ),
+    ))
 }
 
 fn log_err(shard: &str, e: LogError) -> Response {
@@ -713,21 +745,6 @@ async fn handle<S: Storage>(
     room: &AnswerRoom,
     req: Request,
 ) -> Response {
-    // The guide's rule: a client never sends a call or a field the broker
-    // did not advertise; one that does is refused whole, not half-served.
-    // One check for every request, from the same table the client uses.
-    let missing = req.required_features() & !info.features.get();
-    if missing != 0 {
-        return wire_err(
-            ErrorCode::Unsupported,
-            format!(
-                "{} needs {}, which this connection did not negotiate in HELLO \
-                 (or this broker does not offer: consumer groups need durable storage)",
-                req.name(),
-                felix_wire::feature_names(missing)
-            ),
-        );
-    }
     match req {
         Request::Hello { .. } => wire_err(
             ErrorCode::InvalidRequest,
