@@ -224,6 +224,8 @@ impl Drop for AnswerRoom {
 /// Smallest and largest read from a connection's socket (see `serve`).
 const MIN_READ: usize = 4 << 10;
 const MAX_READ: usize = 64 << 10;
+/// Largest read for the rest of a large frame already begun.
+const MAX_FRAME_READ: usize = 1 << 20;
 
 /// How long a new connection has to send its HELLO (at most the idle
 /// timeout).
@@ -476,12 +478,20 @@ pub(crate) async fn serve<S: Storage>(
         // (and the buffer is zeroed only as far as data is likely to come),
         // and a buffer a burst grew large is let go once it is empty.
         let filled = rbuf.len();
-        rbuf.resize(filled + read_size, 0);
+        // A large frame partly here is read in pieces as big as what it
+        // still lacks (up to 1 MiB), not 64 KiB at a time. Its declared size
+        // was checked against the frame cap when it was decoded as
+        // incomplete.
+        let lacking = felix_wire::peek_header(&rbuf)
+            .filter(|h| h.len <= max_frame)
+            .map_or(0, |h| h.frame_bytes().saturating_sub(filled));
+        let read_size_now = read_size.max(lacking.min(MAX_FRAME_READ));
+        rbuf.resize(filled + read_size_now, 0);
         if filled == 0 && rbuf.capacity() > 4 * MAX_READ {
             // `resize` took back the whole allocation a large frame left
             // (nothing else holds it now): not for an idle wait.
-            rbuf = BytesMut::with_capacity(read_size);
-            rbuf.resize(read_size, 0);
+            rbuf = BytesMut::with_capacity(read_size_now);
+            rbuf.resize(read_size_now, 0);
         }
         let spare = &mut rbuf[filled..];
         let wait = if said_hello {
@@ -506,7 +516,7 @@ pub(crate) async fn serve<S: Storage>(
         let got = futures_lite::future::or(read, stop).await;
         let n = *got.as_ref().unwrap_or(&0);
         rbuf.truncate(filled + n);
-        if n == read_size {
+        if n >= read_size {
             read_size = (read_size * 2).min(MAX_READ);
         } else if n < read_size / 4 {
             read_size = (read_size / 2).max(MIN_READ);
