@@ -335,8 +335,9 @@ impl<S: Storage> Core<S> {
     /// Share `storage.read_cache_bytes_per_core` evenly between this core's
     /// open shards (each keeping at most `storage.read_cache_bytes` of
     /// recent batches): thousands of shards on a core must not each keep a
-    /// full cache. An eighth of a share (at most the default count of
-    /// chunks; none for a share under 2 MiB) goes to chunks of cold reads.
+    /// full cache. A quarter of a share (at most the default count of
+    /// chunks; none for a share under 1 MiB) goes to chunks of cold reads:
+    /// without one, every small poll of a backlog reads a chunk from disk.
     /// Each shard also keeps its newest batch whatever its share. Run
     /// whenever shards open or close.
     pub fn share_caches(&self) {
@@ -351,7 +352,7 @@ impl<S: Storage> Core<S> {
         let c = &self.shared.config;
         let d = LogConfig::default();
         let share = c.read_cache_bytes_per_core / open.len();
-        let cold = (share / 8 / d.read_chunk_bytes.max(1)).min(d.cold_chunks);
+        let cold = (share / 4 / d.read_chunk_bytes.max(1)).min(d.cold_chunks);
         let recent = c
             .read_cache_bytes
             .min(share.saturating_sub(cold * d.read_chunk_bytes));
