@@ -17,17 +17,16 @@ fn rss_bytes(pid: u32) -> u64 {
     kb * 1024
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_that_never_reads_its_answers_costs_bounded_memory() {
-    let b = felix_tests::start_broker!(BrokerOptions::default().cores(1));
+/// A client, and stream `t/ns/big` (one shard) holding `batches` batches
+/// of 16 records of 64 KiB.
+async fn big_stream(b: &felix_tests::Broker, batches: usize) -> Client {
     let c = Client::connect(b.addr.as_str(), ClientConfig::default())
         .await
         .unwrap();
     c.create_stream("t", "ns", "big", 1, StreamOptions::default())
         .await
         .unwrap();
-    // 8 MiB of records: every read below answers about 4 MiB.
-    for _ in 0..8 {
+    for _ in 0..batches {
         let records = (0..16)
             .map(|_| RecordIn {
                 payload: vec![9u8; 64 << 10].into(),
@@ -36,34 +35,18 @@ async fn a_client_that_never_reads_its_answers_costs_bounded_memory() {
             .collect();
         c.publish_batch("t", "ns", "big", 0, records).await.unwrap();
     }
-    let pid = b.pid();
-    let base = rss_bytes(pid);
+    c
+}
 
-    // 1,000 reads of ~4 MiB each (4 GB of answers) on a connection that
-    // never reads a byte back.
-    let s = tokio::net::TcpStream::connect(&b.addr).await.unwrap();
-    let (mut rd, mut wr) = s.into_split();
+/// `count` reads of `t/ns/big` from offset 0, each answered with up to
+/// 4 MiB, with request ids 1..=count.
+fn big_reads(count: u64) -> bytes::BytesMut {
     let mut out = bytes::BytesMut::new();
-    felix_wire::encode_request(
-        0,
-        &Request::Hello {
-            version: felix_wire::PROTOCOL_VERSION,
-            features: felix_wire::FEATURES_ALL,
-            want_core: None,
-            client_name: "never-reads".into(),
-            token: None,
-        },
-        &mut out,
-    );
-    for id in 1..=1000u64 {
+    for id in 1..=count {
         felix_wire::encode_request(
             id,
             &Request::Read {
-                stream: StreamRef {
-                    tenant: "t".into(),
-                    namespace: "ns".into(),
-                    stream: "big".into(),
-                },
+                stream: stream_ref("big"),
                 shard: 0,
                 from: StartPosition::Offset(0),
                 max_records: 1000,
@@ -73,13 +56,11 @@ async fn a_client_that_never_reads_its_answers_costs_bounded_memory() {
             &mut out,
         );
     }
-    // The broker stops reading this connection once enough is in flight,
-    // so this write finishes only after the answers are read below.
-    let writer = tokio::spawn(async move {
-        wr.write_all(&out).await.unwrap();
-        wr
-    });
-    // Let the broker take in and answer what it will.
+    out
+}
+
+/// Wait (at most 5 s) until the broker's memory stops growing.
+async fn settle(pid: u32) {
     let mut last = 0;
     for _ in 0..50 {
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -89,6 +70,28 @@ async fn a_client_that_never_reads_its_answers_costs_bounded_memory() {
         }
         last = now;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_never_reads_its_answers_costs_bounded_memory() {
+    let b = felix_tests::start_broker!(BrokerOptions::default().cores(1));
+    // 8 MiB of records: every read below answers about 4 MiB.
+    let c = big_stream(&b, 8).await;
+    let pid = b.pid();
+    let base = rss_bytes(pid);
+
+    // 1,000 reads of ~4 MiB each (4 GB of answers) on a connection that
+    // never reads a byte back.
+    let (rd, mut wr) = raw_connection(&b.addr, "never-reads").await;
+    let out = big_reads(1000);
+    // The broker stops reading this connection once enough is in flight,
+    // so this write finishes only after the answers are read below.
+    let writer = tokio::spawn(async move {
+        wr.write_all(&out).await.unwrap();
+        wr
+    });
+    // Let the broker take in and answer what it will.
+    settle(pid).await;
 
     // Others are served meanwhile.
     let r = c
@@ -107,26 +110,7 @@ async fn a_client_that_never_reads_its_answers_costs_bounded_memory() {
     );
 
     // Reading now drains everything: every request is answered.
-    let mut got = 0u64;
-    let mut buf = bytes::BytesMut::new();
-    let mut chunk = vec![0u8; 1 << 20];
-    while got < 1001 {
-        while let Some((_, resp)) = felix_wire::decode_response(&mut buf, 64 << 20).unwrap() {
-            match resp {
-                Response::HelloOk { .. } | Response::Records { .. } => got += 1,
-                other => panic!("unexpected {other:?}"),
-            }
-        }
-        if got == 1001 {
-            break;
-        }
-        let n = tokio::time::timeout(Duration::from_secs(30), rd.read(&mut chunk))
-            .await
-            .expect("answers keep coming")
-            .unwrap();
-        assert!(n > 0, "broker closed the connection after {got} answers");
-        buf.extend_from_slice(&chunk[..n]);
-    }
+    drain_answers(rd, 1001, |r| matches!(r, Response::Records { .. })).await;
     writer.await.unwrap();
 }
 
@@ -207,21 +191,7 @@ async fn many_clients_that_never_read_cost_memory_bounded_by_the_core_budget() {
     let b = felix_tests::start_broker!(BrokerOptions::default()
         .cores(1)
         .env("FELIX_MAX_BUFFERED_BYTES_PER_CORE", BUDGET));
-    let c = Client::connect(b.addr.as_str(), ClientConfig::default())
-        .await
-        .unwrap();
-    c.create_stream("t", "ns", "big", 1, StreamOptions::default())
-        .await
-        .unwrap();
-    for _ in 0..8 {
-        let records = (0..16)
-            .map(|_| RecordIn {
-                payload: vec![9u8; 64 << 10].into(),
-                ..Default::default()
-            })
-            .collect();
-        c.publish_batch("t", "ns", "big", 0, records).await.unwrap();
-    }
+    let _c = big_stream(&b, 8).await;
     let pid = b.pid();
     let base = rss_bytes(pid);
 
@@ -229,36 +199,14 @@ async fn many_clients_that_never_read_cost_memory_bounded_by_the_core_budget() {
     let mut writers = Vec::new();
     for i in 0..CONNS {
         let (rd, mut wr) = raw_connection(&b.addr, &format!("never-reads-{i}")).await;
-        let mut out = bytes::BytesMut::new();
-        for id in 1..=READS {
-            felix_wire::encode_request(
-                id,
-                &Request::Read {
-                    stream: stream_ref("big"),
-                    shard: 0,
-                    from: StartPosition::Offset(0),
-                    max_records: 1000,
-                    max_bytes: 4 << 20,
-                    wait_ms: 0,
-                },
-                &mut out,
-            );
-        }
+        let out = big_reads(READS);
         readers.push(rd);
         writers.push(tokio::spawn(async move {
             wr.write_all(&out).await.unwrap();
             wr
         }));
     }
-    let mut last = 0;
-    for _ in 0..50 {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let now = rss_bytes(pid);
-        if now == last {
-            break;
-        }
-        last = now;
-    }
+    settle(pid).await;
 
     // Others are served meanwhile (a connection holding nothing goes ahead).
     let other = Client::connect(b.addr.as_str(), ClientConfig::default())
@@ -461,35 +409,9 @@ async fn a_client_that_takes_no_answers_is_cut_off_after_the_write_timeout() {
     let b = felix_tests::start_broker!(BrokerOptions::default()
         .cores(1)
         .env("FELIX_WRITE_TIMEOUT_MS", 1000));
-    let c = Client::connect(b.addr.as_str(), ClientConfig::default())
-        .await
-        .unwrap();
-    c.create_stream("t", "ns", "big", 1, StreamOptions::default())
-        .await
-        .unwrap();
-    let records = (0..16)
-        .map(|_| RecordIn {
-            payload: vec![9u8; 64 << 10].into(),
-            ..Default::default()
-        })
-        .collect();
-    c.publish_batch("t", "ns", "big", 0, records).await.unwrap();
+    let _c = big_stream(&b, 1).await;
     let (mut rd, mut wr) = raw_connection(&b.addr, "stalls").await;
-    let mut out = bytes::BytesMut::new();
-    for id in 1..=200u64 {
-        felix_wire::encode_request(
-            id,
-            &Request::Read {
-                stream: stream_ref("big"),
-                shard: 0,
-                from: StartPosition::Offset(0),
-                max_records: 1000,
-                max_bytes: 4 << 20,
-                wait_ms: 0,
-            },
-            &mut out,
-        );
-    }
+    let out = big_reads(200);
     let writer = tokio::spawn(async move {
         // The broker stops reading, then cuts the connection off: this
         // write fails or finishes, either way it ends.

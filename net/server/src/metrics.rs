@@ -189,39 +189,25 @@ impl MetricsSnapshot {
             "# TYPE felix_connections_open gauge\nfelix_connections_open {}",
             self.connections_open
         );
-        let mut buffered = self.buffered.clone();
-        buffered.sort_by_key(|b| b.core);
-        let _ = writeln!(s, "# HELP felix_core_buffered_bytes Request and answer bytes a core's connections hold (server.max_buffered_bytes_per_core).\n# TYPE felix_core_buffered_bytes gauge");
-        for b in &buffered {
-            let _ = writeln!(
-                s,
-                "felix_core_buffered_bytes{{core=\"{}\"}} {}",
-                b.core, b.bytes
-            );
-        }
-        let _ = writeln!(s, "# HELP felix_core_buffered_bytes_peak The most felix_core_buffered_bytes has been since start.\n# TYPE felix_core_buffered_bytes_peak gauge");
-        for b in &buffered {
-            let _ = writeln!(
-                s,
-                "felix_core_buffered_bytes_peak{{core=\"{}\"}} {}",
-                b.core, b.peak
-            );
-        }
-        let _ = writeln!(s, "# HELP felix_read_cache_bytes Bytes a core's shards keep in memory for reads (storage.read_cache_bytes_per_core).\n# TYPE felix_read_cache_bytes gauge");
-        for b in &buffered {
-            let _ = writeln!(
-                s,
-                "felix_read_cache_bytes{{core=\"{}\"}} {}",
-                b.core, b.read_cache
-            );
-        }
-        let _ = writeln!(s, "# HELP felix_core_buffered_waits_total Times a connection or a read waited for the core's buffered-bytes budget.\n# TYPE felix_core_buffered_waits_total counter");
-        for b in &buffered {
-            let _ = writeln!(
-                s,
-                "felix_core_buffered_waits_total{{core=\"{}\"}} {}",
-                b.core, b.waits
-            );
+        let mut cores = self.buffered.clone();
+        cores.sort_by_key(|b| b.core);
+        type PerCore = (
+            &'static str,
+            &'static str,
+            &'static str,
+            fn(&BufferedSnapshot) -> u64,
+        );
+        let per_core: [PerCore; 4] = [
+            ("felix_core_buffered_bytes", "gauge", "Request and answer bytes a core's connections hold (server.max_buffered_bytes_per_core).", |b| b.bytes),
+            ("felix_core_buffered_bytes_peak", "gauge", "The most felix_core_buffered_bytes has been since start.", |b| b.peak),
+            ("felix_read_cache_bytes", "gauge", "Bytes a core's shards keep in memory for reads (storage.read_cache_bytes_per_core).", |b| b.read_cache),
+            ("felix_core_buffered_waits_total", "counter", "Times a connection or a read waited for the core's buffered-bytes budget.", |b| b.waits),
+        ];
+        for (name, kind, help, value) in per_core {
+            let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} {kind}");
+            for b in &cores {
+                let _ = writeln!(s, "{name}{{core=\"{}\"}} {}", b.core, value(b));
+            }
         }
         let _ = writeln!(
             s,
