@@ -479,3 +479,51 @@ fn a_clean_close_gives_the_reservation_back() {
         log.close().await.unwrap();
     });
 }
+
+/// A DMA file's size is tracked through its own writes, reservations and
+/// truncations (one statx at open), reads stop at it, and a file unlinked
+/// while open (retention deleting a segment a reader still holds) still
+/// reads by its descriptor.
+#[test]
+fn a_dma_file_tracks_its_size_and_reads_after_it_is_unlinked() {
+    use felix_engine::storage::{Storage, StorageFile};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("seg");
+    let root = dir.path().to_path_buf();
+    run(move || async move {
+        warm_up_dma(&root).await.unwrap();
+        let storage = DmaStorage::new();
+        let f = storage.open(&path, true).await.unwrap();
+        assert_eq!(f.size().await.unwrap(), 0);
+        assert!(f.read_at(0, 4096).await.unwrap().is_empty());
+        let mut buf = f.alloc(8192);
+        buf.as_mut().fill(7);
+        f.write_at(buf, 4096).await.unwrap();
+        assert_eq!(f.size().await.unwrap(), 12288);
+        // A read past the end is cut at it.
+        let r = f.read_at(8192, 16384).await.unwrap();
+        assert_eq!(r.len(), 4096);
+        assert!(r.iter().all(|&b| b == 7));
+        // Reserving grows it (fallocate mode 0); reserved blocks read as zeros.
+        f.allocate(65536).await.unwrap();
+        assert_eq!(f.size().await.unwrap(), 65536);
+        let r = f.read_at(61440, 16384).await.unwrap();
+        assert_eq!(r.len(), 4096);
+        assert!(r.iter().all(|&b| b == 0));
+        // Truncating shrinks it, on disk and here.
+        f.truncate(8192).await.unwrap();
+        assert_eq!(f.size().await.unwrap(), 8192);
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 8192);
+        assert_eq!(f.read_at(0, 65536).await.unwrap().len(), 8192);
+        // Another open sees the same size.
+        let g = storage.open(&path, false).await.unwrap();
+        assert_eq!(g.size().await.unwrap(), 8192);
+        g.close().await.unwrap();
+        // Unlinked while open: the descriptor still reads its bytes.
+        std::fs::remove_file(&path).unwrap();
+        let r = f.read_at(4096, 4096).await.unwrap();
+        assert_eq!(r.len(), 4096);
+        assert!(r.iter().all(|&b| b == 7));
+        f.close().await.unwrap();
+    });
+}

@@ -111,9 +111,13 @@ impl Storage for DmaStorage {
                     format!("open {}", path.display()),
                 )
             })?;
+        // The one statx of this file: from here its size is tracked by
+        // the writes, reservations and truncations made through it.
+        let size = file.file_size().await.map_err(gio)?;
         Ok(DmaStorageFile {
             file,
             depth: self.depth.clone(),
+            size: Cell::new(size),
         })
     }
 
@@ -183,9 +187,23 @@ pub(crate) fn write_atomic_blocking(path: &PathBuf, data: &[u8]) -> io::Result<(
 }
 
 /// One DMA file.
+///
+/// Its size is kept here rather than asked of the kernel: glommio's
+/// `file_size` is a statx *by path* on the blocking-op workers, which would
+/// put a worker round trip ahead of every read, and fail (or stat another
+/// file) once retention has unlinked the segment while a reader still holds
+/// it. The engine opens each segment once, and every change of size goes
+/// through this handle.
 pub struct DmaStorageFile {
     file: DmaFile,
     depth: Rc<Depth>,
+    size: Cell<u64>,
+}
+
+impl DmaStorageFile {
+    fn grew_to(&self, end: u64) {
+        self.size.set(self.size.get().max(end));
+    }
 }
 
 impl StorageFile for DmaStorageFile {
@@ -206,6 +224,7 @@ impl StorageFile for DmaStorageFile {
             let _io = permit(&self.depth).await?;
             self.file.write_at(buf, pos).await.map_err(gio)?
         };
+        self.grew_to(pos + n as u64);
         if n != len {
             return Err(io::Error::new(
                 io::ErrorKind::WriteZero,
@@ -218,7 +237,7 @@ impl StorageFile for DmaStorageFile {
     async fn read_at(&self, pos: u64, len: usize) -> io::Result<Bytes> {
         let _io = permit(&self.depth).await?;
         // glommio pads reads past EOF with zeros: clamp to the real size.
-        let size = self.file.file_size().await.map_err(gio)?;
+        let size = self.size.get();
         if pos >= size {
             return Ok(Bytes::new());
         }
@@ -233,15 +252,20 @@ impl StorageFile for DmaStorageFile {
     }
 
     async fn size(&self) -> io::Result<u64> {
-        self.file.file_size().await.map_err(gio)
+        Ok(self.size.get())
     }
 
     async fn truncate(&self, len: u64) -> io::Result<()> {
-        self.file.truncate(len).await.map_err(gio)
+        self.file.truncate(len).await.map_err(gio)?;
+        self.size.set(len);
+        Ok(())
     }
 
     async fn allocate(&self, len: u64) -> io::Result<()> {
-        self.file.pre_allocate(len, false).await.map_err(gio)
+        // Mode 0: the size grows to cover the reservation.
+        self.file.pre_allocate(len, false).await.map_err(gio)?;
+        self.grew_to(len);
+        Ok(())
     }
 
     async fn close(self) -> io::Result<()> {
