@@ -486,6 +486,14 @@ pub(crate) async fn serve<S: Storage>(
             .filter(|h| h.len <= max_frame)
             .map_or(0, |h| h.frame_bytes().saturating_sub(filled));
         let read_size_now = read_size.max(lacking.min(MAX_FRAME_READ));
+        if rbuf.capacity() < filled + read_size_now && read_size_now >= MAX_READ {
+            // A new allocation copies what is buffered, the start of a frame
+            // the last read ended inside (earlier frames still hold the old
+            // one). A busy connection gets room for many reads at once, so
+            // that copy is made once per MiB rather than on almost every
+            // read: with 64 KiB publishes it was a copy of nearly every byte.
+            rbuf.reserve(MAX_FRAME_READ.max(read_size_now));
+        }
         rbuf.resize(filled + read_size_now, 0);
         if filled == 0 && rbuf.capacity() > 4 * MAX_READ {
             // `resize` took back the whole allocation a large frame left
