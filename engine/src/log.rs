@@ -627,7 +627,11 @@ impl<F> Inner<F> {
             self.target_base = base;
             self.pending.push_back(Chunk {
                 segment_base: base,
-                buf: Vec::with_capacity(chunk_capacity(self.chunk_hint, len)),
+                buf: Vec::with_capacity(chunk_capacity(
+                    self.chunk_hint,
+                    len,
+                    self.config.segment_bytes,
+                )),
                 batches: Vec::new(),
                 end: self.frontiers.at(Frontier::Queued),
             });
@@ -642,7 +646,11 @@ impl<F> Inner<F> {
         } else if self.pending.back().map(|c| c.segment_base) != Some(target_base) {
             self.pending.push_back(Chunk {
                 segment_base: target_base,
-                buf: Vec::with_capacity(chunk_capacity(self.chunk_hint, len)),
+                buf: Vec::with_capacity(chunk_capacity(
+                    self.chunk_hint,
+                    len,
+                    self.config.segment_bytes.saturating_sub(data_len),
+                )),
                 batches: Vec::new(),
                 end: self.frontiers.at(Frontier::Queued),
             });
@@ -704,11 +712,16 @@ const MAX_CHUNK_HINT: usize = 8 << 20;
 
 /// Capacity for a new chunk's buffer whose first batch is `len` bytes:
 /// about the last round's size (a round takes every chunk queued, so the next
-/// one is likely to be about as large), at most [`MAX_CHUNK_HINT`]. A
-/// larger round grows the buffer as usual.
-fn chunk_capacity(hint: usize, len: usize) -> usize {
+/// one is likely to be about as large), at most [`MAX_CHUNK_HINT`] and no
+/// more than the `room` its segment has left. A larger round grows the
+/// buffer as usual.
+fn chunk_capacity(hint: usize, len: usize, room: u64) -> usize {
     // A quarter more, for a round a little larger than the last.
-    (hint + hint / 4).min(MAX_CHUNK_HINT).max(len)
+    let room = usize::try_from(room).unwrap_or(usize::MAX);
+    (hint + hint / 4)
+        .min(MAX_CHUNK_HINT)
+        .min(room.saturating_add(len))
+        .max(len)
 }
 
 /// A shard's log. Cheap to clone; all clones live on the owning core.
@@ -1526,7 +1539,7 @@ impl<S: Storage> ShardLog<S> {
         // The chunk's buffer becomes the cache's memory without a copy. A
         // buffer sized for a larger round than it got gives the rest back
         // first: the cache counts bytes, not capacity.
-        if chunk.buf.capacity() > 2 * chunk.buf.len() + 4096 {
+        if chunk.buf.capacity() > chunk.buf.len() + (chunk.buf.len() / 8).max(4096) {
             chunk.buf.shrink_to_fit();
         }
         let shared = Bytes::from(std::mem::take(&mut chunk.buf));
@@ -2385,6 +2398,19 @@ async fn checksum_matches<F: StorageFile>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_chunk_starts_about_as_large_as_the_last_round_within_its_segment() {
+        // Nothing known yet: just the first batch.
+        assert_eq!(chunk_capacity(0, 100, 1 << 30), 100);
+        // The last round and a quarter more.
+        assert_eq!(chunk_capacity(4 << 20, 100, 1 << 30), 5 << 20);
+        // Never past the cap, nor past what the segment can still take.
+        assert_eq!(chunk_capacity(100 << 20, 100, 1 << 30), MAX_CHUNK_HINT);
+        assert_eq!(chunk_capacity(4 << 20, 100, 4096), 4196);
+        // A batch larger than all of that still fits.
+        assert_eq!(chunk_capacity(4 << 20, 9 << 20, 0), 9 << 20);
+    }
 
     #[test]
     fn two_readers_in_one_batch_keep_their_own_hints() {

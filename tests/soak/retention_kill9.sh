@@ -13,7 +13,12 @@
 # * holes in the group's deliveries are accounted for: every offset below
 #   the group's final position was delivered or lies in the `skipped_before`
 #   run of a delivered record (retention removed it before the group got
-#   to it);
+#   to it). One interleaving can break this without a broker fault, and
+#   would show as a hole: a kill after the group's new position (past
+#   removed records) is durable but before the poll that reported them
+#   reaches the consumer; the restarted broker rebuilds the group at that
+#   position and does not know the records below it were skipped, not
+#   delivered. Not seen in the runs so far;
 # * the consumer and the reader report no error but a lost connection (or a
 #   reader falling behind retention, which it is told about).
 #
@@ -37,14 +42,16 @@ segment_bytes = 262144
 retention_check_ms = 50
 EOF
 
+LOGN=0
 start() {
-  "$F" serve --config "$W/felix.toml" --cores 2 > "$W/broker.log" 2>&1 &
+  LOGN=$((LOGN + 1))
+  "$F" serve --config "$W/felix.toml" --cores 2 > "$W/broker-$LOGN.log" 2>&1 &
   BPID=$!
   for _ in $(seq 1 100); do
-    grep -q "listening" "$W/broker.log" && return
+    grep -q "listening" "$W/broker-$LOGN.log" && return
     sleep 0.1
   done
-  echo "broker did not start:"; cat "$W/broker.log"; exit 1
+  echo "broker did not start:"; cat "$W/broker-$LOGN.log"; exit 1
 }
 
 end_offset() {
@@ -62,7 +69,7 @@ for round in $(seq 1 "$rounds"); do
   # Padded numbers: about 120 bytes a record, so 1 MiB of retention holds
   # some 8,000 and the segments roll every ~2,000.
   seq "$next" $((next + 2000000)) | awk '{ printf "%d-%0110d\n", $1, 0 }' \
-    | "$F" --broker "127.0.0.1:$PORT" publish t/n/r --shard 0 > /dev/null 2>&1 &
+    | "$F" --broker "127.0.0.1:$PORT" publish t/n/r --shard 0 > /dev/null 2> "$W/publish-$round.err" &
   pub=$!
   "$F" --broker "127.0.0.1:$PORT" read t/n/r --shard 0 --from earliest --follow --format json \
     > "$W/read-$round.jsonl" 2> "$W/read-$round.err" &
@@ -77,9 +84,9 @@ for round in $(seq 1 "$rounds"); do
   kill "$cons" "$rd" 2>/dev/null
   wait "$pub" "$cons" "$rd" 2>/dev/null
   awk '/}$/' "$W/group-$round.jsonl" >> "$W/group.jsonl"
-  for e in "$W/read-$round.err" "$W/group-$round.err"; do
+  for e in "$W/read-$round.err" "$W/group-$round.err" "$W/publish-$round.err"; do
     # A lost connection is the kill's doing; anything else is not.
-    grep -v -i -E "connect|disconnect|closed|reset|broken pipe|timed out|unavailable|shutting down|fell behind retention|^(consumed|read) [0-9]+ records|^$" "$e" \
+    grep -v -E "connection to the broker was lost|i/o error: .*(refused|reset|broken pipe)|timed out waiting for the broker|fell behind retention|^published [0-9]+ records before the error|^(consumed|read) [0-9]+ records|^$" "$e" \
       | sed "s|^|$(basename "$e"): |" >> "$W/errors.txt"
   done
   start
@@ -94,11 +101,19 @@ grep -v -E "^consumed [0-9]+ records" "$W/drain.err" >> "$W/errors.txt"
 felix group describe t/n/r --shard 0 --group g > "$W/describe.txt" 2>&1
 pos=$(awk '$1 == "position" { print $2 }' "$W/describe.txt")
 start_off=$(awk '$1 == "start_offset" { print $2 }' "$W/describe.txt")
+end=$(awk '$1 == "end_offset" { print $2 }' "$W/describe.txt")
+if [ -z "$pos" ] || [ "$pos" != "$end" ]; then
+  echo "soak FAILED: the drained group stands at ${pos:-?}, not at the log's end ${end:-?}"; exit 1
+fi
+# The broker itself: nothing stopped, nothing failed to open or delete.
+if grep -h -E "ERROR|shard stopped|panicked" "$W"/broker-*.log | head -5 | grep .; then
+  echo "soak FAILED: the broker logged the errors above"; exit 1
+fi
 if [ -s "$W/errors.txt" ]; then
   echo "soak FAILED: clients reported errors:"; head -20 "$W/errors.txt"; exit 1
 fi
 python3 - "$W" "$rounds" "$pos" "${start_off:-0}" <<'PY' || exit 1
-import json, sys
+import json, re, sys
 w, rounds, pos, start = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 def records(path):
     for n, line in enumerate(open(path), 1):
@@ -111,14 +126,26 @@ def intact(r, where):
         print(f"soak FAILED: {where}: offset {r['offset']} holds {r['payload'][:40]!r}, not {want[:40]!r}...")
         sys.exit(1)
 read_total = 0
+jumps = 0
 for k in range(1, rounds + 1):
+    # The reader says when retention removed records before it read them:
+    # "... from=F start=S". Those are the only gaps it may have.
+    told = set()
+    for line in open(f"{w}/read-{k}.err"):
+        m = re.search(r"from\S*?=\S*?(\d+).*start\S*?=\S*?(\d+)", re.sub(r"\x1b\[[0-9;]*m", "", line))
+        if m and "fell behind retention" in line:
+            told.add((int(m.group(1)), int(m.group(2))))
     last = -1
     for n, r in records(f"{w}/read-{k}.jsonl"):
         intact(r, f"reader, round {k}, line {n}")
-        if r["offset"] <= last:
-            print(f"soak FAILED: reader round {k}: offset {r['offset']} after {last}")
-            sys.exit(1)
-        last = r["offset"]
+        o = r["offset"]
+        if last >= 0 and o != last + 1:
+            if (last + 1, o) not in told:
+                print(f"soak FAILED: reader round {k}: offset {o} after {last}, and no "
+                      f"warning that {last + 1}..{o} fell behind retention")
+                sys.exit(1)
+            jumps += 1
+        last = o
         read_total += 1
 covered = set()
 distinct = set()
@@ -131,8 +158,13 @@ for n, r in records(f"{w}/group.jsonl"):
     covered.update(range(o - r.get("skipped_before", 0), o))
     delivered += 1
 holes = [o for o in range(0, pos) if o not in covered]
-print(f"reader got {read_total} records intact and in order; group delivered {delivered} "
+print(f"reader got {read_total} records intact and in order ({jumps} jumps over retention, "
+      f"each announced); group delivered {delivered} "
       f"({len(distinct)} distinct) and reported {len(covered - distinct)} skipped by retention; position {pos}, log start {start}")
+if start == 0 or read_total == 0 or delivered == 0 or not (covered - distinct):
+    print("soak FAILED: nothing to check: retention never removed anything the group "
+          "had not reached, or nothing was read or delivered")
+    sys.exit(1)
 if holes:
     print(f"soak FAILED: {len(holes)} offsets below the position were neither delivered nor "
           f"reported skipped (first {holes[:10]})")

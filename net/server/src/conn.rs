@@ -486,12 +486,17 @@ pub(crate) async fn serve<S: Storage>(
             .filter(|h| h.len <= max_frame)
             .map_or(0, |h| h.frame_bytes().saturating_sub(filled));
         let read_size_now = read_size.max(lacking.min(MAX_FRAME_READ));
-        if rbuf.capacity() < filled + read_size_now && read_size_now >= MAX_READ {
+        if filled > 0
+            && rbuf.capacity() < filled + read_size_now
+            && read_size_now >= MAX_READ
+            && !core.budget.over(MAX_FRAME_READ)
+        {
             // A new allocation copies what is buffered, the start of a frame
             // the last read ended inside (earlier frames still hold the old
-            // one). A busy connection gets room for many reads at once, so
-            // that copy is made once per MiB rather than on almost every
-            // read: with 64 KiB publishes it was a copy of nearly every byte.
+            // one). A busy connection gets room for many reads at once while
+            // the core has memory to spare, so that copy is made once per
+            // MiB rather than on almost every read: with 64 KiB publishes it
+            // was a copy of nearly every byte.
             rbuf.reserve(MAX_FRAME_READ.max(read_size_now));
         }
         rbuf.resize(filled + read_size_now, 0);
@@ -949,6 +954,9 @@ async fn publish<S: Storage>(
         Ok(a) => a,
         Err(e) => return log_err(&shard.name(), e),
     };
+    // The log copied them: let go of the read buffer they are slices of
+    // before waiting for the flush.
+    drop(recs);
     core.disk.note_appended(bytes);
     let frontier = match ack {
         AckMode::Queued => Frontier::Queued,
