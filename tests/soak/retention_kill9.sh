@@ -13,12 +13,8 @@
 # * holes in the group's deliveries are accounted for: every offset below
 #   the group's final position was delivered or lies in the `skipped_before`
 #   run of a delivered record (retention removed it before the group got
-#   to it). One interleaving can break this without a broker fault, and
-#   would show as a hole: a kill after the group's new position (past
-#   removed records) is durable but before the poll that reported them
-#   reaches the consumer; the restarted broker rebuilds the group at that
-#   position and does not know the records below it were skipped, not
-#   delivered. Not seen in the runs so far;
+#   to it), across restarts too: the position entry keeps the count for
+#   the record at the position;
 # * the consumer and the reader report no error but a lost connection (or a
 #   reader falling behind retention, which it is told about).
 #

@@ -1382,6 +1382,62 @@ async fn records_retention_removed_are_skipped_and_counted() {
     assert!(g.poll(10).await.is_empty());
 }
 
+/// A record handed out with `skipped_before` keeps the count across a
+/// restart: the poll moved the group's position up to it, and a broker
+/// killed before the record is finished hands it out again from that
+/// position, still saying what lies settled below it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_handed_out_with_skips_keeps_them_across_a_restart() {
+    let cfg = config_file("[storage]\nsegment_bytes = 65536\nretention_check_ms = 100\n");
+    let mut b =
+        felix_tests::start_broker!(opts(30_000, 5).env("FELIX_TEST_CONFIG", cfg.path.display()));
+    let c = client(&b.addr).await;
+    let retention = felix_client::StreamOptions {
+        retention_bytes: Some(128 << 10),
+        retention_ms: None,
+    };
+    c.create_stream(T, NS, JOBS, 1, retention).await.unwrap();
+    let g = Group::new(&c, JOBS, "workers");
+    g.create(StartPosition::Earliest).await.unwrap();
+    for _ in 0..48 {
+        c.publish(T, NS, JOBS, 0, vec![1u8; 16 << 10])
+            .await
+            .unwrap();
+    }
+    eventually(
+        "retention to remove old segments",
+        Duration::from_secs(10),
+        || async {
+            let info = c.describe_shard(T, NS, JOBS, 0).await.unwrap();
+            info.start_offset > 0 && info.bytes <= 128 << 10
+        },
+    )
+    .await;
+    let start = c.describe_shard(T, NS, JOBS, 0).await.unwrap().start_offset;
+    let got = g.poll(1).await;
+    assert_eq!(got[0].offset, start);
+    assert_eq!(
+        got[0].skipped_before,
+        Some(start),
+        "0..{start} were removed unread"
+    );
+    assert_eq!(g.position().await, start);
+    // A durable publish flushes the log, the group's position entry with it.
+    c.publish(T, NS, JOBS, 0, "flush").await.unwrap();
+
+    b.kill9();
+    b.restart();
+    let g = Group::new(&client(&b.addr).await, JOBS, "workers");
+    assert_eq!(g.position().await, start);
+    let again = g.poll(1).await;
+    assert_eq!(again[0].offset, start, "handed out again from the position");
+    assert_eq!(
+        again[0].skipped_before,
+        Some(start),
+        "and still told that 0..{start} lie settled below it"
+    );
+}
+
 /// A member reclaims claims retention removed meanwhile, right below the
 /// records the group has not handed out yet: the removed ones are settled,
 /// and every retained record after them is delivered (none is settled as

@@ -7,7 +7,7 @@
 //! | bytes | field |
 //! | --- | --- |
 //! | 1 | version = 1 |
-//! | 1 | kind: 1 Create, 2 Seek, 3 Delete, 4 Position, 5 DeadLetter, 6 Redrive, 7 Discard, 8 RedriveFinished, 9 Snapshot, 10 SnapshotDeadLetters |
+//! | 1 | kind: 1 Create, 2 Seek, 3 Delete, 4 Position, 5 DeadLetter, 6 Redrive, 7 Discard, 8 RedriveFinished, 9 Snapshot, 10 SnapshotDeadLetters, 11 Position with *skipped*, 12 Snapshot with *skipped* |
 //! | 2 | group name length n, 1..=255 |
 //! | n | group name, UTF-8 |
 //! | … | body |
@@ -16,12 +16,22 @@
 //!
 //! | kind | body |
 //! | --- | --- |
-//! | Create, Seek, Position | u64 position |
+//! | Create, Seek | u64 position |
+//! | Position | u64 position |
+//! | Position with *skipped* | u64 position; u64 *skipped* (> 0) |
 //! | Delete | (empty) |
 //! | Redrive, Discard, RedriveFinished | u64 offset |
 //! | DeadLetter | u64 offset, then *info* |
 //! | Snapshot | u64 position; u32 dead-letter count d; d × (u64 offset, *info*) in strictly increasing offset order; u32 redriven count r; r × u64 offset, strictly increasing, each below the position |
+//! | Snapshot with *skipped* | as Snapshot, then u64 *skipped* (> 0) |
 //! | SnapshotDeadLetters | u32 dead-letter count d; d × (u64 offset, *info*) in strictly increasing offset order: more of the `Snapshot` that follows (a long list is split, [`SNAPSHOT_DEAD_LETTERS`] a piece, so no entry nears the batch size limit). The pieces come first and the `Snapshot` last, so a snapshot a crash cut short is ignored whole on replay |
+//!
+//! *skipped*: how many offsets directly below the position were settled
+//! without being delivered (retention, control records): the
+//! `skipped_before` of the record at the position, so that a restart that
+//! hands it out again still says so. Kinds 11 and 12 are written only when
+//! it is not 0, so a log without skips reads as it always did; an older
+//! broker refuses a log that has them.
 //!
 //! *info*: u32 attempts, u64 at_ms, u8 flags (bit 0 by_consumer, bit 1 reason
 //! present, bit 2 discarded — in a snapshot only: a dead letter discarded at
@@ -59,6 +69,8 @@ const KIND_DISCARD: u8 = 7;
 const KIND_REDRIVE_FINISHED: u8 = 8;
 const KIND_SNAPSHOT: u8 = 9;
 const KIND_SNAPSHOT_DEAD_LETTERS: u8 = 10;
+const KIND_POSITION_SKIPPED: u8 = 11;
+const KIND_SNAPSHOT_SKIPPED: u8 = 12;
 
 /// Dead letters one snapshot entry carries at most; the rest follow in
 /// `SnapshotDeadLetters` entries of as many. About 21 bytes each without a
@@ -99,6 +111,9 @@ impl DeadLetter {
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub struct DurableGroup {
     position: Offset,
+    /// Offsets directly below the position settled without delivery (see
+    /// *skipped* above).
+    position_skipped: u64,
     dead_letters: BTreeMap<Offset, DeadLetter>,
     /// Sum of the reasons' lengths in `dead_letters`.
     reason_bytes: usize,
@@ -134,6 +149,7 @@ impl DurableGroup {
         let reason_bytes = dead_letters.values().map(DeadLetter::reason_len).sum();
         Ok(DurableGroup {
             position,
+            position_skipped: 0,
             dead_letters,
             reason_bytes,
             redriven,
@@ -143,6 +159,12 @@ impl DurableGroup {
     /// The cursor: everything below it is finished, except `redriven`.
     pub fn position(&self) -> Offset {
         self.position
+    }
+
+    /// How many offsets directly below the position were settled without
+    /// being delivered, as the last entry that moved it said.
+    pub fn position_skipped(&self) -> u64 {
+        self.position_skipped
     }
 
     /// Every offset given up on and not yet passed by a discard below the
@@ -206,6 +228,7 @@ impl DurableGroup {
             .collect();
         let head = DurableGroup {
             position: self.position,
+            position_skipped: self.position_skipped,
             reason_bytes: first.values().map(DeadLetter::reason_len).sum(),
             dead_letters: first,
             redriven: self.redriven.clone(),
@@ -269,8 +292,13 @@ pub enum GroupEntry {
     Seek { group: String, position: Offset },
     /// The group, its position and dead letters are gone.
     Delete { group: String },
-    /// The cursor advanced to `position`.
-    Position { group: String, position: Offset },
+    /// The cursor advanced to `position`; the `skipped` offsets directly
+    /// below it were settled without being delivered.
+    Position {
+        group: String,
+        position: Offset,
+        skipped: u64,
+    },
     /// `offset` is a dead letter (and, if it was redriven, no longer owed).
     DeadLetter {
         group: String,
@@ -344,9 +372,15 @@ impl GroupEntry {
         out.extend_from_slice(&(group.len() as u16).to_le_bytes());
         out.extend_from_slice(group.as_bytes());
         match self {
-            GroupEntry::Create { position, .. }
-            | GroupEntry::Seek { position, .. }
-            | GroupEntry::Position { position, .. } => put_u64(out, position.0),
+            GroupEntry::Create { position, .. } | GroupEntry::Seek { position, .. } => {
+                put_u64(out, position.0)
+            }
+            GroupEntry::Position {
+                position, skipped, ..
+            } => {
+                put_u64(out, position.0);
+                put_skipped(out, *skipped);
+            }
             GroupEntry::Delete { .. } => {}
             GroupEntry::Redrive { offset, .. }
             | GroupEntry::Discard { offset, .. }
@@ -368,6 +402,7 @@ impl GroupEntry {
                 for offset in &state.redriven {
                     put_u64(out, offset.0);
                 }
+                put_skipped(out, state.position_skipped);
             }
             GroupEntry::SnapshotDeadLetters { letters, .. } => {
                 let n = u32::try_from(letters.len()).expect("dead letters fit u32");
@@ -410,9 +445,14 @@ impl GroupEntry {
                 position: Offset(r.u64()?),
             },
             KIND_DELETE => GroupEntry::Delete { group },
-            KIND_POSITION => GroupEntry::Position {
+            KIND_POSITION | KIND_POSITION_SKIPPED => GroupEntry::Position {
                 group,
                 position: Offset(r.u64()?),
+                skipped: if kind == KIND_POSITION_SKIPPED {
+                    r.skipped()?
+                } else {
+                    0
+                },
             },
             KIND_DEAD_LETTER => {
                 let offset = Offset(r.u64()?);
@@ -439,7 +479,7 @@ impl GroupEntry {
                 group,
                 letters: r.dead_letters()?.into_iter().collect(),
             },
-            KIND_SNAPSHOT => {
+            KIND_SNAPSHOT | KIND_SNAPSHOT_SKIPPED => {
                 let position = Offset(r.u64()?);
                 let dead_letters = r.dead_letters()?;
                 let count = r.u32()? as usize;
@@ -458,10 +498,11 @@ impl GroupEntry {
                     last = Some(offset);
                     redriven.insert(offset);
                 }
-                GroupEntry::Snapshot {
-                    group,
-                    state: DurableGroup::from_parts(position, dead_letters, redriven)?,
+                let mut state = DurableGroup::from_parts(position, dead_letters, redriven)?;
+                if kind == KIND_SNAPSHOT_SKIPPED {
+                    state.position_skipped = r.skipped()?;
                 }
+                GroupEntry::Snapshot { group, state }
             }
             other => return Err(GroupEntryError::Kind(other)),
         };
@@ -476,12 +517,14 @@ impl GroupEntry {
             GroupEntry::Create { .. } => KIND_CREATE,
             GroupEntry::Seek { .. } => KIND_SEEK,
             GroupEntry::Delete { .. } => KIND_DELETE,
-            GroupEntry::Position { .. } => KIND_POSITION,
+            GroupEntry::Position { skipped: 0, .. } => KIND_POSITION,
+            GroupEntry::Position { .. } => KIND_POSITION_SKIPPED,
             GroupEntry::DeadLetter { .. } => KIND_DEAD_LETTER,
             GroupEntry::Redrive { .. } => KIND_REDRIVE,
             GroupEntry::Discard { .. } => KIND_DISCARD,
             GroupEntry::RedriveFinished { .. } => KIND_REDRIVE_FINISHED,
-            GroupEntry::Snapshot { .. } => KIND_SNAPSHOT,
+            GroupEntry::Snapshot { state, .. } if state.position_skipped == 0 => KIND_SNAPSHOT,
+            GroupEntry::Snapshot { .. } => KIND_SNAPSHOT_SKIPPED,
             GroupEntry::SnapshotDeadLetters { .. } => KIND_SNAPSHOT_DEAD_LETTERS,
         }
     }
@@ -500,6 +543,7 @@ pub(crate) fn apply(state: &mut Option<DurableGroup>, entry: &GroupEntry) {
         GroupEntry::Seek { position, .. } => {
             let g = state.get_or_insert_with(|| DurableGroup::new(*position));
             g.position = *position;
+            g.position_skipped = 0;
             g.redriven.retain(|&r| r < *position);
             g.forget_discarded_below(*position);
         }
@@ -508,9 +552,12 @@ pub(crate) fn apply(state: &mut Option<DurableGroup>, entry: &GroupEntry) {
         // Staged by the replaying tracker until the `Snapshot` after them
         // (see `GroupTracker::apply_entry`); alone they change nothing.
         GroupEntry::SnapshotDeadLetters { .. } => {}
-        GroupEntry::Position { position, .. } => {
+        GroupEntry::Position {
+            position, skipped, ..
+        } => {
             if let Some(g) = state {
                 g.position = *position;
+                g.position_skipped = *skipped;
                 g.redriven.retain(|&r| r < *position);
                 g.forget_discarded_below(*position);
             }
@@ -555,6 +602,14 @@ pub(crate) fn cut_reason(reason: Option<&str>) -> Option<String> {
         end -= 1;
     }
     Some(reason[..end].to_string())
+}
+
+/// The *skipped* count, written only by the kinds that carry one (it is not
+/// 0): entries without skips keep the kinds and encoding they always had.
+fn put_skipped(out: &mut Vec<u8>, skipped: u64) {
+    if skipped > 0 {
+        put_u64(out, skipped);
+    }
 }
 
 fn put_u64(out: &mut Vec<u8>, v: u64) {
@@ -618,6 +673,18 @@ impl<'a> Reader<'a> {
         let mut a = [0; 4];
         a.copy_from_slice(self.take(4)?);
         Ok(u32::from_le_bytes(a))
+    }
+
+    /// The *skipped* count of the kinds that carry one; never 0 (a count of
+    /// 0 is written as the kind without it, so it would not encode back to
+    /// itself).
+    fn skipped(&mut self) -> Result<u64, GroupEntryError> {
+        match self.u64()? {
+            0 => Err(GroupEntryError::Malformed(
+                "a skipped count of 0 is written as none",
+            )),
+            n => Ok(n),
+        }
     }
 
     fn u64(&mut self) -> Result<u64, GroupEntryError> {
@@ -735,10 +802,13 @@ mod codec_tests {
                 position: Offset(p)
             }),
             group.prop_map(|group| GroupEntry::Delete { group }),
-            (group, any::<u64>()).prop_map(|(group, p)| GroupEntry::Position {
-                group,
-                position: Offset(p)
-            }),
+            (group, any::<u64>(), prop_oneof![Just(0u64), any::<u64>()]).prop_map(
+                |(group, p, skipped)| GroupEntry::Position {
+                    group,
+                    position: Offset(p),
+                    skipped,
+                }
+            ),
             (group, any::<u64>(), arb_info()).prop_map(|(group, o, info)| {
                 GroupEntry::DeadLetter {
                     group,
@@ -843,9 +913,52 @@ mod codec_tests {
     }
 
     #[test]
+    fn a_position_or_snapshot_keeps_its_skips_in_their_own_kinds() {
+        let plain = GroupEntry::Position {
+            group: "g".into(),
+            position: Offset(9),
+            skipped: 0,
+        };
+        let skips = GroupEntry::Position {
+            group: "g".into(),
+            position: Offset(9),
+            skipped: 4,
+        };
+        // Without skips, the bytes entries always had.
+        assert_eq!(plain.to_bytes()[1], KIND_POSITION);
+        assert_eq!(plain.to_bytes().len(), 4 + 1 + 8);
+        assert_eq!(skips.to_bytes()[1], KIND_POSITION_SKIPPED);
+        assert_eq!(GroupEntry::decode(&skips.to_bytes()), Ok(skips.clone()));
+        // A skip count of 0 in the kind that carries one is refused: it
+        // would not encode back to itself.
+        let mut zero = plain.to_bytes();
+        zero[1] = KIND_POSITION_SKIPPED;
+        zero.extend_from_slice(&0u64.to_le_bytes());
+        assert!(matches!(
+            GroupEntry::decode(&zero),
+            Err(GroupEntryError::Malformed(_))
+        ));
+        // A snapshot carries it too, so retention cannot lose it.
+        let mut g = Some(DurableGroup::new(Offset(0)));
+        apply(&mut g, &skips);
+        let state = g.unwrap();
+        assert_eq!(state.position_skipped(), 4);
+        let snap = state.snapshot("g", 8);
+        assert_eq!(snap.len(), 1);
+        assert_eq!(snap[0].to_bytes()[1], KIND_SNAPSHOT_SKIPPED);
+        let mut replayed = None;
+        apply(
+            &mut replayed,
+            &GroupEntry::decode(&snap[0].to_bytes()).unwrap(),
+        );
+        assert_eq!(replayed.unwrap().position_skipped(), 4);
+    }
+
+    #[test]
     fn group_entry_snapshot_with_redriven_above_position_is_refused() {
         let state = DurableGroup {
             position: Offset(3),
+            position_skipped: 0,
             dead_letters: BTreeMap::new(),
             reason_bytes: 0,
             redriven: [Offset(7)].into_iter().collect(),

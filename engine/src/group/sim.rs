@@ -85,10 +85,13 @@ struct Stats {
     evictions: u64,
     crashes: u64,
     snapshot_replays: u64,
+    /// Restarts (crashes, evictions) where the record at the position had
+    /// been told of skips below it, which the position entry kept.
+    kept_skips: u64,
 }
 
 impl Stats {
-    fn fields(&self) -> [u64; 13] {
+    fn fields(&self) -> [u64; 14] {
         [
             self.new_deliveries,
             self.owed_deliveries,
@@ -103,6 +106,7 @@ impl Stats {
             self.evictions,
             self.crashes,
             self.snapshot_replays,
+            self.kept_skips,
         ]
     }
 
@@ -120,6 +124,7 @@ impl Stats {
         self.evictions += o.evictions;
         self.crashes += o.crashes;
         self.snapshot_replays += o.snapshot_replays;
+        self.kept_skips += o.kept_skips;
     }
 }
 
@@ -339,6 +344,25 @@ impl Sim {
         }
     }
 
+    /// After a crash or an eviction (not a seek), a record at the durable
+    /// position that went out before keeps the skips it was told: the
+    /// position entry recorded them.
+    fn check_kept_skips(&mut self) {
+        if let Some(g) = self.t.durable() {
+            if let Some(m) = self.mrec.get(&g.position().0) {
+                self.stats.kept_skips += (m.skipped_before > 0) as u64;
+                assert_eq!(
+                    g.position_skipped(),
+                    m.skipped_before,
+                    "the position {} kept {} skipped below it, the record was told {}",
+                    g.position().0,
+                    g.position_skipped(),
+                    m.skipped_before
+                );
+            }
+        }
+    }
+
     /// A new epoch: the memory is gone, the durable state stays.
     fn new_epoch(&mut self) {
         self.mrec.clear();
@@ -346,6 +370,13 @@ impl Sim {
         self.handed_epoch.clear();
         self.finished_epoch.clear();
         self.settled_epoch.clear();
+        // What the last position entry recorded as skipped below the
+        // position is known again: the record there is told it.
+        if let Some(g) = self.t.durable() {
+            let p = g.position().0;
+            self.settled_epoch
+                .extend(p.saturating_sub(g.position_skipped())..p);
+        }
         self.plans.clear();
         // Discarded dead letters above the position stay finished.
         let discarded: Vec<u64> = self
@@ -1114,6 +1145,7 @@ impl Sim {
         if can || force {
             self.note(format!("evict (forced {force})"));
             self.t.reset_to_durable();
+            self.check_kept_skips();
             self.stats.evictions += 1;
             self.last_reclaim.clear();
             self.new_epoch();
@@ -1135,6 +1167,7 @@ impl Sim {
         t.reset_to_durable();
         self.t = t;
         self.replica = replica;
+        self.check_kept_skips();
         self.stats.crashes += 1;
         self.stats.snapshot_replays += (from > 0) as u64;
         self.note(format!(
@@ -1333,10 +1366,13 @@ impl Sim {
                 }
             };
             let log = self.log();
+            let frontier_before = self.t.frontier().0;
             let out = self.t.poll(self.now, &caller, 0, None, log, &mut lookup);
             self.write(out.writes, false);
             self.check_dead(&dead);
             let offsets: Vec<Offset> = out.deliveries.iter().map(|d| d.offset).collect();
+            let delivered_now = offsets.iter().map(|o| o.0).collect();
+            self.note_frontier(frontier_before, &delivered_now);
             for &o in &offsets {
                 self.finish(o.0);
                 self.acked_ever.insert(o.0);

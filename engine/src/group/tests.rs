@@ -1271,6 +1271,7 @@ fn a_snapshot_cut_short_by_a_crash_leaves_the_earlier_state() {
     full.apply_entry(&GroupEntry::Position {
         group: "g".into(),
         position: Offset(10),
+        skipped: 3,
     });
     let state = full.durable().unwrap().clone();
     let entries = state.snapshot("g", 2);
@@ -1308,6 +1309,7 @@ fn a_snapshot_cut_short_by_a_crash_leaves_the_earlier_state() {
     t.apply_entry(&GroupEntry::Position {
         group: "g".into(),
         position: Offset(1),
+        skipped: 0,
     });
     t.apply_entry(&entries[2]);
     let listed: Vec<u64> = t

@@ -1448,10 +1448,24 @@ impl GroupTracker {
                 q = q.next();
             }
         };
+        // What the record at the new position was (or will be) told lies
+        // settled below it, kept with the position so a restart says it
+        // again.
+        let skipped = if next == self.frontier {
+            // Not handed out yet: the run the frontier stepped over.
+            if self.skip_run_end == next {
+                self.skip_run_len
+            } else {
+                0
+            }
+        } else {
+            self.skipped_below.get(&next).copied().unwrap_or(0)
+        };
         self.write(
             GroupEntry::Position {
                 group: self.group.clone(),
                 position: next,
+                skipped,
             },
             w,
         );
@@ -1478,8 +1492,13 @@ impl GroupTracker {
         self.staged = Vec::new();
         let position = self.position();
         self.frontier = position;
+        // The skips the last position entry recorded below the position:
+        // the record there is handed out again with them.
         self.skip_run_end = position;
-        self.skip_run_len = 0;
+        self.skip_run_len = self
+            .durable
+            .as_ref()
+            .map_or(0, DurableGroup::position_skipped);
         let redriven: Vec<Offset> = self
             .durable
             .as_ref()
