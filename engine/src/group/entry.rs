@@ -445,15 +445,19 @@ impl GroupEntry {
                 position: Offset(r.u64()?),
             },
             KIND_DELETE => GroupEntry::Delete { group },
-            KIND_POSITION | KIND_POSITION_SKIPPED => GroupEntry::Position {
-                group,
-                position: Offset(r.u64()?),
-                skipped: if kind == KIND_POSITION_SKIPPED {
-                    r.skipped()?
+            KIND_POSITION | KIND_POSITION_SKIPPED => {
+                let position = r.u64()?;
+                let skipped = if kind == KIND_POSITION_SKIPPED {
+                    r.skipped(position)?
                 } else {
                     0
-                },
-            },
+                };
+                GroupEntry::Position {
+                    group,
+                    position: Offset(position),
+                    skipped,
+                }
+            }
             KIND_DEAD_LETTER => {
                 let offset = Offset(r.u64()?);
                 let info = r.info()?;
@@ -500,7 +504,7 @@ impl GroupEntry {
                 }
                 let mut state = DurableGroup::from_parts(position, dead_letters, redriven)?;
                 if kind == KIND_SNAPSHOT_SKIPPED {
-                    state.position_skipped = r.skipped()?;
+                    state.position_skipped = r.skipped(position.0)?;
                 }
                 GroupEntry::Snapshot { group, state }
             }
@@ -677,11 +681,14 @@ impl<'a> Reader<'a> {
 
     /// The *skipped* count of the kinds that carry one; never 0 (a count of
     /// 0 is written as the kind without it, so it would not encode back to
-    /// itself).
-    fn skipped(&mut self) -> Result<u64, GroupEntryError> {
+    /// itself) and never more than the offsets below the position.
+    fn skipped(&mut self, position: u64) -> Result<u64, GroupEntryError> {
         match self.u64()? {
             0 => Err(GroupEntryError::Malformed(
                 "a skipped count of 0 is written as none",
+            )),
+            n if n > position => Err(GroupEntryError::Malformed(
+                "more offsets skipped than lie below the position",
             )),
             n => Ok(n),
         }
@@ -777,8 +784,10 @@ mod codec_tests {
             any::<u64>(),
             proptest::collection::btree_map(any::<u64>(), arb_info(), 0..8),
             proptest::collection::btree_set(any::<u64>(), 0..8),
+            any::<u64>(),
+            any::<bool>(),
         )
-            .prop_map(|(position, dead, redriven)| {
+            .prop_map(|(position, dead, redriven, skipped, with_skips)| {
                 let dead_letters: BTreeMap<Offset, DeadLetter> =
                     dead.into_iter().map(|(o, i)| (Offset(o), i)).collect();
                 let redriven = redriven
@@ -786,7 +795,12 @@ mod codec_tests {
                     .map(Offset)
                     .filter(|r| *r < Offset(position) && !dead_letters.contains_key(r))
                     .collect();
-                DurableGroup::from_parts(Offset(position), dead_letters, redriven).unwrap()
+                let mut g =
+                    DurableGroup::from_parts(Offset(position), dead_letters, redriven).unwrap();
+                if with_skips && position > 0 {
+                    g.position_skipped = 1 + skipped % position;
+                }
+                g
             })
     }
 
@@ -802,11 +816,15 @@ mod codec_tests {
                 position: Offset(p)
             }),
             group.prop_map(|group| GroupEntry::Delete { group }),
-            (group, any::<u64>(), prop_oneof![Just(0u64), any::<u64>()]).prop_map(
-                |(group, p, skipped)| GroupEntry::Position {
+            (group, any::<u64>(), any::<u64>(), any::<bool>()).prop_map(
+                |(group, p, skipped, with_skips)| GroupEntry::Position {
                     group,
                     position: Offset(p),
-                    skipped,
+                    skipped: if with_skips && p > 0 {
+                        1 + skipped % p
+                    } else {
+                        0
+                    },
                 }
             ),
             (group, any::<u64>(), arb_info()).prop_map(|(group, o, info)| {

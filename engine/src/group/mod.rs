@@ -42,7 +42,8 @@
 //!
 //! # Durability
 //!
-//! Durable state ([`DurableGroup`]) is the position, the dead-letter list and
+//! Durable state ([`DurableGroup`]) is the position (with how many offsets
+//! directly below it were settled without delivery), the dead-letter list and
 //! the set of redriven offsets below the position. The tracker changes it
 //! *only* by applying the entries it hands back, so replaying the written
 //! entries (after the latest [`GroupEntry::Snapshot`]) rebuilds it exactly.

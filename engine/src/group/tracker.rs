@@ -1196,7 +1196,7 @@ impl GroupTracker {
     fn note_skipped(&mut self, from: Offset, to: Offset) {
         let n = to.0 - from.0;
         if self.skip_run_end == from {
-            self.skip_run_len += n;
+            self.skip_run_len = self.skip_run_len.saturating_add(n);
         } else {
             self.skip_run_len = n;
         }
