@@ -193,8 +193,14 @@ pub enum FrameError {
     Body(&'static str),
 }
 
-/// Encode a records batch into `out`, stamped with the flush that will write
-/// it (`flush`). Returns the header as written.
+/// Bytes of the batch [`encode_records`] makes of `records` (what
+/// [`check_records`] returns for records it accepts).
+pub fn records_batch_len(records: &[RecordIn]) -> usize {
+    BATCH_HEADER_BYTES + records.iter().map(RecordIn::encoded_len).sum::<usize>()
+}
+
+/// Append a records batch to `out`, stamped with the flush that will write it
+/// (`flush`). Returns the header as written.
 pub fn encode_records(
     out: &mut Vec<u8>,
     base: Offset,
@@ -203,32 +209,48 @@ pub fn encode_records(
     records: &[RecordIn],
 ) -> BatchHeader {
     let start = out.len();
-    out.resize(start + BATCH_HEADER_BYTES, 0);
+    out.resize(start + records_batch_len(records), 0);
+    encode_records_into(&mut out[start..], base, term, flush, records)
+}
+
+/// Encode a records batch into `out`, which is exactly as long as the batch
+/// ([`records_batch_len`]): the log encodes straight into the memory it
+/// writes to disk. Every byte of `out` is written.
+pub fn encode_records_into(
+    out: &mut [u8],
+    base: Offset,
+    term: u64,
+    flush: u16,
+    records: &[RecordIn],
+) -> BatchHeader {
+    let mut w = Put::after_header(out);
     let mut max_ts = 0u64;
     for (i, r) in records.iter().enumerate() {
         max_ts = max_ts.max(r.timestamp_ms);
         let len = (r.encoded_len() - 4) as u32;
-        out.extend_from_slice(&len.to_le_bytes());
-        out.extend_from_slice(&(i as u32).to_le_bytes());
-        out.extend_from_slice(&r.timestamp_ms.to_le_bytes());
         let key_len = r.key.as_ref().map_or(NO_KEY, |k| k.len() as u32);
-        out.extend_from_slice(&key_len.to_le_bytes());
-        out.extend_from_slice(&(r.headers.len() as u16).to_le_bytes());
-        out.extend_from_slice(&(r.payload.len() as u32).to_le_bytes());
+        let mut fixed = [0u8; RECORD_FIXED_BYTES];
+        fixed[0..4].copy_from_slice(&len.to_le_bytes());
+        fixed[4..8].copy_from_slice(&(i as u32).to_le_bytes());
+        fixed[8..16].copy_from_slice(&r.timestamp_ms.to_le_bytes());
+        fixed[16..20].copy_from_slice(&key_len.to_le_bytes());
+        fixed[20..22].copy_from_slice(&(r.headers.len() as u16).to_le_bytes());
+        fixed[22..26].copy_from_slice(&(r.payload.len() as u32).to_le_bytes());
+        w.put(&fixed);
         if let Some(k) = &r.key {
-            out.extend_from_slice(k);
+            w.put(k);
         }
         for (name, value) in &r.headers {
-            out.extend_from_slice(&(name.len() as u16).to_le_bytes());
-            out.extend_from_slice(name.as_bytes());
-            out.extend_from_slice(&(value.len() as u32).to_le_bytes());
-            out.extend_from_slice(value);
+            w.put(&(name.len() as u16).to_le_bytes());
+            w.put(name.as_bytes());
+            w.put(&(value.len() as u32).to_le_bytes());
+            w.put(value);
         }
-        out.extend_from_slice(&r.payload);
+        w.put(&r.payload);
     }
+    w.done();
     finish(
         out,
-        start,
         BatchKind::Records,
         records.len() as u32,
         base,
@@ -237,7 +259,7 @@ pub fn encode_records(
     )
 }
 
-/// Encode a control batch (one offset, never delivered).
+/// Append a control batch (one offset, never delivered) to `out`.
 pub fn encode_control(
     out: &mut Vec<u8>,
     base: Offset,
@@ -246,13 +268,27 @@ pub fn encode_control(
     body: &[u8],
 ) -> BatchHeader {
     let start = out.len();
-    out.resize(start + BATCH_HEADER_BYTES, 0);
-    out.extend_from_slice(body);
-    finish(out, start, BatchKind::Control, 1, base, (term, flush), 0)
+    out.resize(start + BATCH_HEADER_BYTES + body.len(), 0);
+    encode_control_into(&mut out[start..], base, term, flush, body)
 }
 
-/// Encode a group-state batch (no offset). `at` is the log's next offset when
-/// it was written, which orders it among the records.
+/// Encode a control batch into `out`, exactly `BATCH_HEADER_BYTES +
+/// body.len()` bytes long.
+pub fn encode_control_into(
+    out: &mut [u8],
+    base: Offset,
+    term: u64,
+    flush: u16,
+    body: &[u8],
+) -> BatchHeader {
+    let mut w = Put::after_header(out);
+    w.put(body);
+    w.done();
+    finish(out, BatchKind::Control, 1, base, (term, flush), 0)
+}
+
+/// Append a group-state batch (no offset) to `out`. `at` is the log's next
+/// offset when it was written, which orders it among the records.
 pub fn encode_group(
     out: &mut Vec<u8>,
     at: Offset,
@@ -261,27 +297,74 @@ pub fn encode_group(
     body: &[u8],
 ) -> BatchHeader {
     let start = out.len();
-    out.resize(start + BATCH_HEADER_BYTES, 0);
-    out.extend_from_slice(body);
-    finish(out, start, BatchKind::Group, 0, at, (term, flush), 0)
+    out.resize(start + BATCH_HEADER_BYTES + body.len(), 0);
+    encode_group_into(&mut out[start..], at, term, flush, body)
 }
 
+/// Encode a group-state batch into `out`, exactly `BATCH_HEADER_BYTES +
+/// body.len()` bytes long.
+pub fn encode_group_into(
+    out: &mut [u8],
+    at: Offset,
+    term: u64,
+    flush: u16,
+    body: &[u8],
+) -> BatchHeader {
+    let mut w = Put::after_header(out);
+    w.put(body);
+    w.done();
+    finish(out, BatchKind::Group, 0, at, (term, flush), 0)
+}
+
+/// Writes a batch body into its exact-sized buffer, front to back.
+struct Put<'a> {
+    out: &'a mut [u8],
+    at: usize,
+}
+
+impl<'a> Put<'a> {
+    fn after_header(out: &'a mut [u8]) -> Put<'a> {
+        assert!(
+            out.len() >= BATCH_HEADER_BYTES,
+            "no room for a batch header"
+        );
+        Put {
+            out,
+            at: BATCH_HEADER_BYTES,
+        }
+    }
+
+    #[inline]
+    fn put(&mut self, b: &[u8]) {
+        self.out[self.at..self.at + b.len()].copy_from_slice(b);
+        self.at += b.len();
+    }
+
+    /// The body filled its buffer exactly: a caller that sized it wrong
+    /// would otherwise leave bytes it never wrote inside the batch.
+    fn done(self) {
+        assert_eq!(self.at, self.out.len(), "batch buffer sized wrong");
+    }
+}
+
+/// Fill in the header of the batch that is all of `out` and checksum it.
 fn finish(
     out: &mut [u8],
-    start: usize,
     kind: BatchKind,
     count: u32,
     base: Offset,
     (term, flush): (u64, u16),
     max_ts: u64,
 ) -> BatchHeader {
-    let len = (out.len() - start) as u32;
+    let len = out.len() as u32;
     assert!(
-        len <= BATCH_MAX_BYTES,
-        "batch of {len} bytes over the bound"
+        out.len() <= BATCH_MAX_BYTES as usize,
+        "batch of {} bytes over the bound",
+        out.len()
     );
-    let h = &mut out[start..start + BATCH_HEADER_BYTES];
+    let h = &mut out[..BATCH_HEADER_BYTES];
     h[0..4].copy_from_slice(&len.to_le_bytes());
+    h[4..8].fill(0);
     h[8] = FORMAT_VERSION;
     h[9] = kind as u8;
     h[10..12].copy_from_slice(&flush.to_le_bytes());
@@ -289,8 +372,8 @@ fn finish(
     h[16..24].copy_from_slice(&base.0.to_le_bytes());
     h[24..32].copy_from_slice(&term.to_le_bytes());
     h[32..40].copy_from_slice(&max_ts.to_le_bytes());
-    let crc = crc32c::crc32c(&out[start + 8..start + len as usize]);
-    out[start + 4..start + 8].copy_from_slice(&crc.to_le_bytes());
+    let crc = crc32c::crc32c(&out[8..]);
+    out[4..8].copy_from_slice(&crc.to_le_bytes());
     BatchHeader {
         len,
         crc,
@@ -588,6 +671,36 @@ mod tests {
                 "{bad:?}"
             );
         }
+    }
+
+    #[test]
+    fn encoding_into_memory_that_held_anything_writes_the_same_batch() {
+        let records = [rec("a"), rec(""), rec("payload")];
+        let mut want = Vec::new();
+        let h = encode_records(&mut want, Offset(5), 2, 3, &records);
+        assert_eq!(want.len(), records_batch_len(&records));
+        let mut got = vec![0xA5; want.len()];
+        assert_eq!(encode_records_into(&mut got, Offset(5), 2, 3, &records), h);
+        assert_eq!(got, want);
+        for body in [&b""[..], b"state"] {
+            let mut want = Vec::new();
+            let hc = encode_control(&mut want, Offset(9), 1, 1, body);
+            let mut got = vec![0xFF; BATCH_HEADER_BYTES + body.len()];
+            assert_eq!(encode_control_into(&mut got, Offset(9), 1, 1, body), hc);
+            assert_eq!(got, want);
+            let mut want = Vec::new();
+            let hg = encode_group(&mut want, Offset(9), 1, 1, body);
+            let mut got = vec![0x11; BATCH_HEADER_BYTES + body.len()];
+            assert_eq!(encode_group_into(&mut got, Offset(9), 1, 1, body), hg);
+            assert_eq!(got, want);
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "batch buffer sized wrong")]
+    fn a_buffer_larger_than_the_batch_is_refused() {
+        let mut out = vec![0; records_batch_len(&[rec("a")]) + 1];
+        encode_records_into(&mut out, Offset(0), 0, 0, &[rec("a")]);
     }
 
     #[test]

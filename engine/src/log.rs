@@ -23,11 +23,13 @@
 //!
 //! # Group commit
 //!
-//! `append` is synchronous: it encodes into the open buffer and returns the
-//! batch's lsn. The flusher (one task per shard, [`ShardLog::run_flusher`])
-//! takes everything queued, writes it with one aligned write (split into
-//! chunks with at most `io_depth` in flight) and one `fdatasync`, then wakes
-//! every caller waiting on a frontier at or below what it reached.
+//! `append` is synchronous: it encodes the batch straight into the aligned
+//! memory the flush will write (see `Chunk`) and returns the batch's lsn.
+//! The flusher (one task per shard, [`ShardLog::run_flusher`]) takes
+//! everything queued, writes it (in pieces that tile the segment, at most
+//! `io_depth` in flight) with one `fdatasync`, then wakes every caller
+//! waiting on a frontier at or below what it reached. The written pieces
+//! become the tail cache's memory as they are.
 //!
 //! Every batch carries the stamp of the flush that writes it, and a flush is
 //! written only once the one before it is synced. Recovery relies on both to
@@ -51,11 +53,11 @@
 //! round is in flight: what the round took from the queue is gone from it.
 
 use crate::format::{
-    self, encode_control, encode_group, encode_records, BatchHeader, BatchKind, FrameError, Record,
-    RecordIn,
+    self, encode_control_into, encode_group_into, encode_records_into, BatchHeader, BatchKind,
+    FrameError, Record, RecordIn,
 };
 use crate::notify::WaitList;
-use crate::storage::{align_down, align_up, Storage, StorageFile, ALIGN};
+use crate::storage::{align_down, align_up, PageBuf, Storage, StorageFile, ALIGN};
 use crate::types::Offset;
 use bytes::Bytes;
 use std::cell::RefCell;
@@ -77,7 +79,8 @@ pub struct LogConfig {
     pub read_cache_bytes: usize,
     /// Most writes in flight at once for one flush.
     pub io_depth: usize,
-    /// A flush is written in chunks of this many bytes (a multiple of 4 KiB).
+    /// A flush is written in pieces of about this many bytes (a multiple
+    /// of 4 KiB); a batch larger than this is written as one piece.
     pub write_chunk_bytes: usize,
     /// One sparse-index entry per this many bytes of segment.
     pub index_interval_bytes: u64,
@@ -505,15 +508,73 @@ impl<F> Segment<F> {
     }
 }
 
-/// Bytes queued for one segment.
+/// Batches queued for one segment, encoded straight into the page-aligned
+/// pieces a flush writes and the tail cache then keeps (no copy between).
+///
+/// Piece `k` holds the segment's bytes from `pieces[k].at` (a page boundary)
+/// for its filled length. The first piece opens with room for the bytes of
+/// the segment's partial last page before the chunk (copied in from
+/// `tail_page` when it is written); each later piece opens with a copy of
+/// the previous piece's partial last page (under 4 KiB), which it writes
+/// again. So a batch always lies whole in one piece, every write starts on
+/// a page, and a round larger than expected takes another piece rather
+/// than reallocating and copying what it has.
 struct Chunk {
     /// The segment this goes to; a new segment when it is past the active one.
     segment_base: Offset,
-    buf: Vec<u8>,
-    /// Batch headers and their positions in `buf`.
-    batches: Vec<(BatchHeader, usize)>,
+    /// Segment position of the chunk's first batch: the segment's length
+    /// once everything queued before the chunk is written.
+    start: u64,
+    pieces: Vec<Piece>,
+    /// Batch bytes queued.
+    len: usize,
+    /// Batch headers, their segment positions and the piece each is in.
+    batches: Vec<(BatchHeader, u64, usize)>,
     /// Offset and lsn just past the chunk.
     end: Point,
+}
+
+struct Piece {
+    /// Segment position of its first byte (a page boundary).
+    at: u64,
+    buf: PageBuf,
+}
+
+impl Chunk {
+    fn new(segment_base: Offset, start: u64, end: Point) -> Chunk {
+        Chunk {
+            segment_base,
+            start,
+            pieces: Vec::new(),
+            len: 0,
+            batches: Vec::new(),
+            end,
+        }
+    }
+
+    /// Start a piece with room for `room` bytes of batches past what it
+    /// carries over.
+    fn add_piece(&mut self, room: usize) {
+        let piece = match self.pieces.last() {
+            None => {
+                let at = align_down(self.start);
+                let carry = (self.start - at) as usize;
+                let mut buf = PageBuf::with_capacity(carry + room);
+                // Overwritten with the segment's tail page when written.
+                buf.fill(carry, 0);
+                Piece { at, buf }
+            }
+            Some(p) => {
+                let end = p.at + p.buf.len() as u64;
+                let at = align_down(end);
+                let carried = &p.buf.filled()[(at - p.at) as usize..];
+                let mut buf = PageBuf::with_capacity(carried.len() + room);
+                buf.extend_from_slice(carried);
+                Piece { at, buf }
+            }
+        };
+        self.pieces.push(piece);
+    }
 }
 
 struct CachedBatch {
@@ -544,11 +605,9 @@ struct Inner<F> {
     target_base: Offset,
     pending: VecDeque<Chunk>,
     pending_bytes: usize,
-    /// Capacity a new chunk's buffer starts with: the size of the last
-    /// round (see [`chunk_capacity`]). Grown from empty, a buffer that ends
-    /// a round at a few MiB is reallocated a dozen times and its bytes
-    /// copied about once more: with 64 KiB batches that copy cost more
-    /// broker CPU than encoding the batches.
+    /// Bytes the last round wrote: a new chunk's pieces are sized to hold
+    /// about as much (see [`piece_room`]). One piece per batch would mean a
+    /// write per batch and 4 KiB carried over per batch.
     chunk_hint: usize,
     /// Stamp of the flush that will write what is queued now (low 16 bits of
     /// its sequence number; see `format::BatchHeader::flush`). It moves on
@@ -625,16 +684,8 @@ impl<F> Inner<F> {
             self.projected_len = 0;
             self.snapshot_len = 0;
             self.target_base = base;
-            self.pending.push_back(Chunk {
-                segment_base: base,
-                buf: Vec::with_capacity(chunk_capacity(
-                    self.chunk_hint,
-                    len,
-                    self.config.segment_bytes,
-                )),
-                batches: Vec::new(),
-                end: self.frontiers.at(Frontier::Queued),
-            });
+            let at = self.frontiers.at(Frontier::Queued);
+            self.pending.push_back(Chunk::new(base, 0, at));
             // Every segment opens with a snapshot of group state, so that
             // retention deleting older segments never loses it.
             if let Some(snap) = self.snapshot.take() {
@@ -644,16 +695,9 @@ impl<F> Inner<F> {
                 self.queue_snapshot(&bodies);
             }
         } else if self.pending.back().map(|c| c.segment_base) != Some(target_base) {
-            self.pending.push_back(Chunk {
-                segment_base: target_base,
-                buf: Vec::with_capacity(chunk_capacity(
-                    self.chunk_hint,
-                    len,
-                    self.config.segment_bytes.saturating_sub(data_len),
-                )),
-                batches: Vec::new(),
-                end: self.frontiers.at(Frontier::Queued),
-            });
+            let at = self.frontiers.at(Frontier::Queued);
+            self.pending
+                .push_back(Chunk::new(target_base, self.projected_len, at));
         }
         self.pending.back_mut().unwrap()
     }
@@ -664,27 +708,47 @@ impl<F> Inner<F> {
     fn queue_snapshot(&mut self, bodies: &[Vec<u8>]) {
         let before = self.projected_len;
         for body in bodies {
-            self.push_batch(|out, next, flush| encode_group(out, next, 0, flush, body));
+            let len = format::BATCH_HEADER_BYTES + body.len();
+            self.push_batch(len, |out, next, flush| {
+                encode_group_into(out, next, 0, flush, body)
+            });
         }
         self.snapshot_len += self.projected_len - before;
         let point = (self.target_base, self.frontiers.lsn(Frontier::Queued));
         self.covers.push(point);
     }
 
+    /// Encode a batch of `len` bytes into the last chunk (`chunk_for`
+    /// made it ready), in a new piece if the last one has no room for it.
     fn push_batch(
         &mut self,
-        encode: impl FnOnce(&mut Vec<u8>, Offset, u16) -> BatchHeader,
+        len: usize,
+        encode: impl FnOnce(&mut [u8], Offset, u16) -> BatchHeader,
     ) -> Appended {
         let queued = self.frontiers.at(Frontier::Queued);
         let flush = self.flush_stamp;
+        let segment_room = self
+            .config
+            .segment_bytes
+            .saturating_sub(self.projected_len - self.snapshot_len);
+        let (hint, max_piece) = (self.chunk_hint, self.config.write_chunk_bytes);
         let chunk = self.pending.back_mut().expect("chunk_for first");
-        let pos = chunk.buf.len();
-        let h = encode(&mut chunk.buf, queued.offset, flush);
+        if chunk.pieces.last().is_none_or(|p| p.buf.room() < len) {
+            chunk.add_piece(piece_room(hint, chunk.len, len, segment_room, max_piece));
+        }
+        let k = chunk.pieces.len() - 1;
+        let piece = &mut chunk.pieces[k];
+        let pos = piece.at + piece.buf.len() as u64;
+        let h = piece
+            .buf
+            .append_with(len, |out| encode(out, queued.offset, flush));
+        debug_assert_eq!(h.len as usize, len);
         let end = Point {
             offset: h.end_offset(),
             lsn: queued.lsn.plus(h.len as u64),
         };
-        chunk.batches.push((h, pos));
+        chunk.batches.push((h, pos, k));
+        chunk.len += len;
         chunk.end = end;
         self.frontiers.queue(end);
         self.projected_len += h.len as u64;
@@ -699,28 +763,38 @@ impl<F> Inner<F> {
     fn append_with(
         &mut self,
         len: usize,
-        encode: impl FnOnce(&mut Vec<u8>, Offset, u16) -> BatchHeader,
+        encode: impl FnOnce(&mut [u8], Offset, u16) -> BatchHeader,
     ) -> Result<Appended, LogError> {
         self.refuse()?;
         self.chunk_for(len);
-        Ok(self.push_batch(encode))
+        Ok(self.push_batch(len, encode))
     }
 }
 
-/// Most capacity a chunk's buffer is given ahead of its batches.
-const MAX_CHUNK_HINT: usize = 8 << 20;
+/// Least room a piece is given (within `write_chunk_bytes` and the
+/// segment): a round of small batches that outgrows its first piece does
+/// not go on in a write per page.
+const MIN_PIECE: usize = 64 << 10;
 
-/// Capacity for a new chunk's buffer whose first batch is `len` bytes:
-/// about the last round's size (a round takes every chunk queued, so the next
-/// one is likely to be about as large), at most [`MAX_CHUNK_HINT`] and no
-/// more than the `room` its segment has left. A larger round grows the
-/// buffer as usual.
-fn chunk_capacity(hint: usize, len: usize, room: u64) -> usize {
-    // A quarter more, for a round a little larger than the last.
-    let room = usize::try_from(room).unwrap_or(usize::MAX);
-    (hint + hint / 4)
-        .min(MAX_CHUNK_HINT)
-        .min(room.saturating_add(len))
+/// Bytes of batches a new piece of a chunk has room for, its first batch
+/// being `len` bytes: what is left of the last round's size (`hint`; a
+/// round takes every chunk queued, so the next is likely about as large)
+/// past the `queued` bytes the chunk holds, or, once the round has outgrown
+/// that, as much again as it holds; at least [`MIN_PIECE`], at most
+/// `max_piece` (a write each) and what the segment has left, and never
+/// less than the batch.
+fn piece_room(
+    hint: usize,
+    queued: usize,
+    len: usize,
+    segment_room: u64,
+    max_piece: usize,
+) -> usize {
+    let left = hint.saturating_sub(queued);
+    let want = if left > 0 { left } else { queued };
+    want.max(MIN_PIECE)
+        .min(max_piece)
+        .min(usize::try_from(segment_room).unwrap_or(usize::MAX))
         .max(len)
 }
 
@@ -1038,7 +1112,7 @@ impl<S: Storage> ShardLog<S> {
             .inner
             .borrow_mut()
             .append_with(len, |out, next, flush| {
-                encode_records(out, next, 0, flush, records)
+                encode_records_into(out, next, 0, flush, records)
             })?;
         self.queued.wake_all();
         Ok(a)
@@ -1051,7 +1125,7 @@ impl<S: Storage> ShardLog<S> {
             .inner
             .borrow_mut()
             .append_with(len, |out, next, flush| {
-                encode_control(out, next, 0, flush, body)
+                encode_control_into(out, next, 0, flush, body)
             })?;
         self.queued.wake_all();
         Ok(a)
@@ -1064,7 +1138,7 @@ impl<S: Storage> ShardLog<S> {
             .inner
             .borrow_mut()
             .append_with(len, |out, next, flush| {
-                encode_group(out, next, 0, flush, body)
+                encode_group_into(out, next, 0, flush, body)
             })?;
         self.queued.wake_all();
         Ok(a)
@@ -1302,7 +1376,7 @@ impl<S: Storage> ShardLog<S> {
         };
         let mut dirty: Option<Rc<S::File>> = None;
         let count = chunks.len();
-        for (n, mut chunk) in chunks.into_iter().enumerate() {
+        for (n, chunk) in chunks.into_iter().enumerate() {
             let (active_base, dir) = {
                 let i = self.inner.borrow();
                 (i.active_base(), i.dir.clone())
@@ -1353,7 +1427,7 @@ impl<S: Storage> ShardLog<S> {
             }
             // Only the round's last chunk is in the segment that stays
             // active: zeros ahead of an earlier one would be cut at its seal.
-            let file = self.write_chunk(&mut chunk, n + 1 == count).await?;
+            let file = self.write_chunk(chunk, n + 1 == count).await?;
             dirty = Some(file);
         }
         if let Some(f) = dirty {
@@ -1375,10 +1449,10 @@ impl<S: Storage> ShardLog<S> {
     /// partial last page), in pieces with at most `io_depth` in flight.
     async fn write_chunk(
         &self,
-        chunk: &mut Chunk,
+        chunk: Chunk,
         last_in_round: bool,
     ) -> Result<Rc<S::File>, LogError> {
-        let (file, seg_len, reserved, zeroed, tail, chunk_bytes, depth, step, segment_bytes) = {
+        let (file, seg_len, reserved, zeroed, depth, step, segment_bytes) = {
             let i = self.inner.borrow();
             let s = &i.segments[&chunk.segment_base];
             debug_assert_eq!(Some(&s.base), i.segments.keys().next_back());
@@ -1387,18 +1461,47 @@ impl<S: Storage> ShardLog<S> {
                 s.len,
                 s.reserved,
                 s.zeroed,
-                i.tail_page.clone(),
-                i.config.write_chunk_bytes,
                 i.config.io_depth,
                 i.config.preallocate.then_some(i.config.preallocate_step),
                 i.config.segment_bytes,
             )
         };
-        let page_start = align_down(seg_len);
-        debug_assert_eq!(tail.len() as u64, seg_len - page_start);
-        let total = tail.len() + chunk.buf.len();
-        let padded = align_up(total as u64) as usize;
-        let write_end = page_start + padded as u64;
+        let Chunk {
+            segment_base,
+            start,
+            mut pieces,
+            len: chunk_len,
+            batches,
+            end: chunk_end,
+        } = chunk;
+        assert_eq!(start, seg_len, "a chunk starts where its segment ends");
+        let new_len = seg_len + chunk_len as u64;
+        let write_end = align_up(new_len);
+        {
+            // The segment's partial last page, written again in front of
+            // the new bytes: into the first piece's room for it, and into
+            // the pieces after it that start on the same page (they carried
+            // that room over before it was filled).
+            let i = self.inner.borrow();
+            let page = align_down(seg_len);
+            debug_assert_eq!(i.tail_page.len() as u64, seg_len - page);
+            for p in pieces.iter_mut().take_while(|p| p.at == page) {
+                p.buf.filled_mut()[..i.tail_page.len()].copy_from_slice(&i.tail_page);
+            }
+        }
+        // The last partial page of the segment after this chunk, and zeros
+        // to the page boundary (recovery reads them as the end of the log).
+        let new_tail = match pieces.last_mut() {
+            Some(last) => {
+                let from = (align_down(new_len) - last.at) as usize;
+                let to = (new_len - last.at) as usize;
+                debug_assert_eq!(to, last.buf.len());
+                let t = last.buf.filled()[from..to].to_vec();
+                last.buf.pad_to_page();
+                t
+            }
+            None => self.inner.borrow().tail_page.clone(),
+        };
         // Zeros ahead of the data, from a small round only. Blocks reserved
         // by fallocate are unwritten extents: the first write into one
         // converts it, and the fdatasync after that write must commit the
@@ -1413,9 +1516,7 @@ impl<S: Storage> ShardLog<S> {
         // writes), nor one whose reservation failed (zeros would grow the
         // file).
         let zeros = match step {
-            Some(_)
-                if last_in_round && chunk.buf.len() <= ZERO_AHEAD_ROUND && reserved != u64::MAX =>
-            {
+            Some(_) if last_in_round && chunk.len <= ZERO_AHEAD_ROUND && reserved != u64::MAX => {
                 let at = zeroed.max(write_end);
                 debug_assert_eq!(at % ALIGN as u64, 0);
                 let until = align_down(
@@ -1446,63 +1547,61 @@ impl<S: Storage> ShardLog<S> {
             }
         }
         let zeros = zeros.filter(|_| reserved != u64::MAX);
-        // Build the aligned buffers, piece by piece.
-        let mut pieces = Vec::new();
-        let mut at = 0usize;
-        while at < padded {
-            let n = chunk_bytes.min(padded - at);
-            let mut buf = file.alloc(n);
-            {
-                let dst = buf.as_mut();
-                // Copy the slice [at, at+n) of tail ++ chunk.buf.
-                let mut filled = 0usize;
-                if at < tail.len() {
-                    let m = (tail.len() - at).min(n);
-                    dst[..m].copy_from_slice(&tail[at..at + m]);
-                    filled = m;
-                }
-                let src_at = (at + filled).saturating_sub(tail.len());
-                let m = (n - filled).min(chunk.buf.len().saturating_sub(src_at));
-                dst[filled..filled + m].copy_from_slice(&chunk.buf[src_at..src_at + m]);
-                // Padding to the page boundary: zeros (recovery reads them
-                // as the end of the log). The buffer comes uninitialised.
-                dst[filled + m..].fill(0);
+        // Each piece but the last ends inside a page the next one writes
+        // again whole; the last one is padded to its page.
+        let count = pieces.len();
+        let piece_at: Vec<u64> = pieces.iter().map(|p| p.at).collect();
+        let mut writes: Vec<(Option<usize>, PageBuf, usize, u64)> = Vec::with_capacity(count + 1);
+        // The pieces not written (all their bytes are in the next one's
+        // first page); written ones come back into their slot below.
+        let mut kept: Vec<Option<Piece>> = Vec::with_capacity(count);
+        for (k, p) in pieces.into_iter().enumerate() {
+            let n = if k + 1 == count {
+                p.buf.len()
+            } else {
+                align_down(p.buf.len() as u64) as usize
+            };
+            if n == 0 {
+                kept.push(Some(p));
+            } else {
+                writes.push((Some(k), p.buf, n, p.at));
+                kept.push(None);
             }
-            pieces.push((buf, page_start + at as u64));
-            at += n;
         }
         // The zeros go last, so they are the last write of the last group.
         if let Some((pos, len)) = zeros {
-            let mut buf = file.alloc(len);
-            buf.as_mut().fill(0);
-            pieces.push((buf, pos));
+            writes.push((None, PageBuf::zeroed(len), len, pos));
         }
-        let mut left = pieces.len();
         let mut written_bytes = 0u64;
         let mut zeros_written = zeros.is_some();
-        let mut iter = pieces.into_iter();
+        let mut iter = writes.into_iter();
         loop {
             let group: Vec<_> = iter.by_ref().take(depth).collect();
             if group.is_empty() {
                 break;
             }
-            let futs = group.into_iter().map(|(buf, pos)| {
-                written_bytes += buf.as_ref().len() as u64;
-                file.write_at(buf, pos)
+            let futs = group.into_iter().map(|(k, buf, n, pos)| {
+                written_bytes += n as u64;
+                let file = &file;
+                async move { (k, file.write_at(buf, n, pos).await) }
             });
-            for r in futures_util::future::join_all(futs).await {
-                left -= 1;
-                let is_zeros = zeros.is_some() && left == 0;
-                match r {
-                    Ok(_) => {}
+            for (k, r) in futures_util::future::join_all(futs).await {
+                match (k, r) {
+                    (Some(k), Ok(buf)) => {
+                        kept[k] = Some(Piece {
+                            at: piece_at[k],
+                            buf,
+                        })
+                    }
+                    (None, Ok(_)) => {}
                     // Zeros are an optimisation inside reserved blocks that
                     // read as zeros anyway: a failure costs nothing but the
                     // speed-up, never the shard.
-                    Err(e) if is_zeros => {
+                    (None, Err(e)) => {
                         tracing::debug!("writing zeros ahead failed: {e}");
                         zeros_written = false;
                     }
-                    Err(e) => return Err(io_err("write", e)),
+                    (Some(_), Err(e)) => return Err(io_err("write", e)),
                 }
             }
         }
@@ -1510,7 +1609,7 @@ impl<S: Storage> ShardLog<S> {
         // index the batches, keep them for tail reads.
         let mut i = self.inner.borrow_mut();
         {
-            let seg = i.segments.get_mut(&chunk.segment_base).unwrap();
+            let seg = i.segments.get_mut(&segment_base).unwrap();
             seg.zeroed = seg.zeroed.max(write_end);
             if let (Some((pos, len)), true) = (zeros, zeros_written) {
                 seg.zeroed = seg.zeroed.max(pos + len as u64);
@@ -1518,82 +1617,65 @@ impl<S: Storage> ShardLog<S> {
         }
         let interval = i.config.index_interval_bytes;
         let cache_max = i.config.read_cache_bytes;
-        let new_len = seg_len + chunk.buf.len() as u64;
-        let tail_start = align_down(new_len);
-        let new_tail = {
-            // Last partial page of tail ++ chunk.buf.
-            let keep = (new_len - tail_start) as usize;
-            let mut v = Vec::with_capacity(keep);
-            let all_len = tail.len() + chunk.buf.len();
-            let from = all_len - keep;
-            if from < tail.len() {
-                v.extend_from_slice(&tail[from..]);
-                v.extend_from_slice(&chunk.buf);
-            } else {
-                v.extend_from_slice(&chunk.buf[from - tail.len()..]);
-            }
-            v
-        };
         i.tail_page = new_tail;
         i.bytes_written += written_bytes;
-        // The chunk's buffer becomes the cache's memory without a copy. A
-        // buffer sized for a larger round than it got gives the rest back
-        // first: the cache counts bytes, not capacity.
-        if chunk.buf.capacity() > chunk.buf.len() + (chunk.buf.len() / 8).max(4096) {
-            chunk.buf.shrink_to_fit();
-        }
-        let shared = Bytes::from(std::mem::take(&mut chunk.buf));
         {
             let seg = i.segments.values_mut().next_back().unwrap();
-            for (h, pos) in &chunk.batches {
-                seg.note_batch(h, seg_len + *pos as u64, interval);
+            for (h, pos, _) in &batches {
+                seg.note_batch(h, *pos, interval);
             }
             seg.len = new_len;
         }
-        for (h, pos) in &chunk.batches {
+        // The pieces become the cache's memory without a copy.
+        let capacity: Vec<usize> = kept
+            .iter()
+            .map(|p| p.as_ref().map_or(0, |p| p.buf.capacity()))
+            .collect();
+        let shared: Vec<Bytes> = kept
+            .into_iter()
+            .map(|p| p.expect("every piece is back").buf.into_bytes())
+            .collect();
+        // Pieces of the batches this round adds to the cache, in order.
+        let mut round_pieces = Vec::with_capacity(batches.len());
+        for (h, pos, k) in &batches {
             // Control batches are cached too: a reader must be able to step
             // over their offsets without going to disk.
             if h.kind != BatchKind::Group {
-                let bytes = shared.slice(*pos..*pos + h.len as usize);
+                let at = (*pos - piece_at[*k]) as usize;
+                let bytes = shared[*k].slice(at..at + h.len as usize);
                 i.cache_bytes += bytes.len();
                 i.cache.push_back(CachedBatch {
                     header: *h,
                     bytes,
-                    segment: chunk.segment_base,
-                    pos: seg_len + *pos as u64,
+                    segment: segment_base,
+                    pos: *pos,
                 });
+                round_pieces.push(*k);
             }
         }
         while i.cache_bytes > cache_max && i.cache.len() > 1 {
             let b = i.cache.pop_front().unwrap();
             i.cache_bytes -= b.bytes.len();
         }
-        // Cached batches are slices of this round's buffer and keep all of
-        // it alive. When the cache keeps a small part of a large round (a
-        // shard with a small share of its core's budget), copy that part out
-        // so the round's buffer is freed; when it keeps a good part (a busy
-        // shard whose rounds pass its cache), the copy would cost more than
-        // the memory it frees.
-        if cache_max < shared.len() {
-            let seg = chunk.segment_base;
-            let from_round = |b: &CachedBatch| b.segment == seg && b.pos >= seg_len;
-            let kept: usize = i
-                .cache
-                .iter()
-                .rev()
-                .take_while(|b| from_round(b))
-                .map(|b| b.bytes.len())
-                .sum();
-            if kept * 4 <= shared.len() {
-                for b in i.cache.iter_mut().rev() {
-                    if !from_round(b) {
-                        break;
-                    }
-                    b.bytes = Bytes::copy_from_slice(&b.bytes);
-                }
+        // A cached batch keeps its whole piece alive. Where the cache keeps
+        // less than half of a piece's memory (a shard with a small share of
+        // its core's budget, a piece sized for more than the round brought,
+        // a small round in a page), copy what it keeps out so the piece is
+        // freed; where it keeps more, the copy would cost more than the
+        // memory it frees.
+        let survivors = round_pieces.len().min(i.cache.len());
+        let round_pieces = &round_pieces[round_pieces.len() - survivors..];
+        let first = i.cache.len() - survivors;
+        let mut kept_of = vec![0usize; shared.len()];
+        for (b, &k) in i.cache.range(first..).zip(round_pieces) {
+            kept_of[k] += b.bytes.len();
+        }
+        for (b, &k) in i.cache.range_mut(first..).zip(round_pieces) {
+            if kept_of[k] * 2 <= capacity[k] {
+                b.bytes = Bytes::copy_from_slice(&b.bytes);
             }
         }
-        i.frontiers.mark_written(chunk.end);
+        i.frontiers.mark_written(chunk_end);
         drop(i);
         self.written.wake_all();
         Ok(file)
@@ -2400,16 +2482,32 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_chunk_starts_about_as_large_as_the_last_round_within_its_segment() {
-        // Nothing known yet: just the first batch.
-        assert_eq!(chunk_capacity(0, 100, 1 << 30), 100);
-        // The last round and a quarter more.
-        assert_eq!(chunk_capacity(4 << 20, 100, 1 << 30), 5 << 20);
-        // Never past the cap, nor past what the segment can still take.
-        assert_eq!(chunk_capacity(100 << 20, 100, 1 << 30), MAX_CHUNK_HINT);
-        assert_eq!(chunk_capacity(4 << 20, 100, 4096), 4196);
-        // A batch larger than all of that still fits.
-        assert_eq!(chunk_capacity(4 << 20, 9 << 20, 0), 9 << 20);
+    fn a_piece_holds_about_what_is_left_of_the_last_round_within_its_segment() {
+        const MIB: usize = 1 << 20;
+        // Nothing known yet: the least a piece gets.
+        assert_eq!(piece_room(0, 0, 100, 1 << 30, MIB), MIN_PIECE);
+        // What is left of the last round, a write's worth at most.
+        assert_eq!(piece_room(300 << 10, 0, 100, 1 << 30, MIB), 300 << 10);
+        assert_eq!(
+            piece_room(300 << 10, 100 << 10, 100, 1 << 30, MIB),
+            200 << 10
+        );
+        assert_eq!(
+            piece_room(300 << 10, 290 << 10, 100, 1 << 30, MIB),
+            MIN_PIECE
+        );
+        assert_eq!(piece_room(4 * MIB, 0, 100, 1 << 30, MIB), MIB);
+        // A round past the last one's size: as much again as it holds.
+        assert_eq!(
+            piece_room(100 << 10, 150 << 10, 100, 1 << 30, MIB),
+            150 << 10
+        );
+        assert_eq!(piece_room(100 << 10, 3 * MIB, 100, 1 << 30, MIB), MIB);
+        // Never past a write's worth, nor what the segment can still take...
+        assert_eq!(piece_room(0, 0, 100, 1 << 30, 4096), 4096);
+        assert_eq!(piece_room(4 * MIB, 0, 100, 4096, MIB), 4096);
+        // ...nor less than the batch.
+        assert_eq!(piece_room(4 * MIB, 0, 9 * MIB, 0, MIB), 9 * MIB);
     }
 
     #[test]

@@ -208,9 +208,9 @@ fn io_in_flight_never_exceeds_the_queue_depth() {
             const N: u64 = 32;
             let file = storage.open(path, true).await.unwrap();
             let writes = (0..N).map(|i| {
-                let mut buf = file.alloc(4096);
-                buf.as_mut().fill(i as u8);
-                file.write_at(buf, i * 4096)
+                let mut buf = felix_engine::storage::PageBuf::with_capacity(4096);
+                buf.fill(4096, i as u8);
+                file.write_at(buf, 4096, i * 4096)
             });
             for r in futures_util::future::join_all(writes).await {
                 r.unwrap();
@@ -240,7 +240,8 @@ fn io_in_flight_never_exceeds_the_queue_depth() {
         );
 
         // A shard log writing a flush in 4 KiB pieces, 8 at a time, on
-        // storage with a depth of 2.
+        // storage with a depth of 2 (a piece holds whole batches: 400 small
+        // ones make a flush of more than 8 pieces).
         let storage = DmaStorage::with_queue_depth(2);
         let cfg = LogConfig {
             io_depth: 8,
@@ -251,8 +252,9 @@ fn io_in_flight_never_exceeds_the_queue_depth() {
         let log = ShardLog::open(storage.clone(), &root.join("t/n/s/0"), cfg, &mut |_| {})
             .await
             .unwrap();
-        let batch: Vec<_> = (0..400).map(rec).collect();
-        log.append(&batch).unwrap();
+        for i in 0..400 {
+            log.append(&[rec(i)]).unwrap();
+        }
         log.flush().await.unwrap();
         let bytes = log.stats().bytes;
         assert!(
@@ -496,9 +498,14 @@ fn a_dma_file_tracks_its_size_and_reads_after_it_is_unlinked() {
         let f = storage.open(&path, true).await.unwrap();
         assert_eq!(f.size().await.unwrap(), 0);
         assert!(f.read_at(0, 4096).await.unwrap().is_empty());
-        let mut buf = f.alloc(8192);
-        buf.as_mut().fill(7);
-        f.write_at(buf, 4096).await.unwrap();
+        // Only the asked length is written; the buffer comes back whole.
+        let mut buf = felix_engine::storage::PageBuf::with_capacity(12288);
+        buf.fill(8192, 7);
+        buf.fill(100, 9);
+        let buf = f.write_at(buf, 8192, 4096).await.unwrap();
+        assert_eq!(buf.len(), 8292);
+        assert!(buf.filled()[..8192].iter().all(|&b| b == 7));
+        assert!(buf.filled()[8192..].iter().all(|&b| b == 9));
         assert_eq!(f.size().await.unwrap(), 12288);
         // A read past the end is cut at it.
         let r = f.read_at(8192, 16384).await.unwrap();

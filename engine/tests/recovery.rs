@@ -155,14 +155,15 @@ fn a_last_write_torn_in_the_middle_is_cut_even_with_valid_pages_after_the_hole()
     for fill in [0u8, 0xA5] {
         let storage = SimStorage::new();
         let cfg = LogConfig {
-            write_chunk_bytes: 4096, // one write per page
+            write_chunk_bytes: 4096, // writes of a page or two
             io_depth: 4,
             ..LogConfig::default()
         };
         block_on(async {
             let log = flushed_one_by_one(&storage, &cfg, 10).await;
             assert_eq!(log.end(), Offset(10));
-            // One flush of 40 batches: bytes 1660..8300, pages 0, 1 and 2.
+            // One flush of 40 batches: bytes 1660..8300, pages 0, 1 and 2,
+            // in two writes (the second from the page the first ends in).
             for i in 10..50 {
                 log.append(&[rec(i)]).unwrap();
             }
@@ -170,11 +171,11 @@ fn a_last_write_torn_in_the_middle_is_cut_even_with_valid_pages_after_the_hole()
             assert!(futures_lite::future::poll_once(log.flush()).await.is_none());
             drop(log);
             let writes = storage.unsynced_writes(&seg0());
-            assert_eq!(writes, vec![(0, 4096), (4096, 4096), (8192, 4096)]);
+            assert_eq!(writes, vec![(0, 4096), (4096, 8192)]);
             // Pages 0 and 2 land, page 1 does not (or lands as garbage).
             storage.crash_exact(&ExactCrash {
                 file: seg0(),
-                keep: 3,
+                keep: 2,
                 ..Default::default()
             });
             storage.overwrite(&seg0(), 4096, &[fill; 4096]);
@@ -448,6 +449,7 @@ fn retention_cut_off_anywhere_leaves_a_log_that_opens_with_every_record_after_it
 /// indistinguishable from that flush torn at its first batch and is cut.
 #[test]
 fn every_tear_byte_and_every_unsynced_bit_of_a_short_log_recovers_the_durable_prefix() {
+    const TOTAL: u64 = 70;
     let cfg = LogConfig {
         write_chunk_bytes: 4096,
         io_depth: 1,
@@ -456,7 +458,7 @@ fn every_tear_byte_and_every_unsynced_bit_of_a_short_log_recovers_the_durable_pr
     let storage = SimStorage::new();
     block_on(async {
         let log = flushed_one_by_one(&storage, &cfg, 10).await;
-        for i in 10..30 {
+        for i in 10..TOTAL {
             log.append(&[rec(i)]).unwrap();
         }
         storage.hang_sync_after(1);
@@ -465,8 +467,10 @@ fn every_tear_byte_and_every_unsynced_bit_of_a_short_log_recovers_the_durable_pr
     });
     let durable = 10 * BATCH;
     assert_eq!(storage.synced_len(&seg0()), Some(4096));
+    // Bytes 1660..11620 in two writes: the first piece closes inside page
+    // 1, which the second writes again.
     let writes = storage.unsynced_writes(&seg0());
-    assert_eq!(writes, vec![(0, 4096), (4096, 4096)]);
+    assert_eq!(writes, vec![(0, 4096), (4096, 8192)]);
 
     let recover = |crash: &ExactCrash| {
         let disk = storage.fork();
@@ -484,7 +488,7 @@ fn every_tear_byte_and_every_unsynced_bit_of_a_short_log_recovers_the_durable_pr
     };
     let check = |crash: ExactCrash| {
         let end = recover(&crash).unwrap_or_else(|e| panic!("{crash:?}: {e}"));
-        assert!((10..=30).contains(&end), "{crash:?}: end {end}");
+        assert!((10..=TOTAL).contains(&end), "{crash:?}: end {end}");
         end
     };
     let mut cases = 0u64;
@@ -508,7 +512,7 @@ fn every_tear_byte_and_every_unsynced_bit_of_a_short_log_recovers_the_durable_pr
             };
             assert_eq!(
                 end,
-                (landed / BATCH).clamp(10, 30),
+                (landed / BATCH).clamp(10, TOTAL),
                 "keep {keep} lost {lost:?} tear {tear}"
             );
             cases += 1;
@@ -528,7 +532,7 @@ fn every_tear_byte_and_every_unsynced_bit_of_a_short_log_recovers_the_durable_pr
                 });
                 // A flip inside batch k cuts the log at k; one past the last
                 // whole batch cuts nothing more.
-                let whole = (top / BATCH).min(30);
+                let whole = (top / BATCH).min(TOTAL);
                 assert_eq!(
                     end,
                     (byte / BATCH).min(whole),
@@ -1208,8 +1212,8 @@ fn a_roll_with_zeros_ahead_cut_off_anywhere_keeps_what_was_acknowledged_and_seal
 /// Steady state with zeros ahead, across a kill and a reopen: many small
 /// flushes (and a large one, which writes none), the log killed, reopened,
 /// more small flushes, twice. Every round's writes are looked at before its
-/// fdatasync: its data from its partial last page, then at most one piece
-/// of zeros, which starts past its data, and after a reopen (which cuts the
+/// fdatasync: its data from its partial last page (in one write for a small
+/// round), then at most one piece of zeros, which starts past its data, and after a reopen (which cuts the
 /// zeros off with the reservation) right past it. After every round the
 /// file holds, up to the end of the data, exactly what a log without
 /// preallocation (so without zeros) fed the same rounds holds; past it,
@@ -1260,8 +1264,21 @@ fn zeros_ahead_never_cover_data_in_steady_state_or_across_a_reopen() {
                     let what = format!("depth {io_depth} phase {phase} round {r}: {writes:?}");
                     let from = before / PAGE * PAGE;
                     let data_end = after.next_multiple_of(PAGE);
-                    assert_eq!(writes[0], (from, (data_end - from) as usize), "{what}");
-                    match writes[1..] {
+                    // The data: writes that tile the pages from the old
+                    // end's page to the new end's (one each piece of the
+                    // round), then at most one write of zeros.
+                    let mut at = from;
+                    let mut data_writes = 0;
+                    while at < data_end {
+                        assert_eq!(writes.get(data_writes).map(|w| w.0), Some(at), "{what}");
+                        at += writes[data_writes].1 as u64;
+                        data_writes += 1;
+                    }
+                    assert_eq!(at, data_end, "{what}");
+                    if after - before <= SMALL_ROUND {
+                        assert_eq!(data_writes, 1, "a small round is one piece: {what}");
+                    }
+                    match writes[data_writes..] {
                         [] => {}
                         [(pos, n)] => {
                             assert!(after - before <= SMALL_ROUND, "{what}");
@@ -1277,7 +1294,11 @@ fn zeros_ahead_never_cover_data_in_steady_state_or_across_a_reopen() {
                         // Nothing is known written past the data of a log
                         // just opened: its first round writes zeros at once,
                         // right past its data.
-                        assert_eq!(writes.get(1).map(|w| w.0), Some(data_end), "{what}");
+                        assert_eq!(
+                            writes.get(data_writes).map(|w| w.0),
+                            Some(data_end),
+                            "{what}"
+                        );
                     }
                     // The data on disk is the data.
                     let image = storage.read_file(&seg0()).await.unwrap().unwrap();

@@ -4,9 +4,9 @@
 //! metadata files and directory operations are rare and off the hot path; they
 //! run on glommio's blocking thread pool so the executor never blocks.
 
-use super::{Storage, StorageFile, ALIGN};
+use super::{PageBuf, Storage, StorageFile, ALIGN};
 use bytes::Bytes;
-use glommio::io::{DmaBuffer, DmaFile, OpenOptions};
+use glommio::io::{DmaFile, OpenOptions};
 use glommio::sync::Semaphore;
 use std::cell::Cell;
 use std::io;
@@ -207,22 +207,16 @@ impl DmaStorageFile {
 }
 
 impl StorageFile for DmaStorageFile {
-    type Buffer = DmaBuffer;
-
-    fn alloc(&self, len: usize) -> DmaBuffer {
-        debug_assert_eq!(len % ALIGN, 0);
-        self.file.alloc_dma_buffer(len)
-    }
-
-    async fn write_at(&self, buf: DmaBuffer, pos: u64) -> io::Result<()> {
-        let len = buf.len();
+    async fn write_at(&self, buf: PageBuf, len: usize, pos: u64) -> io::Result<PageBuf> {
         assert!(
             pos.is_multiple_of(ALIGN as u64) && len.is_multiple_of(ALIGN),
             "unaligned DMA write"
         );
+        let (dma, parts) = buf.into_dma(len);
+        let dma = Rc::new(dma);
         let n = {
             let _io = permit(&self.depth).await?;
-            self.file.write_at(buf, pos).await.map_err(gio)?
+            self.file.write_rc_at(dma.clone(), pos).await.map_err(gio)?
         };
         self.grew_to(pos + n as u64);
         if n != len {
@@ -231,7 +225,11 @@ impl StorageFile for DmaStorageFile {
                 format!("short DMA write: {n} of {len} bytes at {pos}"),
             ));
         }
-        Ok(())
+        // glommio drops its reference when the write completes, before
+        // `write_rc_at` returns.
+        let dma = Rc::try_unwrap(dma)
+            .map_err(|_| io::Error::other("a completed DMA write still holds its buffer"))?;
+        Ok(PageBuf::from_written(dma, parts))
     }
 
     async fn read_at(&self, pos: u64, len: usize) -> io::Result<Bytes> {

@@ -18,7 +18,7 @@
 //!
 //! Single-threaded by design (`Rc`), like everything on a Felix core.
 
-use super::{Storage, StorageFile, ALIGN};
+use super::{PageBuf, Storage, StorageFile, ALIGN};
 use bytes::Bytes;
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
@@ -604,20 +604,6 @@ pub struct SimFile {
     path: PathBuf,
 }
 
-/// A plain buffer; alignment is checked on positions and lengths instead.
-pub struct SimBuffer(Vec<u8>);
-
-impl AsRef<[u8]> for SimBuffer {
-    fn as_ref(&self) -> &[u8] {
-        &self.0
-    }
-}
-impl AsMut<[u8]> for SimBuffer {
-    fn as_mut(&mut self) -> &mut [u8] {
-        &mut self.0
-    }
-}
-
 impl SimFile {
     fn with<R>(&self, f: impl FnOnce(&mut SimFileState) -> R) -> io::Result<R> {
         let mut d = self.disk.borrow_mut();
@@ -629,34 +615,32 @@ impl SimFile {
 }
 
 impl StorageFile for SimFile {
-    type Buffer = SimBuffer;
-
-    fn alloc(&self, len: usize) -> SimBuffer {
-        assert_eq!(len % ALIGN, 0, "unaligned buffer length {len}");
-        // Not zeros: a caller that leaves bytes unwritten writes this
-        // pattern to the simulated disk, and recovery notices.
-        SimBuffer(vec![0xA5; len])
-    }
-
-    async fn write_at(&self, buf: SimBuffer, pos: u64) -> io::Result<()> {
+    async fn write_at(&self, buf: PageBuf, len: usize, pos: u64) -> io::Result<PageBuf> {
         if self.disk.borrow().yielding {
             futures_lite::future::yield_now().await;
         }
         assert_eq!(pos % ALIGN as u64, 0, "unaligned write position {pos}");
-        assert_eq!(buf.0.len() % ALIGN, 0, "unaligned write length");
+        assert_eq!(len % ALIGN, 0, "unaligned write length");
+        assert!(
+            len <= buf.len(),
+            "write of {len} bytes from a buffer holding {}",
+            buf.len()
+        );
         {
             let mut d = self.disk.borrow_mut();
             d.writes += 1;
             if d.fail_write_on == Some(d.writes) {
                 return Err(io::Error::other("simulated write failure"));
             }
-            d.bytes_written += buf.0.len() as u64;
+            d.bytes_written += len as u64;
         }
+        let data = buf.filled()[..len].to_vec();
         self.with(|f| {
-            let op = Op::Write { pos, data: buf.0 };
+            let op = Op::Write { pos, data };
             apply(&mut f.current, &op);
             f.unsynced.push(op);
-        })
+        })?;
+        Ok(buf)
     }
 
     async fn read_at(&self, pos: u64, len: usize) -> io::Result<Bytes> {
