@@ -365,7 +365,7 @@ impl Conn {
             }
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let mut frame = BytesMut::new();
+        let mut frame = BytesMut::with_capacity(req.frame_size_hint());
         encode_request(id, req, &mut frame);
         let len = frame.len() - 4;
         if len > self.hello.max_frame_bytes as usize {

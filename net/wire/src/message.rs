@@ -3,7 +3,8 @@
 use bytes::{BufMut, BytesMut};
 
 use crate::codec::{
-    put_opt, put_opt_str, put_opt_u32, put_opt_u64, put_str, put_wire_vec, Reader, Wire,
+    put_opt, put_opt_str, put_opt_u32, put_opt_u64, put_str, put_wire_vec, Reader, Wire, BLOB, STR,
+    U64,
 };
 use crate::error::{DecodeError, WireError};
 use crate::types::{
@@ -305,6 +306,36 @@ impl Request {
     pub fn name(&self) -> &'static str {
         // Every opcode() value is in REQUEST_NAMES (checked by a unit test).
         Request::name_of(self.opcode()).unwrap_or("unknown")
+    }
+
+    /// Bytes to reserve before [`encode_request`](crate::encode_request)
+    /// encodes this request: at least its frame's size for a publish (so a
+    /// large batch is encoded without growing the buffer, which copies what
+    /// it holds each time), a small guess for everything else.
+    pub fn frame_size_hint(&self) -> usize {
+        const SMALL: usize = 256;
+        match self {
+            Request::Publish {
+                stream, records, ..
+            } => {
+                let per_record = |r: &RecordIn| {
+                    RecordIn::MIN_BYTES
+                        + U64
+                        + r.key.as_ref().map_or(0, |k| BLOB + k.len())
+                        + r.headers
+                            .iter()
+                            .map(|(k, v)| STR + BLOB + k.len() + v.len())
+                            .sum::<usize>()
+                        + r.payload.len()
+                };
+                SMALL
+                    + stream.tenant.len()
+                    + stream.namespace.len()
+                    + stream.stream.len()
+                    + records.iter().map(per_record).sum::<usize>()
+            }
+            _ => SMALL,
+        }
     }
 
     pub(crate) fn encode_body(&self, out: &mut BytesMut) {

@@ -52,6 +52,15 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(2048))]
 
     #[test]
+    fn a_publish_frame_fits_its_size_hint(id in any::<u64>(), req in request()) {
+        let buf = encode_req(id, &req);
+        if matches!(req, Request::Publish { .. }) {
+            prop_assert!(buf.len() <= req.frame_size_hint(), "{} > {}", buf.len(), req.frame_size_hint());
+            prop_assert!(req.frame_size_hint() - buf.len() <= 256);
+        }
+    }
+
+    #[test]
     fn request_round_trip(id in any::<u64>(), req in request()) {
         let mut buf = encode_req(id, &req);
         let header = peek_header(&buf).unwrap();
