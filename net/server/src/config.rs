@@ -52,7 +52,7 @@ struct Setting {
 
 const SETTINGS: &[Setting] = &[
     Setting { section: "server", name: "listen", env: Some("FELIX_LISTEN"), kind: Kind::Str, default: "127.0.0.1:7400", help: "address every core listens on (SO_REUSEPORT)" },
-    Setting { section: "server", name: "cores", env: Some("FELIX_CORES"), kind: Kind::Str, default: "1", help: "executors: a count (first N CPUs) or a CPU list like \"0,1\"" },
+    Setting { section: "server", name: "cores", env: Some("FELIX_CORES"), kind: Kind::Str, default: "1", help: "executors: a count (first N CPUs) or a CPU list like \"0,1\" or \"0-7\"; the default leaves the rest of the machine to clients and tests" },
     Setting { section: "server", name: "max_connections", env: Some("FELIX_MAX_CONNECTIONS"), kind: Kind::U64, default: "10000", help: "connections accepted at once, whole broker" },
     Setting { section: "server", name: "idle_timeout_ms", env: Some("FELIX_IDLE_TIMEOUT_MS"), kind: Kind::U64, default: "600000", help: "close a connection with no request in flight after this long without a frame" },
     Setting { section: "server", name: "write_timeout_ms", env: Some("FELIX_WRITE_TIMEOUT_MS"), kind: Kind::U64, default: "60000", help: "close a connection whose client takes none of its answers for this long (what the answers held is freed)" },
