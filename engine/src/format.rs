@@ -8,6 +8,7 @@
 
 use crate::types::Offset;
 use bytes::{Buf, Bytes};
+use std::mem::MaybeUninit;
 
 pub const FORMAT_VERSION: u8 = 1;
 pub const BATCH_HEADER_BYTES: usize = 40;
@@ -208,16 +209,17 @@ pub fn encode_records(
     flush: u16,
     records: &[RecordIn],
 ) -> BatchHeader {
-    let start = out.len();
-    out.resize(start + records_batch_len(records), 0);
-    encode_records_into(&mut out[start..], base, term, flush, records)
+    append_batch(out, records_batch_len(records), |dst| {
+        encode_records_into(dst, base, term, flush, records)
+    })
 }
 
 /// Encode a records batch into `out`, which is exactly as long as the batch
-/// ([`records_batch_len`]): the log encodes straight into the memory it
-/// writes to disk. Every byte of `out` is written.
+/// ([`records_batch_len`]) and may hold anything: the log encodes straight
+/// into the memory it writes to disk. Every byte of `out` is written (or the
+/// call panics, if `out` has the wrong length).
 pub fn encode_records_into(
-    out: &mut [u8],
+    out: &mut [MaybeUninit<u8>],
     base: Offset,
     term: u64,
     flush: u16,
@@ -248,9 +250,7 @@ pub fn encode_records_into(
         }
         w.put(&r.payload);
     }
-    w.done();
-    finish(
-        out,
+    w.finish(
         BatchKind::Records,
         records.len() as u32,
         base,
@@ -267,15 +267,15 @@ pub fn encode_control(
     flush: u16,
     body: &[u8],
 ) -> BatchHeader {
-    let start = out.len();
-    out.resize(start + BATCH_HEADER_BYTES + body.len(), 0);
-    encode_control_into(&mut out[start..], base, term, flush, body)
+    append_batch(out, BATCH_HEADER_BYTES + body.len(), |dst| {
+        encode_control_into(dst, base, term, flush, body)
+    })
 }
 
 /// Encode a control batch into `out`, exactly `BATCH_HEADER_BYTES +
-/// body.len()` bytes long.
+/// body.len()` bytes long (see [`encode_records_into`]).
 pub fn encode_control_into(
-    out: &mut [u8],
+    out: &mut [MaybeUninit<u8>],
     base: Offset,
     term: u64,
     flush: u16,
@@ -283,8 +283,7 @@ pub fn encode_control_into(
 ) -> BatchHeader {
     let mut w = Put::after_header(out);
     w.put(body);
-    w.done();
-    finish(out, BatchKind::Control, 1, base, (term, flush), 0)
+    w.finish(BatchKind::Control, 1, base, (term, flush), 0)
 }
 
 /// Append a group-state batch (no offset) to `out`. `at` is the log's next
@@ -296,15 +295,15 @@ pub fn encode_group(
     flush: u16,
     body: &[u8],
 ) -> BatchHeader {
-    let start = out.len();
-    out.resize(start + BATCH_HEADER_BYTES + body.len(), 0);
-    encode_group_into(&mut out[start..], at, term, flush, body)
+    append_batch(out, BATCH_HEADER_BYTES + body.len(), |dst| {
+        encode_group_into(dst, at, term, flush, body)
+    })
 }
 
 /// Encode a group-state batch into `out`, exactly `BATCH_HEADER_BYTES +
-/// body.len()` bytes long.
+/// body.len()` bytes long (see [`encode_records_into`]).
 pub fn encode_group_into(
-    out: &mut [u8],
+    out: &mut [MaybeUninit<u8>],
     at: Offset,
     term: u64,
     flush: u16,
@@ -312,18 +311,34 @@ pub fn encode_group_into(
 ) -> BatchHeader {
     let mut w = Put::after_header(out);
     w.put(body);
-    w.done();
-    finish(out, BatchKind::Group, 0, at, (term, flush), 0)
+    w.finish(BatchKind::Group, 0, at, (term, flush), 0)
 }
 
-/// Writes a batch body into its exact-sized buffer, front to back.
+/// Run `encode` over `len` new bytes at the end of `out` and keep them.
+fn append_batch(
+    out: &mut Vec<u8>,
+    len: usize,
+    encode: impl FnOnce(&mut [MaybeUninit<u8>]) -> BatchHeader,
+) -> BatchHeader {
+    out.reserve(len);
+    let start = out.len();
+    let h = encode(&mut out.spare_capacity_mut()[..len]);
+    // SAFETY: the encoders write every byte of the slice they are given
+    // (`Put::finish` checks it got to the end) before returning; a panic
+    // leaves `out` as it was.
+    unsafe { out.set_len(start + len) };
+    h
+}
+
+/// Writes one batch into its exact-sized buffer: the body front to back,
+/// then the header, then the checksum over both.
 struct Put<'a> {
-    out: &'a mut [u8],
+    out: &'a mut [MaybeUninit<u8>],
     at: usize,
 }
 
 impl<'a> Put<'a> {
-    fn after_header(out: &'a mut [u8]) -> Put<'a> {
+    fn after_header(out: &'a mut [MaybeUninit<u8>]) -> Put<'a> {
         assert!(
             out.len() >= BATCH_HEADER_BYTES,
             "no room for a batch header"
@@ -336,53 +351,62 @@ impl<'a> Put<'a> {
 
     #[inline]
     fn put(&mut self, b: &[u8]) {
-        self.out[self.at..self.at + b.len()].copy_from_slice(b);
+        let dst = &mut self.out[self.at..self.at + b.len()];
+        // SAFETY: `dst` is exactly `b.len()` bytes (the slice above checks
+        // the bounds) and cannot overlap `b`, a shared borrow of other
+        // memory.
+        unsafe {
+            std::ptr::copy_nonoverlapping(b.as_ptr(), dst.as_mut_ptr().cast::<u8>(), b.len())
+        };
         self.at += b.len();
     }
 
-    /// The body filled its buffer exactly: a caller that sized it wrong
-    /// would otherwise leave bytes it never wrote inside the batch.
-    fn done(self) {
+    /// Write the header of the batch that is all of the buffer and checksum
+    /// it. The body must have filled the buffer exactly: a caller that sized
+    /// it wrong would otherwise leave bytes inside the batch never written.
+    fn finish(
+        mut self,
+        kind: BatchKind,
+        count: u32,
+        base: Offset,
+        (term, flush): (u64, u16),
+        max_ts: u64,
+    ) -> BatchHeader {
         assert_eq!(self.at, self.out.len(), "batch buffer sized wrong");
-    }
-}
-
-/// Fill in the header of the batch that is all of `out` and checksum it.
-fn finish(
-    out: &mut [u8],
-    kind: BatchKind,
-    count: u32,
-    base: Offset,
-    (term, flush): (u64, u16),
-    max_ts: u64,
-) -> BatchHeader {
-    let len = out.len() as u32;
-    assert!(
-        out.len() <= BATCH_MAX_BYTES as usize,
-        "batch of {} bytes over the bound",
-        out.len()
-    );
-    let h = &mut out[..BATCH_HEADER_BYTES];
-    h[0..4].copy_from_slice(&len.to_le_bytes());
-    h[4..8].fill(0);
-    h[8] = FORMAT_VERSION;
-    h[9] = kind as u8;
-    h[10..12].copy_from_slice(&flush.to_le_bytes());
-    h[12..16].copy_from_slice(&count.to_le_bytes());
-    h[16..24].copy_from_slice(&base.0.to_le_bytes());
-    h[24..32].copy_from_slice(&term.to_le_bytes());
-    h[32..40].copy_from_slice(&max_ts.to_le_bytes());
-    let crc = crc32c::crc32c(&out[8..]);
-    out[4..8].copy_from_slice(&crc.to_le_bytes());
-    BatchHeader {
-        len,
-        crc,
-        kind,
-        flush,
-        record_count: count,
-        base_offset: base,
-        term,
-        max_timestamp_ms: max_ts,
+        assert!(
+            self.out.len() <= BATCH_MAX_BYTES as usize,
+            "batch of {} bytes over the bound",
+            self.out.len()
+        );
+        let len = self.out.len() as u32;
+        let mut h = [0u8; BATCH_HEADER_BYTES];
+        h[0..4].copy_from_slice(&len.to_le_bytes());
+        // h[4..8]: the checksum, below.
+        h[8] = FORMAT_VERSION;
+        h[9] = kind as u8;
+        h[10..12].copy_from_slice(&flush.to_le_bytes());
+        h[12..16].copy_from_slice(&count.to_le_bytes());
+        h[16..24].copy_from_slice(&base.0.to_le_bytes());
+        h[24..32].copy_from_slice(&term.to_le_bytes());
+        h[32..40].copy_from_slice(&max_ts.to_le_bytes());
+        self.at = 0;
+        self.put(&h);
+        // SAFETY: every byte is written now: the body by `put` up to the end
+        // (asserted above), the header just now.
+        let out: &mut [u8] =
+            unsafe { &mut *(std::ptr::from_mut::<[MaybeUninit<u8>]>(self.out) as *mut [u8]) };
+        let crc = crc32c::crc32c(&out[8..]);
+        out[4..8].copy_from_slice(&crc.to_le_bytes());
+        BatchHeader {
+            len,
+            crc,
+            kind,
+            flush,
+            record_count: count,
+            base_offset: base,
+            term,
+            max_timestamp_ms: max_ts,
+        }
     }
 }
 
@@ -673,6 +697,13 @@ mod tests {
         }
     }
 
+    /// Initialised bytes seen as possibly uninitialised (the encoders only
+    /// write through it).
+    fn uninit(b: &mut [u8]) -> &mut [MaybeUninit<u8>] {
+        // SAFETY: same layout; nothing writes uninitialised bytes through it.
+        unsafe { &mut *(std::ptr::from_mut::<[u8]>(b) as *mut [MaybeUninit<u8>]) }
+    }
+
     #[test]
     fn encoding_into_memory_that_held_anything_writes_the_same_batch() {
         let records = [rec("a"), rec(""), rec("payload")];
@@ -680,18 +711,27 @@ mod tests {
         let h = encode_records(&mut want, Offset(5), 2, 3, &records);
         assert_eq!(want.len(), records_batch_len(&records));
         let mut got = vec![0xA5; want.len()];
-        assert_eq!(encode_records_into(&mut got, Offset(5), 2, 3, &records), h);
+        assert_eq!(
+            encode_records_into(uninit(&mut got), Offset(5), 2, 3, &records),
+            h
+        );
         assert_eq!(got, want);
         for body in [&b""[..], b"state"] {
             let mut want = Vec::new();
             let hc = encode_control(&mut want, Offset(9), 1, 1, body);
             let mut got = vec![0xFF; BATCH_HEADER_BYTES + body.len()];
-            assert_eq!(encode_control_into(&mut got, Offset(9), 1, 1, body), hc);
+            assert_eq!(
+                encode_control_into(uninit(&mut got), Offset(9), 1, 1, body),
+                hc
+            );
             assert_eq!(got, want);
             let mut want = Vec::new();
             let hg = encode_group(&mut want, Offset(9), 1, 1, body);
             let mut got = vec![0x11; BATCH_HEADER_BYTES + body.len()];
-            assert_eq!(encode_group_into(&mut got, Offset(9), 1, 1, body), hg);
+            assert_eq!(
+                encode_group_into(uninit(&mut got), Offset(9), 1, 1, body),
+                hg
+            );
             assert_eq!(got, want);
         }
     }
@@ -700,7 +740,7 @@ mod tests {
     #[should_panic(expected = "batch buffer sized wrong")]
     fn a_buffer_larger_than_the_batch_is_refused() {
         let mut out = vec![0; records_batch_len(&[rec("a")]) + 1];
-        encode_records_into(&mut out, Offset(0), 0, 0, &[rec("a")]);
+        encode_records_into(uninit(&mut out), Offset(0), 0, 0, &[rec("a")]);
     }
 
     #[test]

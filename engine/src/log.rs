@@ -29,7 +29,8 @@
 //! everything queued, writes it (in pieces that tile the segment, at most
 //! `io_depth` in flight) with one `fdatasync`, then wakes every caller
 //! waiting on a frontier at or below what it reached. The written pieces
-//! become the tail cache's memory as they are.
+//! become the tail cache's memory as they are (what the cache keeps of a
+//! piece it keeps little of is copied out, so the piece is freed).
 //!
 //! Every batch carries the stamp of the flush that writes it, and a flush is
 //! written only once the one before it is synced. Recovery relies on both to
@@ -63,6 +64,7 @@ use bytes::Bytes;
 use std::cell::RefCell;
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
+use std::mem::MaybeUninit;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
@@ -560,8 +562,9 @@ impl Chunk {
                 let at = align_down(self.start);
                 let carry = (self.start - at) as usize;
                 let mut buf = PageBuf::with_capacity(carry + room);
-                // Overwritten with the segment's tail page when written.
-                buf.fill(carry, 0);
+                // Overwritten with the segment's tail page when written (not
+                // zeros meanwhile: zeros on disk would read as the end).
+                buf.fill(carry, 0xA5);
                 Piece { at, buf }
             }
             Some(p) => {
@@ -723,7 +726,7 @@ impl<F> Inner<F> {
     fn push_batch(
         &mut self,
         len: usize,
-        encode: impl FnOnce(&mut [u8], Offset, u16) -> BatchHeader,
+        encode: impl FnOnce(&mut [MaybeUninit<u8>], Offset, u16) -> BatchHeader,
     ) -> Appended {
         let queued = self.frontiers.at(Frontier::Queued);
         let flush = self.flush_stamp;
@@ -739,9 +742,13 @@ impl<F> Inner<F> {
         let k = chunk.pieces.len() - 1;
         let piece = &mut chunk.pieces[k];
         let pos = piece.at + piece.buf.len() as u64;
-        let h = piece
-            .buf
-            .append_with(len, |out| encode(out, queued.offset, flush));
+        // SAFETY: `encode` is one of the `format::encode_*_into`, which
+        // write every byte of the batch they are given or panic.
+        let h = unsafe {
+            piece
+                .buf
+                .append_with(len, |out| encode(out, queued.offset, flush))
+        };
         debug_assert_eq!(h.len as usize, len);
         let end = Point {
             offset: h.end_offset(),
@@ -763,7 +770,7 @@ impl<F> Inner<F> {
     fn append_with(
         &mut self,
         len: usize,
-        encode: impl FnOnce(&mut [u8], Offset, u16) -> BatchHeader,
+        encode: impl FnOnce(&mut [MaybeUninit<u8>], Offset, u16) -> BatchHeader,
     ) -> Result<Appended, LogError> {
         self.refuse()?;
         self.chunk_for(len);
@@ -1250,8 +1257,8 @@ impl<S: Storage> ShardLog<S> {
             i.cache_bytes -= b.bytes.len();
         }
         if lowered {
-            // What is kept may be slices of whole flush rounds (see the
-            // write path): copy it out so that the rounds are freed now, not
+            // What is kept may be slices of whole written pieces (see the
+            // write path): copy it out so that the pieces are freed now, not
             // whenever this shard next writes.
             for b in i.cache.iter_mut() {
                 b.bytes = Bytes::copy_from_slice(&b.bytes);
@@ -1484,7 +1491,12 @@ impl<S: Storage> ShardLog<S> {
             // that room over before it was filled).
             let i = self.inner.borrow();
             let page = align_down(seg_len);
-            debug_assert_eq!(i.tail_page.len() as u64, seg_len - page);
+            // Checked always: a wrong tail would write over durable bytes.
+            assert_eq!(
+                i.tail_page.len() as u64,
+                seg_len - page,
+                "tail page out of step"
+            );
             for p in pieces.iter_mut().take_while(|p| p.at == page) {
                 p.buf.filled_mut()[..i.tail_page.len()].copy_from_slice(&i.tail_page);
             }
@@ -1670,9 +1682,24 @@ impl<S: Storage> ShardLog<S> {
         for (b, &k) in i.cache.range(first..).zip(round_pieces) {
             kept_of[k] += b.bytes.len();
         }
+        // A piece copied out goes into one new buffer its batches share.
+        let mut copied: Vec<Option<Vec<u8>>> = kept_of
+            .iter()
+            .zip(&capacity)
+            .map(|(&kept, &cap)| (kept > 0 && kept * 2 <= cap).then(|| Vec::with_capacity(kept)))
+            .collect();
+        for (b, &k) in i.cache.range(first..).zip(round_pieces) {
+            if let Some(v) = &mut copied[k] {
+                v.extend_from_slice(&b.bytes);
+            }
+        }
+        let copied: Vec<Option<Bytes>> = copied.into_iter().map(|v| v.map(Bytes::from)).collect();
+        let mut at = vec![0usize; shared.len()];
         for (b, &k) in i.cache.range_mut(first..).zip(round_pieces) {
-            if kept_of[k] * 2 <= capacity[k] {
-                b.bytes = Bytes::copy_from_slice(&b.bytes);
+            if let Some(all) = &copied[k] {
+                let n = b.bytes.len();
+                b.bytes = all.slice(at[k]..at[k] + n);
+                at[k] += n;
             }
         }
         i.frontiers.mark_written(chunk_end);

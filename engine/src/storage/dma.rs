@@ -225,11 +225,13 @@ impl StorageFile for DmaStorageFile {
                 format!("short DMA write: {n} of {len} bytes at {pos}"),
             ));
         }
-        // glommio drops its reference when the write completes, before
-        // `write_rc_at` returns.
-        let dma = Rc::try_unwrap(dma)
-            .map_err(|_| io::Error::other("a completed DMA write still holds its buffer"))?;
-        Ok(PageBuf::from_written(dma, parts))
+        // glommio 0.9 drops its reference when the write completes, before
+        // `write_rc_at` returns; should a later version keep one, the
+        // bytes are copied rather than shared.
+        Ok(match Rc::try_unwrap(dma) {
+            Ok(dma) => PageBuf::from_written(dma, parts),
+            Err(shared) => PageBuf::copy_of_written(&shared, &parts),
+        })
     }
 
     async fn read_at(&self, pos: u64, len: usize) -> io::Result<Bytes> {

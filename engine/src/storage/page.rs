@@ -11,6 +11,7 @@
 use super::{align_up, ALIGN};
 use bytes::Bytes;
 use glommio::io::DmaBuffer;
+use std::mem::MaybeUninit;
 
 /// A page-aligned heap buffer that fills front to back.
 ///
@@ -105,19 +106,23 @@ impl PageBuf {
         self.len += n;
     }
 
-    /// Append `n` bytes for `f` to write, all of them: `f` gets them zeroed
-    /// only in debug builds; in release they hold whatever the memory held,
-    /// so an `f` that skipped a byte would put garbage on disk (the batch
-    /// encoders assert they wrote every byte). Panics past the capacity.
-    pub fn append_with<R>(&mut self, n: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
+    /// Append `n` bytes that `f` writes.
+    ///
+    /// # Safety
+    /// `f` must write every one of the `n` bytes it is given before it
+    /// returns (they start out uninitialised, and count as filled after).
+    /// If `f` panics, nothing is appended. Panics past the capacity.
+    pub unsafe fn append_with<R>(
+        &mut self,
+        n: usize,
+        f: impl FnOnce(&mut [MaybeUninit<u8>]) -> R,
+    ) -> R {
         assert!(n <= self.room(), "PageBuf overflow");
-        if cfg!(debug_assertions) {
-            // SAFETY: inside the allocation (checked above).
-            unsafe { std::ptr::write_bytes(self.ptr.add(self.len), 0, n) };
-        }
-        // SAFETY: inside the allocation; `f` only writes these bytes (u8
-        // has no invalid values) before anything reads them.
-        let dst = unsafe { std::slice::from_raw_parts_mut(self.ptr.add(self.len), n) };
+        // SAFETY: inside the allocation (checked above) and not otherwise
+        // borrowed (`&mut self`); `MaybeUninit` asks nothing of the bytes.
+        let dst = unsafe {
+            std::slice::from_raw_parts_mut(self.ptr.add(self.len).cast::<MaybeUninit<u8>>(), n)
+        };
         let r = f(dst);
         self.len += n;
         r
@@ -146,13 +151,33 @@ impl PageBuf {
 
     /// Undo [`PageBuf::into_dma`] once the write is done.
     pub(crate) fn from_written(buf: DmaBuffer, parts: Parts) -> PageBuf {
-        debug_assert_eq!(buf.as_ptr(), parts.ptr as *const u8);
+        assert_eq!(
+            buf.as_ptr(),
+            parts.ptr.cast_const(),
+            "not the buffer written"
+        );
         PageBuf {
             buf,
             ptr: parts.ptr,
             cap: parts.cap,
             len: parts.filled,
         }
+    }
+
+    /// A copy of what [`PageBuf::into_dma`] handed out, for when the
+    /// buffer cannot be taken back whole (something still shares it).
+    pub(crate) fn copy_of_written(buf: &DmaBuffer, parts: &Parts) -> PageBuf {
+        assert_eq!(
+            buf.as_ptr(),
+            parts.ptr.cast_const(),
+            "not the buffer written"
+        );
+        // SAFETY: `buf` keeps the allocation alive; its first `filled`
+        // bytes were initialised before it was handed out and are only read.
+        let bytes = unsafe { std::slice::from_raw_parts(parts.ptr.cast_const(), parts.filled) };
+        let mut copy = PageBuf::with_capacity(parts.cap);
+        copy.extend_from_slice(bytes);
+        copy
     }
 
     /// The filled bytes as shared memory, without a copy.
@@ -193,10 +218,15 @@ mod tests {
         assert_eq!(b.capacity(), ALIGN);
         assert_eq!(b.as_ref().as_ptr() as usize % ALIGN, 0);
         b.extend_from_slice(b"abc");
-        let n = b.append_with(4, |dst| {
-            dst.copy_from_slice(b"defg");
-            dst.len()
-        });
+        // SAFETY: the closure writes all four bytes.
+        let n = unsafe {
+            b.append_with(4, |dst| {
+                for (d, s) in dst.iter_mut().zip(b"defg") {
+                    d.write(*s);
+                }
+                dst.len()
+            })
+        };
         assert_eq!(n, 4);
         b.filled_mut()[0] = b'A';
         assert_eq!(b.filled(), b"Abcdefg");
@@ -229,8 +259,11 @@ mod tests {
         b.fill(2 * ALIGN + 5, 7);
         let (dma, parts) = b.into_dma(2 * ALIGN);
         assert_eq!(dma.len(), 2 * ALIGN);
+        let copy = PageBuf::copy_of_written(&dma, &parts);
         let b = PageBuf::from_written(dma, parts);
         assert_eq!(b.len(), 2 * ALIGN + 5);
+        assert_eq!(copy.filled(), b.filled());
+        assert_eq!(copy.capacity(), b.capacity());
         assert_eq!(b.capacity(), 3 * ALIGN);
         assert!(b.filled().iter().all(|&x| x == 7));
     }
