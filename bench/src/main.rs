@@ -7,6 +7,9 @@ use clap::Parser;
 use felix_bench::cli::{Cli, Command};
 
 fn main() -> ExitCode {
+    // The harness's clients allocate a frame per request: the same malloc
+    // settings as the broker (see its docs), whatever broker they drive.
+    felix_server::tune_allocator();
     let cli = Cli::parse();
     if let Command::Serve(args) = &cli.command {
         return ExitCode::from(felix_bench::embedded::serve(args) as u8);
