@@ -778,18 +778,20 @@ impl<F> Inner<F> {
     }
 }
 
-/// Least room a piece is given (within `write_chunk_bytes` and the
-/// segment): a round of small batches that outgrows its first piece does
-/// not go on in a write per page.
+/// Least room a piece gets when the last round tells nothing (the first
+/// round of a log) or the round has outgrown what it told: a round of small
+/// batches past its first piece does not go on in a write per page.
 const MIN_PIECE: usize = 64 << 10;
 
 /// Bytes of batches a new piece of a chunk has room for, its first batch
 /// being `len` bytes: what is left of the last round's size (`hint`; a
 /// round takes every chunk queued, so the next is likely about as large)
-/// past the `queued` bytes the chunk holds, or, once the round has outgrown
-/// that, as much again as it holds; at least [`MIN_PIECE`], at most
-/// `max_piece` (a write each) and what the segment has left, and never
-/// less than the batch.
+/// past the `queued` bytes the chunk holds; [`MIN_PIECE`] when there was
+/// no last round; once the round has outgrown the last one, as much again
+/// as it holds, at least [`MIN_PIECE`]. At most `max_piece` (a write each)
+/// and what the segment has left, and never less than the batch. A shard
+/// of small rounds so holds a page or so per round, however many shards a
+/// core has.
 fn piece_room(
     hint: usize,
     queued: usize,
@@ -798,9 +800,14 @@ fn piece_room(
     max_piece: usize,
 ) -> usize {
     let left = hint.saturating_sub(queued);
-    let want = if left > 0 { left } else { queued };
-    want.max(MIN_PIECE)
-        .min(max_piece)
+    let want = if left > 0 {
+        left
+    } else if hint == 0 && queued == 0 {
+        MIN_PIECE
+    } else {
+        queued.max(MIN_PIECE)
+    };
+    want.min(max_piece)
         .min(usize::try_from(segment_room).unwrap_or(usize::MAX))
         .max(len)
 }
@@ -2511,24 +2518,28 @@ mod tests {
     #[test]
     fn a_piece_holds_about_what_is_left_of_the_last_round_within_its_segment() {
         const MIB: usize = 1 << 20;
-        // Nothing known yet: the least a piece gets.
+        // Nothing known yet: the least an unknown round gets.
         assert_eq!(piece_room(0, 0, 100, 1 << 30, MIB), MIN_PIECE);
-        // What is left of the last round, a write's worth at most.
+        // What is left of the last round, a write's worth at most; small
+        // rounds keep small pieces.
         assert_eq!(piece_room(300 << 10, 0, 100, 1 << 30, MIB), 300 << 10);
         assert_eq!(
             piece_room(300 << 10, 100 << 10, 100, 1 << 30, MIB),
             200 << 10
         );
-        assert_eq!(
-            piece_room(300 << 10, 290 << 10, 100, 1 << 30, MIB),
-            MIN_PIECE
-        );
+        assert_eq!(piece_room(200, 0, 100, 1 << 30, MIB), 200);
         assert_eq!(piece_room(4 * MIB, 0, 100, 1 << 30, MIB), MIB);
-        // A round past the last one's size: as much again as it holds.
+        // A round past the last one's size: as much again as it holds, at
+        // least the least.
         assert_eq!(
             piece_room(100 << 10, 150 << 10, 100, 1 << 30, MIB),
             150 << 10
         );
+        assert_eq!(
+            piece_room(300 << 10, 300 << 10, 100, 1 << 30, MIB),
+            300 << 10
+        );
+        assert_eq!(piece_room(200, 300, 100, 1 << 30, MIB), MIN_PIECE);
         assert_eq!(piece_room(100 << 10, 3 * MIB, 100, 1 << 30, MIB), MIB);
         // Never past a write's worth, nor what the segment can still take...
         assert_eq!(piece_room(0, 0, 100, 1 << 30, 4096), 4096);
