@@ -259,21 +259,9 @@ pub fn encode_records_into(
     )
 }
 
-/// Append a control batch (one offset, never delivered) to `out`.
-pub fn encode_control(
-    out: &mut Vec<u8>,
-    base: Offset,
-    term: u64,
-    flush: u16,
-    body: &[u8],
-) -> BatchHeader {
-    append_batch(out, BATCH_HEADER_BYTES + body.len(), |dst| {
-        encode_control_into(dst, base, term, flush, body)
-    })
-}
-
-/// Encode a control batch into `out`, exactly `BATCH_HEADER_BYTES +
-/// body.len()` bytes long (see [`encode_records_into`]).
+/// Encode a control batch (one offset, never delivered) into `out`, exactly
+/// `BATCH_HEADER_BYTES + body.len()` bytes long (see
+/// [`encode_records_into`]).
 pub fn encode_control_into(
     out: &mut [MaybeUninit<u8>],
     base: Offset,
@@ -281,27 +269,12 @@ pub fn encode_control_into(
     flush: u16,
     body: &[u8],
 ) -> BatchHeader {
-    let mut w = Put::after_header(out);
-    w.put(body);
-    w.finish(BatchKind::Control, 1, base, (term, flush), 0)
+    encode_body_into(out, BatchKind::Control, 1, base, (term, flush), body)
 }
 
-/// Append a group-state batch (no offset) to `out`. `at` is the log's next
+/// Encode a group-state batch (no offset) into `out`, exactly
+/// `BATCH_HEADER_BYTES + body.len()` bytes long. `at` is the log's next
 /// offset when it was written, which orders it among the records.
-pub fn encode_group(
-    out: &mut Vec<u8>,
-    at: Offset,
-    term: u64,
-    flush: u16,
-    body: &[u8],
-) -> BatchHeader {
-    append_batch(out, BATCH_HEADER_BYTES + body.len(), |dst| {
-        encode_group_into(dst, at, term, flush, body)
-    })
-}
-
-/// Encode a group-state batch into `out`, exactly `BATCH_HEADER_BYTES +
-/// body.len()` bytes long (see [`encode_records_into`]).
 pub fn encode_group_into(
     out: &mut [MaybeUninit<u8>],
     at: Offset,
@@ -309,9 +282,21 @@ pub fn encode_group_into(
     flush: u16,
     body: &[u8],
 ) -> BatchHeader {
+    encode_body_into(out, BatchKind::Group, 0, at, (term, flush), body)
+}
+
+/// A batch whose body is `body` as it is.
+fn encode_body_into(
+    out: &mut [MaybeUninit<u8>],
+    kind: BatchKind,
+    count: u32,
+    base: Offset,
+    stamp: (u64, u16),
+    body: &[u8],
+) -> BatchHeader {
     let mut w = Put::after_header(out);
     w.put(body);
-    w.finish(BatchKind::Group, 0, at, (term, flush), 0)
+    w.finish(kind, count, base, stamp, 0)
 }
 
 /// Run `encode` over `len` new bytes at the end of `out` and keep them.
@@ -716,23 +701,29 @@ mod tests {
             h
         );
         assert_eq!(got, want);
+        // Control and group batches: the same bytes whatever the memory
+        // held, and each parses as what it was encoded as.
         for body in [&b""[..], b"state"] {
-            let mut want = Vec::new();
-            let hc = encode_control(&mut want, Offset(9), 1, 1, body);
-            let mut got = vec![0xFF; BATCH_HEADER_BYTES + body.len()];
-            assert_eq!(
-                encode_control_into(uninit(&mut got), Offset(9), 1, 1, body),
-                hc
-            );
-            assert_eq!(got, want);
-            let mut want = Vec::new();
-            let hg = encode_group(&mut want, Offset(9), 1, 1, body);
-            let mut got = vec![0x11; BATCH_HEADER_BYTES + body.len()];
-            assert_eq!(
-                encode_group_into(uninit(&mut got), Offset(9), 1, 1, body),
-                hg
-            );
-            assert_eq!(got, want);
+            let encode = |fill: u8, kind| {
+                let mut out = vec![fill; BATCH_HEADER_BYTES + body.len()];
+                let h = match kind {
+                    BatchKind::Control => {
+                        encode_control_into(uninit(&mut out), Offset(9), 1, 1, body)
+                    }
+                    _ => encode_group_into(uninit(&mut out), Offset(9), 1, 1, body),
+                };
+                (h, out)
+            };
+            for kind in [BatchKind::Control, BatchKind::Group] {
+                let (h, zeros) = encode(0, kind);
+                assert_eq!(encode(0xA5, kind), (h, zeros.clone()));
+                assert_eq!(parse_batch(&zeros).unwrap(), h);
+                assert_eq!(
+                    (h.kind, h.offsets()),
+                    (kind, u64::from(kind == BatchKind::Control))
+                );
+                assert_eq!(&zeros[BATCH_HEADER_BYTES..], body);
+            }
         }
     }
 

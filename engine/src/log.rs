@@ -1535,7 +1535,7 @@ impl<S: Storage> ShardLog<S> {
         // writes), nor one whose reservation failed (zeros would grow the
         // file).
         let zeros = match step {
-            Some(_) if last_in_round && chunk.len <= ZERO_AHEAD_ROUND && reserved != u64::MAX => {
+            Some(_) if last_in_round && chunk_len <= ZERO_AHEAD_ROUND && reserved != u64::MAX => {
                 let at = zeroed.max(write_end);
                 debug_assert_eq!(at % ALIGN as u64, 0);
                 let until = align_down(
@@ -1571,9 +1571,10 @@ impl<S: Storage> ShardLog<S> {
         let count = pieces.len();
         let piece_at: Vec<u64> = pieces.iter().map(|p| p.at).collect();
         let mut writes: Vec<(Option<usize>, PageBuf, usize, u64)> = Vec::with_capacity(count + 1);
-        // The pieces not written (all their bytes are in the next one's
-        // first page); written ones come back into their slot below.
-        let mut kept: Vec<Option<Piece>> = Vec::with_capacity(count);
+        // Each piece's memory, by index: a piece not written (all its
+        // bytes are in the next one's first page) stays; a written one comes
+        // back into its slot below.
+        let mut kept: Vec<Option<PageBuf>> = Vec::with_capacity(count);
         for (k, p) in pieces.into_iter().enumerate() {
             let n = if k + 1 == count {
                 p.buf.len()
@@ -1581,7 +1582,7 @@ impl<S: Storage> ShardLog<S> {
                 align_down(p.buf.len() as u64) as usize
             };
             if n == 0 {
-                kept.push(Some(p));
+                kept.push(Some(p.buf));
             } else {
                 writes.push((Some(k), p.buf, n, p.at));
                 kept.push(None);
@@ -1606,12 +1607,7 @@ impl<S: Storage> ShardLog<S> {
             });
             for (k, r) in futures_util::future::join_all(futs).await {
                 match (k, r) {
-                    (Some(k), Ok(buf)) => {
-                        kept[k] = Some(Piece {
-                            at: piece_at[k],
-                            buf,
-                        })
-                    }
+                    (Some(k), Ok(buf)) => kept[k] = Some(buf),
                     (None, Ok(_)) => {}
                     // Zeros are an optimisation inside reserved blocks that
                     // read as zeros anyway: a failure costs nothing but the
@@ -1646,14 +1642,12 @@ impl<S: Storage> ShardLog<S> {
             seg.len = new_len;
         }
         // The pieces become the cache's memory without a copy.
-        let capacity: Vec<usize> = kept
-            .iter()
-            .map(|p| p.as_ref().map_or(0, |p| p.buf.capacity()))
-            .collect();
-        let shared: Vec<Bytes> = kept
+        let kept: Vec<PageBuf> = kept
             .into_iter()
-            .map(|p| p.expect("every piece is back").buf.into_bytes())
+            .map(|p| p.expect("every piece is back"))
             .collect();
+        let capacity: Vec<usize> = kept.iter().map(PageBuf::capacity).collect();
+        let shared: Vec<Bytes> = kept.into_iter().map(PageBuf::into_bytes).collect();
         // Pieces of the batches this round adds to the cache, in order.
         let mut round_pieces = Vec::with_capacity(batches.len());
         for (h, pos, k) in &batches {

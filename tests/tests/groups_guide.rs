@@ -1312,13 +1312,12 @@ async fn group_features_follow_durable_storage() {
     assert!(unsupported(c.list_groups(T, NS, JOBS, 0).await.map(|_| ())));
 }
 
-/// Offsets retention removed before the group got to them are settled and
-/// counted in the next record's skipped_before; the group's state survives
-/// retention (it is snapshotted into each new segment) and a restart.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn records_retention_removed_are_skipped_and_counted() {
+/// A broker that rolls 64 KiB segments and checks retention every 100 ms,
+/// its config file, and a client that created JOBS on it: one shard kept
+/// within 128 KiB.
+async fn retention_broker() -> (ConfigFile, felix_tests::Broker, Client) {
     let cfg = config_file("[storage]\nsegment_bytes = 65536\nretention_check_ms = 100\n");
-    let mut b =
+    let b =
         felix_tests::start_broker!(opts(30_000, 5).env("FELIX_TEST_CONFIG", cfg.path.display()));
     let c = client(&b.addr).await;
     let retention = felix_client::StreamOptions {
@@ -1326,12 +1325,14 @@ async fn records_retention_removed_are_skipped_and_counted() {
         retention_ms: None,
     };
     c.create_stream(T, NS, JOBS, 1, retention).await.unwrap();
-    publish(&c, JOBS, 2).await;
-    let g = Group::new(&c, JOBS, "workers");
-    let batch = g.poll(2).await;
-    g.dead_letter(&batch[0], Some("kept")).await.unwrap();
-    g.ack(1).await.unwrap();
-    assert_eq!(g.position().await, 2);
+    (cfg, b, c)
+}
+
+/// Publish 48 records of 16 KiB (twelve segments' worth) to JOBS and wait
+/// until retention is done: the shard back within its 128 KiB (the start
+/// moves a segment at a time until then) and its start past `past`.
+/// Returns the new start.
+async fn publish_past_retention(c: &Client, past: u64) -> u64 {
     for _ in 0..48 {
         c.publish(T, NS, JOBS, 0, vec![1u8; 16 << 10])
             .await
@@ -1341,14 +1342,27 @@ async fn records_retention_removed_are_skipped_and_counted() {
         "retention to remove old segments",
         Duration::from_secs(10),
         || async {
-            // Done deleting: the shard is back within its retention bytes
-            // (the start moves one segment at a time until then).
             let info = c.describe_shard(T, NS, JOBS, 0).await.unwrap();
-            info.start_offset > 2 && info.bytes <= 128 << 10
+            info.start_offset > past && info.bytes <= 128 << 10
         },
     )
     .await;
-    let start = c.describe_shard(T, NS, JOBS, 0).await.unwrap().start_offset;
+    c.describe_shard(T, NS, JOBS, 0).await.unwrap().start_offset
+}
+
+/// Offsets retention removed before the group got to them are settled and
+/// counted in the next record's skipped_before; the group's state survives
+/// retention (it is snapshotted into each new segment) and a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_retention_removed_are_skipped_and_counted() {
+    let (_cfg, mut b, c) = retention_broker().await;
+    publish(&c, JOBS, 2).await;
+    let g = Group::new(&c, JOBS, "workers");
+    let batch = g.poll(2).await;
+    g.dead_letter(&batch[0], Some("kept")).await.unwrap();
+    g.ack(1).await.unwrap();
+    assert_eq!(g.position().await, 2);
+    let start = publish_past_retention(&c, 2).await;
     // Earliest is the oldest record the shard still holds.
     let late = Group::new(&c, JOBS, "late");
     assert_eq!(
@@ -1388,32 +1402,10 @@ async fn records_retention_removed_are_skipped_and_counted() {
 /// position, still saying what lies settled below it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_record_handed_out_with_skips_keeps_them_across_a_restart() {
-    let cfg = config_file("[storage]\nsegment_bytes = 65536\nretention_check_ms = 100\n");
-    let mut b =
-        felix_tests::start_broker!(opts(30_000, 5).env("FELIX_TEST_CONFIG", cfg.path.display()));
-    let c = client(&b.addr).await;
-    let retention = felix_client::StreamOptions {
-        retention_bytes: Some(128 << 10),
-        retention_ms: None,
-    };
-    c.create_stream(T, NS, JOBS, 1, retention).await.unwrap();
+    let (_cfg, mut b, c) = retention_broker().await;
     let g = Group::new(&c, JOBS, "workers");
     g.create(StartPosition::Earliest).await.unwrap();
-    for _ in 0..48 {
-        c.publish(T, NS, JOBS, 0, vec![1u8; 16 << 10])
-            .await
-            .unwrap();
-    }
-    eventually(
-        "retention to remove old segments",
-        Duration::from_secs(10),
-        || async {
-            let info = c.describe_shard(T, NS, JOBS, 0).await.unwrap();
-            info.start_offset > 0 && info.bytes <= 128 << 10
-        },
-    )
-    .await;
-    let start = c.describe_shard(T, NS, JOBS, 0).await.unwrap().start_offset;
+    let start = publish_past_retention(&c, 0).await;
     let got = g.poll(1).await;
     assert_eq!(got[0].offset, start);
     assert_eq!(
@@ -1444,15 +1436,7 @@ async fn a_record_handed_out_with_skips_keeps_them_across_a_restart() {
 /// if it had been removed too).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reclaimed_claims_retention_removed_do_not_take_the_next_records_with_them() {
-    let cfg = config_file("[storage]\nsegment_bytes = 65536\nretention_check_ms = 100\n");
-    let b =
-        felix_tests::start_broker!(opts(30_000, 5).env("FELIX_TEST_CONFIG", cfg.path.display()));
-    let c = client(&b.addr).await;
-    let retention = felix_client::StreamOptions {
-        retention_bytes: Some(128 << 10),
-        retention_ms: None,
-    };
-    c.create_stream(T, NS, JOBS, 1, retention).await.unwrap();
+    let (_cfg, b, c) = retention_broker().await;
     // Three 16 KiB records fill the first 64 KiB segment.
     let big = |n: usize| {
         (0..n)

@@ -77,6 +77,25 @@ impl Harness {
         out
     }
 
+    /// A poll from connection 1 that finds the offsets below `n` settled
+    /// (control records) and nothing loaded from `n` on: it steps over the
+    /// run and stops there.
+    pub fn poll_unloaded_from(&mut self, n: u64) -> PollOutcome {
+        let log = self.log();
+        let mut lookup = |o: Offset| {
+            if o.0 < n {
+                Lookup::Skipped
+            } else {
+                Lookup::NotLoaded
+            }
+        };
+        let out = self
+            .t
+            .poll(self.now, &Caller::anonymous(1), 10, None, log, &mut lookup);
+        self.record(out.writes.clone());
+        out
+    }
+
     /// An anonymous poll from connection 1.
     pub fn poll(&mut self, max: u32) -> Vec<Delivery> {
         self.poll_as(&Caller::anonymous(1), max)
@@ -855,17 +874,7 @@ mod rules {
         h.append_control();
         h.append_control();
         h.append(1);
-        let log = h.log();
-        let mut first = |o: Offset| {
-            if o.0 < 2 {
-                Lookup::Skipped
-            } else {
-                Lookup::NotLoaded
-            }
-        };
-        let out =
-            h.t.poll(h.now, &Caller::anonymous(1), 10, None, log, &mut first);
-        assert!(out.deliveries.is_empty());
+        assert!(h.poll_unloaded_from(2).deliveries.is_empty());
         assert_eq!(h.poll(10)[0].skipped_before, 2);
     }
 
@@ -877,17 +886,7 @@ mod rules {
         h.append_control();
         h.append_control();
         h.append(1);
-        let log = h.log();
-        let mut first = |o: Offset| {
-            if o.0 < 2 {
-                Lookup::Skipped
-            } else {
-                Lookup::NotLoaded
-            }
-        };
-        let out =
-            h.t.poll(h.now, &Caller::anonymous(1), 10, None, log, &mut first);
-        h.written.extend(out.writes);
+        assert!(h.poll_unloaded_from(2).deliveries.is_empty());
         assert_eq!(h.position(), 2);
         h.restart();
         assert_eq!(h.poll(10)[0].skipped_before, 2);
