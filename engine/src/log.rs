@@ -1230,6 +1230,12 @@ impl<S: Storage> ShardLog<S> {
         self.inner.borrow().stopped.clone()
     }
 
+    /// Closed (by [`ShardLog::close`] or [`ShardLog::destroy`]): waits on
+    /// it end at once.
+    pub fn is_closed(&self) -> bool {
+        self.inner.borrow().closed
+    }
+
     pub fn stats(&self) -> LogStats {
         let i = self.inner.borrow();
         LogStats {

@@ -1941,3 +1941,127 @@ async fn the_broker_holds_at_most_its_total_shard_limit() {
     c.delete_stream("t", "ns", "a").await.unwrap();
     create("c", 3).await.unwrap();
 }
+
+/// A stream deleted while a read and a group poll wait on it: both end at
+/// once with `not_found`, and the core goes on serving other streams (a
+/// closed log must not turn their waits into a loop that never yields).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waits_on_a_deleted_stream_end_with_not_found_and_the_core_keeps_serving() {
+    let broker = felix_tests::start_broker!(BrokerOptions::default().cores(1));
+    let c = client(&broker).await;
+    for name in ["gone", "kept"] {
+        c.create_stream("t", "ns", name, 1, StreamOptions::default())
+            .await
+            .unwrap();
+    }
+    let waiter = client(&broker).await;
+    let poll = tokio::spawn({
+        let w = waiter.clone();
+        async move {
+            w.group_poll_wait("t", "ns", "gone", 0, "g", 10, Duration::from_secs(20))
+                .await
+        }
+    });
+    let read = tokio::spawn({
+        let w = waiter.clone();
+        async move {
+            w.read(
+                "t",
+                "ns",
+                "gone",
+                0,
+                StartPosition::Latest,
+                10,
+                Some(Duration::from_secs(20)),
+            )
+            .await
+        }
+    });
+    // Let both reach their waits (if one has not, it finds the stream gone
+    // and the outcome is the same).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let bound = Duration::from_secs(10);
+    tokio::time::timeout(bound, c.delete_stream("t", "ns", "gone"))
+        .await
+        .expect("the delete finished")
+        .unwrap();
+    let polled = tokio::time::timeout(bound, poll)
+        .await
+        .expect("the waiting poll ended")
+        .unwrap();
+    assert_eq!(
+        polled.unwrap_err().code(),
+        Some(ErrorCode::NotFound),
+        "a poll on a deleted stream"
+    );
+    let read = tokio::time::timeout(bound, read)
+        .await
+        .expect("the waiting read ended")
+        .unwrap();
+    assert_eq!(
+        read.unwrap_err().code(),
+        Some(ErrorCode::NotFound),
+        "a read on a deleted stream"
+    );
+    let at = tokio::time::timeout(bound, c.publish("t", "ns", "kept", 0, "still here"))
+        .await
+        .expect("the core still serves")
+        .unwrap();
+    let r = c
+        .read("t", "ns", "kept", 0, StartPosition::Offset(at), 1, None)
+        .await
+        .unwrap();
+    assert_eq!(r.records[0].payload, Bytes::from_static(b"still here"));
+}
+
+/// A long poll whose client hangs up claims nothing: a record published
+/// after it left goes to the next consumer at once, on its first attempt,
+/// instead of waiting out a claim nobody holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_poll_whose_client_hung_up_claims_nothing() {
+    use felix_wire::{GroupKey, Request, StreamRef};
+    use tokio::io::AsyncWriteExt;
+    let broker = felix_tests::start_broker!(BrokerOptions::default().cores(1));
+    let c = client(&broker).await;
+    c.create_stream("t", "ns", "q", 1, StreamOptions::default())
+        .await
+        .unwrap();
+    {
+        let mut s = tokio::net::TcpStream::connect(broker.addr.as_str())
+            .await
+            .unwrap();
+        raw_call(&mut s, 1, &hello(None, felix_wire::PROTOCOL_VERSION)).await;
+        let poll = Request::GroupPoll {
+            key: GroupKey {
+                stream: StreamRef {
+                    tenant: "t".into(),
+                    namespace: "ns".into(),
+                    stream: "q".into(),
+                },
+                shard: 0,
+                group: "g".into(),
+            },
+            max_records: 10,
+            wait_ms: 20_000,
+            member: None,
+            visibility_ms: None,
+        };
+        let mut frame = bytes::BytesMut::new();
+        felix_wire::encode_request(2, &poll, &mut frame);
+        s.write_all(&frame).await.unwrap();
+        // Let the poll start waiting, then hang up without its answer.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    c.publish("t", "ns", "q", 0, "job").await.unwrap();
+    let got = c
+        .group_poll_wait("t", "ns", "q", 0, "g", 10, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert_eq!(
+        got.len(),
+        1,
+        "the record went to a poll nobody was waiting on"
+    );
+    assert_eq!(got[0].attempts, 1);
+}

@@ -113,9 +113,15 @@ impl Members {
     }
 
     fn sweep_idle_members(&mut self) {
+        self.sweep(|m| m.holders == 0);
+    }
+
+    /// Drop the live members `gone` picks (they must hold nothing).
+    fn sweep(&mut self, gone: impl Fn(&Member) -> bool) {
         for id in 0..self.members.len() {
             let m = &mut self.members[id];
-            if m.live && m.holders == 0 {
+            if m.live && gone(m) {
+                debug_assert_eq!(m.holders, 0);
                 m.live = false;
                 let (principal, name) = (
                     std::mem::take(&mut m.principal),
@@ -213,9 +219,12 @@ impl Members {
         }
     }
 
-    /// Forget everything (eviction, restart).
-    pub(super) fn clear(&mut self) {
-        *self = Members::new();
+    /// Eviction: drop every holder, and every member but those that
+    /// reclaimed (a connection older than the last one to reclaim must
+    /// still never take anything back, nor that one reclaim twice).
+    pub(super) fn keep_only_reclaims(&mut self) {
+        self.clear_holders();
+        self.sweep(|m| m.last_reclaim.is_none());
     }
 
     /// References per live holder, for the invariant check.

@@ -905,7 +905,20 @@ impl Sim {
                     conn,
                     reserved_for,
                 },
-                // A lapsed one is taken back as a plain claim.
+                // A lapsed claim not yet given back keeps its member.
+                MState::Claimed {
+                    member: Some(member),
+                    conn: holder,
+                    reserved_for: None,
+                    ..
+                } => MState::Claimed {
+                    deadline: now + stands,
+                    member: Some(member),
+                    conn: holder,
+                    reserved_for: None,
+                },
+                // A lapsed reservation, or an owed record, is taken back
+                // as a plain claim.
                 _ => MState::Claimed {
                     deadline: now + stands,
                     member: None,
@@ -1147,7 +1160,7 @@ impl Sim {
             self.t.reset_to_durable();
             self.check_kept_skips();
             self.stats.evictions += 1;
-            self.last_reclaim.clear();
+            // Who reclaimed last outlives the eviction (connections stay).
             self.new_epoch();
         }
     }

@@ -477,12 +477,16 @@ impl GroupTracker {
             self.room_to_take_back(offset)?;
         }
         let stands_ms = extend_ms.clamp(1, self.config.max_visibility_ms);
-        // A standing reservation stays its holder's; a lapsed one, or a
-        // lapsed claim the group owes, is taken back by this delivery's
-        // consumer as a plain claim.
+        // A standing claim or reservation stays as it is. A lapsed claim
+        // not yet given back keeps its holder (a member that reconnects
+        // with reclaim still takes it back); a lapsed reservation went to
+        // the group, and a record the group owes is nobody's: either is
+        // taken back by this delivery's consumer as a plain claim.
         let standing = s.state() != State::Owed && s.deadline_ms() > now_ms;
         let (state, holder) = if standing {
             (s.state(), s.holder())
+        } else if s.state() == State::Claimed {
+            (State::Claimed, s.holder())
         } else {
             (State::Claimed, 0)
         };
@@ -773,8 +777,10 @@ impl GroupTracker {
     /// Drop everything that is only memory (claims, owed and delayed
     /// records, acks above the position, attempt counts, reservations,
     /// members), as eviction or a restart does. Redriven records stay owed.
+    /// Members that reclaimed are kept with their last reclaiming
+    /// connection: an idle group's connections may still be open.
     pub fn reset_to_durable(&mut self) {
-        self.members.clear();
+        self.members.keep_only_reclaims();
         self.rebuild_memory(self.last_active_ms);
         self.handed_out_end = None;
         self.stale = false;

@@ -150,6 +150,25 @@ pub(crate) struct ConnInfo {
     max_pending: usize,
 }
 
+impl ConnInfo {
+    /// The connection is closing (the client hung up, or its answers could
+    /// not be sent): an answer now would be dropped.
+    pub fn hung_up(&self) -> bool {
+        self.outbox.closed.get()
+    }
+
+    /// Resolves once the connection is closing.
+    pub async fn until_hung_up(&self) {
+        loop {
+            let drained = self.outbox.drained.wait();
+            if self.hung_up() {
+                return;
+            }
+            drained.await;
+        }
+    }
+}
+
 /// The answer bytes one request holds (see [`answer_reservation`]): taken
 /// before it runs, or, for a read or poll that may wait for records, only
 /// once it has something to read, so that long polls waiting on a
@@ -481,11 +500,17 @@ pub(crate) async fn serve<S: Storage>(
         // A large frame partly here is read in pieces as big as what it
         // still lacks (up to 1 MiB), not 64 KiB at a time. Its declared size
         // was checked against the frame cap when it was decoded as
-        // incomplete.
+        // incomplete. The piece is at most four times what already came,
+        // so a peer that sends a header declaring a large frame and then
+        // nothing does not make the broker hold (and zero) a megabyte.
         let lacking = felix_wire::peek_header(&rbuf)
             .filter(|h| h.len <= max_frame)
             .map_or(0, |h| h.frame_bytes().saturating_sub(filled));
-        let read_size_now = read_size.max(lacking.min(MAX_FRAME_READ));
+        let read_size_now = read_size.max(
+            lacking
+                .min(MAX_FRAME_READ)
+                .min(4 * filled.max(MAX_READ / 4)),
+        );
         if filled > 0
             && rbuf.capacity() < filled + read_size_now
             && read_size_now >= MAX_READ
@@ -678,11 +703,13 @@ fn spawn_request<S: Storage>(
     let core = core.clone();
     let info = info.clone();
     let outbox = outbox.clone();
+    // What the request holds: its frame, and the vectors decoding built
+    // (several times the frame for one of empty records or headers).
+    let held = frame_len + req.decoded_overhead();
     core.in_flight.set(core.in_flight.get() + 1);
     info.in_flight.set(info.in_flight.get() + 1);
-    info.in_flight_bytes
-        .set(info.in_flight_bytes.get() + frame_len);
-    core.budget.add(frame_len);
+    info.in_flight_bytes.set(info.in_flight_bytes.get() + held);
+    core.budget.add(held);
     glommio::spawn_local(async move {
         let op = req.name();
         core.metrics.count_request(op);
@@ -711,9 +738,8 @@ fn spawn_request<S: Storage>(
         room.give_back();
         core.in_flight.set(core.in_flight.get() - 1);
         info.in_flight.set(info.in_flight.get() - 1);
-        info.in_flight_bytes
-            .set(info.in_flight_bytes.get() - frame_len);
-        core.budget.release(frame_len);
+        info.in_flight_bytes.set(info.in_flight_bytes.get() - held);
+        core.budget.release(held);
         core.lifecycle.wake_all();
     })
     .detach();
@@ -1044,17 +1070,22 @@ async fn read<S: Storage>(
     };
     let wait = (wait_ms as u64).min(c.max_wait_ms);
     if wait > 0 && s.log.end() <= from {
-        // A shutdown ends the wait early: the poll answers with what is there.
+        // A shutdown ends the wait early: the poll answers with what is
+        // there. So does the client hanging up (nothing to answer).
         let _ = with_timeout(
             wait,
             futures_lite::future::or(
                 async {
                     let _ = s.log.wait_for_offset(from).await;
                 },
-                core.until_stopping(),
+                futures_lite::future::or(core.until_stopping(), room.info.until_hung_up()),
             ),
         )
         .await;
+    }
+    if s.log.is_closed() {
+        // Deleted while the read waited (or the broker is stopping).
+        return s.closed_answer();
     }
     room.take(limits.max_bytes).await;
     match s.log.read(from, limits).await {

@@ -514,6 +514,16 @@ async fn poll<S: Storage>(
                 format!("shard {} is stopped: {r}", shard.name()),
             );
         }
+        if shard.log.is_closed() {
+            // Deleted while the poll waited (or the broker is stopping).
+            return shard.closed_answer();
+        }
+        if info.hung_up() {
+            // Nobody to hand records to: claim nothing.
+            return Response::GroupRecords {
+                records: Vec::new(),
+            };
+        }
         let view = view(shard);
         let plan = with_tracker(shard, &key.group, |t| {
             t.plan_poll(now_ms(), &caller, max_records, view)
@@ -530,9 +540,17 @@ async fn poll<S: Storage>(
             Ok(r) => r,
             Err(e) => return e,
         };
+        if info.hung_up() {
+            // The client left while the records were read: claim nothing.
+            return Response::GroupRecords {
+                records: Vec::new(),
+            };
+        }
         let view = self::view(shard);
+        let mut freed = false;
         let outcome = with_tracker(shard, &key.group, |t| {
-            t.poll(
+            let before = t.in_flight();
+            let outcome = t.poll(
                 now_ms(),
                 &caller,
                 max_records,
@@ -546,8 +564,15 @@ async fn poll<S: Storage>(
                     None if o < view.start || loaded.skipped(o) => Lookup::Skipped,
                     None => Lookup::NotLoaded,
                 },
-            )
+            );
+            // Reserved records dead-lettered at the attempt bound, or
+            // claims on records retention removed, settle here too.
+            freed = t.in_flight() < before;
+            outcome
         });
+        if freed {
+            shard.group_wake.wake_all();
+        }
         if let Err(e) = append_entries(shard, &outcome.writes) {
             return e;
         }
@@ -609,9 +634,16 @@ async fn poll<S: Storage>(
             let woken = futures_lite::future::or(wake.wait(), async {
                 let _ = log.wait_for_offset(end).await;
             });
-            futures_lite::future::or(woken, core.until_stopping()).await
+            futures_lite::future::or(
+                woken,
+                futures_lite::future::or(core.until_stopping(), info.until_hung_up()),
+            )
+            .await
         })
         .await;
+        // However the wait ended, let the core's other tasks run before
+        // looking again.
+        glommio::yield_if_needed().await;
         if core.stopping.get() {
             return Response::GroupRecords {
                 records: Vec::new(),

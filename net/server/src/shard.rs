@@ -1,13 +1,14 @@
 //! A shard as the broker holds it on its owning core: the log, its flusher,
 //! and the consumer-group trackers, all touched only by this core.
 
-use crate::broker::{now_ms, Core};
+use crate::broker::{now_ms, wire_err, Core};
 use felix_engine::catalog::StreamMeta;
 use felix_engine::group::{GroupConfig, GroupEntry, GroupTracker};
 use felix_engine::log::{LogError, Replayed, ShardLog};
 use felix_engine::notify::WaitList;
 use felix_engine::storage::Storage;
 use felix_engine::StreamName;
+use felix_wire::{ErrorCode, Response};
 use std::cell::RefCell;
 use std::path::Path;
 use std::rc::Rc;
@@ -21,6 +22,8 @@ pub(crate) struct Shard<S: Storage> {
     pub log: ShardLog<S>,
     pub groups: Groups,
     pub group_config: GroupConfig,
+    /// Its stream was deleted (its log is closed and its files go).
+    pub deleted: std::cell::Cell<bool>,
     /// Woken when group state changes in a way a waiting poll cares about.
     pub group_wake: Rc<WaitList>,
     /// When the group timer task next wakes (ms since the epoch) ...
@@ -89,6 +92,7 @@ impl<S: Storage> Shard<S> {
             log,
             groups,
             group_config,
+            deleted: std::cell::Cell::new(false),
             group_wake: Rc::new(WaitList::new()),
             timer_at: std::cell::Cell::new(0),
             timer_wake: Rc::new(WaitList::new()),
@@ -103,10 +107,28 @@ impl<S: Storage> Shard<S> {
         format!("{}/{}", self.stream, self.index)
     }
 
+    /// The answer to a request that finds this shard's log closed: its
+    /// stream was deleted while the request waited, or the broker is
+    /// shutting down.
+    pub fn closed_answer(&self) -> Response {
+        if self.deleted.get() {
+            wire_err(
+                ErrorCode::NotFound,
+                format!("stream {} was deleted", self.stream),
+            )
+        } else {
+            wire_err(
+                ErrorCode::Unavailable,
+                format!("shard {} is shutting down", self.name()),
+            )
+        }
+    }
+
     /// Close the log and delete its files. A failure to flush what was
     /// queued does not matter (the records are being deleted) and is only
     /// logged; a failure to delete is returned.
     pub async fn destroy(&self) -> Result<(), LogError> {
+        self.deleted.set(true);
         if let Err(e) = self.log.close().await {
             tracing::warn!(
                 "shard {} failed its last flush before deletion: {e}",

@@ -244,7 +244,9 @@ impl Reader {
                 max: crate::MAX_ITEMS_PER_VEC,
             });
         }
-        let mut v = Vec::with_capacity(n.min(1024));
+        // Exact: the checks above bound `n` by the bytes left and the cap,
+        // and doubling would leave up to half the vector unused.
+        let mut v = Vec::with_capacity(n);
         for _ in 0..n {
             v.push(item(self)?);
         }

@@ -338,6 +338,27 @@ impl Request {
         }
     }
 
+    /// Memory a decoded request holds besides its frame's bytes (which its
+    /// payloads, keys and header values are slices of, and which bound its
+    /// strings): the vectors of records, headers and offsets a decoder
+    /// builds. A frame of empty records or headers decodes to several times
+    /// its size, so a broker that bounds what requests in flight hold counts
+    /// this too, not the frame's length alone.
+    pub fn decoded_overhead(&self) -> usize {
+        use std::mem::size_of;
+        match self {
+            Request::Publish { records, .. } => {
+                records.capacity() * size_of::<RecordIn>()
+                    + records
+                        .iter()
+                        .map(|r| r.headers.capacity() * size_of::<(String, bytes::Bytes)>())
+                        .sum::<usize>()
+            }
+            Request::GroupAck { offsets, .. } => offsets.capacity() * size_of::<u64>(),
+            _ => 0,
+        }
+    }
+
     pub(crate) fn encode_body(&self, out: &mut BytesMut) {
         match self {
             Request::Hello {

@@ -118,3 +118,43 @@ fn big_valid_frames_allocate_in_proportion() {
         "largest allocation {largest} bytes for a {frame_len}-byte frame"
     );
 }
+
+/// A frame of records with many empty headers decodes to several times its
+/// length; `decoded_overhead` reports that memory (so the broker can count
+/// it against what requests in flight may hold), and the decoder sizes each
+/// vector once, exactly.
+#[test]
+fn empty_headers_are_counted_in_the_decoded_overhead() {
+    let headers: Vec<(String, bytes::Bytes)> = (0..1000)
+        .map(|_| (String::new(), bytes::Bytes::new()))
+        .collect();
+    let records: Vec<RecordIn> = (0..20)
+        .map(|_| RecordIn {
+            headers: headers.clone(),
+            ..RecordIn::default()
+        })
+        .collect();
+    let req = Request::Publish {
+        stream: StreamRef::new("t", "n", "s"),
+        target: PublishTarget::Shard(0),
+        ack: AckMode::Default,
+        records,
+    };
+    let mut buf = BytesMut::new();
+    encode_request(1, &req, &mut buf);
+    let frame_len = buf.len();
+    let (res, largest) = largest_alloc(|| decode_request(&mut buf, DEFAULT_MAX_FRAME_BYTES));
+    let decoded = res.unwrap().unwrap().1;
+    assert_eq!(decoded, req);
+    let header_vec = 1000 * std::mem::size_of::<(String, bytes::Bytes)>();
+    assert_eq!(largest, header_vec, "one exact allocation per header list");
+    let overhead = decoded.decoded_overhead();
+    assert_eq!(
+        overhead,
+        20 * header_vec + 20 * std::mem::size_of::<RecordIn>()
+    );
+    assert!(
+        overhead > 5 * frame_len,
+        "{overhead} bytes decoded from a {frame_len}-byte frame"
+    );
+}
