@@ -67,6 +67,8 @@ struct Outbox {
     handed_off: Cell<bool>,
     /// Woken each time the writer sent a batch of responses.
     drained: WaitList,
+    /// Woken once, when the connection starts closing (`closed`).
+    hangup: WaitList,
     /// The frame cap announced in HELLO.
     max_frame: u32,
     /// The core's budget, which counts the encoded answers not yet sent.
@@ -140,7 +142,8 @@ pub(crate) struct ConnInfo {
     #[allow(dead_code)] // used by groups (names are scoped to it)
     pub principal: String,
     pub in_flight: Cell<usize>,
-    /// Frame bytes of the requests in flight.
+    /// Bytes the requests in flight hold: their frames and what decoding
+    /// them built (`Request::decoded_overhead`).
     pub in_flight_bytes: Cell<usize>,
     /// Answer bytes reserved by the reads and polls running (see
     /// [`answer_reservation`] and [`AnswerRoom`]).
@@ -159,12 +162,9 @@ impl ConnInfo {
 
     /// Resolves once the connection is closing.
     pub async fn until_hung_up(&self) {
-        loop {
-            let drained = self.outbox.drained.wait();
-            if self.hung_up() {
-                return;
-            }
-            drained.await;
+        let hangup = self.outbox.hangup.wait();
+        if !self.hung_up() {
+            hangup.await;
         }
     }
 }
@@ -303,6 +303,7 @@ pub(crate) async fn serve<S: Storage>(
         closed: Cell::new(false),
         handed_off: Cell::new(false),
         drained: WaitList::new(),
+        hangup: WaitList::new(),
         max_frame,
         budget: core.budget.clone(),
         writing: Cell::new(0),
@@ -513,15 +514,16 @@ pub(crate) async fn serve<S: Storage>(
         );
         if filled > 0
             && rbuf.capacity() < filled + read_size_now
-            && read_size_now >= MAX_READ
+            && read_size >= MAX_READ
             && !core.budget.over(MAX_FRAME_READ)
         {
             // A new allocation copies what is buffered, the start of a frame
             // the last read ended inside (earlier frames still hold the old
-            // one). A busy connection gets room for many reads at once while
-            // the core has memory to spare, so that copy is made once per
-            // MiB rather than on almost every read: with 64 KiB publishes it
-            // was a copy of nearly every byte.
+            // one). A busy connection (its reads came back full) gets room
+            // for many reads at once while the core has memory to spare, so
+            // that copy is made once per MiB rather than on almost every
+            // read: with 64 KiB publishes it was a copy of nearly every
+            // byte. Not one whose only claim is a large declared frame.
             rbuf.reserve(MAX_FRAME_READ.max(read_size_now));
         }
         rbuf.resize(filled + read_size_now, 0);
@@ -583,6 +585,7 @@ pub(crate) async fn serve<S: Storage>(
     outbox.closed.set(true);
     outbox.ready.wake_all();
     outbox.drained.wake_all();
+    outbox.hangup.wake_all();
     writer.await;
     core.metrics
         .connections_open
@@ -671,6 +674,7 @@ async fn write_loop(mut sock: Shared, outbox: Rc<Outbox>, stall: Duration) {
                     let left = std::mem::take(&mut *outbox.buf.borrow_mut());
                     outbox.budget.release(left.len());
                     outbox.drained.wake_all();
+                    outbox.hangup.wake_all();
                     return;
                 }
                 outbox.drained.wake_all();
@@ -1086,6 +1090,15 @@ async fn read<S: Storage>(
     if s.log.is_closed() {
         // Deleted while the read waited (or the broker is stopping).
         return s.closed_answer();
+    }
+    if room.info.hung_up() {
+        // Nobody to answer: read nothing (the answer would be dropped).
+        return Response::Records {
+            start_offset: s.log.start().0,
+            next_offset: from.0,
+            end_offset: s.log.end().0,
+            records: Vec::new(),
+        };
     }
     room.take(limits.max_bytes).await;
     match s.log.read(from, limits).await {

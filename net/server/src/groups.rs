@@ -508,15 +508,15 @@ async fn poll<S: Storage>(
     // again at once; bounded so that a poll can never spin.
     let mut replans = 0;
     loop {
+        if shard.log.is_closed() {
+            // Deleted while the poll waited (or the broker is stopping).
+            return shard.closed_answer();
+        }
         if let Some(r) = shard.log.stopped() {
             return wire_err(
                 ErrorCode::Unavailable,
                 format!("shard {} is stopped: {r}", shard.name()),
             );
-        }
-        if shard.log.is_closed() {
-            // Deleted while the poll waited (or the broker is stopping).
-            return shard.closed_answer();
         }
         if info.hung_up() {
             // Nobody to hand records to: claim nothing.
@@ -641,8 +641,8 @@ async fn poll<S: Storage>(
             .await
         })
         .await;
-        // However the wait ended, let the core's other tasks run before
-        // looking again.
+        // A backstop against a wait that keeps ending at once: give the
+        // core's other tasks their turn once this one used its slice.
         glommio::yield_if_needed().await;
         if core.stopping.get() {
             return Response::GroupRecords {

@@ -339,19 +339,29 @@ impl Request {
     }
 
     /// Memory a decoded request holds besides its frame's bytes (which its
-    /// payloads, keys and header values are slices of, and which bound its
-    /// strings): the vectors of records, headers and offsets a decoder
-    /// builds. A frame of empty records or headers decodes to several times
-    /// its size, so a broker that bounds what requests in flight hold counts
-    /// this too, not the frame's length alone.
+    /// payloads, keys and header values are slices of): the vectors of
+    /// records, headers and offsets a decoder builds, and the header names
+    /// it copies (each its own allocation). A frame of empty records or
+    /// short headers decodes to several times its size, so a broker that
+    /// bounds what requests in flight hold counts this too, not the frame's
+    /// length alone.
     pub fn decoded_overhead(&self) -> usize {
         use std::mem::size_of;
+        /// What the allocator takes per allocation beyond the bytes asked.
+        const PER_ALLOCATION: usize = 16;
+        let name = |n: &String| match n.capacity() {
+            0 => 0,
+            c => c.max(PER_ALLOCATION) + PER_ALLOCATION,
+        };
         match self {
             Request::Publish { records, .. } => {
                 records.capacity() * size_of::<RecordIn>()
                     + records
                         .iter()
-                        .map(|r| r.headers.capacity() * size_of::<(String, bytes::Bytes)>())
+                        .map(|r| {
+                            r.headers.capacity() * size_of::<(String, bytes::Bytes)>()
+                                + r.headers.iter().map(|(n, _)| name(n)).sum::<usize>()
+                        })
                         .sum::<usize>()
             }
             Request::GroupAck { offsets, .. } => offsets.capacity() * size_of::<u64>(),
