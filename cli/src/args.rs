@@ -196,7 +196,11 @@ pub struct PublishArgs {
     pub in_flight: usize,
     /// Records to publish, one per argument. Without any, each line of
     /// stdin is a record (without its line ending); `felix` exits once every
-    /// line is acknowledged and prints `published N records` to stderr.
+    /// line is acknowledged and prints `published N records` to stderr. On
+    /// an error it sends nothing more, waits for the answers still due, and
+    /// prints how many records were acknowledged and which input records
+    /// (counting from 1) went out without an answer: those may or may not
+    /// be stored.
     #[arg(value_name = "MESSAGE")]
     pub messages: Vec<String>,
 }

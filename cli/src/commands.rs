@@ -6,10 +6,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use felix_client::{
-    Client, ClientConfig, ClientError, GroupMember, GroupPollOptions, PendingPublish, RecordIn,
-    StartPosition, StreamOptions, StreamRef, FEATURE_GROUPS, FEATURE_GROUP_ADMIN,
-    FEATURE_GROUP_CLAIM_CONTROL, FEATURE_GROUP_DEAD_LETTER_PAGES, FEATURE_GROUP_SKIPPED,
-    FEATURE_PUBLISH_ACK_MODE,
+    Client, ClientConfig, ClientError, GroupMember, GroupPollOptions, RecordIn, StartPosition,
+    StreamOptions, StreamRef, FEATURE_GROUPS, FEATURE_GROUP_ADMIN, FEATURE_GROUP_CLAIM_CONTROL,
+    FEATURE_GROUP_DEAD_LETTER_PAGES, FEATURE_GROUP_SKIPPED, FEATURE_PUBLISH_ACK_MODE,
 };
 use futures_lite::future::poll_once;
 use tokio::io::AsyncBufReadExt;
@@ -145,14 +144,42 @@ async fn with_shards(
 
 // ----- publish ------------------------------------------------------------
 
-/// Keeps up to `in_flight` batches sent and unacknowledged, in order.
+/// A publish sent and not yet known to be acknowledged.
+type Answer = std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<felix_client::Published, ClientError>> + Send>,
+>;
+
+enum Outcome {
+    Waiting(Answer),
+    Acked(u64),
+    Failed,
+}
+
+/// A batch in flight: input records `first ..= first + count - 1` (1-based,
+/// in input order).
+struct InFlight {
+    first: u64,
+    count: u64,
+    outcome: Outcome,
+}
+
+/// Keeps up to `in_flight` batches sent and unacknowledged, in order. Once
+/// one fails, nothing more is sent (a batch sent after it, on a new
+/// connection, would be stored after a gap), and on any error every batch
+/// still in flight is settled so the count printed is every acknowledged
+/// record and the rest are named as of unknown outcome.
 struct Pipeline<'a> {
     client: &'a Client,
     stream: &'a StreamRef,
     shard: u32,
     in_flight: usize,
-    pending: VecDeque<PendingPublish>,
+    pending: VecDeque<InFlight>,
+    /// Input records handed to `send` so far.
+    sent: u64,
     published: u64,
+    /// Input record ranges sent whose answer was an error: they may or may
+    /// not be stored.
+    unknown: Vec<(u64, u64)>,
 }
 
 impl Pipeline<'_> {
@@ -160,23 +187,63 @@ impl Pipeline<'_> {
         if records.is_empty() {
             return Ok(());
         }
+        self.check_failed()?;
+        let count = records.len() as u64;
         let s = self.stream;
         let p = self
             .client
             .begin_publish_batch(&s.tenant, &s.namespace, &s.stream, self.shard, records)
             .await?;
-        self.pending.push_back(p);
+        self.pending.push_back(InFlight {
+            first: self.sent + 1,
+            count,
+            outcome: Outcome::Waiting(std::future::IntoFuture::into_future(p)),
+        });
+        self.sent += count;
         while self.pending.len() >= self.in_flight {
             self.settle_one().await?;
         }
         Ok(())
     }
 
-    async fn settle_one(&mut self) -> Result<(), CliError> {
-        if let Some(p) = self.pending.pop_front() {
-            self.published += u64::from(p.await?.count);
+    /// Look, without waiting, for an answer that already came back an
+    /// error (the connection dropped under it, say).
+    fn check_failed(&mut self) -> Result<(), CliError> {
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        for f in &mut self.pending {
+            if let Outcome::Waiting(answer) = &mut f.outcome {
+                match answer.as_mut().poll(&mut cx) {
+                    std::task::Poll::Pending => {}
+                    std::task::Poll::Ready(Ok(p)) => f.outcome = Outcome::Acked(u64::from(p.count)),
+                    std::task::Poll::Ready(Err(e)) => {
+                        f.outcome = Outcome::Failed;
+                        return Err(e.into());
+                    }
+                }
+            }
         }
         Ok(())
+    }
+
+    async fn settle_one(&mut self) -> Result<(), CliError> {
+        let Some(f) = self.pending.pop_front() else {
+            return Ok(());
+        };
+        let result = match f.outcome {
+            Outcome::Waiting(answer) => answer.await.map(|p| u64::from(p.count)),
+            Outcome::Acked(n) => Ok(n),
+            Outcome::Failed => Err(ClientError::Disconnected),
+        };
+        match result {
+            Ok(n) => {
+                self.published += n;
+                Ok(())
+            }
+            Err(e) => {
+                self.unknown.push((f.first, f.first + f.count - 1));
+                Err(e.into())
+            }
+        }
     }
 
     async fn finish(&mut self) -> Result<(), CliError> {
@@ -184,6 +251,15 @@ impl Pipeline<'_> {
             self.settle_one().await?;
         }
         Ok(())
+    }
+
+    /// After an error: wait for every answer still due (each comes back,
+    /// fails with the connection, or times out), counting what was
+    /// acknowledged.
+    async fn settle_all(&mut self) {
+        while !self.pending.is_empty() {
+            let _ = self.settle_one().await;
+        }
     }
 }
 
@@ -238,7 +314,9 @@ async fn publish(client: &Client, args: PublishArgs) -> Result<(), CliError> {
         shard,
         in_flight: args.in_flight.max(1),
         pending: VecDeque::new(),
+        sent: 0,
         published: 0,
+        unknown: Vec::new(),
     };
     let mut batch = Batch {
         records: Vec::new(),
@@ -258,7 +336,19 @@ async fn publish(client: &Client, args: PublishArgs) -> Result<(), CliError> {
             Ok(())
         }
         Err(e) => {
+            pipe.settle_all().await;
             eprintln!("published {} records before the error", pipe.published);
+            for (first, last) in &pipe.unknown {
+                let which = if first == last {
+                    format!("input record {first}")
+                } else {
+                    format!("input records {first}-{last}")
+                };
+                eprintln!(
+                    "{which} (counting from 1, in input order) went out but got no \
+                     acknowledgement: they may or may not be stored"
+                );
+            }
             Err(e)
         }
     }
@@ -547,6 +637,17 @@ async fn settle_dead_letters(
 }
 
 async fn consume(client: &Client, args: ConsumeArgs) -> Result<(), CliError> {
+    let mut done = 0u64;
+    let result = consume_loop(client, &args, &mut done).await;
+    match &result {
+        Ok(()) => eprintln!("consumed {done} records"),
+        Err(_) if done > 0 => eprintln!("consumed {done} records before the error"),
+        Err(_) => {}
+    }
+    result
+}
+
+async fn consume_loop(client: &Client, args: &ConsumeArgs, done: &mut u64) -> Result<(), CliError> {
     let g = &args.target;
     let (t, n, s) = parts(&g.stream);
     let member = args
@@ -557,9 +658,9 @@ async fn consume(client: &Client, args: ConsumeArgs) -> Result<(), CliError> {
     let limit = args.count.unwrap_or(u64::MAX);
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::with_capacity(64 * 1024, stdout.lock());
-    let mut done = 0u64;
-    while done < limit {
-        let want = (limit - done).min(u64::from(args.batch.max(1))) as u32;
+    while *done < limit {
+        let want = (limit - *done).min(u64::from(args.batch.max(1))) as u32;
+        let asked = std::time::Instant::now();
         let polled = match &member {
             Some(m) => {
                 let options = GroupPollOptions {
@@ -588,6 +689,12 @@ async fn consume(client: &Client, args: ConsumeArgs) -> Result<(), CliError> {
         };
         if records.is_empty() {
             if args.follow {
+                // An empty answer before the wait was up (`--wait-ms 0`, or
+                // the group at its in-flight cap): pause rather than ask
+                // again at once.
+                if asked.elapsed() < wait.max(EMPTY_POLL_PAUSE) {
+                    tokio::time::sleep(EMPTY_POLL_PAUSE).await;
+                }
                 continue;
             }
             break;
@@ -603,21 +710,48 @@ async fn consume(client: &Client, args: ConsumeArgs) -> Result<(), CliError> {
                 let _ = client.group_nack(t, n, s, g.shard, &g.group, r).await;
             }
             eprintln!(
-                "felix: consumed {done} records; handed back {} that could not be printed",
+                "felix: handed back {} records that could not be printed",
                 records.len()
             );
             return Err(e.into());
         }
         let offsets: Vec<u64> = records.iter().map(|r| r.offset).collect();
-        client
-            .group_ack_many(t, n, s, g.shard, &g.group, &offsets)
-            .await?;
-        done += records.len() as u64;
+        let mut retried = false;
+        loop {
+            match client
+                .group_ack_many(t, n, s, g.shard, &g.group, &offsets)
+                .await
+            {
+                Ok(()) => break,
+                // The connection dropped under the ack: the claims may well
+                // stand, so ack again once reconnected.
+                Err(e) if args.follow && is_transient(&e) => {
+                    eprintln!("felix: ack: {e}; retrying");
+                    retried = true;
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                // Refused after a reconnect (the broker restarted, and its
+                // claims with it): the records come again.
+                Err(e) if retried => {
+                    eprintln!(
+                        "felix: the ack of {} printed records was refused after a reconnect \
+                         ({e}); they will be delivered again",
+                        offsets.len()
+                    );
+                    break;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        *done += records.len() as u64;
     }
     out.flush()?;
-    eprintln!("consumed {done} records");
     Ok(())
 }
+
+/// `felix consume --follow`'s pause after an empty poll that came back
+/// before its wait was up.
+const EMPTY_POLL_PAUSE: Duration = Duration::from_millis(100);
 
 async fn ping(client: &Client) -> Result<(), CliError> {
     let rtt = client.ping().await?;

@@ -1431,3 +1431,33 @@ fn consume_hands_back_what_it_could_not_print() {
     let (got, _) = consume(&s, st, "g", &["--count", "3"]);
     assert_eq!(got, ["a", "b", "c"]);
 }
+
+/// A publish that fails part-way (here a line too large for the broker's
+/// frame cap, refused before it is sent) still counts every record the
+/// broker acknowledged before the error, and those records are stored.
+#[test]
+fn a_failed_publish_counts_every_record_acknowledged_before_the_error() {
+    let s = serve_with(&[("FELIX_MAX_FRAME_BYTES", "1048576")]);
+    ok(&s, &["stream", "create", "t/n/big", "--shards", "1"], None);
+    let mut input: String = (1..=3000).map(|i| format!("{i}\n")).collect();
+    input.push_str(&"a".repeat(2 << 20));
+    input.push('\n');
+    let out = run(
+        &s,
+        &["publish", "t/n/big", "--batch-records", "500"],
+        Some(&input),
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("published 3000 records before the error"),
+        "{err}"
+    );
+    let stored = ok(
+        &s,
+        &["read", "t/n/big", "--shard", "0", "--from", "earliest"],
+        None,
+    );
+    let want: String = (1..=3000).map(|i| format!("{i}\n")).collect();
+    assert_eq!(stored, want);
+}

@@ -63,7 +63,9 @@ struct Inner {
     cores: AtomicU32,
     broker: Mutex<String>,
     /// Core of the first connection; carries requests not about a shard.
-    home_core: u32,
+    /// The core `call_any` uses: where the first connection landed, moved
+    /// if the broker comes back without that core.
+    home_core: AtomicU32,
     slots: Mutex<HashMap<u32, Arc<Slot>>>,
     placement: Mutex<HashMap<StreamRef, Arc<Placement>>>,
 }
@@ -246,7 +248,7 @@ impl Client {
                 features: AtomicU64::new(hello.features),
                 cores: AtomicU32::new(hello.cores),
                 broker: Mutex::new(hello.broker),
-                home_core: hello.core,
+                home_core: AtomicU32::new(hello.core),
                 slots: Mutex::new(HashMap::from([(hello.core, slot)])),
                 placement: Mutex::new(HashMap::new()),
             }),
@@ -352,6 +354,18 @@ impl Client {
                 st.conn = Some(conn.clone());
                 Ok(conn)
             }
+            Err(e) if e.code() == Some(ErrorCode::InvalidRequest) && core > 0 => {
+                // The broker refused the core asked for: it came back with
+                // fewer cores. Learn how many from a connection that asks
+                // for none, move home if home is gone, and let the caller
+                // try again (placements are refreshed with the core count).
+                drop(st);
+                self.learn_cores().await;
+                Err(ClientError::Io(std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    format!("the broker no longer runs core {core}: {e}"),
+                )))
+            }
             Err(e) => {
                 tracing::debug!(core, error = %e, backoff = ?st.backoff, "felix connect failed");
                 st.retry_at = Instant::now().checked_add(st.backoff);
@@ -370,6 +384,28 @@ impl Client {
         }
     }
 
+    /// After the broker refused a core: HELLO without asking for one, take
+    /// its core count (dropping placements if it changed) and move home to
+    /// the core the connection landed on if home is out of range.
+    async fn learn_cores(&self) {
+        let Ok(conn) = Conn::open(&self.inner.addrs, None, &self.inner.config).await else {
+            return;
+        };
+        let hello = &conn.hello;
+        self.inner.features.store(hello.features, Ordering::Relaxed);
+        if self.inner.cores.swap(hello.cores, Ordering::Relaxed) != hello.cores {
+            lock(&self.inner.placement).clear();
+        }
+        if self.home() >= hello.cores {
+            tracing::debug!(core = hello.core, "home core gone; moving home");
+            self.inner.home_core.store(hello.core, Ordering::Relaxed);
+        }
+    }
+
+    fn home(&self) -> u32 {
+        self.inner.home_core.load(Ordering::Relaxed)
+    }
+
     /// Send on `core`'s connection; `wait` is the server-side wait the
     /// request carries, added to the request timeout.
     async fn call_core(&self, core: u32, req: &Request, wait: Duration) -> Result<Response> {
@@ -380,10 +416,14 @@ impl Client {
 
     /// A request not about one shard: any core serves it.
     async fn call_any(&self, req: &Request) -> Result<Response> {
-        match self
-            .call_core(self.inner.home_core, req, Duration::ZERO)
-            .await?
-        {
+        let home = self.home();
+        let answer = match self.call_core(home, req, Duration::ZERO).await {
+            // Home is gone (the broker came back with fewer cores): once
+            // more, at the new home.
+            Err(_) if self.home() != home => self.call_core(self.home(), req, Duration::ZERO).await,
+            r => r,
+        };
+        match answer? {
             Response::Error(e) => Err(e.into()),
             resp => Ok(resp),
         }
@@ -410,7 +450,7 @@ impl Client {
 
     async fn core_for(&self, stream: &StreamRef, shard: u32) -> Result<u32> {
         if self.cores() <= 1 {
-            return Ok(self.inner.home_core);
+            return Ok(self.home());
         }
         let cores = self.cores();
         let mut p = self.placement(stream, false).await?;
@@ -424,7 +464,7 @@ impl Client {
             .get(shard as usize)
             .copied()
             .filter(|&c| c < cores)
-            .unwrap_or(self.inner.home_core))
+            .unwrap_or(self.home()))
     }
 
     /// Send a request about `shard` to the core that owns it, following one
@@ -437,7 +477,16 @@ impl Client {
         wait: Duration,
     ) -> Result<Response> {
         let core = self.core_for(stream, shard).await?;
-        match self.call_core(core, req, wait).await? {
+        let answer = match self.call_core(core, req, wait).await {
+            // That core is gone (the broker came back with fewer cores, and
+            // the core count is fresh now): once more, to the shard's core.
+            Err(_) if core >= self.cores() => {
+                let core = self.core_for(stream, shard).await?;
+                self.call_core(core, req, wait).await
+            }
+            r => r,
+        };
+        match answer? {
             Response::Error(e) if e.code == ErrorCode::WrongCore => {
                 self.redirect(stream, shard, req, e, wait).await
             }
@@ -722,6 +771,12 @@ impl Client {
     /// batch was not written; the client has refreshed the shard's
     /// placement, so batches begun from then on, resent ones included, go
     /// to the right core.
+    ///
+    /// Order holds on one connection. If the connection drops, every answer
+    /// pending on it fails with `Disconnected` (those batches may or may not
+    /// be stored), and the next `begin_publish_batch` opens a new one: a
+    /// caller that needs no gaps stops sending at the first failed answer
+    /// rather than going on behind it.
     ///
     /// ```no_run
     /// # async fn demo(client: felix_client::Client) -> Result<(), felix_client::ClientError> {

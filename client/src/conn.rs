@@ -163,6 +163,12 @@ impl std::fmt::Debug for Conn {
     }
 }
 
+/// TCP keepalive: first probe after this long without traffic, then one
+/// every interval, the connection dropped after this many unanswered.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const KEEPALIVE_PROBES: u32 = 3;
+
 impl Conn {
     /// Connect to the first address that answers, say HELLO (asking for
     /// `want_core` if given) and start the reader and writer tasks. The whole
@@ -205,6 +211,15 @@ impl Conn {
             })));
         };
         socket.set_nodelay(true)?;
+        // A path that goes dead without a reset (a NAT or load balancer
+        // forgetting the connection) is found in about a minute, not the
+        // kernel's retransmission limit of about fifteen: the connection
+        // then fails its requests and the next call reconnects.
+        let keepalive = socket2::TcpKeepalive::new()
+            .with_time(KEEPALIVE_IDLE)
+            .with_interval(KEEPALIVE_INTERVAL)
+            .with_retries(KEEPALIVE_PROBES);
+        socket2::SockRef::from(&socket).set_tcp_keepalive(&keepalive)?;
 
         let hello = Request::Hello {
             version: PROTOCOL_VERSION,

@@ -263,6 +263,13 @@ impl Broker {
         self.spawn();
     }
 
+    /// Start again on the same data directory and address, with another
+    /// number of cores.
+    pub fn restart_with_cores(&mut self, cores: u32) {
+        self.cores = cores;
+        self.restart();
+    }
+
     /// The Prometheus text of the broker's metrics endpoint.
     pub fn metrics(&self) -> String {
         use std::io::{Read, Write};

@@ -2065,3 +2065,48 @@ async fn a_waiting_poll_whose_client_hung_up_claims_nothing() {
     );
     assert_eq!(got[0].attempts, 1);
 }
+
+/// Clients whose connections sit on cores a broker no longer runs (it came
+/// back with fewer) move to the cores it has: their next admin call and
+/// their next publish to any shard succeed, without the caller retrying.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_follow_a_broker_restarted_with_fewer_cores() {
+    let mut broker = felix_tests::start_broker!(BrokerOptions::default().cores(4));
+    let admin = client(&broker).await;
+    admin
+        .create_stream("t", "ns", "shrink", 4, StreamOptions::default())
+        .await
+        .unwrap();
+    // Eight clients: their first connections land on cores at random
+    // (SO_REUSEPORT), so some call core 1, 2 or 3 home; each also talks to
+    // every core through the shards.
+    let mut clients = Vec::new();
+    for _ in 0..8 {
+        let c = client(&broker).await;
+        for shard in 0..4 {
+            c.publish("t", "ns", "shrink", shard, "before")
+                .await
+                .unwrap();
+        }
+        clients.push(c);
+    }
+    broker.restart_with_cores(1);
+    for (i, c) in clients.iter().enumerate() {
+        let info = c
+            .describe_stream("t", "ns", "shrink")
+            .await
+            .unwrap_or_else(|e| panic!("client {i}: describe after the restart: {e}"));
+        assert_eq!(info.shards, 4);
+        for shard in (0..4).rev() {
+            c.publish("t", "ns", "shrink", shard, "after")
+                .await
+                .unwrap_or_else(|e| panic!("client {i}: publish to shard {shard}: {e}"));
+        }
+        assert_eq!(c.cores(), 1);
+    }
+    let c = client(&broker).await;
+    for shard in 0..4 {
+        let got = read_shard(&c, "shrink", shard).await;
+        assert_eq!(got.len(), 16, "shard {shard}: 8 before and 8 after");
+    }
+}
