@@ -341,7 +341,10 @@ pub struct ConsumeArgs {
     /// poll that comes back empty ends the command unless --follow.
     #[arg(long, value_name = "MS", default_value_t = 1000)]
     pub wait_ms: u64,
-    /// Keep polling after an empty poll (until --count, or forever).
+    /// Keep polling after an empty poll (until --count, or forever). A
+    /// dropped connection does not end it: polls and acks are tried again
+    /// once reconnected (records whose ack the restarted broker no longer
+    /// knows are delivered again).
     #[arg(long)]
     pub follow: bool,
     /// Records claimed per poll.
