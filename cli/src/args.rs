@@ -198,9 +198,10 @@ pub struct PublishArgs {
     /// stdin is a record (without its line ending); `felix` exits once every
     /// line is acknowledged and prints `published N records` to stderr. On
     /// an error it sends nothing more, waits for the answers still due, and
-    /// prints how many records were acknowledged and which input records
-    /// (counting from 1) went out without an answer: those may or may not
-    /// be stored.
+    /// prints how many records were acknowledged, which input records
+    /// (counting from 1) went out without an acknowledgement (those may or
+    /// may not be stored), and from which input record on nothing was
+    /// sent.
     #[arg(value_name = "MESSAGE")]
     pub messages: Vec<String>,
 }

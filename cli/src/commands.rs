@@ -152,7 +152,8 @@ type Answer = std::pin::Pin<
 enum Outcome {
     Waiting(Answer),
     Acked(u64),
-    Failed,
+    /// Its answer was an error (this one), seen by `check_failed`.
+    Failed(String),
 }
 
 /// A batch in flight: input records `first ..= first + count - 1` (1-based,
@@ -177,9 +178,9 @@ struct Pipeline<'a> {
     /// Input records handed to `send` so far.
     sent: u64,
     published: u64,
-    /// Input record ranges sent whose answer was an error: they may or may
-    /// not be stored.
-    unknown: Vec<(u64, u64)>,
+    /// Input record ranges sent whose answer was an error (given): they may
+    /// or may not be stored.
+    unknown: Vec<(u64, u64, String)>,
 }
 
 impl Pipeline<'_> {
@@ -216,7 +217,7 @@ impl Pipeline<'_> {
                     std::task::Poll::Pending => {}
                     std::task::Poll::Ready(Ok(p)) => f.outcome = Outcome::Acked(u64::from(p.count)),
                     std::task::Poll::Ready(Err(e)) => {
-                        f.outcome = Outcome::Failed;
+                        f.outcome = Outcome::Failed(e.to_string());
                         return Err(e.into());
                     }
                 }
@@ -232,7 +233,11 @@ impl Pipeline<'_> {
         let result = match f.outcome {
             Outcome::Waiting(answer) => answer.await.map(|p| u64::from(p.count)),
             Outcome::Acked(n) => Ok(n),
-            Outcome::Failed => Err(ClientError::Disconnected),
+            Outcome::Failed(why) => {
+                // Already returned as the run's error; only named here.
+                self.unknown.push((f.first, f.first + f.count - 1, why));
+                return Ok(());
+            }
         };
         match result {
             Ok(n) => {
@@ -240,7 +245,8 @@ impl Pipeline<'_> {
                 Ok(())
             }
             Err(e) => {
-                self.unknown.push((f.first, f.first + f.count - 1));
+                self.unknown
+                    .push((f.first, f.first + f.count - 1, e.to_string()));
                 Err(e.into())
             }
         }
@@ -338,17 +344,18 @@ async fn publish(client: &Client, args: PublishArgs) -> Result<(), CliError> {
         Err(e) => {
             pipe.settle_all().await;
             eprintln!("published {} records before the error", pipe.published);
-            for (first, last) in &pipe.unknown {
+            for (first, last, why) in &pipe.unknown {
                 let which = if first == last {
                     format!("input record {first}")
                 } else {
                     format!("input records {first}-{last}")
                 };
                 eprintln!(
-                    "{which} (counting from 1, in input order) went out but got no \
-                     acknowledgement: they may or may not be stored"
+                    "{which} (counting from 1, in input order) went out and got no \
+                     acknowledgement ({why}): they may or may not be stored"
                 );
             }
+            eprintln!("nothing from input record {} on was sent", pipe.sent + 1);
             Err(e)
         }
     }
@@ -731,16 +738,33 @@ async fn consume_loop(client: &Client, args: &ConsumeArgs, done: &mut u64) -> Re
                     tokio::time::sleep(Duration::from_millis(500)).await;
                 }
                 // Refused after a reconnect (the broker restarted, and its
-                // claims with it): the records come again.
-                Err(e) if retried => {
+                // claims with it, or they lapsed meanwhile): the records
+                // come again.
+                Err(e)
+                    if retried
+                        && matches!(
+                            e.code(),
+                            Some(
+                                felix_client::ErrorCode::InvalidRequest
+                                    | felix_client::ErrorCode::StaleClaim
+                            )
+                        ) =>
+                {
                     eprintln!(
                         "felix: the ack of {} printed records was refused after a reconnect \
-                         ({e}); they will be delivered again",
+                         ({e}); they may be delivered again",
                         offsets.len()
                     );
                     break;
                 }
-                Err(e) => return Err(e.into()),
+                Err(e) => {
+                    eprintln!(
+                        "felix: {} printed records were not acknowledged; they may be \
+                         delivered again",
+                        offsets.len()
+                    );
+                    return Err(e.into());
+                }
             }
         }
         *done += records.len() as u64;

@@ -1453,6 +1453,10 @@ fn a_failed_publish_counts_every_record_acknowledged_before_the_error() {
         err.contains("published 3000 records before the error"),
         "{err}"
     );
+    assert!(
+        err.contains("nothing from input record 3001 on was sent"),
+        "{err}"
+    );
     let stored = ok(
         &s,
         &["read", "t/n/big", "--shard", "0", "--from", "earliest"],

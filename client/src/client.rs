@@ -354,16 +354,25 @@ impl Client {
                 st.conn = Some(conn.clone());
                 Ok(conn)
             }
-            Err(e) if e.code() == Some(ErrorCode::InvalidRequest) && core > 0 => {
-                // The broker refused the core asked for: it came back with
-                // fewer cores. Learn how many from a connection that asks
-                // for none, move home if home is gone, and let the caller
-                // try again (placements are refreshed with the core count).
-                drop(st);
-                self.learn_cores().await;
+            Err(e)
+                if e.code() == Some(ErrorCode::InvalidRequest)
+                    && core > 0
+                    && self.learn_cores().await
+                    && core >= self.cores() =>
+            {
+                // The broker refused the core asked for because it came
+                // back with fewer cores (learnt from a connection that asks
+                // for none; home moved if it was that core, placements
+                // refreshed). Nothing was sent; the callers that route by
+                // core try again where the shard is now.
+                let msg = format!(
+                    "the broker no longer runs core {core} (it runs {}): {e}",
+                    self.cores()
+                );
+                st.last_error = Some((std::io::ErrorKind::NotFound, msg.clone()));
                 Err(ClientError::Io(std::io::Error::new(
                     std::io::ErrorKind::NotFound,
-                    format!("the broker no longer runs core {core}: {e}"),
+                    msg,
                 )))
             }
             Err(e) => {
@@ -386,20 +395,23 @@ impl Client {
 
     /// After the broker refused a core: HELLO without asking for one, take
     /// its core count (dropping placements if it changed) and move home to
-    /// the core the connection landed on if home is out of range.
-    async fn learn_cores(&self) {
+    /// the core the connection landed on if home is out of range. False if
+    /// the broker could not be reached.
+    async fn learn_cores(&self) -> bool {
         let Ok(conn) = Conn::open(&self.inner.addrs, None, &self.inner.config).await else {
-            return;
+            return false;
         };
         let hello = &conn.hello;
         self.inner.features.store(hello.features, Ordering::Relaxed);
         if self.inner.cores.swap(hello.cores, Ordering::Relaxed) != hello.cores {
             lock(&self.inner.placement).clear();
         }
+        *lock(&self.inner.broker) = hello.broker.clone();
         if self.home() >= hello.cores {
             tracing::debug!(core = hello.core, "home core gone; moving home");
             self.inner.home_core.store(hello.core, Ordering::Relaxed);
         }
+        true
     }
 
     fn home(&self) -> u32 {
@@ -414,16 +426,26 @@ impl Client {
         conn.call(req, timeout).await
     }
 
+    /// `core`'s connection; if the broker no longer runs that core (so
+    /// nothing was sent), the connection to the core `again` picks now.
+    async fn conn_or_moved(
+        &self,
+        core: u32,
+        again: impl AsyncFnOnce() -> Result<u32>,
+    ) -> Result<Arc<Conn>> {
+        match self.conn(core).await {
+            Err(_) if core >= self.cores() => self.conn(again().await?).await,
+            r => r,
+        }
+    }
+
     /// A request not about one shard: any core serves it.
     async fn call_any(&self, req: &Request) -> Result<Response> {
-        let home = self.home();
-        let answer = match self.call_core(home, req, Duration::ZERO).await {
-            // Home is gone (the broker came back with fewer cores): once
-            // more, at the new home.
-            Err(_) if self.home() != home => self.call_core(self.home(), req, Duration::ZERO).await,
-            r => r,
-        };
-        match answer? {
+        // Home gone (the broker came back with fewer cores): the new home.
+        let conn = self
+            .conn_or_moved(self.home(), async || Ok(self.home()))
+            .await?;
+        match conn.call(req, self.inner.config.request_timeout).await? {
             Response::Error(e) => Err(e.into()),
             resp => Ok(resp),
         }
@@ -477,16 +499,13 @@ impl Client {
         wait: Duration,
     ) -> Result<Response> {
         let core = self.core_for(stream, shard).await?;
-        let answer = match self.call_core(core, req, wait).await {
-            // That core is gone (the broker came back with fewer cores, and
-            // the core count is fresh now): once more, to the shard's core.
-            Err(_) if core >= self.cores() => {
-                let core = self.core_for(stream, shard).await?;
-                self.call_core(core, req, wait).await
-            }
-            r => r,
-        };
-        match answer? {
+        // That core gone (the broker came back with fewer cores): the
+        // shard's core now.
+        let conn = self
+            .conn_or_moved(core, async || self.core_for(stream, shard).await)
+            .await?;
+        let timeout = self.inner.config.request_timeout.saturating_add(wait);
+        match conn.call(req, timeout).await? {
             Response::Error(e) if e.code == ErrorCode::WrongCore => {
                 self.redirect(stream, shard, req, e, wait).await
             }
@@ -833,7 +852,9 @@ impl Client {
         req: Request,
     ) -> Result<impl Future<Output = Result<Response>> + Send + 'static> {
         let core = self.core_for(&stream, shard).await?;
-        let conn = self.conn(core).await?;
+        let conn = self
+            .conn_or_moved(core, async || self.core_for(&stream, shard).await)
+            .await?;
         let waiter = conn.send(&req, self.inner.config.request_timeout).await?;
         let client = self.clone();
         Ok(async move {

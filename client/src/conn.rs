@@ -168,6 +168,8 @@ impl std::fmt::Debug for Conn {
 const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
 const KEEPALIVE_PROBES: u32 = 3;
+/// Longest sent bytes may go unacknowledged by the peer's TCP.
+const UNACKED_TIMEOUT: Duration = Duration::from_secs(60);
 
 impl Conn {
     /// Connect to the first address that answers, say HELLO (asking for
@@ -212,14 +214,23 @@ impl Conn {
         };
         socket.set_nodelay(true)?;
         // A path that goes dead without a reset (a NAT or load balancer
-        // forgetting the connection) is found in about a minute, not the
-        // kernel's retransmission limit of about fifteen: the connection
-        // then fails its requests and the next call reconnects.
+        // forgetting the connection) is found in about a minute, not after
+        // the kernel's retransmissions (about fifteen): keepalive probes a
+        // quiet connection, and the user timeout bounds how long sent bytes
+        // may go unacknowledged. The connection then fails its requests and
+        // the next call reconnects. Tuning, not correctness: a socket that
+        // refuses it is used as it is.
         let keepalive = socket2::TcpKeepalive::new()
             .with_time(KEEPALIVE_IDLE)
             .with_interval(KEEPALIVE_INTERVAL)
             .with_retries(KEEPALIVE_PROBES);
-        socket2::SockRef::from(&socket).set_tcp_keepalive(&keepalive)?;
+        let sock = socket2::SockRef::from(&socket);
+        if let Err(e) = sock
+            .set_tcp_keepalive(&keepalive)
+            .and_then(|()| sock.set_tcp_user_timeout(Some(UNACKED_TIMEOUT)))
+        {
+            tracing::debug!("TCP keepalive not set: {e}");
+        }
 
         let hello = Request::Hello {
             version: PROTOCOL_VERSION,
