@@ -192,6 +192,8 @@ pub enum FrameError {
     Kind(u8),
     #[error("malformed body: {0}")]
     Body(&'static str),
+    #[error("base offset {0} is past any offset a log reaches")]
+    OffsetRange(u64),
 }
 
 /// Bytes of the batch [`encode_records`] makes of `records` (what
@@ -425,6 +427,9 @@ pub fn parse_header(buf: &[u8]) -> Result<BatchHeader, FrameError> {
     }
     let kind = BatchKind::from_u8(buf[9]).ok_or(FrameError::Kind(buf[9]))?;
     let rd64 = |at: usize| u64::from_le_bytes(buf[at..at + 8].try_into().unwrap());
+    if rd64(16) >= Offset::LIMIT.0 {
+        return Err(FrameError::OffsetRange(rd64(16)));
+    }
     Ok(BatchHeader {
         len,
         crc: u32::from_le_bytes(buf[4..8].try_into().unwrap()),

@@ -628,6 +628,9 @@ struct Inner<F> {
     stopped: Option<String>,
     closed: bool,
     flushing: bool,
+    /// Retention removed a segment and the directory sync after it failed:
+    /// owed before the next removal.
+    removal_unsynced: bool,
     flushes: u64,
     bytes_written: u64,
     sync: SyncStats,
@@ -902,6 +905,13 @@ impl<S: Storage> ShardLog<S> {
         for (i, base) in bases.iter().copied().enumerate() {
             let path = dir.join(segment_name(base));
             let is_tail = i + 1 == count;
+            if base >= Offset::LIMIT {
+                return Err(LogError::Corrupt {
+                    path: path.display().to_string(),
+                    position: 0,
+                    reason: format!("segment named for offset {base}, past any a log reaches"),
+                });
+            }
             if let Some(exp) = expected {
                 if exp != base {
                     return Err(LogError::Corrupt {
@@ -1069,6 +1079,7 @@ impl<S: Storage> ShardLog<S> {
             stopped: None,
             closed: false,
             flushing: false,
+            removal_unsynced: false,
             flushes: 0,
             bytes_written: 0,
             sync: SyncStats::default(),
@@ -1959,7 +1970,11 @@ impl<S: Storage> ShardLog<S> {
             if let Some(k) = hit {
                 i.cold_hits += 1;
                 let c = &i.cold[k];
-                return Ok(c.bytes.slice((pos - c.pos) as usize..));
+                // At most what a disk read would return: a chunk another
+                // reader read after the segment grew can run past the end
+                // this reader took, into a batch it must not see cut short.
+                let at = (pos - c.pos) as usize;
+                return Ok(c.bytes.slice(at..(at + want.max(need)).min(c.bytes.len())));
             }
         }
         let bytes = file
@@ -1992,6 +2007,18 @@ impl<S: Storage> ShardLog<S> {
     pub async fn enforce_retention(&self, now_ms: u64) -> Result<usize, LogError> {
         let mut removed = 0;
         loop {
+            // Each removal is made durable before the next: then a crash can
+            // bring back only the newest removed segment, never an older one
+            // without the ones after it (a gap recovery would refuse). A
+            // sync that failed last time is owed before anything else goes.
+            if self.inner.borrow().removal_unsynced {
+                let dir = self.inner.borrow().dir.clone();
+                self.storage.sync_dir(&dir).await.map_err(|e| {
+                    tracing::error!(dir = %dir.display(), "syncing a shard directory after retention: {e}");
+                    io_err(&format!("sync {}", dir.display()), e)
+                })?;
+                self.inner.borrow_mut().removal_unsynced = false;
+            }
             let victim = {
                 let i = self.inner.borrow();
                 if i.segments.len() < 2 {
@@ -2032,6 +2059,7 @@ impl<S: Storage> ShardLog<S> {
             }
             {
                 let mut i = self.inner.borrow_mut();
+                i.removal_unsynced = true;
                 i.segments.remove(&base);
                 i.covers.retain(|&(b, _)| b > base);
                 i.cold.retain(|c| c.segment != base);
@@ -2047,13 +2075,11 @@ impl<S: Storage> ShardLog<S> {
                 }
             }
             tracing::info!(segment = %path.display(), "retention removed segment");
-            // Each removal is made durable before the next: then a crash can
-            // bring back only the newest removed segment, never an older one
-            // without the ones after it (a gap recovery would refuse).
             self.storage.sync_dir(&dir).await.map_err(|e| {
                 tracing::error!(dir = %dir.display(), "syncing a shard directory after retention: {e}");
                 io_err(&format!("sync {}", dir.display()), e)
             })?;
+            self.inner.borrow_mut().removal_unsynced = false;
             removed += 1;
             self.progress.wake_all();
         }
@@ -2449,7 +2475,9 @@ async fn look_past_damage<F: StorageFile>(
                 continue;
             }
         };
-        let most = exp.0 + (q - gap) / format::RECORD_FIXED_BYTES as u64;
+        let most = exp
+            .0
+            .saturating_add((q - gap) / format::RECORD_FIXED_BYTES as u64);
         let fits = h.plausible()
             && q + h.len as u64 <= size
             && h.base_offset >= exp

@@ -9,6 +9,11 @@ pub struct Offset(pub u64);
 impl Offset {
     pub const ZERO: Offset = Offset(0);
 
+    /// Past any offset a log can reach (2^62: four quintillion records).
+    /// Offsets read from disk above it are damage, so offset arithmetic
+    /// (a batch's end is its base plus at most 2^32) never overflows.
+    pub const LIMIT: Offset = Offset(1 << 62);
+
     #[inline]
     pub fn get(self) -> u64 {
         self.0

@@ -1477,3 +1477,43 @@ fn a_failed_write_of_zeros_ahead_does_not_stop_the_shard() {
         assert_eq!(log.end(), Offset(2));
     });
 }
+
+/// A directory sync that fails after retention removed a segment is owed:
+/// the next pass syncs before it removes anything else, so a crash can never
+/// bring back an older segment without the ones after it.
+#[test]
+fn retention_owes_a_failed_directory_sync_before_the_next_removal() {
+    let storage = SimStorage::new();
+    let cfg = LogConfig {
+        segment_bytes: 1000,
+        retention_bytes: Some(3000),
+        ..LogConfig::default()
+    };
+    block_on(async {
+        let log = open(&storage, &cfg).await;
+        for i in 0..40u64 {
+            log.append(&[RecordIn {
+                payload: Bytes::from(vec![i as u8; 100]),
+                ..Default::default()
+            }])
+            .unwrap();
+            log.flush().await.unwrap();
+        }
+        let segments = log.stats().segments;
+        storage.fail_dir_sync_after(1);
+        log.enforce_retention(0).await.unwrap_err();
+        assert_eq!(log.stats().segments, segments - 1, "one segment went");
+        // The owed sync fails again: nothing more is removed.
+        storage.fail_dir_sync_after(1);
+        log.enforce_retention(0).await.unwrap_err();
+        assert_eq!(
+            log.stats().segments,
+            segments - 1,
+            "no removal before the owed sync"
+        );
+        assert!(log.enforce_retention(0).await.unwrap() > 0);
+        let got = read_all(&log, Offset::ZERO).await;
+        assert_eq!(got.first().unwrap().0, log.start().0);
+        assert_eq!(got.last().unwrap().0, 39);
+    });
+}

@@ -1339,3 +1339,25 @@ fn zeros_ahead_never_cover_data_in_steady_state_or_across_a_reopen() {
         });
     }
 }
+
+/// A segment named for an offset past any a log reaches (a stray or
+/// crafted file) refuses the open with the file named, instead of opening a
+/// log whose next offset would overflow.
+#[test]
+fn a_segment_named_past_the_offset_limit_refuses_to_open() {
+    let storage = SimStorage::new();
+    block_on(async {
+        storage.create_dir_all(Path::new(DIR)).await.unwrap();
+        let name = format!("{}.log", u64::MAX);
+        storage
+            .open(&Path::new(DIR).join(&name), true)
+            .await
+            .unwrap();
+        let err = open(&storage, &LogConfig::default())
+            .await
+            .expect_err("a segment past the limit");
+        let msg = err.to_string();
+        assert!(matches!(err, LogError::Corrupt { .. }), "{msg}");
+        assert!(msg.contains(&name), "{msg}");
+    });
+}

@@ -76,6 +76,9 @@ struct Disk {
     /// Calls of `remove_file` and `remove_dir_all` so far, and the one to fail.
     removes: u64,
     fail_remove_on: Option<u64>,
+    /// Calls of `sync_dir` so far, and the one to fail.
+    dir_syncs: u64,
+    fail_dir_sync_on: Option<u64>,
     /// Every write and sync yields to the executor once before it runs, so
     /// tests can interleave other work with an I/O in flight.
     yielding: bool,
@@ -195,6 +198,13 @@ impl SimStorage {
     pub fn fail_remove_after(&self, n: u64) {
         let mut d = self.disk.borrow_mut();
         d.fail_remove_on = Some(d.removes + n);
+    }
+
+    /// The `n`th `sync_dir` from now (1 = the next one) fails with an I/O
+    /// error and makes nothing durable.
+    pub fn fail_dir_sync_after(&self, n: u64) {
+        let mut d = self.disk.borrow_mut();
+        d.fail_dir_sync_on = Some(d.dir_syncs + n);
     }
 
     /// The `n`th fsync from now never completes: the power goes out while it
@@ -504,6 +514,13 @@ impl Storage for SimStorage {
     async fn sync_dir(&self, path: &Path) -> io::Result<()> {
         self.maybe_yield().await;
         let mut d = self.disk.borrow_mut();
+        d.dir_syncs += 1;
+        if d.fail_dir_sync_on == Some(d.dir_syncs) {
+            return Err(io::Error::other(format!(
+                "{}: simulated directory sync failure",
+                path.display()
+            )));
+        }
         for (p, f) in d.files.iter_mut() {
             if p.parent() == Some(path) {
                 f.entry_durable = true;
