@@ -576,6 +576,29 @@ pub fn for_each_record_from(
 
 #[cfg(test)]
 mod tests {
+
+    /// A batch based just below the offset limit parses; one based at it is
+    /// damage (its checksum matches, so only the range check catches it).
+    #[test]
+    fn a_batch_based_at_the_offset_limit_is_refused() {
+        let rec = [RecordIn {
+            payload: Bytes::from_static(b"x"),
+            ..RecordIn::default()
+        }];
+        let mut ok = Vec::new();
+        encode_records(&mut ok, Offset(Offset::LIMIT.0 - 1), 0, 1, &rec);
+        assert_eq!(
+            parse_batch(&ok).unwrap().base_offset,
+            Offset(Offset::LIMIT.0 - 1)
+        );
+        let mut bad = Vec::new();
+        encode_records(&mut bad, Offset::LIMIT, 0, 1, &rec);
+        assert_eq!(
+            parse_batch(&bad),
+            Err(FrameError::OffsetRange(Offset::LIMIT.0))
+        );
+    }
+
     use super::*;
 
     fn rec(p: &str) -> RecordIn {

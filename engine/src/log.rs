@@ -776,6 +776,14 @@ impl<F> Inner<F> {
         encode: impl FnOnce(&mut [MaybeUninit<u8>], Offset, u16) -> BatchHeader,
     ) -> Result<Appended, LogError> {
         self.refuse()?;
+        // Offsets past the limit read back as damage; no log gets near it
+        // (a record batch takes at most 2^32 offsets).
+        if self.frontiers.offset(Frontier::Queued).0 >= Offset::LIMIT.0 - (1 << 32) {
+            return Err(LogError::Invalid(format!(
+                "the log is at offset {}, the most a log holds",
+                self.frontiers.offset(Frontier::Queued)
+            )));
+        }
         self.chunk_for(len);
         Ok(self.push_batch(len, encode))
     }
@@ -1868,7 +1876,7 @@ impl<S: Storage> ShardLog<S> {
                         }
                         Err(FrameError::Incomplete(more)) => {
                             let want = (buf.len() + more).max(chunk).min((seg_len - pos) as usize);
-                            if want <= buf.len() {
+                            if want < buf.len() + more {
                                 return Err(LogError::Corrupt {
                                     path: path.display().to_string(),
                                     position: pos,
@@ -1949,9 +1957,10 @@ impl<S: Storage> ShardLog<S> {
         }
     }
 
-    /// Bytes of segment `segment` from `pos`: the rest of a recent chunk
-    /// when one holds at least `need` bytes from there, otherwise `want`
-    /// bytes read from disk and kept as a chunk.
+    /// Bytes of segment `segment` from `pos`: from a recent chunk that
+    /// holds at least `need` bytes from there, at most `max(want, need)`
+    /// of them (no more than a disk read returns); otherwise `want` bytes
+    /// read from disk and kept as a chunk.
     async fn cold_read(
         &self,
         file: &S::File,
@@ -2075,13 +2084,15 @@ impl<S: Storage> ShardLog<S> {
                 }
             }
             tracing::info!(segment = %path.display(), "retention removed segment");
+            // The start moved: waiting readers and polls look again, even
+            // if the sync below fails.
+            self.progress.wake_all();
             self.storage.sync_dir(&dir).await.map_err(|e| {
                 tracing::error!(dir = %dir.display(), "syncing a shard directory after retention: {e}");
                 io_err(&format!("sync {}", dir.display()), e)
             })?;
             self.inner.borrow_mut().removal_unsynced = false;
             removed += 1;
-            self.progress.wake_all();
         }
         Ok(removed)
     }

@@ -1517,3 +1517,58 @@ fn retention_owes_a_failed_directory_sync_before_the_next_removal() {
         assert_eq!(got.last().unwrap().0, 39);
     });
 }
+
+/// Two readers of a cold segment: one takes the segment's length, waits on
+/// its first disk read, and meanwhile the log grows and a second reader
+/// reads on from further in, in a chunk that runs past the first reader's
+/// length into a batch it must not see cut short. The first reader, served
+/// from that chunk, reads every record up to its end and reports no
+/// corruption.
+#[test]
+fn a_cold_read_served_from_a_chunk_read_after_the_log_grew_stops_at_its_own_end() {
+    // 16 batches of 256 bytes (one 190-byte record each) fill the first
+    // 4 KiB chunk exactly; then 166-byte batches (100-byte records). The
+    // first reader's log ends after 24 of those, at byte 8,080; the second
+    // reader's chunk from byte 4,096 ends at 8,192, inside the batch there.
+    let storage = SimStorage::new();
+    let cfg = LogConfig {
+        read_cache_bytes: 0,
+        read_chunk_bytes: 4096,
+        cold_chunks: 8,
+        index_interval_bytes: 1,
+        ..LogConfig::default()
+    };
+    let rec = |i: u64, size: usize| RecordIn {
+        payload: Bytes::from(vec![i as u8; size]),
+        ..Default::default()
+    };
+    block_on(async {
+        let log = open(&storage, &cfg).await;
+        for i in 0..40 {
+            log.append(&[rec(i, if i < 16 { 190 } else { 100 })])
+                .unwrap();
+            log.flush().await.unwrap();
+        }
+        assert_eq!(log.stats().bytes, 8080);
+        let limits = ReadLimits {
+            max_records: 1000,
+            max_bytes: usize::MAX,
+        };
+        storage.set_yielding(true);
+        let mut first = std::pin::pin!(log.read(Offset::ZERO, limits));
+        assert!(futures_lite::future::poll_once(&mut first).await.is_none());
+        storage.set_yielding(false);
+        for i in 40..100 {
+            log.append(&[rec(i, 100)]).unwrap();
+            log.flush().await.unwrap();
+        }
+        let second = log.read(Offset(16), limits).await.unwrap();
+        assert_eq!(second.records.len(), 84);
+        let first = first.await.expect("no false corruption");
+        assert_eq!(first.records.len(), 40);
+        assert_eq!(first.next, Offset(40));
+        for (i, r) in first.records.iter().enumerate() {
+            assert_eq!(r.offset, Offset(i as u64));
+        }
+    });
+}

@@ -327,6 +327,8 @@ impl SimStorage {
         d.fail_sync_on = None;
         d.fail_write_on = None;
         d.hang_sync_on = None;
+        d.fail_dir_sync_on = None;
+        d.fail_remove_on = None;
     }
 
     async fn maybe_yield(&self) {
@@ -348,6 +350,8 @@ impl SimStorage {
         d.fail_sync_on = None;
         d.fail_write_on = None;
         d.hang_sync_on = None;
+        d.fail_dir_sync_on = None;
+        d.fail_remove_on = None;
     }
 
     /// A power cut that keeps a random prefix (or, with `reorder`, subset)
@@ -436,6 +440,8 @@ impl SimStorage {
         d.fail_sync_on = None;
         d.fail_write_on = None;
         d.hang_sync_on = None;
+        d.fail_dir_sync_on = None;
+        d.fail_remove_on = None;
     }
 
     /// Flip one bit of a file as it stands, durably (media corruption).
@@ -661,6 +667,9 @@ impl StorageFile for SimFile {
     }
 
     async fn read_at(&self, pos: u64, len: usize) -> io::Result<Bytes> {
+        if self.disk.borrow().yielding {
+            futures_lite::future::yield_now().await;
+        }
         self.with(|f| {
             let start = (pos as usize).min(f.current.len());
             let end = (start + len).min(f.current.len());
