@@ -2020,7 +2020,7 @@ impl<S: Storage> ShardLog<S> {
             // bring back only the newest removed segment, never an older one
             // without the ones after it (a gap recovery would refuse). A
             // sync that failed last time is owed before anything else goes.
-            if self.inner.borrow().removal_unsynced {
+            if self.inner.borrow().removal_unsynced && !self.inner.borrow().closed {
                 let dir = self.inner.borrow().dir.clone();
                 self.storage.sync_dir(&dir).await.map_err(|e| {
                     tracing::error!(dir = %dir.display(), "syncing a shard directory after retention: {e}");
@@ -2030,7 +2030,10 @@ impl<S: Storage> ShardLog<S> {
             }
             let victim = {
                 let i = self.inner.borrow();
-                if i.segments.len() < 2 {
+                // A closed log's files may be gone, or another log's by
+                // now (a stream deleted and created again): never touch
+                // them. Checked with no await before the removal below.
+                if i.closed || i.stopped.is_some() || i.segments.len() < 2 {
                     break;
                 }
                 let (base, first) = i.segments.iter().next().unwrap();

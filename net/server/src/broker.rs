@@ -598,24 +598,41 @@ impl<S: Storage> Core<S> {
         Response::Stream(self.stream_info(&meta))
     }
 
+    /// Every core opens its shards of `meta`. Waits for every core that got
+    /// the message, failures or not: until then a core may still be
+    /// opening, and a delete let in before it finished would miss what it
+    /// opens after.
     pub async fn broadcast_open(&self, meta: &StreamMeta) -> Result<(), String> {
         let mut waits = Vec::new();
-        for tx in &self.shared.senders {
-            let (reply, rx) = mailbox::channel().map_err(|e| format!("no mailbox: {e}"))?;
-            tx.send(CoreMsg::OpenStream {
+        let mut errors = Vec::new();
+        for (core, tx) in self.shared.senders.iter().enumerate() {
+            let (reply, rx) = match mailbox::channel() {
+                Ok(c) => c,
+                Err(e) => {
+                    errors.push(format!("core {core}: no mailbox: {e}"));
+                    continue;
+                }
+            };
+            match tx.send(CoreMsg::OpenStream {
                 meta: meta.clone(),
                 reply,
-            })
-            .map_err(|_| "a core has stopped".to_string())?;
-            waits.push(rx);
+            }) {
+                Ok(()) => waits.push((core, rx)),
+                Err(_) => errors.push(format!("core {core} has stopped")),
+            }
         }
-        for rx in waits {
-            rx.attach()
-                .recv()
-                .await
-                .ok_or_else(|| "a core has stopped".to_string())??;
+        for (core, rx) in waits {
+            match rx.attach().recv().await {
+                Some(Ok(())) => {}
+                Some(Err(e)) => errors.push(e),
+                None => errors.push(format!("core {core} has stopped")),
+            }
         }
-        Ok(())
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors.join("; "))
+        }
     }
 
     pub async fn delete_stream(&self, stream: &StreamRef) -> Response {
@@ -1378,6 +1395,11 @@ async fn run_retention<S: Storage>(core: Rc<Core<S>>) {
             .flat_map(|ls| ls.shards.iter().filter_map(|s| s.open().cloned()))
             .collect();
         for s in shards {
+            // Deleted since the list was taken (a stream of that name may
+            // exist again, with files at the same paths).
+            if s.deleted.get() {
+                continue;
+            }
             if let Err(e) = s.log.enforce_retention(now_ms()).await {
                 tracing::error!("retention on {}: {e}", s.name());
             }

@@ -978,6 +978,10 @@ async fn publish<S: Storage>(
         return wire_err(ErrorCode::Unavailable, msg);
     }
     if let Err(e) = shard.log.wait_room().await {
+        if shard.log.is_closed() {
+            // Deleted while the publish waited for room.
+            return shard.closed_answer();
+        }
         return log_err(&shard.name(), e);
     }
     let appended = match shard.log.append(&recs) {

@@ -416,6 +416,8 @@ fn append_entries<S: Storage>(
         e.encode(&mut body);
         match shard.log.append_group(&body) {
             Ok(a) => lsn = Some(a.lsn),
+            // Deleted while the request was on its way here.
+            Err(_) if shard.log.is_closed() => return Err(shard.closed_answer()),
             Err(e) => {
                 return Err(wire_err(
                     ErrorCode::Unavailable,
