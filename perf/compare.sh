@@ -122,6 +122,7 @@ if [ "$INSTALL" = 1 ]; then
   command -v redis-server >/dev/null || need+=(redis-server)
   command -v fio >/dev/null || need+=(fio)
   command -v iperf3 >/dev/null || need+=(iperf3)
+  command -v python3 >/dev/null || need+=(python3 python3-venv)
   if [ ${#need[@]} -gt 0 ]; then
     log "installing ${need[*]}"
     if [ "$(id -u)" = 0 ]; then
@@ -143,6 +144,12 @@ if [ "$INSTALL" = 1 ]; then
     fi
     hash -r
   fi
+fi
+
+# The report (render.py) and the rate arithmetic need it.
+if ! command -v python3 >/dev/null; then
+  echo "compare.sh: python3 is needed (apt-get install python3)" >&2
+  exit 1
 fi
 
 # ---------------------------------------------------------------- build
@@ -346,12 +353,25 @@ skip_suite() {
   for wl in publish read queue e2e; do skip "$1-$wl" "$2"; done
 }
 
+port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+# wait_port PORT PID: the server we started (PID) listens on PORT.
 wait_port() {
   for _ in $(seq 1 100); do
-    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
+    kill -0 "$2" 2>/dev/null || return 1
+    port_open "$1" && return 0
     sleep 0.1
   done
   return 1
+}
+
+# free_port NAME PORT: nothing listens there yet (else the suite would
+# measure whatever does).
+free_port() {
+  if port_open "$2"; then
+    log "port $2 is in use by another process; not starting $1 there (stop it, or set the port)"
+    return 1
+  fi
 }
 
 if want felix; then
@@ -382,10 +402,11 @@ start_redis() {  # durable|default
   mkdir -p "$dir"
   local extra=()
   [ "$1" = durable ] && extra=(--appendonly yes --appendfsync always)
+  free_port redis-server "$REDIS_PORT" || return 1
   redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --dir "$dir" --daemonize no \
     --logfile "$OUT/redis-$1.server.log" "${extra[@]}" &
   PEER_PID=$!
-  wait_port "$REDIS_PORT"
+  wait_port "$REDIS_PORT" "$PEER_PID"
 }
 
 start_nats() {  # durable|default
@@ -399,9 +420,10 @@ start_nats() {  # durable|default
     echo "}"
   } > "$WORK/nats-$1.conf"
   cp "$WORK/nats-$1.conf" "$OUT/nats-$1.conf"
+  free_port nats-server "$NATS_PORT" || return 1
   nats-server -c "$WORK/nats-$1.conf" > "$OUT/nats-$1.server.log" 2>&1 &
   PEER_PID=$!
-  wait_port "$NATS_PORT"
+  wait_port "$NATS_PORT" "$PEER_PID"
 }
 
 # peer redis|nats durable|default: start it, run the suite, stop it.
@@ -442,6 +464,11 @@ peer nats durable
 echo "load_end=$(cut -d' ' -f1-3 /proc/loadavg)" >> "$OUT/machine.txt"
 echo "elapsed=$(elapsed)s" >> "$OUT/machine.txt"
 log "writing perf/RESULTS.md ($(elapsed)s of the ${BUDGET_SECS}s budget used)"
-python3 "$ROOT/perf/render.py" "$OUT" > "$ROOT/perf/RESULTS.md.tmp" \
-  && mv "$ROOT/perf/RESULTS.md.tmp" "$ROOT/perf/RESULTS.md"
-echo "perf/RESULTS.md written; raw results in perf/results/latest/" >&2
+if python3 "$ROOT/perf/render.py" "$OUT" > "$ROOT/perf/RESULTS.md.tmp"; then
+  mv "$ROOT/perf/RESULTS.md.tmp" "$ROOT/perf/RESULTS.md"
+  echo "perf/RESULTS.md written; raw results in perf/results/latest/" >&2
+else
+  rm -f "$ROOT/perf/RESULTS.md.tmp"
+  echo "compare.sh: rendering perf/RESULTS.md failed (see above); raw results in perf/results/latest/" >&2
+  exit 1
+fi

@@ -583,9 +583,9 @@ fn check_range(flag: &str, v: usize, lo: usize, hi: usize) -> Result<(), String>
 }
 
 fn check_rate(flag: &str, r: f64) -> Result<(), String> {
-    if !r.is_finite() || r <= 0.0 || r > 1e9 {
+    if !r.is_finite() || r < 1e-3 || r > 1e9 {
         return err(format!(
-            "{flag} must be above 0 and at most 1e9 records/s, not {r}"
+            "{flag} must be at least 0.001 and at most 1e9 records/s, not {r}"
         ));
     }
     Ok(())
@@ -685,6 +685,11 @@ impl Cli {
                         "--via read is implemented for Felix only; peers use their queue consumer",
                     );
                 }
+                if a.via == Via::Read && a.consumers.is_some_and(|n| n > c.shards as usize) {
+                    return err(
+                        "--via read needs --consumers at most --shards (readers split the shards; two on one shard would each see every record)",
+                    );
+                }
                 Ok(Some(Plan::E2e(c, a.clone())))
             }
         }
@@ -755,6 +760,11 @@ mod tests {
             (&["e2e", "--record-size", "8"], "--record-size"),
             (&["e2e", "--rate=-5"], "--rate"),
             (&["e2e", "--target", "nats", "--via", "read"], "--via"),
+            (&["e2e", "--rate", "1e-18"], "--rate"),
+            (
+                &["e2e", "--via", "read", "--shards", "1", "--consumers", "2"],
+                "--consumers",
+            ),
         ];
         for (args, flag) in cases {
             let e = plan(args).expect_err(&format!("{args:?} should be refused"));

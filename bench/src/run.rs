@@ -147,11 +147,20 @@ pub fn run(plan: &Plan) -> Result<Report, String> {
                 _ => None,
             },
         };
-        let outcome = match plan {
-            Plan::Publish(c, a) => workloads::publish(&target, c, a).await,
-            Plan::Read(c, a) => workloads::read(&target, c, a).await,
-            Plan::Queue(c, a, backlog) => workloads::queue(&target, c, a, *backlog).await,
-            Plan::E2e(c, a) => workloads::e2e(&target, c, a).await,
+        let run = async {
+            match plan {
+                Plan::Publish(c, a) => workloads::publish(&target, c, a).await,
+                Plan::Read(c, a) => workloads::read(&target, c, a).await,
+                Plan::Queue(c, a, backlog) => workloads::queue(&target, c, a, *backlog).await,
+                Plan::E2e(c, a) => workloads::e2e(&target, c, a).await,
+            }
+        };
+        // Ctrl-C or SIGTERM stops the run and goes on to the clean-up below
+        // (the benchmark stream, the embedded broker and its directory),
+        // which the default signal action would skip.
+        let outcome = tokio::select! {
+            o = run => o,
+            why = interrupted() => Err(format!("{why}: the run was stopped and cleaned up")),
         };
         // Leave an external broker as we found it.
         if embedded.is_none() {
@@ -180,4 +189,19 @@ pub fn run(plan: &Plan) -> Result<Report, String> {
         outcome,
         Machine::here(c.client_threads),
     ))
+}
+
+/// Resolves on SIGINT or SIGTERM, naming it.
+async fn interrupted() -> &'static str {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut int), Ok(mut term)) = (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = int.recv() => "interrupted (SIGINT)",
+        _ = term.recv() => "terminated (SIGTERM)",
+    }
 }

@@ -68,10 +68,14 @@ pub async fn prefill(
 ) -> Result<u64, String> {
     let total: u64 = per_shard.iter().sum();
     let started = Instant::now();
+    // Batches of at most about 8 MiB, well inside a broker's frame cap.
+    let most = (8 << 20) / record_size.max(1) as u64;
     let batch: u64 = match target {
         Target::Felix(_) => 1000,
         _ => 200,
-    };
+    }
+    .min(most)
+    .max(1);
     let payload = payload(record_size);
     let done = Arc::new(AtomicU64::new(0));
     let mut tasks = Vec::new();
