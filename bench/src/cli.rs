@@ -583,7 +583,7 @@ fn check_range(flag: &str, v: usize, lo: usize, hi: usize) -> Result<(), String>
 }
 
 fn check_rate(flag: &str, r: f64) -> Result<(), String> {
-    if !r.is_finite() || r < 1e-3 || r > 1e9 {
+    if !r.is_finite() || !(1e-3..=1e9).contains(&r) {
         return err(format!(
             "{flag} must be at least 0.001 and at most 1e9 records/s, not {r}"
         ));
