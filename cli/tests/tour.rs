@@ -1465,3 +1465,27 @@ fn a_failed_publish_counts_every_record_acknowledged_before_the_error() {
     let want: String = (1..=3000).map(|i| format!("{i}\n")).collect();
     assert_eq!(stored, want);
 }
+
+/// A `FELIX_*` variable that is not valid UTF-8 is a clear configuration
+/// error; any other such variable is ignored (it cannot be a setting).
+#[test]
+fn environment_variables_that_are_not_utf8_do_not_crash_the_broker() {
+    use std::os::unix::ffi::OsStrExt;
+    let bad = std::ffi::OsStr::from_bytes(b"\xff\xfe");
+    let out = felix()
+        .args(["serve", "--print-config"])
+        .env("FELIX_LISTEN", bad)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("FELIX_LISTEN is not valid UTF-8"),
+        "{out:?}"
+    );
+    let out = felix()
+        .args(["serve", "--print-config"])
+        .env("SOMETHING_ELSE", bad)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+}

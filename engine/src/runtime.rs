@@ -46,6 +46,9 @@ pub enum CoreSet {
     List(Vec<usize>),
 }
 
+/// Most CPUs a core list may name.
+const MAX_CPUS: usize = 4096;
+
 impl CoreSet {
     /// Parse a count `N` (the first N CPUs), or a CPU list such as `0,2,3`,
     /// `0-3` or `0,2-3` (a list with one CPU: `3,` or `3-3`).
@@ -70,13 +73,19 @@ impl CoreSet {
             match part.split_once('-') {
                 Some((a, b)) => {
                     let (a, b) = (cpu(a)?, cpu(b)?);
-                    if a > b {
+                    if a > b || b - a >= MAX_CPUS {
                         return Err(format!("bad CPU range {part:?} in {s:?}"));
                     }
                     list.extend(a..=b);
+                    if list.len() > MAX_CPUS {
+                        return Err(format!("more than {MAX_CPUS} CPUs in {s:?}"));
+                    }
                 }
                 None => list.push(cpu(part)?),
             }
+        }
+        if list.len() > MAX_CPUS {
+            return Err(format!("more than {MAX_CPUS} CPUs in {s:?}"));
         }
         if list.is_empty() {
             return Err("empty core list".into());
@@ -565,6 +574,10 @@ mod tests {
         assert!(matches!(CoreSet::parse("0,1"), Ok(CoreSet::List(v)) if v == vec![0, 1]));
         assert!(matches!(CoreSet::parse("0-2"), Ok(CoreSet::List(v)) if v == vec![0, 1, 2]));
         assert!(matches!(CoreSet::parse("0,2-3"), Ok(CoreSet::List(v)) if v == vec![0, 2, 3]));
+        // A huge range is refused before anything is built for it.
+        assert!(CoreSet::parse("0-18446744073709551615").is_err());
+        assert!(CoreSet::parse("0-4095").is_ok());
+        assert!(CoreSet::parse("0-4095,5000").is_err());
         assert!(matches!(CoreSet::parse("3,"), Ok(CoreSet::List(v)) if v == vec![3]));
         assert!(CoreSet::parse("0").is_err());
         assert!(CoreSet::parse("x").is_err());

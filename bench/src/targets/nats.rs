@@ -85,8 +85,16 @@ impl Conn {
         sock.set_nodelay(true).map_err(|e| e.to_string())?;
         let (mut rd, mut wr) = sock.into_split();
         let mut buf = BytesMut::with_capacity(64 * 1024);
-        // INFO {...}
-        let info = read_line(&mut rd, &mut buf).await?;
+        // INFO {...}, which a NATS server sends at once (anything else on
+        // that port may send nothing: do not wait forever).
+        let info = tokio::time::timeout(REQUEST_TIMEOUT, read_line(&mut rd, &mut buf))
+            .await
+            .map_err(|_| {
+                format!(
+                    "{addr} sent no NATS INFO within {}s: is it a NATS server?",
+                    REQUEST_TIMEOUT.as_secs()
+                )
+            })??;
         let info = info
             .strip_prefix("INFO ")
             .ok_or_else(|| format!("NATS server sent {info:?} instead of INFO"))?;

@@ -543,7 +543,16 @@ impl<S: Storage> Core<S> {
             // Anything left under the name is from a deleted stream (a
             // crash after its metadata went but before its files did): it
             // must not come back as this stream's records.
-            let leftover = matches!(self.storage.list_dir(&dir).await, Ok(v) if !v.is_empty());
+            let leftover = match self.storage.list_dir(&dir).await {
+                Ok(v) => !v.is_empty(),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+                Err(e) => {
+                    return undo(format!(
+                        "cannot look for files left in {}: {e}",
+                        dir.display()
+                    ))
+                }
+            };
             if leftover {
                 if let Err(e) = self.storage.remove_dir_all(&dir).await {
                     return undo(format!(
@@ -570,6 +579,11 @@ impl<S: Storage> Core<S> {
                 if let Err(e) = self.storage.create_dir_all(&sd).await {
                     return undo(format!("cannot create {}: {e}", sd.display()));
                 }
+            }
+            // The shard directories' names durable before the metadata
+            // that names them.
+            if let Err(e) = self.storage.sync_dir(&dir).await {
+                return undo(format!("cannot sync {}: {e}", dir.display()));
             }
             if let Err(e) = self
                 .storage
@@ -651,6 +665,7 @@ impl<S: Storage> Core<S> {
             return wire_err(ErrorCode::NotFound, format!("no stream {name}"));
         };
         let mut problems = Vec::new();
+        let mut keep_files = false;
         if self.shared.durable {
             // Metadata first: once it is gone the stream does not come back
             // after a crash, whatever shard files remain.
@@ -680,13 +695,16 @@ impl<S: Storage> Core<S> {
                 }
             }
             if let Err(e) = self.storage.sync_dir(&dir).await {
-                // The deletion goes on; the answer says it may not survive
-                // a crash (the stream would come back without its files).
+                // The deletion goes on, but its files stay (a crash could
+                // bring the metadata back: it must find them); creating the
+                // name again clears them. The answer says so.
                 tracing::error!("deleting {name}: syncing {}: {e}", dir.display());
                 problems.push(format!(
-                    "syncing {} failed, so the deletion may not survive a crash: {e}",
+                    "syncing {} failed, so the deletion may not survive a crash; its files \
+                     are left until the name is created again: {e}",
                     dir.display()
                 ));
+                keep_files = true;
             }
         }
         let mut waits = Vec::new();
@@ -713,7 +731,7 @@ impl<S: Storage> Core<S> {
                 problems.push(e);
             }
         }
-        if self.shared.durable {
+        if self.shared.durable && !keep_files {
             let dir = meta.dir(&self.data_dir());
             if let Err(e) = self.storage.remove_dir_all(&dir).await {
                 // The stream is gone (its metadata is); the files left are

@@ -185,7 +185,24 @@ fn parse_bool(s: &str) -> Option<bool> {
 impl Config {
     /// Defaults, then the file (if any), then the environment, then flags.
     pub fn load(file: Option<&Path>, overrides: &Overrides) -> Result<Config, ConfigError> {
-        let env: BTreeMap<String, String> = std::env::vars().collect();
+        // Only variables that are Unicode: one that is not cannot be a
+        // setting (a `FELIX_*` one that is not is refused), and `vars()`
+        // would panic on it.
+        let mut env = BTreeMap::new();
+        for (k, v) in std::env::vars_os() {
+            let Some(k) = k.to_str() else { continue };
+            match v.into_string() {
+                Ok(v) => {
+                    env.insert(k.to_string(), v);
+                }
+                Err(_) if k.starts_with("FELIX_") => {
+                    return Err(ConfigError(format!(
+                        "environment variable {k} is not valid UTF-8"
+                    )));
+                }
+                Err(_) => {}
+            }
+        }
         Self::load_with_env(file, overrides, &env)
     }
 
