@@ -324,8 +324,10 @@ pub(crate) async fn scrape<S: Storage>(core: &Rc<Core<S>>) -> MetricsSnapshot {
 const MAX_METRICS_CONNECTIONS: usize = 8;
 
 /// How long a metrics connection may take to send its request, or to take
-/// the answer.
+/// each piece of the answer.
 const METRICS_IO_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest a scraper may take to read the whole answer.
+const METRICS_ANSWER_DEADLINE: Duration = Duration::from_secs(30);
 
 /// A minimal HTTP/1.0 server for `GET /metrics`.
 pub(crate) async fn serve_http<S: Storage>(core: Rc<Core<S>>, listener: std::net::TcpListener) {
@@ -379,9 +381,16 @@ pub(crate) async fn serve_http<S: Storage>(core: Rc<Core<S>>, listener: std::net
                 "HTTP/1.0 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
                 body.len()
             );
-            let _ = stream.write_all(head.as_bytes()).await;
-            let _ = stream.write_all(body.as_bytes()).await;
-            let _ = stream.close().await;
+            // One deadline for the whole answer: a reader taking a few
+            // bytes now and then would pass every per-write timeout and
+            // hold a slot for hours.
+            let _ = glommio::timer::timeout(METRICS_ANSWER_DEADLINE, async {
+                let _ = stream.write_all(head.as_bytes()).await;
+                let _ = stream.write_all(body.as_bytes()).await;
+                let _ = stream.close().await;
+                Ok(())
+            })
+            .await;
             open.set(open.get() - 1);
         })
         .detach();
