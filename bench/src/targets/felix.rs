@@ -136,14 +136,16 @@ impl FelixTarget {
 
     /// Records of the shard the group has not finished: behind its position
     /// plus anything owed or in flight.
-    pub async fn unfinished(&self, shard: u32) -> Result<u64, String> {
+    pub async fn unfinished(&self, shard: u32) -> Result<Option<u64>, String> {
         let s = &self.spec.name;
         let info = self
             .client(0)
             .group_describe(&s.tenant, &s.namespace, &s.stream, shard, GROUP)
             .await
             .map_err(e)?;
-        Ok(info.lag() + u64::from(info.in_flight) + u64::from(info.owed))
+        Ok(Some(
+            info.lag() + u64::from(info.in_flight) + u64::from(info.owed),
+        ))
     }
 
     pub fn producer(&self, idx: usize) -> PubTx {

@@ -154,8 +154,9 @@ impl Target {
         each!(self, t => t.stored(shard).await)
     }
 
-    /// Records of `shard` the group has not finished (acknowledged).
-    pub async fn unfinished(&self, shard: u32) -> Result<u64, String> {
+    /// Records of `shard` the group has not finished (acknowledged);
+    /// `None` if the broker cannot say.
+    pub async fn unfinished(&self, shard: u32) -> Result<Option<u64>, String> {
         each!(self, t => t.unfinished(shard).await)
     }
 

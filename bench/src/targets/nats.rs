@@ -501,8 +501,8 @@ impl NatsTarget {
     }
 
     /// A work-queue stream keeps exactly the messages not yet acknowledged.
-    pub async fn unfinished(&self, shard: u32) -> Result<u64, String> {
-        self.stored(shard).await
+    pub async fn unfinished(&self, shard: u32) -> Result<Option<u64>, String> {
+        self.stored(shard).await.map(Some)
     }
 
     pub async fn producer(&self) -> Result<(PubTx, PubRx), String> {

@@ -308,26 +308,27 @@ impl RedisTarget {
         }
     }
 
-    /// Entries not yet delivered plus delivered and not acknowledged.
-    pub async fn unfinished(&self, shard: u32) -> Result<u64, String> {
+    /// Entries not yet delivered plus delivered and not acknowledged;
+    /// `None` before Redis 7.0, whose `XINFO GROUPS` has no `lag`.
+    pub async fn unfinished(&self, shard: u32) -> Result<Option<u64>, String> {
         let mut c = Conn::connect(&self.addr).await?;
         let k = self.key(shard);
         let groups = c.cmd(&[b"XINFO", b"GROUPS", k.as_bytes()]).await?;
         let mut pending = 0u64;
-        let mut lag = 0u64;
+        let mut lag = None;
         for g in groups.array().unwrap_or(&[]) {
             let fields = g.array().unwrap_or(&[]);
             for pair in fields.chunks(2) {
                 if let [name, v] = pair {
                     match (name.text().as_str(), v) {
                         ("pending", Value::Int(n)) => pending = (*n).max(0) as u64,
-                        ("lag", Value::Int(n)) => lag = (*n).max(0) as u64,
+                        ("lag", Value::Int(n)) => lag = Some((*n).max(0) as u64),
                         _ => {}
                     }
                 }
             }
         }
-        Ok(pending + lag)
+        Ok(lag.map(|lag| pending + lag))
     }
 
     pub async fn producer(&self) -> Result<(PubTx, PubRx), String> {
