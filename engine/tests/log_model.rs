@@ -949,26 +949,33 @@ fn destroying_a_shard_whose_files_cannot_be_removed_fails_and_says_where() {
     });
 }
 
-/// Retention that cannot remove a segment says so, keeps serving the
-/// segment (the start does not move) and removes it on a later pass.
-#[test]
-fn retention_that_cannot_remove_a_segment_fails_and_keeps_serving_it() {
-    let storage = SimStorage::new();
+/// A log of 40 records of 100 bytes, each its own flush, in 1,000-byte
+/// segments under 3,000 bytes of size retention: older segments are due.
+async fn past_retention(storage: &SimStorage) -> ShardLog<SimStorage> {
     let cfg = LogConfig {
         segment_bytes: 1000,
         retention_bytes: Some(3000),
         ..LogConfig::default()
     };
+    let log = open(storage, &cfg).await;
+    for i in 0..40u64 {
+        log.append(&[RecordIn {
+            payload: Bytes::from(vec![i as u8; 100]),
+            ..Default::default()
+        }])
+        .unwrap();
+        log.flush().await.unwrap();
+    }
+    log
+}
+
+/// Retention that cannot remove a segment says so, keeps serving the
+/// segment (the start does not move) and removes it on a later pass.
+#[test]
+fn retention_that_cannot_remove_a_segment_fails_and_keeps_serving_it() {
+    let storage = SimStorage::new();
     block_on(async {
-        let log = open(&storage, &cfg).await;
-        for i in 0..40u64 {
-            log.append(&[RecordIn {
-                payload: Bytes::from(vec![i as u8; 100]),
-                ..Default::default()
-            }])
-            .unwrap();
-            log.flush().await.unwrap();
-        }
+        let log = past_retention(&storage).await;
         let segments = log.stats().segments;
         storage.fail_remove_after(1);
         let err = log.enforce_retention(0).await.unwrap_err().to_string();
@@ -1484,21 +1491,8 @@ fn a_failed_write_of_zeros_ahead_does_not_stop_the_shard() {
 #[test]
 fn retention_owes_a_failed_directory_sync_before_the_next_removal() {
     let storage = SimStorage::new();
-    let cfg = LogConfig {
-        segment_bytes: 1000,
-        retention_bytes: Some(3000),
-        ..LogConfig::default()
-    };
     block_on(async {
-        let log = open(&storage, &cfg).await;
-        for i in 0..40u64 {
-            log.append(&[RecordIn {
-                payload: Bytes::from(vec![i as u8; 100]),
-                ..Default::default()
-            }])
-            .unwrap();
-            log.flush().await.unwrap();
-        }
+        let log = past_retention(&storage).await;
         let segments = log.stats().segments;
         storage.fail_dir_sync_after(1);
         log.enforce_retention(0).await.unwrap_err();

@@ -92,6 +92,19 @@ fn over_limit_frames_allocate_nothing() {
     assert_eq!(largest, 0);
 }
 
+/// A publish of `records` to t/n/s shard 0, and its encoded frame.
+fn publish_frame(records: Vec<RecordIn>) -> (Request, BytesMut) {
+    let req = Request::Publish {
+        stream: StreamRef::new("t", "n", "s"),
+        target: PublishTarget::Shard(0),
+        ack: AckMode::Default,
+        records,
+    };
+    let mut buf = BytesMut::new();
+    encode_request(1, &req, &mut buf);
+    (req, buf)
+}
+
 #[test]
 fn big_valid_frames_allocate_in_proportion() {
     // 1000 records of 1 KiB: the decoder's allocations are bounded by the
@@ -102,14 +115,7 @@ fn big_valid_frames_allocate_in_proportion() {
             ..RecordIn::default()
         })
         .collect();
-    let req = Request::Publish {
-        stream: StreamRef::new("t", "n", "s"),
-        target: PublishTarget::Shard(0),
-        ack: AckMode::Default,
-        records,
-    };
-    let mut buf = BytesMut::new();
-    encode_request(1, &req, &mut buf);
+    let (req, mut buf) = publish_frame(records);
     let frame_len = buf.len();
     let (res, largest) = largest_alloc(|| decode_request(&mut buf, DEFAULT_MAX_FRAME_BYTES));
     assert_eq!(res.unwrap().unwrap().1, req);
@@ -134,14 +140,7 @@ fn empty_headers_are_counted_in_the_decoded_overhead() {
             ..RecordIn::default()
         })
         .collect();
-    let req = Request::Publish {
-        stream: StreamRef::new("t", "n", "s"),
-        target: PublishTarget::Shard(0),
-        ack: AckMode::Default,
-        records,
-    };
-    let mut buf = BytesMut::new();
-    encode_request(1, &req, &mut buf);
+    let (req, mut buf) = publish_frame(records);
     let frame_len = buf.len();
     let (res, largest) = largest_alloc(|| decode_request(&mut buf, DEFAULT_MAX_FRAME_BYTES));
     let decoded = res.unwrap().unwrap().1;
