@@ -330,6 +330,12 @@ pub enum GroupCmd {
 pub struct ConsumeArgs {
     #[command(flatten)]
     pub target: GroupTarget,
+    /// Consume the group on every shard of the stream instead of one
+    /// (json output then names each record's shard). Waiting polls go to
+    /// every shard at once; records one of them claims after the first has
+    /// answered are printed next, or handed back when the command ends.
+    #[arg(long, conflicts_with = "shard")]
+    pub all_shards: bool,
     /// Poll as this named member, taking back at once whatever an earlier
     /// run under the same name still held (reclaim). Without it, polls are
     /// anonymous.

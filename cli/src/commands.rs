@@ -6,9 +6,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use felix_client::{
-    Client, ClientConfig, ClientError, GroupMember, GroupPollOptions, RecordIn, StartPosition,
-    StreamOptions, StreamRef, FEATURE_GROUPS, FEATURE_GROUP_ADMIN, FEATURE_GROUP_CLAIM_CONTROL,
-    FEATURE_GROUP_DEAD_LETTER_PAGES, FEATURE_GROUP_SKIPPED, FEATURE_PUBLISH_ACK_MODE,
+    Client, ClientConfig, ClientError, GroupMember, GroupPollOptions, RecordIn, ShardedGroup,
+    ShardedRecord, StartPosition, StreamOptions, StreamRef, FEATURE_GROUPS, FEATURE_GROUP_ADMIN,
+    FEATURE_GROUP_CLAIM_CONTROL, FEATURE_GROUP_DEAD_LETTER_PAGES, FEATURE_GROUP_SKIPPED,
+    FEATURE_PUBLISH_ACK_MODE,
 };
 use futures_lite::future::poll_once;
 use tokio::io::AsyncBufReadExt;
@@ -654,13 +655,127 @@ async fn consume(client: &Client, args: ConsumeArgs) -> Result<(), CliError> {
     result
 }
 
+/// What `felix consume` polls: one shard's group, or the group on every
+/// shard of the stream.
+enum Consumer<'a> {
+    One {
+        client: &'a Client,
+        target: &'a GroupTarget,
+        member: Option<GroupMember>,
+    },
+    All(ShardedGroup),
+}
+
+impl Consumer<'_> {
+    async fn poll(&mut self, want: u32, wait: Duration) -> Result<Vec<ShardedRecord>, ClientError> {
+        match self {
+            Consumer::One {
+                client,
+                target: g,
+                member,
+            } => {
+                let (t, n, s) = parts(&g.stream);
+                let records = match member {
+                    Some(m) => {
+                        let options = GroupPollOptions {
+                            max_records: want,
+                            wait,
+                            visibility: None,
+                        };
+                        client
+                            .group_poll_as(t, n, s, g.shard, &g.group, m, options)
+                            .await?
+                    }
+                    None => {
+                        client
+                            .group_poll_wait(t, n, s, g.shard, &g.group, want, wait)
+                            .await?
+                    }
+                };
+                let shard = g.shard;
+                Ok(records
+                    .into_iter()
+                    .map(|record| ShardedRecord { shard, record })
+                    .collect())
+            }
+            Consumer::All(group) => group.poll(want, wait).await,
+        }
+    }
+
+    async fn ack_many(&self, records: &[ShardedRecord]) -> Result<(), ClientError> {
+        match self {
+            Consumer::One {
+                client, target: g, ..
+            } => {
+                let (t, n, s) = parts(&g.stream);
+                let offsets: Vec<u64> = records.iter().map(|r| r.record.offset).collect();
+                client
+                    .group_ack_many(t, n, s, g.shard, &g.group, &offsets)
+                    .await
+            }
+            Consumer::All(group) => group.ack_many(records).await,
+        }
+    }
+
+    async fn nack(&self, r: &ShardedRecord) -> Result<(), ClientError> {
+        match self {
+            Consumer::One {
+                client, target: g, ..
+            } => {
+                let (t, n, s) = parts(&g.stream);
+                client
+                    .group_nack(t, n, s, g.shard, &g.group, &r.record)
+                    .await
+            }
+            Consumer::All(group) => group.nack(r).await,
+        }
+    }
+
+    /// The shard to print beside each record (json), when there are several.
+    fn shown_shard(&self, r: &ShardedRecord) -> Option<u32> {
+        matches!(self, Consumer::All(_)).then_some(r.shard)
+    }
+
+    /// Hand back whatever was claimed ahead and not printed.
+    async fn finish(self) -> Result<(), ClientError> {
+        match self {
+            Consumer::One { .. } => Ok(()),
+            Consumer::All(group) => group.close().await,
+        }
+    }
+}
+
 async fn consume_loop(client: &Client, args: &ConsumeArgs, done: &mut u64) -> Result<(), CliError> {
     let g = &args.target;
-    let (t, n, s) = parts(&g.stream);
     let member = args
         .member
         .as_ref()
         .map(|m| GroupMember::new(m.clone()).reclaim(true));
+    let mut consumer = if args.all_shards {
+        let (t, n, s) = parts(&g.stream);
+        let mut group = ShardedGroup::new(client.clone(), t, n, s, &g.group).await?;
+        if let Some(m) = member {
+            group = group.member(m)?;
+        }
+        Consumer::All(group)
+    } else {
+        Consumer::One {
+            client,
+            target: g,
+            member,
+        }
+    };
+    let result = consume_records(&mut consumer, args, done).await;
+    let finished = consumer.finish().await;
+    result?;
+    Ok(finished?)
+}
+
+async fn consume_records(
+    consumer: &mut Consumer<'_>,
+    args: &ConsumeArgs,
+    done: &mut u64,
+) -> Result<(), CliError> {
     let wait = Duration::from_millis(args.wait_ms);
     let limit = args.count.unwrap_or(u64::MAX);
     let stdout = std::io::stdout();
@@ -668,24 +783,7 @@ async fn consume_loop(client: &Client, args: &ConsumeArgs, done: &mut u64) -> Re
     while *done < limit {
         let want = (limit - *done).min(u64::from(args.batch.max(1))) as u32;
         let asked = std::time::Instant::now();
-        let polled = match &member {
-            Some(m) => {
-                let options = GroupPollOptions {
-                    max_records: want,
-                    wait,
-                    visibility: None,
-                };
-                client
-                    .group_poll_as(t, n, s, g.shard, &g.group, m, options)
-                    .await
-            }
-            None => {
-                client
-                    .group_poll_wait(t, n, s, g.shard, &g.group, want, wait)
-                    .await
-            }
-        };
-        let records = match polled {
+        let records = match consumer.poll(want, wait).await {
             Ok(r) => r,
             Err(e) if args.follow && is_transient(&e) => {
                 eprintln!("felix: {e}; retrying");
@@ -710,11 +808,18 @@ async fn consume_loop(client: &Client, args: &ConsumeArgs, done: &mut u64) -> Re
         // at once rather than left claimed until the visibility timeout.
         let printed = records
             .iter()
-            .try_for_each(|r| output::write_group_record(&mut out, args.format, r))
+            .try_for_each(|r| {
+                output::write_group_record(
+                    &mut out,
+                    args.format,
+                    consumer.shown_shard(r),
+                    &r.record,
+                )
+            })
             .and_then(|()| out.flush());
         if let Err(e) = printed {
             for r in &records {
-                let _ = client.group_nack(t, n, s, g.shard, &g.group, r).await;
+                let _ = consumer.nack(r).await;
             }
             eprintln!(
                 "felix: handed back {} records that could not be printed",
@@ -722,13 +827,9 @@ async fn consume_loop(client: &Client, args: &ConsumeArgs, done: &mut u64) -> Re
             );
             return Err(e.into());
         }
-        let offsets: Vec<u64> = records.iter().map(|r| r.offset).collect();
         let mut retried = false;
         loop {
-            match client
-                .group_ack_many(t, n, s, g.shard, &g.group, &offsets)
-                .await
-            {
+            match consumer.ack_many(&records).await {
                 Ok(()) => break,
                 // The connection dropped under the ack: the claims may well
                 // stand, so ack again once reconnected.
@@ -753,7 +854,7 @@ async fn consume_loop(client: &Client, args: &ConsumeArgs, done: &mut u64) -> Re
                     eprintln!(
                         "felix: the ack of {} printed records was refused after a reconnect \
                          ({e}); they may be delivered again",
-                        offsets.len()
+                        records.len()
                     );
                     break;
                 }
@@ -761,7 +862,7 @@ async fn consume_loop(client: &Client, args: &ConsumeArgs, done: &mut u64) -> Re
                     eprintln!(
                         "felix: {} printed records were not acknowledged; they may be \
                          delivered again",
-                        offsets.len()
+                        records.len()
                     );
                     return Err(e.into());
                 }

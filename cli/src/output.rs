@@ -54,6 +54,8 @@ struct JsonHeader {
 /// One record as a JSON line, fields in this order.
 #[derive(Serialize)]
 struct JsonRecord {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    shard: Option<u32>,
     offset: u64,
     timestamp: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -83,6 +85,7 @@ impl JsonRecord {
         };
         let (payload, payload_encoding) = encoded(payload);
         JsonRecord {
+            shard: None,
             offset,
             timestamp: timestamp_ms,
             attempts: None,
@@ -130,9 +133,12 @@ pub fn write_record(out: &mut impl Write, format: Format, r: &Record) -> std::io
     }
 }
 
+/// One delivered record: in json with its attempts, and its shard when
+/// `shard` names one (a consumer of every shard).
 pub fn write_group_record(
     out: &mut impl Write,
     format: Format,
+    shard: Option<u32>,
     r: &GroupRecord,
 ) -> std::io::Result<()> {
     match format {
@@ -145,6 +151,7 @@ pub fn write_group_record(
                 &r.headers,
                 &r.payload,
             );
+            j.shard = shard;
             j.attempts = Some(r.attempts);
             // Only worth a field when something was actually skipped.
             j.skipped_before = r.skipped_before.filter(|n| *n > 0);

@@ -190,6 +190,32 @@ fn the_readme_tour_works() {
         ],
         None,
     );
+    let out = run(
+        &s,
+        &["publish", "demo/default/jobs", "--key", "user-42"],
+        Some("keyed\n"),
+    );
+    assert!(out.status.success(), "{out:?}");
+    let json = ok(
+        &s,
+        &[
+            "consume",
+            "demo/default/jobs",
+            "--all-shards",
+            "--group",
+            "everyone",
+            "--format",
+            "json",
+        ],
+        None,
+    );
+    let rows = json_rows(&json);
+    assert_eq!(rows.len(), 6, "{json}");
+    let keyed: Vec<_> = rows.iter().filter(|r| r["key"] == "user-42").collect();
+    assert_eq!(keyed.len(), 1);
+    assert_eq!(keyed[0]["payload"], "keyed");
+    let shard = felix_client::shard_for_key(b"user-42", 4);
+    assert_eq!(keyed[0]["shard"], shard);
 }
 
 #[test]
@@ -1488,4 +1514,73 @@ fn environment_variables_that_are_not_utf8_do_not_crash_the_broker() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{out:?}");
+}
+
+#[test]
+fn consume_all_shards_takes_every_shards_records_once() {
+    let s = serve();
+    let st = "t/ns/gall";
+    ok(&s, &["stream", "create", st, "--shards", "3"], None);
+    for shard in 0..3 {
+        let (a, b) = (format!("s{shard}a"), format!("s{shard}b"));
+        ok(
+            &s,
+            &["publish", st, "--shard", &shard.to_string(), &a, &b],
+            None,
+        );
+    }
+    // Without --all-shards a group is one shard's (0 unless --shard).
+    assert_eq!(consumed(&s, st, "one", &[]), ["s0a", "s0b"]);
+
+    let (lines, err) = consume(
+        &s,
+        st,
+        "all",
+        &["--all-shards", "--format", "json", "--batch", "2"],
+    );
+    assert!(err.contains("consumed 6 records"), "{err}");
+    let mut got: Vec<(u64, u64, String)> = lines
+        .iter()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (
+                v["shard"].as_u64().unwrap(),
+                v["offset"].as_u64().unwrap(),
+                v["payload"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    got.sort();
+    let want: Vec<(u64, u64, String)> = (0..3u64)
+        .flat_map(|sh| [(sh, 0, format!("s{sh}a")), (sh, 1, format!("s{sh}b"))])
+        .collect();
+    assert_eq!(got, want);
+    // Every shard's group is finished, nothing left claimed.
+    assert!(consumed(&s, st, "all", &["--all-shards"]).is_empty());
+    for shard in ["0", "1", "2"] {
+        let d = fields(&ok(
+            &s,
+            &["group", "describe", st, "--group", "all", "--shard", shard],
+            None,
+        ));
+        assert_eq!(
+            (d["position"].as_str(), d["in_flight"].as_str()),
+            ("2", "0"),
+            "{d:?}"
+        );
+    }
+    let out = run(
+        &s,
+        &[
+            "consume",
+            st,
+            "--group",
+            "g",
+            "--all-shards",
+            "--shard",
+            "1",
+        ],
+        None,
+    );
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
 }

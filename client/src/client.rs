@@ -961,7 +961,13 @@ impl Client {
 
     // ----- consumer groups: consuming ------------------------------------
 
-    fn group_key(tenant: &str, namespace: &str, stream: &str, shard: u32, group: &str) -> GroupKey {
+    pub(crate) fn group_key(
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+    ) -> GroupKey {
         GroupKey {
             stream: StreamRef::new(tenant, namespace, stream),
             shard,
@@ -1049,6 +1055,23 @@ impl Client {
             options.visibility,
         )
         .await
+    }
+
+    /// A poll of one shard's group, anonymous or as `member` (its name
+    /// already checked).
+    pub(crate) async fn poll_group(
+        &self,
+        key: GroupKey,
+        max_records: u32,
+        wait: Duration,
+        member: Option<GroupMember>,
+        visibility: Option<Duration>,
+    ) -> Result<Vec<GroupRecord>> {
+        let member = member.map(|m| GroupMemberRef {
+            reclaim: m.reclaims(),
+            name: m.name,
+        });
+        self.poll(key, max_records, wait, member, visibility).await
     }
 
     async fn poll(

@@ -116,6 +116,10 @@
 //! # }
 //! ```
 //!
+//! A group is per shard. [`ShardedGroup`] consumes the group on every shard
+//! of a stream as one queue; each [`ShardedRecord`] names its shard, and
+//! acks go back to it.
+//!
 //! # Features
 //!
 //! HELLO negotiates feature bits, and the client never sends a field the
@@ -147,12 +151,14 @@ mod client;
 mod config;
 mod conn;
 mod error;
+mod sharded;
 mod subscribe;
 mod types;
 
 pub use client::{Client, Pending, PendingAck, PendingPublish};
 pub use config::ClientConfig;
 pub use error::{ClientError, Result};
+pub use sharded::{ShardedGroup, ShardedRecord};
 pub use subscribe::Subscription;
 pub use types::{
     DeadLetterPage, GroupMember, GroupPollOptions, Published, ReadBatch, StreamOptions,

@@ -1,0 +1,496 @@
+//! A consumer group read across every shard of a stream.
+//!
+//! A group is per shard on the broker; [`ShardedGroup`] is the client
+//! polling all of a stream's shards as one queue. It assigns nothing: every
+//! `ShardedGroup` of a group polls every shard, and the broker's one claim
+//! per record is what divides the work between them.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::time::Duration;
+
+use felix_wire::{GroupInfo, GroupRecord};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use crate::{Client, ClientError, GroupMember, Result};
+
+/// A record claimed through a [`ShardedGroup`], with the shard it came from
+/// (acks, nacks and extensions go to that shard's group).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardedRecord {
+    pub shard: u32,
+    pub record: GroupRecord,
+}
+
+/// A waiting poll's answer, from the task that sent it.
+type Answer = (u32, Result<Vec<GroupRecord>>);
+
+/// One consumer of a group on every shard of a stream.
+///
+/// [`poll`](ShardedGroup::poll) first claims what is available on the
+/// shards without waiting, starting from a different shard each time so
+/// none is served before the others for ever. When none has anything and
+/// the poll may wait, it sends a waiting poll to every shard at once and
+/// answers as soon as one of them brings records.
+///
+/// The broker cannot take a sent poll back, so the waiting polls still out
+/// when the first one answers keep waiting, and what they claim later is
+/// kept here and handed out first by the next `poll`. Those records'
+/// visibility timeouts run from when they were claimed. To bound this, a
+/// waiting poll asks each shard for an equal part of `max_records`, so at
+/// most about `max_records` more are claimed ahead. [`close`](Self::close)
+/// waits for the polls still out and hands back everything claimed and not
+/// yet returned; dropping a `ShardedGroup` does the same in a background
+/// task when dropped inside a tokio runtime. Handed-back records count the
+/// delivery as an attempt, as any nack does.
+///
+/// Acks, nacks, extensions and dead letters take the [`ShardedRecord`] and
+/// go to its shard. Clone the [`Client`] freely: several `ShardedGroup`s of
+/// one group share its connections.
+///
+/// ```no_run
+/// # async fn demo(client: felix_client::Client) -> Result<(), felix_client::ClientError> {
+/// use std::time::Duration;
+/// use felix_client::ShardedGroup;
+///
+/// let mut jobs = ShardedGroup::new(client, "t1", "default", "jobs", "workers").await?;
+/// loop {
+///     let batch = jobs.poll(16, Duration::from_secs(5)).await?;
+///     if batch.is_empty() {
+///         break;
+///     }
+///     // ... handle each record's payload ...
+///     jobs.ack_many(&batch).await?;
+/// }
+/// jobs.close().await?;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct ShardedGroup {
+    client: Client,
+    tenant: String,
+    namespace: String,
+    stream: String,
+    group: String,
+    shards: u32,
+    member: Option<GroupMember>,
+    visibility: Option<Duration>,
+    /// Where the next sweep of the shards starts.
+    next: u32,
+    /// Claimed by a waiting poll after its `poll` had returned; handed out
+    /// before anything else.
+    ready: VecDeque<ShardedRecord>,
+    /// Shards with a waiting poll out (at most one each).
+    waiting: Vec<bool>,
+    answers_tx: mpsc::UnboundedSender<Answer>,
+    answers: mpsc::UnboundedReceiver<Answer>,
+}
+
+impl ShardedGroup {
+    /// The group `group` on every shard of `tenant/namespace/stream`
+    /// (asks the broker how many shards the stream has).
+    pub async fn new(
+        client: Client,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        group: &str,
+    ) -> Result<ShardedGroup> {
+        let shards = client
+            .describe_stream(tenant, namespace, stream)
+            .await?
+            .shards;
+        if shards == 0 {
+            return Err(ClientError::InvalidArgument(format!(
+                "{tenant}/{namespace}/{stream} has no shards"
+            )));
+        }
+        let (answers_tx, answers) = mpsc::unbounded_channel();
+        Ok(ShardedGroup {
+            client,
+            tenant: tenant.to_string(),
+            namespace: namespace.to_string(),
+            stream: stream.to_string(),
+            group: group.to_string(),
+            shards,
+            member: None,
+            visibility: None,
+            next: 0,
+            ready: VecDeque::new(),
+            waiting: vec![false; shards as usize],
+            answers_tx,
+            answers,
+        })
+    }
+
+    /// Poll as this named member on every shard (see [`GroupMember`]); with
+    /// `reclaim` set, the first poll of each shard on a new connection
+    /// takes back what the member held there.
+    pub fn member(mut self, member: GroupMember) -> Result<ShardedGroup> {
+        let len = member.name().len();
+        if len == 0 || len > GroupMember::MAX_NAME_BYTES {
+            return Err(ClientError::InvalidArgument(format!(
+                "a group member name is 1 to {} bytes, not {len}",
+                GroupMember::MAX_NAME_BYTES
+            )));
+        }
+        self.member = Some(member);
+        Ok(self)
+    }
+
+    /// Claims from this group's polls stand for `visibility` instead of
+    /// the broker's visibility timeout (needs
+    /// [`FEATURE_GROUP_CLAIM_CONTROL`](crate::FEATURE_GROUP_CLAIM_CONTROL),
+    /// checked on each poll).
+    pub fn visibility(mut self, visibility: Duration) -> ShardedGroup {
+        self.visibility = Some(visibility);
+        self
+    }
+
+    /// The stream's shard count.
+    pub fn shards(&self) -> u32 {
+        self.shards
+    }
+
+    /// The group's name.
+    pub fn group(&self) -> &str {
+        &self.group
+    }
+
+    /// Records claimed by waiting polls and not yet returned by
+    /// [`poll`](Self::poll).
+    pub fn held(&self) -> usize {
+        self.ready.len()
+    }
+
+    /// Claim up to `max_records` records from any of the stream's shards,
+    /// waiting up to `wait` for one when none is available. An empty batch
+    /// means nothing was.
+    pub async fn poll(&mut self, max_records: u32, wait: Duration) -> Result<Vec<ShardedRecord>> {
+        if max_records == 0 {
+            return Err(ClientError::InvalidArgument(
+                "max_records must be at least 1".into(),
+            ));
+        }
+        let max = max_records as usize;
+        let deadline = Instant::now() + wait;
+        // Answers that came in since the last poll.
+        while let Ok(answer) = self.answers.try_recv() {
+            self.take_answer(answer)?;
+        }
+        if !self.ready.is_empty() {
+            return Ok(self.hand_out(max));
+        }
+
+        let mut out = Vec::new();
+        let start = self.next;
+        self.next = (self.next + 1) % self.shards;
+        for i in 0..self.shards {
+            let shard = (start + i) % self.shards;
+            // A waiting poll is already out there and gets what arrives.
+            if self.waiting[shard as usize] {
+                continue;
+            }
+            let want = (max - out.len()) as u32;
+            let got = match self.poll_shard(shard, want, Duration::ZERO).await {
+                Ok(got) => got,
+                Err(e) => {
+                    // What the sweep claimed so far goes out with the next
+                    // poll rather than lapsing unseen.
+                    self.ready.extend(out);
+                    return Err(e);
+                }
+            };
+            out.extend(
+                got.into_iter()
+                    .map(|record| ShardedRecord { shard, record }),
+            );
+            if out.len() >= max {
+                break;
+            }
+        }
+        if !out.is_empty() || wait.is_zero() {
+            return Ok(out);
+        }
+
+        // Nothing anywhere: wait on every shard at once, each asked for its
+        // part of `max_records` so that what the others claim after the
+        // first answer stays small.
+        let each = max_records.div_ceil(self.shards).max(1);
+        for shard in 0..self.shards {
+            if !self.waiting[shard as usize] {
+                self.spawn_wait(shard, each, wait);
+            }
+        }
+        loop {
+            match tokio::time::timeout_at(deadline, self.answers.recv()).await {
+                Ok(Some(answer)) => {
+                    self.take_answer(answer)?;
+                    if !self.ready.is_empty() {
+                        while let Ok(answer) = self.answers.try_recv() {
+                            self.take_answer(answer)?;
+                        }
+                        return Ok(self.hand_out(max));
+                    }
+                }
+                // `answers_tx` lives in `self`, so the channel never closes.
+                Ok(None) => return Ok(Vec::new()),
+                Err(_elapsed) => return Ok(Vec::new()),
+            }
+        }
+    }
+
+    fn hand_out(&mut self, max: usize) -> Vec<ShardedRecord> {
+        let n = max.min(self.ready.len());
+        self.ready.drain(..n).collect()
+    }
+
+    /// Note a waiting poll's answer: its records join `ready`, its error is
+    /// the caller's.
+    fn take_answer(&mut self, (shard, answer): Answer) -> Result<()> {
+        self.waiting[shard as usize] = false;
+        let records = answer?;
+        self.ready.extend(
+            records
+                .into_iter()
+                .map(|record| ShardedRecord { shard, record }),
+        );
+        Ok(())
+    }
+
+    fn spawn_wait(&mut self, shard: u32, max_records: u32, wait: Duration) {
+        self.waiting[shard as usize] = true;
+        let (client, key) = (self.client.clone(), self.key(shard));
+        let (member, visibility) = (self.member.clone(), self.visibility);
+        let tx = self.answers_tx.clone();
+        tokio::spawn(async move {
+            let answer = client
+                .poll_group(key, max_records, wait, member, visibility)
+                .await;
+            // A closed channel means the group was dropped outside a
+            // runtime; the claims lapse back to the group.
+            let _ = tx.send((shard, answer));
+        });
+    }
+
+    async fn poll_shard(
+        &self,
+        shard: u32,
+        max_records: u32,
+        wait: Duration,
+    ) -> Result<Vec<GroupRecord>> {
+        self.client
+            .poll_group(
+                self.key(shard),
+                max_records,
+                wait,
+                self.member.clone(),
+                self.visibility,
+            )
+            .await
+    }
+
+    fn key(&self, shard: u32) -> felix_wire::GroupKey {
+        Client::group_key(
+            &self.tenant,
+            &self.namespace,
+            &self.stream,
+            shard,
+            &self.group,
+        )
+    }
+
+    /// Finish a record.
+    pub async fn ack(&self, record: &ShardedRecord) -> Result<()> {
+        let (t, n, s, g) = self.names();
+        self.client
+            .group_ack(t, n, s, record.shard, g, record.record.offset)
+            .await
+    }
+
+    /// Finish several records, one request per shard, all sent before any
+    /// answer is awaited. On an error every request is still awaited and
+    /// the first error returned.
+    pub async fn ack_many(&self, records: &[ShardedRecord]) -> Result<()> {
+        let mut by_shard: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
+        for r in records {
+            by_shard.entry(r.shard).or_default().push(r.record.offset);
+        }
+        let (t, n, s, g) = self.names();
+        let mut pending = Vec::with_capacity(by_shard.len());
+        let mut first_error = None;
+        for (shard, offsets) in &by_shard {
+            match self
+                .client
+                .begin_group_ack_many(t, n, s, *shard, g, offsets)
+                .await
+            {
+                Ok(p) => pending.push(p),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        for p in pending {
+            if let Err(e) = p.await {
+                first_error.get_or_insert(e);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    /// Hand a record back now, owed to the group again.
+    pub async fn nack(&self, record: &ShardedRecord) -> Result<()> {
+        let (t, n, s, g) = self.names();
+        self.client
+            .group_nack(t, n, s, record.shard, g, &record.record)
+            .await
+    }
+
+    /// Hand a record back, owed again once `delay` has passed.
+    pub async fn nack_after(&self, record: &ShardedRecord, delay: Duration) -> Result<()> {
+        let (t, n, s, g) = self.names();
+        self.client
+            .group_nack_after(t, n, s, record.shard, g, &record.record, delay)
+            .await
+    }
+
+    /// Extend the claim on a record by `by`; returns how long it now stands.
+    pub async fn extend(&self, record: &ShardedRecord, by: Duration) -> Result<Duration> {
+        let (t, n, s, g) = self.names();
+        self.client
+            .group_extend(t, n, s, record.shard, g, &record.record, by)
+            .await
+    }
+
+    /// Give up on a record: list it as a dead letter of its shard's group
+    /// and finish it.
+    pub async fn dead_letter(&self, record: &ShardedRecord) -> Result<()> {
+        let (t, n, s, g) = self.names();
+        self.client
+            .group_dead_letter(t, n, s, record.shard, g, &record.record)
+            .await
+    }
+
+    /// [`dead_letter`](Self::dead_letter) with a short reason the
+    /// dead-letter list keeps.
+    pub async fn dead_letter_with_reason(
+        &self,
+        record: &ShardedRecord,
+        reason: &str,
+    ) -> Result<()> {
+        let (t, n, s, g) = self.names();
+        self.client
+            .group_dead_letter_with_reason(t, n, s, record.shard, g, &record.record, reason)
+            .await
+    }
+
+    /// The group on every shard, in shard order.
+    pub async fn describe(&self) -> Result<Vec<GroupInfo>> {
+        let (t, n, s, g) = self.names();
+        self.client.group_describe_stream(t, n, s, g).await
+    }
+
+    /// Records published to the stream and not yet handed to the group,
+    /// over every shard.
+    pub async fn lag(&self) -> Result<u64> {
+        Ok(self.describe().await?.iter().map(GroupInfo::lag).sum())
+    }
+
+    fn names(&self) -> (&str, &str, &str, &str) {
+        (&self.tenant, &self.namespace, &self.stream, &self.group)
+    }
+
+    /// Wait for the polls still out (each ends within the wait it was sent
+    /// with) and hand back every record claimed and not yet returned by
+    /// [`poll`](Self::poll). Returns the first error met; every record is
+    /// still tried.
+    pub async fn close(mut self) -> Result<()> {
+        let handback = self.take_handback();
+        handback.run().await
+    }
+
+    fn take_handback(&mut self) -> HandBack {
+        let (answers_tx, answers) = mpsc::unbounded_channel();
+        // The polls still out hold the only senders left of the old
+        // channel, so its receiver ends if one of them never answers.
+        drop(std::mem::replace(&mut self.answers_tx, answers_tx));
+        let out = self.waiting.iter().filter(|w| **w).count();
+        self.waiting.fill(false);
+        HandBack {
+            client: self.client.clone(),
+            names: (
+                self.tenant.clone(),
+                self.namespace.clone(),
+                self.stream.clone(),
+                self.group.clone(),
+            ),
+            ready: std::mem::take(&mut self.ready),
+            out,
+            answers: std::mem::replace(&mut self.answers, answers),
+        }
+    }
+}
+
+impl Drop for ShardedGroup {
+    fn drop(&mut self) {
+        if self.ready.is_empty() && !self.waiting.iter().any(|w| *w) {
+            return;
+        }
+        let handback = self.take_handback();
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(async move {
+                    if let Err(e) = handback.run().await {
+                        tracing::warn!("felix: a dropped ShardedGroup's hand-back failed: {e}");
+                    }
+                });
+            }
+            Err(_) => tracing::warn!(
+                "felix: a ShardedGroup dropped outside a tokio runtime left {} records \
+                 claimed; they go back to the group when their claims lapse",
+                handback.ready.len()
+            ),
+        }
+    }
+}
+
+/// What [`ShardedGroup::close`] (or its drop) still owes the group.
+struct HandBack {
+    client: Client,
+    names: (String, String, String, String),
+    ready: VecDeque<ShardedRecord>,
+    /// Waiting polls still to answer.
+    out: usize,
+    answers: mpsc::UnboundedReceiver<Answer>,
+}
+
+impl HandBack {
+    async fn run(mut self) -> Result<()> {
+        let mut first_error = None;
+        while self.out > 0 {
+            let Some((shard, answer)) = self.answers.recv().await else {
+                break;
+            };
+            self.out -= 1;
+            match answer {
+                Ok(records) => self.ready.extend(
+                    records
+                        .into_iter()
+                        .map(|record| ShardedRecord { shard, record }),
+                ),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        let (t, n, s, g) = &self.names;
+        for r in &self.ready {
+            if let Err(e) = self.client.group_nack(t, n, s, r.shard, g, &r.record).await {
+                first_error.get_or_insert(e);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+}

@@ -1,0 +1,273 @@
+//! `ShardedGroup`: one consumer of a group on every shard of a stream,
+//! against a real broker over TCP.
+
+mod groups_common;
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use felix_client::{Client, GroupMember, ShardedGroup, ShardedRecord, StreamOptions};
+use felix_wire::RecordIn;
+use groups_common::{client, opts, NS, T};
+
+async fn sharded_stream(c: &Client, name: &str, shards: u32) {
+    c.create_stream(T, NS, name, shards, StreamOptions::default())
+        .await
+        .expect("create_stream");
+}
+
+/// Publish `n` records to `shard`, payloads `s{shard}-{i}`.
+async fn publish_to(c: &Client, stream: &str, shard: u32, n: u32) {
+    let records: Vec<RecordIn> = (0..n)
+        .map(|i| RecordIn {
+            payload: Bytes::from(format!("s{shard}-{i}")),
+            ..Default::default()
+        })
+        .collect();
+    let p = c
+        .publish_batch(T, NS, stream, shard, records)
+        .await
+        .expect("publish_batch");
+    assert_eq!(p.count, n);
+}
+
+async fn group(c: &Client, stream: &str, name: &str) -> ShardedGroup {
+    ShardedGroup::new(c.clone(), T, NS, stream, name)
+        .await
+        .expect("ShardedGroup::new")
+}
+
+fn keys(records: &[ShardedRecord]) -> Vec<(u32, u64)> {
+    records.iter().map(|r| (r.shard, r.record.offset)).collect()
+}
+
+#[tokio::test]
+async fn a_sharded_group_hands_out_every_record_of_every_shard_once() {
+    let b = felix_tests::start_broker!(opts(30_000, 5));
+    let c = client(&b.addr).await;
+    sharded_stream(&c, "wide", 3).await;
+    for shard in 0..3 {
+        publish_to(&c, "wide", shard, 200).await;
+    }
+    // Two consumers, each on its own connections, drain the stream at once.
+    let consume = |c: Client| async move {
+        let mut g = group(&c, "wide", "workers").await;
+        let mut got = Vec::new();
+        loop {
+            let batch = g.poll(32, Duration::from_millis(300)).await.expect("poll");
+            if batch.is_empty() {
+                break;
+            }
+            g.ack_many(&batch).await.expect("ack_many");
+            got.extend(keys(&batch));
+        }
+        g.close().await.expect("close");
+        got
+    };
+    let (a, b2) = tokio::join!(
+        consume(client(&b.addr).await),
+        consume(client(&b.addr).await)
+    );
+    let mut seen = BTreeSet::new();
+    for k in a.iter().chain(&b2) {
+        assert!(seen.insert(*k), "{k:?} was handed out twice");
+    }
+    let want: BTreeSet<(u32, u64)> = (0..3).flat_map(|s| (0..200).map(move |o| (s, o))).collect();
+    assert_eq!(seen, want);
+
+    let g = group(&c, "wide", "workers").await;
+    assert_eq!(g.shards(), 3);
+    assert_eq!(g.lag().await.expect("lag"), 0);
+    for info in g.describe().await.expect("describe") {
+        assert_eq!((info.position, info.in_flight), (200, 0));
+    }
+}
+
+#[tokio::test]
+async fn a_waiting_sharded_poll_wakes_for_any_shard_and_keeps_what_the_others_claim() {
+    let b = felix_tests::start_broker!(opts(30_000, 5));
+    let c = client(&b.addr).await;
+    sharded_stream(&c, "wake", 2).await;
+    let mut g = group(&c, "wake", "workers").await;
+
+    // Nothing yet: the poll waits on both shards; a record on shard 1 ends it
+    // long before its wait is up.
+    let producer = c.clone();
+    let publish_later = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        publish_to(&producer, "wake", 1, 1).await;
+    });
+    let asked = Instant::now();
+    let first = g.poll(10, Duration::from_secs(20)).await.expect("poll");
+    publish_later.await.unwrap();
+    assert_eq!(keys(&first), vec![(1, 0)]);
+    assert!(
+        asked.elapsed() < Duration::from_secs(15),
+        "the poll waited out its wait"
+    );
+
+    // The wait on shard 0 is still out: what arrives there is claimed by it
+    // and handed out by the next poll, once.
+    publish_to(&c, "wake", 0, 1).await;
+    let second = g.poll(10, Duration::from_secs(10)).await.expect("poll");
+    assert_eq!(keys(&second), vec![(0, 0)]);
+    assert_eq!(second[0].record.attempts, 1);
+    assert_eq!(&second[0].record.payload[..], b"s0-0");
+    assert!(g.poll(10, Duration::ZERO).await.expect("poll").is_empty());
+    g.ack_many(&[first, second].concat()).await.expect("ack");
+    g.close().await.expect("close");
+}
+
+/// A consumer that waited on two shards returns one record; the other is
+/// claimed by its other waiting poll or not yet published. Either way,
+/// `finish` must leave it to the group.
+async fn claimed_ahead_goes_back(finish: impl AsyncFnOnce(ShardedGroup)) {
+    let b = felix_tests::start_broker!(opts(30_000, 5));
+    let c = client(&b.addr).await;
+    sharded_stream(&c, "ahead", 2).await;
+    let mut a = group(&client(&b.addr).await, "ahead", "workers").await;
+    let producer = c.clone();
+    let publish_later = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        publish_to(&producer, "ahead", 0, 1).await;
+        publish_to(&producer, "ahead", 1, 1).await;
+    });
+    // One record a poll: each shard's waiting poll asks for one.
+    let got = a.poll(1, Duration::from_secs(2)).await.expect("poll");
+    publish_later.await.unwrap();
+    assert_eq!(got.len(), 1);
+    finish(a).await;
+
+    let other = 1 - got[0].shard;
+    let mut b2 = group(&c, "ahead", "workers").await;
+    let again = b2.poll(10, Duration::from_secs(5)).await.expect("poll");
+    assert_eq!(keys(&again), vec![(other, 0)]);
+    // Handed back if the first consumer's waiting poll had claimed it,
+    // a first delivery if it had not.
+    assert!(again[0].record.attempts <= 2);
+    b2.ack_many(&again).await.expect("ack");
+    let info = b2.describe().await.expect("describe");
+    assert_eq!(
+        info[got[0].shard as usize].in_flight, 1,
+        "the returned record stays claimed"
+    );
+    assert_eq!(info[other as usize].in_flight, 0);
+    b2.close().await.expect("close");
+}
+
+#[tokio::test]
+async fn closing_a_sharded_group_hands_back_what_it_claimed_ahead() {
+    claimed_ahead_goes_back(async |g| g.close().await.expect("close")).await;
+}
+
+#[tokio::test]
+async fn dropping_a_sharded_group_hands_back_what_it_claimed_ahead() {
+    claimed_ahead_goes_back(async |g| drop(g)).await;
+}
+
+#[tokio::test]
+async fn sharded_acks_nacks_and_dead_letters_go_to_each_records_shard() {
+    let b = felix_tests::start_broker!(opts(30_000, 5));
+    let c = client(&b.addr).await;
+    sharded_stream(&c, "route", 3).await;
+    for shard in 0..3 {
+        publish_to(&c, "route", shard, 1).await;
+    }
+    let mut g = group(&c, "route", "workers").await;
+    let mut got = g.poll(10, Duration::ZERO).await.expect("poll");
+    got.sort_by_key(|r| r.shard);
+    assert_eq!(keys(&got), vec![(0, 0), (1, 0), (2, 0)]);
+
+    let stands = g
+        .extend(&got[0], Duration::from_secs(45))
+        .await
+        .expect("extend");
+    assert!(stands > Duration::from_secs(40));
+    g.ack(&got[0]).await.expect("ack");
+    g.nack(&got[1]).await.expect("nack");
+    g.dead_letter_with_reason(&got[2], "unparseable")
+        .await
+        .expect("dead_letter");
+
+    let info = g.describe().await.expect("describe");
+    assert_eq!((info[0].position, info[0].in_flight), (1, 0));
+    assert_eq!((info[1].position, info[1].owed), (0, 1));
+    assert_eq!((info[2].position, info[2].dead_letters), (1, 1));
+    assert_eq!(
+        c.group_dead_letters(T, NS, "route", 2, "workers")
+            .await
+            .expect("dead letters"),
+        vec![0]
+    );
+    // The nacked record comes again, from its own shard.
+    let again = g.poll(10, Duration::ZERO).await.expect("poll");
+    assert_eq!(keys(&again), vec![(1, 0)]);
+    assert_eq!(again[0].record.attempts, 2);
+    g.ack_many(&again).await.expect("ack");
+    g.close().await.expect("close");
+}
+
+#[tokio::test]
+async fn a_named_sharded_member_takes_back_its_claims_on_every_shard() {
+    let b = felix_tests::start_broker!(opts(30_000, 5));
+    let c = client(&b.addr).await;
+    sharded_stream(&c, "named", 2).await;
+    for shard in 0..2 {
+        publish_to(&c, "named", shard, 3).await;
+    }
+    let member = GroupMember::new("worker-1").reclaim(true);
+    // The first run claims everything and stops answering (its client
+    // stays connected, as a hung process's would).
+    let first = client(&b.addr).await;
+    let mut old = group(&first, "named", "workers")
+        .await
+        .member(member.clone())
+        .expect("member");
+    let mut held = old.poll(100, Duration::ZERO).await.expect("poll");
+    held.extend(old.poll(100, Duration::ZERO).await.expect("poll"));
+    assert_eq!(held.len(), 6);
+    assert_eq!(old.held(), 0);
+    drop(old);
+
+    // An anonymous consumer gets nothing: the claims stand.
+    let mut anon = group(&c, "named", "workers").await;
+    assert!(anon
+        .poll(100, Duration::ZERO)
+        .await
+        .expect("poll")
+        .is_empty());
+
+    // The restarted member, on a new connection, takes all six back at once.
+    let mut new = group(&client(&b.addr).await, "named", "workers")
+        .await
+        .member(member)
+        .expect("member");
+    let mut back = Vec::new();
+    for _ in 0..4 {
+        back.extend(new.poll(100, Duration::ZERO).await.expect("poll"));
+    }
+    let mut k = keys(&back);
+    k.sort();
+    assert_eq!(k, vec![(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]);
+    assert!(back.iter().all(|r| r.record.attempts == 2));
+    new.ack_many(&back).await.expect("ack");
+    new.close().await.expect("close");
+    anon.close().await.expect("close");
+}
+
+#[tokio::test]
+async fn a_sharded_group_refuses_bad_arguments() {
+    let b = felix_tests::start_broker!(opts(30_000, 5));
+    let c = client(&b.addr).await;
+    sharded_stream(&c, "args", 2).await;
+    let missing = ShardedGroup::new(c.clone(), T, NS, "nope", "workers").await;
+    assert_eq!(
+        missing.err().and_then(|e| e.code()),
+        Some(felix_wire::ErrorCode::NotFound)
+    );
+    let g = group(&c, "args", "workers").await;
+    assert!(g.member(GroupMember::new("")).is_err());
+    let mut g = group(&c, "args", "workers").await;
+    assert!(g.poll(0, Duration::ZERO).await.is_err());
+}
