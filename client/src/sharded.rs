@@ -44,6 +44,9 @@ type Answer = (u32, Result<Vec<GroupRecord>>);
 /// task when dropped inside a tokio runtime. Handed-back records count the
 /// delivery as an attempt, as any nack does.
 ///
+/// A `poll` may be cancelled (dropped by a timeout or a `select!`) at any
+/// point: whatever its polls claim is kept for the next one.
+///
 /// Acks, nacks, extensions and dead letters take the [`ShardedRecord`] and
 /// go to its shard. Clone the [`Client`] freely: several `ShardedGroup`s of
 /// one group share its connections.
@@ -183,7 +186,10 @@ impl ShardedGroup {
             return Ok(self.hand_out(max));
         }
 
-        let mut out = Vec::new();
+        // Every poll, waiting or not, runs in a task that answers through
+        // `answers`, and what it claims goes to `ready` before it is handed
+        // out: a caller that drops this future (a timeout, a `select!`) at
+        // any point leaves the records here for the next poll.
         let start = self.next;
         self.next = (self.next + 1) % self.shards;
         for i in 0..self.shards {
@@ -192,26 +198,21 @@ impl ShardedGroup {
             if self.waiting[shard as usize] {
                 continue;
             }
-            let want = (max - out.len()) as u32;
-            let got = match self.poll_shard(shard, want, Duration::ZERO).await {
-                Ok(got) => got,
-                Err(e) => {
-                    // What the sweep claimed so far goes out with the next
-                    // poll rather than lapsing unseen.
-                    self.ready.extend(out);
-                    return Err(e);
-                }
-            };
-            out.extend(
-                got.into_iter()
-                    .map(|record| ShardedRecord { shard, record }),
-            );
-            if out.len() >= max {
+            let want = max.saturating_sub(self.ready.len());
+            if want == 0 {
                 break;
             }
+            self.spawn_poll(shard, want as u32, Duration::ZERO);
+            while self.waiting[shard as usize] {
+                // `answers_tx` lives in `self`, so the channel never closes.
+                let Some(answer) = self.answers.recv().await else {
+                    break;
+                };
+                self.take_answer(answer)?;
+            }
         }
-        if !out.is_empty() || wait.is_zero() {
-            return Ok(out);
+        if !self.ready.is_empty() || wait.is_zero() {
+            return Ok(self.hand_out(max));
         }
 
         // Nothing anywhere: wait on every shard at once, each asked for its
@@ -220,7 +221,7 @@ impl ShardedGroup {
         let each = max_records.div_ceil(self.shards).max(1);
         for shard in 0..self.shards {
             if !self.waiting[shard as usize] {
-                self.spawn_wait(shard, each, wait);
+                self.spawn_poll(shard, each, wait);
             }
         }
         loop {
@@ -259,36 +260,20 @@ impl ShardedGroup {
         Ok(())
     }
 
-    fn spawn_wait(&mut self, shard: u32, max_records: u32, wait: Duration) {
+    fn spawn_poll(&mut self, shard: u32, max_records: u32, wait: Duration) {
         self.waiting[shard as usize] = true;
         let (client, key) = (self.client.clone(), self.key(shard));
         let (member, visibility) = (self.member.clone(), self.visibility);
-        let tx = self.answers_tx.clone();
+        let reply = Reply {
+            shard,
+            tx: Some(self.answers_tx.clone()),
+        };
         tokio::spawn(async move {
             let answer = client
                 .poll_group(key, max_records, wait, member, visibility)
                 .await;
-            // A closed channel means the group was dropped outside a
-            // runtime; the claims lapse back to the group.
-            let _ = tx.send((shard, answer));
+            reply.send(answer);
         });
-    }
-
-    async fn poll_shard(
-        &self,
-        shard: u32,
-        max_records: u32,
-        wait: Duration,
-    ) -> Result<Vec<GroupRecord>> {
-        self.client
-            .poll_group(
-                self.key(shard),
-                max_records,
-                wait,
-                self.member.clone(),
-                self.visibility,
-            )
-            .await
     }
 
     fn key(&self, shard: u32) -> felix_wire::GroupKey {
@@ -452,6 +437,33 @@ impl Drop for ShardedGroup {
                  claimed; they go back to the group when their claims lapse",
                 handback.ready.len()
             ),
+        }
+    }
+}
+
+/// Where a shard's poll answers. Dropped unsent (the task panicked or its
+/// runtime shut down), it answers `Disconnected`, so the shard is not left
+/// marked as waiting for ever; the broker may have claimed records for it,
+/// which lapse back to the group.
+struct Reply {
+    shard: u32,
+    tx: Option<mpsc::UnboundedSender<Answer>>,
+}
+
+impl Reply {
+    fn send(mut self, answer: Result<Vec<GroupRecord>>) {
+        if let Some(tx) = self.tx.take() {
+            // A closed channel: the group was dropped outside a runtime,
+            // and these claims lapse back to the group.
+            let _ = tx.send((self.shard, answer));
+        }
+    }
+}
+
+impl Drop for Reply {
+    fn drop(&mut self) {
+        if let Some(tx) = self.tx.take() {
+            let _ = tx.send((self.shard, Err(ClientError::Disconnected)));
         }
     }
 }

@@ -271,3 +271,34 @@ async fn a_sharded_group_refuses_bad_arguments() {
     let mut g = group(&c, "args", "workers").await;
     assert!(g.poll(0, Duration::ZERO).await.is_err());
 }
+
+#[tokio::test]
+async fn a_cancelled_sharded_poll_keeps_what_it_claimed() {
+    let b = felix_tests::start_broker!(opts(30_000, 5));
+    let c = client(&b.addr).await;
+    sharded_stream(&c, "cancel", 2).await;
+    for shard in 0..2 {
+        publish_to(&c, "cancel", shard, 5).await;
+    }
+    let mut g = group(&c, "cancel", "workers").await;
+    // Dropped at its first wait for an answer: the poll it sent still
+    // claims records.
+    let cancelled = tokio::time::timeout(Duration::ZERO, g.poll(100, Duration::ZERO)).await;
+    assert!(cancelled.is_err(), "the poll answered without waiting");
+
+    // Every record still comes out of this group, once and as a first
+    // delivery, not after its claim lapses 30 s later.
+    let mut records = Vec::new();
+    for _ in 0..20 {
+        records.extend(g.poll(100, Duration::from_millis(500)).await.expect("poll"));
+        if records.len() >= 10 {
+            break;
+        }
+    }
+    assert!(records.iter().all(|r| r.record.attempts == 1));
+    let mut got = keys(&records);
+    got.sort();
+    let want: Vec<(u32, u64)> = (0..2).flat_map(|s| (0..5).map(move |o| (s, o))).collect();
+    assert_eq!(got, want);
+    g.close().await.expect("close");
+}
