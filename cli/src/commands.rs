@@ -731,6 +731,11 @@ impl Consumer<'_> {
         }
     }
 
+    /// May `poll` be dropped unanswered without leaving records claimed?
+    fn cancel_safe(&self) -> bool {
+        matches!(self, Consumer::All(_))
+    }
+
     /// The shard to print beside each record (json), when there are several.
     fn shown_shard(&self, r: &ShardedRecord) -> Option<u32> {
         matches!(self, Consumer::All(_)).then_some(r.shard)
@@ -765,25 +770,67 @@ async fn consume_loop(client: &Client, args: &ConsumeArgs, done: &mut u64) -> Re
             member,
         }
     };
-    let result = consume_records(&mut consumer, args, done).await;
-    let finished = consumer.finish().await;
-    result?;
-    Ok(finished?)
+    let result = consume_records(&mut consumer, args, done, stop_on_signal()).await;
+    // Records claimed ahead go back to the group; if that fails they lapse
+    // back after their visibility timeout, so it only earns a warning.
+    if let Err(e) = consumer.finish().await {
+        eprintln!("felix: handing back records claimed ahead: {e}; they return to the group when their claims lapse");
+    }
+    result
+}
+
+/// Ctrl-C or SIGTERM asks `felix consume` to stop once the batch in hand is
+/// printed and acknowledged (and what it claimed ahead is handed back); a
+/// second one exits at once.
+fn stop_on_signal() -> tokio::sync::watch::Receiver<bool> {
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        use tokio::signal::unix::{signal, SignalKind};
+        let Ok(mut term) = signal(SignalKind::terminate()) else {
+            return;
+        };
+        let mut asked = false;
+        loop {
+            tokio::select! {
+                r = tokio::signal::ctrl_c() => if r.is_err() { return },
+                _ = term.recv() => {}
+            }
+            if asked {
+                std::process::exit(130);
+            }
+            asked = true;
+            eprintln!("felix: stopping after this batch (again to exit at once)");
+            let _ = tx.send(true);
+        }
+    });
+    rx
 }
 
 async fn consume_records(
     consumer: &mut Consumer<'_>,
     args: &ConsumeArgs,
     done: &mut u64,
+    mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> Result<(), CliError> {
     let wait = Duration::from_millis(args.wait_ms);
     let limit = args.count.unwrap_or(u64::MAX);
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::with_capacity(64 * 1024, stdout.lock());
-    while *done < limit {
+    while *done < limit && !*stop.borrow() {
         let want = (limit - *done).min(u64::from(args.batch.max(1))) as u32;
         let asked = std::time::Instant::now();
-        let records = match consumer.poll(want, wait).await {
+        let polled = if consumer.cancel_safe() {
+            tokio::select! {
+                r = consumer.poll(want, wait) => r,
+                _ = stop.wait_for(|s| *s) => break,
+            }
+        } else {
+            // A one-shard poll dropped unanswered would leave what it claims
+            // held until the visibility timeout: let it answer (within
+            // --wait-ms) and finish its batch.
+            consumer.poll(want, wait).await
+        };
+        let records = match polled {
             Ok(r) => r,
             Err(e) if args.follow && is_transient(&e) => {
                 eprintln!("felix: {e}; retrying");
@@ -833,7 +880,7 @@ async fn consume_records(
                 Ok(()) => break,
                 // The connection dropped under the ack: the claims may well
                 // stand, so ack again once reconnected.
-                Err(e) if args.follow && is_transient(&e) => {
+                Err(e) if args.follow && is_transient(&e) && !*stop.borrow() => {
                     eprintln!("felix: ack: {e}; retrying");
                     retried = true;
                     tokio::time::sleep(Duration::from_millis(500)).await;

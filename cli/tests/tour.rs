@@ -1584,3 +1584,54 @@ fn consume_all_shards_takes_every_shards_records_once() {
     );
     assert_eq!(out.status.code(), Some(2), "{out:?}");
 }
+
+#[test]
+fn consume_follow_stops_cleanly_on_ctrl_c_and_leaves_nothing_claimed() {
+    let s = serve();
+    let st = "t/ns/gint";
+    ok(&s, &["stream", "create", st, "--shards", "2"], None);
+    ok(&s, &["publish", st, "--shard", "0", "a"], None);
+    ok(&s, &["publish", st, "--shard", "1", "b"], None);
+    let mut consumer = felix()
+        .arg("--broker")
+        .arg(&s.addr)
+        .args(["consume", st, "--group", "g", "--all-shards", "--follow"])
+        .args(["--wait-ms", "30000"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = follow_lines(&mut consumer);
+    let mut got = vec![next_line(&lines), next_line(&lines)];
+    got.sort();
+    assert_eq!(got, ["a", "b"]);
+    // Now parked in a 30 s wait on both shards: Ctrl-C ends it without
+    // waiting that out.
+    let asked = std::time::Instant::now();
+    let kill = Command::new("kill")
+        .args(["-INT", &consumer.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let out = consumer.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(err.contains("consumed 2 records"), "{err}");
+    assert!(
+        asked.elapsed() < std::time::Duration::from_secs(20),
+        "{err}"
+    );
+    // Nothing is left claimed: a record published now is a first delivery.
+    ok(&s, &["publish", st, "--shard", "1", "c"], None);
+    let (lines, _) = consume(&s, st, "g", &["--all-shards", "--format", "json"]);
+    let rows: Vec<serde_json::Value> = lines
+        .iter()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 1, "{lines:?}");
+    assert_eq!(
+        (rows[0]["payload"].as_str(), rows[0]["attempts"].as_u64()),
+        (Some("c"), Some(1))
+    );
+}

@@ -8,7 +8,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
 
-use felix_wire::{GroupInfo, GroupRecord};
+use felix_wire::{ErrorCode, GroupInfo, GroupRecord};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
@@ -22,6 +22,14 @@ pub struct ShardedRecord {
     pub record: GroupRecord,
 }
 
+/// The longest a waiting poll lasts before it is sent again, which bounds
+/// how long [`ShardedGroup::close`] waits for the polls still out.
+const LONG_WAIT_SLICE: Duration = Duration::from_secs(1);
+
+/// With fewer records wanted than shards, how long each of the rotating
+/// waiting polls lasts.
+const SHORT_WAIT_SLICE: Duration = Duration::from_millis(100);
+
 /// A waiting poll's answer, from the task that sent it.
 type Answer = (u32, Result<Vec<GroupRecord>>);
 
@@ -30,19 +38,26 @@ type Answer = (u32, Result<Vec<GroupRecord>>);
 /// [`poll`](ShardedGroup::poll) first claims what is available on the
 /// shards without waiting, starting from a different shard each time so
 /// none is served before the others for ever. When none has anything and
-/// the poll may wait, it sends a waiting poll to every shard at once and
-/// answers as soon as one of them brings records.
+/// the poll may wait, it sends waiting polls to the shards and answers as
+/// soon as one of them brings records.
 ///
 /// The broker cannot take a sent poll back, so the waiting polls still out
 /// when the first one answers keep waiting, and what they claim later is
-/// kept here and handed out first by the next `poll`. Those records'
-/// visibility timeouts run from when they were claimed. To bound this, a
-/// waiting poll asks each shard for an equal part of `max_records`, so at
-/// most about `max_records` more are claimed ahead. [`close`](Self::close)
-/// waits for the polls still out and hands back everything claimed and not
-/// yet returned; dropping a `ShardedGroup` does the same in a background
-/// task when dropped inside a tokio runtime. Handed-back records count the
-/// delivery as an attempt, as any nack does.
+/// kept here and handed out first by the next `poll`
+/// ([`held`](Self::held) counts it). Those records' visibility timeouts run
+/// from when they were claimed, so keep polling. The waiting polls of one
+/// `poll` ask for `max_records` in all: each shard its part when there are
+/// at least as many records as shards; otherwise one record each on as
+/// many shards as records, taking turns in slices of 100 ms. Each lasts at
+/// most a second and is sent again while the `poll`'s own wait lasts.
+///
+/// [`close`](Self::close) waits for the polls still out (a second at most)
+/// and hands back
+/// (nacks) everything claimed and not yet returned, so another consumer
+/// gets it at once; a handed-back record has had the attempt counted, as
+/// any nack does. Dropping a `ShardedGroup` starts the same in a background
+/// task, which a runtime shutting down may cut short (the claims then
+/// lapse back to the group after their visibility timeout): call `close`.
 ///
 /// A `poll` may be cancelled (dropped by a timeout or a `select!`) at any
 /// point: whatever its polls claim is kept for the next one.
@@ -177,7 +192,10 @@ impl ShardedGroup {
             ));
         }
         let max = max_records as usize;
-        let deadline = Instant::now() + wait;
+        let now = Instant::now();
+        let deadline = now
+            .checked_add(wait)
+            .unwrap_or_else(|| now + Duration::from_secs(365 * 24 * 3600));
         // Answers that came in since the last poll.
         while let Ok(answer) = self.answers.try_recv() {
             self.take_answer(answer)?;
@@ -215,16 +233,15 @@ impl ShardedGroup {
             return Ok(self.hand_out(max));
         }
 
-        // Nothing anywhere: wait on every shard at once, each asked for its
-        // part of `max_records` so that what the others claim after the
-        // first answer stays small.
-        let each = max_records.div_ceil(self.shards).max(1);
-        for shard in 0..self.shards {
-            if !self.waiting[shard as usize] {
-                self.spawn_poll(shard, each, wait);
-            }
-        }
+        // Nothing anywhere: wait. A shard whose wait ends empty (its time
+        // was up, or the broker caps waits at FELIX_GROUP_MAX_WAIT_MS) gets
+        // a new one while this poll's own wait lasts.
         loop {
+            let now = Instant::now();
+            if deadline.saturating_duration_since(now) < Duration::from_millis(1) {
+                return Ok(Vec::new());
+            }
+            self.spread_waits(max_records, deadline - now);
             match tokio::time::timeout_at(deadline, self.answers.recv()).await {
                 Ok(Some(answer)) => {
                     self.take_answer(answer)?;
@@ -236,9 +253,37 @@ impl ShardedGroup {
                     }
                 }
                 // `answers_tx` lives in `self`, so the channel never closes.
-                Ok(None) => return Ok(Vec::new()),
-                Err(_elapsed) => return Ok(Vec::new()),
+                Ok(None) | Err(_) => return Ok(Vec::new()),
             }
+        }
+    }
+
+    /// Send waiting polls for up to `max_records` records in all, so that
+    /// what they claim after the first answer never exceeds it. With at
+    /// least as many records as shards, every shard waits for its part of
+    /// `max_records`, a second at a time; with fewer, one record each on as
+    /// many shards as records, in turn, a short slice at a time.
+    fn spread_waits(&mut self, max_records: u32, remaining: Duration) {
+        let n = self.shards;
+        if max_records >= n {
+            let (base, extra) = (max_records / n, max_records % n);
+            let slice = remaining.min(LONG_WAIT_SLICE);
+            for shard in 0..n {
+                if !self.waiting[shard as usize] {
+                    self.spawn_poll(shard, base + u32::from(shard < extra), slice);
+                }
+            }
+            return;
+        }
+        let slice = remaining.min(SHORT_WAIT_SLICE);
+        let out = self.waiting.iter().filter(|w| **w).count() as u32;
+        for _ in out..max_records {
+            let idle = (0..n)
+                .map(|i| (self.next + i) % n)
+                .find(|s| !self.waiting[*s as usize]);
+            let Some(shard) = idle else { break };
+            self.next = (shard + 1) % n;
+            self.spawn_poll(shard, 1, slice);
         }
     }
 
@@ -251,6 +296,19 @@ impl ShardedGroup {
     /// the caller's.
     fn take_answer(&mut self, (shard, answer): Answer) -> Result<()> {
         self.waiting[shard as usize] = false;
+        if let Err(e) = &answer {
+            // The shard's connection dropped. A member that reclaims takes
+            // back, on its first poll over the new connection, what the old
+            // one held, so records held here from that shard would come out
+            // twice; drop them and let the reclaim hand them out.
+            let lost = matches!(
+                e,
+                ClientError::Disconnected | ClientError::Io(_) | ClientError::Timeout
+            );
+            if lost && self.member.as_ref().is_some_and(GroupMember::reclaims) {
+                self.ready.retain(|r| r.shard != shard);
+            }
+        }
         let records = answer?;
         self.ready.extend(
             records
@@ -434,8 +492,10 @@ impl Drop for ShardedGroup {
             }
             Err(_) => tracing::warn!(
                 "felix: a ShardedGroup dropped outside a tokio runtime left {} records \
-                 claimed; they go back to the group when their claims lapse",
-                handback.ready.len()
+                 claimed and {} polls out; what they hold goes back to the group when \
+                 its claims lapse",
+                handback.ready.len(),
+                handback.out
             ),
         }
     }
@@ -499,8 +559,13 @@ impl HandBack {
         }
         let (t, n, s, g) = &self.names;
         for r in &self.ready {
-            if let Err(e) = self.client.group_nack(t, n, s, r.shard, g, &r.record).await {
-                first_error.get_or_insert(e);
+            match self.client.group_nack(t, n, s, r.shard, g, &r.record).await {
+                // The claim lapsed and the record already went back.
+                Err(e) if e.code() == Some(ErrorCode::StaleClaim) => {}
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+                Ok(()) => {}
             }
         }
         first_error.map_or(Ok(()), Err)

@@ -4,7 +4,7 @@
 mod groups_common;
 
 use std::collections::BTreeSet;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use felix_client::{Client, GroupMember, ShardedGroup, ShardedRecord, StreamOptions};
@@ -36,6 +36,14 @@ async fn group(c: &Client, stream: &str, name: &str) -> ShardedGroup {
     ShardedGroup::new(c.clone(), T, NS, stream, name)
         .await
         .expect("ShardedGroup::new")
+}
+
+/// Wait until the broker has `n` group polls parked.
+async fn parked(b: &felix_tests::Broker, n: f64) {
+    groups_common::eventually("parked polls", Duration::from_secs(10), || async {
+        b.metric("felix_group_polls_waiting") == n
+    })
+    .await;
 }
 
 fn keys(records: &[ShardedRecord]) -> Vec<(u32, u64)> {
@@ -93,23 +101,28 @@ async fn a_waiting_sharded_poll_wakes_for_any_shard_and_keeps_what_the_others_cl
 
     // Nothing yet: the poll waits on both shards; a record on shard 1 ends it
     // long before its wait is up.
-    let producer = c.clone();
-    let publish_later = tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        publish_to(&producer, "wake", 1, 1).await;
-    });
-    let asked = Instant::now();
-    let first = g.poll(10, Duration::from_secs(20)).await.expect("poll");
-    publish_later.await.unwrap();
+    let first = {
+        let mut poll = std::pin::pin!(g.poll(10, Duration::from_secs(20)));
+        tokio::select! {
+            r = &mut poll => r,
+            () = async {
+                parked(&b, 2.0).await;
+                publish_to(&c, "wake", 1, 1).await;
+                std::future::pending().await
+            } => unreachable!(),
+        }
+        .expect("poll")
+    };
     assert_eq!(keys(&first), vec![(1, 0)]);
-    assert!(
-        asked.elapsed() < Duration::from_secs(15),
-        "the poll waited out its wait"
-    );
 
     // The wait on shard 0 is still out: what arrives there is claimed by it
     // and handed out by the next poll, once.
+    parked(&b, 1.0).await;
     publish_to(&c, "wake", 0, 1).await;
+    groups_common::eventually("the claim ahead", Duration::from_secs(10), || async {
+        b.metric("felix_group_polls_waiting") == 0.0
+    })
+    .await;
     let second = g.poll(10, Duration::from_secs(10)).await.expect("poll");
     assert_eq!(keys(&second), vec![(0, 0)]);
     assert_eq!(second[0].record.attempts, 1);
@@ -119,40 +132,46 @@ async fn a_waiting_sharded_poll_wakes_for_any_shard_and_keeps_what_the_others_cl
     g.close().await.expect("close");
 }
 
-/// A consumer that waited on two shards returns one record; the other is
-/// claimed by its other waiting poll or not yet published. Either way,
-/// `finish` must leave it to the group.
+/// A consumer that waited on two shards returns one record; its waiting
+/// poll on the other shard claims the record published there next.
+/// `finish` must hand that one back to the group.
 async fn claimed_ahead_goes_back(finish: impl AsyncFnOnce(ShardedGroup)) {
     let b = felix_tests::start_broker!(opts(30_000, 5));
     let c = client(&b.addr).await;
     sharded_stream(&c, "ahead", 2).await;
     let mut a = group(&client(&b.addr).await, "ahead", "workers").await;
-    let producer = c.clone();
-    let publish_later = tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        publish_to(&producer, "ahead", 0, 1).await;
-        publish_to(&producer, "ahead", 1, 1).await;
-    });
-    // One record a poll: each shard's waiting poll asks for one.
-    let got = a.poll(1, Duration::from_secs(2)).await.expect("poll");
-    publish_later.await.unwrap();
-    assert_eq!(got.len(), 1);
+    let got = {
+        let mut poll = std::pin::pin!(a.poll(2, Duration::from_secs(20)));
+        tokio::select! {
+            r = &mut poll => r,
+            () = async {
+                parked(&b, 2.0).await;
+                publish_to(&c, "ahead", 0, 1).await;
+                std::future::pending().await
+            } => unreachable!(),
+        }
+        .expect("poll")
+    };
+    assert_eq!(keys(&got), vec![(0, 0)]);
+    parked(&b, 1.0).await;
+    publish_to(&c, "ahead", 1, 1).await;
+    groups_common::eventually("the claim ahead", Duration::from_secs(10), || async {
+        b.metric("felix_group_polls_waiting") == 0.0
+    })
+    .await;
     finish(a).await;
 
-    let other = 1 - got[0].shard;
     let mut b2 = group(&c, "ahead", "workers").await;
     let again = b2.poll(10, Duration::from_secs(5)).await.expect("poll");
-    assert_eq!(keys(&again), vec![(other, 0)]);
-    // Handed back if the first consumer's waiting poll had claimed it,
-    // a first delivery if it had not.
-    assert!(again[0].record.attempts <= 2);
+    assert_eq!(keys(&again), vec![(1, 0)]);
+    assert_eq!(
+        again[0].record.attempts, 2,
+        "claimed ahead, then handed back"
+    );
     b2.ack_many(&again).await.expect("ack");
     let info = b2.describe().await.expect("describe");
-    assert_eq!(
-        info[got[0].shard as usize].in_flight, 1,
-        "the returned record stays claimed"
-    );
-    assert_eq!(info[other as usize].in_flight, 0);
+    assert_eq!(info[0].in_flight, 1, "the returned record stays claimed");
+    assert_eq!(info[1].in_flight, 0);
     b2.close().await.expect("close");
 }
 
@@ -281,10 +300,16 @@ async fn a_cancelled_sharded_poll_keeps_what_it_claimed() {
         publish_to(&c, "cancel", shard, 5).await;
     }
     let mut g = group(&c, "cancel", "workers").await;
-    // Dropped at its first wait for an answer: the poll it sent still
-    // claims records.
-    let cancelled = tokio::time::timeout(Duration::ZERO, g.poll(100, Duration::ZERO)).await;
-    assert!(cancelled.is_err(), "the poll answered without waiting");
+    // Polled once and dropped, at its first wait for an answer: the poll
+    // it sent still claims records.
+    {
+        let mut poll = std::pin::pin!(g.poll(100, Duration::ZERO));
+        let once = std::future::poll_fn(|cx| {
+            std::task::Poll::Ready(std::future::Future::poll(poll.as_mut(), cx))
+        })
+        .await;
+        assert!(once.is_pending(), "the poll answered without waiting");
+    }
 
     // Every record still comes out of this group, once and as a first
     // delivery, not after its claim lapses 30 s later.
@@ -301,4 +326,70 @@ async fn a_cancelled_sharded_poll_keeps_what_it_claimed() {
     let want: Vec<(u32, u64)> = (0..2).flat_map(|s| (0..5).map(move |o| (s, o))).collect();
     assert_eq!(got, want);
     g.close().await.expect("close");
+}
+
+#[tokio::test]
+async fn a_sharded_poll_sends_a_new_wait_where_one_ended_empty() {
+    // The broker ends every wait after 200 ms; the poll's own lasts longer.
+    let b = felix_tests::start_broker!(opts(30_000, 5).env("FELIX_GROUP_MAX_WAIT_MS", 200));
+    let c = client(&b.addr).await;
+    sharded_stream(&c, "rewait", 2).await;
+    let mut g = group(&c, "rewait", "workers").await;
+    let got = {
+        let mut poll = std::pin::pin!(g.poll(10, Duration::from_secs(20)));
+        tokio::select! {
+            r = &mut poll => r,
+            () = async {
+                // Well past the broker's cap: the first waits have ended.
+                tokio::time::sleep(Duration::from_millis(700)).await;
+                publish_to(&c, "rewait", 1, 1).await;
+                std::future::pending().await
+            } => unreachable!(),
+        }
+        .expect("poll")
+    };
+    assert_eq!(keys(&got), vec![(1, 0)]);
+    g.ack_many(&got).await.expect("ack");
+    g.close().await.expect("close");
+}
+
+#[tokio::test]
+async fn a_sharded_poll_for_fewer_records_than_shards_claims_no_more() {
+    let b = felix_tests::start_broker!(opts(30_000, 5));
+    let c = client(&b.addr).await;
+    sharded_stream(&c, "few", 4).await;
+    let mut a = group(&client(&b.addr).await, "few", "workers").await;
+    let (producer, publish) = (c.clone(), tokio::sync::oneshot::channel::<()>());
+    let publisher = tokio::spawn(async move {
+        let _ = publish.1.await;
+        for shard in 0..4 {
+            publish_to(&producer, "few", shard, 1).await;
+        }
+    });
+    let got = {
+        let mut poll = std::pin::pin!(a.poll(1, Duration::from_secs(20)));
+        tokio::select! {
+            r = &mut poll => r,
+            () = async {
+                parked(&b, 1.0).await;
+                let _ = publish.0.send(());
+                std::future::pending().await
+            } => unreachable!(),
+        }
+        .expect("poll")
+    };
+    publisher.await.expect("publisher");
+    assert_eq!(got.len(), 1);
+    assert_eq!(a.held(), 0);
+    // The other three were never claimed: first deliveries for another
+    // consumer, at once.
+    let mut b2 = group(&c, "few", "workers").await;
+    let rest = b2.poll(10, Duration::ZERO).await.expect("poll");
+    assert_eq!(rest.len(), 3, "{:?} then {:?}", keys(&got), keys(&rest));
+    assert!(rest.iter().all(|r| r.record.attempts == 1));
+    assert!(rest.iter().all(|r| r.shard != got[0].shard));
+    a.ack_many(&got).await.expect("ack");
+    b2.ack_many(&rest).await.expect("ack");
+    a.close().await.expect("close");
+    b2.close().await.expect("close");
 }

@@ -21,6 +21,7 @@ use felix_wire::{
     DeadLetterInfo, ErrorCode, GroupInfo, GroupKey, GroupMemberRef, GroupRecord, Request, Response,
     StartPosition,
 };
+use std::cell::Cell;
 use std::rc::Rc;
 
 fn group_err(e: GroupError) -> Response {
@@ -632,6 +633,7 @@ async fn poll<S: Storage>(
         let end = shard.log.end();
         let wake = shard.group_wake.clone();
         let log = shard.log.clone();
+        let _parked = Parked::new(&core.metrics.group_polls_waiting);
         let _ = with_timeout(until - now, async move {
             let woken = futures_lite::future::or(wake.wait(), async {
                 let _ = log.wait_for_offset(end).await;
@@ -651,6 +653,23 @@ async fn poll<S: Storage>(
                 records: Vec::new(),
             };
         }
+    }
+}
+
+/// Counts a parked poll in `felix_group_polls_waiting` for as long as it
+/// lives (a poll dropped while parked is uncounted too).
+struct Parked<'a>(&'a Cell<u64>);
+
+impl<'a> Parked<'a> {
+    fn new(gauge: &'a Cell<u64>) -> Parked<'a> {
+        gauge.set(gauge.get() + 1);
+        Parked(gauge)
+    }
+}
+
+impl Drop for Parked<'_> {
+    fn drop(&mut self) {
+        self.0.set(self.0.get() - 1);
     }
 }
 

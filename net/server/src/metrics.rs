@@ -25,6 +25,8 @@ pub(crate) struct CoreMetrics {
     pub group_acked: Cell<u64>,
     pub group_polls_capped: Cell<u64>,
     pub connections_open: Cell<u64>,
+    /// Group polls parked until records, room or their wait's end.
+    pub group_polls_waiting: Cell<u64>,
     pub connections_accepted: Cell<u64>,
     pub connections_refused: Cell<u64>,
     pub handoffs: Cell<u64>,
@@ -76,6 +78,7 @@ impl CoreMetrics {
                 ("felix_connection_handoffs_total", self.handoffs.get()),
             ],
             connections_open: self.connections_open.get(),
+            group_polls_waiting: self.group_polls_waiting.get(),
             buffered: Vec::new(),
             shards: Vec::new(),
             retired: ShardSnapshot::default(),
@@ -140,6 +143,7 @@ pub(crate) struct MetricsSnapshot {
     pub errors: BTreeMap<String, u64>,
     pub counters: Vec<(&'static str, u64)>,
     pub connections_open: u64,
+    pub group_polls_waiting: u64,
     /// One entry per core (labelled, not summed).
     pub buffered: Vec<BufferedSnapshot>,
     pub shards: Vec<ShardSnapshot>,
@@ -165,6 +169,7 @@ impl MetricsSnapshot {
             }
         }
         self.connections_open += o.connections_open;
+        self.group_polls_waiting += o.group_polls_waiting;
         self.buffered.extend(o.buffered);
         self.shards.extend(o.shards);
         self.retired.add_io(&o.retired);
@@ -188,6 +193,11 @@ impl MetricsSnapshot {
             s,
             "# TYPE felix_connections_open gauge\nfelix_connections_open {}",
             self.connections_open
+        );
+        let _ = writeln!(
+            s,
+            "# HELP felix_group_polls_waiting Group polls parked until records arrive, room frees or their wait ends.\n# TYPE felix_group_polls_waiting gauge\nfelix_group_polls_waiting {}",
+            self.group_polls_waiting
         );
         let mut cores = self.buffered.clone();
         cores.sort_by_key(|b| b.core);
