@@ -1989,6 +1989,63 @@ async fn a_poll_waiting_at_the_in_flight_cap_is_woken_by_a_nack() {
     g.ack(0).await.unwrap();
 }
 
+/// A reclaim that gives up on the records it reserved (they were at the
+/// attempt bound) frees their in-flight places; a poll waiting at the cap is
+/// woken to use what the reclaiming poll did not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poll_waiting_at_the_in_flight_cap_is_woken_when_a_reclaim_gives_up() {
+    let b = felix_tests::start_broker!(opts(30_000, 1).env("FELIX_GROUP_MAX_IN_FLIGHT", 2));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 2).await;
+    let me = GroupMember::new("worker-1").reclaim(true);
+    let first = Group::new(&client(&b.addr).await, JOBS, "workers");
+    let held = first.poll_as(&me, GroupPollOptions::default()).await;
+    assert_eq!(offsets(&held), vec![0, 1], "the group is at its cap");
+    publish(&c, JOBS, 2).await;
+    let waiter = first.via(&client(&b.addr).await);
+    let wait = tokio::spawn(async move { waiter.poll_wait(10, Duration::from_secs(30)).await });
+    eventually(
+        "the waiting poll to hit the cap",
+        Duration::from_secs(10),
+        || async { b.metric(CAPPED) >= 1.0 },
+    )
+    .await;
+
+    // The member comes back on a new connection: what it held is at the
+    // attempt bound (1), so the reclaim dead-letters both, and the poll
+    // takes one new record with the room.
+    let again = first.via(&client(&b.addr).await);
+    let options = GroupPollOptions {
+        max_records: 1,
+        ..GroupPollOptions::default()
+    };
+    let reclaimed = again.poll_as(&me, options).await;
+    assert_eq!(
+        (offsets(&reclaimed), attempts(&reclaimed)),
+        (vec![2], vec![1])
+    );
+    // Woken, well before its 30 s wait would end.
+    eventually(
+        "the waiting poll to be woken",
+        Duration::from_secs(10),
+        || async { wait.is_finished() },
+    )
+    .await;
+    let got = wait.await.unwrap();
+    assert_eq!(
+        (offsets(&got), attempts(&got)),
+        (vec![3], vec![1]),
+        "woken by the room the reclaim freed, not answered empty at the end of its wait"
+    );
+    assert_eq!(
+        c.group_dead_letters(T, NS, JOBS, 0, "workers")
+            .await
+            .unwrap(),
+        vec![0, 1]
+    );
+}
+
 /// A delayed nack keeps its place under the cap; a poll waiting at the cap
 /// is woken when the delay ends, and gets the record then, not before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
