@@ -663,7 +663,7 @@ enum Consumer<'a> {
         target: &'a GroupTarget,
         member: Option<GroupMember>,
     },
-    All(ShardedGroup),
+    All(Box<ShardedGroup>),
 }
 
 impl Consumer<'_> {
@@ -731,11 +731,6 @@ impl Consumer<'_> {
         }
     }
 
-    /// May `poll` be dropped unanswered without leaving records claimed?
-    fn cancel_safe(&self) -> bool {
-        matches!(self, Consumer::All(_))
-    }
-
     /// The shard to print beside each record (json), when there are several.
     fn shown_shard(&self, r: &ShardedRecord) -> Option<u32> {
         matches!(self, Consumer::All(_)).then_some(r.shard)
@@ -762,7 +757,7 @@ async fn consume_loop(client: &Client, args: &ConsumeArgs, done: &mut u64) -> Re
         if let Some(m) = member {
             group = group.member(m)?;
         }
-        Consumer::All(group)
+        Consumer::All(Box::new(group))
     } else {
         Consumer::One {
             client,
@@ -819,16 +814,13 @@ async fn consume_records(
     while *done < limit && !*stop.borrow() {
         let want = (limit - *done).min(u64::from(args.batch.max(1))) as u32;
         let asked = std::time::Instant::now();
-        let polled = if consumer.cancel_safe() {
-            tokio::select! {
-                r = consumer.poll(want, wait) => r,
-                _ = stop.wait_for(|s| *s) => break,
-            }
-        } else {
-            // A one-shard poll dropped unanswered would leave what it claims
-            // held until the visibility timeout: let it answer (within
-            // --wait-ms) and finish its batch.
-            consumer.poll(want, wait).await
+        // A stop while polling drops the poll: what the every-shard
+        // consumer's polls claim it keeps and hands back; a one-shard poll
+        // the broker has not answered yet claims nothing once this process
+        // exits and its connection closes.
+        let polled = tokio::select! {
+            r = consumer.poll(want, wait) => r,
+            Ok(_) = stop.wait_for(|s| *s) => break,
         };
         let records = match polled {
             Ok(r) => r,

@@ -22,15 +22,19 @@ pub struct ShardedRecord {
     pub record: GroupRecord,
 }
 
-/// The longest a waiting poll lasts before it is sent again, which bounds
-/// how long [`ShardedGroup::close`] waits for the polls still out.
-const LONG_WAIT_SLICE: Duration = Duration::from_secs(1);
+/// How long a waiting poll lasts before it is sent again, unless
+/// [`ShardedGroup::wait_slice`] says otherwise.
+const DEFAULT_WAIT_SLICE: Duration = Duration::from_secs(1);
 
 /// With fewer records wanted than shards, how long each of the rotating
 /// waiting polls lasts.
 const SHORT_WAIT_SLICE: Duration = Duration::from_millis(100);
 
-/// A waiting poll's answer, from the task that sent it.
+/// How long [`ShardedGroup::close`] waits for answers beyond the wait the
+/// polls still out were sent with.
+const CLOSE_GRACE: Duration = Duration::from_secs(5);
+
+/// A poll's answer, from the task that sent it.
 type Answer = (u32, Result<Vec<GroupRecord>>);
 
 /// One consumer of a group on every shard of a stream.
@@ -49,10 +53,11 @@ type Answer = (u32, Result<Vec<GroupRecord>>);
 /// `poll` ask for `max_records` in all: each shard its part when there are
 /// at least as many records as shards; otherwise one record each on as
 /// many shards as records, taking turns in slices of 100 ms. Each lasts at
-/// most a second and is sent again while the `poll`'s own wait lasts.
+/// most a [`wait_slice`](Self::wait_slice) (a second unless set) and is
+/// sent again, no sooner, while the `poll`'s own wait lasts.
 ///
-/// [`close`](Self::close) waits for the polls still out (a second at most)
-/// and hands back
+/// [`close`](Self::close) waits for the polls still out (about a wait
+/// slice, longer only if the broker is slow to answer) and hands back
 /// (nacks) everything claimed and not yet returned, so another consumer
 /// gets it at once; a handed-back record has had the attempt counted, as
 /// any nack does. Dropping a `ShardedGroup` starts the same in a background
@@ -60,7 +65,9 @@ type Answer = (u32, Result<Vec<GroupRecord>>);
 /// lapse back to the group after their visibility timeout): call `close`.
 ///
 /// A `poll` may be cancelled (dropped by a timeout or a `select!`) at any
-/// point: whatever its polls claim is kept for the next one.
+/// point: whatever its polls claim is kept for the next one. An error a
+/// shard answers while records from others are at hand is returned by the
+/// next `poll` that has no records to give.
 ///
 /// Acks, nacks, extensions and dead letters take the [`ShardedRecord`] and
 /// go to its shard. Clone the [`Client`] freely: several `ShardedGroup`s of
@@ -92,15 +99,24 @@ pub struct ShardedGroup {
     stream: String,
     group: String,
     shards: u32,
+    /// The broker core of each shard: shards on one core share a
+    /// connection.
+    placement: Vec<u32>,
     member: Option<GroupMember>,
     visibility: Option<Duration>,
-    /// Where the next sweep of the shards starts.
+    wait_slice: Duration,
+    /// Where the next sweep (and the next rotating wait) starts.
     next: u32,
-    /// Claimed by a waiting poll after its `poll` had returned; handed out
-    /// before anything else.
+    /// Claimed, not yet handed out; handed out before anything else.
     ready: VecDeque<ShardedRecord>,
-    /// Shards with a waiting poll out (at most one each).
+    /// An error answered while records were at hand, for the next poll
+    /// with none.
+    deferred: Option<ClientError>,
+    /// Shards with a poll out (at most one each).
     waiting: Vec<bool>,
+    /// No new waiting poll goes to a shard before this (its last one's
+    /// slice), so waits the broker ends early are not re-sent in a loop.
+    quiet_until: Vec<Instant>,
     answers_tx: mpsc::UnboundedSender<Answer>,
     answers: mpsc::UnboundedReceiver<Answer>,
 }
@@ -115,16 +131,15 @@ impl ShardedGroup {
         stream: &str,
         group: &str,
     ) -> Result<ShardedGroup> {
-        let shards = client
-            .describe_stream(tenant, namespace, stream)
-            .await?
-            .shards;
+        let info = client.describe_stream(tenant, namespace, stream).await?;
+        let shards = info.shards;
         if shards == 0 {
             return Err(ClientError::InvalidArgument(format!(
                 "{tenant}/{namespace}/{stream} has no shards"
             )));
         }
         let (answers_tx, answers) = mpsc::unbounded_channel();
+        let now = Instant::now();
         Ok(ShardedGroup {
             client,
             tenant: tenant.to_string(),
@@ -132,11 +147,15 @@ impl ShardedGroup {
             stream: stream.to_string(),
             group: group.to_string(),
             shards,
+            placement: info.placement,
             member: None,
             visibility: None,
+            wait_slice: DEFAULT_WAIT_SLICE,
             next: 0,
             ready: VecDeque::new(),
+            deferred: None,
             waiting: vec![false; shards as usize],
+            quiet_until: vec![now; shards as usize],
             answers_tx,
             answers,
         })
@@ -166,6 +185,14 @@ impl ShardedGroup {
         self
     }
 
+    /// How long each waiting poll lasts before it is sent again (default
+    /// one second, at least 10 ms). Longer sends fewer requests while the
+    /// stream is idle; shorter makes [`close`](Self::close) quicker.
+    pub fn wait_slice(mut self, slice: Duration) -> ShardedGroup {
+        self.wait_slice = slice.max(Duration::from_millis(10));
+        self
+    }
+
     /// The stream's shard count.
     pub fn shards(&self) -> u32 {
         self.shards
@@ -176,8 +203,8 @@ impl ShardedGroup {
         &self.group
     }
 
-    /// Records claimed by waiting polls and not yet returned by
-    /// [`poll`](Self::poll).
+    /// Records claimed by earlier polls' waiting polls and not yet returned
+    /// by [`poll`](Self::poll) (answers still on their way not counted).
     pub fn held(&self) -> usize {
         self.ready.len()
     }
@@ -197,11 +224,12 @@ impl ShardedGroup {
             .checked_add(wait)
             .unwrap_or_else(|| now + Duration::from_secs(365 * 24 * 3600));
         // Answers that came in since the last poll.
-        while let Ok(answer) = self.answers.try_recv() {
-            self.take_answer(answer)?;
-        }
+        self.drain();
         if !self.ready.is_empty() {
             return Ok(self.hand_out(max));
+        }
+        if let Some(e) = self.deferred.take() {
+            return Err(e);
         }
 
         // Every poll, waiting or not, runs in a task that answers through
@@ -226,34 +254,33 @@ impl ShardedGroup {
                 let Some(answer) = self.answers.recv().await else {
                     break;
                 };
-                self.take_answer(answer)?;
+                self.note(answer)?;
             }
         }
         if !self.ready.is_empty() || wait.is_zero() {
             return Ok(self.hand_out(max));
         }
 
-        // Nothing anywhere: wait. A shard whose wait ends empty (its time
-        // was up, or the broker caps waits at FELIX_GROUP_MAX_WAIT_MS) gets
-        // a new one while this poll's own wait lasts.
+        // Nothing anywhere: wait.
         loop {
             let now = Instant::now();
             if deadline.saturating_duration_since(now) < Duration::from_millis(1) {
                 return Ok(Vec::new());
             }
-            self.spread_waits(max_records, deadline - now);
-            match tokio::time::timeout_at(deadline, self.answers.recv()).await {
+            let free_at = self.spread_waits(max_records, deadline - now, now);
+            let wake = free_at.map_or(deadline, |t| t.min(deadline));
+            match tokio::time::timeout_at(wake, self.answers.recv()).await {
                 Ok(Some(answer)) => {
-                    self.take_answer(answer)?;
+                    self.note(answer)?;
                     if !self.ready.is_empty() {
-                        while let Ok(answer) = self.answers.try_recv() {
-                            self.take_answer(answer)?;
-                        }
+                        self.drain();
                         return Ok(self.hand_out(max));
                     }
                 }
                 // `answers_tx` lives in `self`, so the channel never closes.
-                Ok(None) | Err(_) => return Ok(Vec::new()),
+                Ok(None) => return Ok(Vec::new()),
+                // The deadline, or a shard that may wait again.
+                Err(_) => {}
             }
         }
     }
@@ -261,30 +288,47 @@ impl ShardedGroup {
     /// Send waiting polls for up to `max_records` records in all, so that
     /// what they claim after the first answer never exceeds it. With at
     /// least as many records as shards, every shard waits for its part of
-    /// `max_records`, a second at a time; with fewer, one record each on as
-    /// many shards as records, in turn, a short slice at a time.
-    fn spread_waits(&mut self, max_records: u32, remaining: Duration) {
+    /// `max_records`, a wait slice at a time; with fewer, one record each
+    /// on as many shards as records, in turn, a short slice at a time. A
+    /// shard whose last wait's slice is not over yet waits its turn;
+    /// returns the earliest such turn.
+    fn spread_waits(
+        &mut self,
+        max_records: u32,
+        remaining: Duration,
+        now: Instant,
+    ) -> Option<Instant> {
         let n = self.shards;
+        let free =
+            |g: &ShardedGroup, s: u32| !g.waiting[s as usize] && g.quiet_until[s as usize] <= now;
         if max_records >= n {
             let (base, extra) = (max_records / n, max_records % n);
-            let slice = remaining.min(LONG_WAIT_SLICE);
+            let slice = remaining.min(self.wait_slice);
             for shard in 0..n {
-                if !self.waiting[shard as usize] {
-                    self.spawn_poll(shard, base + u32::from(shard < extra), slice);
+                if free(self, shard) {
+                    self.spawn_wait(shard, base + u32::from(shard < extra), slice, now);
                 }
             }
-            return;
+        } else {
+            let slice = remaining.min(SHORT_WAIT_SLICE);
+            let out = self.waiting.iter().filter(|w| **w).count() as u32;
+            for _ in out..max_records {
+                let idle = (0..n).map(|i| (self.next + i) % n).find(|s| free(self, *s));
+                let Some(shard) = idle else { break };
+                self.next = (shard + 1) % n;
+                self.spawn_wait(shard, 1, slice, now);
+            }
         }
-        let slice = remaining.min(SHORT_WAIT_SLICE);
-        let out = self.waiting.iter().filter(|w| **w).count() as u32;
-        for _ in out..max_records {
-            let idle = (0..n)
-                .map(|i| (self.next + i) % n)
-                .find(|s| !self.waiting[*s as usize]);
-            let Some(shard) = idle else { break };
-            self.next = (shard + 1) % n;
-            self.spawn_poll(shard, 1, slice);
-        }
+        (0..n)
+            .filter(|s| !self.waiting[*s as usize])
+            .map(|s| self.quiet_until[s as usize])
+            .filter(|t| *t > now)
+            .min()
+    }
+
+    fn spawn_wait(&mut self, shard: u32, max_records: u32, slice: Duration, now: Instant) {
+        self.quiet_until[shard as usize] = now + slice;
+        self.spawn_poll(shard, max_records, slice);
     }
 
     fn hand_out(&mut self, max: usize) -> Vec<ShardedRecord> {
@@ -292,21 +336,44 @@ impl ShardedGroup {
         self.ready.drain(..n).collect()
     }
 
-    /// Note a waiting poll's answer: its records join `ready`, its error is
-    /// the caller's.
+    /// Take in every answer already here; errors wait in `deferred`.
+    fn drain(&mut self) {
+        while let Ok(answer) = self.answers.try_recv() {
+            if let Err(e) = self.take_answer(answer) {
+                self.deferred.get_or_insert(e);
+            }
+        }
+    }
+
+    /// Take in one answer: an error is the caller's only when no records
+    /// are at hand to return first.
+    fn note(&mut self, answer: Answer) -> Result<()> {
+        match self.take_answer(answer) {
+            Err(e) if self.ready.is_empty() => Err(e),
+            Err(e) => {
+                self.deferred.get_or_insert(e);
+                Ok(())
+            }
+            Ok(()) => Ok(()),
+        }
+    }
+
+    /// An answer's records join `ready`; its error is returned.
     fn take_answer(&mut self, (shard, answer): Answer) -> Result<()> {
         self.waiting[shard as usize] = false;
-        if let Err(e) = &answer {
-            // The shard's connection dropped. A member that reclaims takes
-            // back, on its first poll over the new connection, what the old
-            // one held, so records held here from that shard would come out
-            // twice; drop them and let the reclaim hand them out.
-            let lost = matches!(
-                e,
-                ClientError::Disconnected | ClientError::Io(_) | ClientError::Timeout
-            );
-            if lost && self.member.as_ref().is_some_and(GroupMember::reclaims) {
-                self.ready.retain(|r| r.shard != shard);
+        if let Err(ClientError::Disconnected | ClientError::Io(_)) = &answer {
+            // The connection of the shard's core dropped. A member that
+            // reclaims takes back, on its first poll of each shard over
+            // the new connection, what the old one held, so records held
+            // here from that core's shards would come out twice: let the
+            // reclaim hand them out instead.
+            if self.member.as_ref().is_some_and(GroupMember::reclaims) {
+                let core = |s: u32| self.placement.get(s as usize).copied();
+                let lost = core(shard);
+                let same_core: Vec<bool> = (0..self.shards)
+                    .map(|s| s == shard || (lost.is_some() && core(s) == lost))
+                    .collect();
+                self.ready.retain(|r| !same_core[r.shard as usize]);
             }
         }
         let records = answer?;
@@ -445,10 +512,11 @@ impl ShardedGroup {
         (&self.tenant, &self.namespace, &self.stream, &self.group)
     }
 
-    /// Wait for the polls still out (each ends within the wait it was sent
-    /// with) and hand back every record claimed and not yet returned by
-    /// [`poll`](Self::poll). Returns the first error met; every record is
-    /// still tried.
+    /// Wait for the polls still out (about a wait slice; at most that
+    /// plus 5 s, after which what they claim lapses back to the group) and
+    /// hand back every record claimed and not yet returned by
+    /// [`poll`](Self::poll), all nacks sent at once. Returns the first error
+    /// met; every record is still tried.
     pub async fn close(mut self) -> Result<()> {
         let handback = self.take_handback();
         handback.run().await
@@ -471,6 +539,7 @@ impl ShardedGroup {
             ),
             ready: std::mem::take(&mut self.ready),
             out,
+            deadline: Instant::now() + self.wait_slice + CLOSE_GRACE,
             answers: std::mem::replace(&mut self.answers, answers),
         }
     }
@@ -533,8 +602,10 @@ struct HandBack {
     client: Client,
     names: (String, String, String, String),
     ready: VecDeque<ShardedRecord>,
-    /// Waiting polls still to answer.
+    /// Polls still to answer.
     out: usize,
+    /// When to stop waiting for them.
+    deadline: Instant,
     answers: mpsc::UnboundedReceiver<Answer>,
 }
 
@@ -542,7 +613,13 @@ impl HandBack {
     async fn run(mut self) -> Result<()> {
         let mut first_error = None;
         while self.out > 0 {
-            let Some((shard, answer)) = self.answers.recv().await else {
+            let answer = tokio::time::timeout_at(self.deadline, self.answers.recv()).await;
+            let Ok(Some((shard, answer))) = answer else {
+                tracing::warn!(
+                    "felix: {} polls of a closed ShardedGroup did not answer in time; \
+                     what they claim goes back to the group when its claims lapse",
+                    self.out
+                );
                 break;
             };
             self.out -= 1;
@@ -557,15 +634,24 @@ impl HandBack {
                 }
             }
         }
-        let (t, n, s, g) = &self.names;
-        for r in &self.ready {
-            match self.client.group_nack(t, n, s, r.shard, g, &r.record).await {
+        let mut nacks = tokio::task::JoinSet::new();
+        for r in self.ready.drain(..) {
+            let (client, (t, n, s, g)) = (self.client.clone(), self.names.clone());
+            nacks.spawn(async move { client.group_nack(&t, &n, &s, r.shard, &g, &r.record).await });
+        }
+        while let Some(done) = nacks.join_next().await {
+            match done {
                 // The claim lapsed and the record already went back.
-                Err(e) if e.code() == Some(ErrorCode::StaleClaim) => {}
-                Err(e) => {
+                Ok(Err(e)) if e.code() == Some(ErrorCode::StaleClaim) => {}
+                Ok(Err(e)) => {
                     first_error.get_or_insert(e);
                 }
-                Ok(()) => {}
+                Ok(Ok(())) => {}
+                Err(join) => {
+                    first_error.get_or_insert(ClientError::Protocol(format!(
+                        "a hand-back nack failed: {join}"
+                    )));
+                }
             }
         }
         first_error.map_or(Ok(()), Err)

@@ -97,7 +97,10 @@ async fn a_waiting_sharded_poll_wakes_for_any_shard_and_keeps_what_the_others_cl
     let b = felix_tests::start_broker!(opts(30_000, 5));
     let c = client(&b.addr).await;
     sharded_stream(&c, "wake", 2).await;
-    let mut g = group(&c, "wake", "workers").await;
+    // Waits long enough to still be out when the test publishes.
+    let mut g = group(&c, "wake", "workers")
+        .await
+        .wait_slice(Duration::from_secs(5));
 
     // Nothing yet: the poll waits on both shards; a record on shard 1 ends it
     // long before its wait is up.
@@ -139,7 +142,9 @@ async fn claimed_ahead_goes_back(finish: impl AsyncFnOnce(ShardedGroup)) {
     let b = felix_tests::start_broker!(opts(30_000, 5));
     let c = client(&b.addr).await;
     sharded_stream(&c, "ahead", 2).await;
-    let mut a = group(&client(&b.addr).await, "ahead", "workers").await;
+    let mut a = group(&client(&b.addr).await, "ahead", "workers")
+        .await
+        .wait_slice(Duration::from_secs(5));
     let got = {
         let mut poll = std::pin::pin!(a.poll(2, Duration::from_secs(20)));
         tokio::select! {
@@ -392,4 +397,28 @@ async fn a_sharded_poll_for_fewer_records_than_shards_claims_no_more() {
     b2.ack_many(&rest).await.expect("ack");
     a.close().await.expect("close");
     b2.close().await.expect("close");
+}
+
+#[tokio::test]
+async fn a_sharded_poll_does_not_spin_when_the_broker_ends_its_waits_at_once() {
+    // The broker ends every wait after 1 ms.
+    let b = felix_tests::start_broker!(opts(30_000, 5).env("FELIX_GROUP_MAX_WAIT_MS", 1));
+    let c = client(&b.addr).await;
+    sharded_stream(&c, "spin", 2).await;
+    let mut g = group(&c, "spin", "workers")
+        .await
+        .wait_slice(Duration::from_millis(500));
+    // Only polls are sent meanwhile.
+    let polls = || b.metric("felix_requests_total");
+    let before = polls();
+    assert!(g
+        .poll(10, Duration::from_secs(2))
+        .await
+        .expect("poll")
+        .is_empty());
+    // A sweep of both shards, then a wait on each every 500 ms: about ten
+    // polls, not one per round trip.
+    let sent = polls() - before;
+    assert!((2.0..=20.0).contains(&sent), "{sent} polls in 2 s");
+    g.close().await.expect("close");
 }
