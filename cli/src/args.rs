@@ -55,7 +55,9 @@ pub struct GlobalArgs {
     )]
     pub timeout: Duration,
 
-    /// Authentication token sent to the broker when connecting.
+    /// Authentication token sent to the broker when connecting: needed by a
+    /// broker run with a tokens file (security.tokens_file), refused by one
+    /// without.
     #[arg(
         long,
         global = true,

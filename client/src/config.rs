@@ -41,7 +41,10 @@ pub struct ClientConfig {
     pub reconnect_backoff_initial: Duration,
     /// The delay doubles after each failure up to this.
     pub reconnect_backoff_max: Duration,
-    /// Authentication token sent in HELLO.
+    /// Authentication token sent in HELLO. A broker with a tokens file
+    /// requires one it lists (the connection then acts as its principal);
+    /// a broker without one refuses any token. A refused HELLO fails
+    /// `connect` with `unauthorized`.
     pub token: Option<String>,
 }
 

@@ -88,6 +88,8 @@ pub(crate) struct Shared {
     pub broker_id: String,
     /// Set once the executors run: how the watchdog's wake-ups are counted.
     pub kicker: std::sync::OnceLock<felix_engine::runtime::Kicker>,
+    /// `security.tokens_file`, read at start; `None`: no authentication.
+    pub tokens: Option<crate::auth::Tokens>,
 }
 
 impl Shared {
@@ -907,6 +909,18 @@ impl Drop for BusyGuard {
 
 /// Start the broker's cores on `cpus` and block until they exit.
 pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
+    // Before anything touches the disk or the port: a bad file stops here.
+    let tokens = match &config.tokens_file {
+        Some(path) => {
+            let t = crate::auth::Tokens::load(path)?;
+            tracing::info!(tokens = t.len(), file = %path.display(), "connections must authenticate");
+            Some(t)
+        }
+        None => {
+            tracing::info!("no authentication (security.tokens_file is empty): every connection is the anonymous principal");
+            None
+        }
+    };
     let durable = config.data_dir.is_some();
     // First, so a broker restarted straight after `kill -9` also waits out
     // the old process's I/O teardown before it touches the data directory.
@@ -944,6 +958,7 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
         announce: Mutex::new(None),
         broker_id: format!("felix-{}", std::process::id()),
         kicker: std::sync::OnceLock::new(),
+        tokens,
     });
     let receivers = Arc::new(Mutex::new(receivers));
     // Reserve the address up front (port 0 picks a free port), so a bad or
@@ -1488,6 +1503,7 @@ mod tests {
             announce: Mutex::new(None),
             broker_id: "felix-test".into(),
             kicker: std::sync::OnceLock::new(),
+            tokens: None,
         });
         let ctx = CoreContext {
             core: CoreId(0),

@@ -84,6 +84,7 @@ const SETTINGS: &[Setting] = &[
     Setting { section: "groups", name: "max_visibility_ms", env: Some("FELIX_GROUP_MAX_VISIBILITY_MS"), kind: Kind::U64, default: "43200000", help: "cap on a poll's visibility, an extension and a nack delay (never below the visibility timeout)" },
     Setting { section: "groups", name: "max_groups_per_shard", env: None, kind: Kind::U64, default: "10000", help: "consumer groups one shard keeps; a poll or group_create that would add one more is refused with too_large (delete unused groups)" },
     Setting { section: "groups", name: "idle_ms", env: None, kind: Kind::U64, default: "600000", help: "idle groups drop their memory state after this (or twice the visibility timeout)" },
+    Setting { section: "security", name: "tokens_file", env: Some("FELIX_TOKENS_FILE"), kind: Kind::Str, default: "", help: "tokens the broker accepts, one `PRINCIPAL SHA256-HEX` line each (the hex of `printf %s TOKEN | sha256sum`; # starts a comment); a connection must then present one in HELLO and acts as its principal. Empty: no authentication, every connection is the anonymous principal and a HELLO carrying a token is refused. Read at start" },
     Setting { section: "limits", name: "max_records_per_read", env: None, kind: Kind::U64, default: "1000", help: "records one read or poll returns at most" },
     Setting { section: "limits", name: "max_bytes_per_read", env: None, kind: Kind::U64, default: "4194304", help: "payload bytes after which a read or poll stops" },
     Setting { section: "limits", name: "max_records_per_publish", env: None, kind: Kind::U64, default: "100000", help: "records in one publish request" },
@@ -156,6 +157,8 @@ pub struct Config {
     pub max_timestamp_ahead_ms: Option<u64>,
     pub max_shards: u32,
     pub max_total_shards: u64,
+    /// `security.tokens_file`; `None`: no authentication.
+    pub tokens_file: Option<PathBuf>,
 }
 
 /// A configuration that cannot be used, and why.
@@ -344,6 +347,7 @@ impl Config {
             u32::try_from(v).map_err(|_| ConfigError(format!("{what} = {v} is too large")))
         };
         let data_dir = get("storage", "data_dir").value.trim().to_string();
+        let tokens_file = get("security", "tokens_file").value.trim().to_string();
         let metrics = get("server", "metrics_listen").value.trim().to_string();
         let visibility_timeout_ms = nonzero(
             num("groups", "visibility_timeout_ms")?,
@@ -520,6 +524,7 @@ impl Config {
                 num("groups", "max_groups_per_shard")?,
                 "groups.max_groups_per_shard",
             )? as usize,
+            tokens_file: (!tokens_file.is_empty()).then(|| PathBuf::from(tokens_file)),
             values,
             warnings: Vec::new(),
         };

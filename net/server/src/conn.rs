@@ -23,6 +23,7 @@ use std::os::fd::AsRawFd;
 use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -140,7 +141,8 @@ pub(crate) struct ConnInfo {
     pub id: u64,
     pub features: Cell<u64>,
     #[allow(dead_code)] // used by groups (names are scoped to it)
-    pub principal: String,
+    /// Who the connection acts as, set by its HELLO.
+    pub principal: RefCell<Arc<str>>,
     pub in_flight: Cell<usize>,
     /// Bytes the requests in flight hold: their frames and what decoding
     /// them built (`Request::decoded_overhead`).
@@ -311,7 +313,7 @@ pub(crate) async fn serve<S: Storage>(
     let info = Rc::new(ConnInfo {
         id: conn_id,
         features: Cell::new(0),
-        principal: "anonymous".to_string(),
+        principal: RefCell::new(Arc::from(crate::auth::ANONYMOUS)),
         in_flight: Cell::new(0),
         in_flight_bytes: Cell::new(0),
         reserved: Cell::new(0),
@@ -407,7 +409,21 @@ pub(crate) async fn serve<S: Storage>(
                                     );
                                     break 'conn;
                                 }
-                                tracing::debug!(conn = conn_id, client = %client_name, version, "hello");
+                                let token = match &req {
+                                    Request::Hello { token, .. } => token.as_deref(),
+                                    _ => None,
+                                };
+                                match crate::auth::authenticate(core.shared.tokens.as_ref(), token)
+                                {
+                                    Ok(principal) => *info.principal.borrow_mut() = principal,
+                                    Err(why) => {
+                                        tracing::info!(conn = conn_id, client = %client_name, "refused: {why}");
+                                        core.metrics.count_error(ErrorCode::Unauthorized);
+                                        outbox.push(id, &wire_err(ErrorCode::Unauthorized, why));
+                                        break 'conn;
+                                    }
+                                }
+                                tracing::debug!(conn = conn_id, client = %client_name, principal = %info.principal.borrow(), version, "hello");
                                 // The connection runs at the lower version and
                                 // the features both sides know.
                                 let f = core.shared.features() & features;
