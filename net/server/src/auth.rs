@@ -160,7 +160,10 @@ mod tests {
         for (text, wants) in [
             ("alice\n".to_string(), "line 1: expected"),
             (format!("alice {good} extra\n"), "line 1: expected"),
-            ("\nalice abc\n".to_string(), "line 2: \"abc\" is not a SHA-256"),
+            (
+                "\nalice abc\n".to_string(),
+                "line 2: \"abc\" is not a SHA-256",
+            ),
             (format!("alice {}\n", "g".repeat(64)), "is not a SHA-256"),
             (
                 format!("alice {good}\nbob {good}\n"),
