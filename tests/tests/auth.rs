@@ -149,3 +149,223 @@ async fn a_member_name_belongs_to_its_principal() {
         .unwrap();
     assert_eq!((info.position, info.in_flight), (3, 0));
 }
+
+/// HELLO (with `token`, asking for `want_core`) and a CreateStream, sent in
+/// one write; the answers read until the broker closes the connection.
+async fn hello_then_create(
+    addr: &str,
+    token: Option<&str>,
+    want_core: Option<u32>,
+) -> Vec<felix_wire::Response> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut out = bytes::BytesMut::new();
+    let hello = felix_wire::Request::Hello {
+        version: felix_wire::PROTOCOL_VERSION,
+        features: felix_wire::FEATURES_ALL,
+        want_core,
+        client_name: "raw".into(),
+        token: token.map(str::to_string),
+    };
+    felix_wire::encode_request(1, &hello, &mut out);
+    let create = felix_wire::Request::CreateStream {
+        stream: felix_wire::StreamRef::new(T, NS, "sneaky"),
+        shards: 1,
+        retention_bytes: None,
+        retention_ms: None,
+    };
+    felix_wire::encode_request(2, &create, &mut out);
+    s.write_all(&out).await.unwrap();
+    let mut buf = bytes::BytesMut::new();
+    let mut answers = Vec::new();
+    loop {
+        while let Some((_, r)) = felix_wire::decode_response(&mut buf, 64 << 20).unwrap() {
+            answers.push(r);
+        }
+        if answers.len() == 2 {
+            return answers;
+        }
+        let mut chunk = [0u8; 4096];
+        match s.read(&mut chunk).await {
+            Ok(0) | Err(_) => return answers,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+fn code_of(r: &felix_wire::Response) -> Option<ErrorCode> {
+    match r {
+        felix_wire::Response::Error(e) => Some(e.code),
+        _ => None,
+    }
+}
+
+#[tokio::test]
+async fn a_request_behind_a_refused_hello_is_not_served_on_any_core() {
+    let f = tokens_file(&format!("alice {ALICE}\n"));
+    let b = felix_tests::start_broker!(with_tokens(BrokerOptions::default(), &f));
+    // Whichever core accepts the connection, with or without a hand-off to
+    // the other: the HELLO is refused and the create behind it never runs.
+    for want in [None, Some(0), Some(1)] {
+        for token in [None, Some("wrong")] {
+            let answers = hello_then_create(&b.addr, token, want).await;
+            assert_eq!(answers.len(), 1, "{want:?} {token:?}: {answers:?}");
+            assert_eq!(code_of(&answers[0]), Some(ErrorCode::Unauthorized));
+        }
+    }
+    // A right token on a connection handed to another core works there.
+    let answers = hello_then_create(&b.addr, Some("alice-secret"), Some(1)).await;
+    assert!(
+        matches!(answers[0], felix_wire::Response::HelloOk { core: 1, .. }),
+        "{answers:?}"
+    );
+    assert_eq!(code_of(&answers[1]), None, "{answers:?}");
+    assert!(b.metric("felix_connection_handoffs_total") >= 1.0);
+    let alice = connect(&b.addr, Some("alice-secret")).await.unwrap();
+    let names: Vec<String> = alice
+        .list_streams(None)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| s.stream.to_string())
+        .collect();
+    assert_eq!(names, ["t/ns/sneaky"], "created once, by alice");
+}
+
+// ----------------------------------------------------------- permissions
+
+/// A broker with alice and bob, and `acl` as its permissions.
+fn acl_broker(acl: &str) -> (TokensFile, TokensFile, felix_tests::Broker) {
+    let tokens = tokens_file(&format!("alice {ALICE}\nbob {BOB}\n"));
+    let acl_file = tokens_file(acl);
+    let b = felix_tests::start_broker!(
+        with_tokens(opts(30_000, 5), &tokens).env("FELIX_ACL_FILE", acl_file.path.display())
+    );
+    (tokens, acl_file, b)
+}
+
+fn denied<T: std::fmt::Debug>(r: Result<T, ClientError>) -> String {
+    match r {
+        Err(e) => {
+            assert_eq!(e.code(), Some(ErrorCode::Unauthorized), "{e}");
+            e.to_string()
+        }
+        Ok(v) => panic!("allowed: {v:?}"),
+    }
+}
+
+#[tokio::test]
+async fn each_call_needs_its_permission() {
+    let (_t, _a, b) = acl_broker(
+        "alice *              *\n\
+         bob   stream.publish t/ns/jobs\n\
+         bob   group.consume  group:t/ns/jobs/workers\n",
+    );
+    let alice = connect(&b.addr, Some("alice-secret")).await.unwrap();
+    let bob = connect(&b.addr, Some("bob-secret")).await.unwrap();
+    stream(&alice, JOBS).await;
+    alice
+        .create_stream(T, NS, "private", 1, StreamOptions::default())
+        .await
+        .unwrap();
+
+    // Bob publishes to jobs but may not read it, manage it or touch others.
+    bob.publish(T, NS, JOBS, 0, "b").await.expect("publish");
+    let e = denied(
+        bob.read(T, NS, JOBS, 0, StartPosition::Earliest, 10, None)
+            .await,
+    );
+    assert!(
+        e.contains("bob may not stream.subscribe on t/ns/jobs"),
+        "{e}"
+    );
+    denied(bob.delete_stream(T, NS, JOBS).await);
+    denied(bob.publish(T, NS, "private", 0, "b").await);
+    denied(bob.describe_stream(T, NS, "private").await);
+    // Lists leave out what he holds nothing on.
+    let seen: Vec<String> = bob
+        .list_streams(None)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| s.stream.to_string())
+        .collect();
+    assert_eq!(seen, ["t/ns/jobs"]);
+
+    // His group: poll and ack, but not redrive or seek; other groups: nothing.
+    let workers = Group::new(&bob, JOBS, "workers");
+    let got = workers.poll(10).await;
+    assert_eq!(offsets(&got), vec![0]);
+    workers.ack_all(&got).await;
+    let e = denied(bob.group_redrive(T, NS, JOBS, 0, "workers", 0).await);
+    assert!(e.contains("group.manage"), "{e}");
+    denied(
+        bob.group_seek(T, NS, JOBS, 0, "workers", StartPosition::Earliest)
+            .await,
+    );
+    denied(bob.group_poll(T, NS, JOBS, 0, "others", 10).await);
+    alice
+        .group_poll(T, NS, JOBS, 0, "others", 10)
+        .await
+        .unwrap();
+    assert_eq!(bob.list_groups(T, NS, JOBS, 0).await.unwrap(), ["workers"]);
+    assert_eq!(
+        alice.list_groups(T, NS, JOBS, 0).await.unwrap(),
+        ["others", "workers"]
+    );
+    assert!(b.metric("felix_errors_total{code=\"unauthorized\"}") >= 7.0);
+}
+
+#[tokio::test]
+async fn subscribe_grants_consume_and_manage_grants_group_manage() {
+    let (_t, _a, b) = acl_broker(
+        "alice *                *\n\
+         bob   stream.subscribe t/*/*\n\
+         *     stream.manage    t/ns/shared\n",
+    );
+    let alice = connect(&b.addr, Some("alice-secret")).await.unwrap();
+    let bob = connect(&b.addr, Some("bob-secret")).await.unwrap();
+    stream(&alice, JOBS).await;
+    publish(&alice, JOBS, 2).await;
+    // stream.subscribe: read, and consume any group, but not manage one.
+    assert_eq!(
+        bob.read(T, NS, JOBS, 0, StartPosition::Earliest, 10, None)
+            .await
+            .unwrap()
+            .records
+            .len(),
+        2
+    );
+    let got = Group::new(&bob, JOBS, "any").poll(10).await;
+    assert_eq!(offsets(&got), vec![0, 1]);
+    denied(bob.group_delete(T, NS, JOBS, 0, "any").await);
+    // stream.manage (granted to everyone, on one stream): create it, and
+    // manage its groups.
+    bob.create_stream(T, NS, "shared", 1, StreamOptions::default())
+        .await
+        .unwrap();
+    bob.group_create(T, NS, "shared", 0, "g", StartPosition::Earliest)
+        .await
+        .unwrap();
+    denied(
+        bob.create_stream(T, NS, "other", 1, StreamOptions::default())
+            .await,
+    );
+}
+
+#[test]
+fn a_bad_acl_file_stops_the_broker_at_start_with_its_line() {
+    let f = tokens_file("alice stream.publish t/ns/s\nbob stream.write t/ns/s\n");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_felix-test-broker"))
+        .args(["-", "127.0.0.1:0", "1"])
+        .env("FELIX_ACL_FILE", &f.path)
+        .env("FELIX_METRICS_LISTEN", "")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("line 2") && err.contains("unknown permission"),
+        "{err}"
+    );
+}

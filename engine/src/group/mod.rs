@@ -176,7 +176,8 @@ impl GroupConfig {
 /// name. Names are scoped to the authenticated principal.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Caller {
-    /// The authenticated principal ("anonymous" today).
+    /// The authenticated principal ("anonymous" on a broker without
+    /// authentication).
     pub principal: String,
     /// Unique per connection, increasing with each new connection.
     pub connection: u64,

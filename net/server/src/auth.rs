@@ -16,6 +16,9 @@ use sha2::{Digest, Sha256};
 /// The principal of a broker without authentication.
 pub(crate) const ANONYMOUS: &str = "anonymous";
 
+/// Longest token accepted, in bytes (checked before hashing).
+const MAX_TOKEN_BYTES: usize = 1024;
+
 /// Longest principal name accepted, in bytes.
 const MAX_PRINCIPAL_BYTES: usize = 128;
 
@@ -36,7 +39,8 @@ impl Tokens {
     }
 
     pub(crate) fn parse(text: &str) -> Result<Tokens, String> {
-        let mut by_digest = HashMap::new();
+        let mut by_digest: HashMap<[u8; 32], Arc<str>> = HashMap::new();
+        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
         for (i, line) in text.lines().enumerate() {
             let n = i + 1;
             let line = line.split('#').next().unwrap_or("").trim();
@@ -47,7 +51,8 @@ impl Tokens {
             let (Some(principal), Some(hex), None) = (fields.next(), fields.next(), fields.next())
             else {
                 return Err(format!(
-                    "line {n}: expected `PRINCIPAL SHA256-HEX`, found {line:?}"
+                    "line {n}: expected `PRINCIPAL SHA256-HEX`, found {line:?} (# starts a \
+                     comment)"
                 ));
             };
             if principal.len() > MAX_PRINCIPAL_BYTES {
@@ -61,10 +66,17 @@ impl Tokens {
                      `printf %s TOKEN | sha256sum` prints)"
                 )
             })?;
-            if let Some(other) = by_digest.insert(digest, Arc::from(principal)) {
-                return Err(format!(
-                    "line {n}: this token's digest is already listed for {other:?}"
-                ));
+            match by_digest.get(&digest) {
+                // The same line twice: harmless.
+                Some(other) if &**other == principal => {}
+                Some(other) => {
+                    return Err(format!(
+                        "line {n}: this token's digest is already listed for {other:?}"
+                    ));
+                }
+                None => {
+                    by_digest.insert(digest, Arc::from(principal));
+                }
             }
         }
         if by_digest.is_empty() {
@@ -84,7 +96,7 @@ impl Tokens {
 }
 
 fn parse_digest(hex: &str) -> Option<[u8; 32]> {
-    if hex.len() != 64 || !hex.is_ascii() {
+    if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
         return None;
     }
     let mut out = [0u8; 32];
@@ -107,6 +119,9 @@ pub(crate) fn authenticate(
              security.tokens_file); connect without a token"
             .into()),
         (Some(_), None) => Err("this broker requires a token in HELLO".into()),
+        (Some(_), Some(token)) if token.len() > MAX_TOKEN_BYTES => {
+            Err(format!("a token is at most {MAX_TOKEN_BYTES} bytes"))
+        }
         (Some(t), Some(token)) => {
             let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
             t.by_digest
@@ -138,6 +153,9 @@ mod tests {
         );
         let t = Tokens::parse(&text).unwrap();
         assert_eq!(t.len(), 3);
+        assert!(authenticate(Some(&t), Some(&"x".repeat(2000)))
+            .unwrap_err()
+            .contains("at most 1024 bytes"));
         assert_eq!(&*authenticate(Some(&t), Some("a-secret")).unwrap(), "alice");
         assert_eq!(&*authenticate(Some(&t), Some("b-old")).unwrap(), "bob");
         assert_eq!(&*authenticate(Some(&t), Some("b-new")).unwrap(), "bob");
@@ -152,6 +170,18 @@ mod tests {
         assert!(authenticate(None, Some("x"))
             .unwrap_err()
             .contains("does not authenticate"));
+    }
+
+    #[test]
+    fn bom_crlf_tabs_and_repeated_lines_are_fine() {
+        let text = format!(
+            "\u{feff}alice\t{}\r\n# comment\r\nalice {}\r\n",
+            hex_of("a"),
+            hex_of("a")
+        );
+        let t = Tokens::parse(&text).unwrap();
+        assert_eq!(t.len(), 1);
+        assert_eq!(&*authenticate(Some(&t), Some("a")).unwrap(), "alice");
     }
 
     #[test]
@@ -171,6 +201,8 @@ mod tests {
             ),
             (format!("{} {good}\n", "p".repeat(129)), "at most 128 bytes"),
             ("# nobody\n".to_string(), "lists no tokens"),
+            (format!("al#ice {good}\n"), "(# starts a comment)"),
+            (format!("alice +{}\n", &good[1..]), "is not a SHA-256"),
         ] {
             let e = Tokens::parse(&text).unwrap_err();
             assert!(e.contains(wants), "{text:?}: {e}");

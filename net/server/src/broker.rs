@@ -90,6 +90,8 @@ pub(crate) struct Shared {
     pub kicker: std::sync::OnceLock<felix_engine::runtime::Kicker>,
     /// `security.tokens_file`, read at start; `None`: no authentication.
     pub tokens: Option<crate::auth::Tokens>,
+    /// `security.acl_file`, read at start; `None`: no permission checks.
+    pub acl: Option<crate::acl::Acl>,
 }
 
 impl Shared {
@@ -921,6 +923,14 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
             None
         }
     };
+    let acl = match &config.acl_file {
+        Some(path) => {
+            let a = crate::acl::Acl::load(path)?;
+            tracing::info!(grants = a.len(), file = %path.display(), "permissions enforced");
+            Some(a)
+        }
+        None => None,
+    };
     let durable = config.data_dir.is_some();
     // First, so a broker restarted straight after `kill -9` also waits out
     // the old process's I/O teardown before it touches the data directory.
@@ -959,6 +969,7 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
         broker_id: format!("felix-{}", std::process::id()),
         kicker: std::sync::OnceLock::new(),
         tokens,
+        acl,
     });
     let receivers = Arc::new(Mutex::new(receivers));
     // Reserve the address up front (port 0 picks a free port), so a bad or
@@ -1504,6 +1515,7 @@ mod tests {
             broker_id: "felix-test".into(),
             kicker: std::sync::OnceLock::new(),
             tokens: None,
+            acl: None,
         });
         let ctx = CoreContext {
             core: CoreId(0),

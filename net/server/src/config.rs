@@ -85,6 +85,7 @@ const SETTINGS: &[Setting] = &[
     Setting { section: "groups", name: "max_groups_per_shard", env: None, kind: Kind::U64, default: "10000", help: "consumer groups one shard keeps; a poll or group_create that would add one more is refused with too_large (delete unused groups)" },
     Setting { section: "groups", name: "idle_ms", env: None, kind: Kind::U64, default: "600000", help: "idle groups drop their memory state after this (or twice the visibility timeout)" },
     Setting { section: "security", name: "tokens_file", env: Some("FELIX_TOKENS_FILE"), kind: Kind::Str, default: "", help: "tokens the broker accepts, one `PRINCIPAL SHA256-HEX` line each (the hex of `printf %s TOKEN | sha256sum`; # starts a comment); a connection must then present one in HELLO and acts as its principal. Empty: no authentication, every connection is the anonymous principal and a HELLO carrying a token is refused. Read at start" },
+    Setting { section: "security", name: "acl_file", env: Some("FELIX_ACL_FILE"), kind: Kind::Str, default: "", help: "permissions, one `PRINCIPAL PERMISSION RESOURCE` line each (permissions stream.publish, stream.subscribe, stream.manage, group.consume, group.manage or *; resources TENANT/NAMESPACE/STREAM or group:TENANT/NAMESPACE/STREAM/GROUP, any part *, or * alone; principal * is everyone); nothing is allowed that a line does not grant. Empty: every principal may do everything. Read at start" },
     Setting { section: "limits", name: "max_records_per_read", env: None, kind: Kind::U64, default: "1000", help: "records one read or poll returns at most" },
     Setting { section: "limits", name: "max_bytes_per_read", env: None, kind: Kind::U64, default: "4194304", help: "payload bytes after which a read or poll stops" },
     Setting { section: "limits", name: "max_records_per_publish", env: None, kind: Kind::U64, default: "100000", help: "records in one publish request" },
@@ -159,6 +160,8 @@ pub struct Config {
     pub max_total_shards: u64,
     /// `security.tokens_file`; `None`: no authentication.
     pub tokens_file: Option<PathBuf>,
+    /// `security.acl_file`; `None`: every principal may do everything.
+    pub acl_file: Option<PathBuf>,
 }
 
 /// A configuration that cannot be used, and why.
@@ -348,6 +351,7 @@ impl Config {
         };
         let data_dir = get("storage", "data_dir").value.trim().to_string();
         let tokens_file = get("security", "tokens_file").value.trim().to_string();
+        let acl_file = get("security", "acl_file").value.trim().to_string();
         let metrics = get("server", "metrics_listen").value.trim().to_string();
         let visibility_timeout_ms = nonzero(
             num("groups", "visibility_timeout_ms")?,
@@ -525,6 +529,7 @@ impl Config {
                 "groups.max_groups_per_shard",
             )? as usize,
             tokens_file: (!tokens_file.is_empty()).then(|| PathBuf::from(tokens_file)),
+            acl_file: (!acl_file.is_empty()).then(|| PathBuf::from(acl_file)),
             values,
             warnings: Vec::new(),
         };

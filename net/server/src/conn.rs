@@ -140,7 +140,6 @@ pub(crate) struct ConnInfo {
     #[allow(dead_code)] // logged by request tracing
     pub id: u64,
     pub features: Cell<u64>,
-    #[allow(dead_code)] // used by groups (names are scoped to it)
     /// Who the connection acts as, set by its HELLO.
     pub principal: RefCell<Arc<str>>,
     pub in_flight: Cell<usize>,
@@ -252,6 +251,35 @@ const MAX_FRAME_READ: usize = 1 << 20;
 /// timeout).
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The largest frame read before a connection's HELLO is through.
+const MAX_HELLO_FRAME: u32 = 64 * 1024;
+
+/// A refused HELLO, logged at most once a second per core (a client
+/// retrying a bad token, or many of them, cannot flood the log); the
+/// client's own name is cut short and escaped.
+fn log_refusal(conn: u64, sock: &Shared, client: &str, why: &str) {
+    thread_local! {
+        static LAST: Cell<Option<(std::time::Instant, u64)>> = const { Cell::new(None) };
+    }
+    let now = std::time::Instant::now();
+    let quiet = match LAST.get() {
+        Some((last, quiet)) if now.duration_since(last) < Duration::from_secs(1) => {
+            LAST.set(Some((last, quiet + 1)));
+            return;
+        }
+        Some((_, quiet)) => quiet,
+        None => 0,
+    };
+    LAST.set(Some((now, 0)));
+    let peer = sock
+        .0
+        .borrow()
+        .peer_addr()
+        .map_or_else(|_| "?".to_string(), |a| a.to_string());
+    let client: String = client.chars().take(64).collect();
+    tracing::info!(conn, %peer, client = ?client, also_refused = quiet, "connection refused: {why}");
+}
+
 /// Bytes a request's answer may take, reserved before it runs: a read,
 /// poll or dead-letter list's answer holds the records it found (and, for cold reads, the disk
 /// chunks they sit in) until it is sent, so a client that asks for many and
@@ -356,7 +384,15 @@ pub(crate) async fn serve<S: Storage>(
                 break;
             }
             let before = rbuf.len();
-            let decoded = felix_wire::decode_request(&mut rbuf, max_frame);
+            // Until HELLO is through, a frame is at most a HELLO's worth:
+            // a client that has not authenticated cannot make the broker
+            // buffer (or hash) megabytes.
+            let cap = if said_hello {
+                max_frame
+            } else {
+                max_frame.min(MAX_HELLO_FRAME)
+            };
+            let decoded = felix_wire::decode_request(&mut rbuf, cap);
             let frame_len = before - rbuf.len();
             match decoded {
                 Ok(Some((id, req))) => {
@@ -369,6 +405,23 @@ pub(crate) async fn serve<S: Storage>(
                                 ref client_name,
                                 ..
                             } => {
+                                // Credentials first: a client that has not
+                                // authenticated learns nothing and is not
+                                // handed to another core.
+                                let token = match &req {
+                                    Request::Hello { token, .. } => token.as_deref(),
+                                    _ => None,
+                                };
+                                match crate::auth::authenticate(core.shared.tokens.as_ref(), token)
+                                {
+                                    Ok(principal) => *info.principal.borrow_mut() = principal,
+                                    Err(why) => {
+                                        log_refusal(conn_id, &sock, client_name, &why);
+                                        core.metrics.count_error(ErrorCode::Unauthorized);
+                                        outbox.push(id, &wire_err(ErrorCode::Unauthorized, why));
+                                        break 'conn;
+                                    }
+                                }
                                 if let Some(want) = want_core.filter(|w| *w >= core.shared.cores) {
                                     outbox.push(
                                         id,
@@ -408,20 +461,6 @@ pub(crate) async fn serve<S: Storage>(
                                         ),
                                     );
                                     break 'conn;
-                                }
-                                let token = match &req {
-                                    Request::Hello { token, .. } => token.as_deref(),
-                                    _ => None,
-                                };
-                                match crate::auth::authenticate(core.shared.tokens.as_ref(), token)
-                                {
-                                    Ok(principal) => *info.principal.borrow_mut() = principal,
-                                    Err(why) => {
-                                        tracing::info!(conn = conn_id, client = %client_name, "refused: {why}");
-                                        core.metrics.count_error(ErrorCode::Unauthorized);
-                                        outbox.push(id, &wire_err(ErrorCode::Unauthorized, why));
-                                        break 'conn;
-                                    }
                                 }
                                 tracing::debug!(conn = conn_id, client = %client_name, principal = %info.principal.borrow(), version, "hello");
                                 // The connection runs at the lower version and
@@ -735,7 +774,8 @@ fn spawn_request<S: Storage>(
         core.metrics.count_request(op);
         let max_pending = core.shared.config.max_pending_response_bytes;
         let room = AnswerRoom::new(&info);
-        let resp = match unnegotiated(&req, &info) {
+        let refused = unnegotiated(&req, &info).or_else(|| forbidden(&core, &info, &req));
+        let resp = match refused {
             Some(refused) => refused,
             None => {
                 // Room for the answer first.
@@ -787,6 +827,26 @@ fn unnegotiated(req: &Request, info: &ConnInfo) -> Option<Response> {
             felix_wire::feature_names(missing)
         ),
     ))
+}
+
+/// A request the connection's principal holds no permission for
+/// (`security.acl_file`), refused before it takes any room.
+fn forbidden<S: Storage>(core: &Core<S>, info: &ConnInfo, req: &Request) -> Option<Response> {
+    let why = core
+        .shared
+        .acl
+        .as_ref()?
+        .refuses(&info.principal.borrow(), req)?;
+    Some(wire_err(ErrorCode::Unauthorized, why))
+}
+
+/// Does the connection's principal see `stream` (lists leave out the
+/// streams and groups it holds nothing on)?
+pub(crate) fn sees<S: Storage>(core: &Core<S>, info: &ConnInfo, stream: &StreamRef) -> bool {
+    core.shared
+        .acl
+        .as_ref()
+        .is_none_or(|a| a.sees(&info.principal.borrow(), stream))
 }
 
 fn log_err(shard: &str, e: LogError) -> Response {
@@ -850,7 +910,13 @@ async fn handle<S: Storage>(
                 .filter(|m| tenant.as_deref().is_none_or(|t| m.name.tenant() == t))
                 .cloned()
                 .collect();
-            Response::Streams(metas.iter().map(|m| core.stream_info(m)).collect())
+            Response::Streams(
+                metas
+                    .iter()
+                    .map(|m| core.stream_info(m))
+                    .filter(|i| sees(core, info, &i.stream))
+                    .collect(),
+            )
         }
         Request::DeleteStream { stream } => core.delete_stream(&stream).await,
         Request::DescribeShard { stream, shard } => match core.shard(&stream, shard) {

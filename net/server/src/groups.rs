@@ -6,6 +6,7 @@
 //! for them to be durable where the guide requires it before answering.
 //! Nothing here takes a lock or leaves the core.
 
+use crate::acl::Perm;
 use crate::broker::{now_ms, wire_err, Core};
 use crate::conn::{to_wire_record, with_timeout, AnswerRoom, ConnInfo};
 use crate::shard::Shard;
@@ -90,6 +91,13 @@ pub(crate) async fn handle<S: Storage>(
                         .iter()
                         .filter(|(_, t)| t.exists())
                         .map(|(n, _)| n.clone())
+                        .filter(|n| {
+                            core.shared.acl.as_ref().is_none_or(|a| {
+                                let p = info.principal.borrow();
+                                a.allows(&p, Perm::GroupConsume, stream, Some(n))
+                                    || a.allows(&p, Perm::GroupManage, stream, Some(n))
+                            })
+                        })
                         .collect();
                     names.sort();
                     Response::Groups(names)

@@ -10,6 +10,7 @@
 // error path builds one response per request, so its size does not matter.
 #![allow(clippy::result_large_err)]
 
+mod acl;
 mod auth;
 mod broker;
 
