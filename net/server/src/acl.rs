@@ -18,6 +18,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
+use felix_engine::types::validate_name;
 use felix_wire::{Request, StreamRef};
 
 /// A permission a request needs.
@@ -110,7 +111,13 @@ impl Resource {
             None => (false, s),
         };
         let parts: Vec<Part> = path.split('/').map(Part::of).collect();
-        if parts.iter().any(|p| *p == Part::Is(String::new())) {
+        // A part that is not `*` must be a name a stream or group can have
+        // (so `jobs*` or an empty part, which could never match, is refused).
+        let names_ok = parts.iter().all(|p| match p {
+            Part::Any => true,
+            Part::Is(name) => validate_name("name", name).is_ok(),
+        });
+        if !names_ok {
             return None;
         }
         match (group, parts.len()) {
@@ -170,6 +177,7 @@ impl Acl {
 
     pub(crate) fn parse(text: &str) -> Result<Acl, String> {
         let mut acl = Acl::default();
+        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
         for (i, line) in text.lines().enumerate() {
             let n = i + 1;
             let line = line.split('#').next().unwrap_or("").trim();
@@ -193,8 +201,9 @@ impl Acl {
             };
             let resource = Resource::parse(resource).ok_or_else(|| {
                 format!(
-                    "line {n}: {resource:?} is not a resource (TENANT/NAMESPACE/STREAM, \
-                     group:TENANT/NAMESPACE/STREAM/GROUP, any part may be *, or * alone)"
+                    "line {n}: {resource:?} is not a resource (TENANT/NAMESPACE/STREAM or \
+                     group:TENANT/NAMESPACE/STREAM/GROUP, each part a name of letters, digits, \
+                     '.', '_', '-' or * alone; or * for everything)"
                 )
             })?;
             if let (Some(p), Resource::Group(_)) = (perm, &resource) {
@@ -217,7 +226,19 @@ impl Acl {
             }
             acl.lines += 1;
         }
+        if acl.lines == 0 {
+            return Err(
+                "grants nothing (every call would be refused); to run without \
+                 permission checks, leave security.acl_file empty"
+                    .into(),
+            );
+        }
         Ok(acl)
+    }
+
+    /// The principals the file names (not `*`).
+    pub(crate) fn principals(&self) -> impl Iterator<Item = &str> {
+        self.by_principal.keys().map(String::as_str)
     }
 
     /// How many grants the file holds.
@@ -260,7 +281,9 @@ impl Acl {
                 if self.sees(principal, stream) {
                     return None;
                 }
-                return Some(format!("{principal} holds no permission on {stream}"));
+                return Some(format!(
+                    "{principal} holds no permission on {stream} or its groups"
+                ));
             }
         };
         if self.allows(principal, perm, stream, group) {
@@ -412,6 +435,181 @@ admin    *                 *
         assert_eq!(acl.refuses("stranger", &Request::Ping), None);
     }
 
+    /// Every request and what it needs, from the guide: a request moved to
+    /// the wrong permission fails here.
+    #[test]
+    fn every_request_needs_what_the_guide_says() {
+        use felix_wire::{AckMode, PublishTarget, StartPosition};
+        let st = s("t", "n", "s");
+        let k = || key(st.clone(), "g");
+        let cases: Vec<(Request, Option<Perm>)> = vec![
+            (Request::Ping, None),
+            (Request::ListStreams { tenant: None }, None),
+            (
+                Request::CreateStream {
+                    stream: st.clone(),
+                    shards: 1,
+                    retention_bytes: None,
+                    retention_ms: None,
+                },
+                Some(Perm::StreamManage),
+            ),
+            (
+                Request::DeleteStream { stream: st.clone() },
+                Some(Perm::StreamManage),
+            ),
+            (
+                Request::Publish {
+                    stream: st.clone(),
+                    target: PublishTarget::Shard(0),
+                    ack: AckMode::Default,
+                    records: vec![],
+                },
+                Some(Perm::StreamPublish),
+            ),
+            (
+                Request::Read {
+                    stream: st.clone(),
+                    shard: 0,
+                    from: StartPosition::Earliest,
+                    max_records: 1,
+                    max_bytes: 1,
+                    wait_ms: 0,
+                },
+                Some(Perm::StreamSubscribe),
+            ),
+            (
+                Request::GroupPoll {
+                    key: k(),
+                    max_records: 1,
+                    wait_ms: 0,
+                    member: None,
+                    visibility_ms: None,
+                },
+                Some(Perm::GroupConsume),
+            ),
+            (
+                Request::GroupAck {
+                    key: k(),
+                    offsets: vec![0],
+                },
+                Some(Perm::GroupConsume),
+            ),
+            (
+                Request::GroupNack {
+                    key: k(),
+                    offset: 0,
+                    attempts: 1,
+                    delay_ms: Some(5),
+                    reason: None,
+                },
+                Some(Perm::GroupConsume),
+            ),
+            (
+                Request::GroupExtend {
+                    key: k(),
+                    offset: 0,
+                    attempts: 1,
+                    extend_ms: 5,
+                },
+                Some(Perm::GroupConsume),
+            ),
+            (
+                Request::GroupDeadLetter {
+                    key: k(),
+                    offset: 0,
+                    attempts: 1,
+                    reason: None,
+                },
+                Some(Perm::GroupConsume),
+            ),
+            (
+                Request::GroupDeadLetters { key: k() },
+                Some(Perm::GroupConsume),
+            ),
+            (
+                Request::GroupDeadLettersPage {
+                    key: k(),
+                    from: 0,
+                    max: 1,
+                },
+                Some(Perm::GroupConsume),
+            ),
+            (
+                Request::GroupDescribe { key: k() },
+                Some(Perm::GroupConsume),
+            ),
+            (
+                Request::GroupRedrive {
+                    key: k(),
+                    offset: 0,
+                },
+                Some(Perm::GroupManage),
+            ),
+            (
+                Request::GroupDiscard {
+                    key: k(),
+                    offset: 0,
+                },
+                Some(Perm::GroupManage),
+            ),
+            (
+                Request::GroupCreate {
+                    key: k(),
+                    start: StartPosition::Earliest,
+                },
+                Some(Perm::GroupManage),
+            ),
+            (
+                Request::GroupSeek {
+                    key: k(),
+                    start: StartPosition::Latest,
+                },
+                Some(Perm::GroupManage),
+            ),
+            (Request::GroupDelete { key: k() }, Some(Perm::GroupManage)),
+        ];
+        let all = [
+            Perm::StreamPublish,
+            Perm::StreamSubscribe,
+            Perm::StreamManage,
+            Perm::GroupConsume,
+            Perm::GroupManage,
+        ];
+        for (req, wants) in cases {
+            for p in all {
+                // A principal holding exactly `p` on the group (group
+                // permissions) or the stream (stream permissions).
+                let res = if p.is_group() {
+                    "group:t/n/s/g"
+                } else {
+                    "t/n/s"
+                };
+                let acl = Acl::parse(&format!("who {} {res}\n", p.as_str())).unwrap();
+                let allowed = acl.refuses("who", &req).is_none();
+                let expect = wants.is_none_or(|w| p.gives(w));
+                assert_eq!(allowed, expect, "{} with {}", req.name(), p.as_str());
+            }
+        }
+        // Describing a stream or a shard and listing groups: any grant
+        // touching the stream, a group's included.
+        let acl = Acl::parse("who group.consume group:t/n/s/g\n").unwrap();
+        for req in [
+            Request::DescribeStream { stream: st.clone() },
+            Request::DescribeShard {
+                stream: st.clone(),
+                shard: 0,
+            },
+            Request::ListGroups {
+                stream: st.clone(),
+                shard: 0,
+            },
+        ] {
+            assert!(acl.refuses("who", &req).is_none(), "{}", req.name());
+            assert!(acl.refuses("other", &req).is_some(), "{}", req.name());
+        }
+    }
+
     #[test]
     fn a_bad_acl_line_is_named() {
         for (text, wants) in [
@@ -434,6 +632,8 @@ admin    *                 *
             let e = Acl::parse(text).unwrap_err();
             assert!(e.contains(wants), "{text:?}: {e}");
         }
-        assert_eq!(Acl::parse("# nobody may do anything\n").unwrap().len(), 0);
+        // A BOM (some editors write one) is not part of the first principal.
+        let acl = Acl::parse("\u{feff}alice stream.publish t/n/s\r\n").unwrap();
+        assert!(acl.allows("alice", Perm::StreamPublish, &s("t", "n", "s"), None));
     }
 }

@@ -93,6 +93,11 @@ impl Tokens {
     pub(crate) fn len(&self) -> usize {
         self.by_digest.len()
     }
+
+    /// Does some token name `principal`?
+    pub(crate) fn has_principal(&self, principal: &str) -> bool {
+        self.by_digest.values().any(|p| &**p == principal)
+    }
 }
 
 fn parse_digest(hex: &str) -> Option<[u8; 32]> {

@@ -927,6 +927,23 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
         Some(path) => {
             let a = crate::acl::Acl::load(path)?;
             tracing::info!(grants = a.len(), file = %path.display(), "permissions enforced");
+            for p in a.principals() {
+                let known = match &tokens {
+                    Some(t) => t.has_principal(p),
+                    None => p == crate::auth::ANONYMOUS,
+                };
+                if !known {
+                    tracing::warn!(
+                        "security.acl_file grants to {p:?}, which no connection can be (not in \
+                         security.tokens_file{})",
+                        if tokens.is_none() {
+                            ", which is empty: every connection is anonymous"
+                        } else {
+                            ""
+                        }
+                    );
+                }
+            }
             Some(a)
         }
         None => None,

@@ -258,26 +258,15 @@ const MAX_HELLO_FRAME: u32 = 64 * 1024;
 /// retrying a bad token, or many of them, cannot flood the log); the
 /// client's own name is cut short and escaped.
 fn log_refusal(conn: u64, sock: &Shared, client: &str, why: &str) {
-    thread_local! {
-        static LAST: Cell<Option<(std::time::Instant, u64)>> = const { Cell::new(None) };
-    }
-    let now = std::time::Instant::now();
-    let quiet = match LAST.get() {
-        Some((last, quiet)) if now.duration_since(last) < Duration::from_secs(1) => {
-            LAST.set(Some((last, quiet + 1)));
-            return;
-        }
-        Some((_, quiet)) => quiet,
-        None => 0,
-    };
-    LAST.set(Some((now, 0)));
-    let peer = sock
-        .0
-        .borrow()
-        .peer_addr()
-        .map_or_else(|_| "?".to_string(), |a| a.to_string());
-    let client: String = client.chars().take(64).collect();
-    tracing::info!(conn, %peer, client = ?client, also_refused = quiet, "connection refused: {why}");
+    log_rate_limited(&REFUSED_HELLO_LOG, || {
+        let peer = sock
+            .0
+            .borrow()
+            .peer_addr()
+            .map_or_else(|_| "?".to_string(), |a| a.to_string());
+        let client: String = client.chars().take(64).collect();
+        format!("conn {conn} from {peer} (client {client:?}) refused: {why}")
+    });
 }
 
 /// Bytes a request's answer may take, reserved before it runs: a read,
@@ -837,7 +826,37 @@ fn forbidden<S: Storage>(core: &Core<S>, info: &ConnInfo, req: &Request) -> Opti
         .acl
         .as_ref()?
         .refuses(&info.principal.borrow(), req)?;
+    log_rate_limited(&FORBIDDEN_LOG, || {
+        format!("conn {}: {} refused: {why}", info.id, req.name())
+    });
     Some(wire_err(ErrorCode::Unauthorized, why))
+}
+
+thread_local! {
+    /// When a core last logged a refused call, and how many it left out
+    /// since.
+    static FORBIDDEN_LOG: Cell<Option<(std::time::Instant, u64)>> = const { Cell::new(None) };
+    /// The same for refused HELLOs.
+    static REFUSED_HELLO_LOG: Cell<Option<(std::time::Instant, u64)>> = const { Cell::new(None) };
+}
+
+/// Log at info at most once a second per core (per `last`), saying how
+/// many lines were left out since.
+fn log_rate_limited(
+    last: &'static std::thread::LocalKey<Cell<Option<(std::time::Instant, u64)>>>,
+    line: impl FnOnce() -> String,
+) {
+    let now = std::time::Instant::now();
+    let quiet = match last.get() {
+        Some((at, quiet)) if now.duration_since(at) < Duration::from_secs(1) => {
+            last.set(Some((at, quiet + 1)));
+            return;
+        }
+        Some((_, quiet)) => quiet,
+        None => 0,
+    };
+    last.set(Some((now, 0)));
+    tracing::info!(also_refused = quiet, "{}", line());
 }
 
 /// Does the connection's principal see `stream` (lists leave out the
@@ -908,15 +927,18 @@ async fn handle<S: Storage>(
                 .unwrap()
                 .values()
                 .filter(|m| tenant.as_deref().is_none_or(|t| m.name.tenant() == t))
+                .filter(|m| {
+                    let n = &m.name;
+                    core.shared.acl.is_none()
+                        || sees(
+                            core,
+                            info,
+                            &StreamRef::new(n.tenant(), n.namespace(), n.stream()),
+                        )
+                })
                 .cloned()
                 .collect();
-            Response::Streams(
-                metas
-                    .iter()
-                    .map(|m| core.stream_info(m))
-                    .filter(|i| sees(core, info, &i.stream))
-                    .collect(),
-            )
+            Response::Streams(metas.iter().map(|m| core.stream_info(m)).collect())
         }
         Request::DeleteStream { stream } => core.delete_stream(&stream).await,
         Request::DescribeShard { stream, shard } => match core.shard(&stream, shard) {

@@ -83,6 +83,7 @@ pub(crate) async fn handle<S: Storage>(
         | Request::GroupDescribe { key }
         | Request::GroupDelete { key } => key.clone(),
         Request::ListGroups { stream, shard } => {
+            let principal = info.principal.borrow().clone();
             return match core.shard(stream, *shard) {
                 Ok(s) => {
                     let mut names: Vec<String> = s
@@ -93,9 +94,8 @@ pub(crate) async fn handle<S: Storage>(
                         .map(|(n, _)| n.clone())
                         .filter(|n| {
                             core.shared.acl.as_ref().is_none_or(|a| {
-                                let p = info.principal.borrow();
-                                a.allows(&p, Perm::GroupConsume, stream, Some(n))
-                                    || a.allows(&p, Perm::GroupManage, stream, Some(n))
+                                a.allows(&principal, Perm::GroupConsume, stream, Some(n))
+                                    || a.allows(&principal, Perm::GroupManage, stream, Some(n))
                             })
                         })
                         .collect();

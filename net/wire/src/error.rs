@@ -22,7 +22,9 @@ pub enum ErrorCode {
     TooLarge = 6,
     /// The broker cannot serve this now (shutting down, shard stopped).
     Unavailable = 7,
-    /// Missing or bad credentials.
+    /// Missing or bad credentials (a refused HELLO, after which the
+    /// connection is closed), or a call the principal holds no permission
+    /// for (the connection stays open).
     Unauthorized = 8,
     /// A group ack/nack/extend named a claim that is no longer held (it
     /// expired and was handed to someone else, or the attempt count differs).
