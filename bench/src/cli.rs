@@ -136,6 +136,16 @@ pub struct CommonArgs {
     #[arg(long, value_name = "ADDR")]
     pub broker: Option<String>,
 
+    /// Token to authenticate with, for a Felix broker run with a tokens
+    /// file (--target felix with --broker; the embedded broker needs none).
+    #[arg(
+        long,
+        value_name = "TOKEN",
+        env = "FELIX_TOKEN",
+        hide_env_values = true
+    )]
+    pub token: Option<String>,
+
     /// Executors of the embedded Felix broker: a count (the first N CPUs) or
     /// a CPU list like 0,1. Ignored with --broker.
     #[arg(long, value_name = "N|LIST", default_value = "1")]
@@ -375,6 +385,8 @@ impl std::fmt::Display for StreamName {
 pub struct Common {
     pub target: TargetKind,
     pub broker: Option<String>,
+    /// Sent only to a Felix broker given with --broker.
+    pub token: Option<String>,
     pub broker_cores: String,
     pub broker_core_count: usize,
     pub data_dir: Option<PathBuf>,
@@ -556,6 +568,7 @@ impl CommonArgs {
         Ok(Common {
             target: self.target,
             broker: self.broker.clone(),
+            token: self.broker.as_ref().and(self.token.clone()),
             broker_cores: self.broker_cores.trim().to_string(),
             broker_core_count,
             data_dir: self.data_dir.clone(),

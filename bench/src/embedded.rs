@@ -80,6 +80,9 @@ impl EmbeddedBroker {
             .env_remove("FELIX_LISTEN")
             .env_remove("FELIX_CORES")
             .env_remove("FELIX_DURABLE_STORAGE_DIR")
+            // The bench's own clients bring no token.
+            .env_remove("FELIX_TOKENS_FILE")
+            .env_remove("FELIX_ACL_FILE")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());

@@ -30,11 +30,13 @@ impl FelixTarget {
         addr: &str,
         connections: usize,
         ack_on_commit: bool,
+        token: Option<String>,
         spec: Arc<Spec>,
     ) -> Result<FelixTarget, String> {
         let config = ClientConfig {
             client_name: concat!("felix-bench/", env!("CARGO_PKG_VERSION")).into(),
             ack_on_commit,
+            token,
             request_timeout: Duration::from_secs(60),
             ..ClientConfig::default()
         };

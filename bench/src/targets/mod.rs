@@ -85,7 +85,14 @@ impl Target {
     ) -> Result<Target, String> {
         Ok(match common.target {
             TargetKind::Felix => Target::Felix(
-                felix::FelixTarget::connect(addr, common.connections, ack_on_commit, spec).await?,
+                felix::FelixTarget::connect(
+                    addr,
+                    common.connections,
+                    ack_on_commit,
+                    common.token.clone(),
+                    spec,
+                )
+                .await?,
             ),
             TargetKind::Redis => Target::Redis(redis::RedisTarget::connect(addr, spec).await?),
             TargetKind::Nats => Target::Nats(nats::NatsTarget::connect(addr, spec).await?),
