@@ -417,3 +417,88 @@ async fn without_tokens_the_permissions_are_the_anonymous_principals() {
     assert_eq!(listed, ["t/ns/jobs"]);
     assert!(c.list_streams(Some("u")).await.unwrap().is_empty());
 }
+
+/// SIGHUP reads the tokens and permissions files again: a new token lets
+/// its principal in, new grants apply to open connections at once, and a
+/// file that no longer parses leaves what is in force untouched.
+#[tokio::test]
+async fn tokens_and_permissions_are_read_again_on_sighup() {
+    let tokens = tokens_file(&format!("alice {ALICE}\n"));
+    let acl = tokens_file("alice * *\n");
+    let b =
+        felix_tests::start_broker!(with_tokens(BrokerOptions::default(), &tokens)
+            .env("FELIX_ACL_FILE", acl.path.display()));
+    let alice = connect(&b.addr, Some("alice-secret")).await.unwrap();
+    stream(&alice, JOBS).await;
+    refused(connect(&b.addr, Some("bob-secret")).await);
+    let hup = || {
+        let ok = std::process::Command::new("kill")
+            .args(["-HUP", &b.pid().to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok);
+    };
+
+    // Bob gets a token and may publish; alice loses nothing.
+    std::fs::write(&tokens.path, format!("alice {ALICE}\nbob {BOB}\n")).unwrap();
+    std::fs::write(&acl.path, "alice * *\nbob stream.publish t/ns/jobs\n").unwrap();
+    hup();
+    groups_common::eventually(
+        "bob's token to be read",
+        std::time::Duration::from_secs(10),
+        || {
+            let addr = b.addr.clone();
+            async move { connect(&addr, Some("bob-secret")).await.is_ok() }
+        },
+    )
+    .await;
+    let bob = connect(&b.addr, Some("bob-secret")).await.unwrap();
+    bob.publish(T, NS, JOBS, 0, "b").await.expect("publish");
+    denied(
+        bob.read(T, NS, JOBS, 0, StartPosition::Earliest, 10, None)
+            .await,
+    );
+
+    // A broken file is refused whole: bob keeps what he had.
+    let reloads = |result: &str| {
+        b.metric(&format!(
+            "felix_security_reloads_total{{result=\"{result}\"}}"
+        ))
+    };
+    assert_eq!((reloads("ok"), reloads("failed")), (1.0, 0.0));
+    std::fs::write(&acl.path, "bob stream.subscribe\n").unwrap();
+    hup();
+    groups_common::eventually(
+        "the failed reload",
+        std::time::Duration::from_secs(10),
+        || async { reloads("failed") == 1.0 },
+    )
+    .await;
+    bob.publish(T, NS, JOBS, 0, "b").await.expect("publish");
+    denied(
+        bob.read(T, NS, JOBS, 0, StartPosition::Earliest, 10, None)
+            .await,
+    );
+    // New grants reach connections already open.
+    std::fs::write(
+        &acl.path,
+        "alice * *\nbob stream.publish t/ns/jobs\nbob stream.subscribe t/ns/jobs\n",
+    )
+    .unwrap();
+    hup();
+    groups_common::eventually(
+        "the second reload",
+        std::time::Duration::from_secs(10),
+        || async { reloads("ok") == 2.0 },
+    )
+    .await;
+    let read = bob
+        .read(T, NS, JOBS, 0, StartPosition::Earliest, 10, None)
+        .await;
+    assert_eq!(read.expect("read").records.len(), 2);
+    alice
+        .publish(T, NS, JOBS, 0, "a")
+        .await
+        .expect("alice keeps hers");
+}

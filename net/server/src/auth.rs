@@ -13,6 +13,59 @@ use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
+/// What the broker checks connections and calls against: the tokens file
+/// and the permissions file, as last read (at start, then on SIGHUP).
+#[derive(Debug, Default)]
+pub(crate) struct Security {
+    pub tokens: Option<Tokens>,
+    pub acl: Option<crate::acl::Acl>,
+}
+
+impl Security {
+    /// Read the files the configuration names, logging what they hold.
+    pub(crate) fn load(config: &crate::config::Config) -> Result<Security, String> {
+        let tokens = config
+            .tokens_file
+            .as_deref()
+            .map(Tokens::load)
+            .transpose()?;
+        let acl = config
+            .acl_file
+            .as_deref()
+            .map(crate::acl::Acl::load)
+            .transpose()?;
+        match (&tokens, &config.tokens_file) {
+            (Some(t), Some(path)) => {
+                tracing::info!(tokens = t.len(), file = %path.display(), "connections must authenticate")
+            }
+            _ => tracing::info!(
+                "no authentication (security.tokens_file is empty): every connection is the anonymous principal"
+            ),
+        }
+        if let (Some(a), Some(path)) = (&acl, &config.acl_file) {
+            tracing::info!(grants = a.len(), file = %path.display(), "permissions enforced");
+            for p in a.principals() {
+                let known = match &tokens {
+                    Some(t) => t.has_principal(p),
+                    None => p == ANONYMOUS,
+                };
+                if !known {
+                    tracing::warn!(
+                        "security.acl_file grants to {p:?}, which no connection can be (not in \
+                         security.tokens_file{})",
+                        if tokens.is_none() {
+                            ", which is empty: every connection is anonymous"
+                        } else {
+                            ""
+                        }
+                    );
+                }
+            }
+        }
+        Ok(Security { tokens, acl })
+    }
+}
+
 /// The principal of a broker without authentication.
 pub(crate) const ANONYMOUS: &str = "anonymous";
 

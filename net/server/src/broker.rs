@@ -88,10 +88,13 @@ pub(crate) struct Shared {
     pub broker_id: String,
     /// Set once the executors run: how the watchdog's wake-ups are counted.
     pub kicker: std::sync::OnceLock<felix_engine::runtime::Kicker>,
-    /// `security.tokens_file`, read at start; `None`: no authentication.
-    pub tokens: Option<crate::auth::Tokens>,
-    /// `security.acl_file`, read at start; `None`: no permission checks.
-    pub acl: Option<crate::acl::Acl>,
+    /// The tokens and permissions files as last read (at start, then on
+    /// SIGHUP). Cores keep their own copy and look here only when
+    /// `security_gen` moved, so the request path takes no lock.
+    pub security: Mutex<Arc<crate::auth::Security>>,
+    pub security_gen: std::sync::atomic::AtomicU64,
+    /// SIGHUP reloads that took, and that failed.
+    pub security_reloads: [std::sync::atomic::AtomicU64; 2],
 }
 
 impl Shared {
@@ -166,6 +169,8 @@ pub(crate) struct Core<S: Storage> {
     /// Bytes this core's connections hold, against
     /// `server.max_buffered_bytes_per_core`.
     pub budget: Rc<crate::memory::Budget>,
+    /// This core's copy of `Shared::security`, and the generation it is.
+    security: RefCell<(u64, Arc<crate::auth::Security>)>,
 }
 
 /// Largest `retention_bytes` / `retention_ms` a stream may have: what a
@@ -199,6 +204,10 @@ impl<S: Storage> Core<S> {
         let budget = Rc::new(crate::memory::Budget::new(
             shared.config.max_buffered_bytes_per_core,
         ));
+        let security = RefCell::new((
+            shared.security_gen.load(Ordering::Acquire),
+            shared.security.lock().unwrap().clone(),
+        ));
         Rc::new(Core {
             ctx,
             shared,
@@ -215,7 +224,19 @@ impl<S: Storage> Core<S> {
             stop_signal: WaitList::new(),
             budget,
             disk,
+            security,
         })
+    }
+
+    /// The tokens and permissions in force: this core's copy, refreshed
+    /// after a reload (one atomic load otherwise).
+    pub fn security(&self) -> Arc<crate::auth::Security> {
+        let gen = self.shared.security_gen.load(Ordering::Acquire);
+        let mut mine = self.security.borrow_mut();
+        if mine.0 != gen {
+            *mine = (gen, self.shared.security.lock().unwrap().clone());
+        }
+        mine.1.clone()
     }
 
     pub fn core_id(&self) -> u32 {
@@ -912,42 +933,7 @@ impl Drop for BusyGuard {
 /// Start the broker's cores on `cpus` and block until they exit.
 pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
     // Before anything touches the disk or the port: a bad file stops here.
-    let tokens = match &config.tokens_file {
-        Some(path) => {
-            let t = crate::auth::Tokens::load(path)?;
-            tracing::info!(tokens = t.len(), file = %path.display(), "connections must authenticate");
-            Some(t)
-        }
-        None => {
-            tracing::info!("no authentication (security.tokens_file is empty): every connection is the anonymous principal");
-            None
-        }
-    };
-    let acl = match &config.acl_file {
-        Some(path) => {
-            let a = crate::acl::Acl::load(path)?;
-            tracing::info!(grants = a.len(), file = %path.display(), "permissions enforced");
-            for p in a.principals() {
-                let known = match &tokens {
-                    Some(t) => t.has_principal(p),
-                    None => p == crate::auth::ANONYMOUS,
-                };
-                if !known {
-                    tracing::warn!(
-                        "security.acl_file grants to {p:?}, which no connection can be (not in \
-                         security.tokens_file{})",
-                        if tokens.is_none() {
-                            ", which is empty: every connection is anonymous"
-                        } else {
-                            ""
-                        }
-                    );
-                }
-            }
-            Some(a)
-        }
-        None => None,
-    };
+    let security = crate::auth::Security::load(&config)?;
     let durable = config.data_dir.is_some();
     // First, so a broker restarted straight after `kill -9` also waits out
     // the old process's I/O teardown before it touches the data directory.
@@ -985,8 +971,9 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
         announce: Mutex::new(None),
         broker_id: format!("felix-{}", std::process::id()),
         kicker: std::sync::OnceLock::new(),
-        tokens,
-        acl,
+        security: Mutex::new(Arc::new(security)),
+        security_gen: std::sync::atomic::AtomicU64::new(0),
+        security_reloads: Default::default(),
     });
     let receivers = Arc::new(Mutex::new(receivers));
     // Reserve the address up front (port 0 picks a free port), so a bad or
@@ -1468,9 +1455,10 @@ async fn run_retention<S: Storage>(core: Rc<Core<S>>) {
     }
 }
 
-/// SIGTERM/SIGINT: tell every core to stop. The signals are blocked in every
-/// thread (the mask is inherited by the executors) and taken here with
-/// `sigwait`, so no handler runs on an executor.
+/// SIGTERM/SIGINT: tell every core to stop; SIGHUP: read the tokens and
+/// permissions files again. The signals are blocked in every thread (the
+/// mask is inherited by the executors) and taken here with `sigwait`, so no
+/// handler runs on an executor.
 fn install_signal_thread(shared: Arc<Shared>) {
     // SAFETY: plain libc signal-mask calls on a zeroed, initialised sigset.
     unsafe {
@@ -1478,29 +1466,59 @@ fn install_signal_thread(shared: Arc<Shared>) {
         libc::sigemptyset(&mut set);
         libc::sigaddset(&mut set, libc::SIGTERM);
         libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGHUP);
         libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
         std::thread::Builder::new()
             .name("felix-signals".into())
             .spawn(move || {
-                let mut sig: libc::c_int = 0;
+                let mut stopping = false;
                 loop {
-                    if libc::sigwait(&set, &mut sig) == 0 {
-                        break;
+                    let mut sig: libc::c_int = 0;
+                    if libc::sigwait(&set, &mut sig) != 0 {
+                        continue;
                     }
-                }
-                tracing::info!(signal = sig, "shutting down: finishing in-flight requests");
-                shared.shutting_down.store(true, Ordering::SeqCst);
-                for tx in &shared.senders {
-                    let _ = tx.send(CoreMsg::Shutdown);
-                }
-                // A second signal exits at once.
-                let mut sig2: libc::c_int = 0;
-                if libc::sigwait(&set, &mut sig2) == 0 {
-                    eprintln!("felix: second signal, exiting now");
-                    std::process::exit(130);
+                    if sig == libc::SIGHUP {
+                        reload_security(&shared);
+                    } else if !stopping {
+                        stopping = true;
+                        tracing::info!(signal = sig, "shutting down: finishing in-flight requests");
+                        shared.shutting_down.store(true, Ordering::SeqCst);
+                        for tx in &shared.senders {
+                            let _ = tx.send(CoreMsg::Shutdown);
+                        }
+                    } else {
+                        // A second signal exits at once.
+                        eprintln!("felix: second signal, exiting now");
+                        std::process::exit(130);
+                    }
                 }
             })
             .expect("signal thread");
+    }
+}
+
+/// SIGHUP: read the tokens and permissions files again. A file that no
+/// longer reads, or no longer parses, leaves what is in force untouched.
+/// New connections authenticate against the new tokens (open ones keep
+/// their principal); every request from now on is checked against the new
+/// permissions.
+fn reload_security(shared: &Shared) {
+    let c = &shared.config;
+    if c.tokens_file.is_none() && c.acl_file.is_none() {
+        tracing::info!("SIGHUP: no security.tokens_file or security.acl_file to read again");
+        return;
+    }
+    match crate::auth::Security::load(c) {
+        Ok(fresh) => {
+            *shared.security.lock().unwrap() = Arc::new(fresh);
+            shared.security_gen.fetch_add(1, Ordering::Release);
+            shared.security_reloads[0].fetch_add(1, Ordering::Relaxed);
+            tracing::info!("SIGHUP: tokens and permissions read again");
+        }
+        Err(e) => {
+            shared.security_reloads[1].fetch_add(1, Ordering::Relaxed);
+            tracing::error!("SIGHUP: {e}; the tokens and permissions in force are kept");
+        }
     }
 }
 
@@ -1531,8 +1549,9 @@ mod tests {
             announce: Mutex::new(None),
             broker_id: "felix-test".into(),
             kicker: std::sync::OnceLock::new(),
-            tokens: None,
-            acl: None,
+            security: Mutex::new(Arc::new(Default::default())),
+            security_gen: std::sync::atomic::AtomicU64::new(0),
+            security_reloads: Default::default(),
         });
         let ctx = CoreContext {
             core: CoreId(0),

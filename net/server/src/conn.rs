@@ -401,8 +401,10 @@ pub(crate) async fn serve<S: Storage>(
                                     Request::Hello { token, .. } => token.as_deref(),
                                     _ => None,
                                 };
-                                match crate::auth::authenticate(core.shared.tokens.as_ref(), token)
-                                {
+                                match crate::auth::authenticate(
+                                    core.security().tokens.as_ref(),
+                                    token,
+                                ) {
                                     Ok(principal) => *info.principal.borrow_mut() = principal,
                                     Err(why) => {
                                         log_refusal(conn_id, &sock, client_name, &why);
@@ -822,7 +824,7 @@ fn unnegotiated(req: &Request, info: &ConnInfo) -> Option<Response> {
 /// (`security.acl_file`), refused before it takes any room.
 fn forbidden<S: Storage>(core: &Core<S>, info: &ConnInfo, req: &Request) -> Option<Response> {
     let why = core
-        .shared
+        .security()
         .acl
         .as_ref()?
         .refuses(&info.principal.borrow(), req)?;
@@ -862,7 +864,7 @@ fn log_rate_limited(
 /// Does the connection's principal see `stream` (lists leave out the
 /// streams and groups it holds nothing on)?
 pub(crate) fn sees<S: Storage>(core: &Core<S>, info: &ConnInfo, stream: &StreamRef) -> bool {
-    core.shared
+    core.security()
         .acl
         .as_ref()
         .is_none_or(|a| a.sees(&info.principal.borrow(), stream))
@@ -920,6 +922,7 @@ async fn handle<S: Storage>(
             }
         }
         Request::ListStreams { tenant } => {
+            let has_acl = core.security().acl.is_some();
             let metas: Vec<_> = core
                 .shared
                 .catalog
@@ -929,7 +932,7 @@ async fn handle<S: Storage>(
                 .filter(|m| tenant.as_deref().is_none_or(|t| m.name.tenant() == t))
                 .filter(|m| {
                     let n = &m.name;
-                    core.shared.acl.is_none()
+                    !has_acl
                         || sees(
                             core,
                             info,

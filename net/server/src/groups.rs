@@ -84,6 +84,7 @@ pub(crate) async fn handle<S: Storage>(
         | Request::GroupDelete { key } => key.clone(),
         Request::ListGroups { stream, shard } => {
             let principal = info.principal.borrow().clone();
+            let security = core.security();
             return match core.shard(stream, *shard) {
                 Ok(s) => {
                     let mut names: Vec<String> = s
@@ -93,7 +94,7 @@ pub(crate) async fn handle<S: Storage>(
                         .filter(|(_, t)| t.exists())
                         .map(|(n, _)| n.clone())
                         .filter(|n| {
-                            core.shared.acl.as_ref().is_none_or(|a| {
+                            security.acl.as_ref().is_none_or(|a| {
                                 a.allows(&principal, Perm::GroupConsume, stream, Some(n))
                                     || a.allows(&principal, Perm::GroupManage, stream, Some(n))
                             })

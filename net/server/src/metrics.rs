@@ -83,6 +83,7 @@ impl CoreMetrics {
             shards: Vec::new(),
             retired: ShardSnapshot::default(),
             executor_wakeups: 0,
+            security_reloads: (0, 0),
         }
     }
 }
@@ -151,6 +152,9 @@ pub(crate) struct MetricsSnapshot {
     pub retired: ShardSnapshot,
     /// Process-wide (not merged): executors the watchdog had to wake.
     pub executor_wakeups: u64,
+    /// Process-wide: SIGHUP reloads of the security files that took, and
+    /// that failed (the files in force kept).
+    pub security_reloads: (u64, u64),
 }
 
 impl MetricsSnapshot {
@@ -225,6 +229,14 @@ impl MetricsSnapshot {
              # TYPE felix_executor_wakeups_total counter\n\
              felix_executor_wakeups_total {}",
             self.executor_wakeups
+        );
+        let _ = writeln!(
+            s,
+            "# HELP felix_security_reloads_total SIGHUP reloads of security.tokens_file and security.acl_file, by result (failed: the files in force were kept).\n\
+             # TYPE felix_security_reloads_total counter\n\
+             felix_security_reloads_total{{result=\"ok\"}} {}\n\
+             felix_security_reloads_total{{result=\"failed\"}} {}",
+            self.security_reloads.0, self.security_reloads.1
         );
         // Counters start from the deleted shards' totals, so that deleting a
         // stream never makes them go backwards.
@@ -324,6 +336,10 @@ pub(crate) async fn scrape<S: Storage>(core: &Rc<Core<S>>) -> MetricsSnapshot {
         }
     }
     total.executor_wakeups = core.shared.kicker.get().map_or(0, |k| k.kicks());
+    total.security_reloads = (
+        core.shared.security_reloads[0].load(std::sync::atomic::Ordering::Relaxed),
+        core.shared.security_reloads[1].load(std::sync::atomic::Ordering::Relaxed),
+    );
     total
 }
 
