@@ -206,7 +206,11 @@ impl<S: Storage> Core<S> {
         ));
         let security = RefCell::new((
             shared.security_gen.load(Ordering::Acquire),
-            shared.security.lock().unwrap().clone(),
+            shared
+                .security
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .clone(),
         ));
         Rc::new(Core {
             ctx,
@@ -228,15 +232,21 @@ impl<S: Storage> Core<S> {
         })
     }
 
-    /// The tokens and permissions in force: this core's copy, refreshed
-    /// after a reload (one atomic load otherwise).
-    pub fn security(&self) -> Arc<crate::auth::Security> {
+    /// `f` of the tokens and permissions in force: this core's copy,
+    /// refreshed after a reload (one atomic load otherwise; nothing shared
+    /// is written). `f` must not reach this again.
+    pub fn with_security<R>(&self, f: impl FnOnce(&crate::auth::Security) -> R) -> R {
         let gen = self.shared.security_gen.load(Ordering::Acquire);
-        let mut mine = self.security.borrow_mut();
-        if mine.0 != gen {
-            *mine = (gen, self.shared.security.lock().unwrap().clone());
+        if self.security.borrow().0 != gen {
+            let fresh = self
+                .shared
+                .security
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .clone();
+            *self.security.borrow_mut() = (gen, fresh);
         }
-        mine.1.clone()
+        f(&self.security.borrow().1)
     }
 
     pub fn core_id(&self) -> u32 {
@@ -932,6 +942,10 @@ impl Drop for BusyGuard {
 
 /// Start the broker's cores on `cpus` and block until they exit.
 pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
+    // First of all, so no thread started from here on (glommio's blocking
+    // pool included) takes SIGHUP's default action, ending the process:
+    // one sent while the broker starts waits for the signal thread.
+    block_signals(&[libc::SIGHUP]);
     // Before anything touches the disk or the port: a bad file stops here.
     let security = crate::auth::Security::load(&config)?;
     let durable = config.data_dir.is_some();
@@ -1460,14 +1474,9 @@ async fn run_retention<S: Storage>(core: Rc<Core<S>>) {
 /// mask is inherited by the executors) and taken here with `sigwait`, so no
 /// handler runs on an executor.
 fn install_signal_thread(shared: Arc<Shared>) {
-    // SAFETY: plain libc signal-mask calls on a zeroed, initialised sigset.
+    let set = block_signals(&[libc::SIGTERM, libc::SIGINT, libc::SIGHUP]);
+    // SAFETY: sigwait on the initialised set, on this thread only.
     unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, libc::SIGTERM);
-        libc::sigaddset(&mut set, libc::SIGINT);
-        libc::sigaddset(&mut set, libc::SIGHUP);
-        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
         std::thread::Builder::new()
             .name("felix-signals".into())
             .spawn(move || {
@@ -1497,6 +1506,21 @@ fn install_signal_thread(shared: Arc<Shared>) {
     }
 }
 
+/// Block `signals` in the calling thread (and so in every thread it starts
+/// from now on); returns them as a set for `sigwait`.
+fn block_signals(signals: &[libc::c_int]) -> libc::sigset_t {
+    // SAFETY: plain libc signal-mask calls on a zeroed, initialised sigset.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for s in signals {
+            libc::sigaddset(&mut set, *s);
+        }
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    }
+}
+
 /// SIGHUP: read the tokens and permissions files again. A file that no
 /// longer reads, or no longer parses, leaves what is in force untouched.
 /// New connections authenticate against the new tokens (open ones keep
@@ -1510,9 +1534,12 @@ fn reload_security(shared: &Shared) {
     }
     match crate::auth::Security::load(c) {
         Ok(fresh) => {
-            *shared.security.lock().unwrap() = Arc::new(fresh);
-            shared.security_gen.fetch_add(1, Ordering::Release);
+            *shared
+                .security
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(fresh);
             shared.security_reloads[0].fetch_add(1, Ordering::Relaxed);
+            shared.security_gen.fetch_add(1, Ordering::Release);
             tracing::info!("SIGHUP: tokens and permissions read again");
         }
         Err(e) => {

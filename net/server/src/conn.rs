@@ -401,10 +401,10 @@ pub(crate) async fn serve<S: Storage>(
                                     Request::Hello { token, .. } => token.as_deref(),
                                     _ => None,
                                 };
-                                match crate::auth::authenticate(
-                                    core.security().tokens.as_ref(),
-                                    token,
-                                ) {
+                                let who = core.with_security(|sec| {
+                                    crate::auth::authenticate(sec.tokens.as_ref(), token)
+                                });
+                                match who {
                                     Ok(principal) => *info.principal.borrow_mut() = principal,
                                     Err(why) => {
                                         log_refusal(conn_id, &sock, client_name, &why);
@@ -823,11 +823,11 @@ fn unnegotiated(req: &Request, info: &ConnInfo) -> Option<Response> {
 /// A request the connection's principal holds no permission for
 /// (`security.acl_file`), refused before it takes any room.
 fn forbidden<S: Storage>(core: &Core<S>, info: &ConnInfo, req: &Request) -> Option<Response> {
-    let why = core
-        .security()
-        .acl
-        .as_ref()?
-        .refuses(&info.principal.borrow(), req)?;
+    let why = core.with_security(|sec| {
+        sec.acl
+            .as_ref()
+            .and_then(|a| a.refuses(&info.principal.borrow(), req))
+    })?;
     log_rate_limited(&FORBIDDEN_LOG, || {
         format!("conn {}: {} refused: {why}", info.id, req.name())
     });
@@ -859,15 +859,6 @@ fn log_rate_limited(
     };
     last.set(Some((now, 0)));
     tracing::info!(also_refused = quiet, "{}", line());
-}
-
-/// Does the connection's principal see `stream` (lists leave out the
-/// streams and groups it holds nothing on)?
-pub(crate) fn sees<S: Storage>(core: &Core<S>, info: &ConnInfo, stream: &StreamRef) -> bool {
-    core.security()
-        .acl
-        .as_ref()
-        .is_none_or(|a| a.sees(&info.principal.borrow(), stream))
 }
 
 fn log_err(shard: &str, e: LogError) -> Response {
@@ -922,7 +913,6 @@ async fn handle<S: Storage>(
             }
         }
         Request::ListStreams { tenant } => {
-            let has_acl = core.security().acl.is_some();
             let metas: Vec<_> = core
                 .shared
                 .catalog
@@ -930,17 +920,19 @@ async fn handle<S: Storage>(
                 .unwrap()
                 .values()
                 .filter(|m| tenant.as_deref().is_none_or(|t| m.name.tenant() == t))
-                .filter(|m| {
-                    let n = &m.name;
-                    !has_acl
-                        || sees(
-                            core,
-                            info,
-                            &StreamRef::new(n.tenant(), n.namespace(), n.stream()),
-                        )
-                })
                 .cloned()
                 .collect();
+            // Leave out what the principal holds nothing on.
+            let metas = core.with_security(|sec| match &sec.acl {
+                None => metas,
+                Some(acl) => {
+                    let principal = info.principal.borrow();
+                    metas
+                        .into_iter()
+                        .filter(|m| acl.sees(&principal, &crate::broker::to_ref(&m.name)))
+                        .collect()
+                }
+            });
             Response::Streams(metas.iter().map(|m| core.stream_info(m)).collect())
         }
         Request::DeleteStream { stream } => core.delete_stream(&stream).await,

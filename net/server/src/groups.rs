@@ -83,23 +83,29 @@ pub(crate) async fn handle<S: Storage>(
         | Request::GroupDescribe { key }
         | Request::GroupDelete { key } => key.clone(),
         Request::ListGroups { stream, shard } => {
-            let principal = info.principal.borrow().clone();
-            let security = core.security();
             return match core.shard(stream, *shard) {
                 Ok(s) => {
-                    let mut names: Vec<String> = s
+                    let names: Vec<String> = s
                         .groups
                         .borrow()
                         .iter()
                         .filter(|(_, t)| t.exists())
                         .map(|(n, _)| n.clone())
-                        .filter(|n| {
-                            security.acl.as_ref().is_none_or(|a| {
-                                a.allows(&principal, Perm::GroupConsume, stream, Some(n))
-                                    || a.allows(&principal, Perm::GroupManage, stream, Some(n))
-                            })
-                        })
                         .collect();
+                    // Only the groups the principal may consume or manage.
+                    let mut names = core.with_security(|sec| match &sec.acl {
+                        None => names,
+                        Some(acl) => {
+                            let p = info.principal.borrow();
+                            names
+                                .into_iter()
+                                .filter(|n| {
+                                    acl.allows(&p, Perm::GroupConsume, stream, Some(n))
+                                        || acl.allows(&p, Perm::GroupManage, stream, Some(n))
+                                })
+                                .collect()
+                        }
+                    });
                     names.sort();
                     Response::Groups(names)
                 }
