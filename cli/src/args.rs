@@ -71,7 +71,8 @@ pub struct GlobalArgs {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Run a broker in the foreground until SIGINT/SIGTERM.
+    /// Run a broker in the foreground until SIGINT/SIGTERM (SIGHUP reads the
+    /// tokens and permissions files again).
     Serve(ServeArgs),
     /// Create, list, describe and delete streams.
     #[command(subcommand)]
