@@ -260,7 +260,14 @@ pub struct GroupTarget {
 pub enum GroupCmd {
     /// Show where a group stands: position, lag, in flight, owed, dead
     /// letters.
-    Describe(GroupTarget),
+    Describe {
+        #[command(flatten)]
+        target: GroupTarget,
+        /// The group on every shard of the stream: one line per shard and
+        /// a total.
+        #[arg(long, conflicts_with = "shard")]
+        all_shards: bool,
+    },
     /// Create a group at a position; an existing group is left alone.
     Create {
         #[command(flatten)]
@@ -268,6 +275,10 @@ pub enum GroupCmd {
         /// Starting position: `earliest`, `latest` or an offset.
         #[arg(long, value_name = "earliest|latest|OFFSET", default_value = "earliest", value_parser = parse_start)]
         to: StartPosition,
+        /// On every shard of the stream (`latest` is each shard's own tail;
+        /// an offset is refused for a stream of several shards).
+        #[arg(long, conflicts_with = "shard")]
+        all_shards: bool,
     },
     /// Move an existing group, backwards to replay or forwards to skip. Voids
     /// every standing claim.
@@ -277,9 +288,19 @@ pub enum GroupCmd {
         /// New position: `earliest`, `latest` or an offset.
         #[arg(long, value_name = "earliest|latest|OFFSET", value_parser = parse_start)]
         to: StartPosition,
+        /// On every shard of the stream (`latest` is each shard's own tail;
+        /// an offset is refused for a stream of several shards).
+        #[arg(long, conflicts_with = "shard")]
+        all_shards: bool,
     },
     /// Delete a group's position and dead letters.
-    Delete(GroupTarget),
+    Delete {
+        #[command(flatten)]
+        target: GroupTarget,
+        /// On every shard of the stream.
+        #[arg(long, conflicts_with = "shard")]
+        all_shards: bool,
+    },
     /// List the groups on a shard.
     List {
         /// TENANT/NAMESPACE/STREAM

@@ -495,35 +495,80 @@ async fn read(client: &Client, args: ReadArgs) -> Result<(), CliError> {
 
 // ----- groups -------------------------------------------------------------
 
+/// "shard N", or "every shard" for an --all-shards call.
+fn shards_named(g: &GroupTarget, all_shards: bool) -> String {
+    if all_shards {
+        "every shard".to_string()
+    } else {
+        format!("shard {}", g.shard)
+    }
+}
+
 async fn group(client: &Client, cmd: GroupCmd) -> Result<(), CliError> {
     match cmd {
-        GroupCmd::Describe(g) => {
+        GroupCmd::Describe {
+            target: g,
+            all_shards,
+        } => {
             let (t, n, s) = parts(&g.stream);
+            if all_shards {
+                let infos = client.group_describe_stream(t, n, s, &g.group).await?;
+                return print(&output::group_shards_table(&infos));
+            }
             let info = client.group_describe(t, n, s, g.shard, &g.group).await?;
             print(&output::group_details(&info))
         }
-        GroupCmd::Create { target: g, to } => {
+        GroupCmd::Create {
+            target: g,
+            to,
+            all_shards,
+        } => {
             let (t, n, s) = parts(&g.stream);
-            client.group_create(t, n, s, g.shard, &g.group, to).await?;
+            if all_shards {
+                client.group_create_stream(t, n, s, &g.group, to).await?;
+            } else {
+                client.group_create(t, n, s, g.shard, &g.group, to).await?;
+            }
             println(&format!(
-                "group {} on {} shard {}: created at {to} (an existing group is left as it was)",
-                g.group, g.stream, g.shard
+                "group {} on {} {}: created at {to} (an existing group is left as it was)",
+                g.group,
+                g.stream,
+                shards_named(&g, all_shards)
             ))
         }
-        GroupCmd::Seek { target: g, to } => {
+        GroupCmd::Seek {
+            target: g,
+            to,
+            all_shards,
+        } => {
             let (t, n, s) = parts(&g.stream);
-            client.group_seek(t, n, s, g.shard, &g.group, to).await?;
+            if all_shards {
+                client.group_seek_stream(t, n, s, &g.group, to).await?;
+            } else {
+                client.group_seek(t, n, s, g.shard, &g.group, to).await?;
+            }
             println(&format!(
-                "group {} on {} shard {}: moved to {to}",
-                g.group, g.stream, g.shard
+                "group {} on {} {}: moved to {to}",
+                g.group,
+                g.stream,
+                shards_named(&g, all_shards)
             ))
         }
-        GroupCmd::Delete(g) => {
+        GroupCmd::Delete {
+            target: g,
+            all_shards,
+        } => {
             let (t, n, s) = parts(&g.stream);
-            client.group_delete(t, n, s, g.shard, &g.group).await?;
+            if all_shards {
+                client.group_delete_stream(t, n, s, &g.group).await?;
+            } else {
+                client.group_delete(t, n, s, g.shard, &g.group).await?;
+            }
             println(&format!(
-                "group {} on {} shard {}: deleted",
-                g.group, g.stream, g.shard
+                "group {} on {} {}: deleted",
+                g.group,
+                g.stream,
+                shards_named(&g, all_shards)
             ))
         }
         GroupCmd::List { stream, shard } => {

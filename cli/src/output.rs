@@ -186,38 +186,18 @@ pub fn stream_details(s: &StreamInfo) -> String {
     )
 }
 
-/// One row per shard, aligned, under a header.
-pub fn shard_table(shards: &[ShardInfo]) -> String {
-    let header = [
-        "shard",
-        "core",
-        "start_offset",
-        "end_offset",
-        "bytes",
-        "stopped",
-    ];
-    let rows: Vec<[String; 6]> = shards
-        .iter()
-        .map(|s| {
-            [
-                s.shard.to_string(),
-                s.core.to_string(),
-                s.start_offset.to_string(),
-                s.end_offset.to_string(),
-                s.bytes.to_string(),
-                s.stopped.clone().unwrap_or_else(|| "no".into()),
-            ]
-        })
-        .collect();
-    let mut width = header.map(str::len);
-    for r in &rows {
+/// Rows of cells, each column as wide as its widest cell, under a header.
+fn aligned(header: &[&str], rows: &[Vec<String>]) -> String {
+    let mut width: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for r in rows {
         for (w, c) in width.iter_mut().zip(r) {
             *w = (*w).max(c.len());
         }
     }
-    let line = |cells: &[&str]| {
+    let line = |cells: &mut dyn Iterator<Item = &str>| {
+        let cells: Vec<&str> = cells.collect();
         let mut l = String::new();
-        for (i, (c, w)) in cells.iter().zip(width).enumerate() {
+        for (i, (c, w)) in cells.iter().zip(&width).enumerate() {
             if i + 1 == cells.len() {
                 l.push_str(c);
             } else {
@@ -227,11 +207,39 @@ pub fn shard_table(shards: &[ShardInfo]) -> String {
         l.push('\n');
         l
     };
-    let mut out = line(&header);
-    for r in &rows {
-        out.push_str(&line(&r.each_ref().map(String::as_str)));
+    let mut out = line(&mut header.iter().copied());
+    for r in rows {
+        out.push_str(&line(&mut r.iter().map(String::as_str)));
     }
     out
+}
+
+/// One row per shard, aligned, under a header.
+pub fn shard_table(shards: &[ShardInfo]) -> String {
+    let rows: Vec<Vec<String>> = shards
+        .iter()
+        .map(|s| {
+            vec![
+                s.shard.to_string(),
+                s.core.to_string(),
+                s.start_offset.to_string(),
+                s.end_offset.to_string(),
+                s.bytes.to_string(),
+                s.stopped.clone().unwrap_or_else(|| "no".into()),
+            ]
+        })
+        .collect();
+    aligned(
+        &[
+            "shard",
+            "core",
+            "start_offset",
+            "end_offset",
+            "bytes",
+            "stopped",
+        ],
+        &rows,
+    )
 }
 
 pub fn shard_details(s: &ShardInfo) -> String {
@@ -264,6 +272,47 @@ pub fn group_details(g: &GroupInfo) -> String {
         opt(g.oldest_in_flight_age_ms, "-"),
         opt(g.oldest_owed_age_ms, "-"),
         opt(g.last_active_ms, "-"),
+    )
+}
+
+/// A group on every shard: one row per shard, then the totals.
+pub fn group_shards_table(infos: &[GroupInfo]) -> String {
+    let mut rows = Vec::with_capacity(infos.len() + 1);
+    let mut total = [0u64; 5];
+    for (shard, g) in infos.iter().enumerate() {
+        let counts = [
+            g.lag(),
+            u64::from(g.in_flight),
+            u64::from(g.owed),
+            u64::from(g.delayed),
+            u64::from(g.dead_letters),
+        ];
+        for (t, v) in total.iter_mut().zip(counts) {
+            *t += v;
+        }
+        let mut row = vec![
+            shard.to_string(),
+            g.position.to_string(),
+            g.end_offset.to_string(),
+        ];
+        row.extend(counts.iter().map(u64::to_string));
+        rows.push(row);
+    }
+    let mut row = vec!["all".to_string(), "-".into(), "-".into()];
+    row.extend(total.iter().map(u64::to_string));
+    rows.push(row);
+    aligned(
+        &[
+            "shard",
+            "position",
+            "end_offset",
+            "lag",
+            "in_flight",
+            "owed",
+            "delayed",
+            "dead_letters",
+        ],
+        &rows,
     )
 }
 

@@ -1635,3 +1635,94 @@ fn consume_follow_stops_cleanly_on_ctrl_c_and_leaves_nothing_claimed() {
         (Some("c"), Some(1))
     );
 }
+
+#[test]
+fn group_commands_take_all_shards() {
+    let s = serve();
+    let st = "t/ns/gwide";
+    ok(&s, &["stream", "create", st, "--shards", "2"], None);
+    ok(&s, &["publish", st, "--shard", "0", "a", "b"], None);
+    ok(&s, &["publish", st, "--shard", "1", "c"], None);
+    let out = ok(
+        &s,
+        &[
+            "group",
+            "create",
+            st,
+            "--group",
+            "g",
+            "--all-shards",
+            "--to",
+            "latest",
+        ],
+        None,
+    );
+    assert!(out.contains("every shard: created at latest"), "{out}");
+    ok(&s, &["publish", st, "--shard", "1", "d"], None);
+    let table = ok(
+        &s,
+        &["group", "describe", st, "--group", "g", "--all-shards"],
+        None,
+    );
+    let rows: Vec<Vec<&str>> = table
+        .lines()
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(
+        rows[0][..4],
+        ["shard", "position", "end_offset", "lag"],
+        "{table}"
+    );
+    assert_eq!(rows[1][..4], ["0", "2", "2", "0"], "{table}");
+    assert_eq!(rows[2][..4], ["1", "1", "2", "1"], "{table}");
+    assert_eq!(rows[3][..4], ["all", "-", "-", "1"], "{table}");
+    // Only d was published after the group's start.
+    assert_eq!(consumed(&s, st, "g", &["--all-shards"]), ["d"]);
+    ok(
+        &s,
+        &[
+            "group",
+            "seek",
+            st,
+            "--group",
+            "g",
+            "--all-shards",
+            "--to",
+            "earliest",
+        ],
+        None,
+    );
+    let mut again = consumed(&s, st, "g", &["--all-shards"]);
+    again.sort();
+    assert_eq!(again, ["a", "b", "c", "d"]);
+    // An offset names a place in one shard's log: refused for several.
+    let out = run(
+        &s,
+        &[
+            "group",
+            "seek",
+            st,
+            "--group",
+            "g",
+            "--all-shards",
+            "--to",
+            "1",
+        ],
+        None,
+    );
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("offsets are per shard"));
+    let out = ok(
+        &s,
+        &["group", "delete", st, "--group", "g", "--all-shards"],
+        None,
+    );
+    assert!(out.contains("every shard: deleted"), "{out}");
+    for shard in ["0", "1"] {
+        fails_with(
+            &s,
+            &["group", "describe", st, "--group", "g", "--shard", shard],
+            "not_found",
+        );
+    }
+}
