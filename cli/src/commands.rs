@@ -153,8 +153,36 @@ type Answer = std::pin::Pin<
 enum Outcome {
     Waiting(Answer),
     Acked(u64),
-    /// Its answer was an error (this one), seen by `check_failed`.
-    Failed(String),
+    /// Its answer was an error, seen by `check_failed`: why, and whether
+    /// the broker refused the batch whole (nothing of it stored).
+    Failed(String, bool),
+}
+
+/// "1 record", "2 records".
+fn records(n: u64) -> String {
+    if n == 1 {
+        "1 record".to_string()
+    } else {
+        format!("{n} records")
+    }
+}
+
+/// A publish the broker answered with one of these stored nothing of its
+/// batch: it was refused before anything was written. Any other error
+/// (a lost connection, a timeout, a shard stopped by an I/O failure)
+/// leaves the batch's fate unknown.
+fn refused_whole(e: &ClientError) -> bool {
+    matches!(
+        e.code(),
+        Some(
+            felix_client::ErrorCode::InvalidRequest
+                | felix_client::ErrorCode::NotFound
+                | felix_client::ErrorCode::TooLarge
+                | felix_client::ErrorCode::Unauthorized
+                | felix_client::ErrorCode::Unsupported
+                | felix_client::ErrorCode::WrongCore
+        )
+    )
 }
 
 /// A batch in flight: input records `first ..= first + count - 1` (1-based,
@@ -179,9 +207,10 @@ struct Pipeline<'a> {
     /// Input records handed to `send` so far.
     sent: u64,
     published: u64,
-    /// Input record ranges sent whose answer was an error (given): they may
-    /// or may not be stored.
-    unknown: Vec<(u64, u64, String)>,
+    /// Input record ranges sent whose answer was an error (given), and
+    /// whether the broker refused them whole (else they may or may not be
+    /// stored).
+    unknown: Vec<(u64, u64, String, bool)>,
 }
 
 impl Pipeline<'_> {
@@ -218,7 +247,7 @@ impl Pipeline<'_> {
                     std::task::Poll::Pending => {}
                     std::task::Poll::Ready(Ok(p)) => f.outcome = Outcome::Acked(u64::from(p.count)),
                     std::task::Poll::Ready(Err(e)) => {
-                        f.outcome = Outcome::Failed(e.to_string());
+                        f.outcome = Outcome::Failed(e.to_string(), refused_whole(&e));
                         return Err(e.into());
                     }
                 }
@@ -234,9 +263,10 @@ impl Pipeline<'_> {
         let result = match f.outcome {
             Outcome::Waiting(answer) => answer.await.map(|p| u64::from(p.count)),
             Outcome::Acked(n) => Ok(n),
-            Outcome::Failed(why) => {
+            Outcome::Failed(why, refused) => {
                 // Already returned as the run's error; only named here.
-                self.unknown.push((f.first, f.first + f.count - 1, why));
+                self.unknown
+                    .push((f.first, f.first + f.count - 1, why, refused));
                 return Ok(());
             }
         };
@@ -246,8 +276,9 @@ impl Pipeline<'_> {
                 Ok(())
             }
             Err(e) => {
+                let refused = refused_whole(&e);
                 self.unknown
-                    .push((f.first, f.first + f.count - 1, e.to_string()));
+                    .push((f.first, f.first + f.count - 1, e.to_string(), refused));
                 Err(e.into())
             }
         }
@@ -339,24 +370,31 @@ async fn publish(client: &Client, args: PublishArgs) -> Result<(), CliError> {
     };
     match result {
         Ok(()) => {
-            eprintln!("published {} records", pipe.published);
+            eprintln!("published {}", records(pipe.published));
             Ok(())
         }
         Err(e) => {
             pipe.settle_all().await;
-            eprintln!("published {} records before the error", pipe.published);
-            for (first, last, why) in &pipe.unknown {
+            eprintln!("published {} before the error", records(pipe.published));
+            for (first, last, why, refused) in &pipe.unknown {
                 let which = if first == last {
                     format!("input record {first}")
                 } else {
                     format!("input records {first}-{last}")
                 };
-                eprintln!(
-                    "{which} (counting from 1, in input order) went out and got no \
-                     acknowledgement ({why}): they may or may not be stored"
-                );
+                if *refused {
+                    eprintln!(
+                        "{which} (counting from 1, in input order) refused by the broker \
+                         ({why}): not stored"
+                    );
+                } else {
+                    eprintln!(
+                        "{which} (counting from 1, in input order) went out and got no \
+                         acknowledgement ({why}): may or may not be stored"
+                    );
+                }
             }
-            eprintln!("nothing from input record {} on was sent", pipe.sent + 1);
+            eprintln!("no input record after record {} was sent", pipe.sent);
             Err(e)
         }
     }
@@ -512,7 +550,28 @@ async fn group(client: &Client, cmd: GroupCmd) -> Result<(), CliError> {
         } => {
             let (t, n, s) = parts(&g.stream);
             if all_shards {
-                let infos = client.group_describe_stream(t, n, s, &g.group).await?;
+                // A group comes into being shard by shard (on its first
+                // poll there): shards without it show as `-`.
+                let shards = client.describe_stream(t, n, s).await?.shards;
+                let mut infos = Vec::with_capacity(shards as usize);
+                for shard in 0..shards {
+                    match client.group_describe(t, n, s, shard, &g.group).await {
+                        Ok(info) => infos.push(Some(info)),
+                        Err(e) if e.code() == Some(felix_client::ErrorCode::NotFound) => {
+                            infos.push(None)
+                        }
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+                if infos.iter().all(Option::is_none) {
+                    return Err(CliError::from(ClientError::Server {
+                        code: felix_client::ErrorCode::NotFound,
+                        message: format!(
+                            "group {} does not exist on any shard of {}",
+                            g.group, g.stream
+                        ),
+                    }));
+                }
                 return print(&output::group_shards_table(&infos));
             }
             let info = client.group_describe(t, n, s, g.shard, &g.group).await?;
@@ -627,9 +686,13 @@ async fn dead_letters(
             .await?;
         v.retain(|d| d.offset >= from);
         v.truncate(usize::try_from(left).unwrap_or(usize::MAX));
+        if v.is_empty() {
+            eprintln!("no dead letters");
+        }
         return print(&lines(&v));
     }
     let mut from = from;
+    let mut listed = 0u64;
     while left > 0 {
         let max = u32::try_from(left).unwrap_or(u32::MAX);
         let mut page = client
@@ -638,6 +701,7 @@ async fn dead_letters(
         page.letters
             .truncate(usize::try_from(left).unwrap_or(usize::MAX));
         left -= page.letters.len() as u64;
+        listed += page.letters.len() as u64;
         print(&lines(&page.letters))?;
         match page.next {
             Some(next) if next > from => from = next,
@@ -648,6 +712,10 @@ async fn dead_letters(
             }
             None => break,
         }
+    }
+    if listed == 0 {
+        // On stderr: stdout stays one line per dead letter for scripts.
+        eprintln!("no dead letters");
     }
     Ok(())
 }
@@ -693,8 +761,8 @@ async fn consume(client: &Client, args: ConsumeArgs) -> Result<(), CliError> {
     let mut done = 0u64;
     let result = consume_loop(client, &args, &mut done).await;
     match &result {
-        Ok(()) => eprintln!("consumed {done} records"),
-        Err(_) if done > 0 => eprintln!("consumed {done} records before the error"),
+        Ok(()) => eprintln!("consumed {}", records(done)),
+        Err(_) if done > 0 => eprintln!("consumed {} before the error", records(done)),
         Err(_) => {}
     }
     result

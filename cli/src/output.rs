@@ -275,11 +275,18 @@ pub fn group_details(g: &GroupInfo) -> String {
     )
 }
 
-/// A group on every shard: one row per shard, then the totals.
-pub fn group_shards_table(infos: &[GroupInfo]) -> String {
+/// A group on every shard: one row per shard (`-` where the group does
+/// not exist yet), then the totals.
+pub fn group_shards_table(infos: &[Option<GroupInfo>]) -> String {
     let mut rows = Vec::with_capacity(infos.len() + 1);
     let mut total = [0u64; 5];
     for (shard, g) in infos.iter().enumerate() {
+        let Some(g) = g else {
+            let mut row = vec![shard.to_string()];
+            row.extend(std::iter::repeat_n("-".to_string(), 7));
+            rows.push(row);
+            continue;
+        };
         let counts = [
             g.lag(),
             u64::from(g.in_flight),

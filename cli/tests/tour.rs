@@ -1480,7 +1480,7 @@ fn a_failed_publish_counts_every_record_acknowledged_before_the_error() {
         "{err}"
     );
     assert!(
-        err.contains("nothing from input record 3001 on was sent"),
+        err.contains("no input record after record 3000 was sent"),
         "{err}"
     );
     let stored = ok(
@@ -1725,4 +1725,34 @@ fn group_commands_take_all_shards() {
             "not_found",
         );
     }
+    let err = fails_with(
+        &s,
+        &["group", "describe", st, "--group", "g", "--all-shards"],
+        "not_found",
+    );
+    assert!(err.contains("does not exist on any shard"), "{err}");
+    // A group polled on one shard only: the other shows `-`.
+    assert_eq!(
+        consumed(&s, st, "h", &["--shard", "1", "--count", "1"]),
+        ["c"]
+    );
+    let table = ok(
+        &s,
+        &["group", "describe", st, "--group", "h", "--all-shards"],
+        None,
+    );
+    let rows: Vec<Vec<&str>> = table
+        .lines()
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(rows[1], ["0", "-", "-", "-", "-", "-", "-", "-"], "{table}");
+    assert_eq!(rows[2][..4], ["1", "1", "2", "1"], "{table}");
+    // An empty dead-letter list says so, on stderr.
+    let out = run(
+        &s,
+        &["group", "dead-letters", st, "--group", "h", "--shard", "1"],
+        None,
+    );
+    assert!(out.status.success() && out.stdout.is_empty(), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no dead letters"));
 }

@@ -289,9 +289,10 @@ impl Acl {
         if self.allows(principal, perm, stream, group) {
             return None;
         }
+        // The resource as a permissions file would name it.
         Some(match group {
             Some(g) => format!(
-                "{principal} may not {} on {stream} (group {g})",
+                "{principal} may not {} on group:{stream}/{g}",
                 perm.as_str()
             ),
             None => format!("{principal} may not {} on {stream}", perm.as_str()),
@@ -418,7 +419,7 @@ admin    *                 *
         };
         assert_eq!(
             acl.refuses("worker", &redrive).unwrap(),
-            "worker may not group.manage on t1/jobs/queue (group workers)"
+            "worker may not group.manage on group:t1/jobs/queue/workers"
         );
         assert_eq!(acl.refuses("ops", &redrive), None);
         let delete = Request::DeleteStream { stream: q.clone() };

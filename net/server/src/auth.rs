@@ -101,7 +101,10 @@ impl Tokens {
                 continue;
             }
             let mut fields = line.split_whitespace();
-            let (Some(principal), Some(hex), None) = (fields.next(), fields.next(), fields.next())
+            // `sha256sum` prints `HEX  -`: the `-` (its standard input) may
+            // be pasted along.
+            let (Some(principal), Some(hex), None | Some("-"), None) =
+                (fields.next(), fields.next(), fields.next(), fields.next())
             else {
                 return Err(format!(
                     "line {n}: expected `PRINCIPAL SHA256-HEX`, found {line:?} (# starts a \
@@ -233,7 +236,7 @@ mod tests {
     #[test]
     fn bom_crlf_tabs_and_repeated_lines_are_fine() {
         let text = format!(
-            "\u{feff}alice\t{}\r\n# comment\r\nalice {}\r\n",
+            "\u{feff}alice\t{}\r\n# comment\r\nalice {}  -\r\n",
             hex_of("a"),
             hex_of("a")
         );

@@ -569,7 +569,11 @@ impl Config {
                     .unwrap_or_else(|| r.value.clone()),
                 _ => r.value.clone(),
             };
-            let env = s.env.map(|e| format!(", {e}")).unwrap_or_default();
+            // The variable that would override it, unless it just did.
+            let env = match (s.env, &r.source) {
+                (Some(_), Source::Env(_)) | (None, _) => String::new(),
+                (Some(e), _) => format!(", {e}"),
+            };
             out.push_str(&format!(
                 "{} = {}  # from {}{} — {}\n",
                 s.name, shown, r.source, env, s.help
@@ -629,7 +633,8 @@ mod tests {
 
     #[test]
     fn defaults_env_and_flags_layer_in_order() {
-        let dir = tempfile_dir();
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
         let file = dir.join("felix.toml");
         std::fs::write(&file, "[groups]\nmax_attempts = 3\nvisibility_timeout_ms = 1000\n[server]\nlisten = \"127.0.0.1:9000\"\n").unwrap();
         let mut env = BTreeMap::new();
@@ -662,7 +667,8 @@ mod tests {
 
     #[test]
     fn bad_settings_are_refused_with_their_name() {
-        let dir = tempfile_dir();
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
         let file = dir.join("bad.toml");
         std::fs::write(&file, "[groups]\nmax_atempts = 3\n").unwrap();
         let e = Config::load_with_env(Some(&file), &Overrides::default(), &BTreeMap::new())
@@ -737,21 +743,12 @@ mod tests {
             "{shown}"
         );
         // And what it prints loads back.
-        let dir = tempfile_dir();
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
         let file = dir.join("printed.toml");
         std::fs::write(&file, &shown).unwrap();
         let again =
             Config::load_with_env(Some(&file), &Overrides::default(), &BTreeMap::new()).unwrap();
         assert!(!again.ack_on_commit);
-    }
-
-    fn tempfile_dir() -> PathBuf {
-        let d = std::env::temp_dir().join(format!(
-            "felix-config-test-{}-{:?}",
-            std::process::id(),
-            std::thread::current().id()
-        ));
-        std::fs::create_dir_all(&d).unwrap();
-        d
     }
 }
