@@ -152,7 +152,8 @@ type Answer = std::pin::Pin<
 
 enum Outcome {
     Waiting(Answer),
-    Acked(u64),
+    /// Records stored, and the shard they went to.
+    Acked(u64, u32),
     /// Its answer was an error, seen by `check_failed`: why, and whether
     /// the broker refused the batch whole (nothing of it stored).
     Failed(String, bool),
@@ -211,6 +212,9 @@ struct Pipeline<'a> {
     /// whether the broker refused them whole (else they may or may not be
     /// stored).
     unknown: Vec<(u64, u64, String, bool)>,
+    /// Shards that acknowledged records (one, unless a broker answered for
+    /// another shard than asked).
+    shards: std::collections::BTreeSet<u32>,
 }
 
 impl Pipeline<'_> {
@@ -245,7 +249,9 @@ impl Pipeline<'_> {
             if let Outcome::Waiting(answer) = &mut f.outcome {
                 match answer.as_mut().poll(&mut cx) {
                     std::task::Poll::Pending => {}
-                    std::task::Poll::Ready(Ok(p)) => f.outcome = Outcome::Acked(u64::from(p.count)),
+                    std::task::Poll::Ready(Ok(p)) => {
+                        f.outcome = Outcome::Acked(u64::from(p.count), p.shard)
+                    }
                     std::task::Poll::Ready(Err(e)) => {
                         f.outcome = Outcome::Failed(e.to_string(), refused_whole(&e));
                         return Err(e.into());
@@ -261,8 +267,8 @@ impl Pipeline<'_> {
             return Ok(());
         };
         let result = match f.outcome {
-            Outcome::Waiting(answer) => answer.await.map(|p| u64::from(p.count)),
-            Outcome::Acked(n) => Ok(n),
+            Outcome::Waiting(answer) => answer.await.map(|p| (u64::from(p.count), p.shard)),
+            Outcome::Acked(n, shard) => Ok((n, shard)),
             Outcome::Failed(why, refused) => {
                 // Already returned as the run's error; only named here.
                 self.unknown
@@ -271,8 +277,9 @@ impl Pipeline<'_> {
             }
         };
         match result {
-            Ok(n) => {
+            Ok((n, shard)) => {
                 self.published += n;
+                self.shards.insert(shard);
                 Ok(())
             }
             Err(e) => {
@@ -355,6 +362,7 @@ async fn publish(client: &Client, args: PublishArgs) -> Result<(), CliError> {
         sent: 0,
         published: 0,
         unknown: Vec::new(),
+        shards: Default::default(),
     };
     let mut batch = Batch {
         records: Vec::new(),
@@ -370,7 +378,12 @@ async fn publish(client: &Client, args: PublishArgs) -> Result<(), CliError> {
     };
     match result {
         Ok(()) => {
-            eprintln!("published {}", records(pipe.published));
+            // Which shard, since a --key picks it.
+            let to = match pipe.shards.iter().collect::<Vec<_>>()[..] {
+                [one] => format!(" to shard {one}"),
+                _ => String::new(),
+            };
+            eprintln!("published {}{to}", records(pipe.published));
             Ok(())
         }
         Err(e) => {

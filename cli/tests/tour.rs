@@ -320,7 +320,12 @@ fn publish_with_a_key_goes_to_the_keys_shard_and_stores_the_key() {
         let m2 = format!("{key}-2");
         let out = run(&s, &["publish", "t/ns/keyed", "--key", key, &m1, &m2], None);
         assert!(out.status.success(), "{out:?}");
-        assert!(String::from_utf8_lossy(&out.stderr).contains("published 2 records"));
+        let shard = felix_client::shard_for_key(key.as_bytes(), 4);
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            said.contains(&format!("published 2 records to shard {shard}")),
+            "{said}"
+        );
     }
     let mut seen = 0;
     for shard in 0..shards {
