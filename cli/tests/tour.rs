@@ -1641,6 +1641,28 @@ fn consume_follow_stops_cleanly_on_ctrl_c_and_leaves_nothing_claimed() {
     );
 }
 
+/// `felix group describe --all-shards`: the table, and its rows split
+/// into cells.
+fn shard_rows(s: &Serve, stream: &str, group: &str) -> (String, Vec<Vec<String>>) {
+    let table = ok(
+        s,
+        &[
+            "group",
+            "describe",
+            stream,
+            "--group",
+            group,
+            "--all-shards",
+        ],
+        None,
+    );
+    let rows = table
+        .lines()
+        .map(|l| l.split_whitespace().map(str::to_string).collect())
+        .collect();
+    (table, rows)
+}
+
 #[test]
 fn group_commands_take_all_shards() {
     let s = serve();
@@ -1664,15 +1686,7 @@ fn group_commands_take_all_shards() {
     );
     assert!(out.contains("every shard: created at latest"), "{out}");
     ok(&s, &["publish", st, "--shard", "1", "d"], None);
-    let table = ok(
-        &s,
-        &["group", "describe", st, "--group", "g", "--all-shards"],
-        None,
-    );
-    let rows: Vec<Vec<&str>> = table
-        .lines()
-        .map(|l| l.split_whitespace().collect())
-        .collect();
+    let (table, rows) = shard_rows(&s, st, "g");
     assert_eq!(
         rows[0][..4],
         ["shard", "position", "end_offset", "lag"],
@@ -1741,15 +1755,7 @@ fn group_commands_take_all_shards() {
         consumed(&s, st, "h", &["--shard", "1", "--count", "1"]),
         ["c"]
     );
-    let table = ok(
-        &s,
-        &["group", "describe", st, "--group", "h", "--all-shards"],
-        None,
-    );
-    let rows: Vec<Vec<&str>> = table
-        .lines()
-        .map(|l| l.split_whitespace().collect())
-        .collect();
+    let (table, rows) = shard_rows(&s, st, "h");
     assert_eq!(rows[1], ["0", "-", "-", "-", "-", "-", "-", "-"], "{table}");
     assert_eq!(rows[2][..4], ["1", "1", "2", "1"], "{table}");
     // An empty dead-letter list says so, on stderr.

@@ -18,18 +18,8 @@ BPID=
 # On exit: the broker and any publisher or consumer still running (a
 # consumer left behind would go on taking records from the next run's group).
 trap 'kill $(jobs -p) 2>/dev/null; if [ -n "$BPID" ]; then kill -9 "$BPID" 2>/dev/null; fi; [ -n "${KEEP:-}" ] || rm -rf "$W"' EXIT
-felix() { "$F" --broker "127.0.0.1:$PORT" "$@"; }
 
-start() {
-  FELIX_METRICS_LISTEN='' "$F" serve --data-dir "$W/data" --listen "127.0.0.1:$PORT" \
-    --cores 2 > "$W/broker.log" 2>&1 &
-  BPID=$!
-  for _ in $(seq 1 100); do
-    grep -q "listening" "$W/broker.log" && return
-    sleep 0.1
-  done
-  echo "broker did not start:"; cat "$W/broker.log"; exit 1
-}
+. tests/soak/lib.sh
 
 position() {
   felix group describe t/n/q --shard 0 --group g 2>/dev/null | awk '$1 == "position" { print $2 }'

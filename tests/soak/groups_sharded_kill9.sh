@@ -13,23 +13,15 @@
 #   cargo build --release -p felix-cli && tests/soak/groups_sharded_kill9.sh [ROUNDS] [SHARDS] [K]
 # On exit: the broker and any publisher or consumer still running.
 
+set -u
+cd "$(dirname "$0")/../.." || exit 1
 F=${FELIX:-target/release/felix}
 PORT=${PORT:-7614}
 W=$(mktemp -d /tmp/felix-groups-sharded-kill9.XXXXXX)
 BPID=
 trap 'kill $(jobs -p) 2>/dev/null; if [ -n "$BPID" ]; then kill -9 "$BPID" 2>/dev/null; fi; [ -n "${KEEP:-}" ] || rm -rf "$W"' EXIT
-felix() { "$F" --broker "127.0.0.1:$PORT" "$@"; }
 
-start() {
-  FELIX_METRICS_LISTEN='' "$F" serve --data-dir "$W/data" --listen "127.0.0.1:$PORT" \
-    --cores 2 > "$W/broker.log" 2>&1 &
-  BPID=$!
-  for _ in $(seq 1 100); do
-    grep -q "listening" "$W/broker.log" && return
-    sleep 0.1
-  done
-  echo "broker did not start:"; cat "$W/broker.log"; exit 1
-}
+. tests/soak/lib.sh
 
 # "position end" of each shard's group, one line per shard.
 positions() {

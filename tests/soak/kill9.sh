@@ -13,16 +13,7 @@ W=$(mktemp -d /tmp/felix-kill9.XXXXXX)
 BPID=
 trap 'if [ -n "$BPID" ]; then kill -9 "$BPID" 2>/dev/null; fi; rm -rf "$W"' EXIT
 
-start() {
-  FELIX_METRICS_LISTEN='' "$F" serve --data-dir "$W/data" --listen "127.0.0.1:$PORT" \
-    --cores 2 > "$W/broker.log" 2>&1 &
-  BPID=$!
-  for _ in $(seq 1 100); do
-    grep -q "listening" "$W/broker.log" && return
-    sleep 0.1
-  done
-  echo "broker did not start:"; cat "$W/broker.log"; exit 1
-}
+. tests/soak/lib.sh
 
 start
 "$F" --broker "127.0.0.1:$PORT" stream create t/n/s --shards 1 > /dev/null || exit 1

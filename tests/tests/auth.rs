@@ -15,20 +15,20 @@ use groups_common::{offsets, opts, publish, stream, Group, JOBS, NS, T};
 const ALICE: &str = "0c848abb03307b06cf70cd4e29c157dc81af5e94ab3eb1d0c59a120269572376";
 const BOB: &str = "9f03ef1533a68d2f506f81ef463c1183a82a6bd40e45613f36e6fe1889cf1b99";
 
-/// A tokens file kept as long as the value.
-struct TokensFile {
+/// A tokens or permissions file, kept as long as the value.
+struct SecurityFile {
     _dir: tempfile::TempDir,
     path: std::path::PathBuf,
 }
 
-fn tokens_file(text: &str) -> TokensFile {
+fn security_file(text: &str) -> SecurityFile {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("tokens");
+    let path = dir.path().join("security");
     std::fs::write(&path, text).unwrap();
-    TokensFile { _dir: dir, path }
+    SecurityFile { _dir: dir, path }
 }
 
-fn with_tokens(o: BrokerOptions, f: &TokensFile) -> BrokerOptions {
+fn with_tokens(o: BrokerOptions, f: &SecurityFile) -> BrokerOptions {
     o.env("FELIX_TOKENS_FILE", f.path.display())
 }
 
@@ -52,7 +52,7 @@ fn refused(r: Result<Client, ClientError>) -> String {
 
 #[tokio::test]
 async fn a_broker_with_tokens_lets_in_only_the_tokens_it_lists() {
-    let f = tokens_file(&format!("# who may connect\nalice {ALICE}\nbob {BOB}\n"));
+    let f = security_file(&format!("# who may connect\nalice {ALICE}\nbob {BOB}\n"));
     let b = felix_tests::start_broker!(with_tokens(BrokerOptions::default(), &f));
     let no_token = refused(connect(&b.addr, None).await);
     assert!(no_token.contains("requires a token"), "{no_token}");
@@ -93,17 +93,23 @@ async fn a_broker_without_tokens_refuses_a_token_rather_than_ignore_it() {
     connect(&b.addr, None).await.expect("anonymous");
 }
 
-#[test]
-fn a_bad_tokens_file_stops_the_broker_at_start_with_its_line() {
-    let f = tokens_file(&format!("alice {ALICE}\nbob not-a-digest\n"));
+/// Start an in-memory broker with `var` naming `f`; it must fail to
+/// start. Returns what it said on stderr.
+fn start_fails(var: &str, f: &SecurityFile) -> String {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_felix-test-broker"))
         .args(["-", "127.0.0.1:0", "1"])
-        .env("FELIX_TOKENS_FILE", &f.path)
+        .env(var, &f.path)
         .env("FELIX_METRICS_LISTEN", "")
         .output()
         .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{out:?}");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn a_bad_tokens_file_stops_the_broker_at_start_with_its_line() {
+    let f = security_file(&format!("alice {ALICE}\nbob not-a-digest\n"));
+    let err = start_fails("FELIX_TOKENS_FILE", &f);
     assert!(
         err.contains("line 2") && err.contains("not a SHA-256 digest"),
         "{err}"
@@ -114,7 +120,7 @@ fn a_bad_tokens_file_stops_the_broker_at_start_with_its_line() {
 /// another principal using the same name gets nothing of yours."
 #[tokio::test]
 async fn a_member_name_belongs_to_its_principal() {
-    let f = tokens_file(&format!("alice {ALICE}\nbob {BOB}\n"));
+    let f = security_file(&format!("alice {ALICE}\nbob {BOB}\n"));
     let b = felix_tests::start_broker!(with_tokens(opts(30_000, 5), &f));
     let alice = connect(&b.addr, Some("alice-secret")).await.expect("alice");
     stream(&alice, JOBS).await;
@@ -202,7 +208,7 @@ fn code_of(r: &felix_wire::Response) -> Option<ErrorCode> {
 
 #[tokio::test]
 async fn a_request_behind_a_refused_hello_is_not_served_on_any_core() {
-    let f = tokens_file(&format!("alice {ALICE}\n"));
+    let f = security_file(&format!("alice {ALICE}\n"));
     let b = felix_tests::start_broker!(with_tokens(BrokerOptions::default(), &f));
     // Whichever core accepts the connection, with or without a hand-off to
     // the other: the HELLO is refused and the create behind it never runs.
@@ -249,9 +255,9 @@ async fn a_request_behind_a_refused_hello_is_not_served_on_any_core() {
 // ----------------------------------------------------------- permissions
 
 /// A broker with alice and bob, and `acl` as its permissions.
-fn acl_broker(acl: &str) -> (TokensFile, TokensFile, felix_tests::Broker) {
-    let tokens = tokens_file(&format!("alice {ALICE}\nbob {BOB}\n"));
-    let acl_file = tokens_file(acl);
+fn acl_broker(acl: &str) -> (SecurityFile, SecurityFile, felix_tests::Broker) {
+    let tokens = security_file(&format!("alice {ALICE}\nbob {BOB}\n"));
+    let acl_file = security_file(acl);
     let b = felix_tests::start_broker!(
         with_tokens(opts(30_000, 5), &tokens).env("FELIX_ACL_FILE", acl_file.path.display())
     );
@@ -369,15 +375,8 @@ async fn subscribe_grants_consume_and_manage_grants_group_manage() {
 
 #[test]
 fn a_bad_acl_file_stops_the_broker_at_start_with_its_line() {
-    let f = tokens_file("alice stream.publish t/ns/s\nbob stream.write t/ns/s\n");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_felix-test-broker"))
-        .args(["-", "127.0.0.1:0", "1"])
-        .env("FELIX_ACL_FILE", &f.path)
-        .env("FELIX_METRICS_LISTEN", "")
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let f = security_file("alice stream.publish t/ns/s\nbob stream.write t/ns/s\n");
+    let err = start_fails("FELIX_ACL_FILE", &f);
     assert!(
         err.contains("line 2") && err.contains("unknown permission"),
         "{err}"
@@ -386,7 +385,7 @@ fn a_bad_acl_file_stops_the_broker_at_start_with_its_line() {
 
 #[tokio::test]
 async fn without_tokens_the_permissions_are_the_anonymous_principals() {
-    let acl_file = tokens_file(
+    let acl_file = security_file(
         "anonymous stream.manage  t/*/*\n\
          anonymous stream.publish t/ns/jobs\n",
     );
@@ -423,8 +422,8 @@ async fn without_tokens_the_permissions_are_the_anonymous_principals() {
 /// file that no longer parses leaves what is in force untouched.
 #[tokio::test]
 async fn tokens_and_permissions_are_read_again_on_sighup() {
-    let tokens = tokens_file(&format!("alice {ALICE}\n"));
-    let acl = tokens_file("alice * *\n");
+    let tokens = security_file(&format!("alice {ALICE}\n"));
+    let acl = security_file("alice * *\n");
     let b =
         felix_tests::start_broker!(with_tokens(BrokerOptions::default(), &tokens)
             .env("FELIX_ACL_FILE", acl.path.display()));

@@ -170,20 +170,12 @@ pub(crate) struct Acl {
 
 impl Acl {
     pub(crate) fn load(path: &Path) -> Result<Acl, String> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read security.acl_file {}: {e}", path.display()))?;
-        Acl::parse(&text).map_err(|e| format!("security.acl_file {}: {e}", path.display()))
+        crate::auth::load_file(path, "security.acl_file", Acl::parse)
     }
 
     pub(crate) fn parse(text: &str) -> Result<Acl, String> {
         let mut acl = Acl::default();
-        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
-        for (i, line) in text.lines().enumerate() {
-            let n = i + 1;
-            let line = line.split('#').next().unwrap_or("").trim();
-            if line.is_empty() {
-                continue;
-            }
+        for (n, line) in crate::auth::content_lines(text) {
             let f: Vec<&str> = line.split_whitespace().collect();
             let [principal, perm, resource] = f[..] else {
                 return Err(format!(

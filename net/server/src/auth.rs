@@ -86,20 +86,12 @@ impl Tokens {
     /// and `#` comments are skipped. A principal may have several tokens
     /// (to rotate them); a digest may name one principal only.
     pub(crate) fn load(path: &Path) -> Result<Tokens, String> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read security.tokens_file {}: {e}", path.display()))?;
-        Tokens::parse(&text).map_err(|e| format!("security.tokens_file {}: {e}", path.display()))
+        load_file(path, "security.tokens_file", Tokens::parse)
     }
 
     pub(crate) fn parse(text: &str) -> Result<Tokens, String> {
         let mut by_digest: HashMap<[u8; 32], Arc<str>> = HashMap::new();
-        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
-        for (i, line) in text.lines().enumerate() {
-            let n = i + 1;
-            let line = line.split('#').next().unwrap_or("").trim();
-            if line.is_empty() {
-                continue;
-            }
+        for (n, line) in content_lines(text) {
             let mut fields = line.split_whitespace();
             // `sha256sum` prints `HEX  -`: the `-` (its standard input) may
             // be pasted along.
@@ -154,6 +146,28 @@ impl Tokens {
     pub(crate) fn has_principal(&self, principal: &str) -> bool {
         self.by_digest.values().any(|p| &**p == principal)
     }
+}
+
+/// Read a security file and parse it; errors name `setting` and the path.
+pub(crate) fn load_file<T>(
+    path: &Path,
+    setting: &str,
+    parse: impl FnOnce(&str) -> Result<T, String>,
+) -> Result<T, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {setting} {}: {e}", path.display()))?;
+    parse(&text).map_err(|e| format!("{setting} {}: {e}", path.display()))
+}
+
+/// The lines of a security file that say something, numbered from 1: a
+/// leading BOM, `#` comments and surrounding blanks gone, empty lines
+/// skipped.
+pub(crate) fn content_lines(text: &str) -> impl Iterator<Item = (usize, &str)> {
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+    text.lines()
+        .enumerate()
+        .map(|(i, line)| (i + 1, line.split('#').next().unwrap_or("").trim()))
+        .filter(|(_, line)| !line.is_empty())
 }
 
 fn parse_digest(hex: &str) -> Option<[u8; 32]> {
