@@ -144,7 +144,9 @@ pub(super) const DUE_MAX: usize = 256;
 /// The next deadlines, exactly: every timed slot whose `(deadline, offset)`
 /// is at or below `horizon` is in `due` (sorted descending, so the next one
 /// is last), and nothing else is. Timed slots above the horizon are found by
-/// a rescan once `due` drains. This keeps no per-claim memory.
+/// a rescan, made only when the horizon's time comes with `due` drained:
+/// acks drain it all the time, and a rescan each time would cost a pass over
+/// every claim. This keeps no per-claim memory.
 #[derive(Debug)]
 pub(super) struct Timers {
     due: Vec<(u64, Offset)>,
@@ -172,6 +174,13 @@ impl Timers {
     /// `due` drained).
     pub(super) fn next(&self) -> Option<(u64, Offset)> {
         self.due.last().copied()
+    }
+
+    /// Start again from one timed slot, the only one there is.
+    pub(super) fn restart(&mut self, deadline_ms: u64, offset: Offset) {
+        debug_assert!(self.due.is_empty(), "restart with timers standing");
+        self.due.push((deadline_ms, offset));
+        self.horizon = (deadline_ms, offset);
     }
 
     pub(super) fn insert(&mut self, deadline_ms: u64, offset: Offset) {

@@ -1097,6 +1097,34 @@ mod rules {
         assert!(h.t.is_idle(h.now) && h.t.can_evict(h.now));
     }
 
+    /// Acks drain the index of upcoming deadlines long before the claims
+    /// past its horizon lapse; those still lapse exactly on time, in one
+    /// tick, and the next deadline is exact again after it.
+    #[test]
+    fn claims_past_a_drained_deadline_index_lapse_on_time() {
+        let mut h = Harness::with(small(|c| c.max_in_flight = 10_000));
+        h.append(1_000);
+        let first = h.now + 1_000;
+        assert_eq!(h.poll(600).len(), 600);
+        h.ack(0).unwrap();
+        h.advance(100);
+        assert_eq!(h.poll(10).len(), 10);
+        let second = h.now + 1_000;
+        let bound = h.t.next_deadline().unwrap();
+        assert!(bound <= first, "{bound} is past the earliest deadline");
+        h.advance(first - h.now - 1);
+        h.tick();
+        assert_eq!(h.describe().in_flight, 609, "nothing lapses early");
+        h.advance(1);
+        h.tick();
+        assert_eq!(h.describe().in_flight, 10, "the first poll's claims lapse");
+        assert_eq!(h.t.next_deadline(), Some(second));
+        h.advance(second - h.now);
+        h.tick();
+        assert_eq!(h.describe().in_flight, 0);
+        assert_eq!(h.t.next_deadline(), None);
+    }
+
     #[test]
     fn a_claim_costs_at_most_64_bytes() {
         let mut h = Harness::new();

@@ -160,10 +160,24 @@ impl GroupTracker {
         self.last_active_ms
     }
 
-    /// The earliest claim or delay deadline: call [`tick`](Self::tick) then
-    /// (and wake polls waiting at the in-flight cap).
+    /// When to call [`tick`](Self::tick) next (and wake polls waiting at the
+    /// in-flight cap): the earliest claim or delay deadline, or a moment
+    /// before it. `None` with nothing in flight.
+    ///
+    /// Exact while the due list holds entries. Once acks have drained it, the
+    /// deadlines still standing all lie past its horizon, and the horizon is
+    /// answered instead of rescanning every claim after each request: a tick
+    /// there rescans once and finds the exact next deadline (after a tick
+    /// this is always later than the tick's time).
     pub fn next_deadline(&self) -> Option<u64> {
-        self.timers.next().map(|(d, _)| d)
+        if self.in_flight == 0 {
+            return None;
+        }
+        Some(
+            self.timers
+                .next()
+                .map_or(self.timers.horizon().0, |(d, _)| d),
+        )
     }
 
     /// Whether a poll by `caller` now could hand something out: records
@@ -957,10 +971,9 @@ impl GroupTracker {
                 .count()
         );
         self.timers.check_sorted();
-        assert_eq!(
-            self.timers.is_empty(),
-            in_flight == 0,
-            "due list empty while timers stand (or the reverse)"
+        assert!(
+            self.timers.is_empty() || in_flight > 0,
+            "due list holds timers with nothing in flight"
         );
         let live: FastMap<u32, u32> = self.members.live_holder_refs().collect();
         assert_eq!(live, refs, "holder references");
@@ -1362,7 +1375,19 @@ impl GroupTracker {
 
     /// Lapse claims and end delays whose deadline is at or before `now_ms`.
     fn expire(&mut self, now_ms: u64, w: &mut Vec<GroupEntry>) {
-        while let Some((deadline, o)) = self.timers.next() {
+        loop {
+            if self.timers.is_empty() && self.in_flight > 0 && self.timers.horizon().0 <= now_ms {
+                // Drained, and deadlines past the horizon may be due now.
+                self.timers.rebuild(
+                    self.slots
+                        .iter()
+                        .filter(|(_, s)| s.is_timed())
+                        .map(|(o, s)| (s.deadline_ms(), *o)),
+                );
+            }
+            let Some((deadline, o)) = self.timers.next() else {
+                break;
+            };
             if deadline > now_ms {
                 break;
             }
@@ -1558,7 +1583,12 @@ impl GroupTracker {
                     self.owed.insert(o);
                 }
                 state => {
-                    self.timers.insert(n.deadline_ms(), o);
+                    if self.in_flight == 0 {
+                        // The only timed slot: the due list restarts at it.
+                        self.timers.restart(n.deadline_ms(), o);
+                    } else {
+                        self.timers.insert(n.deadline_ms(), o);
+                    }
                     self.in_flight += 1;
                     if state == State::Delayed {
                         self.delayed += 1;
@@ -1571,14 +1601,6 @@ impl GroupTracker {
             None => {
                 self.skipped_below.remove(&o);
             }
-        }
-        if self.timers.is_empty() && self.in_flight > 0 {
-            self.timers.rebuild(
-                self.slots
-                    .iter()
-                    .filter(|(_, s)| s.is_timed())
-                    .map(|(o, s)| (s.deadline_ms(), *o)),
-            );
         }
     }
 }
