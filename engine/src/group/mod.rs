@@ -69,7 +69,8 @@
 //!
 //! Lapses and delay ends are applied by `plan_poll`, `poll` and `tick`; call
 //! `tick` when [`GroupTracker::next_deadline`] passes (that is also when a
-//! poll waiting at the in-flight cap may be woken). Other calls look at the
+//! poll waiting at the in-flight cap may be woken). That time may come a
+//! little early (see Memory) and a tick then applies nothing. Other calls look at the
 //! deadlines directly, so a claim past its deadline counts as lapsed
 //! everywhere even before a `tick` applies it.
 //!
@@ -81,8 +82,10 @@
 //! 10,000 claims (16,384 buckets), at most 57 bytes just after the table
 //! grows. Finished offsets cost nothing, however far the position lags.
 //! Deadlines need no per-claim memory: a list holds the next 256 due timers
-//! (plus any set earlier than its horizon) and is rebuilt by a scan when it
-//! drains. Member names are interned once per member; a claim carries a
+//! (plus any set earlier than its horizon). Acks drain it all the time; a
+//! drained list answers its horizon as the next deadline (all others lie
+//! past it) and is rebuilt by a scan only when that time comes, not after
+//! every ack that empties it. Member names are interned once per member; a claim carries a
 //! 24-bit holder id. [`GroupTracker::memory_bytes`] reports the total.
 
 mod entry;

@@ -1,0 +1,107 @@
+//! The Python and Node clients' own test suites, run against real brokers:
+//! one plain, one that requires a token. Each suite reads the addresses from
+//! `FELIX_ADDR` and `FELIX_AUTH_ADDR` (with `FELIX_AUTH_TOKEN` and
+//! `FELIX_AUTH_PRINCIPAL`).
+//!
+//! A machine without `python3` or `node` skips that suite with a note on
+//! stderr, unless `FELIX_REQUIRE_CLIENTS=1` (CI sets it) makes a missing
+//! interpreter a failure.
+
+use felix_tests::{Broker, BrokerOptions};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// `printf %s alice-secret | sha256sum`.
+const ALICE_DIGEST: &str = "0c848abb03307b06cf70cd4e29c157dc81af5e94ab3eb1d0c59a120269572376";
+const ALICE_TOKEN: &str = "alice-secret";
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the tests crate sits in the workspace")
+        .to_path_buf()
+}
+
+/// Whether `program --version` runs; if not, skip (or fail under CI).
+fn interpreter(program: &str) -> bool {
+    let found = Command::new(program)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !found {
+        assert!(
+            std::env::var("FELIX_REQUIRE_CLIENTS").as_deref() != Ok("1"),
+            "{program} is required (FELIX_REQUIRE_CLIENTS=1) but does not run"
+        );
+        eprintln!("skipped: {program} not found, so its client's tests did not run");
+    }
+    found
+}
+
+/// The brokers a suite runs against, kept alive for its duration.
+struct Brokers {
+    plain: Broker,
+    auth: Broker,
+    _tokens: tempfile::TempDir,
+}
+
+fn brokers() -> Brokers {
+    let options = || BrokerOptions::default().env("FELIX_GROUP_MAX_ATTEMPTS", 3);
+    let tokens = tempfile::tempdir().expect("tempdir");
+    let tokens_file = tokens.path().join("tokens");
+    std::fs::write(&tokens_file, format!("alice {ALICE_DIGEST}\n")).expect("tokens file");
+    Brokers {
+        plain: felix_tests::start_broker!(options()),
+        auth: felix_tests::start_broker!(options().env("FELIX_TOKENS_FILE", tokens_file.display())),
+        _tokens: tokens,
+    }
+}
+
+/// Run a suite with the brokers' addresses; fail with its output if it fails.
+fn run_suite(mut cmd: Command, name: &str) {
+    let b = brokers();
+    let out = cmd
+        .current_dir(repo_root())
+        .env("FELIX_ADDR", &b.plain.addr)
+        .env("FELIX_AUTH_ADDR", &b.auth.addr)
+        .env("FELIX_AUTH_TOKEN", ALICE_TOKEN)
+        .env("FELIX_AUTH_PRINCIPAL", "alice")
+        .output()
+        .unwrap_or_else(|e| panic!("run the {name} suite: {e}"));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "the {name} suite failed:\n{text}");
+    eprintln!("{text}");
+}
+
+#[test]
+fn the_python_client_suite_passes_against_a_real_broker() {
+    if !interpreter("python3") {
+        return;
+    }
+    let mut cmd = Command::new("python3");
+    cmd.args([
+        "-m",
+        "unittest",
+        "discover",
+        "-s",
+        "client/python/tests",
+        "-t",
+        "client/python",
+    ])
+    .env("PYTHONDONTWRITEBYTECODE", "1");
+    run_suite(cmd, "Python client");
+}
+
+#[test]
+fn the_node_client_suite_passes_against_a_real_broker() {
+    if !interpreter("node") {
+        return;
+    }
+    let mut cmd = Command::new("node");
+    cmd.args(["--test", "client/node/test/"]);
+    run_suite(cmd, "Node client");
+}
