@@ -502,7 +502,7 @@ impl ShardedGroup {
         self.client.group_describe_stream(t, n, s, g).await
     }
 
-    /// Records published to the stream and not yet handed to the group,
+    /// Records published to the stream and not yet finished by the group,
     /// over every shard.
     pub async fn lag(&self) -> Result<u64> {
         Ok(self.describe().await?.iter().map(GroupInfo::lag).sum())

@@ -507,7 +507,8 @@ pub struct GroupInfo {
 }
 
 impl GroupInfo {
-    /// Records published but not yet handed to the group.
+    /// Records published and not yet finished by the group (acked or dead
+    /// lettered): the shard's end minus the group's position.
     pub fn lag(&self) -> u64 {
         self.end_offset.saturating_sub(self.position)
     }

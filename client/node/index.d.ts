@@ -1,0 +1,234 @@
+// Public types of felix-client (hand-written; see src/ for the JSDoc).
+
+/// <reference types="node" />
+
+/** A stream as "tenant/namespace/stream" or its three parts. */
+export type StreamArg = string | StreamRef;
+/** An offset: a bigint, or a non-negative safe integer number. */
+export type OffsetArg = bigint | number;
+/** Where a read or a group starts. */
+export type StartPosition = 'earliest' | 'latest' | OffsetArg;
+/** A payload alone, or a record with a key, headers and a timestamp. */
+export type RecordArg = Buffer | Uint8Array | string | RecordIn;
+/** What nack/extend/dead-letter need of a delivered record. */
+export type Claim = Pick<GroupRecord, 'offset' | 'attempts'>;
+
+export interface StreamRef { tenant: string; namespace: string; stream: string; }
+
+export interface RecordIn {
+  payload: Buffer | Uint8Array | string;
+  key?: Buffer | Uint8Array | string;
+  /** `[[name, value], ...]` (order kept, names may repeat) or `{name: value}`. */
+  headers?: Array<[string, Buffer | Uint8Array | string]> | { [name: string]: Buffer | Uint8Array | string };
+  /** Unix ms; absent = the broker's clock. */
+  timestampMs?: number | bigint;
+}
+
+export interface ClientOptions {
+  /** Sent in HELLO; a broker with a tokens file requires one it lists. */
+  token?: string;
+  /** Publishes are answered once durable (needs FEATURES.PUBLISH_ACK_MODE). Default false. */
+  ackOnCommit?: boolean;
+  /** Limit on an answer; a long poll gets its wait on top. Default 30,000. */
+  requestTimeoutMs?: number;
+  /** Limit on connecting and HELLO. Default 5,000. */
+  connectTimeoutMs?: number;
+  /** Largest frame accepted from the broker. Default 64 MiB. */
+  maxFrameBytes?: number;
+  /** First reconnect delay after a failed attempt; doubles up to reconnectBackoffMaxMs. Default 100. */
+  reconnectBackoffMs?: number;
+  /** Default 5,000. */
+  reconnectBackoffMaxMs?: number;
+  /** Shows in the broker's logs. */
+  clientName?: string;
+}
+
+export interface StreamInfo {
+  stream: StreamRef;
+  shards: number;
+  retentionBytes?: number;
+  retentionMs?: number;
+  /** Owning core, one per shard. */
+  placement: number[];
+}
+
+export interface ShardInfo {
+  stream: StreamRef;
+  shard: number;
+  core: number;
+  startOffset: bigint;
+  endOffset: bigint;
+  bytes: number;
+  segments: number;
+  /** Why the shard stopped taking writes, if it did. */
+  stopped?: string;
+}
+
+export interface Published {
+  shard: number;
+  baseOffset: bigint;
+  count: number;
+  lastOffset: bigint;
+}
+
+export interface Record {
+  offset: bigint;
+  timestampMs: number;
+  key?: Buffer;
+  headers: Array<[string, Buffer]>;
+  payload: Buffer;
+}
+
+export interface ReadBatch {
+  records: Record[];
+  /** Where the following read starts. */
+  nextOffset: bigint;
+  startOffset: bigint;
+  endOffset: bigint;
+}
+
+export interface GroupRecord extends Record {
+  /** Deliveries so far, this one included. */
+  attempts: number;
+  /** Offsets directly below settled without delivery; undefined unless FEATURES.GROUP_SKIPPED was negotiated. */
+  skippedBefore?: bigint;
+}
+
+export interface GroupPollOptions {
+  /** Default 16. */
+  maxRecords?: number;
+  /** How long the broker may wait for a record. Default 0. */
+  waitMs?: number;
+  /** Poll as this named member (1 to 128 bytes). */
+  consumer?: string;
+  /** Take back what `consumer` held on older connections. */
+  reclaim?: boolean;
+  /** How long these claims stand (needs FEATURES.GROUP_CLAIM_CONTROL). */
+  visibilityMs?: number;
+}
+
+export interface DeadLetterInfo {
+  offset: bigint;
+  attempts: number;
+  atMs: number;
+  reason?: string;
+  /** True: a consumer dead-lettered it; false: the broker gave up. */
+  byConsumer: boolean;
+}
+
+export interface DeadLetterPage { letters: DeadLetterInfo[]; next?: bigint; }
+
+export interface GroupInfo {
+  group: string;
+  position: bigint;
+  endOffset: bigint;
+  startOffset: bigint;
+  /** endOffset - position. */
+  lag: bigint;
+  inFlight: number;
+  owed: number;
+  delayed: number;
+  deadLetters: number;
+  oldestInFlightAgeMs?: number;
+  oldestOwedAgeMs?: number;
+  lastActiveMs?: number;
+}
+
+export interface ReadOptions { maxRecords?: number; waitMs?: number; }
+
+export class Subscription implements AsyncIterable<Record> {
+  /** Where the next read starts. */
+  readonly position: 'earliest' | 'latest' | bigint;
+  close(): void;
+  next(): Promise<IteratorResult<Record>>;
+  [Symbol.asyncIterator](): AsyncIterator<Record>;
+}
+
+export class Client {
+  static connect(addr: string, options?: ClientOptions): Promise<Client>;
+  readonly features: number;
+  readonly cores: number;
+  readonly broker: string;
+  hasFeature(feature: number): boolean;
+  close(): void;
+  ping(): Promise<number>;
+
+  createStream(stream: StreamArg, shards: number, options?: { retentionBytes?: OffsetArg; retentionMs?: OffsetArg }): Promise<StreamInfo>;
+  describeStream(stream: StreamArg): Promise<StreamInfo>;
+  listStreams(tenant?: string): Promise<StreamInfo[]>;
+  deleteStream(stream: StreamArg): Promise<void>;
+  describeShard(stream: StreamArg, shard: number): Promise<ShardInfo>;
+
+  publish(stream: StreamArg, shard: number, record: RecordArg): Promise<bigint>;
+  publishBatch(stream: StreamArg, shard: number, records: RecordArg[]): Promise<Published>;
+  publishKeyed(stream: StreamArg, key: Buffer | Uint8Array | string, record: RecordArg): Promise<Published>;
+  publishKeyedBatch(stream: StreamArg, key: Buffer | Uint8Array | string, records: RecordArg[]): Promise<Published>;
+
+  read(stream: StreamArg, shard: number, from: StartPosition, options?: ReadOptions): Promise<ReadBatch>;
+  subscribe(stream: StreamArg, shard: number, from: StartPosition, options?: ReadOptions): Subscription;
+
+  groupPoll(stream: StreamArg, shard: number, group: string, options?: GroupPollOptions): Promise<GroupRecord[]>;
+  groupAck(stream: StreamArg, shard: number, group: string, offsets: OffsetArg | OffsetArg[]): Promise<void>;
+  groupNack(stream: StreamArg, shard: number, group: string, record: Claim, options?: { delayMs?: number; reason?: string }): Promise<void>;
+  groupNackAfter(stream: StreamArg, shard: number, group: string, record: Claim, delayMs: number, options?: { reason?: string }): Promise<void>;
+  /** Resolves to how long the claim now stands, in ms. */
+  groupExtend(stream: StreamArg, shard: number, group: string, record: Claim, byMs: number): Promise<number>;
+  groupDeadLetter(stream: StreamArg, shard: number, group: string, record: Claim, reason?: string): Promise<void>;
+  groupDeadLetters(stream: StreamArg, shard: number, group: string): Promise<bigint[]>;
+  groupDeadLettersDetailed(stream: StreamArg, shard: number, group: string): Promise<DeadLetterInfo[]>;
+  groupDeadLettersPage(stream: StreamArg, shard: number, group: string, from: OffsetArg, max: number): Promise<DeadLetterPage>;
+  groupRedrive(stream: StreamArg, shard: number, group: string, offset: OffsetArg): Promise<void>;
+  groupDiscard(stream: StreamArg, shard: number, group: string, offset: OffsetArg): Promise<void>;
+  groupCreate(stream: StreamArg, shard: number, group: string, start: StartPosition): Promise<void>;
+  groupSeek(stream: StreamArg, shard: number, group: string, start: StartPosition): Promise<void>;
+  groupDescribe(stream: StreamArg, shard: number, group: string): Promise<GroupInfo>;
+  groupDelete(stream: StreamArg, shard: number, group: string): Promise<void>;
+  listGroups(stream: StreamArg, shard: number): Promise<string[]>;
+  groupCreateStream(stream: StreamArg, group: string, start: 'earliest' | 'latest'): Promise<void>;
+  groupSeekStream(stream: StreamArg, group: string, start: 'earliest' | 'latest'): Promise<void>;
+  groupDescribeStream(stream: StreamArg, group: string): Promise<GroupInfo[]>;
+  groupDeleteStream(stream: StreamArg, group: string): Promise<void>;
+}
+
+export declare const FEATURES: {
+  readonly GROUPS: 0x01;
+  readonly GROUP_SKIPPED: 0x02;
+  readonly GROUP_CLAIM_CONTROL: 0x04;
+  readonly GROUP_ADMIN: 0x08;
+  readonly PUBLISH_ACK_MODE: 0x10;
+  readonly GROUP_DEAD_LETTER_PAGES: 0x20;
+};
+export declare const FEATURES_ALL: number;
+export declare const PROTOCOL_VERSION: number;
+export function shardForKey(key: Buffer | Uint8Array | string, shards: number): number;
+export function crc32c(bytes: Uint8Array): number;
+
+export class FelixError extends Error {
+  /** The wire's snake_case name, or a client-side one: invalid_argument, timeout, disconnected, protocol, io. */
+  readonly code: string;
+}
+export class ServerError extends FelixError {
+  readonly wireCode: number;
+  readonly core?: number;
+}
+export class InvalidRequestError extends ServerError {}
+export class NotFoundError extends ServerError {}
+export class AlreadyExistsError extends ServerError {}
+export class WrongCoreError extends ServerError {}
+export class UnsupportedError extends ServerError {
+  /** True when the client refused to send (the broker did not advertise the feature). */
+  readonly local: boolean;
+}
+export class TooLargeError extends ServerError {}
+export class UnavailableError extends ServerError {}
+export class UnauthorizedError extends ServerError {}
+export class StaleClaimError extends ServerError {}
+export class NotLeaderError extends ServerError {}
+export class InternalError extends ServerError {}
+export class BusyError extends ServerError {}
+export class InvalidArgumentError extends FelixError {}
+export class TimeoutError extends FelixError {}
+export class DisconnectedError extends FelixError {}
+export class ProtocolError extends FelixError {}
+export class ConnectionError extends FelixError {}
+export function errorFromWire(code: number, message: string, core?: number): ServerError;

@@ -1,0 +1,285 @@
+'use strict';
+
+/**
+ * One TCP connection to one core of a broker: HELLO, then any number of
+ * requests in flight, paired with their answers by request id.
+ * @module felix-client/connection
+ */
+
+const net = require('node:net');
+const wire = require('./wire');
+const {
+  ConnectionError,
+  DisconnectedError,
+  InvalidArgumentError,
+  ProtocolError,
+  TimeoutError,
+  UnsupportedError,
+  errorFromWire,
+} = require('./errors');
+
+/** Request id of HELLO (as the Rust client); ids of later requests start at 1. */
+const HELLO_ID = 0n;
+/** TCP keepalive: first probe after this much idle time. */
+const KEEPALIVE_MS = 30_000;
+
+/**
+ * What the broker answered to HELLO on one connection.
+ * @typedef {object} HelloInfo
+ * @property {number} version
+ * @property {number} features the intersection of ours and the broker's
+ * @property {number} cores
+ * @property {number} core the core serving this connection
+ * @property {number} maxFrameBytes largest frame the broker accepts
+ * @property {string} broker
+ */
+
+/**
+ * A live connection. Open one with `Connection.open`.
+ */
+class Connection {
+  /**
+   * @param {net.Socket} socket connected, HELLO done
+   * @param {HelloInfo} hello
+   * @param {wire.FrameParser} parser carrying bytes already read after HELLO's answer
+   */
+  constructor(socket, hello, parser) {
+    this.socket = socket;
+    this.hello = hello;
+    this.parser = parser;
+    this.nextId = 1n;
+    /** @type {Map<bigint, {resolve: Function, reject: Function, timer: NodeJS.Timeout}>} */
+    this.pending = new Map();
+    /** Why the connection ended; set once. */
+    this.closedReason = undefined;
+    /** A connection-level error the broker sent (request id 0) before closing. */
+    this.brokerNotice = undefined;
+    /** The broker answered at least one request (a sign the connection was healthy). */
+    this.answered = false;
+    socket.on('data', (chunk) => this.onData(chunk));
+    socket.on('error', (err) => this.fail(new DisconnectedError(`connection lost: ${err.message}`, { cause: err })));
+    socket.on('close', () => this.fail(new DisconnectedError(this.disconnectMessage('the broker closed the connection'))));
+  }
+
+  /**
+   * Connect, say HELLO and wait for its answer, all within `connectTimeoutMs`.
+   * @param {object} options
+   * @param {string} options.host
+   * @param {number} options.port
+   * @param {number} [options.wantCore] ask to be served by this core
+   * @param {string} [options.token]
+   * @param {string} options.clientName
+   * @param {number} options.connectTimeoutMs
+   * @param {number} options.maxFrameBytes largest frame accepted from the broker
+   * @returns {Promise<Connection>}
+   */
+  static open(options) {
+    return new Promise((resolve, reject) => {
+      const parser = new wire.FrameParser(options.maxFrameBytes);
+      const socket = net.connect({ host: options.host, port: options.port });
+      let settled = false;
+      /** Stop the HELLO exchange: its listeners and timer go either way. */
+      const settle = () => {
+        if (settled) return false;
+        settled = true;
+        clearTimeout(timer);
+        socket.removeAllListeners();
+        return true;
+      };
+      const finish = (err) => {
+        if (!settle()) return;
+        socket.destroy();
+        reject(err);
+      };
+      const timer = setTimeout(
+        () => finish(new TimeoutError(`no answer to HELLO from ${options.host}:${options.port} within ${options.connectTimeoutMs} ms`)),
+        options.connectTimeoutMs,
+      );
+      socket.on('error', (err) => finish(new ConnectionError(`cannot connect to ${options.host}:${options.port}: ${err.message}`, { cause: err })));
+      socket.on('close', () => finish(new ConnectionError('the broker closed the connection during HELLO')));
+      socket.on('connect', () => {
+        socket.setNoDelay(true);
+        socket.setKeepAlive(true, KEEPALIVE_MS);
+        socket.write(helloFrame(options));
+      });
+      socket.on('data', (chunk) => {
+        let frames;
+        try {
+          frames = parser.push(chunk);
+        } catch (err) {
+          finish(new ProtocolError(`bad answer to HELLO: ${err.message}`));
+          return;
+        }
+        if (frames.length === 0) return;
+        let hello;
+        try {
+          hello = helloAnswer(frames[0], options.wantCore);
+        } catch (err) {
+          finish(err);
+          return;
+        }
+        if (!settle()) return;
+        const conn = new Connection(socket, hello, parser);
+        resolve(conn);
+        // Frames after HELLO's answer cannot exist (nothing else was sent), but
+        // they must not be dropped silently.
+        if (frames.length > 1) conn.fail(new ProtocolError('the broker answered requests never sent'));
+      });
+    });
+  }
+
+  /** Whether the connection can no longer carry requests. */
+  get closed() {
+    return this.closedReason !== undefined;
+  }
+
+  /**
+   * Send a request and wait for its answer.
+   * @param {object} req
+   * @param {string} req.name snake_case request name, for messages
+   * @param {number} req.opcode
+   * @param {(w: wire.Writer) => void} req.body
+   * @param {number} [req.features] feature bits the request needs as sent
+   * @param {number} [req.sizeHint]
+   * @param {number} timeoutMs
+   * @returns {Promise<{type: string} & Record<string, any>>} the answer; an `Error` answer rejects with its typed error
+   */
+  call(req, timeoutMs) {
+    if (this.closed) return Promise.reject(this.closedReason);
+    const missing = (req.features ?? 0) & ~this.hello.features;
+    if (missing !== 0) {
+      return Promise.reject(new UnsupportedError(
+        `${req.name} needs feature bits 0x${missing.toString(16)}, which the broker on this connection did not advertise`,
+        { local: true },
+      ));
+    }
+    const id = this.nextId++;
+    const frame = wire.encodeRequest(id, req.opcode, req.body, req.sizeHint);
+    if (frame.length - 4 > this.hello.maxFrameBytes) {
+      return Promise.reject(new InvalidArgumentError(
+        `${req.name} request is ${frame.length - 4} bytes, over the broker's frame limit of ${this.hello.maxFrameBytes} bytes`,
+      ));
+    }
+    return new Promise((resolve, reject) => {
+      const timer = setTimeout(() => {
+        this.pending.delete(id);
+        reject(new TimeoutError(`no answer to ${req.name} within ${timeoutMs} ms; it may or may not have been applied`));
+      }, timeoutMs);
+      this.pending.set(id, { resolve, reject, timer });
+      this.socket.write(frame);
+    });
+  }
+
+  /** Close the socket; requests in flight reject with `DisconnectedError`. */
+  close() {
+    this.fail(new DisconnectedError('the client was closed before the answer arrived'));
+  }
+
+  /** @param {Buffer} chunk */
+  onData(chunk) {
+    let frames;
+    try {
+      frames = this.parser.push(chunk);
+    } catch (err) {
+      this.fail(new ProtocolError(`undecodable bytes from the broker: ${err.message}`));
+      return;
+    }
+    for (const frame of frames) {
+      if (this.closed) return;
+      this.onFrame(frame);
+    }
+  }
+
+  onFrame(frame) {
+    let msg;
+    try {
+      msg = checkedResponse(frame);
+    } catch (err) {
+      this.fail(new ProtocolError(`undecodable answer (request id ${frame.requestId}): ${err.message}`));
+      return;
+    }
+    const waiter = this.pending.get(frame.requestId);
+    if (!waiter) {
+      // Request id 0 carries a connection-level error before the broker
+      // closes; anything else answers a request that already timed out.
+      if (frame.requestId === HELLO_ID && msg.type === 'error') this.brokerNotice = msg.message;
+      return;
+    }
+    this.pending.delete(frame.requestId);
+    clearTimeout(waiter.timer);
+    this.answered = true;
+    if (msg.type === 'error') waiter.reject(errorFromWire(msg.code, msg.message, msg.core));
+    else waiter.resolve(msg);
+  }
+
+  disconnectMessage(what) {
+    const notice = this.brokerNotice ? ` (${this.brokerNotice})` : '';
+    return `${what}${notice}; a request in flight may or may not have been applied`;
+  }
+
+  /** Mark the connection dead, drop the socket and reject every request in flight with `err`. */
+  fail(err) {
+    if (this.closed) return;
+    this.closedReason = err;
+    this.socket.destroy();
+    for (const waiter of this.pending.values()) {
+      clearTimeout(waiter.timer);
+      waiter.reject(err);
+    }
+    this.pending.clear();
+  }
+}
+
+/** The HELLO frame for `options`. */
+function helloFrame(options) {
+  return wire.encodeRequest(HELLO_ID, wire.OP.HELLO, (w) => {
+    w.u16(wire.PROTOCOL_VERSION);
+    w.u64(BigInt(wire.FEATURES_ALL));
+    w.opt(options.wantCore, w.u32);
+    w.str(options.clientName);
+    w.opt(options.token, w.str);
+  });
+}
+
+/**
+ * Validate a frame's header and decode its body.
+ * @throws {wire.DecodeError}
+ */
+function checkedResponse(frame) {
+  if (frame.kind !== wire.KIND_RESPONSE) throw new wire.DecodeError(`unexpected frame kind ${frame.kind}`);
+  if (frame.flags !== 0) throw new wire.DecodeError('invalid flags');
+  return wire.decodeResponse(frame.opcode, frame.body);
+}
+
+/**
+ * The HelloInfo from the first answer on a connection.
+ * @returns {HelloInfo}
+ * @throws {import('./errors').FelixError}
+ */
+function helloAnswer(frame, wantCore) {
+  let msg;
+  try {
+    msg = checkedResponse(frame);
+  } catch (err) {
+    throw new ProtocolError(`bad answer to HELLO: ${err.message}`);
+  }
+  if (msg.type === 'error') throw errorFromWire(msg.code, msg.message, msg.core);
+  if (msg.type !== 'hello_ok') throw new ProtocolError(`broker answered HELLO with ${msg.type}`);
+  if (msg.version !== wire.PROTOCOL_VERSION) {
+    throw new UnsupportedError(`broker speaks protocol version ${msg.version}, this client version ${wire.PROTOCOL_VERSION}`);
+  }
+  if (wantCore !== undefined && msg.core !== wantCore) {
+    throw new ConnectionError(`broker put the connection on core ${msg.core} instead of core ${wantCore}`);
+  }
+  return {
+    version: msg.version,
+    // Keep only bits we offered: the intersection, whatever the broker sent.
+    features: Number(msg.features & BigInt(wire.FEATURES_ALL)),
+    cores: msg.cores,
+    core: msg.core,
+    maxFrameBytes: msg.maxFrameBytes,
+    broker: msg.broker,
+  };
+}
+
+module.exports = { Connection };

@@ -1,0 +1,23 @@
+'use strict';
+
+/**
+ * Node.js client for the Felix broker.
+ * @module felix-client
+ */
+
+const { Client } = require('./client');
+const { Subscription } = require('./subscription');
+const { shardForKey, crc32c } = require('./crc32c');
+const { FEATURES, FEATURES_ALL, PROTOCOL_VERSION } = require('./wire');
+const errors = require('./errors');
+
+module.exports = {
+  Client,
+  Subscription,
+  shardForKey,
+  crc32c,
+  FEATURES,
+  FEATURES_ALL,
+  PROTOCOL_VERSION,
+  ...errors,
+};

@@ -1,0 +1,35 @@
+'use strict';
+
+// close() leaves nothing behind: a process that closes its client exits.
+
+const test = require('node:test');
+const assert = require('node:assert/strict');
+const { spawn } = require('node:child_process');
+const path = require('node:path');
+const { ADDR, freshStream } = require('../test-support/helpers');
+
+const SCRIPT = `
+const { Client, DisconnectedError } = require(${JSON.stringify(path.join(__dirname, '..', 'src'))});
+(async () => {
+  const client = await Client.connect(process.env.FELIX_ADDR);
+  const stream = ${JSON.stringify(freshStream('exit'))};
+  await client.createStream(stream, 4);
+  for (let shard = 0; shard < 4; shard++) await client.publish(stream, shard, 'x');
+  const poll = client.read(stream, 0, 'latest', { waitMs: 20000 });
+  setTimeout(() => client.close(), 100);
+  await poll.then(() => process.exit(3), (err) => { if (!(err instanceof DisconnectedError)) throw err; });
+  console.log('closed');
+})().catch((err) => { console.error(err); process.exit(2); });
+`;
+
+test('the process exits after close(), even with a long poll in flight', async () => {
+  const started = Date.now();
+  const child = spawn(process.execPath, ['-e', SCRIPT], { env: { ...process.env, FELIX_ADDR: ADDR } });
+  let out = '';
+  child.stdout.on('data', (d) => { out += d; });
+  child.stderr.on('data', (d) => { out += d; });
+  const code = await new Promise((resolve) => child.on('exit', resolve));
+  assert.equal(code, 0, out);
+  assert.match(out, /closed/);
+  assert.ok(Date.now() - started < 5_000, `exited after ${Date.now() - started} ms`);
+});

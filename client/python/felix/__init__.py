@@ -1,0 +1,96 @@
+"""Python client for the Felix durable sharded log broker.
+
+Quick start::
+
+    import felix
+
+    with felix.Client.connect("127.0.0.1:7400") as client:
+        client.create_stream("t1/default/events", 4)
+        offset = client.publish("t1/default/events", 0, b"hello")
+        batch = client.read("t1/default/events", 0, offset)
+        assert batch.records[0].payload == b"hello"
+
+See the README for consumer groups, errors and the threading model.
+"""
+
+from ._version import __version__
+from .client import Client, ClientConfig, RecordLike, Seconds
+from .errors import (
+    AlreadyExists,
+    Busy,
+    ConnectionFailed,
+    Disconnected,
+    FelixError,
+    Internal,
+    InvalidArgument,
+    InvalidRequest,
+    NotFound,
+    NotLeader,
+    ProtocolError,
+    StaleClaim,
+    Timeout,
+    TooLarge,
+    Unauthorized,
+    Unavailable,
+    Unsupported,
+    WrongCore,
+)
+from .routing import crc32c, shard_for_key
+from .subscription import Subscription
+from .types import (
+    DeadLetterInfo,
+    DeadLetterPage,
+    Feature,
+    GroupInfo,
+    GroupRecord,
+    Published,
+    ReadBatch,
+    Record,
+    RecordIn,
+    ShardInfo,
+    StartPosition,
+    StreamInfo,
+    StreamRef,
+)
+
+__all__ = [
+    "__version__",
+    "Client",
+    "ClientConfig",
+    "RecordLike",
+    "Seconds",
+    "Subscription",
+    "crc32c",
+    "shard_for_key",
+    "DeadLetterInfo",
+    "DeadLetterPage",
+    "Feature",
+    "GroupInfo",
+    "GroupRecord",
+    "Published",
+    "ReadBatch",
+    "Record",
+    "RecordIn",
+    "ShardInfo",
+    "StartPosition",
+    "StreamInfo",
+    "StreamRef",
+    "FelixError",
+    "InvalidRequest",
+    "NotFound",
+    "AlreadyExists",
+    "WrongCore",
+    "Unsupported",
+    "TooLarge",
+    "Unavailable",
+    "Unauthorized",
+    "StaleClaim",
+    "NotLeader",
+    "Internal",
+    "Busy",
+    "InvalidArgument",
+    "Timeout",
+    "Disconnected",
+    "ConnectionFailed",
+    "ProtocolError",
+]

@@ -1,0 +1,973 @@
+"""The Felix :class:`Client`: connections per core, placement, and every call."""
+
+import socket
+import threading
+import time
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+from . import _wire
+from ._connection import Connection, SockAddr
+from ._version import __version__
+from .errors import (
+    AlreadyExists,
+    ConnectionFailed,
+    Disconnected,
+    FelixError,
+    InvalidArgument,
+    InvalidRequest,
+    NotFound,
+    ProtocolError,
+    Unsupported,
+    WrongCore,
+)
+from .routing import shard_for_key
+from .subscription import Subscription
+from .types import (
+    DeadLetterInfo,
+    DeadLetterPage,
+    Feature,
+    GroupInfo,
+    GroupRecord,
+    Payload,
+    Published,
+    ReadBatch,
+    RecordIn,
+    ShardInfo,
+    Start,
+    StartPosition,
+    StreamInfo,
+    StreamLike,
+    StreamRef,
+    check_int,
+    check_u32,
+    check_u64,
+    to_bytes,
+    validate_name,
+)
+
+__all__ = ["Client", "ClientConfig", "Seconds", "RecordLike"]
+
+#: A duration in seconds (``float``/``int``) or a :class:`datetime.timedelta`.
+Seconds = Union[float, int, timedelta]
+#: A record to publish: a :class:`RecordIn`, or just its payload.
+RecordLike = Union[RecordIn, Payload]
+
+_MAX_U63 = (1 << 63) - 1
+_MEMBER_NAME_MAX_BYTES = 128
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """How a :class:`Client` connects and behaves. Pass these as keyword
+    arguments to :meth:`Client.connect`.
+
+    Attributes:
+        token: authentication token sent in HELLO. A broker with a tokens
+            file requires one it lists; a broker without one refuses any.
+        ack_on_commit: answer publishes only once their records are durable
+            (commit acks). Needs :attr:`Feature.PUBLISH_ACK_MODE`; publishes
+            to a broker without it raise :class:`~felix.errors.Unsupported`.
+        request_timeout: seconds to wait for an answer. A request that asks
+            the broker to wait (a long poll) gets that wait on top.
+        connect_timeout: seconds to open a connection and complete HELLO.
+        client_name: sent in HELLO; shows up in the broker's logs.
+        max_frame_bytes: largest response frame accepted.
+        reconnect_backoff_initial: first delay before reconnecting after a
+            failed connection attempt, in seconds.
+        reconnect_backoff_max: the delay doubles after each failure up to this.
+    """
+
+    token: Optional[str] = None
+    ack_on_commit: bool = False
+    request_timeout: float = 30.0
+    connect_timeout: float = 5.0
+    client_name: str = f"felix-client-py/{__version__}"
+    max_frame_bytes: int = 64 << 20
+    reconnect_backoff_initial: float = 0.1
+    reconnect_backoff_max: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("request_timeout", "connect_timeout", "reconnect_backoff_initial", "reconnect_backoff_max"):
+            if not getattr(self, name) > 0:
+                raise InvalidArgument(f"{name} must be more than zero, not {getattr(self, name)!r}")
+        check_int("max_frame_bytes", self.max_frame_bytes, (1 << 32) - 1, minimum=4096)
+        if self.token is not None and not isinstance(self.token, str):
+            raise InvalidArgument("token must be a str")
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Shard count and owning core per shard of one stream."""
+
+    shards: int
+    cores: Tuple[int, ...]
+
+
+class _Slot:
+    """The connection to one core, and its reconnect state."""
+
+    def __init__(self, backoff: float, conn: Optional[Connection] = None) -> None:
+        self.lock = threading.Lock()
+        self.conn = conn
+        self.backoff = backoff
+        self.retry_at: Optional[float] = None
+        self.last_error: Optional[FelixError] = None
+        #: Bumped after every connection attempt, so callers that queued
+        #: behind a failed attempt share its failure instead of each retrying.
+        self.attempts = 0
+
+
+def _seconds(what: str, value: Seconds) -> float:
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise InvalidArgument(f"{what} must be seconds (a number or a timedelta), not {value!r}")
+    if value < 0:
+        raise InvalidArgument(f"{what} must not be negative, not {value}")
+    return float(value)
+
+
+def _ms(what: str, value: Seconds) -> int:
+    """Milliseconds for a wire field; a non-zero sub-millisecond value rounds up to 1."""
+    seconds = _seconds(what, value)
+    ms = int(seconds * 1000)
+    return 1 if ms == 0 and seconds > 0 else ms
+
+
+def _ms_u32(what: str, value: Seconds) -> int:
+    return min(_ms(what, value), (1 << 32) - 1)
+
+
+def _unexpected(response: _wire.Response, call: str) -> ProtocolError:
+    return ProtocolError(f"broker answered {call} with {response.name}")
+
+
+def _expect(response: _wire.Response, call: str, *names: str) -> _wire.Response:
+    if response.name not in names:
+        raise _unexpected(response, call)
+    return response
+
+
+def _parse_addr(addr: Union[str, Tuple[str, int]]) -> Tuple[str, int]:
+    if isinstance(addr, tuple):
+        host, port = addr
+    elif isinstance(addr, str) and ":" in addr:
+        host, _, port_text = addr.rpartition(":")
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        if not port_text.isdigit():
+            raise InvalidArgument(f"broker address {addr!r} must be host:port")
+        port = int(port_text)
+    else:
+        raise InvalidArgument(f"broker address {addr!r} must be 'host:port' or a (host, port) tuple")
+    check_int("port", port, 65535, minimum=1)
+    return host, port
+
+
+def _resolve(addr: Union[str, Tuple[str, int]]) -> List[SockAddr]:
+    host, port = _parse_addr(addr)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ConnectionFailed(f"cannot resolve {host!r}: {e}") from e
+    if not infos:
+        raise InvalidArgument(f"broker address {host}:{port} resolved to nothing")
+    return [(family, sockaddr) for family, _, _, _, sockaddr in infos]
+
+
+def _group(group: str) -> str:
+    return validate_name("group", group)
+
+
+def _shard(shard: int) -> int:
+    return check_u32("shard", shard)
+
+
+def _record(item: RecordLike) -> RecordIn:
+    if isinstance(item, RecordIn):
+        return item
+    return RecordIn.of(item)
+
+
+def _records(records: Iterable[RecordLike], key: Optional[bytes] = None) -> List[RecordIn]:
+    """Records to publish, checked; ``key`` is given to those without one."""
+    if isinstance(records, (bytes, bytearray, memoryview, str, RecordIn)):
+        raise InvalidArgument("publish_batch takes a list of records, not a single record")
+    out = [_record(r) for r in records]
+    if not out:
+        raise InvalidArgument("a publish needs at least one record")
+    if len(out) > _wire.MAX_ITEMS_PER_VEC:
+        raise InvalidArgument(
+            f"publish of {len(out)} records: a request carries at most {_wire.MAX_ITEMS_PER_VEC}; split it"
+        )
+    if key is not None:
+        out = [r if r.key is not None else replace(r, key=key) for r in out]
+    return out
+
+
+def _ack_offsets(offsets: Union[int, GroupRecord, Iterable[Union[int, GroupRecord]]]) -> List[int]:
+    items = [offsets] if isinstance(offsets, (int, GroupRecord)) else list(offsets)
+    return [check_u64("offset", o.offset if isinstance(o, GroupRecord) else o) for o in items]
+
+
+def _check_dead_letter_page(from_offset: int, page: DeadLetterPage) -> None:
+    """A page must move forward: letters ascending from ``from_offset``, below
+    ``next``, and not empty while more are promised."""
+    previous: Optional[int] = None
+    for letter in page.letters:
+        if letter.offset < from_offset or (previous is not None and letter.offset <= previous):
+            raise ProtocolError(f"dead-letter page from {from_offset} lists offset {letter.offset} out of order")
+        previous = letter.offset
+    if page.next is not None and previous is None:
+        raise ProtocolError(f"empty dead-letter page from {from_offset} promised more from {page.next}")
+    if page.next is not None and previous is not None and page.next <= previous:
+        raise ProtocolError(f"dead-letter page from {from_offset} ends at {previous} but says next {page.next}")
+
+
+class Client:
+    """A thread-safe connection to one Felix broker.
+
+    Make one with :meth:`connect`; use it as a context manager or call
+    :meth:`close`. Every method may be called from many threads at once.
+    Requests are pipelined: each connection has a reader thread that pairs
+    answers with requests by id, so a long poll never holds up a publish or
+    an ack on the same connection.
+
+    The client keeps one connection per broker core. A request about a shard
+    goes to the core that owns it (learned from :meth:`describe_stream` and
+    cached); a ``wrong_core`` answer refreshes the placement and is retried
+    once on the core the broker named. Connections open lazily and reopen
+    after a failure, waiting a growing backoff between failed attempts. A
+    request in flight on a connection that drops fails with
+    :class:`~felix.errors.Disconnected`; nothing is resent behind your back.
+
+    Streams are named ``"tenant/namespace/stream"`` (or a :class:`StreamRef`).
+    Durations are seconds (``float``) or :class:`datetime.timedelta`.
+    """
+
+    def __init__(self, addrs: List[SockAddr], config: ClientConfig, first: Connection) -> None:
+        """Use :meth:`connect`."""
+        self._addrs = addrs
+        self._config = config
+        self._lock = threading.Lock()
+        self._hello = first.hello
+        self._home = first.hello.core
+        self._slots: Dict[int, _Slot] = {first.hello.core: _Slot(config.reconnect_backoff_initial, first)}
+        self._placements: Dict[StreamRef, _Placement] = {}
+        self._closed = False
+
+    @classmethod
+    def connect(
+        cls,
+        addr: Union[str, Tuple[str, int]],
+        *,
+        token: Optional[str] = None,
+        ack_on_commit: bool = False,
+        request_timeout: float = 30.0,
+        connect_timeout: float = 5.0,
+        client_name: str = ClientConfig.client_name,
+        max_frame_bytes: int = ClientConfig.max_frame_bytes,
+        reconnect_backoff_initial: float = ClientConfig.reconnect_backoff_initial,
+        reconnect_backoff_max: float = ClientConfig.reconnect_backoff_max,
+    ) -> "Client":
+        """Resolve ``addr`` (``"host:port"`` or a ``(host, port)`` tuple), open a
+        first connection and say HELLO. See :class:`ClientConfig` for the
+        options.
+
+        Raises :class:`~felix.errors.Unauthorized` for a refused token,
+        :class:`~felix.errors.ConnectionFailed` or
+        :class:`~felix.errors.Timeout` when the broker cannot be reached.
+        """
+        config = ClientConfig(
+            token=token,
+            ack_on_commit=ack_on_commit,
+            request_timeout=request_timeout,
+            connect_timeout=connect_timeout,
+            client_name=client_name,
+            max_frame_bytes=max_frame_bytes,
+            reconnect_backoff_initial=reconnect_backoff_initial,
+            reconnect_backoff_max=reconnect_backoff_max,
+        )
+        addrs = _resolve(addr)
+        return cls(addrs, config, cls._open(addrs, None, config))
+
+    @staticmethod
+    def _open(addrs: List[SockAddr], want_core: Optional[int], config: ClientConfig) -> Connection:
+        return Connection.open(
+            addrs,
+            want_core,
+            client_name=config.client_name,
+            token=config.token,
+            connect_timeout=config.connect_timeout,
+            max_frame_bytes=config.max_frame_bytes,
+            send_timeout=config.request_timeout,
+        )
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close every connection. Calls in flight fail with
+        :class:`~felix.errors.Disconnected`, and so do later calls."""
+        with self._lock:
+            self._closed = True
+            slots = list(self._slots.values())
+        for slot in slots:
+            with slot.lock:
+                if slot.conn is not None:
+                    slot.conn.close("the client was closed")
+                    slot.conn = None
+
+    # --- what the broker said ------------------------------------------------
+
+    @property
+    def config(self) -> ClientConfig:
+        """The settings this client was made with."""
+        return self._config
+
+    @property
+    def features(self) -> Feature:
+        """Feature bits negotiated with the broker, from the most recent HELLO."""
+        return self._hello.features
+
+    def has_feature(self, feature: Feature) -> bool:
+        """Whether the broker advertised every bit of ``feature``."""
+        return self.features & feature == feature
+
+    @property
+    def cores(self) -> int:
+        """How many cores (shard owners) the broker runs."""
+        return self._hello.cores
+
+    @property
+    def broker(self) -> str:
+        """The broker's name and version, as it gave them in HELLO."""
+        return self._hello.broker
+
+    @property
+    def max_frame_bytes(self) -> int:
+        """The largest frame the broker accepts (from HELLO)."""
+        return self._hello.max_frame_bytes
+
+    def _require(self, bits: Feature, what: str) -> None:
+        missing = bits & ~self.features
+        if missing:
+            names = " and ".join(f"FEATURE_{f.name}" for f in Feature if f & missing)
+            raise Unsupported(f"{what} needs {names}, which the broker does not advertise")
+
+    # --- connections and routing ---------------------------------------------
+
+    def _slot(self, core: int) -> _Slot:
+        with self._lock:
+            if self._closed:
+                raise Disconnected("the client is closed")
+            slot = self._slots.get(core)
+            if slot is None:
+                slot = self._slots[core] = _Slot(self._config.reconnect_backoff_initial)
+            return slot
+
+    def _conn(self, core: int) -> Connection:
+        """The live connection to ``core``, opening one if needed."""
+        slot = self._slot(core)
+        seen = slot.attempts
+        with slot.lock:
+            if slot.conn is not None:
+                if not slot.conn.closed:
+                    return slot.conn
+                self._retire(slot)
+            if slot.attempts != seen and slot.last_error is not None:
+                # Someone tried while we queued for the lock, and failed.
+                raise type(slot.last_error)(slot.last_error.message, number=slot.last_error.number)
+            if slot.retry_at is not None:
+                time.sleep(max(slot.retry_at - time.monotonic(), 0))
+            return self._reconnect(slot, core)
+
+    def _retire(self, slot: _Slot) -> None:
+        """Drop a closed connection; one that closed before proving itself
+        counts as a failed attempt, so the backoff keeps growing."""
+        assert slot.conn is not None
+        if slot.conn.proved():
+            slot.backoff = self._config.reconnect_backoff_initial
+        else:
+            self._back_off(slot)
+        slot.conn = None
+
+    def _back_off(self, slot: _Slot) -> None:
+        slot.retry_at = time.monotonic() + slot.backoff
+        slot.backoff = min(slot.backoff * 2, self._config.reconnect_backoff_max)
+
+    def _reconnect(self, slot: _Slot, core: int) -> Connection:
+        try:
+            conn = self._open(self._addrs, core, self._config)
+        except InvalidRequest as e:
+            slot.attempts += 1
+            if core > 0 and self._learn_cores() and core >= self.cores:
+                # The broker came back with fewer cores; callers routing by
+                # core try again where the shard is now.
+                slot.last_error = ConnectionFailed(f"the broker no longer runs core {core} (it runs {self.cores}): {e}")
+                raise slot.last_error from e
+            self._failed(slot, e)
+            raise
+        except FelixError as e:
+            slot.attempts += 1
+            self._failed(slot, e)
+            raise
+        slot.attempts += 1
+        self._learn_hello(conn.hello)
+        slot.retry_at = None
+        slot.last_error = None
+        slot.conn = conn
+        return conn
+
+    def _failed(self, slot: _Slot, error: FelixError) -> None:
+        self._back_off(slot)
+        slot.last_error = error
+
+    def _learn_hello(self, hello: _wire.HelloOk) -> None:
+        with self._lock:
+            if hello.cores != self._hello.cores:
+                # Restarted with another core count: placements moved.
+                self._placements.clear()
+            self._hello = hello
+            if self._home >= hello.cores:
+                self._home = hello.core
+
+    def _learn_cores(self) -> bool:
+        """After the broker refused a core: HELLO without asking for one and
+        take its core count. False if the broker could not be reached."""
+        try:
+            conn = self._open(self._addrs, None, self._config)
+        except FelixError:
+            return False
+        conn.close("only asked for the core count")
+        self._learn_hello(conn.hello)
+        return True
+
+    def _conn_or_moved(self, core: int, again: Callable[[], int]) -> Connection:
+        """``core``'s connection; if the broker no longer runs that core, the
+        connection to the core ``again`` picks now."""
+        try:
+            return self._conn(core)
+        except FelixError:
+            if core < self.cores:
+                raise
+        return self._conn(again())
+
+    def _timeout(self, wait: float) -> float:
+        return self._config.request_timeout + wait
+
+    def _call_any(self, request: _wire.WireRequest) -> _wire.Response:
+        """A request not about one shard: the home connection serves it."""
+        conn = self._conn_or_moved(self._home, lambda: self._home)
+        return self._raise_error(conn.call(request, self._timeout(0)))
+
+    @staticmethod
+    def _raise_error(response: _wire.Response) -> _wire.Response:
+        if response.name == "error":
+            raise response.value
+        return response
+
+    def _cache_placement(self, info: StreamInfo) -> None:
+        with self._lock:
+            self._placements[info.stream] = _Placement(info.shards, info.placement)
+
+    def _placement(self, stream: StreamRef, refresh: bool = False) -> _Placement:
+        if not refresh:
+            with self._lock:
+                cached = self._placements.get(stream)
+            if cached is not None:
+                return cached
+        self._describe_stream(stream)
+        with self._lock:
+            return self._placements[stream]
+
+    def _core_for(self, stream: StreamRef, shard: int) -> int:
+        cores = self.cores
+        if cores <= 1:
+            return self._home
+        placement = self._placement(stream)
+        if shard < len(placement.cores) and placement.cores[shard] >= cores:
+            # Cached before the broker came back with fewer cores.
+            placement = self._placement(stream, refresh=True)
+        if shard < len(placement.cores) and placement.cores[shard] < cores:
+            return placement.cores[shard]
+        # A shard the placement does not know: let the broker answer.
+        return self._home
+
+    def _call_shard(self, stream: StreamRef, shard: int, request: _wire.WireRequest, wait: float = 0.0) -> _wire.Response:
+        """Send a request about ``shard`` to the core that owns it, following
+        one ``wrong_core`` redirect."""
+        core = self._core_for(stream, shard)
+        conn = self._conn_or_moved(core, lambda: self._core_for(stream, shard))
+        response = conn.call(request, self._timeout(wait))
+        if response.name == "error" and isinstance(response.value, WrongCore):
+            return self._redirect(stream, shard, request, response.value, wait)
+        return self._raise_error(response)
+
+    def _redirect(self, stream: StreamRef, shard: int, request: _wire.WireRequest, error: WrongCore, wait: float) -> _wire.Response:
+        """After ``wrong_core``: refresh the placement and send once more, to the
+        core the broker named (or the fresh placement's)."""
+        placement = self._placement(stream, refresh=True)
+        cores = self.cores
+        fresh = placement.cores[shard] if shard < len(placement.cores) else None
+        candidates = [c for c in (error.core, fresh) if c is not None and c < cores]
+        if not candidates:
+            raise error
+        return self._raise_error(self._conn(candidates[0]).call(request, self._timeout(wait)))
+
+    # --- streams ---------------------------------------------------------
+
+    def ping(self) -> float:
+        """Round trip to the broker's home connection, in seconds."""
+        started = time.monotonic()
+        _expect(self._call_any(_wire.ping()), "ping", "pong")
+        return time.monotonic() - started
+
+    def create_stream(
+        self,
+        stream: StreamLike,
+        shards: int,
+        *,
+        retention_bytes: Optional[int] = None,
+        retention_ms: Optional[int] = None,
+    ) -> StreamInfo:
+        """Create a stream of ``shards`` shards. ``retention_bytes`` (per shard)
+        and ``retention_ms`` bound what is kept; ``None`` leaves it unlimited.
+
+        Raises :class:`~felix.errors.AlreadyExists` if the stream exists.
+        """
+        ref = StreamRef.parse(stream)
+        check_int("shards", shards, (1 << 32) - 1, minimum=1)
+        for what, value in (("retention_bytes", retention_bytes), ("retention_ms", retention_ms)):
+            if value is not None:
+                check_int(what, value, _MAX_U63)
+        with self._lock:
+            self._placements.pop(ref, None)
+        response = self._call_any(_wire.create_stream(ref, shards, retention_bytes, retention_ms))
+        if response.name == "ok":
+            return self._describe_stream(ref)
+        info: StreamInfo = _expect(response, "create_stream", "stream").value
+        self._cache_placement(info)
+        return info
+
+    def describe_stream(self, stream: StreamLike) -> StreamInfo:
+        """A stream's shard count, retention and placement."""
+        return self._describe_stream(StreamRef.parse(stream))
+
+    def _describe_stream(self, ref: StreamRef) -> StreamInfo:
+        try:
+            response = self._call_any(_wire.describe_stream(ref))
+        except NotFound:
+            with self._lock:
+                self._placements.pop(ref, None)
+            raise
+        info: StreamInfo = _expect(response, "describe_stream", "stream").value
+        self._cache_placement(info)
+        return info
+
+    def list_streams(self, tenant: Optional[str] = None) -> List[StreamInfo]:
+        """Every stream, or those of one tenant."""
+        if tenant is not None:
+            validate_name("tenant", tenant)
+        infos: List[StreamInfo] = _expect(self._call_any(_wire.list_streams(tenant)), "list_streams", "streams").value
+        for info in infos:
+            self._cache_placement(info)
+        return infos
+
+    def delete_stream(self, stream: StreamLike) -> None:
+        """Delete a stream and everything in it."""
+        ref = StreamRef.parse(stream)
+        try:
+            _expect(self._call_any(_wire.delete_stream(ref)), "delete_stream", "ok")
+        finally:
+            with self._lock:
+                self._placements.pop(ref, None)
+
+    def describe_shard(self, stream: StreamLike, shard: int) -> ShardInfo:
+        """One shard's offsets, size and owning core."""
+        ref = StreamRef.parse(stream)
+        response = self._call_shard(ref, _shard(shard), _wire.describe_shard(ref, shard))
+        return _expect(response, "describe_shard", "shard").value
+
+    # --- publishing --------------------------------------------------------
+
+    def _ack_mode(self) -> int:
+        if self._config.ack_on_commit:
+            self._require(Feature.PUBLISH_ACK_MODE, "ack_on_commit")
+            return _wire.ACK_DURABLE
+        return _wire.ACK_DEFAULT
+
+    def publish(
+        self,
+        stream: StreamLike,
+        shard: int,
+        payload: Payload,
+        *,
+        key: Optional[Payload] = None,
+        headers: Sequence[Tuple[str, Payload]] = (),
+        timestamp_ms: Optional[int] = None,
+    ) -> int:
+        """Publish one record to ``shard``; returns its offset. ``key`` is
+        stored with the record (it does not route it: see :meth:`publish_keyed`)."""
+        record = RecordIn.of(payload, key=key, headers=headers, timestamp_ms=timestamp_ms)
+        return self.publish_batch(stream, shard, [record]).base_offset
+
+    def publish_batch(self, stream: StreamLike, shard: int, records: Iterable[RecordLike]) -> Published:
+        """Publish records (:class:`RecordIn` or bare payloads) to ``shard`` in
+        one request; they get consecutive offsets."""
+        ref = StreamRef.parse(stream)
+        batch = _records(records)
+        request = _wire.publish(ref, _shard(shard), None, self._ack_mode(), batch)
+        return self._published(self._call_shard(ref, shard, request))
+
+    def publish_keyed(
+        self,
+        stream: StreamLike,
+        key: Payload,
+        payload: Payload,
+        *,
+        headers: Sequence[Tuple[str, Payload]] = (),
+        timestamp_ms: Optional[int] = None,
+    ) -> Published:
+        """Publish one record with a routing key: it goes to the shard
+        :func:`~felix.shard_for_key` picks over the stream's shard count, so
+        records with one key keep their order. The key is stored with it."""
+        record = RecordIn.of(payload, key=key, headers=headers, timestamp_ms=timestamp_ms)
+        return self.publish_keyed_batch(stream, key, [record])
+
+    def publish_keyed_batch(self, stream: StreamLike, key: Payload, records: Iterable[RecordLike]) -> Published:
+        """Publish records in one request to the shard ``key`` routes to. Each
+        record without a key of its own is stored with ``key``."""
+        ref = StreamRef.parse(stream)
+        routing = to_bytes("key", key)
+        batch = _records(records, routing)
+        shard = shard_for_key(routing, self._placement(ref).shards)
+        request = _wire.publish(ref, None, routing, self._ack_mode(), batch)
+        return self._published(self._call_shard(ref, shard, request))
+
+    @staticmethod
+    def _published(response: _wire.Response) -> Published:
+        shard, base_offset, count = _expect(response, "publish", "published").value
+        return Published(shard=shard, base_offset=base_offset, count=count)
+
+    # --- reading -------------------------------------------------------------
+
+    def read(
+        self,
+        stream: StreamLike,
+        shard: int,
+        start: Start,
+        *,
+        max_records: int = 500,
+        wait: Seconds = 0,
+    ) -> ReadBatch:
+        """Read up to ``max_records`` records of ``shard`` from ``start``
+        (:attr:`StartPosition.EARLIEST`, :attr:`StartPosition.LATEST`, or an
+        offset). With ``wait``, the broker holds the read up to that long for
+        records to arrive when there are none; an empty batch is not an error.
+        An offset past the shard's tail is refused with
+        :class:`~felix.errors.InvalidRequest`."""
+        ref = StreamRef.parse(stream)
+        position = StartPosition.of(start)
+        check_int("max_records", max_records, (1 << 32) - 1, minimum=1)
+        wait_ms = _ms_u32("wait", wait)
+        max_bytes = min(max(self._config.max_frame_bytes // 2, 64 * 1024), (1 << 32) - 1)
+        request = _wire.read(ref, _shard(shard), position, max_records, max_bytes, wait_ms)
+        response = self._call_shard(ref, shard, request, wait_ms / 1000)
+        start_offset, next_offset, end_offset, records = _expect(response, "read", "records").value
+        return ReadBatch(tuple(records), next_offset=next_offset, start_offset=start_offset, end_offset=end_offset)
+
+    def subscribe(
+        self,
+        stream: StreamLike,
+        shard: int,
+        start: Start = StartPosition.EARLIEST,
+        *,
+        max_records: int = 500,
+        wait: Seconds = 10.0,
+    ) -> Subscription:
+        """Follow ``shard`` from ``start``: an iterator over every record in
+        offset order that long-polls at the tail. See :class:`Subscription`."""
+        ref = StreamRef.parse(stream)
+        check_int("max_records", max_records, (1 << 32) - 1, minimum=1)
+        _seconds("wait", wait)
+        return Subscription(self, ref, _shard(shard), StartPosition.of(start), max_records, wait)
+
+    # --- consumer groups: consuming -----------------------------------------
+
+    def group_poll(
+        self,
+        stream: StreamLike,
+        shard: int,
+        group: str,
+        max_records: int = 16,
+        *,
+        wait: Seconds = 0,
+        consumer: Optional[str] = None,
+        reclaim: bool = False,
+        visibility: Optional[Seconds] = None,
+    ) -> List[GroupRecord]:
+        """Claim up to ``max_records`` records for ``group`` (owed records
+        first, then new ones). An empty list means nothing was available.
+
+        Args:
+            wait: how long the broker may wait for a record when none is
+                available (capped by the broker's ``FELIX_GROUP_MAX_WAIT_MS``).
+            consumer: poll as this named member (1 to 128 bytes) so a
+                restarted process can take back what it held.
+            reclaim: with ``consumer``, take back the records this member
+                still holds from older connections (only the first poll on a
+                connection does; leaving it set is harmless).
+            visibility: how long these claims stand instead of the broker's
+                visibility timeout. Needs :attr:`Feature.GROUP_CLAIM_CONTROL`.
+        """
+        self._require(Feature.GROUPS, "a group poll")
+        ref = StreamRef.parse(stream)
+        check_int("max_records", max_records, (1 << 32) - 1, minimum=1)
+        member = self._member(consumer, reclaim)
+        visibility_ms = None
+        if visibility is not None:
+            self._require(Feature.GROUP_CLAIM_CONTROL, "a poll visibility")
+            visibility_ms = _ms("visibility", visibility)
+            if visibility_ms == 0:
+                raise InvalidArgument("a poll visibility must be more than zero")
+        wait_ms = _ms_u32("wait", wait)
+        request = _wire.group_poll(ref, _shard(shard), _group(group), max_records, wait_ms, member, visibility_ms)
+        records: List[GroupRecord] = _expect(
+            self._call_shard(ref, shard, request, wait_ms / 1000), "group_poll", "group_records"
+        ).value
+        if not self.has_feature(Feature.GROUP_SKIPPED):
+            records = [replace(r, skipped_before=None) for r in records]
+        return records
+
+    @staticmethod
+    def _member(consumer: Optional[str], reclaim: bool) -> Optional[Tuple[str, bool]]:
+        if consumer is None:
+            if reclaim:
+                raise InvalidArgument("reclaim needs a consumer name")
+            return None
+        if not isinstance(consumer, str):
+            raise InvalidArgument(f"consumer must be a str, not {type(consumer).__name__}")
+        size = len(consumer.encode("utf-8"))
+        if not 1 <= size <= _MEMBER_NAME_MAX_BYTES:
+            raise InvalidArgument(f"a consumer name is 1 to {_MEMBER_NAME_MAX_BYTES} bytes, not {size}")
+        return consumer, bool(reclaim)
+
+    def _group_ok(self, stream: StreamRef, shard: int, request: _wire.WireRequest) -> None:
+        _expect(self._call_shard(stream, shard, request), request.name, "ok")
+
+    def group_ack(
+        self,
+        stream: StreamLike,
+        shard: int,
+        group: str,
+        offsets: Union[int, GroupRecord, Iterable[Union[int, GroupRecord]]],
+    ) -> None:
+        """Finish records: the group will not hand them out again. ``offsets``
+        is an offset, a :class:`GroupRecord`, or an iterable of either (one
+        request for all of them; an empty one sends nothing)."""
+        self._require(Feature.GROUPS, "group_ack")
+        ref = StreamRef.parse(stream)
+        batch = _ack_offsets(offsets)
+        if len(batch) > _wire.MAX_ITEMS_PER_VEC:
+            raise InvalidArgument(f"an ack carries at most {_wire.MAX_ITEMS_PER_VEC} offsets, not {len(batch)}")
+        if batch:
+            self._group_ok(ref, shard, _wire.group_ack(ref, _shard(shard), _group(group), batch))
+
+    def group_nack(
+        self, stream: StreamLike, shard: int, group: str, record: GroupRecord, *, reason: Optional[str] = None
+    ) -> None:
+        """Hand a claimed record back now, to be owed to the group again.
+        ``reason`` is listed if this used up the record's last attempt.
+        Raises :class:`~felix.errors.StaleClaim` if the claim lapsed and the
+        record went out again."""
+        self.group_nack_after(stream, shard, group, record, 0, reason=reason)
+
+    def group_nack_after(
+        self,
+        stream: StreamLike,
+        shard: int,
+        group: str,
+        record: GroupRecord,
+        delay: Seconds,
+        *,
+        reason: Optional[str] = None,
+    ) -> None:
+        """Hand a claimed record back, to be owed again only once ``delay`` has
+        passed. Needs :attr:`Feature.GROUP_CLAIM_CONTROL` unless ``delay`` is
+        zero (a plain nack)."""
+        self._require(Feature.GROUPS, "group_nack")
+        ref = StreamRef.parse(stream)
+        delay_ms = _ms("delay", delay) or None
+        if delay_ms is not None:
+            self._require(Feature.GROUP_CLAIM_CONTROL, "a nack delay")
+        offset, attempts = self._claim(record)
+        request = _wire.group_nack(ref, _shard(shard), _group(group), offset, attempts, delay_ms, reason)
+        self._group_ok(ref, shard, request)
+
+    @staticmethod
+    def _claim(record: GroupRecord) -> Tuple[int, int]:
+        if not isinstance(record, GroupRecord):
+            raise InvalidArgument(f"expected the GroupRecord a poll returned, not {type(record).__name__}")
+        return record.offset, record.attempts
+
+    def group_extend(self, stream: StreamLike, shard: int, group: str, record: GroupRecord, by: Seconds) -> float:
+        """Extend the claim on a record this consumer holds by ``by``. Returns
+        how long the claim now stands from now, in seconds (the broker caps
+        it at ``FELIX_GROUP_MAX_VISIBILITY_MS``). Raises
+        :class:`~felix.errors.StaleClaim` once the claim lapsed and the record
+        went out again. Needs :attr:`Feature.GROUP_CLAIM_CONTROL`."""
+        self._require(Feature.GROUPS | Feature.GROUP_CLAIM_CONTROL, "group_extend")
+        ref = StreamRef.parse(stream)
+        extend_ms = _ms("by", by)
+        if extend_ms == 0:
+            raise InvalidArgument("an extension must be more than zero")
+        offset, attempts = self._claim(record)
+        request = _wire.group_extend(ref, _shard(shard), _group(group), offset, attempts, extend_ms)
+        stands_ms: int = _expect(self._call_shard(ref, shard, request), "group_extend", "extended").value
+        return stands_ms / 1000
+
+    def group_dead_letter(
+        self, stream: StreamLike, shard: int, group: str, record: GroupRecord, *, reason: Optional[str] = None
+    ) -> None:
+        """Give up on a claimed record: list it as a dead letter of the group
+        (with ``reason``, up to 1 KiB kept) and finish it. Refused for a
+        record already finished. Needs :attr:`Feature.GROUP_CLAIM_CONTROL`."""
+        self._require(Feature.GROUPS | Feature.GROUP_CLAIM_CONTROL, "group_dead_letter")
+        ref = StreamRef.parse(stream)
+        offset, attempts = self._claim(record)
+        request = _wire.group_dead_letter(ref, _shard(shard), _group(group), offset, attempts, reason)
+        self._group_ok(ref, shard, request)
+
+    def group_dead_letters(self, stream: StreamLike, shard: int, group: str) -> List[int]:
+        """Offsets of the group's dead letters, in order (the whole list)."""
+        return [d.offset for d in self.group_dead_letters_detailed(stream, shard, group)]
+
+    def group_dead_letters_detailed(self, stream: StreamLike, shard: int, group: str) -> List[DeadLetterInfo]:
+        """The group's dead letters with attempts, time, reason and who gave up,
+        in offset order: the whole list, fetched a page at a time from a broker
+        with :attr:`Feature.GROUP_DEAD_LETTER_PAGES`, in one answer otherwise.
+        Pages are not one snapshot."""
+        self._require(Feature.GROUPS, "group_dead_letters")
+        if self.has_feature(Feature.GROUP_DEAD_LETTER_PAGES):
+            letters: List[DeadLetterInfo] = []
+            next_from: Optional[int] = 0
+            while next_from is not None:
+                page = self.group_dead_letters_page(stream, shard, group, next_from, (1 << 32) - 1)
+                letters.extend(page.letters)
+                next_from = page.next
+            return letters
+        ref = StreamRef.parse(stream)
+        request = _wire.group_dead_letters(ref, _shard(shard), _group(group))
+        return _expect(self._call_shard(ref, shard, request), "group_dead_letters", "dead_letters").value
+
+    def group_dead_letters_page(
+        self, stream: StreamLike, shard: int, group: str, from_offset: int = 0, max_letters: int = 1000
+    ) -> DeadLetterPage:
+        """One page of the group's dead letters: those at ``from_offset`` and
+        above, in offset order, at most ``max_letters`` (the broker caps a page
+        further). :attr:`DeadLetterPage.next` is the ``from_offset`` of the
+        following page, ``None`` at the end. Needs
+        :attr:`Feature.GROUP_DEAD_LETTER_PAGES`."""
+        self._require(Feature.GROUPS | Feature.GROUP_DEAD_LETTER_PAGES, "group_dead_letters_page")
+        ref = StreamRef.parse(stream)
+        request = _wire.group_dead_letters_page(
+            ref, _shard(shard), _group(group), check_u64("from_offset", from_offset), check_u32("max_letters", max_letters)
+        )
+        letters, next_from = _expect(
+            self._call_shard(ref, shard, request), "group_dead_letters_page", "dead_letter_page"
+        ).value
+        page = DeadLetterPage(tuple(letters), next_from)
+        _check_dead_letter_page(from_offset, page)
+        return page
+
+    def group_redrive(self, stream: StreamLike, shard: int, group: str, offset: int) -> None:
+        """Put a dead letter back: its attempts reset and it is owed again."""
+        self._require(Feature.GROUPS, "group_redrive")
+        ref = StreamRef.parse(stream)
+        self._group_ok(ref, shard, _wire.group_redrive(ref, _shard(shard), _group(group), check_u64("offset", offset)))
+
+    def group_discard(self, stream: StreamLike, shard: int, group: str, offset: int) -> None:
+        """Stop tracking a dead letter. The record stays in the log."""
+        self._require(Feature.GROUPS, "group_discard")
+        ref = StreamRef.parse(stream)
+        self._group_ok(ref, shard, _wire.group_discard(ref, _shard(shard), _group(group), check_u64("offset", offset)))
+
+    # --- consumer groups: administration --------------------------------------
+
+    def group_create(self, stream: StreamLike, shard: int, group: str, start: Start = StartPosition.EARLIEST) -> None:
+        """Create the group at ``start``. A group that already exists is left
+        alone and this succeeds, so it is safe on every start of a consumer.
+        Needs :attr:`Feature.GROUP_ADMIN`."""
+        self._require(Feature.GROUPS | Feature.GROUP_ADMIN, "group_create")
+        ref = StreamRef.parse(stream)
+        request = _wire.group_create(ref, _shard(shard), _group(group), StartPosition.of(start))
+        try:
+            _expect(self._call_shard(ref, shard, request), "group_create", "ok", "group")
+        except AlreadyExists:
+            return
+
+    def group_seek(self, stream: StreamLike, shard: int, group: str, start: Start) -> None:
+        """Move an existing group to ``start``, backwards to replay or forwards
+        to skip. Voids every standing claim. Needs :attr:`Feature.GROUP_ADMIN`."""
+        self._require(Feature.GROUPS | Feature.GROUP_ADMIN, "group_seek")
+        ref = StreamRef.parse(stream)
+        request = _wire.group_seek(ref, _shard(shard), _group(group), StartPosition.of(start))
+        _expect(self._call_shard(ref, shard, request), "group_seek", "ok", "group")
+
+    def group_describe(self, stream: StreamLike, shard: int, group: str) -> GroupInfo:
+        """Where the group stands: position, lag, in-flight, owed, delayed and
+        dead-letter counts. Needs :attr:`Feature.GROUP_ADMIN`."""
+        self._require(Feature.GROUPS | Feature.GROUP_ADMIN, "group_describe")
+        ref = StreamRef.parse(stream)
+        request = _wire.group_describe(ref, _shard(shard), _group(group))
+        return _expect(self._call_shard(ref, shard, request), "group_describe", "group").value
+
+    def group_delete(self, stream: StreamLike, shard: int, group: str) -> None:
+        """Remove the group's position and dead letters. Needs :attr:`Feature.GROUP_ADMIN`."""
+        self._require(Feature.GROUPS | Feature.GROUP_ADMIN, "group_delete")
+        ref = StreamRef.parse(stream)
+        self._group_ok(ref, shard, _wire.group_delete(ref, _shard(shard), _group(group)))
+
+    def list_groups(self, stream: StreamLike, shard: int) -> List[str]:
+        """Names of the groups on one shard."""
+        self._require(Feature.GROUPS, "list_groups")
+        ref = StreamRef.parse(stream)
+        return _expect(self._call_shard(ref, shard, _wire.list_groups(ref, _shard(shard))), "list_groups", "groups").value
+
+    # --- consumer groups: a whole stream ----------------------------------------
+
+    def _stream_shards(self, stream: StreamLike, start: Optional[Start] = None) -> int:
+        """The shard count; an offset ``start`` is refused for a stream of more
+        than one shard, since offsets are per shard."""
+        info = self.describe_stream(stream)
+        if info.shards > 1 and start is not None and StartPosition.of(start).kind == "offset":
+            raise InvalidArgument(
+                f"{info.stream} has {info.shards} shards and offsets are per shard; "
+                "use EARLIEST or LATEST, or the per-shard call"
+            )
+        return info.shards
+
+    def group_create_stream(self, stream: StreamLike, group: str, start: Start = StartPosition.EARLIEST) -> None:
+        """:meth:`group_create` on every shard of the stream (``LATEST`` is each
+        shard's own tail when its call lands)."""
+        for shard in range(self._stream_shards(stream, start)):
+            self.group_create(stream, shard, group, start)
+
+    def group_seek_stream(self, stream: StreamLike, group: str, start: Start) -> None:
+        """:meth:`group_seek` on every shard of the stream."""
+        for shard in range(self._stream_shards(stream, start)):
+            self.group_seek(stream, shard, group, start)
+
+    def group_describe_stream(self, stream: StreamLike, group: str) -> List[GroupInfo]:
+        """:meth:`group_describe` of every shard, in shard order."""
+        return [self.group_describe(stream, shard, group) for shard in range(self._stream_shards(stream))]
+
+    def group_delete_stream(self, stream: StreamLike, group: str) -> None:
+        """:meth:`group_delete` on every shard of the stream."""
+        for shard in range(self._stream_shards(stream)):
+            self.group_delete(stream, shard, group)

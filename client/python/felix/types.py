@@ -1,0 +1,365 @@
+"""Values passed to and returned by :class:`felix.Client` calls."""
+
+import enum
+import re
+from dataclasses import dataclass
+from typing import ClassVar, Optional, Sequence, Tuple, Union
+
+from .errors import InvalidArgument
+
+__all__ = [
+    "Feature",
+    "StreamRef",
+    "StartPosition",
+    "RecordIn",
+    "Record",
+    "GroupRecord",
+    "StreamInfo",
+    "ShardInfo",
+    "Published",
+    "ReadBatch",
+    "DeadLetterInfo",
+    "DeadLetterPage",
+    "GroupInfo",
+    "Header",
+    "Payload",
+    "StreamLike",
+    "Start",
+]
+
+#: A header: a name and a byte value. Order is kept; names may repeat.
+Header = Tuple[str, bytes]
+#: What a payload or key may be given as; ``str`` is encoded as UTF-8.
+Payload = Union[bytes, bytearray, memoryview, str]
+
+NAME_MAX_BYTES = 128
+_NAME_RE = re.compile(r"[A-Za-z0-9._-]+")
+
+
+class Feature(enum.IntFlag):
+    """Feature bits negotiated in HELLO (``Hello.features``)."""
+
+    #: Consumer groups at all (durable brokers only).
+    GROUPS = 1 << 0
+    #: The broker fills :attr:`GroupRecord.skipped_before`.
+    GROUP_SKIPPED = 1 << 1
+    #: Poll visibility, nack delays, ``group_extend`` and ``group_dead_letter``.
+    GROUP_CLAIM_CONTROL = 1 << 2
+    #: ``group_create``, ``group_seek``, ``group_describe``, ``group_delete``.
+    GROUP_ADMIN = 1 << 3
+    #: The broker honours the publish acknowledgement mode (``ack_on_commit``).
+    PUBLISH_ACK_MODE = 1 << 4
+    #: ``group_dead_letters_page``.
+    GROUP_DEAD_LETTER_PAGES = 1 << 5
+
+
+def validate_name(what: str, name: str) -> str:
+    """Check a tenant, namespace, stream or group name the way the broker
+    does: 1 to 128 bytes of ``[A-Za-z0-9._-]``, not ``.`` or ``..``.
+
+    Returns the name; raises :class:`~felix.errors.InvalidArgument`.
+    """
+    if not isinstance(name, str):
+        raise InvalidArgument(f"{what} name must be a str, not {type(name).__name__}")
+    if not name:
+        raise InvalidArgument(f"{what} name is empty; names are 1-{NAME_MAX_BYTES} bytes of [A-Za-z0-9._-]")
+    if len(name.encode("utf-8")) > NAME_MAX_BYTES:
+        raise InvalidArgument(f"{what} name is {len(name.encode('utf-8'))} bytes; the limit is {NAME_MAX_BYTES}")
+    if not _NAME_RE.fullmatch(name):
+        raise InvalidArgument(f"{what} name {name!r} has characters outside [A-Za-z0-9._-]")
+    if name in (".", ".."):
+        raise InvalidArgument(f"{what} name may not be {name!r}")
+    return name
+
+
+@dataclass(frozen=True)
+class StreamRef:
+    """A stream's ``tenant/namespace/stream`` path. Each part is validated
+    on construction."""
+
+    tenant: str
+    namespace: str
+    stream: str
+
+    def __post_init__(self) -> None:
+        validate_name("tenant", self.tenant)
+        validate_name("namespace", self.namespace)
+        validate_name("stream", self.stream)
+
+    @classmethod
+    def parse(cls, path: "StreamLike") -> "StreamRef":
+        """A :class:`StreamRef` from ``"tenant/namespace/stream"`` (a
+        :class:`StreamRef` is returned as is)."""
+        if isinstance(path, StreamRef):
+            return path
+        if not isinstance(path, str):
+            raise InvalidArgument(f"a stream is a 'tenant/namespace/stream' str, not {type(path).__name__}")
+        parts = path.split("/")
+        if len(parts) != 3:
+            raise InvalidArgument(f"stream path {path!r} must be tenant/namespace/stream")
+        return cls(*parts)
+
+    def __str__(self) -> str:
+        return f"{self.tenant}/{self.namespace}/{self.stream}"
+
+
+#: A stream given as a path string or a :class:`StreamRef`.
+StreamLike = Union[str, StreamRef]
+
+
+@dataclass(frozen=True)
+class StartPosition:
+    """Where a read or a consumer group starts: :attr:`EARLIEST` (the oldest
+    retained record), :attr:`LATEST` (the tail: only records published from
+    now on) or :meth:`at` an exact offset. Calls also accept a plain ``int``
+    for an offset."""
+
+    kind: str
+    offset: Optional[int] = None
+
+    EARLIEST: ClassVar["StartPosition"]
+    LATEST: ClassVar["StartPosition"]
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("earliest", "latest", "offset"):
+            raise InvalidArgument(f"unknown start position kind {self.kind!r}")
+        if (self.kind == "offset") != (self.offset is not None):
+            raise InvalidArgument("a start position has an offset exactly when its kind is 'offset'")
+        if self.offset is not None:
+            check_u64("offset", self.offset)
+
+    @classmethod
+    def at(cls, offset: int) -> "StartPosition":
+        """The position of this exact offset."""
+        return cls("offset", offset)
+
+    @classmethod
+    def of(cls, start: "Start") -> "StartPosition":
+        """``start`` as a :class:`StartPosition` (an ``int`` is an offset)."""
+        if isinstance(start, StartPosition):
+            return start
+        if isinstance(start, int) and not isinstance(start, bool):
+            return cls.at(start)
+        raise InvalidArgument(f"a start position is a StartPosition or an int offset, not {start!r}")
+
+    def __str__(self) -> str:
+        return self.kind if self.offset is None else str(self.offset)
+
+
+StartPosition.EARLIEST = StartPosition("earliest")
+StartPosition.LATEST = StartPosition("latest")
+
+#: A start position, or an ``int`` offset.
+Start = Union[StartPosition, int]
+
+
+def check_u64(what: str, value: int) -> int:
+    """``value`` if it is an int in ``0 .. 2**64-1``; else :class:`InvalidArgument`."""
+    return check_int(what, value, (1 << 64) - 1)
+
+
+def check_u32(what: str, value: int) -> int:
+    """``value`` if it is an int in ``0 .. 2**32-1``; else :class:`InvalidArgument`."""
+    return check_int(what, value, (1 << 32) - 1)
+
+
+def check_int(what: str, value: int, maximum: int, minimum: int = 0) -> int:
+    """``value`` if it is an int in ``minimum .. maximum``; else :class:`InvalidArgument`."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidArgument(f"{what} must be an int, not {type(value).__name__}")
+    if value < minimum or value > maximum:
+        raise InvalidArgument(f"{what} must be between {minimum} and {maximum}, not {value}")
+    return value
+
+
+def to_bytes(what: str, value: Payload) -> bytes:
+    """A payload or key as ``bytes`` (``str`` encoded as UTF-8)."""
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    raise InvalidArgument(f"{what} must be bytes or str, not {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class RecordIn:
+    """A record to publish. The broker assigns its offset, and its timestamp
+    when ``timestamp_ms`` is ``None``."""
+
+    payload: bytes
+    key: Optional[bytes] = None
+    headers: Tuple[Header, ...] = ()
+    timestamp_ms: Optional[int] = None
+
+    @classmethod
+    def of(
+        cls,
+        payload: Payload,
+        *,
+        key: Optional[Payload] = None,
+        headers: Sequence[Tuple[str, Payload]] = (),
+        timestamp_ms: Optional[int] = None,
+    ) -> "RecordIn":
+        """A record with its fields converted and checked (``str`` payloads,
+        keys and header values are encoded as UTF-8)."""
+        hdrs = []
+        for item in headers:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                raise InvalidArgument(f"a header is a (str name, bytes value) pair, not {item!r}")
+            hdrs.append((item[0], to_bytes("header value", item[1])))
+        return cls(
+            payload=to_bytes("payload", payload),
+            key=None if key is None else to_bytes("key", key),
+            headers=tuple(hdrs),
+            timestamp_ms=None if timestamp_ms is None else check_u64("timestamp_ms", timestamp_ms),
+        )
+
+    def data_bytes(self) -> int:
+        """Bytes of payload, key and headers (names and values)."""
+        key = len(self.key) if self.key is not None else 0
+        return len(self.payload) + key + sum(len(n.encode("utf-8")) + len(v) for n, v in self.headers)
+
+
+@dataclass(frozen=True)
+class Record:
+    """A stored record, as read."""
+
+    offset: int
+    timestamp_ms: int
+    key: Optional[bytes]
+    headers: Tuple[Header, ...]
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class GroupRecord:
+    """A record claimed through a consumer group.
+
+    Attributes:
+        offset: the record's offset in its shard.
+        attempts: deliveries so far, this one included (1 the first time).
+            Nack, extend and dead-letter name the delivery by it.
+        timestamp_ms: the record's timestamp (unix ms).
+        key: the record's key, if it has one.
+        headers: the record's headers.
+        payload: the record's payload.
+        skipped_before: how many offsets directly below ``offset`` were
+            settled and never delivered (control records, retention); ``None``
+            unless the broker negotiated :attr:`Feature.GROUP_SKIPPED`.
+    """
+
+    offset: int
+    attempts: int
+    timestamp_ms: int
+    key: Optional[bytes]
+    headers: Tuple[Header, ...]
+    payload: bytes
+    skipped_before: Optional[int]
+
+
+@dataclass(frozen=True)
+class StreamInfo:
+    """A stream's shard count, retention and placement."""
+
+    stream: StreamRef
+    shards: int
+    #: Retention per shard in bytes; ``None`` for unlimited.
+    retention_bytes: Optional[int]
+    #: Retention in milliseconds; ``None`` for unlimited.
+    retention_ms: Optional[int]
+    #: The core that owns each shard, indexed by shard.
+    placement: Tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One shard's offsets, size and owning core."""
+
+    stream: StreamRef
+    shard: int
+    core: int
+    #: Oldest retained offset.
+    start_offset: int
+    #: Offset the next published record will get.
+    end_offset: int
+    bytes: int
+    segments: int
+    #: Why the shard stopped taking writes, if it did.
+    stopped: Optional[str]
+
+
+@dataclass(frozen=True)
+class Published:
+    """Where a publish was written: offsets ``base_offset .. base_offset + count - 1`` of ``shard``."""
+
+    shard: int
+    base_offset: int
+    count: int
+
+    @property
+    def last_offset(self) -> int:
+        """Offset of the last record written (``base_offset`` for an empty answer)."""
+        return self.base_offset + max(self.count - 1, 0)
+
+
+@dataclass(frozen=True)
+class ReadBatch:
+    """The answer to :meth:`felix.Client.read`."""
+
+    records: Tuple[Record, ...]
+    #: Where the following read should start.
+    next_offset: int
+    #: Oldest offset the shard still retains.
+    start_offset: int
+    #: Offset the next published record will get (the tail).
+    end_offset: int
+
+
+@dataclass(frozen=True)
+class DeadLetterInfo:
+    """One dead letter of a group."""
+
+    offset: int
+    attempts: int
+    #: When it was dead-lettered (unix ms).
+    at_ms: int
+    reason: Optional[str]
+    #: True when a consumer dead-lettered it, False when the broker gave up
+    #: after too many attempts.
+    by_consumer: bool
+
+
+@dataclass(frozen=True)
+class DeadLetterPage:
+    """One page of a group's dead letters, in offset order."""
+
+    letters: Tuple[DeadLetterInfo, ...]
+    #: The ``from_offset`` of the following page; ``None`` at the end of the list.
+    next: Optional[int]
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """Where a consumer group stands on one shard."""
+
+    group: str
+    #: The lowest offset not yet finished; everything below it is finished.
+    position: int
+    end_offset: int
+    start_offset: int
+    #: Standing claims plus delayed nacks.
+    in_flight: int
+    #: Nacked or expired, waiting to be handed out again.
+    owed: int
+    #: Nacked with a delay that has not yet passed.
+    delayed: int
+    dead_letters: int
+    oldest_in_flight_age_ms: Optional[int]
+    oldest_owed_age_ms: Optional[int]
+    #: Unix ms of the last poll or ack.
+    last_active_ms: Optional[int]
+
+    @property
+    def lag(self) -> int:
+        """Records published but not yet finished by the group: ``end_offset - position``."""
+        return max(self.end_offset - self.position, 0)
