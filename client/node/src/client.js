@@ -8,12 +8,14 @@
 const args = require('./args');
 const wire = require('./wire');
 const { shardForKey } = require('./crc32c');
-const { Connection } = require('./connection');
+const { Connection, timerDelay } = require('./connection');
 const { Subscription } = require('./subscription');
 const {
   AlreadyExistsError,
+  ConnectionError,
   DisconnectedError,
   InvalidArgumentError,
+  InvalidRequestError,
   NotFoundError,
   ProtocolError,
   UnsupportedError,
@@ -46,9 +48,18 @@ function parseAddr(addr) {
   return { host: m[1] ?? m[2], port };
 }
 
-/** The options, checked, with defaults filled in. */
+/** The options, checked, with defaults filled in; an unknown key (a typo) is refused. */
 function clientOptions(options = {}) {
-  const o = { ...DEFAULTS, ...options };
+  if (options === null || typeof options !== 'object') {
+    throw new InvalidArgumentError(`options must be an object, not ${String(options)}`);
+  }
+  for (const key of Object.keys(options)) {
+    if (!Object.hasOwn(DEFAULTS, key)) {
+      throw new InvalidArgumentError(`unknown option ${JSON.stringify(key)}; the options are ${Object.keys(DEFAULTS).join(', ')}`);
+    }
+  }
+  const o = { ...DEFAULTS };
+  for (const [key, value] of Object.entries(options)) if (value !== undefined) o[key] = value;
   for (const key of ['requestTimeoutMs', 'connectTimeoutMs', 'reconnectBackoffMs', 'reconnectBackoffMaxMs']) {
     args.millis(o[key], key);
   }
@@ -197,9 +208,11 @@ class Client {
     this.placements = new Map();
     /** Sleeps before reconnecting, cut short by `close()`. */
     this.sleeps = new Set();
+    /** Aborts connection attempts in progress when the client closes. */
+    this.abort = new AbortController();
     this.closed = false;
     this.learnHello(first.hello);
-    this.homeCore = first.hello.core;
+    this.home = first.hello.core;
     this.slot(first.hello.core).conn = first;
   }
 
@@ -233,6 +246,21 @@ class Client {
     return this.hello.broker;
   }
 
+  /** The largest frame the broker accepts, from the latest HELLO. @returns {number} */
+  get maxFrameBytes() {
+    return this.hello.maxFrameBytes;
+  }
+
+  /** The core requests not about one shard go to (moves if the broker comes back without it). @returns {number} */
+  get homeCore() {
+    return this.home;
+  }
+
+  /** The cores this client holds a live connection to, in order. @returns {number[]} */
+  get connectedCores() {
+    return [...this.slots].filter(([, slot]) => slot.conn && !slot.conn.closed).map(([core]) => core).sort((x, y) => x - y);
+  }
+
   /** Whether the broker advertised every bit of `feature`. @param {number} feature @returns {boolean} */
   hasFeature(feature) {
     return (this.features & feature) === feature;
@@ -246,6 +274,8 @@ class Client {
   close() {
     if (this.closed) return;
     this.closed = true;
+    // A connect in progress: its socket and timer go, its callers get DisconnectedError.
+    this.abort.abort();
     for (const sleep of this.sleeps) sleep.cancel();
     this.sleeps.clear();
     for (const slot of this.slots.values()) slot.conn?.close();
@@ -280,9 +310,9 @@ class Client {
     return slot.opening;
   }
 
-  /** Forget a closed connection; one that never answered counts as a failed attempt. */
+  /** Forget a closed connection; one that never proved healthy counts as a failed attempt. */
   retire(slot) {
-    if (slot.conn.answered) {
+    if (slot.conn.proved) {
       slot.backoffMs = this.options.reconnectBackoffMs;
     } else {
       this.backOff(slot);
@@ -295,12 +325,23 @@ class Client {
     slot.backoffMs = Math.min(slot.backoffMs * 2, this.options.reconnectBackoffMaxMs);
   }
 
+  connectOptions(wantCore) {
+    return { ...this.addr, ...connectOptions(this.options), wantCore, signal: this.abort.signal };
+  }
+
   async open(core, slot) {
     await this.sleepUntil(slot.retryAt);
     let conn;
     try {
-      conn = await Connection.open({ ...this.addr, ...connectOptions(this.options), wantCore: core });
+      conn = await Connection.open(this.connectOptions(core));
     } catch (err) {
+      if (err instanceof InvalidRequestError && core > 0 && !this.closed && await this.learnCores() && core >= this.cores) {
+        // The broker refused the core asked for because it came back with
+        // fewer cores (learnt from a connection that asks for none; home
+        // moved if it was that core, placements dropped). Nothing was sent;
+        // callers that route by core try again where the shard is now.
+        throw new ConnectionError(`the broker no longer runs core ${core} (it runs ${this.cores}): ${err.message}`);
+      }
       this.backOff(slot);
       throw err;
     }
@@ -314,6 +355,51 @@ class Client {
     return conn;
   }
 
+  /**
+   * After the broker refused a core: HELLO without asking for one, take its
+   * core count (dropping placements if it changed) and move home to the
+   * core the connection landed on if home is out of range. The connection
+   * is kept for its core if that has none. False if the broker could not
+   * be reached.
+   */
+  async learnCores() {
+    let conn;
+    try {
+      conn = await Connection.open(this.connectOptions(undefined));
+    } catch {
+      return false;
+    }
+    if (this.closed) {
+      conn.close();
+      return false;
+    }
+    this.learnHello(conn.hello);
+    if (this.home >= conn.hello.cores) this.home = conn.hello.core;
+    const slot = this.slot(conn.hello.core);
+    if (!slot.opening && !(slot.conn && !slot.conn.closed)) {
+      slot.conn = conn;
+      slot.retryAt = 0;
+    } else {
+      conn.close();
+    }
+    return true;
+  }
+
+  /**
+   * `core`'s connection; if the broker no longer runs that core (so nothing
+   * was sent), the connection to the core `again()` picks now.
+   * @param {number} core
+   * @param {() => number|Promise<number>} again
+   */
+  async connOrMoved(core, again) {
+    try {
+      return await this.conn(core);
+    } catch (err) {
+      if (this.closed || core < this.cores) throw err;
+      return this.conn(await again());
+    }
+  }
+
   /** Wait until `at` (ms since the epoch); `close()` cuts it short with `DisconnectedError`. */
   sleepUntil(at) {
     const ms = at - Date.now();
@@ -323,7 +409,7 @@ class Client {
         timer: setTimeout(() => {
           this.sleeps.delete(sleep);
           resolve();
-        }, ms),
+        }, timerDelay(ms)),
         cancel: () => {
           clearTimeout(sleep.timer);
           reject(new DisconnectedError('the client is closed'));
@@ -337,15 +423,17 @@ class Client {
     return this.options.requestTimeoutMs + waitMs;
   }
 
-  /** A request not about one shard: the home core serves it. */
+  /** A request not about one shard: the home core serves it (a new home if the broker lost it). */
   async callAny(req) {
-    const conn = await this.conn(this.homeCore);
+    const conn = await this.connOrMoved(this.home, () => this.home);
     return conn.call(req, this.timeout());
   }
 
   /** Send a request about `shard` to the core that owns it, following one `wrong_core` redirect. */
   async callShard(ref, shard, req, waitMs = 0) {
-    const conn = await this.conn(await this.coreFor(ref, shard));
+    const core = await this.coreFor(ref, shard);
+    // That core gone (the broker came back with fewer cores): the shard's core now.
+    const conn = await this.connOrMoved(core, () => this.coreFor(ref, shard));
     try {
       return await conn.call(req, this.timeout(waitMs));
     } catch (err) {
@@ -356,19 +444,31 @@ class Client {
 
   /** After `wrong_core`: refresh the placement and send once more, to the core the broker named. */
   async redirect(ref, shard, req, wrongCore, waitMs) {
-    const fresh = await this.placement(ref, true);
+    // A failed refresh does not mask the core the broker named.
+    let fresh;
+    try {
+      fresh = (await this.placement(ref, true)).cores[shard];
+    } catch {
+      fresh = undefined;
+    }
     const inRange = (c) => c !== undefined && c < this.cores;
-    const right = inRange(wrongCore.core) ? wrongCore.core : fresh.cores[shard];
+    const right = inRange(wrongCore.core) ? wrongCore.core : fresh;
     if (!inRange(right)) throw wrongCore;
     const conn = await this.conn(right);
     return conn.call(req, this.timeout(waitMs));
   }
 
   async coreFor(ref, shard) {
-    if (this.cores <= 1) return this.homeCore;
-    const core = (await this.placement(ref, false)).cores[shard];
-    // A shard the placement does not know: let the broker name the core.
-    return core !== undefined && core < this.cores ? core : this.homeCore;
+    if (this.cores <= 1) return this.home;
+    let p = await this.placement(ref, false);
+    if (p.cores[shard] !== undefined && p.cores[shard] >= this.cores) {
+      // Cached before the broker came back with fewer cores.
+      p = await this.placement(ref, true);
+    }
+    const core = p.cores[shard];
+    // A shard the placement does not know (or a core the broker does not
+    // have): let the broker answer, with the right core.
+    return core !== undefined && core < this.cores ? core : this.home;
   }
 
   async placement(ref, refresh) {
@@ -383,8 +483,8 @@ class Client {
     return p;
   }
 
-  /** Throw `UnsupportedError` unless the broker advertised `bits`. */
-  require(bits, what) {
+  /** Throw `UnsupportedError` (local) unless the broker advertised `bits`. */
+  requireFeatures(bits, what) {
     const missing = bits & ~this.features;
     if (missing === 0) return;
     const names = Object.keys(FEATURE_NAMES).filter((b) => missing & b).map((b) => FEATURE_NAMES[b]);
@@ -408,7 +508,10 @@ class Client {
       ref, shards, retention(options.retentionBytes, 'retentionBytes'), retention(options.retentionMs, 'retentionMs'),
     );
     this.placements.delete(pathOf(ref));
-    const info = expect(await this.callAny(req), 'stream', 'create_stream').info;
+    const msg = await this.callAny(req);
+    // A broker may answer `ok`: the stream's info is then asked for.
+    if (msg.type === 'ok') return this.describeStream(ref);
+    const info = expect(msg, 'stream', 'create_stream').info;
     this.cachePlacement(info);
     return info;
   }
@@ -486,7 +589,7 @@ class Client {
 
   ackMode() {
     if (!this.options.ackOnCommit) return wire.ACK.DEFAULT;
-    this.require(FEATURES.PUBLISH_ACK_MODE, 'ackOnCommit');
+    this.requireFeatures(FEATURES.PUBLISH_ACK_MODE, 'ackOnCommit');
     return wire.ACK.DURABLE;
   }
 
@@ -646,14 +749,14 @@ class Client {
    */
   async groupPoll(stream, shard, group, options = {}) {
     const key = this.groupKey(stream, shard, group);
-    this.require(FEATURES.GROUPS, 'a group poll');
+    this.requireFeatures(FEATURES.GROUPS, 'a group poll');
     const maxRecords = args.u32(options.maxRecords ?? 16, 'maxRecords', 1);
     const waitMs = args.millisU32(options.waitMs ?? 0, 'waitMs');
     const member = this.member(options);
     let visibilityMs;
     let features = 0;
     if (options.visibilityMs !== undefined) {
-      this.require(FEATURES.GROUP_CLAIM_CONTROL, 'a poll visibility');
+      this.requireFeatures(FEATURES.GROUP_CLAIM_CONTROL, 'a poll visibility');
       visibilityMs = args.positiveMillisU64(options.visibilityMs, 'visibilityMs');
       features = FEATURES.GROUP_CLAIM_CONTROL;
     }
@@ -691,7 +794,7 @@ class Client {
    */
   async groupAck(stream, shard, group, offsets) {
     const key = this.groupKey(stream, shard, group);
-    this.require(FEATURES.GROUPS, 'groupAck');
+    this.requireFeatures(FEATURES.GROUPS, 'groupAck');
     const list = (Array.isArray(offsets) ? offsets : [offsets]).map((o, i) => args.offset(o, `offsets[${i}]`));
     if (list.length === 0) return;
     if (list.length > wire.MAX_ITEMS_PER_VEC) {
@@ -717,13 +820,13 @@ class Client {
    */
   async groupNack(stream, shard, group, record, options = {}) {
     const key = this.groupKey(stream, shard, group);
-    this.require(FEATURES.GROUPS, 'groupNack');
+    this.requireFeatures(FEATURES.GROUPS, 'groupNack');
     const c = args.claim(record);
     const reason = args.reason(options.reason);
     const delay = args.millis(options.delayMs ?? 0, 'delayMs');
     let delayMs;
     if (delay > 0) {
-      this.require(FEATURES.GROUP_CLAIM_CONTROL, 'a nack delay');
+      this.requireFeatures(FEATURES.GROUP_CLAIM_CONTROL, 'a nack delay');
       delayMs = args.positiveMillisU64(delay, 'delayMs');
     }
     const features = delayMs === undefined ? 0 : FEATURES.GROUP_CLAIM_CONTROL;
@@ -764,7 +867,7 @@ class Client {
    */
   async groupExtend(stream, shard, group, record, byMs) {
     const key = this.groupKey(stream, shard, group);
-    this.require(FEATURES.GROUPS | FEATURES.GROUP_CLAIM_CONTROL, 'groupExtend');
+    this.requireFeatures(FEATURES.GROUPS | FEATURES.GROUP_CLAIM_CONTROL, 'groupExtend');
     const c = args.claim(record);
     const extendMs = args.positiveMillisU64(byMs, 'byMs');
     const req = requests.group('group_extend', OP.GROUP_EXTEND, FEATURES.GROUP_CLAIM_CONTROL, key, (w) => {
@@ -787,7 +890,7 @@ class Client {
    */
   async groupDeadLetter(stream, shard, group, record, reason) {
     const key = this.groupKey(stream, shard, group);
-    this.require(FEATURES.GROUPS | FEATURES.GROUP_CLAIM_CONTROL, 'groupDeadLetter');
+    this.requireFeatures(FEATURES.GROUPS | FEATURES.GROUP_CLAIM_CONTROL, 'groupDeadLetter');
     const c = args.claim(record);
     const why = args.reason(reason);
     await this.groupOk(key, requests.group('group_dead_letter', OP.GROUP_DEAD_LETTER, FEATURES.GROUP_CLAIM_CONTROL, key, (w) => {
@@ -819,7 +922,7 @@ class Client {
    */
   async groupDeadLettersDetailed(stream, shard, group) {
     const key = this.groupKey(stream, shard, group);
-    this.require(FEATURES.GROUPS, 'groupDeadLetters');
+    this.requireFeatures(FEATURES.GROUPS, 'groupDeadLetters');
     if (this.hasFeature(FEATURES.GROUP_DEAD_LETTER_PAGES)) {
       const all = [];
       let from = 0n;
@@ -848,7 +951,7 @@ class Client {
    */
   async groupDeadLettersPage(stream, shard, group, from, max) {
     const key = this.groupKey(stream, shard, group);
-    this.require(FEATURES.GROUPS | FEATURES.GROUP_DEAD_LETTER_PAGES, 'groupDeadLettersPage');
+    this.requireFeatures(FEATURES.GROUPS | FEATURES.GROUP_DEAD_LETTER_PAGES, 'groupDeadLettersPage');
     const start = args.offset(from, 'from');
     args.u32(max, 'max');
     const req = requests.group('group_dead_letters_page', OP.GROUP_DEAD_LETTERS_PAGE, FEATURES.GROUP_DEAD_LETTER_PAGES, key, (w) => {
@@ -885,7 +988,7 @@ class Client {
 
   async deadLetterOp(name, opcode, stream, shard, group, offset) {
     const key = this.groupKey(stream, shard, group);
-    this.require(FEATURES.GROUPS, name);
+    this.requireFeatures(FEATURES.GROUPS, name);
     const o = args.offset(offset);
     await this.groupOk(key, requests.group(name, opcode, 0, key, (w) => w.u64(o)));
   }
@@ -925,9 +1028,11 @@ class Client {
 
   async groupPosition(name, opcode, stream, shard, group, start) {
     const key = this.groupKey(stream, shard, group);
-    this.require(FEATURES.GROUPS | FEATURES.GROUP_ADMIN, name);
+    this.requireFeatures(FEATURES.GROUPS | FEATURES.GROUP_ADMIN, name);
     const at = args.startPosition(start);
-    await this.groupOk(key, requests.group(name, opcode, FEATURES.GROUP_ADMIN, key, (w) => wire.putStartPosition(w, at)));
+    const msg = await this.groupCall(key, requests.group(name, opcode, FEATURES.GROUP_ADMIN, key, (w) => wire.putStartPosition(w, at)));
+    // `ok`, or the group as it now stands (as the Rust client accepts).
+    if (msg.type !== 'group') expect(msg, 'ok', name);
   }
 
   /**
@@ -940,7 +1045,7 @@ class Client {
    */
   async groupDescribe(stream, shard, group) {
     const key = this.groupKey(stream, shard, group);
-    this.require(FEATURES.GROUPS | FEATURES.GROUP_ADMIN, 'groupDescribe');
+    this.requireFeatures(FEATURES.GROUPS | FEATURES.GROUP_ADMIN, 'groupDescribe');
     const msg = await this.groupCall(key, requests.group('group_describe', OP.GROUP_DESCRIBE, FEATURES.GROUP_ADMIN, key));
     return expect(msg, 'group', 'group_describe').info;
   }
@@ -954,7 +1059,7 @@ class Client {
    */
   async groupDelete(stream, shard, group) {
     const key = this.groupKey(stream, shard, group);
-    this.require(FEATURES.GROUPS | FEATURES.GROUP_ADMIN, 'groupDelete');
+    this.requireFeatures(FEATURES.GROUPS | FEATURES.GROUP_ADMIN, 'groupDelete');
     await this.groupOk(key, requests.group('group_delete', OP.GROUP_DELETE, FEATURES.GROUP_ADMIN, key));
   }
 
@@ -967,7 +1072,7 @@ class Client {
   async listGroups(stream, shard) {
     const ref = args.streamRef(stream);
     args.u32(shard, 'shard');
-    this.require(FEATURES.GROUPS, 'listGroups');
+    this.requireFeatures(FEATURES.GROUPS, 'listGroups');
     const req = requests.shardOnly('list_groups', OP.LIST_GROUPS, ref, shard, FEATURES.GROUPS);
     return expect(await this.callShard(ref, shard, req), 'groups', 'list_groups').names;
   }

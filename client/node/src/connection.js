@@ -22,6 +22,15 @@ const {
 const HELLO_ID = 0n;
 /** TCP keepalive: first probe after this much idle time. */
 const KEEPALIVE_MS = 30_000;
+/** Longest delay `setTimeout` honours (a longer one fires after 1 ms). */
+const MAX_TIMER_MS = 2 ** 31 - 1;
+/** A connection open this long counts as healthy even if nothing was answered yet (as the Rust client). */
+const PROVED_AFTER_MS = 5_000;
+
+/** `ms` as a delay `setTimeout` keeps: at most 2^31-1 ms (about 24.8 days). */
+function timerDelay(ms) {
+  return Math.min(Math.max(ms, 0), MAX_TIMER_MS);
+}
 
 /**
  * What the broker answered to HELLO on one connection.
@@ -56,9 +65,25 @@ class Connection {
     this.brokerNotice = undefined;
     /** The broker answered at least one request (a sign the connection was healthy). */
     this.answered = false;
+    this.openedAt = Date.now();
+    /** Frames waiting for the socket to drain, in request order. */
+    this.outbox = [];
+    this.queuedBytes = 0;
+    /** The socket's last `write` returned false: wait for 'drain' before writing more. */
+    this.needDrain = false;
     socket.on('data', (chunk) => this.onData(chunk));
+    socket.on('drain', () => this.onDrain());
     socket.on('error', (err) => this.fail(new DisconnectedError(`connection lost: ${err.message}`, { cause: err })));
     socket.on('close', () => this.fail(new DisconnectedError(this.disconnectMessage('the broker closed the connection'))));
+  }
+
+  /**
+   * Whether the connection proved healthy: the broker answered a request
+   * on it, or it stayed open 5 s. One that closes at once without answering
+   * counts as a failed attempt (the reconnect backoff keeps growing).
+   */
+  get proved() {
+    return this.answered || Date.now() - this.openedAt >= PROVED_AFTER_MS;
   }
 
   /**
@@ -71,19 +96,37 @@ class Connection {
    * @param {string} options.clientName
    * @param {number} options.connectTimeoutMs
    * @param {number} options.maxFrameBytes largest frame accepted from the broker
+   * @param {AbortSignal} [options.signal] aborting it ends the attempt with `DisconnectedError`
    * @returns {Promise<Connection>}
    */
   static open(options) {
     return new Promise((resolve, reject) => {
+      const { signal } = options;
+      if (signal?.aborted) {
+        reject(new DisconnectedError('the client is closed'));
+        return;
+      }
       const parser = new wire.FrameParser(options.maxFrameBytes);
       const socket = net.connect({ host: options.host, port: options.port });
       let settled = false;
-      /** Stop the HELLO exchange: its listeners and timer go either way. */
+      const listeners = {
+        error: (err) => finish(new ConnectionError(`cannot connect to ${options.host}:${options.port}: ${err.message}`, { cause: err })),
+        close: () => finish(new ConnectionError('the broker closed the connection during HELLO')),
+        connect: () => {
+          socket.setNoDelay(true);
+          socket.setKeepAlive(true, KEEPALIVE_MS);
+          socket.write(helloFrame(options));
+        },
+        data: (chunk) => onHelloData(chunk),
+      };
+      const onAbort = () => finish(new DisconnectedError('the client was closed while connecting'));
+      /** Stop the HELLO exchange: its listeners (only ours), timer and abort hook go either way. */
       const settle = () => {
         if (settled) return false;
         settled = true;
         clearTimeout(timer);
-        socket.removeAllListeners();
+        signal?.removeEventListener('abort', onAbort);
+        for (const [event, fn] of Object.entries(listeners)) socket.removeListener(event, fn);
         return true;
       };
       const finish = (err) => {
@@ -93,16 +136,13 @@ class Connection {
       };
       const timer = setTimeout(
         () => finish(new TimeoutError(`no answer to HELLO from ${options.host}:${options.port} within ${options.connectTimeoutMs} ms`)),
-        options.connectTimeoutMs,
+        timerDelay(options.connectTimeoutMs),
       );
-      socket.on('error', (err) => finish(new ConnectionError(`cannot connect to ${options.host}:${options.port}: ${err.message}`, { cause: err })));
-      socket.on('close', () => finish(new ConnectionError('the broker closed the connection during HELLO')));
-      socket.on('connect', () => {
-        socket.setNoDelay(true);
-        socket.setKeepAlive(true, KEEPALIVE_MS);
-        socket.write(helloFrame(options));
-      });
-      socket.on('data', (chunk) => {
+      signal?.addEventListener('abort', onAbort);
+      // After an error the socket is destroyed; a later one must not go unhandled.
+      socket.on('error', () => {});
+      for (const [event, fn] of Object.entries(listeners)) socket.on(event, fn);
+      const onHelloData = (chunk) => {
         let frames;
         try {
           frames = parser.push(chunk);
@@ -124,7 +164,7 @@ class Connection {
         // Frames after HELLO's answer cannot exist (nothing else was sent), but
         // they must not be dropped silently.
         if (frames.length > 1) conn.fail(new ProtocolError('the broker answered requests never sent'));
-      });
+      };
     });
   }
 
@@ -161,13 +201,54 @@ class Connection {
       ));
     }
     return new Promise((resolve, reject) => {
+      const entry = { frame, sent: false };
       const timer = setTimeout(() => {
         this.pending.delete(id);
+        if (!entry.sent) {
+          // Still queued behind a full socket: it never goes out.
+          this.queuedBytes -= entry.frame.length;
+          entry.frame = undefined;
+          reject(new TimeoutError(`${req.name} was not sent within ${timeoutMs} ms (the connection is backed up); it was not applied`));
+          return;
+        }
         reject(new TimeoutError(`no answer to ${req.name} within ${timeoutMs} ms; it may or may not have been applied`));
-      }, timeoutMs);
+      }, timerDelay(timeoutMs));
       this.pending.set(id, { resolve, reject, timer });
-      this.socket.write(frame);
+      this.send(entry);
     });
+  }
+
+  /**
+   * Write a frame now, or queue it (keeping request order) while the
+   * socket waits to drain: once the socket holds more than its high-water
+   * mark (`write` returned false, the kernel is not taking bytes as fast as
+   * they come), nothing more is handed to it until 'drain'. `queuedBytes`
+   * says how much waits here.
+   */
+  send(entry) {
+    if (this.needDrain || this.outbox.length > 0) {
+      this.outbox.push(entry);
+      this.queuedBytes += entry.frame.length;
+      return;
+    }
+    this.write(entry);
+  }
+
+  write(entry) {
+    entry.sent = true;
+    const frame = entry.frame;
+    entry.frame = undefined;
+    if (!this.socket.write(frame)) this.needDrain = true;
+  }
+
+  onDrain() {
+    this.needDrain = false;
+    while (this.outbox.length > 0 && !this.needDrain && !this.closed) {
+      const entry = this.outbox.shift();
+      if (entry.frame === undefined) continue; // timed out while queued
+      this.queuedBytes -= entry.frame.length;
+      this.write(entry);
+    }
   }
 
   /** Close the socket; requests in flight reject with `DisconnectedError`. */
@@ -195,9 +276,14 @@ class Connection {
     try {
       msg = checkedResponse(frame);
     } catch (err) {
-      this.fail(new ProtocolError(`undecodable answer (request id ${frame.requestId}): ${err.message}`));
+      // The frame's length was fine and it was consumed whole, so the
+      // connection is still in sync: fail only the request it answers.
+      this.settle(frame.requestId, (waiter) => waiter.reject(
+        new ProtocolError(`undecodable answer (request id ${frame.requestId}, opcode 0x${frame.opcode.toString(16)}): ${err.message}`),
+      ));
       return;
     }
+    this.answered = true;
     const waiter = this.pending.get(frame.requestId);
     if (!waiter) {
       // Request id 0 carries a connection-level error before the broker
@@ -205,11 +291,19 @@ class Connection {
       if (frame.requestId === HELLO_ID && msg.type === 'error') this.brokerNotice = msg.message;
       return;
     }
-    this.pending.delete(frame.requestId);
+    this.settle(frame.requestId, (w) => {
+      if (msg.type === 'error') w.reject(errorFromWire(msg.code, msg.message, msg.core));
+      else w.resolve(msg);
+    });
+  }
+
+  /** Hand request `id`'s waiter to `done`; an id nobody waits for (timed out) is ignored. */
+  settle(id, done) {
+    const waiter = this.pending.get(id);
+    if (!waiter) return;
+    this.pending.delete(id);
     clearTimeout(waiter.timer);
-    this.answered = true;
-    if (msg.type === 'error') waiter.reject(errorFromWire(msg.code, msg.message, msg.core));
-    else waiter.resolve(msg);
+    done(waiter);
   }
 
   disconnectMessage(what) {
@@ -222,6 +316,8 @@ class Connection {
     if (this.closed) return;
     this.closedReason = err;
     this.socket.destroy();
+    this.outbox = [];
+    this.queuedBytes = 0;
     for (const waiter of this.pending.values()) {
       clearTimeout(waiter.timer);
       waiter.reject(err);
@@ -282,4 +378,4 @@ function helloAnswer(frame, wantCore) {
   };
 }
 
-module.exports = { Connection };
+module.exports = { Connection, timerDelay, MAX_TIMER_MS };

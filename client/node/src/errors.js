@@ -87,16 +87,18 @@ const BusyError = serverErrorClass('BusyError', 'busy', 12);
 
 /**
  * `unsupported`: the broker answered code 5 (unknown opcode, version, or a
- * feature not negotiated), or the client refused to send a call or field
- * the broker did not advertise (`local` is then true and nothing was sent).
+ * feature not negotiated; `wireCode` is 5), or the client refused on its own
+ * side: `local` is true when it refused to send a call or field the broker
+ * did not advertise (nothing was sent). A refusal of the client's own has
+ * no `wireCode`.
  */
 class UnsupportedError extends ServerError {
   /**
    * @param {string} message
-   * @param {{local?: boolean}} [options]
+   * @param {{local?: boolean, wireCode?: number}} [options] `wireCode` only for the broker's answer
    */
   constructor(message, options = {}) {
-    super('unsupported', 5, message, undefined);
+    super('unsupported', options.wireCode, message, undefined);
     /** True when refused by the client before anything was sent. */
     this.local = options.local === true;
   }
@@ -134,7 +136,12 @@ class DisconnectedError extends FelixError {
   }
 }
 
-/** The broker sent bytes this client cannot make sense of; the connection was dropped. */
+/**
+ * The broker sent bytes this client cannot make sense of. An answer whose
+ * frame header is intact but whose body does not decode fails only the call
+ * it answers (the connection is kept); a broken frame header drops the
+ * connection and fails every call in flight on it.
+ */
 class ProtocolError extends FelixError {
   /** @param {string} message */
   constructor(message) {
@@ -168,7 +175,7 @@ const BY_WIRE_CODE = new Map(
  */
 function errorFromWire(code, message, core) {
   const cls = BY_WIRE_CODE.get(code);
-  if (cls === UnsupportedError) return new UnsupportedError(message);
+  if (cls === UnsupportedError) return new UnsupportedError(message, { wireCode: UnsupportedError.WIRE_CODE });
   if (cls) return new cls(message, core);
   return new InternalError(`unknown error code ${code}: ${message}`, core, code);
 }

@@ -6,10 +6,13 @@
  */
 
 const { ProtocolError } = require('./errors');
+const { timerDelay } = require('./connection');
 
 /** An empty answer faster than this means the broker did not wait: pause before asking again. */
 const TOO_FAST_MS = 20;
 const EMPTY_PAUSE_MS = 50;
+/** Least pause after a failed read before reading again. */
+const ERROR_PAUSE_MS = 100;
 
 /**
  * A read's answer must move forward from where it was asked to start:
@@ -34,8 +37,17 @@ function checkBatch(from, batch) {
  * Follows one shard from a starting position, yielding every record in
  * offset order and long-polling at the tail. Made by `Client.subscribe`;
  * use it with `for await`. It never ends by itself: `close()` it, or
- * `break` out of the loop. A failed read rejects the iteration (ending the
- * loop); `position` says where to resubscribe from.
+ * `break` out of the loop.
+ *
+ * A failed read (as the Rust client's subscription) rejects that `next()`
+ * with the error, which ends a `for await` loop; the subscription stays
+ * usable, and the next `next()` (a new `for await` over the same
+ * subscription) reads again from the same position after a short pause
+ * (the client's `reconnectBackoffMs`, at least 100 ms), so a loop that
+ * catches and carries on rides out a broker restart. Stop on errors you
+ * consider permanent (such as `NotFoundError`). An empty answer that came
+ * back at once (the broker did not wait) is followed by a 50 ms pause, so
+ * a `waitMs` of 0 does not spin.
  */
 class Subscription {
   /**
@@ -54,12 +66,29 @@ class Subscription {
     this.options = options;
     this.buffered = [];
     this.closed = false;
+    /** Offsets retention removed before this subscription read them. */
+    this.skipped = 0n;
+    /** When the next read may be sent (ms since the epoch): after a fast empty answer or an error. */
+    this.pauseUntil = 0;
+    /** The pause in progress, so `close()` can cut it short. */
+    this.pause = undefined;
+  }
+
+  /**
+   * How many offsets retention removed before this subscription read them:
+   * a reader that falls further behind than the stream's retention jumps to
+   * the oldest record the shard still holds, and this says how far.
+   * @returns {bigint}
+   */
+  get skippedByRetention() {
+    return this.skipped;
   }
 
   /** Stop: the iteration ends after the record it is on (a read already sent still finishes). */
   close() {
     this.closed = true;
     this.buffered = [];
+    this.pause?.wake();
   }
 
   /** @returns {AsyncIterator<import('../index').Record>} */
@@ -73,9 +102,11 @@ class Subscription {
     };
   }
 
-  /** The next record, waiting at the tail for one. */
+  /** The next record, waiting at the tail for one; rejects with a failed read's error. */
   async next() {
     while (this.buffered.length === 0) {
+      if (this.closed) return { done: true, value: undefined };
+      await this.sleep();
       if (this.closed) return { done: true, value: undefined };
       await this.fill();
     }
@@ -83,17 +114,39 @@ class Subscription {
     return { done: false, value: this.buffered.shift() };
   }
 
+  /** Wait out a pause set by the last read; `close()` ends it early. */
+  sleep() {
+    const ms = this.pauseUntil - Date.now();
+    if (ms <= 0) return undefined;
+    return new Promise((resolve) => {
+      const timer = setTimeout(() => this.pause?.wake(), timerDelay(ms));
+      this.pause = {
+        wake: () => {
+          clearTimeout(timer);
+          this.pause = undefined;
+          resolve();
+        },
+      };
+    });
+  }
+
   async fill() {
     const started = Date.now();
     const from = this.position;
-    const batch = checkBatch(
-      typeof from === 'bigint' ? from : undefined,
-      await this.client.read(this.ref, this.shard, from, this.options),
-    );
+    const asked = typeof from === 'bigint' ? from : undefined;
+    let batch;
+    try {
+      batch = checkBatch(asked, await this.client.read(this.ref, this.shard, from, this.options));
+    } catch (err) {
+      // Read again from the same position, after a pause.
+      this.pauseUntil = Date.now() + Math.max(this.client.options.reconnectBackoffMs, ERROR_PAUSE_MS);
+      throw err;
+    }
+    if (asked !== undefined && batch.startOffset > asked) this.skipped += batch.startOffset - asked;
     this.position = batch.nextOffset;
     this.buffered = batch.records;
-    if (batch.records.length === 0 && Date.now() - started < TOO_FAST_MS && this.options.waitMs > 0) {
-      await new Promise((resolve) => setTimeout(resolve, EMPTY_PAUSE_MS));
+    if (batch.records.length === 0 && Date.now() - started < TOO_FAST_MS) {
+      this.pauseUntil = Date.now() + EMPTY_PAUSE_MS;
     }
   }
 }

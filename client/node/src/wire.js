@@ -208,7 +208,10 @@ function putRecordIn(w, r) {
 
 // ----- decoding ------------------------------------------------------------
 
-const UTF8 = new TextDecoder('utf-8', { fatal: true });
+// `ignoreBOM`: a leading U+FEFF is part of the string, not a marker to strip.
+const UTF8 = new TextDecoder('utf-8', { fatal: true, ignoreBOM: true });
+/** Every zero-length blob decoded is this one buffer, so a frame of empty blobs allocates no buffers. */
+const EMPTY = Buffer.alloc(0);
 
 /** Reads a message body; every length is checked against the bytes left first. */
 class Reader {
@@ -266,6 +269,7 @@ class Reader {
 
   str(what) {
     const len = this.u16(what);
+    if (len === 0) return '';
     this.need(len, what);
     const raw = this.buf.subarray(this.pos, this.pos + len);
     this.pos += len;
@@ -276,9 +280,13 @@ class Reader {
     }
   }
 
-  /** A copy, so a kept payload does not pin the whole receive buffer. */
+  /**
+   * A copy, so a kept payload does not pin the whole receive buffer. Empty
+   * blobs share one buffer (do not write to a received buffer).
+   */
   blob(what) {
     const len = this.u32(what);
+    if (len === 0) return EMPTY;
     this.need(len, what);
     const b = Buffer.from(this.buf.subarray(this.pos, this.pos + len));
     this.pos += len;
@@ -290,10 +298,16 @@ class Reader {
     return this.bool(what) ? read.call(this, what) : undefined;
   }
 
-  /** `vec<T>`: the count is checked against the bytes left and the item cap before reading. */
+  /**
+   * `vec<T>`: the count is checked against the bytes left (each element
+   * takes at least `minItemBytes`, which must be a true lower bound and at
+   * least 1) and the item cap before anything is allocated, so a frame
+   * promising more elements than it can hold fails at once and a decode
+   * allocates in proportion to the frame.
+   */
   vec(what, minItemBytes, read) {
     const n = this.u32(what);
-    if (n * minItemBytes > this.remaining()) throw new DecodeError(`truncated ${what}`);
+    if (n * Math.max(minItemBytes, 1) > this.remaining()) throw new DecodeError(`truncated ${what}`);
     if (n > MAX_ITEMS_PER_VEC) {
       throw new DecodeError(`${what}: ${n} elements, over the limit of ${MAX_ITEMS_PER_VEC}`);
     }
@@ -327,8 +341,9 @@ function getStreamInfo(r) {
   return {
     stream: getStreamRef(r),
     shards: r.u32('shards'),
-    retentionBytes: r.opt('retention_bytes', r.u64n),
-    retentionMs: r.opt('retention_ms', r.u64n),
+    // u64 limits a user may set anywhere up to 2^64-1: bigints, not numbers.
+    retentionBytes: r.opt('retention_bytes', r.u64),
+    retentionMs: r.opt('retention_ms', r.u64),
     placement: r.vec('placement', 4, (p) => p.u32('placement')),
   };
 }
@@ -520,6 +535,7 @@ class FrameParser {
 module.exports = {
   PROTOCOL_VERSION,
   FRAME_HEADER_BYTES,
+  HEADER_AFTER_LEN,
   KIND_REQUEST,
   KIND_RESPONSE,
   MAX_ITEMS_PER_VEC,

@@ -7,9 +7,22 @@ const test = require('node:test');
 const assert = require('node:assert/strict');
 const felix = require('../src');
 const wire = require('../src/wire');
-const { fakeBroker, responseFrame } = require('../test-support/fake-broker');
+const { fakeBroker, responseFrame, answer, errorFrame, streamRefOf } = require('../test-support/fake-broker');
 
 const { Client } = felix;
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+/** Settles within `ms`? Resolves to 'pending' if not. */
+const within = (p, ms) => Promise.race([p.then(() => 'resolved', () => 'rejected'), sleep(ms).then(() => 'pending')]);
+/** Writes a StreamInfo of `path` with `placement`. */
+const putStreamInfo = (w, path, placement, retention = [undefined, undefined]) => {
+  const [tenant, namespace, stream] = path.split('/');
+  wire.putStreamRef(w, { tenant, namespace, stream });
+  w.u32(placement.length);
+  w.opt(retention[0], w.u64);
+  w.opt(retention[1], w.u64);
+  w.u32(placement.length);
+  for (const c of placement) w.u32(c);
+};
 
 test('crc32c and shardForKey match the protocol', () => {
   assert.equal(felix.crc32c(Buffer.from('123456789')), 0xe3069283);
@@ -85,7 +98,7 @@ test('a field the broker did not advertise is refused locally with UnsupportedEr
   t.after(() => client.close());
   assert.equal(client.features, wire.FEATURES.GROUPS);
   const record = { offset: 0n, attempts: 1 };
-  const local = (err) => err instanceof felix.UnsupportedError && err.local && err.code === 'unsupported';
+  const local = (err) => err instanceof felix.UnsupportedError && err.local && err.code === 'unsupported' && err.wireCode === undefined;
   await assert.rejects(client.groupPoll('t/n/s', 0, 'g', { visibilityMs: 1000 }), local);
   await assert.rejects(client.groupNackAfter('t/n/s', 0, 'g', record, 500), local);
   await assert.rejects(client.groupExtend('t/n/s', 0, 'g', record, 500), local);
@@ -96,16 +109,23 @@ test('a field the broker did not advertise is refused locally with UnsupportedEr
   assert.equal(fake.state.requests.length, 0);
 });
 
-test('malformed bytes from the broker fail pending calls with ProtocolError and drop the socket', async (t) => {
+test('a bad answer body fails only its call; a broken frame header drops the connection', async (t) => {
   const answers = [
     responseFrame(0, 0x02, Buffer.alloc(0), { kind: 1 }), // wrong kind
+    responseFrame(0, 0x02, Buffer.alloc(0), { flags: 1 }), // flags set
     responseFrame(0, 0x31, Buffer.alloc(3)), // truncated body
+    responseFrame(0, 0x77, Buffer.alloc(0)), // unknown opcode
+    answer(0, 0x41, (w) => { w.u32(1); w.u16(2); w.bytes(Buffer.from([0xc3, 0x28])); }), // invalid UTF-8
     responseFrame(0, 0x02, Buffer.alloc(0), { len: 0xfffffff0 }), // over the frame cap
     responseFrame(0, 0x02, Buffer.alloc(0), { len: 3 }), // shorter than a header
   ];
   let next = 0;
   const fake = await fakeBroker({
     onRequest: (frame, socket) => {
+      if (next >= answers.length) {
+        socket.write(responseFrame(frame.requestId, 0x02));
+        return;
+      }
       const bad = answers[next++];
       bad.writeBigUInt64LE(frame.requestId, 8);
       socket.write(bad);
@@ -114,10 +134,71 @@ test('malformed bytes from the broker fail pending calls with ProtocolError and 
   t.after(() => fake.close());
   const client = await Client.connect(fake.addr, { reconnectBackoffMs: 1 });
   t.after(() => client.close());
-  for (let i = 0; i < answers.length; i++) {
-    await assert.rejects(client.ping(), felix.ProtocolError, `answer ${i}`);
-  }
-  assert.equal(fake.state.connections, answers.length, 'each bad answer dropped the connection');
+  for (let i = 0; i < 5; i++) await assert.rejects(client.ping(), felix.ProtocolError, `answer ${i}`);
+  assert.equal(fake.state.connections, 1, 'a bad body keeps the connection');
+  assert.equal(typeof (await client.ping()).valueOf(), 'number', 'still usable') ;
+  next = 5;
+  for (let i = 5; i < 7; i++) await assert.rejects(client.ping(), felix.ProtocolError, `answer ${i}`);
+  assert.equal(fake.state.connections, 3, 'each broken header dropped the connection');
+});
+
+test('a late answer after a timeout is ignored', async (t) => {
+  const fake = await fakeBroker({
+    onRequest: (frame, socket, state) => {
+      // The first request is answered late; later ones at once.
+      const delay = state.requests.length === 1 ? 150 : 0;
+      setTimeout(() => socket.write(responseFrame(frame.requestId, 0x02)), delay);
+    },
+  });
+  t.after(() => fake.close());
+  const client = await Client.connect(fake.addr, { requestTimeoutMs: 50 });
+  t.after(() => client.close());
+  await assert.rejects(client.ping(), felix.TimeoutError);
+  await sleep(150); // the late answer arrives
+  assert.equal(typeof (await client.ping()), 'number');
+  assert.equal(fake.state.connections, 1, 'the late answer did not drop the connection');
+});
+
+test('invalid UTF-8 from the broker is a ProtocolError; a leading BOM is kept', () => {
+  const names = (bytes) => {
+    const w = new wire.Writer();
+    w.u32(1);
+    w.u16(bytes.length);
+    w.bytes(Buffer.from(bytes));
+    return Buffer.from(w.finish());
+  };
+  assert.deepEqual(wire.decodeResponse(0x41, names([0xef, 0xbb, 0xbf, 0x61])).names, ['\ufeffa']);
+  assert.throws(() => wire.decodeResponse(0x41, names([0xff])), /not valid UTF-8/);
+});
+
+test('a frame of many empty elements shares one empty buffer and is bounded by its bytes', () => {
+  // One record carrying 100,000 empty headers (6 bytes each on the wire).
+  const w = new wire.Writer(700_000);
+  w.u64(0n); w.u64(0n); w.u64(1n); // start, next, end
+  w.u32(1);
+  w.u64(0n); w.u64(0n); w.u8(0);
+  w.u32(100_000);
+  for (let i = 0; i < 100_000; i++) { w.u16(0); w.u32(0); }
+  w.u32(0); // payload
+  const { records } = wire.decodeResponse(0x21, Buffer.from(w.finish()));
+  const [record] = records;
+  assert.equal(record.headers.length, 100_000);
+  const values = new Set(record.headers.map(([, v]) => v));
+  values.add(record.payload);
+  assert.equal(values.size, 1, 'every empty blob is the same buffer');
+  // A count the remaining bytes cannot hold fails before allocating.
+  const lying = Buffer.alloc(8 * 3 + 4 + 25 * 10);
+  lying.writeUInt32LE(11, 24); // 11 records of at least 25 bytes in 250 bytes
+  assert.throws(() => wire.decodeResponse(0x21, lying), /truncated records/);
+});
+
+test('retention limits decode as bigints, past 2^53 exactly', () => {
+  const big = (1n << 64n) - 1n;
+  const w = new wire.Writer();
+  putStreamInfo(w, 't/n/s', [0], [big, (1n << 53n) + 1n]);
+  const { info } = wire.decodeResponse(0x10, Buffer.from(w.finish()));
+  assert.equal(info.retentionBytes, big);
+  assert.equal(info.retentionMs, (1n << 53n) + 1n);
 });
 
 test('a dropped connection rejects in-flight calls with DisconnectedError and the next call reconnects', async (t) => {
@@ -161,3 +242,9 @@ test('connecting to nothing fails with ConnectionError', async () => {
   await assert.rejects(Client.connect(addr), (err) => err instanceof felix.ConnectionError && err.code === 'io');
   await assert.rejects(Client.connect('no-port'), felix.InvalidArgumentError);
 });
+
+test('unknown option keys are refused', async () => {
+  await assert.rejects(Client.connect('127.0.0.1:1', { requestTimeout: 5 }), (err) => err instanceof felix.InvalidArgumentError && /requestTimeout/.test(err.message));
+  assert.equal(felix.errorFromWire(5, 'no').wireCode, 5, 'the broker\'s unsupported keeps its wire code');
+});
+
