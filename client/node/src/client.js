@@ -261,6 +261,16 @@ class Client {
     return [...this.slots].filter(([, slot]) => slot.conn && !slot.conn.closed).map(([core]) => core).sort((x, y) => x - y);
   }
 
+  /**
+   * Bytes of requests waiting for a backed-up socket to drain, over every
+   * connection (they go out in order once it does). @returns {number}
+   */
+  get queuedBytes() {
+    let n = 0;
+    for (const slot of this.slots.values()) n += slot.conn?.queuedBytes ?? 0;
+    return n;
+  }
+
   /** Whether the broker advertised every bit of `feature`. @param {number} feature @returns {boolean} */
   hasFeature(feature) {
     return (this.features & feature) === feature;

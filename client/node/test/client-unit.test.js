@@ -118,11 +118,13 @@ test('a bad answer body fails only its call; a broken frame header drops the con
     answer(0, 0x41, (w) => { w.u32(1); w.u16(2); w.bytes(Buffer.from([0xc3, 0x28])); }), // invalid UTF-8
     responseFrame(0, 0x02, Buffer.alloc(0), { len: 0xfffffff0 }), // over the frame cap
     responseFrame(0, 0x02, Buffer.alloc(0), { len: 3 }), // shorter than a header
+    responseFrame(0, 0x02, Buffer.alloc(0), { len: 3 }),
   ];
   let next = 0;
+  let good = false;
   const fake = await fakeBroker({
     onRequest: (frame, socket) => {
-      if (next >= answers.length) {
+      if (good) {
         socket.write(responseFrame(frame.requestId, 0x02));
         return;
       }
@@ -136,9 +138,11 @@ test('a bad answer body fails only its call; a broken frame header drops the con
   t.after(() => client.close());
   for (let i = 0; i < 5; i++) await assert.rejects(client.ping(), felix.ProtocolError, `answer ${i}`);
   assert.equal(fake.state.connections, 1, 'a bad body keeps the connection');
-  assert.equal(typeof (await client.ping()).valueOf(), 'number', 'still usable') ;
-  next = 5;
+  good = true;
+  assert.equal(typeof (await client.ping()), 'number', 'still usable');
+  good = false;
   for (let i = 5; i < 7; i++) await assert.rejects(client.ping(), felix.ProtocolError, `answer ${i}`);
+  await assert.rejects(client.ping(), felix.ProtocolError, 'answer 7 (on a third connection)');
   assert.equal(fake.state.connections, 3, 'each broken header dropped the connection');
 });
 

@@ -102,7 +102,7 @@ test('out of attempts: dead-lettered, listed, redriven and discarded', async (t)
   assert.deepEqual(await client.groupDeadLetters(stream, 0, 'g'), [0n]);
   await client.groupDiscard(stream, 0, 'g', 0n);
   assert.deepEqual(await client.groupDeadLetters(stream, 0, 'g'), []);
-  await assert.rejects(client.groupRedrive(stream, 0, 'g', 0n), felix.FelixError);
+  await assert.rejects(client.groupRedrive(stream, 0, 'g', 0n), felix.NotFoundError, 'no longer a dead letter');
 });
 
 test('a consumer dead letter keeps its reason', async (t) => {
@@ -112,7 +112,23 @@ test('a consumer dead letter keeps its reason', async (t) => {
   const [letter] = await client.groupDeadLettersDetailed(stream, 0, 'g');
   assert.deepEqual([letter.offset, letter.reason, letter.byConsumer], [0n, 'unparseable', true]);
   assert.equal(typeof letter.atMs, 'number');
-  await assert.rejects(client.groupDeadLetter(stream, 0, 'g', r), felix.FelixError, 'already finished');
+  await assert.rejects(client.groupDeadLetter(stream, 0, 'g', r), felix.InvalidRequestError, 'already finished');
+});
+
+test('dead-letter pages: several pages, each from the last one\'s next', async (t) => {
+  const { client, stream } = await queue(t, 3);
+  const records = await client.groupPoll(stream, 0, 'g', { maxRecords: 3 });
+  for (const r of records) await client.groupDeadLetter(stream, 0, 'g', r, `bad ${r.offset}`);
+  const pages = [];
+  let from = 0n;
+  for (;;) {
+    const page = await client.groupDeadLettersPage(stream, 0, 'g', from, 1);
+    pages.push(page.letters.map((d) => d.offset));
+    if (page.next === undefined) break;
+    from = page.next;
+  }
+  assert.deepEqual(pages, [[0n], [1n], [2n]]);
+  assert.deepEqual(await client.groupDeadLetters(stream, 0, 'g'), [0n, 1n, 2n]);
 });
 
 test('create, seek, describe and delete a group', async (t) => {

@@ -12,7 +12,8 @@ test('publish and read round trip on every shard, in offset order, over both cor
   const stream = freshStream();
   const info = await client.createStream(stream, 4, { retentionBytes: 1 << 30, retentionMs: 86_400_000 });
   assert.equal(info.shards, 4);
-  assert.equal(info.retentionBytes, 1 << 30);
+  assert.equal(info.retentionBytes, 1n << 30n);
+  assert.equal(info.retentionMs, 86_400_000n);
   assert.equal(info.placement.length, 4);
   for (let shard = 0; shard < 4; shard++) {
     for (let i = 0; i < 3; i++) {
@@ -35,7 +36,7 @@ test('publish and read round trip on every shard, in offset order, over both cor
   }
   const cores = new Set(info.placement);
   assert.equal(cores.size, Math.min(client.cores, 4), 'shards spread over the cores');
-  for (const core of cores) assert.ok(client.slots.get(core)?.conn, `a connection to core ${core}`);
+  for (const core of cores) assert.ok(client.connectedCores.includes(core), `a connection to core ${core}`);
   const listed = await client.listStreams('node');
   assert.ok(listed.some((s) => `${s.stream.tenant}/${s.stream.namespace}/${s.stream.stream}` === stream));
   await client.deleteStream(stream);
@@ -133,12 +134,44 @@ test('refusals arrive as typed errors', async (t) => {
   await assert.rejects(client.createStream('node/test/..', 1), felix.InvalidRequestError);
   await assert.rejects(client.createStream(`node/test/${'x'.repeat(129)}`, 1), felix.InvalidRequestError);
   await assert.rejects(client.createStream('node//x', 1), felix.InvalidArgumentError);
-  const max = client.hello.maxFrameBytes;
+  const max = client.maxFrameBytes;
   // Fits in a frame, but over the broker's per-record limit (max_frame_bytes - 1,024).
   await assert.rejects(client.publish(stream, 0, Buffer.alloc(max - 900)), felix.TooLargeError);
   // Cannot fit in a frame at all: refused before sending.
   await assert.rejects(client.publish(stream, 0, Buffer.alloc(max + 1)), felix.InvalidArgumentError);
   assert.equal((await client.describeShard(stream, 0)).endOffset, 0n, 'nothing of a refused publish is stored');
+});
+
+test('retention past 2^53 round-trips exactly as a bigint', async (t) => {
+  const client = await connect(t);
+  const stream = freshStream();
+  const big = (1n << 64n) - 1n;
+  const info = await client.createStream(stream, 1, { retentionBytes: big, retentionMs: (1n << 53n) + 1n });
+  assert.equal(info.retentionBytes, big);
+  assert.equal((await client.describeStream(stream)).retentionMs, (1n << 53n) + 1n);
+});
+
+test('a call to a shard whose core is cached wrongly follows wrong_core', async (t) => {
+  const client = await connect(t);
+  const stream = freshStream();
+  const info = await client.createStream(stream, 2);
+  assert.equal(client.cores, 2);
+  assert.notEqual(info.placement[0], info.placement[1], 'the two shards are on different cores');
+  // Another client recreates the stream with its shards swapped between the
+  // cores (a fresh stream gets placed anew); this one's cached placement is stale.
+  const other = await connect(t);
+  let fresh;
+  for (let i = 0; i < 20; i++) {
+    await other.deleteStream(stream);
+    fresh = await other.createStream(stream, 2);
+    if (fresh.placement[0] !== info.placement[0]) break;
+  }
+  if (fresh.placement[0] === info.placement[0]) {
+    t.skip('the broker kept placing the shards the same way');
+    return;
+  }
+  assert.equal(await client.publish(stream, 0, 'x'), 0n, 'redirected to the right core');
+  assert.equal((await client.describeShard(stream, 0)).endOffset, 1n);
 });
 
 test('ackOnCommit publishes with commit acknowledgements', async (t) => {

@@ -1473,8 +1473,23 @@ async fn run_retention<S: Storage>(core: Rc<Core<S>>) {
 /// permissions files again. The signals are blocked in every thread (the
 /// mask is inherited by the executors) and taken here with `sigwait`, so no
 /// handler runs on an executor.
+///
+/// The files are read on a thread of their own: a read that hangs (a dead
+/// network mount) must not keep SIGTERM from being taken. HUPs that arrive
+/// while a reload is pending fold into it (it reads the files as they are
+/// when it starts).
 fn install_signal_thread(shared: Arc<Shared>) {
     let set = block_signals(&[libc::SIGTERM, libc::SIGINT, libc::SIGHUP]);
+    let (reload, reloads) = std::sync::mpsc::sync_channel::<()>(1);
+    let reloading = shared.clone();
+    std::thread::Builder::new()
+        .name("felix-reload".into())
+        .spawn(move || {
+            while reloads.recv().is_ok() {
+                reload_security(&reloading);
+            }
+        })
+        .expect("reload thread");
     // SAFETY: sigwait on the initialised set, on this thread only.
     unsafe {
         std::thread::Builder::new()
@@ -1487,7 +1502,9 @@ fn install_signal_thread(shared: Arc<Shared>) {
                         continue;
                     }
                     if sig == libc::SIGHUP {
-                        reload_security(&shared);
+                        // Full: a reload is pending and will see the files
+                        // as they are now.
+                        let _ = reload.try_send(());
                     } else if !stopping {
                         stopping = true;
                         tracing::info!(signal = sig, "shutting down: finishing in-flight requests");
