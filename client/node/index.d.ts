@@ -46,8 +46,10 @@ export interface ClientOptions {
 export interface StreamInfo {
   stream: StreamRef;
   shards: number;
-  retentionBytes?: number;
-  retentionMs?: number;
+  /** u64 on the wire: a bigint, exact past 2^53. */
+  retentionBytes?: bigint;
+  /** u64 on the wire: a bigint, exact past 2^53. */
+  retentionMs?: bigint;
   /** Owning core, one per shard. */
   placement: number[];
 }
@@ -136,9 +138,15 @@ export interface GroupInfo {
 
 export interface ReadOptions { maxRecords?: number; waitMs?: number; }
 
+/**
+ * Follows one shard. A failed read rejects `next()` (ending a `for await`);
+ * the next `next()` reads again from the same position after a pause.
+ */
 export class Subscription implements AsyncIterable<Record> {
   /** Where the next read starts. */
   readonly position: 'earliest' | 'latest' | bigint;
+  /** Offsets retention removed before this subscription read them. */
+  readonly skippedByRetention: bigint;
   close(): void;
   next(): Promise<IteratorResult<Record>>;
   [Symbol.asyncIterator](): AsyncIterator<Record>;
@@ -149,6 +157,14 @@ export class Client {
   readonly features: number;
   readonly cores: number;
   readonly broker: string;
+  /** The largest frame the broker accepts (latest HELLO). */
+  readonly maxFrameBytes: number;
+  /** The core calls not about one shard go to; moves if the broker comes back without it. */
+  readonly homeCore: number;
+  /** Cores this client holds a live connection to, in order. */
+  readonly connectedCores: number[];
+  /** Bytes of requests waiting for a backed-up socket to drain. */
+  readonly queuedBytes: number;
   hasFeature(feature: number): boolean;
   close(): void;
   ping(): Promise<number>;
@@ -184,8 +200,10 @@ export class Client {
   groupDescribe(stream: StreamArg, shard: number, group: string): Promise<GroupInfo>;
   groupDelete(stream: StreamArg, shard: number, group: string): Promise<void>;
   listGroups(stream: StreamArg, shard: number): Promise<string[]>;
-  groupCreateStream(stream: StreamArg, group: string, start: 'earliest' | 'latest'): Promise<void>;
-  groupSeekStream(stream: StreamArg, group: string, start: 'earliest' | 'latest'): Promise<void>;
+  /** An offset is accepted for a one-shard stream only (refused with InvalidArgumentError otherwise). */
+  groupCreateStream(stream: StreamArg, group: string, start: StartPosition): Promise<void>;
+  /** An offset is accepted for a one-shard stream only (refused with InvalidArgumentError otherwise). */
+  groupSeekStream(stream: StreamArg, group: string, start: StartPosition): Promise<void>;
   groupDescribeStream(stream: StreamArg, group: string): Promise<GroupInfo[]>;
   groupDeleteStream(stream: StreamArg, group: string): Promise<void>;
 }
@@ -208,7 +226,8 @@ export class FelixError extends Error {
   readonly code: string;
 }
 export class ServerError extends FelixError {
-  readonly wireCode: number;
+  /** The code on the wire; set on every answer from the broker, absent only on an UnsupportedError the client raised itself. */
+  readonly wireCode?: number;
   readonly core?: number;
 }
 export class InvalidRequestError extends ServerError {}
@@ -216,7 +235,7 @@ export class NotFoundError extends ServerError {}
 export class AlreadyExistsError extends ServerError {}
 export class WrongCoreError extends ServerError {}
 export class UnsupportedError extends ServerError {
-  /** True when the client refused to send (the broker did not advertise the feature). */
+  /** True when the client refused to send (the broker did not advertise the feature); `wireCode` is then absent. */
   readonly local: boolean;
 }
 export class TooLargeError extends ServerError {}

@@ -190,6 +190,10 @@ function checkDeadLetterPage(from, page) {
  * order, so a long poll never holds up an ack. A request in flight on a
  * connection that drops rejects with `DisconnectedError` and is not resent;
  * the next call reconnects, waiting a growing backoff after failed attempts.
+ * A broker that comes back with fewer cores refuses a HELLO naming a core it
+ * no longer runs: the client then learns the core count from a HELLO naming
+ * none, moves its home core if that one is gone, drops cached placements
+ * and sends the call to the shard's core now (as the Rust client).
  */
 class Client {
   /**

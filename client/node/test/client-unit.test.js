@@ -7,7 +7,7 @@ const test = require('node:test');
 const assert = require('node:assert/strict');
 const felix = require('../src');
 const wire = require('../src/wire');
-const { fakeBroker, responseFrame, answer, errorFrame, streamRefOf } = require('../test-support/fake-broker');
+const { fakeBroker, responseFrame, answer } = require('../test-support/fake-broker');
 
 const { Client } = felix;
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));

@@ -145,33 +145,10 @@ test('refusals arrive as typed errors', async (t) => {
 test('retention past 2^53 round-trips exactly as a bigint', async (t) => {
   const client = await connect(t);
   const stream = freshStream();
-  const big = (1n << 64n) - 1n;
+  const big = (1n << 63n) - 1n; // the largest the broker stores
   const info = await client.createStream(stream, 1, { retentionBytes: big, retentionMs: (1n << 53n) + 1n });
   assert.equal(info.retentionBytes, big);
   assert.equal((await client.describeStream(stream)).retentionMs, (1n << 53n) + 1n);
-});
-
-test('a call to a shard whose core is cached wrongly follows wrong_core', async (t) => {
-  const client = await connect(t);
-  const stream = freshStream();
-  const info = await client.createStream(stream, 2);
-  assert.equal(client.cores, 2);
-  assert.notEqual(info.placement[0], info.placement[1], 'the two shards are on different cores');
-  // Another client recreates the stream with its shards swapped between the
-  // cores (a fresh stream gets placed anew); this one's cached placement is stale.
-  const other = await connect(t);
-  let fresh;
-  for (let i = 0; i < 20; i++) {
-    await other.deleteStream(stream);
-    fresh = await other.createStream(stream, 2);
-    if (fresh.placement[0] !== info.placement[0]) break;
-  }
-  if (fresh.placement[0] === info.placement[0]) {
-    t.skip('the broker kept placing the shards the same way');
-    return;
-  }
-  assert.equal(await client.publish(stream, 0, 'x'), 0n, 'redirected to the right core');
-  assert.equal((await client.describeShard(stream, 0)).endOffset, 1n);
 });
 
 test('ackOnCommit publishes with commit acknowledgements', async (t) => {

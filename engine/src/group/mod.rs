@@ -181,7 +181,8 @@ impl GroupConfig {
 pub struct Caller {
     /// The authenticated principal ("anonymous" on a broker without
     /// authentication).
-    pub principal: String,
+    /// Shared with the connection (no copy per request).
+    pub principal: std::sync::Arc<str>,
     /// Unique per connection, increasing with each new connection.
     pub connection: u64,
     /// A stable consumer name (1 to 128 bytes, checked by the wire layer).
@@ -194,7 +195,7 @@ impl Caller {
     /// An unnamed consumer on `connection`.
     pub fn anonymous(connection: u64) -> Caller {
         Caller {
-            principal: "anonymous".to_string(),
+            principal: "anonymous".into(),
             connection,
             member: None,
             reclaim: false,
@@ -204,7 +205,7 @@ impl Caller {
     /// A named consumer of the anonymous principal.
     pub fn named(connection: u64, member: &str, reclaim: bool) -> Caller {
         Caller {
-            principal: "anonymous".to_string(),
+            principal: "anonymous".into(),
             connection,
             member: Some(member.to_string()),
             reclaim,

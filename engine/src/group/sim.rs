@@ -294,7 +294,7 @@ impl Sim {
         match c.member {
             None => Caller::anonymous(c.conn),
             Some(m) => Caller {
-                principal: MEMBERS[m].0.to_string(),
+                principal: MEMBERS[m].0.into(),
                 connection: c.conn,
                 member: Some(MEMBERS[m].1.to_string()),
                 reclaim,

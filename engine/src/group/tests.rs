@@ -1286,7 +1286,7 @@ mod reclaim {
         h.append(2);
         h.poll_as(&member(1, false), 1);
         let mut other = member(2, true);
-        other.principal = "mallory".to_string();
+        other.principal = "mallory".into();
         assert_eq!(offsets(&h.poll_as(&other, 10)), vec![1]);
     }
 

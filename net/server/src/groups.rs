@@ -511,7 +511,7 @@ async fn poll<S: Storage>(
         return e;
     }
     let caller = Caller {
-        principal: info.principal.borrow().to_string(),
+        principal: info.principal.borrow().clone(),
         connection: info.id,
         member: member.as_ref().map(|m| m.name.clone()),
         reclaim: member.as_ref().is_some_and(|m| m.reclaim),
