@@ -16,9 +16,9 @@ from .errors import (
     ConnectionFailed,
     Disconnected,
     FelixError,
+    InvalidArgument,
     ProtocolError,
     Timeout,
-    TooLarge,
     Unsupported,
 )
 
@@ -32,6 +32,15 @@ _RECV_MAX = 4 * 1024 * 1024
 _KEEPALIVE_IDLE = 30
 _KEEPALIVE_INTERVAL = 10
 _KEEPALIVE_PROBES = 3
+#: How long sent bytes may go unacknowledged before the kernel drops the
+#: connection (``TCP_USER_TIMEOUT``, milliseconds), as in the Rust client.
+_UNACKED_TIMEOUT_MS = 60_000
+#: The longest any single wait is allowed to be (``threading`` and sockets
+#: refuse larger timeouts); longer durations are cut to this, as Rust does.
+MAX_WAIT = 365 * 86400.0
+#: The reader's socket timeout: a recv timing out just loops. Sends set their
+#: own timeout (what is left of their request's deadline) under the send lock.
+_IDLE_RECV_TIMEOUT = 60.0
 
 
 class _Waiter:
@@ -50,26 +59,39 @@ class _Waiter:
 
 
 def _tune(sock: socket.socket) -> None:
-    """No Nagle delay; keepalive so a dead path is noticed in about a minute."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (
-        ("TCP_KEEPIDLE", _KEEPALIVE_IDLE),
-        ("TCP_KEEPINTVL", _KEEPALIVE_INTERVAL),
-        ("TCP_KEEPCNT", _KEEPALIVE_PROBES),
+    """No Nagle delay; keepalive and a user timeout so a path that goes dead
+    without a reset is noticed in about a minute. Tuning, not correctness:
+    an option the platform lacks or refuses is skipped."""
+    for level, name, value in (
+        (socket.IPPROTO_TCP, "TCP_NODELAY", 1),
+        (socket.SOL_SOCKET, "SO_KEEPALIVE", 1),
+        (socket.IPPROTO_TCP, "TCP_KEEPIDLE", _KEEPALIVE_IDLE),
+        (socket.IPPROTO_TCP, "TCP_KEEPINTVL", _KEEPALIVE_INTERVAL),
+        (socket.IPPROTO_TCP, "TCP_KEEPCNT", _KEEPALIVE_PROBES),
+        (socket.IPPROTO_TCP, "TCP_USER_TIMEOUT", _UNACKED_TIMEOUT_MS),
     ):
         option = getattr(socket, name, None)
-        if option is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, option, value)
+        if option is None:
+            continue
+        try:
+            sock.setsockopt(level, option, value)
+        except OSError:
+            pass  # Refused on this platform or socket: use it as it is.
+
+
+def _time_left(deadline: float, what: str) -> float:
+    """Seconds until ``deadline``; :class:`Timeout` once it has passed."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise Timeout(what)
+    return remaining
 
 
 def _connect_first(addrs: Sequence[SockAddr], deadline: float) -> socket.socket:
     """A socket connected to the first address that answers before ``deadline``."""
     errors: List[str] = []
     for family, sockaddr in addrs:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise Timeout("no connection to the broker within the connect timeout")
+        remaining = _time_left(deadline, "no connection to the broker within the connect timeout")
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             sock.settimeout(remaining)
@@ -82,15 +104,23 @@ def _connect_first(addrs: Sequence[SockAddr], deadline: float) -> socket.socket:
         except OSError as e:
             sock.close()
             errors.append(f"{sockaddr}: {e}")
+        except BaseException:
+            sock.close()
+            raise
     raise ConnectionFailed("could not connect to the broker: " + "; ".join(errors or ["no address"]))
 
 
-def _read_frame(sock: socket.socket, buf: bytearray, max_frame_bytes: int) -> Tuple[_wire.FrameHeader, bytes]:
-    """Block until ``buf`` holds one whole frame, and take it off the front."""
+def _read_frame(
+    sock: socket.socket, buf: bytearray, max_frame_bytes: int, deadline: float
+) -> Tuple[_wire.FrameHeader, bytes]:
+    """Block until ``buf`` holds one whole frame, and take it off the front.
+    The whole wait is bounded by ``deadline`` (however slowly bytes trickle
+    in): :class:`Timeout` once it passes."""
     while True:
         taken = _take_frame(buf, max_frame_bytes)
         if taken is not None:
             return taken
+        sock.settimeout(_time_left(deadline, "no answer to HELLO within the connect timeout"))
         chunk = sock.recv(_RECV_CHUNK)
         if not chunk:
             raise ConnectionFailed("the broker closed the connection during HELLO")
@@ -108,8 +138,9 @@ def _take_frame(buf: bytearray, max_frame_bytes: int) -> Optional[Tuple[_wire.Fr
     total = 4 + length
     if len(buf) < total:
         return None
-    header = _wire.FrameHeader.parse(bytes(buf[:_wire.FRAME_HEADER_BYTES]))
-    body = bytes(buf[_wire.FRAME_HEADER_BYTES:total])
+    with memoryview(buf) as view:
+        header = _wire.FrameHeader.parse(view[: _wire.FRAME_HEADER_BYTES])
+        body = bytes(view[_wire.FRAME_HEADER_BYTES : total])  # The one copy of the body.
     del buf[:total]
     return header, body
 
@@ -126,7 +157,6 @@ class Connection:
         hello: _wire.HelloOk,
         buffered: bytearray,
         max_frame_bytes: int,
-        send_timeout: float,
     ) -> None:
         self.hello = hello
         self._sock = sock
@@ -138,8 +168,7 @@ class Connection:
         self._closed: Optional[str] = None
         self._answered = False
         self._opened = time.monotonic()
-        # Sends time out after this; a recv timing out just loops.
-        sock.settimeout(send_timeout)
+        sock.settimeout(_IDLE_RECV_TIMEOUT)
         self._reader = threading.Thread(
             target=self._read_loop,
             args=(buffered,),
@@ -158,7 +187,6 @@ class Connection:
         token: Optional[str],
         connect_timeout: float,
         max_frame_bytes: int,
-        send_timeout: float,
     ) -> "Connection":
         """Connect, say HELLO (asking for ``want_core`` if given) and start the
         reader thread. The whole exchange is bounded by ``connect_timeout``.
@@ -167,11 +195,11 @@ class Connection:
         :class:`Unsupported` for another protocol version,
         :class:`ConnectionFailed` or :class:`Timeout` otherwise.
         """
-        deadline = time.monotonic() + connect_timeout
+        deadline = time.monotonic() + min(connect_timeout, MAX_WAIT)
         sock = _connect_first(addrs, deadline)
         try:
             hello, buffered = cls._say_hello(sock, deadline, want_core, client_name, token, max_frame_bytes)
-            return cls(sock, hello, buffered, max_frame_bytes, send_timeout)
+            return cls(sock, hello, buffered, max_frame_bytes)
         except BaseException:
             sock.close()
             raise
@@ -188,14 +216,19 @@ class Connection:
         request = _wire.hello(_wire.FEATURES_ALL, want_core, client_name, token)
         buf = bytearray()
         try:
-            sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            sock.sendall(_wire.frame(0, request))
-            header, body = _read_frame(sock, buf, max_frame_bytes)
+            sock.settimeout(_time_left(deadline, "no connection to the broker within the connect timeout"))
+            sock.sendall(request.frame)
+            header, body = _read_frame(sock, buf, max_frame_bytes, deadline)
+        except FelixError:
+            raise  # Already typed (Timeout, ConnectionFailed, ProtocolError): do not wrap it again.
         except socket.timeout:
             raise Timeout("no answer to HELLO within the connect timeout") from None
         except OSError as e:
             raise ConnectionFailed(f"HELLO failed: {e}") from e
-        answer = _wire.decode_response(header, body)
+        try:
+            answer = _wire.decode_response(header, body)
+        except ProtocolError as e:
+            raise ProtocolError(f"bad answer to HELLO: {e.message}") from None
         if answer.name == "error":
             raise answer.value
         if answer.name != "hello_ok":
@@ -222,10 +255,16 @@ class Connection:
         on it, or it stayed open a while."""
         return self._answered or time.monotonic() - self._opened >= _PROVED_AFTER
 
-    def close(self, reason: str) -> None:
+    def close(self, reason: str, wait: float = 0.0) -> None:
         """Mark the connection dead, fail every request in flight on it with
         :class:`Disconnected`, and wake the reader thread (which closes the
-        socket)."""
+        socket). With ``wait``, wait up to that long for the reader thread to
+        finish, so the socket is closed when this returns."""
+        self._close(reason)
+        if wait > 0 and threading.current_thread() is not self._reader:
+            self._reader.join(wait)
+
+    def _close(self, reason: str) -> None:
         with self._lock:
             if self._closed is not None:
                 return
@@ -241,16 +280,17 @@ class Connection:
     # --- requests ----------------------------------------------------------
 
     def call(self, request: _wire.WireRequest, timeout: float) -> _wire.Response:
-        """Send ``request`` and wait up to ``timeout`` seconds for its answer.
+        """Send ``request`` and wait up to ``timeout`` seconds (sending
+        included) for its answer.
 
         An ``Error`` answer is returned, not raised, so the caller can look at
         it (a ``wrong_core`` error names the right core).
         """
-        deadline = time.monotonic() + timeout
-        data = self._encode(request)
-        request_id, waiter = self._register(data)
+        deadline = time.monotonic() + min(timeout, MAX_WAIT)
+        self._check(request)
+        request_id, waiter = self._register()
         try:
-            self._send(data, request_id, deadline)
+            self._send(request, request_id, deadline)
             if not waiter.event.wait(max(deadline - time.monotonic(), 0)):
                 raise Timeout(f"no answer to {request.name} within {timeout:.3g} s")
         finally:
@@ -260,8 +300,8 @@ class Connection:
         assert waiter.response is not None
         return waiter.response
 
-    def _encode(self, request: _wire.WireRequest) -> bytearray:
-        """The frame with a zero request id, refused if the broker would not take it."""
+    def _check(self, request: _wire.WireRequest) -> None:
+        """Refuse a request the broker on this connection would not take."""
         missing = request.required & ~self.hello.features
         if missing:
             raise Unsupported(
@@ -270,18 +310,17 @@ class Connection:
             )
         limit = self.hello.max_frame_bytes
         if request.data_bytes > limit:
-            raise TooLarge(
+            raise InvalidArgument(
                 f"{request.name} carries {request.data_bytes} bytes of records, "
                 f"over the broker's frame limit of {limit} bytes; split it"
             )
-        data = bytearray(_wire.frame(0, request))
-        if len(data) - 4 > limit:
-            raise TooLarge(
-                f"{request.name} request is {len(data) - 4} bytes, over the broker's frame limit of {limit} bytes"
+        if len(request.frame) - 4 > limit:
+            raise InvalidArgument(
+                f"{request.name} request is {len(request.frame) - 4} bytes, "
+                f"over the broker's frame limit of {limit} bytes"
             )
-        return data
 
-    def _register(self, data: bytearray) -> Tuple[int, _Waiter]:
+    def _register(self) -> Tuple[int, _Waiter]:
         waiter = _Waiter()
         with self._lock:
             if self._closed is not None:
@@ -289,25 +328,39 @@ class Connection:
             request_id = self._next_id
             self._next_id += 1
             self._waiters[request_id] = waiter
-        data[8:16] = request_id.to_bytes(8, "little")
         return request_id, waiter
 
     def _forget(self, request_id: int) -> None:
         with self._lock:
             self._waiters.pop(request_id, None)
 
-    def _send(self, data: bytearray, request_id: int, deadline: float) -> None:
+    def _send(self, request: _wire.WireRequest, request_id: int, deadline: float) -> None:
+        """Write the frame, bounded by what is left of the request's deadline."""
         if not self._send_lock.acquire(timeout=max(deadline - time.monotonic(), 0)):
             raise Timeout("timed out waiting to send (the connection is busy sending)")
         try:
-            self._sock.sendall(data)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise Timeout(f"no time left to send {request.name}")
+            # The request's own frame, its id written in place: no copy.
+            request.set_request_id(request_id)
+            self._sock.settimeout(remaining)
+            self._sock.sendall(request.frame)
+            self._sock.settimeout(_IDLE_RECV_TIMEOUT)
         except socket.timeout:
             # Part of the frame may have gone out: the stream is unusable.
             self.close("send timed out")
             raise Timeout("timed out sending the request; the connection was dropped") from None
+        except FelixError:
+            raise
         except OSError as e:
             self.close(f"send failed: {e}")
             raise Disconnected(f"connection to core {self.hello.core} lost: {e}") from e
+        except BaseException:
+            # KeyboardInterrupt or the like mid-frame: what went out cannot
+            # be taken back, so the stream is unusable.
+            self.close("a send was interrupted")
+            raise
         finally:
             self._send_lock.release()
 
@@ -350,10 +403,11 @@ class Connection:
         try:
             response = _wire.decode_response(header, body)
         except ProtocolError as e:
-            # The answer is unusable and so is a broker that sends it: fail the
-            # request it answers with the protocol error, then drop the rest.
-            self._complete(header.request_id, None, e)
-            raise
+            # The frame was whole and is consumed, so the stream is still in
+            # sync: fail only the request it answers (wire-protocol.md,
+            # "Receiving a frame", step 5) and keep reading.
+            self._complete(header.request_id, None, ProtocolError(f"undecodable answer: {e.message}"))
+            return
         self._answered = True
         if header.request_id == 0 and response.name == "error":
             # Request id 0 is never in flight past HELLO: the broker's last

@@ -20,9 +20,11 @@ from .types import (
     Record,
     RecordIn,
     ShardInfo,
+    StartKind,
     StartPosition,
     StreamInfo,
     StreamRef,
+    check_utf8,
 )
 
 T = TypeVar("T")
@@ -51,13 +53,15 @@ _MIN_RECORD = 8 + 8 + 1 + 4 + 4
 _MIN_GROUP_RECORD = 8 + 4 + 8 + 1 + 4 + 4 + 1
 _MIN_STREAM_INFO = 3 * 2 + 4 + 1 + 1 + 4
 _MIN_DEAD_LETTER = 8 + 4 + 8 + 1 + 1
+_EMPTY = b""
 
 
 class Writer:
-    """Appends wire-encoded values to a byte buffer."""
+    """Appends wire-encoded values to a byte buffer, after ``reserve`` zero
+    bytes (room for a frame header, so a request frame is built once)."""
 
-    def __init__(self) -> None:
-        self.buf = bytearray()
+    def __init__(self, reserve: int = 0) -> None:
+        self.buf = bytearray(reserve)
 
     def u8(self, v: int) -> "Writer":
         self.buf.append(v)
@@ -78,9 +82,11 @@ class Writer:
     def boolean(self, v: bool) -> "Writer":
         return self.u8(1 if v else 0)
 
-    def string(self, s: str) -> "Writer":
-        """A ``u16``-length string; over-long text is cut at a character boundary."""
-        data = s.encode("utf-8")
+    def string(self, s: str, what: str = "text") -> "Writer":
+        """A ``u16``-length string; over-long text is cut at a character
+        boundary (as the Rust encoder does). Text that cannot be encoded (a
+        lone surrogate) raises :class:`~felix.errors.InvalidArgument`."""
+        data = check_utf8(what, s)
         if len(data) > 0xFFFF:
             data = data[:0xFFFF].decode("utf-8", errors="ignore").encode("utf-8")
         self.u16(len(data))
@@ -99,6 +105,10 @@ class Writer:
         put(v)
         return self
 
+    def reason(self, reason: Optional[str]) -> "Writer":
+        """An optional reason string (nack, dead letter)."""
+        return self.opt(reason, lambda r: self.string(r, "reason"))
+
     def stream(self, s: StreamRef) -> "Writer":
         return self.string(s.tenant).string(s.namespace).string(s.stream)
 
@@ -106,16 +116,16 @@ class Writer:
         return self.stream(stream).u32(shard).string(group)
 
     def start(self, p: StartPosition) -> "Writer":
-        if p.kind == "earliest":
+        if p.kind is StartKind.EARLIEST:
             return self.u8(0)
-        if p.kind == "latest":
+        if p.kind is StartKind.LATEST:
             return self.u8(1)
         return self.u8(2).u64(p.offset or 0)
 
     def headers(self, headers: Sequence[Header]) -> "Writer":
         self.u32(len(headers))
         for name, value in headers:
-            self.string(name).blob(value)
+            self.string(name, "header name").blob(value)
         return self
 
     def record_in(self, r: RecordIn) -> "Writer":
@@ -168,7 +178,10 @@ class Reader:
             raise ProtocolError(f"{what} is not valid UTF-8") from e
 
     def blob(self, what: str) -> bytes:
-        return bytes(self.take(self.u32(what), what))
+        n = self.u32(what)
+        if n == 0:
+            return _EMPTY  # One shared object, however many empty blobs a frame holds.
+        return bytes(self.take(n, what))
 
     def opt(self, what: str, get: Callable[[str], T]) -> Optional[T]:
         flag = self.u8(what)
@@ -273,25 +286,45 @@ class Reader:
 
 @dataclass(frozen=True)
 class WireRequest:
-    """An encoded request body, with what the client needs to send it."""
+    """An encoded request, with what the client needs to send it."""
 
     #: snake_case request name (``Request::name()`` in the Rust crate).
     name: str
     opcode: int
-    body: bytes
+    #: The whole frame, header included, built once. Its request id (bytes
+    #: 8..16) is written by the connection that sends it, in place.
+    frame: bytearray
     #: Feature bits the broker must have advertised for this request as encoded.
     required: Feature = Feature(0)
     #: Bytes of record data (payloads, keys, headers) for the frame-cap check.
     data_bytes: int = 0
 
+    @property
+    def body(self) -> bytes:
+        """The body alone (a copy)."""
+        return bytes(self.frame[FRAME_HEADER_BYTES:])
+
+    def set_request_id(self, request_id: int) -> None:
+        """Write ``request_id`` into the frame header."""
+        self.frame[8:16] = _U64.pack(request_id)
+
 
 def frame(request_id: int, req: WireRequest) -> bytes:
-    """The whole request frame: header then body."""
-    return _HEADER.pack(HEADER_AFTER_LEN + len(req.body), KIND_REQUEST, req.opcode, 0, request_id) + req.body
+    """The whole request frame with ``request_id``: header then body (a copy)."""
+    data = bytearray(req.frame)
+    data[8:16] = _U64.pack(request_id)
+    return bytes(data)
+
+
+def _w() -> Writer:
+    """A writer for a request: room for the frame header first."""
+    return Writer(FRAME_HEADER_BYTES)
 
 
 def _req(name: str, opcode: int, w: Writer, required: Feature = Feature(0), data_bytes: int = 0) -> WireRequest:
-    return WireRequest(name, opcode, bytes(w.buf), required, data_bytes)
+    buf = w.buf
+    _HEADER.pack_into(buf, 0, len(buf) - 4, KIND_REQUEST, opcode, 0, 0)
+    return WireRequest(name, opcode, buf, required, data_bytes)
 
 
 _G = Feature.GROUPS
@@ -300,41 +333,41 @@ _ADMIN = Feature.GROUP_ADMIN
 
 
 def hello(features: int, want_core: Optional[int], client_name: str, token: Optional[str]) -> WireRequest:
-    w = Writer().u16(PROTOCOL_VERSION).u64(features)
-    w.opt(want_core, w.u32).string(client_name).opt(token, w.string)
+    w = _w().u16(PROTOCOL_VERSION).u64(features)
+    w.opt(want_core, w.u32).string(client_name, "client_name").opt(token, lambda t: w.string(t, "token"))
     return _req("hello", 0x01, w)
 
 
 def ping() -> WireRequest:
-    return _req("ping", 0x02, Writer())
+    return _req("ping", 0x02, _w())
 
 
 def create_stream(stream: StreamRef, shards: int, retention_bytes: Optional[int], retention_ms: Optional[int]) -> WireRequest:
-    w = Writer().stream(stream).u32(shards)
+    w = _w().stream(stream).u32(shards)
     w.opt(retention_bytes, w.u64).opt(retention_ms, w.u64)
     return _req("create_stream", 0x10, w)
 
 
 def describe_stream(stream: StreamRef) -> WireRequest:
-    return _req("describe_stream", 0x11, Writer().stream(stream))
+    return _req("describe_stream", 0x11, _w().stream(stream))
 
 
 def list_streams(tenant: Optional[str]) -> WireRequest:
-    w = Writer()
-    return _req("list_streams", 0x12, w.opt(tenant, w.string))
+    w = _w()
+    return _req("list_streams", 0x12, w.opt(tenant, lambda t: w.string(t, "tenant")))
 
 
 def delete_stream(stream: StreamRef) -> WireRequest:
-    return _req("delete_stream", 0x13, Writer().stream(stream))
+    return _req("delete_stream", 0x13, _w().stream(stream))
 
 
 def describe_shard(stream: StreamRef, shard: int) -> WireRequest:
-    return _req("describe_shard", 0x14, Writer().stream(stream).u32(shard))
+    return _req("describe_shard", 0x14, _w().stream(stream).u32(shard))
 
 
 def publish(stream: StreamRef, shard: Optional[int], key: Optional[bytes], ack: int, records: Sequence[RecordIn]) -> WireRequest:
     """A publish to ``shard``, or routed by ``key`` when ``shard`` is None."""
-    w = Writer().stream(stream)
+    w = _w().stream(stream)
     if shard is not None:
         w.u8(0).u32(shard)
     else:
@@ -347,7 +380,7 @@ def publish(stream: StreamRef, shard: Optional[int], key: Optional[bytes], ack: 
 
 
 def read(stream: StreamRef, shard: int, start: StartPosition, max_records: int, max_bytes: int, wait_ms: int) -> WireRequest:
-    w = Writer().stream(stream).u32(shard).start(start).u32(max_records).u32(max_bytes).u32(wait_ms)
+    w = _w().stream(stream).u32(shard).start(start).u32(max_records).u32(max_bytes).u32(wait_ms)
     return _req("read", 0x21, w)
 
 
@@ -360,15 +393,15 @@ def group_poll(
     member: Optional[Tuple[str, bool]],
     visibility_ms: Optional[int],
 ) -> WireRequest:
-    w = Writer().group_key(stream, shard, group).u32(max_records).u32(wait_ms)
-    w.opt(member, lambda m: w.string(m[0]).boolean(m[1]))
+    w = _w().group_key(stream, shard, group).u32(max_records).u32(wait_ms)
+    w.opt(member, lambda m: w.string(m[0], "consumer").boolean(m[1]))
     w.opt(visibility_ms, w.u64)
     required = _G | _CC if visibility_ms is not None else _G
     return _req("group_poll", 0x30, w, required)
 
 
 def group_ack(stream: StreamRef, shard: int, group: str, offsets: Sequence[int]) -> WireRequest:
-    w = Writer().group_key(stream, shard, group).u32(len(offsets))
+    w = _w().group_key(stream, shard, group).u32(len(offsets))
     for o in offsets:
         w.u64(o)
     return _req("group_ack", 0x31, w, _G)
@@ -377,58 +410,58 @@ def group_ack(stream: StreamRef, shard: int, group: str, offsets: Sequence[int])
 def group_nack(
     stream: StreamRef, shard: int, group: str, offset: int, attempts: int, delay_ms: Optional[int], reason: Optional[str]
 ) -> WireRequest:
-    w = Writer().group_key(stream, shard, group).u64(offset).u32(attempts)
-    w.opt(delay_ms, w.u64).opt(reason, w.string)
+    w = _w().group_key(stream, shard, group).u64(offset).u32(attempts)
+    w.opt(delay_ms, w.u64).reason(reason)
     required = _G | _CC if delay_ms is not None else _G
     return _req("group_nack", 0x32, w, required)
 
 
 def group_extend(stream: StreamRef, shard: int, group: str, offset: int, attempts: int, extend_ms: int) -> WireRequest:
-    w = Writer().group_key(stream, shard, group).u64(offset).u32(attempts).u64(extend_ms)
+    w = _w().group_key(stream, shard, group).u64(offset).u32(attempts).u64(extend_ms)
     return _req("group_extend", 0x33, w, _G | _CC)
 
 
 def group_dead_letter(stream: StreamRef, shard: int, group: str, offset: int, attempts: int, reason: Optional[str]) -> WireRequest:
-    w = Writer().group_key(stream, shard, group).u64(offset).u32(attempts)
-    w.opt(reason, w.string)
+    w = _w().group_key(stream, shard, group).u64(offset).u32(attempts)
+    w.reason(reason)
     return _req("group_dead_letter", 0x34, w, _G | _CC)
 
 
 def group_dead_letters(stream: StreamRef, shard: int, group: str) -> WireRequest:
-    return _req("group_dead_letters", 0x35, Writer().group_key(stream, shard, group), _G)
+    return _req("group_dead_letters", 0x35, _w().group_key(stream, shard, group), _G)
 
 
 def group_redrive(stream: StreamRef, shard: int, group: str, offset: int) -> WireRequest:
-    return _req("group_redrive", 0x36, Writer().group_key(stream, shard, group).u64(offset), _G)
+    return _req("group_redrive", 0x36, _w().group_key(stream, shard, group).u64(offset), _G)
 
 
 def group_discard(stream: StreamRef, shard: int, group: str, offset: int) -> WireRequest:
-    return _req("group_discard", 0x37, Writer().group_key(stream, shard, group).u64(offset), _G)
+    return _req("group_discard", 0x37, _w().group_key(stream, shard, group).u64(offset), _G)
 
 
 def group_dead_letters_page(stream: StreamRef, shard: int, group: str, from_offset: int, max_letters: int) -> WireRequest:
-    w = Writer().group_key(stream, shard, group).u64(from_offset).u32(max_letters)
+    w = _w().group_key(stream, shard, group).u64(from_offset).u32(max_letters)
     return _req("group_dead_letters_page", 0x38, w, _G | Feature.GROUP_DEAD_LETTER_PAGES)
 
 
 def group_create(stream: StreamRef, shard: int, group: str, start: StartPosition) -> WireRequest:
-    return _req("group_create", 0x40, Writer().group_key(stream, shard, group).start(start), _G | _ADMIN)
+    return _req("group_create", 0x40, _w().group_key(stream, shard, group).start(start), _G | _ADMIN)
 
 
 def group_seek(stream: StreamRef, shard: int, group: str, start: StartPosition) -> WireRequest:
-    return _req("group_seek", 0x41, Writer().group_key(stream, shard, group).start(start), _G | _ADMIN)
+    return _req("group_seek", 0x41, _w().group_key(stream, shard, group).start(start), _G | _ADMIN)
 
 
 def group_describe(stream: StreamRef, shard: int, group: str) -> WireRequest:
-    return _req("group_describe", 0x42, Writer().group_key(stream, shard, group), _G | _ADMIN)
+    return _req("group_describe", 0x42, _w().group_key(stream, shard, group), _G | _ADMIN)
 
 
 def group_delete(stream: StreamRef, shard: int, group: str) -> WireRequest:
-    return _req("group_delete", 0x43, Writer().group_key(stream, shard, group), _G | _ADMIN)
+    return _req("group_delete", 0x43, _w().group_key(stream, shard, group), _G | _ADMIN)
 
 
 def list_groups(stream: StreamRef, shard: int) -> WireRequest:
-    return _req("list_groups", 0x44, Writer().stream(stream).u32(shard), _G)
+    return _req("list_groups", 0x44, _w().stream(stream).u32(shard), _G)
 
 
 # --- responses -----------------------------------------------------------

@@ -1,14 +1,16 @@
 """The Felix :class:`Client`: connections per core, placement, and every call."""
 
+import math
 import socket
 import threading
 import time
+import weakref
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from . import _wire
-from ._connection import Connection, SockAddr
+from ._connection import MAX_WAIT, Connection, SockAddr
 from ._version import __version__
 from .errors import (
     AlreadyExists,
@@ -40,11 +42,14 @@ from .types import (
     StreamInfo,
     StreamLike,
     StreamRef,
+    NAME_MAX_BYTES,
+    StartKind,
     check_int,
+    check_name,
     check_u32,
     check_u64,
+    check_utf8,
     to_bytes,
-    validate_name,
 )
 
 __all__ = ["Client", "ClientConfig", "Seconds", "RecordLike"]
@@ -54,14 +59,19 @@ Seconds = Union[float, int, timedelta]
 #: A record to publish: a :class:`RecordIn`, or just its payload.
 RecordLike = Union[RecordIn, Payload]
 
+_MAX_U32 = (1 << 32) - 1
 _MAX_U63 = (1 << 63) - 1
-_MEMBER_NAME_MAX_BYTES = 128
+_MAX_U64 = (1 << 64) - 1
+#: Seconds fields of :class:`ClientConfig`.
+_DURATIONS = ("request_timeout", "connect_timeout", "reconnect_backoff_initial", "reconnect_backoff_max")
 
 
 @dataclass(frozen=True)
 class ClientConfig:
-    """How a :class:`Client` connects and behaves. Pass these as keyword
-    arguments to :meth:`Client.connect`.
+    """How a :class:`Client` connects and behaves. Pass one to
+    :meth:`Client.connect` as ``config=``, or its fields as keyword arguments.
+    Durations are seconds or :class:`datetime.timedelta` (stored as ``float``
+    seconds); a bad value raises :class:`~felix.errors.InvalidArgument`.
 
     Attributes:
         token: authentication token sent in HELLO. A broker with a tokens
@@ -72,7 +82,8 @@ class ClientConfig:
         request_timeout: seconds to wait for an answer. A request that asks
             the broker to wait (a long poll) gets that wait on top.
         connect_timeout: seconds to open a connection and complete HELLO.
-        client_name: sent in HELLO; shows up in the broker's logs.
+        client_name: sent in HELLO; shows up in the broker's logs (at most
+            65535 bytes of UTF-8).
         max_frame_bytes: largest response frame accepted.
         reconnect_backoff_initial: first delay before reconnecting after a
             failed connection attempt, in seconds.
@@ -81,20 +92,26 @@ class ClientConfig:
 
     token: Optional[str] = None
     ack_on_commit: bool = False
-    request_timeout: float = 30.0
-    connect_timeout: float = 5.0
+    request_timeout: Seconds = 30.0
+    connect_timeout: Seconds = 5.0
     client_name: str = f"felix-client-py/{__version__}"
     max_frame_bytes: int = 64 << 20
-    reconnect_backoff_initial: float = 0.1
-    reconnect_backoff_max: float = 5.0
+    reconnect_backoff_initial: Seconds = 0.1
+    reconnect_backoff_max: Seconds = 5.0
 
     def __post_init__(self) -> None:
-        for name in ("request_timeout", "connect_timeout", "reconnect_backoff_initial", "reconnect_backoff_max"):
-            if not getattr(self, name) > 0:
+        for name in _DURATIONS:
+            seconds = _seconds(name, getattr(self, name))
+            if seconds <= 0:
                 raise InvalidArgument(f"{name} must be more than zero, not {getattr(self, name)!r}")
-        check_int("max_frame_bytes", self.max_frame_bytes, (1 << 32) - 1, minimum=4096)
-        if self.token is not None and not isinstance(self.token, str):
-            raise InvalidArgument("token must be a str")
+            object.__setattr__(self, name, seconds)
+        check_int("max_frame_bytes", self.max_frame_bytes, _MAX_U32, minimum=4096)
+        if not isinstance(self.ack_on_commit, bool):
+            raise InvalidArgument(f"ack_on_commit must be a bool, not {type(self.ack_on_commit).__name__}")
+        if self.token is not None and len(check_utf8("token", self.token)) > 0xFFFF:
+            raise InvalidArgument("token is over 65535 bytes")
+        if len(check_utf8("client_name", self.client_name)) > 0xFFFF:
+            raise InvalidArgument("client_name is over 65535 bytes")
 
 
 @dataclass(frozen=True)
@@ -120,24 +137,41 @@ class _Slot:
 
 
 def _seconds(what: str, value: Seconds) -> float:
+    """A duration in seconds: finite and not negative, else
+    :class:`~felix.errors.InvalidArgument`."""
     if isinstance(value, timedelta):
         value = value.total_seconds()
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise InvalidArgument(f"{what} must be seconds (a number or a timedelta), not {value!r}")
-    if value < 0:
+    if isinstance(value, int) and value > _MAX_U64:
+        value = _MAX_U64  # Saturate (an int this large does not fit a float).
+    seconds = float(value)
+    if math.isnan(seconds) or math.isinf(seconds):
+        raise InvalidArgument(f"{what} must be a finite number of seconds, not {value!r}")
+    if seconds < 0:
         raise InvalidArgument(f"{what} must not be negative, not {value}")
-    return float(value)
+    return seconds
 
 
-def _ms(what: str, value: Seconds) -> int:
-    """Milliseconds for a wire field; a non-zero sub-millisecond value rounds up to 1."""
+def _ms_u64(what: str, value: Seconds) -> int:
+    """Milliseconds for a ``u64`` wire field, saturating at its maximum; a
+    non-zero sub-millisecond value rounds up to 1 (``ms_u64`` in Rust)."""
     seconds = _seconds(what, value)
-    ms = int(seconds * 1000)
+    ms = min(int(seconds * 1000), _MAX_U64)
     return 1 if ms == 0 and seconds > 0 else ms
 
 
 def _ms_u32(what: str, value: Seconds) -> int:
-    return min(_ms(what, value), (1 << 32) - 1)
+    """:func:`_ms_u64`, saturating at the ``u32`` maximum."""
+    return min(_ms_u64(what, value), _MAX_U32)
+
+
+def _copy_error(error: FelixError) -> FelixError:
+    """A fresh instance of ``error`` (one exception object is never raised in
+    two threads), keeping its code, number, core and cause."""
+    copy = type(error)(error.message, number=error.number, core=error.core)
+    copy.__cause__ = error.__cause__
+    return copy
 
 
 def _unexpected(response: _wire.Response, call: str) -> ProtocolError:
@@ -152,6 +186,8 @@ def _expect(response: _wire.Response, call: str, *names: str) -> _wire.Response:
 
 def _parse_addr(addr: Union[str, Tuple[str, int]]) -> Tuple[str, int]:
     if isinstance(addr, tuple):
+        if len(addr) != 2:
+            raise InvalidArgument(f"broker address {addr!r} must be a (host, port) tuple")
         host, port = addr
     elif isinstance(addr, str) and ":" in addr:
         host, _, port_text = addr.rpartition(":")
@@ -161,40 +197,60 @@ def _parse_addr(addr: Union[str, Tuple[str, int]]) -> Tuple[str, int]:
         port = int(port_text)
     else:
         raise InvalidArgument(f"broker address {addr!r} must be 'host:port' or a (host, port) tuple")
+    if not isinstance(host, str) or not host:
+        raise InvalidArgument(f"broker host must be a non-empty str, not {host!r}")
     check_int("port", port, 65535, minimum=1)
     return host, port
 
 
-def _resolve(addr: Union[str, Tuple[str, int]]) -> List[SockAddr]:
-    host, port = _parse_addr(addr)
+def _resolve(host: str, port: int) -> List[SockAddr]:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
         raise ConnectionFailed(f"cannot resolve {host!r}: {e}") from e
+    except UnicodeError as e:
+        raise InvalidArgument(f"broker host {host!r} is not a valid host name: {e}") from None
     if not infos:
         raise InvalidArgument(f"broker address {host}:{port} resolved to nothing")
     return [(family, sockaddr) for family, _, _, _, sockaddr in infos]
 
 
-def _group(group: str) -> str:
-    return validate_name("group", group)
+#: How long close() waits for each reader thread to end.
+_CLOSE_WAIT = 1.0
 
 
-def _shard(shard: int) -> int:
+def _close_slots(lock: threading.Lock, slots: Dict[int, _Slot], closed: threading.Event, wait: float) -> None:
+    """Close a client's connections (:meth:`Client.close`, or its finalizer).
+    Takes the client's state, never the client, so a finalizer can call it."""
+    with lock:
+        closed.set()
+        items = list(slots.values())
+    for slot in items:
+        with slot.lock:
+            conn, slot.conn = slot.conn, None
+        if conn is not None:
+            conn.close("the client was closed", wait)
+
+
+def _check_group(group: str) -> str:
+    return check_name("group", group)
+
+
+def _check_shard(shard: int) -> int:
     return check_u32("shard", shard)
 
 
-def _record(item: RecordLike) -> RecordIn:
+def _check_record(item: RecordLike) -> RecordIn:
     if isinstance(item, RecordIn):
         return item
     return RecordIn.of(item)
 
 
-def _records(records: Iterable[RecordLike], key: Optional[bytes] = None) -> List[RecordIn]:
+def _check_records(records: Iterable[RecordLike], key: Optional[bytes] = None) -> List[RecordIn]:
     """Records to publish, checked; ``key`` is given to those without one."""
     if isinstance(records, (bytes, bytearray, memoryview, str, RecordIn)):
         raise InvalidArgument("publish_batch takes a list of records, not a single record")
-    out = [_record(r) for r in records]
+    out = [_check_record(r) for r in records]
     if not out:
         raise InvalidArgument("a publish needs at least one record")
     if len(out) > _wire.MAX_ITEMS_PER_VEC:
@@ -206,7 +262,7 @@ def _records(records: Iterable[RecordLike], key: Optional[bytes] = None) -> List
     return out
 
 
-def _ack_offsets(offsets: Union[int, GroupRecord, Iterable[Union[int, GroupRecord]]]) -> List[int]:
+def _check_offsets(offsets: Union[int, GroupRecord, Iterable[Union[int, GroupRecord]]]) -> List[int]:
     items = [offsets] if isinstance(offsets, (int, GroupRecord)) else list(offsets)
     return [check_u64("offset", o.offset if isinstance(o, GroupRecord) else o) for o in items]
 
@@ -246,51 +302,72 @@ class Client:
     Durations are seconds (``float``) or :class:`datetime.timedelta`.
     """
 
-    def __init__(self, addrs: List[SockAddr], config: ClientConfig, first: Connection) -> None:
+    def __init__(self, addrs: List[SockAddr], config: ClientConfig, first: Connection, name: str = "") -> None:
         """Use :meth:`connect`."""
         self._addrs = addrs
+        self._name = name
         self._config = config
         self._lock = threading.Lock()
         self._hello = first.hello
         self._home = first.hello.core
         self._slots: Dict[int, _Slot] = {first.hello.core: _Slot(config.reconnect_backoff_initial, first)}
         self._placements: Dict[StreamRef, _Placement] = {}
-        self._closed = False
+        self._closed = threading.Event()
+        # A client dropped without close() still closes its connections (and
+        # so its reader threads end) once it is garbage. The finalizer holds
+        # the connection state, never the client itself.
+        self._finalizer = weakref.finalize(self, _close_slots, self._lock, self._slots, self._closed, 0.0)
+        # Not at interpreter exit: the process's sockets go with it, and a
+        # thread mid-reconnect would hold the exit up.
+        self._finalizer.atexit = False
 
     @classmethod
     def connect(
         cls,
         addr: Union[str, Tuple[str, int]],
         *,
+        config: Optional[ClientConfig] = None,
         token: Optional[str] = None,
-        ack_on_commit: bool = False,
-        request_timeout: float = 30.0,
-        connect_timeout: float = 5.0,
-        client_name: str = ClientConfig.client_name,
-        max_frame_bytes: int = ClientConfig.max_frame_bytes,
-        reconnect_backoff_initial: float = ClientConfig.reconnect_backoff_initial,
-        reconnect_backoff_max: float = ClientConfig.reconnect_backoff_max,
+        ack_on_commit: Optional[bool] = None,
+        request_timeout: Optional[Seconds] = None,
+        connect_timeout: Optional[Seconds] = None,
+        client_name: Optional[str] = None,
+        max_frame_bytes: Optional[int] = None,
+        reconnect_backoff_initial: Optional[Seconds] = None,
+        reconnect_backoff_max: Optional[Seconds] = None,
     ) -> "Client":
         """Resolve ``addr`` (``"host:port"`` or a ``(host, port)`` tuple), open a
-        first connection and say HELLO. See :class:`ClientConfig` for the
-        options.
+        first connection and say HELLO.
+
+        Settings come from ``config`` (a :class:`ClientConfig`; its defaults
+        if not given), with any keyword argument given (not ``None``)
+        overriding the field of that name.
 
         Raises :class:`~felix.errors.Unauthorized` for a refused token,
         :class:`~felix.errors.ConnectionFailed` or
         :class:`~felix.errors.Timeout` when the broker cannot be reached.
         """
-        config = ClientConfig(
-            token=token,
-            ack_on_commit=ack_on_commit,
-            request_timeout=request_timeout,
-            connect_timeout=connect_timeout,
-            client_name=client_name,
-            max_frame_bytes=max_frame_bytes,
-            reconnect_backoff_initial=reconnect_backoff_initial,
-            reconnect_backoff_max=reconnect_backoff_max,
-        )
-        addrs = _resolve(addr)
-        return cls(addrs, config, cls._open(addrs, None, config))
+        if config is None:
+            config = ClientConfig()
+        elif not isinstance(config, ClientConfig):
+            raise InvalidArgument(f"config must be a ClientConfig, not {type(config).__name__}")
+        options = {
+            "token": token,
+            "ack_on_commit": ack_on_commit,
+            "request_timeout": request_timeout,
+            "connect_timeout": connect_timeout,
+            "client_name": client_name,
+            "max_frame_bytes": max_frame_bytes,
+            "reconnect_backoff_initial": reconnect_backoff_initial,
+            "reconnect_backoff_max": reconnect_backoff_max,
+        }
+        given = {k: v for k, v in options.items() if v is not None}
+        if given:
+            config = replace(config, **given)
+        host, port = _parse_addr(addr)
+        addrs = _resolve(host, port)
+        name = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return cls(addrs, config, cls._open(addrs, None, config), name)
 
     @staticmethod
     def _open(addrs: List[SockAddr], want_core: Optional[int], config: ClientConfig) -> Connection:
@@ -299,9 +376,8 @@ class Client:
             want_core,
             client_name=config.client_name,
             token=config.token,
-            connect_timeout=config.connect_timeout,
+            connect_timeout=float(config.connect_timeout),
             max_frame_bytes=config.max_frame_bytes,
-            send_timeout=config.request_timeout,
         )
 
     def __enter__(self) -> "Client":
@@ -310,17 +386,29 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"connected to cores {self.connected_cores}"
+        return f"<felix.Client {self._name or '?'} broker={self.broker!r} cores={self.cores} {state}>"
+
     def close(self) -> None:
         """Close every connection. Calls in flight fail with
-        :class:`~felix.errors.Disconnected`, and so do later calls."""
+        :class:`~felix.errors.Disconnected`, and so do later calls. When this
+        returns the client's sockets are closed and its reader threads have
+        ended (each is given up to a second)."""
+        self._finalizer.detach()
+        _close_slots(self._lock, self._slots, self._closed, _CLOSE_WAIT)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed.is_set()
+
+    @property
+    def connected_cores(self) -> List[int]:
+        """The cores this client holds a live connection to, in order."""
         with self._lock:
-            self._closed = True
-            slots = list(self._slots.values())
-        for slot in slots:
-            with slot.lock:
-                if slot.conn is not None:
-                    slot.conn.close("the client was closed")
-                    slot.conn = None
+            slots = list(self._slots.items())
+        return sorted(core for core, slot in slots if slot.conn is not None and not slot.conn.closed)
 
     # --- what the broker said ------------------------------------------------
 
@@ -363,7 +451,7 @@ class Client:
 
     def _slot(self, core: int) -> _Slot:
         with self._lock:
-            if self._closed:
+            if self._closed.is_set():
                 raise Disconnected("the client is closed")
             slot = self._slots.get(core)
             if slot is None:
@@ -381,9 +469,14 @@ class Client:
                 self._retire(slot)
             if slot.attempts != seen and slot.last_error is not None:
                 # Someone tried while we queued for the lock, and failed.
-                raise type(slot.last_error)(slot.last_error.message, number=slot.last_error.number)
+                raise _copy_error(slot.last_error)
             if slot.retry_at is not None:
-                time.sleep(max(slot.retry_at - time.monotonic(), 0))
+                # Wait out the backoff, but not past a close().
+                self._closed.wait(min(max(slot.retry_at - time.monotonic(), 0), MAX_WAIT))
+            # close() may have run while this queued for the lock or waited:
+            # open nothing after it (it closes what it finds under this lock).
+            if self._closed.is_set():
+                raise Disconnected("the client is closed")
             return self._reconnect(slot, core)
 
     def _retire(self, slot: _Slot) -> None:
@@ -458,7 +551,7 @@ class Client:
         return self._conn(again())
 
     def _timeout(self, wait: float) -> float:
-        return self._config.request_timeout + wait
+        return float(self._config.request_timeout) + wait
 
     def _call_any(self, request: _wire.WireRequest) -> _wire.Response:
         """A request not about one shard: the home connection serves it."""
@@ -471,9 +564,11 @@ class Client:
             raise response.value
         return response
 
-    def _cache_placement(self, info: StreamInfo) -> None:
+    def _cache_placement(self, info: StreamInfo) -> _Placement:
+        placement = _Placement(info.shards, info.placement)
         with self._lock:
-            self._placements[info.stream] = _Placement(info.shards, info.placement)
+            self._placements[info.stream] = placement
+        return placement
 
     def _placement(self, stream: StreamRef, refresh: bool = False) -> _Placement:
         if not refresh:
@@ -481,9 +576,9 @@ class Client:
                 cached = self._placements.get(stream)
             if cached is not None:
                 return cached
-        self._describe_stream(stream)
-        with self._lock:
-            return self._placements[stream]
+        # Built from the answer itself: the cache may be cleared meanwhile.
+        info = self._describe_stream(stream)
+        return _Placement(info.shards, info.placement)
 
     def _core_for(self, stream: StreamRef, shard: int) -> int:
         cores = self.cores
@@ -510,10 +605,14 @@ class Client:
 
     def _redirect(self, stream: StreamRef, shard: int, request: _wire.WireRequest, error: WrongCore, wait: float) -> _wire.Response:
         """After ``wrong_core``: refresh the placement and send once more, to the
-        core the broker named (or the fresh placement's)."""
-        placement = self._placement(stream, refresh=True)
+        core the broker named (or the fresh placement's). A failed refresh
+        does not stop the retry on the named core (as in the Rust client)."""
+        try:
+            placement: Optional[_Placement] = self._placement(stream, refresh=True)
+        except FelixError:
+            placement = None
         cores = self.cores
-        fresh = placement.cores[shard] if shard < len(placement.cores) else None
+        fresh = placement.cores[shard] if placement is not None and shard < len(placement.cores) else None
         candidates = [c for c in (error.core, fresh) if c is not None and c < cores]
         if not candidates:
             raise error
@@ -572,7 +671,7 @@ class Client:
     def list_streams(self, tenant: Optional[str] = None) -> List[StreamInfo]:
         """Every stream, or those of one tenant."""
         if tenant is not None:
-            validate_name("tenant", tenant)
+            check_name("tenant", tenant)
         infos: List[StreamInfo] = _expect(self._call_any(_wire.list_streams(tenant)), "list_streams", "streams").value
         for info in infos:
             self._cache_placement(info)
@@ -590,7 +689,7 @@ class Client:
     def describe_shard(self, stream: StreamLike, shard: int) -> ShardInfo:
         """One shard's offsets, size and owning core."""
         ref = StreamRef.parse(stream)
-        response = self._call_shard(ref, _shard(shard), _wire.describe_shard(ref, shard))
+        response = self._call_shard(ref, _check_shard(shard), _wire.describe_shard(ref, shard))
         return _expect(response, "describe_shard", "shard").value
 
     # --- publishing --------------------------------------------------------
@@ -620,8 +719,8 @@ class Client:
         """Publish records (:class:`RecordIn` or bare payloads) to ``shard`` in
         one request; they get consecutive offsets."""
         ref = StreamRef.parse(stream)
-        batch = _records(records)
-        request = _wire.publish(ref, _shard(shard), None, self._ack_mode(), batch)
+        batch = self._check_batch_size(_check_records(records))
+        request = _wire.publish(ref, _check_shard(shard), None, self._ack_mode(), batch)
         return self._published(self._call_shard(ref, shard, request))
 
     def publish_keyed(
@@ -644,10 +743,22 @@ class Client:
         record without a key of its own is stored with ``key``."""
         ref = StreamRef.parse(stream)
         routing = to_bytes("key", key)
-        batch = _records(records, routing)
+        batch = self._check_batch_size(_check_records(records, routing))
         shard = shard_for_key(routing, self._placement(ref).shards)
         request = _wire.publish(ref, None, routing, self._ack_mode(), batch)
         return self._published(self._call_shard(ref, shard, request))
+
+    def _check_batch_size(self, batch: List[RecordIn]) -> List[RecordIn]:
+        """Refuse records over the broker's frame limit before encoding them
+        (:class:`~felix.errors.InvalidArgument`, as the Rust client does)."""
+        size = sum(r.data_bytes() for r in batch)
+        limit = self.max_frame_bytes
+        if size > limit:
+            raise InvalidArgument(
+                f"publish of {len(batch)} records holds {size} bytes, "
+                f"over the broker's frame limit of {limit} bytes; split it"
+            )
+        return batch
 
     @staticmethod
     def _published(response: _wire.Response) -> Published:
@@ -675,8 +786,8 @@ class Client:
         position = StartPosition.of(start)
         check_int("max_records", max_records, (1 << 32) - 1, minimum=1)
         wait_ms = _ms_u32("wait", wait)
-        max_bytes = min(max(self._config.max_frame_bytes // 2, 64 * 1024), (1 << 32) - 1)
-        request = _wire.read(ref, _shard(shard), position, max_records, max_bytes, wait_ms)
+        max_bytes = min(max(self._config.max_frame_bytes // 2, 64 * 1024), _MAX_U32)
+        request = _wire.read(ref, _check_shard(shard), position, max_records, max_bytes, wait_ms)
         response = self._call_shard(ref, shard, request, wait_ms / 1000)
         start_offset, next_offset, end_offset, records = _expect(response, "read", "records").value
         return ReadBatch(tuple(records), next_offset=next_offset, start_offset=start_offset, end_offset=end_offset)
@@ -695,7 +806,7 @@ class Client:
         ref = StreamRef.parse(stream)
         check_int("max_records", max_records, (1 << 32) - 1, minimum=1)
         _seconds("wait", wait)
-        return Subscription(self, ref, _shard(shard), StartPosition.of(start), max_records, wait)
+        return Subscription(self, ref, _check_shard(shard), StartPosition.of(start), max_records, wait)
 
     # --- consumer groups: consuming -----------------------------------------
 
@@ -732,11 +843,11 @@ class Client:
         visibility_ms = None
         if visibility is not None:
             self._require(Feature.GROUP_CLAIM_CONTROL, "a poll visibility")
-            visibility_ms = _ms("visibility", visibility)
+            visibility_ms = _ms_u64("visibility", visibility)
             if visibility_ms == 0:
                 raise InvalidArgument("a poll visibility must be more than zero")
         wait_ms = _ms_u32("wait", wait)
-        request = _wire.group_poll(ref, _shard(shard), _group(group), max_records, wait_ms, member, visibility_ms)
+        request = _wire.group_poll(ref, _check_shard(shard), _check_group(group), max_records, wait_ms, member, visibility_ms)
         records: List[GroupRecord] = _expect(
             self._call_shard(ref, shard, request, wait_ms / 1000), "group_poll", "group_records"
         ).value
@@ -750,11 +861,9 @@ class Client:
             if reclaim:
                 raise InvalidArgument("reclaim needs a consumer name")
             return None
-        if not isinstance(consumer, str):
-            raise InvalidArgument(f"consumer must be a str, not {type(consumer).__name__}")
-        size = len(consumer.encode("utf-8"))
-        if not 1 <= size <= _MEMBER_NAME_MAX_BYTES:
-            raise InvalidArgument(f"a consumer name is 1 to {_MEMBER_NAME_MAX_BYTES} bytes, not {size}")
+        size = len(check_utf8("consumer", consumer))
+        if not 1 <= size <= NAME_MAX_BYTES:
+            raise InvalidArgument(f"a consumer name is 1 to {NAME_MAX_BYTES} bytes, not {size}")
         return consumer, bool(reclaim)
 
     def _group_ok(self, stream: StreamRef, shard: int, request: _wire.WireRequest) -> None:
@@ -772,11 +881,11 @@ class Client:
         request for all of them; an empty one sends nothing)."""
         self._require(Feature.GROUPS, "group_ack")
         ref = StreamRef.parse(stream)
-        batch = _ack_offsets(offsets)
+        batch = _check_offsets(offsets)
         if len(batch) > _wire.MAX_ITEMS_PER_VEC:
             raise InvalidArgument(f"an ack carries at most {_wire.MAX_ITEMS_PER_VEC} offsets, not {len(batch)}")
         if batch:
-            self._group_ok(ref, shard, _wire.group_ack(ref, _shard(shard), _group(group), batch))
+            self._group_ok(ref, shard, _wire.group_ack(ref, _check_shard(shard), _check_group(group), batch))
 
     def group_nack(
         self, stream: StreamLike, shard: int, group: str, record: GroupRecord, *, reason: Optional[str] = None
@@ -802,11 +911,11 @@ class Client:
         zero (a plain nack)."""
         self._require(Feature.GROUPS, "group_nack")
         ref = StreamRef.parse(stream)
-        delay_ms = _ms("delay", delay) or None
+        delay_ms = _ms_u64("delay", delay) or None
         if delay_ms is not None:
             self._require(Feature.GROUP_CLAIM_CONTROL, "a nack delay")
         offset, attempts = self._claim(record)
-        request = _wire.group_nack(ref, _shard(shard), _group(group), offset, attempts, delay_ms, reason)
+        request = _wire.group_nack(ref, _check_shard(shard), _check_group(group), offset, attempts, delay_ms, reason)
         self._group_ok(ref, shard, request)
 
     @staticmethod
@@ -823,11 +932,11 @@ class Client:
         went out again. Needs :attr:`Feature.GROUP_CLAIM_CONTROL`."""
         self._require(Feature.GROUPS | Feature.GROUP_CLAIM_CONTROL, "group_extend")
         ref = StreamRef.parse(stream)
-        extend_ms = _ms("by", by)
+        extend_ms = _ms_u64("by", by)
         if extend_ms == 0:
             raise InvalidArgument("an extension must be more than zero")
         offset, attempts = self._claim(record)
-        request = _wire.group_extend(ref, _shard(shard), _group(group), offset, attempts, extend_ms)
+        request = _wire.group_extend(ref, _check_shard(shard), _check_group(group), offset, attempts, extend_ms)
         stands_ms: int = _expect(self._call_shard(ref, shard, request), "group_extend", "extended").value
         return stands_ms / 1000
 
@@ -840,7 +949,7 @@ class Client:
         self._require(Feature.GROUPS | Feature.GROUP_CLAIM_CONTROL, "group_dead_letter")
         ref = StreamRef.parse(stream)
         offset, attempts = self._claim(record)
-        request = _wire.group_dead_letter(ref, _shard(shard), _group(group), offset, attempts, reason)
+        request = _wire.group_dead_letter(ref, _check_shard(shard), _check_group(group), offset, attempts, reason)
         self._group_ok(ref, shard, request)
 
     def group_dead_letters(self, stream: StreamLike, shard: int, group: str) -> List[int]:
@@ -862,7 +971,7 @@ class Client:
                 next_from = page.next
             return letters
         ref = StreamRef.parse(stream)
-        request = _wire.group_dead_letters(ref, _shard(shard), _group(group))
+        request = _wire.group_dead_letters(ref, _check_shard(shard), _check_group(group))
         return _expect(self._call_shard(ref, shard, request), "group_dead_letters", "dead_letters").value
 
     def group_dead_letters_page(
@@ -876,7 +985,7 @@ class Client:
         self._require(Feature.GROUPS | Feature.GROUP_DEAD_LETTER_PAGES, "group_dead_letters_page")
         ref = StreamRef.parse(stream)
         request = _wire.group_dead_letters_page(
-            ref, _shard(shard), _group(group), check_u64("from_offset", from_offset), check_u32("max_letters", max_letters)
+            ref, _check_shard(shard), _check_group(group), check_u64("from_offset", from_offset), check_u32("max_letters", max_letters)
         )
         letters, next_from = _expect(
             self._call_shard(ref, shard, request), "group_dead_letters_page", "dead_letter_page"
@@ -889,13 +998,13 @@ class Client:
         """Put a dead letter back: its attempts reset and it is owed again."""
         self._require(Feature.GROUPS, "group_redrive")
         ref = StreamRef.parse(stream)
-        self._group_ok(ref, shard, _wire.group_redrive(ref, _shard(shard), _group(group), check_u64("offset", offset)))
+        self._group_ok(ref, shard, _wire.group_redrive(ref, _check_shard(shard), _check_group(group), check_u64("offset", offset)))
 
     def group_discard(self, stream: StreamLike, shard: int, group: str, offset: int) -> None:
         """Stop tracking a dead letter. The record stays in the log."""
         self._require(Feature.GROUPS, "group_discard")
         ref = StreamRef.parse(stream)
-        self._group_ok(ref, shard, _wire.group_discard(ref, _shard(shard), _group(group), check_u64("offset", offset)))
+        self._group_ok(ref, shard, _wire.group_discard(ref, _check_shard(shard), _check_group(group), check_u64("offset", offset)))
 
     # --- consumer groups: administration --------------------------------------
 
@@ -905,7 +1014,7 @@ class Client:
         Needs :attr:`Feature.GROUP_ADMIN`."""
         self._require(Feature.GROUPS | Feature.GROUP_ADMIN, "group_create")
         ref = StreamRef.parse(stream)
-        request = _wire.group_create(ref, _shard(shard), _group(group), StartPosition.of(start))
+        request = _wire.group_create(ref, _check_shard(shard), _check_group(group), StartPosition.of(start))
         try:
             _expect(self._call_shard(ref, shard, request), "group_create", "ok", "group")
         except AlreadyExists:
@@ -916,7 +1025,7 @@ class Client:
         to skip. Voids every standing claim. Needs :attr:`Feature.GROUP_ADMIN`."""
         self._require(Feature.GROUPS | Feature.GROUP_ADMIN, "group_seek")
         ref = StreamRef.parse(stream)
-        request = _wire.group_seek(ref, _shard(shard), _group(group), StartPosition.of(start))
+        request = _wire.group_seek(ref, _check_shard(shard), _check_group(group), StartPosition.of(start))
         _expect(self._call_shard(ref, shard, request), "group_seek", "ok", "group")
 
     def group_describe(self, stream: StreamLike, shard: int, group: str) -> GroupInfo:
@@ -924,20 +1033,20 @@ class Client:
         dead-letter counts. Needs :attr:`Feature.GROUP_ADMIN`."""
         self._require(Feature.GROUPS | Feature.GROUP_ADMIN, "group_describe")
         ref = StreamRef.parse(stream)
-        request = _wire.group_describe(ref, _shard(shard), _group(group))
+        request = _wire.group_describe(ref, _check_shard(shard), _check_group(group))
         return _expect(self._call_shard(ref, shard, request), "group_describe", "group").value
 
     def group_delete(self, stream: StreamLike, shard: int, group: str) -> None:
         """Remove the group's position and dead letters. Needs :attr:`Feature.GROUP_ADMIN`."""
         self._require(Feature.GROUPS | Feature.GROUP_ADMIN, "group_delete")
         ref = StreamRef.parse(stream)
-        self._group_ok(ref, shard, _wire.group_delete(ref, _shard(shard), _group(group)))
+        self._group_ok(ref, shard, _wire.group_delete(ref, _check_shard(shard), _check_group(group)))
 
     def list_groups(self, stream: StreamLike, shard: int) -> List[str]:
         """Names of the groups on one shard."""
         self._require(Feature.GROUPS, "list_groups")
         ref = StreamRef.parse(stream)
-        return _expect(self._call_shard(ref, shard, _wire.list_groups(ref, _shard(shard))), "list_groups", "groups").value
+        return _expect(self._call_shard(ref, shard, _wire.list_groups(ref, _check_shard(shard))), "list_groups", "groups").value
 
     # --- consumer groups: a whole stream ----------------------------------------
 
@@ -945,7 +1054,7 @@ class Client:
         """The shard count; an offset ``start`` is refused for a stream of more
         than one shard, since offsets are per shard."""
         info = self.describe_stream(stream)
-        if info.shards > 1 and start is not None and StartPosition.of(start).kind == "offset":
+        if info.shards > 1 and start is not None and StartPosition.of(start).kind is StartKind.OFFSET:
             raise InvalidArgument(
                 f"{info.stream} has {info.shards} shards and offsets are per shard; "
                 "use EARLIEST or LATEST, or the per-shard call"

@@ -105,9 +105,11 @@ class Unsupported(FelixError):
 
 
 class TooLarge(FelixError):
-    """Wire code 6, or raised locally: a frame, record or batch is over a
-    size limit (the broker's ``max_frame_bytes``, a record over the frame
-    size less 1 KiB, a dead-letter list too long for one frame)."""
+    """Wire code 6: a frame, record or batch is over a size limit of the
+    broker (a record over the frame size less 1 KiB, a dead-letter list too
+    long for one frame). A request over the broker's ``max_frame_bytes`` is
+    refused before sending with :class:`InvalidArgument` instead, as in the
+    Rust client."""
 
     code = "too_large"
 
@@ -183,8 +185,8 @@ class ConnectionFailed(FelixError, ConnectionError):
 
 
 class ProtocolError(FelixError):
-    """The broker sent bytes this client cannot make sense of. The
-    connection they came on is dropped."""
+    """The broker sent bytes this client cannot make sense of. A whole frame
+    with a bad body fails only the call it answers; the connection stays."""
 
     code = "protocol"
 

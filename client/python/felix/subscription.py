@@ -18,8 +18,9 @@ __all__ = ["Subscription"]
 #: before asking again rather than spin.
 _TOO_FAST = 0.020
 _EMPTY_PAUSE = 0.050
-#: Pause after a failed read before the next one.
-_ERROR_PAUSE = 0.100
+#: Pause after a failed read before the next one: the client's initial
+#: reconnect backoff, but at least this (as in the Rust client).
+_MIN_ERROR_PAUSE = 0.100
 
 
 def check_batch(from_offset: Optional[int], batch: ReadBatch) -> ReadBatch:
@@ -52,7 +53,9 @@ class Subscription(Iterator[Record]):
     ``next()`` blocks until a record is available. A failed read raises its
     error from ``next()``; calling ``next()`` again retries from the same
     position after a short pause, so a loop that catches and continues rides
-    out a broker restart. Not thread-safe: use one per thread.
+    out a broker restart (the pause is the client's
+    ``reconnect_backoff_initial``, at least 100 ms). Not thread-safe: use one
+    per thread.
     """
 
     def __init__(
@@ -106,7 +109,8 @@ class Subscription(Iterator[Record]):
                 ),
             )
         except Exception:
-            self._pause_until = time.monotonic() + _ERROR_PAUSE
+            pause = max(float(self._client.config.reconnect_backoff_initial), _MIN_ERROR_PAUSE)
+            self._pause_until = time.monotonic() + pause
             raise
         if from_offset is not None and batch.start_offset > from_offset:
             self._skipped += batch.start_offset - from_offset

@@ -10,6 +10,7 @@ from .errors import InvalidArgument
 __all__ = [
     "Feature",
     "StreamRef",
+    "StartKind",
     "StartPosition",
     "RecordIn",
     "Record",
@@ -53,7 +54,18 @@ class Feature(enum.IntFlag):
     GROUP_DEAD_LETTER_PAGES = 1 << 5
 
 
-def validate_name(what: str, name: str) -> str:
+def check_utf8(what: str, text: str) -> bytes:
+    """``text`` encoded as UTF-8; :class:`~felix.errors.InvalidArgument` if it
+    is not a ``str`` or cannot be encoded (a lone surrogate)."""
+    if not isinstance(text, str):
+        raise InvalidArgument(f"{what} must be a str, not {type(text).__name__}")
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidArgument(f"{what} is not valid Unicode text: {e.reason} at index {e.start}") from None
+
+
+def check_name(what: str, name: str) -> str:
     """Check a tenant, namespace, stream or group name the way the broker
     does: 1 to 128 bytes of ``[A-Za-z0-9._-]``, not ``.`` or ``..``.
 
@@ -63,8 +75,9 @@ def validate_name(what: str, name: str) -> str:
         raise InvalidArgument(f"{what} name must be a str, not {type(name).__name__}")
     if not name:
         raise InvalidArgument(f"{what} name is empty; names are 1-{NAME_MAX_BYTES} bytes of [A-Za-z0-9._-]")
-    if len(name.encode("utf-8")) > NAME_MAX_BYTES:
-        raise InvalidArgument(f"{what} name is {len(name.encode('utf-8'))} bytes; the limit is {NAME_MAX_BYTES}")
+    size = len(check_utf8(f"{what} name", name))
+    if size > NAME_MAX_BYTES:
+        raise InvalidArgument(f"{what} name is {size} bytes; the limit is {NAME_MAX_BYTES}")
     if not _NAME_RE.fullmatch(name):
         raise InvalidArgument(f"{what} name {name!r} has characters outside [A-Za-z0-9._-]")
     if name in (".", ".."):
@@ -82,9 +95,9 @@ class StreamRef:
     stream: str
 
     def __post_init__(self) -> None:
-        validate_name("tenant", self.tenant)
-        validate_name("namespace", self.namespace)
-        validate_name("stream", self.stream)
+        check_name("tenant", self.tenant)
+        check_name("namespace", self.namespace)
+        check_name("stream", self.stream)
 
     @classmethod
     def parse(cls, path: "StreamLike") -> "StreamRef":
@@ -107,6 +120,18 @@ class StreamRef:
 StreamLike = Union[str, StreamRef]
 
 
+class StartKind(str, enum.Enum):
+    """The kind of a :class:`StartPosition`. A ``str`` enum, so it also
+    compares equal to ``"earliest"``, ``"latest"`` and ``"offset"``."""
+
+    EARLIEST = "earliest"
+    LATEST = "latest"
+    OFFSET = "offset"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class StartPosition:
     """Where a read or a consumer group starts: :attr:`EARLIEST` (the oldest
@@ -114,16 +139,20 @@ class StartPosition:
     now on) or :meth:`at` an exact offset. Calls also accept a plain ``int``
     for an offset."""
 
-    kind: str
+    #: A :class:`StartKind` (given as one or as its ``str`` value).
+    kind: StartKind
     offset: Optional[int] = None
 
     EARLIEST: ClassVar["StartPosition"]
     LATEST: ClassVar["StartPosition"]
 
     def __post_init__(self) -> None:
-        if self.kind not in ("earliest", "latest", "offset"):
-            raise InvalidArgument(f"unknown start position kind {self.kind!r}")
-        if (self.kind == "offset") != (self.offset is not None):
+        try:
+            kind = StartKind(self.kind)
+        except ValueError:
+            raise InvalidArgument(f"unknown start position kind {self.kind!r}") from None
+        object.__setattr__(self, "kind", kind)
+        if (kind is StartKind.OFFSET) != (self.offset is not None):
             raise InvalidArgument("a start position has an offset exactly when its kind is 'offset'")
         if self.offset is not None:
             check_u64("offset", self.offset)
@@ -131,7 +160,7 @@ class StartPosition:
     @classmethod
     def at(cls, offset: int) -> "StartPosition":
         """The position of this exact offset."""
-        return cls("offset", offset)
+        return cls(StartKind.OFFSET, offset)
 
     @classmethod
     def of(cls, start: "Start") -> "StartPosition":
@@ -143,11 +172,11 @@ class StartPosition:
         raise InvalidArgument(f"a start position is a StartPosition or an int offset, not {start!r}")
 
     def __str__(self) -> str:
-        return self.kind if self.offset is None else str(self.offset)
+        return self.kind.value if self.offset is None else str(self.offset)
 
 
-StartPosition.EARLIEST = StartPosition("earliest")
-StartPosition.LATEST = StartPosition("latest")
+StartPosition.EARLIEST = StartPosition(StartKind.EARLIEST)
+StartPosition.LATEST = StartPosition(StartKind.LATEST)
 
 #: A start position, or an ``int`` offset.
 Start = Union[StartPosition, int]
@@ -174,9 +203,11 @@ def check_int(what: str, value: int, maximum: int, minimum: int = 0) -> int:
 
 def to_bytes(what: str, value: Payload) -> bytes:
     """A payload or key as ``bytes`` (``str`` encoded as UTF-8)."""
+    if isinstance(value, bytes):
+        return value
     if isinstance(value, str):
-        return value.encode("utf-8")
-    if isinstance(value, (bytes, bytearray, memoryview)):
+        return check_utf8(what, value)
+    if isinstance(value, (bytearray, memoryview)):
         return bytes(value)
     raise InvalidArgument(f"{what} must be bytes or str, not {type(value).__name__}")
 
@@ -184,12 +215,39 @@ def to_bytes(what: str, value: Payload) -> bytes:
 @dataclass(frozen=True)
 class RecordIn:
     """A record to publish. The broker assigns its offset, and its timestamp
-    when ``timestamp_ms`` is ``None``."""
+    when ``timestamp_ms`` is ``None``.
+
+    Fields are checked on construction: ``payload``, ``key`` and header
+    values may be given as ``bytes``, ``bytearray``, ``memoryview`` or
+    ``str`` (UTF-8) and are stored as ``bytes``; headers are stored as a
+    tuple of ``(str, bytes)`` pairs; a bad field raises
+    :class:`~felix.errors.InvalidArgument`.
+    """
 
     payload: bytes
     key: Optional[bytes] = None
     headers: Tuple[Header, ...] = ()
     timestamp_ms: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "payload", to_bytes("payload", self.payload))
+        if self.key is not None:
+            object.__setattr__(self, "key", to_bytes("key", self.key))
+        if isinstance(self.headers, (str, bytes, bytearray, memoryview)):
+            raise InvalidArgument("headers must be a sequence of (name, value) pairs")
+        try:
+            items = tuple(self.headers)
+        except TypeError:
+            raise InvalidArgument(f"headers must be a sequence of (name, value) pairs, not {self.headers!r}") from None
+        headers = []
+        for item in items:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                raise InvalidArgument(f"a header is a (str name, bytes value) pair, not {item!r}")
+            check_utf8("header name", item[0])
+            headers.append((item[0], to_bytes("header value", item[1])))
+        object.__setattr__(self, "headers", tuple(headers))
+        if self.timestamp_ms is not None:
+            check_u64("timestamp_ms", self.timestamp_ms)
 
     @classmethod
     def of(
@@ -201,18 +259,9 @@ class RecordIn:
         timestamp_ms: Optional[int] = None,
     ) -> "RecordIn":
         """A record with its fields converted and checked (``str`` payloads,
-        keys and header values are encoded as UTF-8)."""
-        hdrs = []
-        for item in headers:
-            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-                raise InvalidArgument(f"a header is a (str name, bytes value) pair, not {item!r}")
-            hdrs.append((item[0], to_bytes("header value", item[1])))
-        return cls(
-            payload=to_bytes("payload", payload),
-            key=None if key is None else to_bytes("key", key),
-            headers=tuple(hdrs),
-            timestamp_ms=None if timestamp_ms is None else check_u64("timestamp_ms", timestamp_ms),
-        )
+        keys and header values are encoded as UTF-8). The same as the
+        constructor, with keyword-only options."""
+        return cls(payload, key, headers, timestamp_ms)  # type: ignore[arg-type]
 
     def data_bytes(self) -> int:
         """Bytes of payload, key and headers (names and values)."""

@@ -1,5 +1,6 @@
 """A scripted stand-in for a broker, for tests of what the client does with
-answers a real broker would not give (missing features, garbage, silence)."""
+answers a real broker would not give (missing features, garbage, silence,
+redirects, a refused or trickling HELLO)."""
 
 import socket
 import struct
@@ -8,8 +9,10 @@ from typing import Callable, List, Optional, Tuple
 
 from felix import _wire
 
-#: Called with each request frame (header, body); returns bytes to send back.
-Script = Callable[[_wire.FrameHeader, bytes], bytes]
+#: Called with each request frame (header, body) and the core of the
+#: connection it came on; returns bytes to send back, or None to drop the
+#: connection.
+Script = Callable[[_wire.FrameHeader, bytes, int], Optional[bytes]]
 
 
 def response_frame(request_id: int, opcode: int, body: bytes) -> bytes:
@@ -23,19 +26,57 @@ def hello_ok(request_id: int, features: int = 0, cores: int = 1, core: int = 0, 
     return response_frame(request_id, 0x01, bytes(w.buf))
 
 
+def error_frame(request_id: int, number: int, message: str, core: Optional[int] = None) -> bytes:
+    """An ``Error`` answer."""
+    w = _wire.Writer().u16(number).string(message)
+    w.opt(core, w.u32)
+    return response_frame(request_id, 0xFF, bytes(w.buf))
+
+
+def want_core(hello_body: bytes) -> Optional[int]:
+    """The core a HELLO body asks for."""
+    if hello_body[10] == 0:
+        return None
+    return int.from_bytes(hello_body[11:15], "little")
+
+
 class FakeBroker:
     """Accepts connections on 127.0.0.1, answers HELLO with ``features`` and
-    every later request with what ``script`` returns. Records the opcodes
-    of the requests it received."""
+    ``cores`` (putting the connection on the core it asks for), or with what
+    ``hello`` returns when given, and every later request with what
+    ``script`` returns (None drops the connection). With ``trickle``, the
+    HELLO answer goes out one byte every ``trickle`` seconds; with ``stall``,
+    nothing is read after HELLO. HELLO offers ``max_frame`` as the frame
+    limit. Records the opcodes of the requests it received."""
 
-    def __init__(self, script: Script, features: int = 0) -> None:
+    def __init__(
+        self,
+        script: Script,
+        features: int = 0,
+        cores: int = 1,
+        hello: Optional[Callable[[_wire.FrameHeader, bytes], Optional[bytes]]] = None,
+        trickle: Optional[float] = None,
+        stall: bool = False,
+        max_frame: int = 1 << 20,
+    ) -> None:
         self.script = script
         self.features = features
+        self.cores = cores
+        self.hello = hello
+        self.trickle = trickle
+        self.stall = stall
+        self.max_frame = max_frame
         self.received: List[int] = []
+        #: (core, opcode) of every request after HELLO.
+        self.calls: List[Tuple[int, int]] = []
+        self.accepted = 0
+        self._changed = threading.Condition()
+        self._closing = threading.Event()
         self._listener = socket.socket()
         self._listener.bind(("127.0.0.1", 0))
         self._listener.listen()
         self._conns: List[socket.socket] = []
+        self._threads: List[threading.Thread] = []
         self._thread = threading.Thread(target=self._accept, daemon=True)
         self._thread.start()
 
@@ -45,15 +86,31 @@ class FakeBroker:
         host, port = self._listener.getsockname()
         return host, port
 
+    def wait_for_requests(self, count: int, timeout: float = 5.0) -> bool:
+        """Block until ``count`` requests (after HELLO) have arrived."""
+        with self._changed:
+            return self._changed.wait_for(lambda: len(self.received) >= count, timeout)
+
     def close(self) -> None:
         """Stop listening and drop every connection."""
-        for sock in self._conns:
-            sock.close()
+        self._closing.set()
         try:
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept()
         except OSError:
             pass  # Not connected on this platform: closing is enough.
         self._listener.close()
+        self._thread.join(5)
+        with self._changed:
+            conns = list(self._conns)
+        for sock in conns:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for thread in list(self._threads):
+            thread.join(5)
+        for sock in conns:
+            sock.close()
 
     def _accept(self) -> None:
         while True:
@@ -61,11 +118,19 @@ class FakeBroker:
                 sock, _ = self._listener.accept()
             except OSError:
                 return
-            self._conns.append(sock)
-            threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
+            if self._closing.is_set():
+                sock.close()
+                return
+            with self._changed:
+                self._conns.append(sock)
+                self.accepted += 1
+            thread = threading.Thread(target=self._serve, args=(sock,), daemon=True)
+            self._threads.append(thread)
+            thread.start()
 
     def _serve(self, sock: socket.socket) -> None:
         buf = b""
+        core = 0
         while True:
             frame = self._next_frame(sock, buf)
             if frame is None:
@@ -73,12 +138,42 @@ class FakeBroker:
             header, body, buf = frame
             answer: Optional[bytes]
             if header.opcode == 0x01:
-                answer = hello_ok(header.request_id, self.features)
+                if self.hello is not None:
+                    answer = self.hello(header, body)
+                else:
+                    asked = want_core(body)
+                    core = asked if asked is not None and asked < self.cores else 0
+                    answer = hello_ok(header.request_id, self.features, self.cores, core, self.max_frame)
+                if self.trickle is not None and answer is not None:
+                    self._send_slowly(sock, answer)
+                    continue
             else:
-                self.received.append(header.opcode)
-                answer = self.script(header, body)
+                with self._changed:
+                    self.received.append(header.opcode)
+                    self.calls.append((core, header.opcode))
+                    self._changed.notify_all()
+                answer = self.script(header, body, core)
+            if answer is None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                return
             try:
                 sock.sendall(answer)
+            except OSError:
+                return
+            if self.stall and header.opcode == 0x01:
+                self._closing.wait()  # Read nothing more: the client's sends back up.
+                return
+
+    def _send_slowly(self, sock: socket.socket, data: bytes) -> None:
+        assert self.trickle is not None
+        for i in range(len(data)):
+            if self._closing.wait(self.trickle):
+                return
+            try:
+                sock.sendall(data[i : i + 1])
             except OSError:
                 return
 

@@ -1,7 +1,11 @@
 """Streams, publishing, reading and typed errors against a real broker."""
 
+import gc
+import os
 import threading
 import time
+import unittest
+from datetime import timedelta
 
 import felix
 
@@ -59,16 +63,39 @@ class StreamAdminTest(BrokerTestCase):
             lambda: self.client.group_poll(path, 0, "g", consumer=""),
             lambda: self.client.group_poll(path, 0, "g", reclaim=True),
             lambda: self.client.read(path, 0, 0, wait=-1),
+            lambda: self.client.read(path, 0, 0, wait=float("inf")),
+            lambda: self.client.read(path, 0, 0, wait=float("nan")),
+            lambda: self.client.read(path, 0, 0, wait="1"),  # type: ignore[arg-type]
+            lambda: self.client.group_poll(path, 0, "g", visibility=float("-inf")),
+            lambda: self.client.publish(path, 0, "\ud800"),
+            lambda: self.client.publish(path, 0, b"x", headers=[("\udc00", b"v")]),
+            lambda: self.client.publish(path, 0, b"x", timestamp_ms=-1),
+            lambda: self.client.publish_batch(path, 0, [felix.RecordIn(b"x", timestamp_ms=-5)]),
+            lambda: self.client.group_poll(path, 0, "g", consumer="\ud800"),
+            lambda: self.client.describe_stream("pytest/default/\ud800"),
         ]
         for i, call in enumerate(cases):
             with self.subTest(case=i), self.assertRaises(felix.InvalidArgument):
                 call()
 
+    def test_huge_durations_saturate_instead_of_failing(self) -> None:
+        path = self.new_stream()
+        self.client.publish(path, 0, b"x")
+        # u32 wait_ms saturates; the record is there, so no wait happens.
+        self.assertEqual(len(self.client.read(path, 0, 0, wait=1e30).records), 1)
+        self.assertEqual(len(self.client.read(path, 0, 0, wait=10**400).records), 1)
+        self.assertEqual(len(self.client.read(path, 0, 0, wait=timedelta(days=999_999_999)).records), 1)
+
     def test_a_batch_over_the_frame_cap_is_refused_locally(self) -> None:
         path = self.new_stream()
-        with self.assertRaises(felix.TooLarge) as caught:
+        # As in the Rust client: invalid_argument, before anything is encoded.
+        with self.assertRaises(felix.InvalidArgument) as caught:
             self.client.publish(path, 0, b"x" * (self.client.max_frame_bytes + 1))
         self.assertFalse(caught.exception.from_broker)
+        half = b"x" * (self.client.max_frame_bytes // 2 + 1)
+        with self.assertRaises(felix.InvalidArgument):
+            self.client.publish_batch(path, 0, [half, half])
+        self.assertEqual(self.client.describe_shard(path, 0).end_offset, 0)
 
 
 class PublishReadTest(BrokerTestCase):
@@ -86,7 +113,7 @@ class PublishReadTest(BrokerTestCase):
             self.assertEqual((batch.records[0].key, batch.records[0].headers), (b"k", (("h", b"v"),)))
             self.assertEqual((batch.next_offset, batch.end_offset), (5, 5))
             self.assertEqual([r.offset for r in self.client.read(path, shard, 3).records], [3, 4])
-        self.assertEqual(len(self.client._slots), self.client.cores, "one connection per core")
+        self.assertEqual(self.client.connected_cores, list(range(self.client.cores)), "one connection per core")
 
     def test_batch_publish_gets_consecutive_offsets(self) -> None:
         path = self.new_stream(shards=2)
@@ -171,5 +198,49 @@ class PublishReadTest(BrokerTestCase):
     def test_a_closed_client_refuses_calls(self) -> None:
         client = self.connect()
         client.close()
+        self.assertTrue(client.closed)
+        self.assertIn("closed", repr(client))
         with self.assertRaises(felix.Disconnected):
             client.ping()
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _felix_threads() -> int:
+    return sum(1 for t in threading.enumerate() if t.name.startswith("felix-reader"))
+
+
+@unittest.skipUnless(os.path.isdir("/proc/self/fd"), "needs /proc/self/fd to count sockets")
+class CleanupTest(BrokerTestCase):
+    def settled(self, threads: int, fds: int) -> bool:
+        """Wait (a bounded while) for reader threads and sockets to go back to these counts."""
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            if _felix_threads() <= threads and _fds() <= fds:
+                return True
+            gc.collect()
+            time.sleep(0.01)
+        return False
+
+    def test_close_ends_reader_threads_and_closes_sockets(self) -> None:
+        path = self.new_stream(shards=self.client.cores)
+        threads, fds = _felix_threads(), _fds()
+        client = felix.Client.connect(broker_addr())
+        for shard in range(self.client.cores):
+            client.publish(path, shard, b"x")
+        self.assertEqual(client.connected_cores, list(range(self.client.cores)))
+        self.assertEqual(_felix_threads(), threads + self.client.cores)
+        client.close()
+        # close() waits for the reader threads: no polling needed.
+        self.assertEqual((_felix_threads(), _fds()), (threads, fds))
+        self.assertEqual(client.connected_cores, [])
+
+    def test_a_client_dropped_without_close_is_cleaned_up(self) -> None:
+        threads, fds = _felix_threads(), _fds()
+        client = felix.Client.connect(broker_addr())
+        client.ping()
+        self.assertEqual(_felix_threads(), threads + 1)
+        del client
+        self.assertTrue(self.settled(threads, fds), "a dropped client kept its sockets or threads")

@@ -1,18 +1,22 @@
 """Offline tests: encoding, key routing, decoder robustness, and what the
 client does with a misbehaving broker. No real broker needed."""
 
+import math
 import random
+import signal
 import socket
 import struct
 import threading
 import time
 import unittest
+from datetime import timedelta
+from typing import Dict, List, Tuple
 
 import felix
 from felix import _wire
 from felix.errors import error_from_wire
 
-from .fake_broker import FakeBroker, response_frame
+from .fake_broker import FakeBroker, error_frame, response_frame
 
 
 class KeyRoutingTest(unittest.TestCase):
@@ -62,6 +66,24 @@ class DecoderRobustnessTest(unittest.TestCase):
             with self.subTest(opcode=opcode), self.assertRaises(felix.ProtocolError):
                 self.decode(opcode, body)
 
+    def test_empty_blobs_share_one_object_and_counts_are_bounded_by_the_body(self) -> None:
+        empty_record = struct.pack("<QQBII", 0, 0, 0, 0, 0)
+        body = struct.pack("<QQQI", 0, 3, 3, 3) + empty_record * 3
+        records = self.decode(0x21, body).value[3]
+        self.assertEqual(len(records), 3)
+        self.assertTrue(all(r.payload is records[0].payload for r in records))
+        # One record fewer than the count claims: refused before decoding any.
+        with self.assertRaises(felix.ProtocolError):
+            self.decode(0x21, struct.pack("<QQQI", 0, 3, 3, 4) + empty_record * 3)
+
+    def test_a_request_frame_is_built_once_with_its_header(self) -> None:
+        request = _wire.publish(felix.StreamRef("t", "n", "s"), 0, None, 0, [felix.RecordIn(b"abc")])
+        self.assertIsInstance(request.frame, bytearray)
+        self.assertEqual(int.from_bytes(request.frame[:4], "little"), len(request.frame) - 4)
+        self.assertEqual(request.frame[16:], request.body)
+        request.set_request_id(9)
+        self.assertEqual(_wire.FrameHeader.parse(bytes(request.frame[:16])).request_id, 9)
+
     def test_random_bytes_only_ever_raise_protocol_errors(self) -> None:
         rng = random.Random(7)
         opcodes = [0x01, 0x02, 0x03, 0x10, 0x11, 0x12, 0x20, 0x21, 0x30, 0x31, 0x32, 0x33, 0x40, 0x41, 0xFF]
@@ -73,9 +95,32 @@ class DecoderRobustnessTest(unittest.TestCase):
                 pass
 
 
+def _pong(request_id: int) -> bytes:
+    return response_frame(request_id, 0x02, b"")
+
+
+def _records_answer(request_id: int, next_offset: int = 0) -> bytes:
+    """A ``Records`` answer with no records."""
+    return response_frame(request_id, 0x21, struct.pack("<QQQI", 0, next_offset, next_offset, 0))
+
+
+def _stream_answer(request_id: int, placement: list) -> bytes:  # type: ignore[type-arg]
+    w = _wire.Writer().stream(felix.StreamRef("t", "n", "s")).u32(len(placement)).u8(0).u8(0).u32(len(placement))
+    for core in placement:
+        w.u32(core)
+    return response_frame(request_id, 0x10, bytes(w.buf))
+
+
+def _dead_letters(w: _wire.Writer, offsets: list) -> _wire.Writer:  # type: ignore[type-arg]
+    w.u32(len(offsets))
+    for offset in offsets:
+        w.u64(offset).u32(3).u64(1000 + offset).u8(1).string(f"r{offset}").u8(0)
+    return w
+
+
 class MisbehavingBrokerTest(unittest.TestCase):
-    def serve(self, script, features: int = 0) -> FakeBroker:  # type: ignore[no-untyped-def]
-        fake = FakeBroker(script, features)
+    def serve(self, script, features: int = 0, **options: object) -> FakeBroker:  # type: ignore[no-untyped-def]
+        fake = FakeBroker(script, features, **options)  # type: ignore[arg-type]
         self.addCleanup(fake.close)
         return fake
 
@@ -84,8 +129,23 @@ class MisbehavingBrokerTest(unittest.TestCase):
         self.addCleanup(client.close)
         return client
 
+    def in_thread(self, call) -> Tuple[threading.Thread, Dict[str, object]]:  # type: ignore[no-untyped-def]
+        """Run ``call`` in a thread; the dict gets its ``result`` or ``error``."""
+        outcome: Dict[str, object] = {}
+
+        def run() -> None:
+            try:
+                outcome["result"] = call()
+            except BaseException as e:  # noqa: B902 - reported to the test
+                outcome["error"] = e
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        self.addCleanup(thread.join, 5)
+        return thread, outcome
+
     def test_calls_needing_unadvertised_features_are_refused_without_sending(self) -> None:
-        fake = self.serve(lambda h, b: response_frame(h.request_id, 0x03, b""), features=int(felix.Feature.GROUPS))
+        fake = self.serve(lambda h, b, c: response_frame(h.request_id, 0x03, b""), features=int(felix.Feature.GROUPS))
         client = self.connect(fake, ack_on_commit=True)
         record = felix.GroupRecord(0, 1, 0, None, (), b"", None)
         for call in [
@@ -103,45 +163,194 @@ class MisbehavingBrokerTest(unittest.TestCase):
         client.group_ack("t/n/s", 0, "g", [1, 2])
         self.assertEqual(fake.received, [0x31])
 
-    def test_garbage_from_the_broker_is_a_protocol_error_and_drops_the_connection(self) -> None:
-        fake = self.serve(lambda h, b: response_frame(h.request_id, 0x21, b"\x01\x02"))
+    def test_garbage_from_the_broker_fails_the_call_and_keeps_the_connection(self) -> None:
+        fake = self.serve(lambda h, b, c: response_frame(h.request_id, 0x21, b"\x01\x02"))
         client = self.connect(fake)
+        for _ in range(2):
+            with self.assertRaises(felix.ProtocolError) as caught:
+                client.ping()
+            self.assertIn("undecodable", caught.exception.message)
+        self.assertEqual((fake.accepted, client.connected_cores), (1, [0]))
+
+    def test_an_undecodable_answer_fails_only_its_request(self) -> None:
+        held: List[int] = []
+
+        def script(header, body, core):  # type: ignore[no-untyped-def]
+            if header.opcode == 0x21:  # The long poll: held until the ping.
+                held.append(header.request_id)
+                return b""
+            if len(held) == 1:
+                held.append(0)
+                # A pong with a body it cannot have, then the held answer.
+                return response_frame(header.request_id, 0x02, b"\x00") + _records_answer(held[0], 3)
+            return _pong(header.request_id)
+
+        fake = self.serve(script)
+        client = self.connect(fake)
+        poller, outcome = self.in_thread(lambda: client.read("t/n/s", 0, 3, wait=10))
+        self.assertTrue(fake.wait_for_requests(1))
         with self.assertRaises(felix.ProtocolError):
             client.ping()
-        with self.assertRaises(felix.ProtocolError):
-            client.ping()  # The next call reconnects, and gets garbage again.
+        poller.join(5)
+        self.assertNotIn("error", outcome)
+        self.assertEqual(outcome["result"].next_offset, 3)  # type: ignore[attr-defined]
+        client.ping()  # The same connection goes on working.
+        self.assertEqual(fake.accepted, 1)
 
     def test_an_oversized_length_prefix_fails_calls_in_flight(self) -> None:
-        fake = self.serve(lambda h, b: struct.pack("<I", 0xFFFFFFF0) + b"\x00" * 12)
+        fake = self.serve(lambda h, b, c: struct.pack("<I", 0xFFFFFFF0) + b"\x00" * 12)
         client = self.connect(fake, max_frame_bytes=1 << 20)
         with self.assertRaises(felix.Disconnected):
             client.ping()
+        self.assertEqual(client.connected_cores, [])
 
     def test_a_silent_broker_times_out_and_the_call_does_not_hang(self) -> None:
-        fake = self.serve(lambda h, b: b"")
+        fake = self.serve(lambda h, b, c: b"")
         client = self.connect(fake, request_timeout=0.3)
         started = time.monotonic()
         with self.assertRaises(felix.Timeout):
             client.ping()
         self.assertLess(time.monotonic() - started, 2.0)
 
-    def test_answers_out_of_order_reach_their_callers(self) -> None:
-        held = []
+    def test_a_send_that_backs_up_is_bounded_by_the_request_timeout(self) -> None:
+        fake = self.serve(lambda h, b, c: b"", stall=True, max_frame=64 << 20)
+        client = self.connect(fake, request_timeout=0.5)
+        started = time.monotonic()
+        with self.assertRaises(felix.Timeout):
+            client.publish("t/n/s", 0, b"x" * (48 << 20))
+        self.assertLess(time.monotonic() - started, 2.0)
+        self.assertEqual(client.connected_cores, [], "a half-sent frame must drop the connection")
 
-        def script(header, body):  # type: ignore[no-untyped-def]
+    @unittest.skipUnless(hasattr(signal, "setitimer"), "needs signal.setitimer")
+    def test_an_interrupt_mid_send_drops_the_connection(self) -> None:
+        fake = self.serve(lambda h, b, c: b"", stall=True, max_frame=64 << 20)
+        client = self.connect(fake, request_timeout=10)
+
+        def interrupt(signum, frame):  # type: ignore[no-untyped-def]
+            raise KeyboardInterrupt
+
+        previous = signal.signal(signal.SIGALRM, interrupt)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.5)
+            with self.assertRaises(KeyboardInterrupt):
+                client.publish("t/n/s", 0, b"x" * (48 << 20))
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        self.assertEqual(client.connected_cores, [], "a half-sent frame must drop the connection")
+
+    def test_a_trickling_hello_is_bounded_by_the_connect_timeout(self) -> None:
+        fake = self.serve(lambda h, b, c: b"", trickle=0.1)
+        started = time.monotonic()
+        with self.assertRaises(felix.Timeout):
+            felix.Client.connect(fake.addr, connect_timeout=0.5)
+        self.assertLess(time.monotonic() - started, 1.5)
+
+    def test_a_refused_hello_raises_the_brokers_error(self) -> None:
+        fake = self.serve(lambda h, b, c: b"", hello=lambda h, b: error_frame(0, 8, "no such token"))
+        with self.assertRaises(felix.Unauthorized) as caught:
+            felix.Client.connect(fake.addr, token="nope")
+        self.assertEqual((caught.exception.number, caught.exception.message), (8, "no such token"))
+
+    def test_a_broker_closing_during_hello_is_connection_failed_once(self) -> None:
+        fake = self.serve(lambda h, b, c: b"", hello=lambda h, b: None)
+        with self.assertRaises(felix.ConnectionFailed) as caught:
+            felix.Client.connect(fake.addr)
+        self.assertNotIsInstance(caught.exception.__cause__, felix.ConnectionFailed)
+        self.assertNotIn("HELLO failed", caught.exception.message)
+
+    def test_answers_out_of_order_reach_their_callers(self) -> None:
+        held: List[int] = []
+
+        def script(header, body, core):  # type: ignore[no-untyped-def]
             # Hold the first ping, answer it after the second.
             if not held:
                 held.append(header.request_id)
                 return b""
-            return response_frame(header.request_id, 0x02, b"") + response_frame(held[0], 0x02, b"")
+            return _pong(header.request_id) + _pong(held[0])
 
-        client = self.connect(self.serve(script))
-        first = threading.Thread(target=client.ping)
-        first.start()
-        time.sleep(0.1)
+        fake = self.serve(script)
+        client = self.connect(fake)
+        first, outcome = self.in_thread(client.ping)
+        self.assertTrue(fake.wait_for_requests(1))
         client.ping()
         first.join(2.0)
         self.assertFalse(first.is_alive())
+        self.assertNotIn("error", outcome)
+        self.assertIsInstance(outcome["result"], float)
+
+    def test_a_wrong_core_answer_is_followed_even_if_the_refresh_fails(self) -> None:
+        describes: List[int] = []
+
+        def script(header, body, core):  # type: ignore[no-untyped-def]
+            if header.opcode == 0x11:
+                describes.append(core)
+                if len(describes) == 1:
+                    return _stream_answer(header.request_id, [0])
+                return error_frame(header.request_id, 11, "refresh refused")
+            if header.opcode == 0x20 and core == 0:
+                return error_frame(header.request_id, 4, "shard 0 is on core 1", core=1)
+            return response_frame(header.request_id, 0x20, struct.pack("<IQI", 0, 7, 1))
+
+        fake = self.serve(script, cores=2)
+        client = self.connect(fake)
+        self.assertEqual(client.publish("t/n/s", 0, b"x"), 7)
+        self.assertEqual(fake.calls, [(0, 0x11), (0, 0x20), (0, 0x11), (1, 0x20)])
+        self.assertEqual(client.connected_cores, [0, 1])
+
+    def test_a_second_wrong_core_answer_is_raised(self) -> None:
+        def script(header, body, core):  # type: ignore[no-untyped-def]
+            if header.opcode == 0x11:
+                return _stream_answer(header.request_id, [0])
+            return error_frame(header.request_id, 4, "not here either", core=1 - core)
+
+        client = self.connect(self.serve(script, cores=2))
+        with self.assertRaises(felix.WrongCore) as caught:
+            client.publish("t/n/s", 0, b"x")
+        self.assertEqual((caught.exception.code, caught.exception.core), ("wrong_core", 0))
+
+    def test_close_fails_calls_in_flight(self) -> None:
+        fake = self.serve(lambda h, b, c: b"")
+        client = self.connect(fake, request_timeout=30)
+        caller, outcome = self.in_thread(client.ping)
+        self.assertTrue(fake.wait_for_requests(1))
+        client.close()
+        caller.join(5)
+        self.assertIsInstance(outcome.get("error"), felix.Disconnected)
+        with self.assertRaises(felix.Disconnected):
+            client.ping()
+
+    def test_dead_letters_are_fetched_page_by_page(self) -> None:
+        letters = [3, 5, 8, 9, 12]
+
+        def script(header, body, core):  # type: ignore[no-untyped-def]
+            from_offset = struct.unpack_from("<Q", body, len(body) - 12)[0]
+            page = [o for o in letters if o >= from_offset][:2]
+            rest = [o for o in letters if o > page[-1]] if page else []
+            w = _dead_letters(_wire.Writer(), page)
+            w.opt(page[-1] + 1 if rest else None, w.u64)
+            return response_frame(header.request_id, 0x33, bytes(w.buf))
+
+        F = felix.Feature
+        fake = self.serve(script, features=int(F.GROUPS | F.GROUP_DEAD_LETTER_PAGES))
+        client = self.connect(fake)
+        detailed = client.group_dead_letters_detailed("t/n/s", 0, "g")
+        self.assertEqual([d.offset for d in detailed], letters)
+        self.assertEqual((detailed[0].attempts, detailed[0].reason, detailed[0].by_consumer), (3, "r3", False))
+        self.assertEqual(fake.received, [0x38, 0x38, 0x38])
+        page = client.group_dead_letters_page("t/n/s", 0, "g", 6, 2)
+        self.assertEqual(([d.offset for d in page.letters], page.next), ([8, 9], 10))
+
+    def test_without_pages_the_whole_dead_letter_list_is_asked_for(self) -> None:
+        def script(header, body, core):  # type: ignore[no-untyped-def]
+            return response_frame(header.request_id, 0x32, bytes(_dead_letters(_wire.Writer(), [1, 4]).buf))
+
+        fake = self.serve(script, features=int(felix.Feature.GROUPS))
+        client = self.connect(fake)
+        self.assertEqual(client.group_dead_letters("t/n/s", 0, "g"), [1, 4])
+        self.assertEqual(fake.received, [0x35])
+        with self.assertRaises(felix.Unsupported):
+            client.group_dead_letters_page("t/n/s", 0, "g")
 
     def test_a_refused_connection_is_a_typed_error(self) -> None:
         unused = socket.socket()
@@ -166,3 +375,69 @@ class ArgumentValidationTest(unittest.TestCase):
         with self.assertRaises(felix.InvalidArgument):
             felix.StartPosition.of(True)  # type: ignore[arg-type]
         self.assertEqual(str(felix.StartPosition.LATEST), "latest")
+
+    def test_durations_are_finite_and_not_negative_and_saturate(self) -> None:
+        from felix.client import _ms_u32, _ms_u64, _seconds
+
+        for bad in (float("inf"), float("-inf"), float("nan"), -1, -0.5, "1", None, True):
+            with self.subTest(value=bad), self.assertRaises(felix.InvalidArgument):
+                _seconds("wait", bad)  # type: ignore[arg-type]
+        self.assertEqual(_ms_u32("wait", 1e30), (1 << 32) - 1)
+        self.assertEqual(_ms_u64("by", 1e30), (1 << 64) - 1)
+        self.assertEqual(_ms_u64("by", 10**400), (1 << 64) - 1)
+        self.assertEqual(_ms_u64("by", 0.0001), 1)
+        self.assertEqual(_ms_u64("by", 0), 0)
+        self.assertEqual(_ms_u64("by", timedelta(milliseconds=1500)), 1500)
+        self.assertFalse(math.isinf(_seconds("wait", 10**400)))
+
+    def test_client_config_takes_timedeltas_and_checks_its_fields(self) -> None:
+        config = felix.ClientConfig(request_timeout=timedelta(seconds=2), connect_timeout=timedelta(milliseconds=500))
+        self.assertEqual((config.request_timeout, config.connect_timeout), (2.0, 0.5))
+        for bad in [
+            dict(request_timeout=0),
+            dict(connect_timeout=float("nan")),
+            dict(reconnect_backoff_max=float("inf")),
+            dict(reconnect_backoff_initial=timedelta(seconds=-1)),
+            dict(client_name="\ud800"),
+            dict(client_name=42),
+            dict(client_name="x" * 70000),
+            dict(token="\udfff"),
+            dict(token=b"bytes"),
+            dict(max_frame_bytes=100),
+            dict(ack_on_commit="yes"),
+        ]:
+            with self.subTest(**{k: repr(v)[:20] for k, v in bad.items()}), self.assertRaises(felix.InvalidArgument):
+                felix.ClientConfig(**bad)  # type: ignore[arg-type]
+        with self.assertRaises(felix.InvalidArgument):
+            felix.Client.connect("127.0.0.1:1", config="fast")  # type: ignore[arg-type]
+
+    def test_record_in_checks_its_fields(self) -> None:
+        record = felix.RecordIn(bytearray(b"p"), key="k", headers=[("h", "v")])  # type: ignore[arg-type]
+        self.assertEqual((record.payload, record.key, record.headers), (b"p", b"k", (("h", b"v"),)))
+        for bad in [
+            lambda: felix.RecordIn(42),  # type: ignore[arg-type]
+            lambda: felix.RecordIn(b"x", key=3),  # type: ignore[arg-type]
+            lambda: felix.RecordIn(b"x", timestamp_ms=-1),
+            lambda: felix.RecordIn(b"x", timestamp_ms=1.5),  # type: ignore[arg-type]
+            lambda: felix.RecordIn(b"x", headers=[("h",)]),  # type: ignore[list-item]
+            lambda: felix.RecordIn(b"x", headers=[(b"h", b"v")]),  # type: ignore[list-item]
+            lambda: felix.RecordIn(b"x", headers=[("\ud800", b"v")]),
+            lambda: felix.RecordIn(b"x", headers=5),  # type: ignore[arg-type]
+            lambda: felix.RecordIn.of("\udc00"),
+        ]:
+            with self.assertRaises(felix.InvalidArgument):
+                bad()
+
+    def test_lone_surrogates_in_encoded_text_are_invalid_arguments(self) -> None:
+        ref = felix.StreamRef("t", "n", "s")
+        with self.assertRaises(felix.InvalidArgument):
+            _wire.group_nack(ref, 0, "g", 0, 1, None, "bad \ud800 reason")
+        with self.assertRaises(felix.InvalidArgument):
+            _wire.list_streams("\ud800")
+
+    def test_start_kind_is_an_enum(self) -> None:
+        self.assertIs(felix.StartPosition.at(3).kind, felix.StartKind.OFFSET)
+        self.assertIs(felix.StartPosition("latest").kind, felix.StartKind.LATEST)
+        self.assertEqual(felix.StartPosition.EARLIEST.kind, "earliest")
+        with self.assertRaises(felix.InvalidArgument):
+            felix.StartPosition("newest")  # type: ignore[arg-type]
