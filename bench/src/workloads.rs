@@ -219,6 +219,7 @@ async fn producer(
     let (ch_tx, mut ch_rx) = mpsc::unbounded_channel();
     let size = plan.record_size as u64;
     let crun = run.clone();
+    let clat = lat.clone();
     let completer = tokio::spawn(async move {
         let mut hist = new_histogram();
         let mut acked = 0u64;
@@ -238,7 +239,7 @@ async fn producer(
             }
             drop(permit);
         }
-        lat.add(&hist);
+        clat.add(&hist);
         acked
     });
     let fixed = payload(plan.record_size);
@@ -300,7 +301,36 @@ async fn producer(
         k += 1;
     }
     drop(ch_tx);
+    if run.stop_reason() == StopReason::Duration {
+        if let (Some((base, iv)), Some(end)) = (plan.pace, run.stop_at()) {
+            lat.add(&missed_batches(&run, base, iv, k, end));
+        }
+    }
     completer.await.unwrap_or(0)
+}
+
+/// Batches from `first` on that fell due before `end` and were never sent
+/// (the producer was held up: every batch in flight, or a send blocked).
+/// Each has waited at least until `end`, and counts so: leaving them out
+/// would drop exactly the waits a corrected latency exists to show.
+fn missed_batches(
+    run: &Run,
+    base: Instant,
+    interval: Duration,
+    first: u64,
+    end: Instant,
+) -> Histogram<u64> {
+    let mut missed = new_histogram();
+    for k in first.. {
+        let intended = base + interval.mul_f64(k as f64);
+        if intended >= end {
+            break;
+        }
+        if run.is_measured(intended) {
+            record(&mut missed, (end - intended).as_nanos() as u64, 1);
+        }
+    }
+    missed
 }
 
 /// Run the measured phase: the clock starts now.
@@ -918,6 +948,26 @@ mod tests {
         assert_eq!(p.len(), 100);
         assert_eq!(stamp_of(&p), Some(123_456_789));
         assert_eq!(stamp_of(b"short"), None);
+    }
+
+    /// A producer held up at the end: the batches due before the end and
+    /// never sent count, each at least as late as the end, and only those
+    /// intended inside the measured window.
+    #[test]
+    fn batches_never_sent_count_as_late_as_the_end() {
+        let run = Run::new(Duration::ZERO, Amount::Duration(Duration::from_secs(1)));
+        let base = run.measure_at();
+        let end = run.stop_at().unwrap();
+        let iv = Duration::from_millis(100);
+        // Batches 0..=9 are due before the end; 7, 8 and 9 were not sent.
+        let h = missed_batches(&run, base, iv, 7, end);
+        assert_eq!(h.len(), 3);
+        assert_eq!(h.min() / 1_000_000, 99, "{}", h.min());
+        assert_eq!(h.max() / 1_000_000, 300, "{}", h.max());
+        // Nothing due after the end, and nothing before the window.
+        assert_eq!(missed_batches(&run, base, iv, 10, end).len(), 0);
+        let early = base - Duration::from_millis(250);
+        assert_eq!(missed_batches(&run, early, iv, 0, end).len(), 10);
     }
 
     #[test]
