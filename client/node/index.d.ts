@@ -138,6 +138,60 @@ export interface GroupInfo {
 
 export interface ReadOptions { maxRecords?: number; waitMs?: number; }
 
+/** A record claimed through a ShardedGroup: a GroupRecord and the shard it came from. */
+export interface ShardedRecord extends GroupRecord {
+  shard: number;
+}
+
+export interface ShardedGroupOptions {
+  /** Poll every shard as this named member (1 to 128 bytes). */
+  consumer?: string;
+  /** Take back, shard by shard, what `consumer` held on older connections. */
+  reclaim?: boolean;
+  /** How long these claims stand (needs FEATURES.GROUP_CLAIM_CONTROL, checked on each poll). */
+  visibilityMs?: number;
+  /** How long each waiting poll lasts before it is sent again. Default 1,000, at least 10. */
+  waitSliceMs?: number;
+}
+
+export interface ShardedPollOptions {
+  /** Default 16. */
+  maxRecords?: number;
+  /** How long to wait for a record when none is available. Default 0. */
+  waitMs?: number;
+  /** Ends the poll on the spot, rejecting with the signal's reason; what its shard polls claim stays held. */
+  signal?: AbortSignal;
+}
+
+/**
+ * One consumer of a group on every shard of a stream (`client.shardedGroup`).
+ * One poll at a time: a new poll() or close() ends one still running, which
+ * resolves empty; its claims stay held for the next.
+ */
+export class ShardedGroup {
+  /** The stream's shard count. */
+  readonly shards: number;
+  readonly group: string;
+  readonly stream: StreamRef;
+  /** Records claimed by waiting polls and not yet handed out; the next poll hands them out first. */
+  readonly held: number;
+  poll(options?: ShardedPollOptions): Promise<ShardedRecord[]>;
+  ack(record: ShardedRecord): Promise<void>;
+  /** One request per shard, all sent at once; the first error is thrown after every one is answered. */
+  ackMany(records: ShardedRecord[]): Promise<void>;
+  nack(record: ShardedRecord, options?: { delayMs?: number; reason?: string }): Promise<void>;
+  nackAfter(record: ShardedRecord, delayMs: number, options?: { reason?: string }): Promise<void>;
+  /** Resolves to how long the claim now stands, in ms. */
+  extend(record: ShardedRecord, byMs: number): Promise<number>;
+  deadLetter(record: ShardedRecord, reason?: string): Promise<void>;
+  /** The group on every shard, in shard order. */
+  describe(): Promise<GroupInfo[]>;
+  /** The sum of every shard's lag. */
+  lag(): Promise<bigint>;
+  /** Waits for the polls out (a wait slice, at most 5 s more) and nacks everything held. Leaves the client open. */
+  close(): Promise<void>;
+}
+
 /**
  * Follows one shard. A failed read rejects `next()` (ending a `for await`);
  * the next `next()` reads again from the same position after a pause.
@@ -206,6 +260,8 @@ export class Client {
   groupSeekStream(stream: StreamArg, group: string, start: StartPosition): Promise<void>;
   groupDescribeStream(stream: StreamArg, group: string): Promise<GroupInfo[]>;
   groupDeleteStream(stream: StreamArg, group: string): Promise<void>;
+  /** One consumer of `group` on every shard of the stream (asks the broker for the shard count). */
+  shardedGroup(stream: StreamArg, group: string, options?: ShardedGroupOptions): Promise<ShardedGroup>;
 }
 
 export declare const FEATURES: {

@@ -10,6 +10,7 @@ const wire = require('./wire');
 const { shardForKey } = require('./crc32c');
 const { Connection, timerDelay } = require('./connection');
 const { Subscription } = require('./subscription');
+const { ShardedGroup } = require('./sharded');
 const {
   AlreadyExistsError,
   ConnectionError,
@@ -1092,6 +1093,19 @@ class Client {
   }
 
   // ----- consumer groups: a whole stream ----------------------------------------
+
+  /**
+   * One consumer of `group` on every shard of the stream, polling them as
+   * one queue (asks the broker how many shards the stream has). See
+   * `ShardedGroup`.
+   * @param {import('../index').StreamArg} stream
+   * @param {string} group
+   * @param {import('../index').ShardedGroupOptions} [options]
+   * @returns {Promise<ShardedGroup>}
+   */
+  async shardedGroup(stream, group, options = {}) {
+    return ShardedGroup.open(this, stream, group, options);
+  }
 
   /**
    * The stream's shard count, with `start` checked for a call on every

@@ -7,6 +7,7 @@
 
 const { Client } = require('./client');
 const { Subscription } = require('./subscription');
+const { ShardedGroup } = require('./sharded');
 const { shardForKey, crc32c } = require('./crc32c');
 const { FEATURES, FEATURES_ALL, PROTOCOL_VERSION } = require('./wire');
 const errors = require('./errors');
@@ -14,6 +15,7 @@ const errors = require('./errors');
 module.exports = {
   Client,
   Subscription,
+  ShardedGroup,
   shardForKey,
   crc32c,
   FEATURES,

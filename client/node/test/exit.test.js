@@ -33,3 +33,33 @@ test('the process exits after close(), even with a long poll in flight', async (
   assert.match(out, /closed/);
   assert.ok(Date.now() - started < 5_000, `exited after ${Date.now() - started} ms`);
 });
+
+const SHARDED_SCRIPT = `
+const { Client } = require(${JSON.stringify(path.join(__dirname, '..', 'src'))});
+(async () => {
+  const client = await Client.connect(process.env.FELIX_ADDR);
+  const stream = ${JSON.stringify(freshStream('exit-sg'))};
+  await client.createStream(stream, 2);
+  const g = await client.shardedGroup(stream, 'g', { waitSliceMs: 300 });
+  // Abandoned by the caller with its waiting polls out.
+  const r = await Promise.race([g.poll({ maxRecords: 10, waitMs: 20000 }), new Promise((res) => setTimeout(res, 100, 'timeout'))]);
+  if (r !== 'timeout') process.exit(3);
+  await g.close();
+  const timers = process.getActiveResourcesInfo().filter((k) => k === 'Timeout');
+  if (timers.length > 0) { console.error('timers left after close:', timers.length); process.exit(4); }
+  client.close();
+  console.log('closed');
+})().catch((err) => { console.error(err); process.exit(2); });
+`;
+
+test('a closed ShardedGroup leaves no timer behind: the process exits', async () => {
+  const started = Date.now();
+  const child = spawn(process.execPath, ['-e', SHARDED_SCRIPT], { env: { ...process.env, FELIX_ADDR: ADDR } });
+  let out = '';
+  child.stdout.on('data', (d) => { out += d; });
+  child.stderr.on('data', (d) => { out += d; });
+  const code = await new Promise((resolve) => child.on('exit', resolve));
+  assert.equal(code, 0, out);
+  assert.match(out, /closed/);
+  assert.ok(Date.now() - started < 5_000, `exited after ${Date.now() - started} ms`);
+});
