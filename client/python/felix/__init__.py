@@ -36,6 +36,7 @@ from .errors import (
     WrongCore,
 )
 from .routing import crc32c, shard_for_key
+from .sharded import ShardedGroup, ShardedRecord
 from .subscription import Subscription
 from .types import (
     DeadLetterInfo,
@@ -61,6 +62,8 @@ __all__ = [
     "RecordLike",
     "Seconds",
     "Subscription",
+    "ShardedGroup",
+    "ShardedRecord",
     "crc32c",
     "shard_for_key",
     "DeadLetterInfo",

@@ -9,7 +9,7 @@ one at a time under a lock.
 import socket
 import threading
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import _wire
 from .errors import (
@@ -46,16 +46,66 @@ _IDLE_RECV_TIMEOUT = 60.0
 class _Waiter:
     """A caller waiting for the answer to one request."""
 
-    __slots__ = ("event", "response", "error")
+    __slots__ = ("event", "response", "error", "notify")
 
-    def __init__(self) -> None:
+    def __init__(self, notify: Optional[Callable[[], None]] = None) -> None:
         self.event = threading.Event()
         self.response: Optional[_wire.Response] = None
         self.error: Optional[FelixError] = None
+        #: Called (from the thread that resolves it) once the answer is in.
+        self.notify = notify
 
     def resolve(self, response: Optional[_wire.Response], error: Optional[FelixError]) -> None:
         self.response, self.error = response, error
         self.event.set()
+        if self.notify is not None:
+            try:
+                self.notify()
+            except Exception:  # noqa: BLE001 - must not kill the reader thread.
+                pass
+
+
+class Pending:
+    """A request sent on a :class:`Connection` whose answer has not been taken
+    yet (:meth:`Connection.start`). Its answer, an ``Error`` included, is
+    :meth:`wait`'s; a request given up with :meth:`cancel` is forgotten."""
+
+    __slots__ = ("_conn", "_name", "_id", "_waiter", "_timeout", "deadline")
+
+    def __init__(self, conn: "Connection", name: str, request_id: int, waiter: _Waiter, timeout: float, deadline: float) -> None:
+        self._conn = conn
+        self._name = name
+        self._id = request_id
+        self._waiter = waiter
+        self._timeout = timeout
+        #: ``time.monotonic()`` after which the answer is no longer awaited.
+        self.deadline = deadline
+
+    def done(self) -> bool:
+        """Whether the answer (or the connection's failure) is in."""
+        return self._waiter.event.is_set()
+
+    def cancel(self) -> bool:
+        """Stop waiting for the answer. True if it had not come (and now never
+        will be delivered); False if it is already in."""
+        return self._conn._forget(self._id)
+
+    def wait(self) -> _wire.Response:
+        """Block until the answer is in, or the deadline: :class:`Timeout`."""
+        if not self._waiter.event.wait(max(self.deadline - time.monotonic(), 0)):
+            if self.cancel():
+                raise Timeout(f"no answer to {self._name} within {self._timeout:.3g} s")
+            # The answer is being handed over right now.
+            self._waiter.event.wait()
+        return self.outcome()
+
+    def outcome(self) -> _wire.Response:
+        """The answer of a request that is :meth:`done`: the response, or the
+        connection's failure raised."""
+        if self._waiter.error is not None:
+            raise self._waiter.error
+        assert self._waiter.response is not None
+        return self._waiter.response
 
 
 def _tune(sock: socket.socket) -> None:
@@ -286,19 +336,28 @@ class Connection:
         An ``Error`` answer is returned, not raised, so the caller can look at
         it (a ``wrong_core`` error names the right core).
         """
+        pending = self.start(request, timeout)
+        try:
+            return pending.wait()
+        finally:
+            pending.cancel()
+
+    def start(self, request: _wire.WireRequest, timeout: float, notify: Optional[Callable[[], None]] = None) -> Pending:
+        """Send ``request`` and return without waiting for its answer; it is
+        awaited until ``timeout`` seconds from now (sending included).
+        ``notify`` is called once the answer (or the connection's failure) is
+        in, from the connection's reader thread or the thread closing it: it
+        must be quick and must not call into this connection. Several
+        requests started one after another are in flight at once."""
         deadline = time.monotonic() + min(timeout, MAX_WAIT)
         self._check(request)
-        request_id, waiter = self._register()
+        request_id, waiter = self._register(notify)
         try:
             self._send(request, request_id, deadline)
-            if not waiter.event.wait(max(deadline - time.monotonic(), 0)):
-                raise Timeout(f"no answer to {request.name} within {timeout:.3g} s")
-        finally:
+        except BaseException:
             self._forget(request_id)
-        if waiter.error is not None:
-            raise waiter.error
-        assert waiter.response is not None
-        return waiter.response
+            raise
+        return Pending(self, request.name, request_id, waiter, timeout, deadline)
 
     def _check(self, request: _wire.WireRequest) -> None:
         """Refuse a request the broker on this connection would not take."""
@@ -320,8 +379,8 @@ class Connection:
                 f"over the broker's frame limit of {limit} bytes"
             )
 
-    def _register(self) -> Tuple[int, _Waiter]:
-        waiter = _Waiter()
+    def _register(self, notify: Optional[Callable[[], None]] = None) -> Tuple[int, _Waiter]:
+        waiter = _Waiter(notify)
         with self._lock:
             if self._closed is not None:
                 raise Disconnected(f"connection to core {self.hello.core} lost: {self._closed}")
@@ -330,9 +389,10 @@ class Connection:
             self._waiters[request_id] = waiter
         return request_id, waiter
 
-    def _forget(self, request_id: int) -> None:
+    def _forget(self, request_id: int) -> bool:
+        """Stop waiting for ``request_id``; True if its answer had not come."""
         with self._lock:
-            self._waiters.pop(request_id, None)
+            return self._waiters.pop(request_id, None) is not None
 
     def _send(self, request: _wire.WireRequest, request_id: int, deadline: float) -> None:
         """Write the frame, bounded by what is left of the request's deadline."""

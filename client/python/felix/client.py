@@ -10,7 +10,7 @@ from datetime import timedelta
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from . import _wire
-from ._connection import MAX_WAIT, Connection, SockAddr
+from ._connection import MAX_WAIT, Connection, Pending, SockAddr
 from ._version import __version__
 from .errors import (
     AlreadyExists,
@@ -21,10 +21,12 @@ from .errors import (
     InvalidRequest,
     NotFound,
     ProtocolError,
+    Timeout,
     Unsupported,
     WrongCore,
 )
 from .routing import shard_for_key
+from .sharded import ShardedGroup
 from .subscription import Subscription
 from .types import (
     DeadLetterInfo,
@@ -607,6 +609,11 @@ class Client:
         """After ``wrong_core``: refresh the placement and send once more, to the
         core the broker named (or the fresh placement's). A failed refresh
         does not stop the retry on the named core (as in the Rust client)."""
+        core = self._redirect_core(stream, shard, error)
+        return self._raise_error(self._conn(core).call(request, self._timeout(wait)))
+
+    def _redirect_core(self, stream: StreamRef, shard: int, error: WrongCore) -> int:
+        """Where to send a request again after ``error``; raises it if nowhere."""
         try:
             placement: Optional[_Placement] = self._placement(stream, refresh=True)
         except FelixError:
@@ -616,7 +623,18 @@ class Client:
         candidates = [c for c in (error.core, fresh) if c is not None and c < cores]
         if not candidates:
             raise error
-        return self._raise_error(self._conn(candidates[0]).call(request, self._timeout(wait)))
+        return candidates[0]
+
+    def _start_shard(
+        self,
+        stream: StreamRef,
+        shard: int,
+        request: _wire.WireRequest,
+        wait: float = 0.0,
+        notify: Optional[Callable[["_ShardCall"], None]] = None,
+    ) -> "_ShardCall":
+        """:meth:`_call_shard` without waiting for the answer: see :class:`_ShardCall`."""
+        return _ShardCall(self, stream, shard, request, wait, notify)
 
     # --- streams ---------------------------------------------------------
 
@@ -836,21 +854,41 @@ class Client:
             visibility: how long these claims stand instead of the broker's
                 visibility timeout. Needs :attr:`Feature.GROUP_CLAIM_CONTROL`.
         """
-        self._require(Feature.GROUPS, "a group poll")
         ref = StreamRef.parse(stream)
         check_int("max_records", max_records, (1 << 32) - 1, minimum=1)
         member = self._member(consumer, reclaim)
-        visibility_ms = None
-        if visibility is not None:
-            self._require(Feature.GROUP_CLAIM_CONTROL, "a poll visibility")
-            visibility_ms = _ms_u64("visibility", visibility)
-            if visibility_ms == 0:
-                raise InvalidArgument("a poll visibility must be more than zero")
+        visibility_ms = self._visibility_ms(visibility)
         wait_ms = _ms_u32("wait", wait)
-        request = _wire.group_poll(ref, _check_shard(shard), _check_group(group), max_records, wait_ms, member, visibility_ms)
-        records: List[GroupRecord] = _expect(
-            self._call_shard(ref, shard, request, wait_ms / 1000), "group_poll", "group_records"
-        ).value
+        request = self._group_poll_request(ref, _check_shard(shard), _check_group(group), max_records, wait_ms, member, visibility_ms)
+        return self._group_records(self._call_shard(ref, shard, request, wait_ms / 1000))
+
+    @staticmethod
+    def _visibility_ms(visibility: Optional[Seconds]) -> Optional[int]:
+        if visibility is None:
+            return None
+        visibility_ms = _ms_u64("visibility", visibility)
+        if visibility_ms == 0:
+            raise InvalidArgument("a poll visibility must be more than zero")
+        return visibility_ms
+
+    def _group_poll_request(
+        self,
+        ref: StreamRef,
+        shard: int,
+        group: str,
+        max_records: int,
+        wait_ms: int,
+        member: Optional[Tuple[str, bool]],
+        visibility_ms: Optional[int],
+    ) -> _wire.WireRequest:
+        """A checked poll request (the features it needs are required now)."""
+        self._require(Feature.GROUPS, "a group poll")
+        if visibility_ms is not None:
+            self._require(Feature.GROUP_CLAIM_CONTROL, "a poll visibility")
+        return _wire.group_poll(ref, shard, group, max_records, wait_ms, member, visibility_ms)
+
+    def _group_records(self, response: _wire.Response) -> List[GroupRecord]:
+        records: List[GroupRecord] = _expect(response, "group_poll", "group_records").value
         if not self.has_feature(Feature.GROUP_SKIPPED):
             records = [replace(r, skipped_before=None) for r in records]
         return records
@@ -887,6 +925,16 @@ class Client:
         if batch:
             self._group_ok(ref, shard, _wire.group_ack(ref, _check_shard(shard), _check_group(group), batch))
 
+    def _group_nack_request(
+        self, ref: StreamRef, shard: int, group: str, record: GroupRecord, delay: Seconds, reason: Optional[str]
+    ) -> _wire.WireRequest:
+        self._require(Feature.GROUPS, "group_nack")
+        delay_ms = _ms_u64("delay", delay) or None
+        if delay_ms is not None:
+            self._require(Feature.GROUP_CLAIM_CONTROL, "a nack delay")
+        offset, attempts = self._claim(record)
+        return _wire.group_nack(ref, _check_shard(shard), _check_group(group), offset, attempts, delay_ms, reason)
+
     def group_nack(
         self, stream: StreamLike, shard: int, group: str, record: GroupRecord, *, reason: Optional[str] = None
     ) -> None:
@@ -909,14 +957,8 @@ class Client:
         """Hand a claimed record back, to be owed again only once ``delay`` has
         passed. Needs :attr:`Feature.GROUP_CLAIM_CONTROL` unless ``delay`` is
         zero (a plain nack)."""
-        self._require(Feature.GROUPS, "group_nack")
         ref = StreamRef.parse(stream)
-        delay_ms = _ms_u64("delay", delay) or None
-        if delay_ms is not None:
-            self._require(Feature.GROUP_CLAIM_CONTROL, "a nack delay")
-        offset, attempts = self._claim(record)
-        request = _wire.group_nack(ref, _check_shard(shard), _check_group(group), offset, attempts, delay_ms, reason)
-        self._group_ok(ref, shard, request)
+        self._group_ok(ref, shard, self._group_nack_request(ref, shard, group, record, delay, reason))
 
     @staticmethod
     def _claim(record: GroupRecord) -> Tuple[int, int]:
@@ -1080,3 +1122,131 @@ class Client:
         """:meth:`group_delete` on every shard of the stream."""
         for shard in range(self._stream_shards(stream)):
             self.group_delete(stream, shard, group)
+
+    def sharded_group(
+        self,
+        stream: StreamLike,
+        group: str,
+        *,
+        consumer: Optional[str] = None,
+        reclaim: bool = False,
+        visibility: Optional[Seconds] = None,
+        wait_slice: Seconds = 1.0,
+    ) -> ShardedGroup:
+        """One consumer of ``group`` on every shard of ``stream``, polled as one
+        queue: see :class:`~felix.ShardedGroup`. Asks the broker how many
+        shards the stream has (:class:`~felix.errors.NotFound` if none).
+
+        Args:
+            consumer: poll every shard as this named member (1 to 128 bytes).
+            reclaim: with ``consumer``, the first poll of each shard on a new
+                connection takes back what the member held there.
+            visibility: how long claims stand instead of the broker's
+                visibility timeout (needs :attr:`Feature.GROUP_CLAIM_CONTROL`,
+                checked on each poll).
+            wait_slice: how long each waiting poll lasts before it is sent
+                again (at least 10 ms). Longer sends fewer requests while
+                the stream is idle; shorter makes ``close()`` quicker.
+        """
+        return ShardedGroup(
+            self, stream, group, consumer=consumer, reclaim=reclaim, visibility=visibility, wait_slice=wait_slice
+        )
+
+
+class _ShardCall:
+    """A request about one shard sent without waiting for its answer, routed
+    as :meth:`Client._call_shard` routes it (one ``wrong_core`` redirect
+    included). What :class:`~felix.ShardedGroup` runs its per-shard polls on:
+    several are in flight at once on the client's pipelined connections, and
+    no thread waits for them.
+
+    ``notify(call)`` is called once the answer is in: from the connection's
+    reader thread, or at once if the request could not be sent. After a
+    redirect it is called again for the new answer.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        stream: StreamRef,
+        shard: int,
+        request: _wire.WireRequest,
+        wait: float,
+        notify: Optional[Callable[["_ShardCall"], None]],
+    ) -> None:
+        self._client = client
+        self._stream = stream
+        self._shard = shard
+        self._request = request
+        self._wait = wait
+        self._notify = notify
+        self._redirected = False
+        self._pending: Optional[Pending] = None
+        self._error: Optional[FelixError] = None
+        try:
+            core = client._core_for(stream, shard)
+            conn = client._conn_or_moved(core, lambda: client._core_for(stream, shard))
+            self._pending = conn.start(request, client._timeout(wait), self._answered)
+        except FelixError as e:
+            self._error = e
+            self._answered()
+
+    def _answered(self) -> None:
+        if self._notify is not None:
+            self._notify(self)
+
+    @property
+    def deadline(self) -> float:
+        """When the answer stops being awaited (``time.monotonic()``)."""
+        return self._pending.deadline if self._pending is not None and self._error is None else -math.inf
+
+    def done(self) -> bool:
+        return self._error is not None or (self._pending is not None and self._pending.done())
+
+    def expire(self) -> bool:
+        """Give up on an answer past its deadline: True if it had not come (the
+        answer is now :class:`~felix.errors.Timeout`; ``notify`` is not
+        called), False if it is in."""
+        if self._error is not None or self._pending is None or not self._pending.cancel():
+            return False
+        self._error = Timeout(f"no answer to {self._request.name} within {self._client._timeout(self._wait):.3g} s")
+        return True
+
+    def cancel(self) -> None:
+        """Stop waiting for the answer (it is dropped if it comes)."""
+        if self._pending is not None:
+            self._pending.cancel()
+
+    def answer(self) -> Optional[_wire.Response]:
+        """The answer of a call that is :meth:`done`, an error raised; ``None``
+        if it was ``wrong_core`` and went again to the right core (``notify``
+        is called again for that one)."""
+        if self._error is not None:
+            raise self._error
+        assert self._pending is not None
+        response = self._pending.outcome()
+        if response.name == "error" and isinstance(response.value, WrongCore) and not self._redirected:
+            self._redirected = True
+            core = self._client._redirect_core(self._stream, self._shard, response.value)
+            self._pending = self._client._conn(core).start(self._request, self._client._timeout(self._wait), self._answered)
+            return None
+        return self._client._raise_error(response)
+
+    def result(self) -> _wire.Response:
+        """Block for the answer (following a redirect); an error raised."""
+        while True:
+            if self._error is None:
+                assert self._pending is not None
+                try:
+                    self._pending.wait()
+                except FelixError:
+                    pass  # Raised by answer() below.
+                finally:
+                    self._pending.cancel()
+                if not self._pending.done() and self._error is None:
+                    self._error = Timeout(
+                        f"no answer to {self._request.name} within {self._client._timeout(self._wait):.3g} s"
+                    )
+            response = self.answer()
+            if response is not None:
+                return response

@@ -1,0 +1,143 @@
+"""ShardedGroup against a scripted fake broker: answers a real broker gives
+only now and then (an error beside records, waits ended at once, no answer,
+a wrong core). No real broker needed."""
+
+import struct
+import time
+import unittest
+from typing import List, Optional, Tuple
+
+import felix
+from felix import _wire
+
+from .fake_broker import FakeBroker, error_frame, response_frame
+
+STREAM = "t/n/s"
+#: Where a group key's shard sits in a request body for STREAM.
+_SHARD_AT = len(_wire.Writer().stream(felix.StreamRef("t", "n", "s")).buf)
+_GROUPS = int(felix.Feature.GROUPS)
+
+
+def poll_args(body: bytes) -> Tuple[int, int, int]:
+    """(shard, max_records, wait_ms) of a group poll to group ``g``."""
+    shard = int.from_bytes(body[_SHARD_AT : _SHARD_AT + 4], "little")
+    max_records, wait_ms = struct.unpack_from("<II", body, _SHARD_AT + 4 + 2 + 1)
+    return shard, max_records, wait_ms
+
+
+def stream_answer(request_id: int, placement: List[int]) -> bytes:
+    w = _wire.Writer().stream(felix.StreamRef("t", "n", "s")).u32(len(placement)).u8(0).u8(0).u32(len(placement))
+    for core in placement:
+        w.u32(core)
+    return response_frame(request_id, 0x10, bytes(w.buf))
+
+
+def records_answer(request_id: int, offsets: List[int]) -> bytes:
+    w = _wire.Writer().u32(len(offsets))
+    for offset in offsets:
+        w.u64(offset).u32(1).u64(0).u8(0).u32(0).blob(b"r%d" % offset).u8(0)
+    return response_frame(request_id, 0x30, bytes(w.buf))
+
+
+class ShardedFakeTest(unittest.TestCase):
+    def serve(self, script, cores: int = 1) -> FakeBroker:  # type: ignore[no-untyped-def]
+        fake = FakeBroker(script, _GROUPS, cores=cores)
+        self.addCleanup(fake.close)
+        return fake
+
+    def connect(self, fake: FakeBroker, **options: object) -> felix.Client:
+        client = felix.Client.connect(fake.addr, **options)  # type: ignore[arg-type]
+        self.addCleanup(client.close)
+        return client
+
+    def test_an_error_beside_records_comes_with_the_next_poll_that_has_none(self) -> None:
+        polls: List[Tuple[int, int, int]] = []
+
+        def script(header, body, core):  # type: ignore[no-untyped-def]
+            if header.opcode == 0x11:
+                return stream_answer(header.request_id, [0, 0])
+            shard, max_records, wait_ms = poll_args(body)
+            polls.append((shard, max_records, wait_ms))
+            if shard == 0 and len(polls) == 1:
+                return records_answer(header.request_id, [0, 1])
+            if shard == 1 and len(polls) == 2:
+                return error_frame(header.request_id, 7, "shard stopped")
+            return records_answer(header.request_id, [])
+
+        g = self.connect(self.serve(script)).sharded_group(STREAM, "g")
+        got = g.poll(5)
+        self.assertEqual([(r.shard, r.offset, r.payload) for r in got], [(0, 0, b"r0"), (0, 1, b"r1")])
+        # The sweep asked shard 1 for what shard 0 left of max_records.
+        self.assertEqual(polls, [(0, 5, 0), (1, 3, 0)])
+        with self.assertRaises(felix.Unavailable):
+            g.poll(5)
+        self.assertEqual(len(polls), 2, "the deferred error is raised before anything is sent")
+        self.assertEqual(g.poll(5), [])
+        g.close()
+
+    def test_waits_the_broker_ends_at_once_are_not_resent_before_their_slice(self) -> None:
+        polls: List[Tuple[float, int, int, int]] = []
+
+        def script(header, body, core):  # type: ignore[no-untyped-def]
+            if header.opcode == 0x11:
+                return stream_answer(header.request_id, [0, 0])
+            polls.append((time.monotonic(), *poll_args(body)))
+            return records_answer(header.request_id, [])
+
+        g = self.connect(self.serve(script)).sharded_group(STREAM, "g", wait_slice=0.25)
+        started = time.monotonic()
+        self.assertEqual(g.poll(10, wait=1.0), [])
+        self.assertGreaterEqual(time.monotonic() - started, 0.99)
+        # A sweep of both shards, then a wait on each every 250 ms: about ten
+        # polls, not one per round trip.
+        self.assertTrue(4 <= len(polls) <= 14, f"{len(polls)} polls in 1 s")
+        self.assertEqual([(s, m, w) for _, s, m, w in polls[:2]], [(0, 10, 0), (1, 10, 0)])
+        waits = [p for p in polls[2:]]
+        self.assertTrue(all(m == 5 and 0 < w <= 250 for _, _, m, w in waits), waits)
+        for shard in (0, 1):
+            times = [t for t, s, _, _ in waits if s == shard]
+            gaps = [b - a for a, b in zip(times, times[1:])]
+            self.assertTrue(all(gap >= 0.2 for gap in gaps), gaps)
+        g.close()
+
+    def test_a_wait_that_never_answers_times_out(self) -> None:
+        def script(header, body, core):  # type: ignore[no-untyped-def]
+            if header.opcode == 0x11:
+                return stream_answer(header.request_id, [0, 0])
+            if poll_args(body)[2] > 0:
+                return b""  # Never answered.
+            return records_answer(header.request_id, [])
+
+        client = self.connect(self.serve(script), request_timeout=0.3)
+        g = client.sharded_group(STREAM, "g", wait_slice=0.2)
+        started = time.monotonic()
+        with self.assertRaises(felix.Timeout):
+            g.poll(10, wait=5)
+        self.assertLess(time.monotonic() - started, 2)
+        # The other shard's wait timed out too; close says so, and returns.
+        with self.assertRaises(felix.Timeout):
+            g.close()
+        self.assertEqual(g._out, {})
+
+    def test_a_sharded_poll_follows_a_wrong_core_answer(self) -> None:
+        describes: List[int] = []
+        calls: List[Tuple[int, int, Optional[int]]] = []
+
+        def script(header, body, core):  # type: ignore[no-untyped-def]
+            if header.opcode == 0x11:
+                describes.append(core)
+                return stream_answer(header.request_id, [0, 0] if len(describes) == 1 else [0, 1])
+            shard = int.from_bytes(body[_SHARD_AT : _SHARD_AT + 4], "little")
+            calls.append((core, header.opcode, shard))
+            if shard == 1 and core == 0:
+                return error_frame(header.request_id, 4, "shard 1 is on core 1", core=1)
+            if header.opcode == 0x31:
+                return response_frame(header.request_id, 0x03, b"")
+            return records_answer(header.request_id, [7] if shard == 1 else [])
+
+        g = self.connect(self.serve(script, cores=2)).sharded_group(STREAM, "g")
+        got = g.poll(4)
+        self.assertEqual([(r.shard, r.offset) for r in got], [(1, 7)])
+        g.ack_many(got)
+        self.assertEqual(calls, [(0, 0x30, 0), (0, 0x30, 1), (1, 0x30, 1), (1, 0x31, 1)])
+        g.close()
