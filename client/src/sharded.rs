@@ -376,12 +376,7 @@ impl ShardedGroup {
                 self.ready.retain(|r| !same_core[r.shard as usize]);
             }
         }
-        let records = answer?;
-        self.ready.extend(
-            records
-                .into_iter()
-                .map(|record| ShardedRecord { shard, record }),
-        );
+        hold(&mut self.ready, shard, answer?);
         Ok(())
     }
 
@@ -597,6 +592,24 @@ impl Drop for Reply {
     }
 }
 
+/// Hold `records` of `shard` in `ready`, once each. A record already held
+/// can come again: its core's connection dropped and came back between this
+/// group's polls (so no poll saw the error), and a reclaiming member's first
+/// poll on the new connection took back what the old one held. The newer
+/// delivery (more attempts) is the one its claim now stands for.
+fn hold(ready: &mut VecDeque<ShardedRecord>, shard: u32, records: Vec<GroupRecord>) {
+    for record in records {
+        let held = ready
+            .iter_mut()
+            .find(|h| h.shard == shard && h.record.offset == record.offset);
+        match held {
+            Some(h) if h.record.attempts < record.attempts => h.record = record,
+            Some(_) => {}
+            None => ready.push_back(ShardedRecord { shard, record }),
+        }
+    }
+}
+
 /// What [`ShardedGroup::close`] (or its drop) still owes the group.
 struct HandBack {
     client: Client,
@@ -624,11 +637,7 @@ impl HandBack {
             };
             self.out -= 1;
             match answer {
-                Ok(records) => self.ready.extend(
-                    records
-                        .into_iter()
-                        .map(|record| ShardedRecord { shard, record }),
-                ),
+                Ok(records) => hold(&mut self.ready, shard, records),
                 Err(e) => {
                     first_error.get_or_insert(e);
                 }
@@ -655,5 +664,48 @@ impl HandBack {
             }
         }
         first_error.map_or(Ok(()), Err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(offset: u64, attempts: u32) -> GroupRecord {
+        GroupRecord {
+            offset,
+            attempts,
+            timestamp_ms: 0,
+            key: None,
+            headers: Vec::new(),
+            payload: bytes::Bytes::from_static(b"x"),
+            skipped_before: None,
+        }
+    }
+
+    fn held(ready: &VecDeque<ShardedRecord>) -> Vec<(u32, u64, u32)> {
+        ready
+            .iter()
+            .map(|r| (r.shard, r.record.offset, r.record.attempts))
+            .collect()
+    }
+
+    /// A record handed out again by a reclaim while it was held is held
+    /// once, as its newer delivery; the same offset of another shard is a
+    /// different record.
+    #[test]
+    fn a_record_handed_out_again_is_held_once() {
+        let mut ready = VecDeque::new();
+        hold(&mut ready, 0, vec![record(5, 1), record(6, 1)]);
+        hold(&mut ready, 1, vec![record(5, 1)]);
+        hold(
+            &mut ready,
+            0,
+            vec![record(6, 2), record(7, 1), record(5, 1)],
+        );
+        assert_eq!(
+            held(&ready),
+            vec![(0, 5, 1), (0, 6, 2), (1, 5, 1), (0, 7, 1)]
+        );
     }
 }
