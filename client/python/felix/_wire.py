@@ -8,7 +8,7 @@ See ``docs/internals/wire-protocol.md``.
 
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, TypeVar
 
 from .errors import FelixError, ProtocolError, error_from_wire
 from .types import (
@@ -384,17 +384,24 @@ def read(stream: StreamRef, shard: int, start: StartPosition, max_records: int, 
     return _req("read", 0x21, w)
 
 
+class GroupMember(NamedTuple):
+    """A poll's named member: its consumer name and whether it reclaims."""
+
+    name: str
+    reclaim: bool
+
+
 def group_poll(
     stream: StreamRef,
     shard: int,
     group: str,
     max_records: int,
     wait_ms: int,
-    member: Optional[Tuple[str, bool]],
+    member: Optional[GroupMember],
     visibility_ms: Optional[int],
 ) -> WireRequest:
     w = _w().group_key(stream, shard, group).u32(max_records).u32(wait_ms)
-    w.opt(member, lambda m: w.string(m[0], "consumer").boolean(m[1]))
+    w.opt(member, lambda m: w.string(m.name, "consumer").boolean(m.reclaim))
     w.opt(visibility_ms, w.u64)
     required = _G | _CC if visibility_ms is not None else _G
     return _req("group_poll", 0x30, w, required)

@@ -1,16 +1,20 @@
 """The Felix :class:`Client`: connections per core, placement, and every call."""
 
-import math
 import socket
 import threading
 import time
 import weakref
 from dataclasses import dataclass, replace
-from datetime import timedelta
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from . import _wire
-from ._connection import MAX_WAIT, Connection, Pending, SockAddr
+from ._connection import MAX_WAIT, Connection, SockAddr
+from ._durations import MAX_U32 as _MAX_U32
+from ._durations import Seconds
+from ._durations import ms_u32 as _ms_u32
+from ._durations import ms_u64 as _ms_u64
+from ._durations import seconds as _seconds
+from ._shard_calls import ShardPort
 from ._version import __version__
 from .errors import (
     AlreadyExists,
@@ -21,7 +25,6 @@ from .errors import (
     InvalidRequest,
     NotFound,
     ProtocolError,
-    Timeout,
     Unsupported,
     WrongCore,
 )
@@ -56,14 +59,10 @@ from .types import (
 
 __all__ = ["Client", "ClientConfig", "Seconds", "RecordLike"]
 
-#: A duration in seconds (``float``/``int``) or a :class:`datetime.timedelta`.
-Seconds = Union[float, int, timedelta]
 #: A record to publish: a :class:`RecordIn`, or just its payload.
 RecordLike = Union[RecordIn, Payload]
 
-_MAX_U32 = (1 << 32) - 1
 _MAX_U63 = (1 << 63) - 1
-_MAX_U64 = (1 << 64) - 1
 #: Seconds fields of :class:`ClientConfig`.
 _DURATIONS = ("request_timeout", "connect_timeout", "reconnect_backoff_initial", "reconnect_backoff_max")
 
@@ -136,36 +135,6 @@ class _Slot:
         #: Bumped after every connection attempt, so callers that queued
         #: behind a failed attempt share its failure instead of each retrying.
         self.attempts = 0
-
-
-def _seconds(what: str, value: Seconds) -> float:
-    """A duration in seconds: finite and not negative, else
-    :class:`~felix.errors.InvalidArgument`."""
-    if isinstance(value, timedelta):
-        value = value.total_seconds()
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise InvalidArgument(f"{what} must be seconds (a number or a timedelta), not {value!r}")
-    if isinstance(value, int) and value > _MAX_U64:
-        value = _MAX_U64  # Saturate (an int this large does not fit a float).
-    seconds = float(value)
-    if math.isnan(seconds) or math.isinf(seconds):
-        raise InvalidArgument(f"{what} must be a finite number of seconds, not {value!r}")
-    if seconds < 0:
-        raise InvalidArgument(f"{what} must not be negative, not {value}")
-    return seconds
-
-
-def _ms_u64(what: str, value: Seconds) -> int:
-    """Milliseconds for a ``u64`` wire field, saturating at its maximum; a
-    non-zero sub-millisecond value rounds up to 1 (``ms_u64`` in Rust)."""
-    seconds = _seconds(what, value)
-    ms = min(int(seconds * 1000), _MAX_U64)
-    return 1 if ms == 0 and seconds > 0 else ms
-
-
-def _ms_u32(what: str, value: Seconds) -> int:
-    """:func:`_ms_u64`, saturating at the ``u32`` maximum."""
-    return min(_ms_u64(what, value), _MAX_U32)
 
 
 def _copy_error(error: FelixError) -> FelixError:
@@ -625,17 +594,6 @@ class Client:
             raise error
         return candidates[0]
 
-    def _start_shard(
-        self,
-        stream: StreamRef,
-        shard: int,
-        request: _wire.WireRequest,
-        wait: float = 0.0,
-        notify: Optional[Callable[["_ShardCall"], None]] = None,
-    ) -> "_ShardCall":
-        """:meth:`_call_shard` without waiting for the answer: see :class:`_ShardCall`."""
-        return _ShardCall(self, stream, shard, request, wait, notify)
-
     # --- streams ---------------------------------------------------------
 
     def ping(self) -> float:
@@ -878,7 +836,7 @@ class Client:
         group: str,
         max_records: int,
         wait_ms: int,
-        member: Optional[Tuple[str, bool]],
+        member: Optional[_wire.GroupMember],
         visibility_ms: Optional[int],
     ) -> _wire.WireRequest:
         """A checked poll request (the features it needs are required now)."""
@@ -894,7 +852,7 @@ class Client:
         return records
 
     @staticmethod
-    def _member(consumer: Optional[str], reclaim: bool) -> Optional[Tuple[str, bool]]:
+    def _member(consumer: Optional[str], reclaim: bool) -> Optional[_wire.GroupMember]:
         if consumer is None:
             if reclaim:
                 raise InvalidArgument("reclaim needs a consumer name")
@@ -902,7 +860,7 @@ class Client:
         size = len(check_utf8("consumer", consumer))
         if not 1 <= size <= NAME_MAX_BYTES:
             raise InvalidArgument(f"a consumer name is 1 to {NAME_MAX_BYTES} bytes, not {size}")
-        return consumer, bool(reclaim)
+        return _wire.GroupMember(consumer, bool(reclaim))
 
     def _group_ok(self, stream: StreamRef, shard: int, request: _wire.WireRequest) -> None:
         _expect(self._call_shard(stream, shard, request), request.name, "ok")
@@ -1149,104 +1107,10 @@ class Client:
                 the stream is idle; shorter makes ``close()`` quicker.
         """
         return ShardedGroup(
-            self, stream, group, consumer=consumer, reclaim=reclaim, visibility=visibility, wait_slice=wait_slice
+            ShardPort(self, StreamRef.parse(stream)),
+            group,
+            consumer=consumer,
+            reclaim=reclaim,
+            visibility=visibility,
+            wait_slice=wait_slice,
         )
-
-
-class _ShardCall:
-    """A request about one shard sent without waiting for its answer, routed
-    as :meth:`Client._call_shard` routes it (one ``wrong_core`` redirect
-    included). What :class:`~felix.ShardedGroup` runs its per-shard polls on:
-    several are in flight at once on the client's pipelined connections, and
-    no thread waits for them.
-
-    ``notify(call)`` is called once the answer is in: from the connection's
-    reader thread, or at once if the request could not be sent. After a
-    redirect it is called again for the new answer.
-    """
-
-    def __init__(
-        self,
-        client: Client,
-        stream: StreamRef,
-        shard: int,
-        request: _wire.WireRequest,
-        wait: float,
-        notify: Optional[Callable[["_ShardCall"], None]],
-    ) -> None:
-        self._client = client
-        self._stream = stream
-        self._shard = shard
-        self._request = request
-        self._wait = wait
-        self._notify = notify
-        self._redirected = False
-        self._pending: Optional[Pending] = None
-        self._error: Optional[FelixError] = None
-        try:
-            core = client._core_for(stream, shard)
-            conn = client._conn_or_moved(core, lambda: client._core_for(stream, shard))
-            self._pending = conn.start(request, client._timeout(wait), self._answered)
-        except FelixError as e:
-            self._error = e
-            self._answered()
-
-    def _answered(self) -> None:
-        if self._notify is not None:
-            self._notify(self)
-
-    @property
-    def deadline(self) -> float:
-        """When the answer stops being awaited (``time.monotonic()``)."""
-        return self._pending.deadline if self._pending is not None and self._error is None else -math.inf
-
-    def done(self) -> bool:
-        return self._error is not None or (self._pending is not None and self._pending.done())
-
-    def expire(self) -> bool:
-        """Give up on an answer past its deadline: True if it had not come (the
-        answer is now :class:`~felix.errors.Timeout`; ``notify`` is not
-        called), False if it is in."""
-        if self._error is not None or self._pending is None or not self._pending.cancel():
-            return False
-        self._error = Timeout(f"no answer to {self._request.name} within {self._client._timeout(self._wait):.3g} s")
-        return True
-
-    def cancel(self) -> None:
-        """Stop waiting for the answer (it is dropped if it comes)."""
-        if self._pending is not None:
-            self._pending.cancel()
-
-    def answer(self) -> Optional[_wire.Response]:
-        """The answer of a call that is :meth:`done`, an error raised; ``None``
-        if it was ``wrong_core`` and went again to the right core (``notify``
-        is called again for that one)."""
-        if self._error is not None:
-            raise self._error
-        assert self._pending is not None
-        response = self._pending.outcome()
-        if response.name == "error" and isinstance(response.value, WrongCore) and not self._redirected:
-            self._redirected = True
-            core = self._client._redirect_core(self._stream, self._shard, response.value)
-            self._pending = self._client._conn(core).start(self._request, self._client._timeout(self._wait), self._answered)
-            return None
-        return self._client._raise_error(response)
-
-    def result(self) -> _wire.Response:
-        """Block for the answer (following a redirect); an error raised."""
-        while True:
-            if self._error is None:
-                assert self._pending is not None
-                try:
-                    self._pending.wait()
-                except FelixError:
-                    pass  # Raised by answer() below.
-                finally:
-                    self._pending.cancel()
-                if not self._pending.done() and self._error is None:
-                    self._error = Timeout(
-                        f"no answer to {self._request.name} within {self._client._timeout(self._wait):.3g} s"
-                    )
-            response = self.answer()
-            if response is not None:
-                return response

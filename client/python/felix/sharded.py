@@ -8,31 +8,28 @@ record is what divides the work between them. It mirrors the Rust client's
 
 How it waits on several shards at once, without threads of its own: each
 per-shard poll is sent on the client's pipelined connection to the shard's
-core and not waited for (:meth:`Client._start_shard`). When its answer
-arrives, the connection's reader thread drops a note on this group's answer
-queue, and :meth:`ShardedGroup.poll` (the only reader of that queue) takes
-the answer in. So the waits of every shard run concurrently, a poll can be
-interrupted at any point without losing what its requests claim, and nothing
-is left running once :meth:`ShardedGroup.close` returns.
+core and not waited for (a :class:`~felix._shard_calls.ShardCall`). When its
+answer lands, the connection's reader thread only wakes the group up; the
+group takes answers in by looking through the calls it has out for those
+that landed, in the order they landed. A wake-up lost to an interrupt is
+harmless, so a poll can be interrupted at any point without losing what its
+requests claim, and nothing is left running once
+:meth:`ShardedGroup.close` returns.
 """
 
+import itertools
 import logging
 import math
-import queue
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Deque, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from . import _wire
-from .errors import Disconnected, FelixError, InvalidArgument, ProtocolError, StaleClaim
-from .types import Feature, GroupInfo, GroupRecord, Header, StreamLike, StreamRef, check_int, check_name
-
-if TYPE_CHECKING:
-    from datetime import timedelta
-
-    from .client import Client, _ShardCall
+from ._durations import Seconds, ms_u32, seconds
+from ._shard_calls import NotSent, ShardCall, ShardPort
+from .errors import ConnectionFailed, Disconnected, FelixError, InvalidArgument, ProtocolError, StaleClaim
+from .types import GroupInfo, GroupRecord, Header, StreamRef, check_int, check_name
 
 __all__ = ["ShardedGroup", "ShardedRecord"]
 
@@ -51,9 +48,12 @@ SHORT_WAIT_SLICE = 0.100
 CLOSE_GRACE = 5.0
 
 _MAX_WAIT = 365 * 86400.0
+#: How long :meth:`ShardedGroup.close` waits for an answer already being
+#: handed over when it gives up on a poll.
+_LANDING = 1.0
 
-#: An item of the answer queue: the shard and its call, or ``None`` (a wake-up).
-_Answer = Optional[Tuple[int, "_ShardCall"]]
+#: Answers that say the connection of the shard's core is gone.
+_CONNECTION_LOST = (Disconnected, ConnectionFailed)
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,9 @@ class ShardedGroup:
     their visibility timeout.
 
     A ``poll`` interrupted at any point (``KeyboardInterrupt``) keeps what its
-    requests claim for the next one. An error a shard answers while records
+    requests claim for the next one: each record is then either returned or
+    held. A record held twice (a reconnect and a reclaim can hand out again a
+    record still held) is held once, with its latest attempt. An error a shard answers while records
     from others are at hand is raised by the next ``poll`` that has no
     records to give.
 
@@ -138,47 +140,54 @@ class ShardedGroup:
 
     def __init__(
         self,
-        client: "Client",
-        stream: StreamLike,
+        port: ShardPort,
         group: str,
         *,
         consumer: Optional[str] = None,
         reclaim: bool = False,
-        visibility: Optional[Union[float, "timedelta"]] = None,
-        wait_slice: Union[float, "timedelta"] = DEFAULT_WAIT_SLICE,
+        visibility: Optional[Seconds] = None,
+        wait_slice: Seconds = DEFAULT_WAIT_SLICE,
     ) -> None:
         """Use :meth:`Client.sharded_group`."""
-        from .client import _seconds
-
-        self._client = client
-        self._stream = StreamRef.parse(stream)
+        self._port = port
+        self._client = port.client
+        self._stream = port.stream
         self._group = check_name("group", group)
-        self._member = client._member(consumer, reclaim)
-        self._visibility_ms = client._visibility_ms(visibility)
-        self._wait_slice = max(min(_seconds("wait_slice", wait_slice), _MAX_WAIT), MIN_WAIT_SLICE)
-        info = client.describe_stream(self._stream)
+        self._member = port.member(consumer, reclaim)
+        self._visibility_ms = port.visibility_ms(visibility)
+        self._wait_slice = max(min(seconds("wait_slice", wait_slice), _MAX_WAIT), MIN_WAIT_SLICE)
+        info = port.describe()
         if info.shards == 0:
             raise InvalidArgument(f"{self._stream} has no shards")
         self._shards = info.shards
         #: The broker core of each shard: shards on one core share a connection.
         self._placement = info.placement
-        #: Polls take turns; the state below is only touched under it.
+        #: Polls take turns under it, for as long as they last.
+        self._turn = threading.Lock()
+        #: Closes take turns under it.
+        self._closing = threading.Lock()
+        #: The state below; held only for quick steps, never across a
+        #: connect, a placement refresh or a wait.
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        #: Set once close() handed everything back.
         self._finished = False
         #: Where the next sweep (and the next rotating wait) starts.
         self._next = 0
-        #: Claimed, not yet handed out; handed out before anything else.
-        self._ready: Deque[ShardedRecord] = deque()
+        #: Claimed, not yet handed out, by (shard, offset), in the order
+        #: claimed; handed out before anything else.
+        self._ready: Dict[Tuple[int, int], ShardedRecord] = {}
         #: An error answered while records were at hand, for the next poll with none.
         self._deferred: Optional[FelixError] = None
         #: The poll out on each shard (at most one each).
-        self._out: Dict[int, "_ShardCall"] = {}
+        self._out: Dict[int, ShardCall] = {}
         #: No new waiting poll goes to a shard before this (its last one's
         #: slice), so waits the broker ends early are not re-sent in a loop.
         self._quiet_until = [0.0] * self._shards
-        #: Answers, put by the connections' reader threads.
-        self._answers: "queue.SimpleQueue[_Answer]" = queue.SimpleQueue()
+        #: Wake-ups: bumped (by the connections' reader threads, or close)
+        #: whenever an answer lands. Only a hint to look at ``_out`` again.
+        self._wake = threading.Condition(threading.Lock())
+        self._wakes = 0
 
     # --- what it is ----------------------------------------------------------
 
@@ -224,31 +233,31 @@ class ShardedGroup:
 
     # --- polling ---------------------------------------------------------------
 
-    def poll(self, max_records: int = 16, *, wait: Union[float, "timedelta"] = 0) -> List[ShardedRecord]:
+    def poll(self, max_records: int = 16, *, wait: Seconds = 0) -> List[ShardedRecord]:
         """Claim up to ``max_records`` records from any of the stream's shards,
         waiting up to ``wait`` seconds for one when none is available. An
         empty list means nothing was (or the group was closed meanwhile).
         Raises :class:`~felix.errors.Disconnected` once closed."""
-        from .client import _seconds
-
         check_int("max_records", max_records, (1 << 32) - 1, minimum=1)
-        wait_s = min(_seconds("wait", wait), _MAX_WAIT)
-        with self._lock:
+        wait_s = min(seconds("wait", wait), _MAX_WAIT)
+        with self._turn:
             if self._closed.is_set():
                 raise Disconnected("the ShardedGroup is closed")
             return self._poll(max_records, wait_s)
 
     def _poll(self, max_records: int, wait: float) -> List[ShardedRecord]:
         deadline = time.monotonic() + wait
-        # Answers that came in since the last poll.
-        self._drain()
-        if self._ready:
-            return self._hand_out(max_records)
-        if self._deferred is not None:
+        # Answers that landed since the last poll.
+        self._defer(self._gather())
+        handed = self._hand_out(max_records)
+        if handed:
+            return handed
+        with self._lock:
             error, self._deferred = self._deferred, None
+        if error is not None:
             raise error
 
-        # Every poll, waiting or not, answers through the queue, and what it
+        # Every poll, waiting or not, is taken in from `_out`, and what it
         # claims goes to `_ready` before it is handed out: a poll interrupted
         # at any point leaves the records here for the next one.
         n = self._shards
@@ -260,29 +269,29 @@ class ShardedGroup:
             if shard in self._out:
                 continue
             want = max_records - len(self._ready)
-            if want <= 0:
+            if want <= 0 or not self._spawn(shard, want, 0.0):
                 break
-            self._spawn(shard, want, 0.0)
             while shard in self._out:
-                answer = self._wait_answer(math.inf)
-                if answer is not None:
-                    self._note(answer)
+                seen = self._wakes
+                self._note(self._gather())
+                if shard in self._out:
+                    self._sleep(seen, self._due())
         if self._ready or wait <= 0:
             return self._hand_out(max_records)
 
         # Nothing anywhere: wait.
         while True:
+            # Read before looking, so that an answer landing after the look
+            # ends the sleep below.
+            seen = self._wakes
+            self._note(self._gather())
+            if self._ready:
+                return self._hand_out(max_records)
             now = time.monotonic()
             if deadline - now < 0.001 or self._closed.is_set():
                 return []
             free_at = self._spread_waits(max_records, deadline - now, now)
-            answer = self._wait_answer(deadline if free_at is None else min(free_at, deadline))
-            if answer is None:
-                continue  # The deadline, a shard that may wait again, or close().
-            self._note(answer)
-            if self._ready:
-                self._drain()
-                return self._hand_out(max_records)
+            self._sleep(seen, min(deadline, free_at or math.inf, self._due()))
 
     def _spread_waits(self, max_records: int, remaining: float, now: float) -> Optional[float]:
         """Send waiting polls for up to ``max_records`` records in all, so that
@@ -293,133 +302,183 @@ class ShardedGroup:
         wait's slice is not over yet waits its turn; returns the earliest
         such turn."""
         n = self._shards
+        plan: List[Tuple[int, int]] = []
+        with self._lock:
+            busy = set(self._out)
 
-        def free(shard: int) -> bool:
-            return shard not in self._out and self._quiet_until[shard] <= now
+            def free(shard: int) -> bool:
+                return shard not in busy and self._quiet_until[shard] <= now
 
-        if max_records >= n:
-            base, extra = divmod(max_records, n)
-            slice_ = min(remaining, self._wait_slice)
-            for shard in range(n):
-                if free(shard):
-                    self._spawn_wait(shard, base + (1 if shard < extra else 0), slice_, now)
-        else:
-            slice_ = min(remaining, SHORT_WAIT_SLICE)
-            for _ in range(len(self._out), max_records):
-                idle = next((s for s in ((self._next + i) % n for i in range(n)) if free(s)), None)
-                if idle is None:
-                    break
-                self._next = (idle + 1) % n
-                self._spawn_wait(idle, 1, slice_, now)
-        turns = [self._quiet_until[s] for s in range(n) if s not in self._out and self._quiet_until[s] > now]
+            if max_records >= n:
+                base, extra = divmod(max_records, n)
+                slice_ = min(remaining, self._wait_slice)
+                plan = [(s, base + (1 if s < extra else 0)) for s in range(n) if free(s)]
+            else:
+                slice_ = min(remaining, SHORT_WAIT_SLICE)
+                for _ in range(len(busy), max_records):
+                    idle = next((s for s in ((self._next + i) % n for i in range(n)) if free(s)), None)
+                    if idle is None:
+                        break
+                    self._next = (idle + 1) % n
+                    busy.add(idle)
+                    plan.append((idle, 1))
+            for shard, _ in plan:
+                self._quiet_until[shard] = now + slice_
+                busy.add(shard)
+            turns = [self._quiet_until[s] for s in range(n) if s not in busy and self._quiet_until[s] > now]
+        # Sent outside the lock: routing may connect.
+        for shard, count in plan:
+            if not self._spawn(shard, count, slice_):
+                break
         return min(turns, default=None)
 
-    def _spawn_wait(self, shard: int, max_records: int, slice_: float, now: float) -> None:
-        self._quiet_until[shard] = now + slice_
-        self._spawn(shard, max_records, slice_)
-
-    def _spawn(self, shard: int, max_records: int, wait: float) -> None:
-        """Send a poll to ``shard``; its answer comes through the queue."""
-        from .client import _ms_u32
-
-        wait_ms = _ms_u32("wait", wait)
-        request = self._client._group_poll_request(
-            self._stream, shard, self._group, max_records, wait_ms, self._member, self._visibility_ms
+    def _spawn(self, shard: int, max_records: int, wait: float) -> bool:
+        """Send a poll to ``shard``; False (nothing sent) once closed."""
+        wait_ms = ms_u32("wait", wait)
+        request = self._port.poll_request(
+            shard, self._group, max_records, wait_ms, self._member, self._visibility_ms
         )
-        answers = self._answers
+        return self._send(self._port.call(shard, request, wait_ms / 1000, self._notify))
 
-        def notify(call: "_ShardCall", shard: int = shard) -> None:
-            answers.put((shard, call))
-
-        # The answer may be queued before this returns; it is only read
-        # (under the lock this holds) once `_out` names the call.
-        self._out[shard] = self._client._start_shard(self._stream, shard, request, wait_ms / 1000, notify)
-
-    def _wait_answer(self, until: float) -> _Answer:
-        """The next answer, waiting until ``until`` at most (``None`` then, or
-        for a wake-up). A poll whose deadline passed unanswered answers
-        :class:`~felix.errors.Timeout`."""
-        while True:
-            now = time.monotonic()
-            due = math.inf
-            for shard, call in self._out.items():
-                if call.done():
-                    continue  # Its answer is in the queue (or about to be).
-                if call.deadline <= now:
-                    if call.expire():
-                        return shard, call
-                    continue
-                due = min(due, call.deadline)
-            wake = min(until, due)
-            try:
-                if wake == math.inf:
-                    return self._answers.get()
-                return self._answers.get(timeout=min(max(wake - now, 0.0), _MAX_WAIT))
-            except queue.Empty:
-                if time.monotonic() >= until:
-                    return None
-
-    def _hand_out(self, max_records: int) -> List[ShardedRecord]:
-        count = min(max_records, len(self._ready))
-        return [self._ready.popleft() for _ in range(count)]
-
-    def _drain(self) -> None:
-        """Take in every answer already here (and time out overdue polls);
-        errors wait in ``_deferred``."""
-        now = time.monotonic()
-        for shard, call in list(self._out.items()):
-            if not call.done() and call.deadline <= now and call.expire():
-                self._answers.put((shard, call))
-        while True:
-            try:
-                answer = self._answers.get_nowait()
-            except queue.Empty:
-                return
-            if answer is None:
-                continue
-            error = self._take(answer)
-            if error is not None and self._deferred is None:
-                self._deferred = error
-
-    def _note(self, answer: Tuple[int, "_ShardCall"]) -> None:
-        """Take in one answer: an error is the caller's only when no records
-        are at hand to return first."""
-        error = self._take(answer)
-        if error is None:
-            return
-        if not self._ready:
-            raise error
-        if self._deferred is None:
-            self._deferred = error
-
-    def _take(self, answer: Tuple[int, "_ShardCall"], closing: bool = False) -> Optional[FelixError]:
-        """An answer's records join ``_ready``; its error is returned."""
-        shard, call = answer
-        if self._out.get(shard) is not call:
-            return None  # Given up on already.
+    def _send(self, call: ShardCall) -> bool:
+        """Route ``call`` (which may block: a connect, a placement refresh)
+        without the lock, then, under it, send it and count it out, unless
+        the group was closed meanwhile (False: nothing sent)."""
         try:
-            response = call.answer()
-            if response is None:
-                return None  # Sent again to the right core: still out.
-            del self._out[shard]
-            records = self._client._group_records(response)
+            conn = call.connection()
+            failure: Optional[FelixError] = None
         except FelixError as error:
-            self._out.pop(shard, None)
-            if isinstance(error, Disconnected) and not closing and self._member is not None and self._member[1]:
-                # The connection of the shard's core dropped. A member that
-                # reclaims takes back, on its first poll of each shard over
-                # the new connection, what the old one held, so records held
-                # here from that core's shards would come out twice: let the
-                # reclaim hand them out instead.
-                lost = self._core(shard)
-                keep = [r for r in self._ready if not (r.shard == shard or (lost is not None and self._core(r.shard) == lost))]
-                self._ready = deque(keep)
+            conn, failure = None, error
+        with self._lock:
+            if self._closed.is_set():
+                return False
+            # Counted out first: however the send ends, the call lands.
+            self._out[call.shard] = call
+            if conn is None:
+                assert failure is not None
+                call.fail(failure)
+            else:
+                call.send(conn)
+        return True
+
+    def _notify(self, call: Optional[ShardCall]) -> None:
+        """A call landed (or close() wants the polls to look up)."""
+        with self._wake:
+            self._wakes += 1
+            self._wake.notify_all()
+
+    def _sleep(self, seen: int, until: float) -> None:
+        """Wait until a wake-up after the ``seen``-th, or ``until``."""
+        with self._wake:
+            while self._wakes == seen:
+                remaining = until - time.monotonic()
+                if remaining <= 0:
+                    return
+                self._wake.wait(min(remaining, _MAX_WAIT))
+
+    def _due(self) -> float:
+        """The earliest deadline of the calls out that have not landed."""
+        return min((c.deadline for c in list(self._out.values()) if c.landed is None), default=math.inf)
+
+    def _gather(self, closing: bool = False) -> List[FelixError]:
+        """Take in every answer that landed (timing out overdue polls), in the
+        order they landed; returns their errors. A ``wrong_core`` answer is
+        sent again to the right core (not when ``closing``: it claimed
+        nothing)."""
+        redirects: List[ShardCall] = []
+        errors: List[FelixError] = []
+        with self._lock:
+            now = time.monotonic()
+            for call in list(self._out.values()):
+                if call.landed is None and call.deadline <= now:
+                    call.expire()
+            landed = sorted((c for c in self._out.values() if c.landed is not None), key=lambda c: c.landed or 0)
+            for call in landed:
+                if call.wrong_core():
+                    if self._out.get(call.shard) is call:
+                        del self._out[call.shard]
+                        if not closing:
+                            redirects.append(call)
+                    continue
+                error = self._take(call, closing)
+                if error is not None:
+                    errors.append(error)
+        # Outside the lock: the redirect refreshes the placement and may connect.
+        for call in redirects:
+            self._send(call)
+        return errors
+
+    def _take(self, call: ShardCall, closing: bool = False) -> Optional[FelixError]:
+        """Under the lock: a landed answer's records join ``_ready`` before
+        the call stops being out (taken twice, it is held once); its error
+        is returned."""
+        shard = call.shard
+        if self._out.get(shard) is not call:
+            return None  # Taken in or given up on already.
+        try:
+            records = self._port.records(call.answer())
+        except NotSent:
+            del self._out[shard]
+            return None
+        except FelixError as error:
+            reclaims = self._member is not None and self._member.reclaim
+            if isinstance(error, _CONNECTION_LOST) and reclaims and not closing:
+                self._drop_core(shard)
+            del self._out[shard]
             return error
-        self._ready.extend(ShardedRecord(shard, record) for record in records)
+        self._hold(ShardedRecord(shard, record) for record in records)
+        del self._out[shard]
         return None
+
+    def _hold(self, records: Iterable[ShardedRecord]) -> None:
+        """Under the lock: add to ``_ready``, once per (shard, offset), keeping
+        the later attempt."""
+        for record in records:
+            key = (record.shard, record.offset)
+            held = self._ready.get(key)
+            if held is None or record.attempts > held.attempts:
+                self._ready[key] = record
+
+    def _drop_core(self, shard: int) -> None:
+        """Under the lock: the connection of ``shard``'s core dropped. A member
+        that reclaims takes back, on its first poll of each shard over the
+        new connection, what the old one held, so records held here from
+        that core's shards would come out twice: let the reclaim hand them
+        out instead."""
+        lost = self._core(shard)
+
+        def gone(s: int) -> bool:
+            return s == shard or (lost is not None and self._core(s) == lost)
+
+        self._ready = {key: r for key, r in self._ready.items() if not gone(r.shard)}
 
     def _core(self, shard: int) -> Optional[int]:
         return self._placement[shard] if shard < len(self._placement) else None
+
+    def _defer(self, errors: List[FelixError]) -> None:
+        with self._lock:
+            if errors and self._deferred is None:
+                self._deferred = errors[0]
+
+    def _note(self, errors: List[FelixError]) -> None:
+        """An error is the caller's only when no records are at hand to
+        return first; else (and the others) it waits in ``_deferred``."""
+        if errors and not self._ready:
+            self._defer(errors[1:])
+            raise errors[0]
+        self._defer(errors)
+
+    def _hand_out(self, max_records: int) -> List[ShardedRecord]:
+        """Up to ``max_records`` held records, taken off ``_ready`` in one step
+        after they were copied out (nothing once closed: close() hands them
+        back)."""
+        with self._lock:
+            if self._closed.is_set():
+                return []
+            handed = list(itertools.islice(self._ready.values(), max_records))
+            if handed:
+                self._ready = dict(itertools.islice(self._ready.items(), len(handed), None))
+        return handed
 
     # --- finishing records ---------------------------------------------------
 
@@ -442,22 +501,18 @@ class ShardedGroup:
         for record in records:
             by_shard.setdefault(self._check(record).shard, []).append(record.offset)
         requests = []
+        step = _wire.MAX_ITEMS_PER_VEC
         for shard in sorted(by_shard):
             offsets = by_shard[shard]
-            for at in range(0, len(offsets), _wire.MAX_ITEMS_PER_VEC):
-                requests.append((shard, _wire.group_ack(self._stream, shard, self._group, offsets[at : at + _wire.MAX_ITEMS_PER_VEC])))
-        if requests:
-            self._client._require(Feature.GROUPS, "group_ack")
+            for at in range(0, len(offsets), step):
+                requests.append((shard, self._port.ack_request(shard, self._group, offsets[at : at + step])))
         self._run_all(requests, "group_ack")
 
     def _run_all(self, requests: List[Tuple[int, _wire.WireRequest]], call: str, ignore_stale: bool = False) -> None:
         """Send every request, then await every answer (each must be ``ok``);
         the first error is raised."""
         first: Optional[FelixError] = None
-        pending = []
-        for shard, request in requests:
-            started = self._client._start_shard(self._stream, shard, request)
-            pending.append(started)
+        pending = [self._port.start(shard, request) for shard, request in requests]
         for started in pending:
             try:
                 response = started.result()
@@ -480,13 +535,15 @@ class ShardedGroup:
         self._client.group_nack(self._stream, record.shard, self._group, record.record, reason=reason)
 
     def nack_after(
-        self, record: ShardedRecord, delay: Union[float, "timedelta"], *, reason: Optional[str] = None
+        self, record: ShardedRecord, delay: Seconds, *, reason: Optional[str] = None
     ) -> None:
         """Hand a record back, owed again once ``delay`` has passed."""
         self._check(record)
-        self._client.group_nack_after(self._stream, record.shard, self._group, record.record, delay, reason=reason)
+        self._client.group_nack_after(
+            self._stream, record.shard, self._group, record.record, delay, reason=reason
+        )
 
-    def extend(self, record: ShardedRecord, by: Union[float, "timedelta"]) -> float:
+    def extend(self, record: ShardedRecord, by: Seconds) -> float:
         """Extend the claim on a record by ``by``; returns how long it now
         stands, in seconds."""
         self._check(record)
@@ -496,7 +553,9 @@ class ShardedGroup:
         """Give up on a record: list it (with ``reason``) as a dead letter of its
         shard's group and finish it."""
         self._check(record)
-        self._client.group_dead_letter(self._stream, record.shard, self._group, record.record, reason=reason)
+        self._client.group_dead_letter(
+            self._stream, record.shard, self._group, record.record, reason=reason
+        )
 
     # --- the group on every shard -------------------------------------------
 
@@ -517,46 +576,77 @@ class ShardedGroup:
         back every record claimed and not yet returned by :meth:`poll`, all
         nacks sent at once (a :class:`~felix.errors.StaleClaim` is ignored:
         the record already went back). A ``poll`` waiting in another thread
-        returns first. Raises the first error met; every record is still
-        tried. Later calls do nothing."""
+        returns nothing. Raises the first error met; every record is still
+        tried; an error a shard answered that no ``poll`` raised yet is raised
+        too. Once it has handed everything back, later calls do nothing;
+        if it was interrupted before, the next call tries again."""
         self._closed.set()
-        self._answers.put(None)  # Wakes a waiting poll.
-        with self._lock:
+        self._notify(None)  # Wakes a waiting poll.
+        with self._closing:
             if self._finished:
                 return
-            self._finished = True
-            first: Optional[FelixError] = None
+            errors: List[FelixError] = []
             deadline = time.monotonic() + self._wait_slice + CLOSE_GRACE
-            while self._out and time.monotonic() < deadline:
-                answer = self._wait_answer(deadline)
-                if answer is not None:
-                    error = self._take(answer, closing=True)
-                    if error is not None and first is None:
-                        first = error
-            if self._out:
-                _log.warning(
-                    "felix: %d polls of a closed ShardedGroup did not answer in time; "
-                    "what they claim goes back to the group when its claims lapse",
-                    len(self._out),
-                )
-                for call in self._out.values():
-                    call.cancel()
-                self._out.clear()
-            held, self._ready = list(self._ready), deque()
+            while True:
+                seen = self._wakes
+                # Also the last look before giving up: what landed is taken in.
+                errors += self._gather(closing=True)
+                if not self._out or time.monotonic() >= deadline:
+                    break
+                self._sleep(seen, min(deadline, self._due()))
+            errors += self._give_up()
+            errors += self._hand_back()
+            self._finished = True
+        if errors:
+            raise errors[0]
+
+    def _give_up(self) -> List[FelixError]:
+        """Stop waiting for the polls still out; one whose answer is in (or
+        being handed over) is taken in all the same."""
+        errors: List[FelixError] = []
+        with self._lock:
+            lost = 0
+            for call in list(self._out.values()):
+                if call.cancel():
+                    lost += 1
+                    del self._out[call.shard]
+                    continue
+                call.wait_landed(_LANDING)
+                error = self._take(call, closing=True)
+                if error is not None:
+                    errors.append(error)
+            self._out.clear()
+        if lost:
+            _log.warning(
+                "felix: %d polls of a closed ShardedGroup did not answer in time; "
+                "what they claim goes back to the group when its claims lapse",
+                lost,
+            )
+        return errors
+
+    def _hand_back(self) -> List[FelixError]:
+        """Nack every held record; they leave ``_ready`` only once the nacks
+        were answered, so an interrupted close() tries them again."""
+        errors: List[FelixError] = []
+        with self._lock:
+            held = list(self._ready.values())
+            # An error answered that no poll raised yet: close() raises it.
+            if self._deferred is not None:
+                errors.append(self._deferred)
             self._deferred = None
-            requests = []
-            for record in held:
-                try:
-                    requests.append(
-                        (record.shard, self._client._group_nack_request(self._stream, record.shard, self._group, record.record, 0, None))
-                    )
-                except FelixError as error:
-                    if first is None:
-                        first = error
+        requests = []
+        for record in held:
             try:
-                self._run_all(requests, "group_nack", ignore_stale=True)
+                requests.append((record.shard, self._port.nack_request(record.shard, self._group, record.record)))
             except FelixError as error:
-                if first is None:
-                    first = error
-        if first is not None:
-            raise first
+                errors.append(error)
+        try:
+            self._run_all(requests, "group_nack", ignore_stale=True)
+        except FelixError as error:
+            errors.append(error)
+        with self._lock:
+            for record in held:
+                key = (record.shard, record.offset)
+                if self._ready.get(key) is record:
+                    del self._ready[key]
+        return errors

@@ -33,7 +33,9 @@ class ShardedTestCase(BrokerTestCase):
     def publish_to(self, stream: str, shard: int, count: int) -> None:
         self.client.publish_batch(stream, shard, [f"s{shard}-{i}".encode() for i in range(count)])
 
-    def group(self, stream: str, client: "felix.Client" = None, **options: object) -> ShardedGroup:  # type: ignore[assignment]
+    def group(
+        self, stream: str, client: "felix.Client" = None, **options: object  # type: ignore[assignment]
+    ) -> ShardedGroup:
         g = (client or self.client).sharded_group(stream, GROUP, **options)  # type: ignore[arg-type]
         self.addCleanup(g.close)
         return g
@@ -88,7 +90,8 @@ class DeliveryTest(ShardedTestCase):
                     got.extend(keys(batch))
 
         # Two consumers, each on its own connections, drain the stream at once.
-        (ta, a), (tb, b) = self.in_thread(lambda: consume(self.connect())), self.in_thread(lambda: consume(self.connect()))
+        ta, a = self.in_thread(lambda: consume(self.connect()))
+        tb, b = self.in_thread(lambda: consume(self.connect()))
         ta.join(15)
         tb.join(15)
         self.assertNotIn("error", a)
@@ -284,6 +287,39 @@ class RoutingTest(ShardedTestCase):
         self.assertTrue(all(r.attempts == 2 for r in back))
         new.ack_many(back)
         self.assertEqual(new.lag(), 0)
+
+    def test_a_reclaiming_member_drops_what_a_lost_connection_held(self) -> None:
+        stream = self.new_stream(shards=3)
+        client = self.connect()
+        g = self.group(stream, client, consumer="worker-2", reclaim=True, wait_slice=5)
+        cores = list(g._placement)
+        # Shards a and b share a core; d is on another.
+        a, b = next((x, y) for x in range(3) for y in range(x + 1, 3) if cores[x] == cores[y])
+        (d,) = {0, 1, 2} - {a, b}
+        self.assertNotEqual(cores[d], cores[a])
+
+        thread, outcome = self.in_thread(lambda: g.poll(3, wait=20))
+        self.parked(g, 3)
+        self.publish_to(stream, d, 1)
+        first = self.finish(thread, outcome)
+        self.assertEqual(keys(first), [(d, 0)])
+        # The wait still out on a claims its record; the answer lands, not
+        # yet taken in.
+        self.publish_to(stream, a, 1)
+        eventually("the answer of a", lambda: g._out[a].landed is not None)
+        # The connection of that core drops: b's wait answers Disconnected.
+        client._slots[cores[a]].conn.close("dropped by the test")  # type: ignore[union-attr]
+        with self.assertRaises(felix.Disconnected):
+            g.poll(10)
+        self.assertEqual(g.held, 0, "what the lost connection held was dropped")
+
+        # The reclaim over the new connection hands it out again, once.
+        back: List[ShardedRecord] = []
+        eventually("the reclaim", lambda: bool(back.extend(g.poll(10)) or back))
+        self.assertEqual([(r.shard, r.offset, r.attempts) for r in back], [(a, 0, 2)])
+        self.assertEqual(g.poll(10), [])
+        g.ack_many(first + back)
+        self.assertEqual(g.lag(), 0)
 
     def test_bad_arguments_are_refused(self) -> None:
         stream = self.new_stream(shards=2)

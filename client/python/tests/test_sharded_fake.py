@@ -5,10 +5,12 @@ a wrong core). No real broker needed."""
 import struct
 import time
 import unittest
-from typing import List, Optional, Tuple
+from dataclasses import replace
+from typing import Callable, Iterable, List, Optional, Tuple
+from unittest import mock
 
 import felix
-from felix import _wire
+from felix import ShardedRecord, _wire, sharded
 
 from .fake_broker import FakeBroker, error_frame, response_frame
 
@@ -39,7 +41,7 @@ def records_answer(request_id: int, offsets: List[int]) -> bytes:
     return response_frame(request_id, 0x30, bytes(w.buf))
 
 
-class ShardedFakeTest(unittest.TestCase):
+class FakeCase(unittest.TestCase):
     def serve(self, script, cores: int = 1) -> FakeBroker:  # type: ignore[no-untyped-def]
         fake = FakeBroker(script, _GROUPS, cores=cores)
         self.addCleanup(fake.close)
@@ -50,6 +52,8 @@ class ShardedFakeTest(unittest.TestCase):
         self.addCleanup(client.close)
         return client
 
+
+class ShardedFakeTest(FakeCase):
     def test_an_error_beside_records_comes_with_the_next_poll_that_has_none(self) -> None:
         polls: List[Tuple[int, int, int]] = []
 
@@ -141,3 +145,190 @@ class ShardedFakeTest(unittest.TestCase):
         g.ack_many(got)
         self.assertEqual(calls, [(0, 0x30, 0), (0, 0x30, 1), (1, 0x30, 1), (1, 0x31, 1)])
         g.close()
+
+
+def nack_answer(request_id: int) -> bytes:
+    return response_frame(request_id, 0x03, b"")
+
+
+class ShardedInterruptTest(FakeCase):
+    """What a ``KeyboardInterrupt`` at each step of taking answers in leaves."""
+
+    def group_with_answers(self, **options: object) -> Tuple[felix.ShardedGroup, List[int]]:
+        """Two shards; their first waiting polls claim offsets 0 and 1 of
+        shard 0 and 5 of shard 1. Returns the group and the shards nacked."""
+        given = {0: [0, 1], 1: [5]}
+        nacked: List[int] = []
+
+        def script(header, body, core):  # type: ignore[no-untyped-def]
+            if header.opcode == 0x11:
+                return stream_answer(header.request_id, [0, 0])
+            shard = int.from_bytes(body[_SHARD_AT : _SHARD_AT + 4], "little")
+            if header.opcode == 0x32:
+                nacked.append(shard)
+                return nack_answer(header.request_id)
+            _, _, wait_ms = poll_args(body)
+            return records_answer(header.request_id, given.pop(shard, []) if wait_ms else [])
+
+        g = self.connect(self.serve(script)).sharded_group(STREAM, "g", wait_slice=0.2, **options)
+        self.addCleanup(g.close)
+        return g, nacked
+
+    def interrupt_once(
+        self, g: felix.ShardedGroup, name: str, when: Callable[..., bool] = lambda *_: True
+    ) -> None:
+        """Make ``g.<name>`` raise ``KeyboardInterrupt`` instead of running, the
+        first time it is called ``when``."""
+        original = getattr(g, name)
+        calls: List[int] = []
+
+        def hook(*args, **kwargs):  # type: ignore[no-untyped-def]
+            if calls or not when(*args):
+                return original(*args, **kwargs)
+            calls.append(1)
+            raise KeyboardInterrupt
+
+        setattr(g, name, hook)
+
+    def assert_all_once(self, g: felix.ShardedGroup) -> None:
+        got: List[Tuple[int, int]] = []
+        deadline = time.monotonic() + 5
+        while len(got) < 3 and time.monotonic() < deadline:
+            got += [(r.shard, r.offset) for r in g.poll(10, wait=0.5)]
+        self.assertEqual(sorted(got), [(0, 0), (0, 1), (1, 5)])
+        self.assertEqual(g.held, 0)
+        self.assertEqual(g.poll(10, wait=0.3), [])
+
+    def test_interrupted_while_answers_land(self) -> None:
+        # The answers land while the poll sleeps; it is interrupted before
+        # looking: the next poll finds them in the calls still out.
+        g, _ = self.group_with_answers()
+        self.interrupt_once(g, "_sleep", lambda *_: len(g._out) == 2)
+        with self.assertRaises(KeyboardInterrupt):
+            g.poll(10, wait=5)
+        self.assertEqual(len(g._out), 2)
+        self.assert_all_once(g)
+
+    def test_interrupted_after_records_were_held(self) -> None:
+        # Held, and the call still out: taken in again, held once.
+        g, _ = self.group_with_answers()
+        interrupted: List[int] = []
+
+        def hook(records: Iterable[ShardedRecord]) -> None:
+            held = list(records)
+            original(held)
+            if held and not interrupted:
+                interrupted.append(1)
+                raise KeyboardInterrupt
+
+        original = g._hold
+        g._hold = hook  # type: ignore[assignment]
+        with self.assertRaises(KeyboardInterrupt):
+            g.poll(10, wait=5)
+        self.assertGreaterEqual(g.held, 1)
+        self.assert_all_once(g)
+
+    def test_interrupted_before_handing_out(self) -> None:
+        g, _ = self.group_with_answers()
+        self.interrupt_once(g, "_hand_out", lambda *_: bool(g._ready))
+        with self.assertRaises(KeyboardInterrupt):
+            g.poll(10, wait=5)
+        self.assertGreaterEqual(g.held, 1)
+        self.assert_all_once(g)
+
+    def test_a_record_held_twice_is_held_once_with_its_latest_attempt(self) -> None:
+        g, _ = self.group_with_answers()
+        (first, *_) = g.poll(1, wait=5)
+        g._ready.clear()
+        again = felix.ShardedRecord(first.shard, replace(first.record, attempts=2))
+        g._hold([first, again, first])
+        self.assertEqual([(r.shard, r.offset, r.attempts) for r in g._ready.values()], [(first.shard, first.offset, 2)])
+
+    def test_an_interrupted_close_hands_back_on_the_next(self) -> None:
+        g, nacked = self.group_with_answers()
+        got = g.poll(2, wait=5)
+        self.interrupt_once(g, "_run_all", lambda requests, *_: bool(requests))
+        with self.assertRaises(KeyboardInterrupt):
+            g.close()
+        # Every answer was taken in; nothing was handed back yet.
+        self.assertEqual(nacked, [])
+        self.assertEqual(g.held, 3 - len(got))
+        expected = sorted(shard for shard, _ in g._ready)
+        g.close()
+        self.assertEqual(sorted(nacked), expected)
+        self.assertEqual(g.held, 0)
+        g.close()  # Done: nothing more.
+        self.assertEqual(sorted(nacked), expected)
+
+
+class ShardedWaitsTest(FakeCase):
+    def test_fewer_records_than_shards_rotate_short_waits(self) -> None:
+        waits: List[Tuple[int, int, int]] = []
+
+        def script(header, body, core):  # type: ignore[no-untyped-def]
+            if header.opcode == 0x11:
+                return stream_answer(header.request_id, [0, 0, 0, 0])
+            shard, max_records, wait_ms = poll_args(body)
+            if wait_ms:
+                waits.append((shard, max_records, wait_ms))
+                time.sleep(wait_ms / 1000)  # A broker holds the wait.
+            return records_answer(header.request_id, [])
+
+        g = self.connect(self.serve(script)).sharded_group(STREAM, "g")
+        self.assertEqual(g.poll(1, wait=0.55), [])
+        g.close()
+        # One wait at a time, one record, 100 ms each, taking turns from
+        # the shard after the sweep's first.
+        self.assertGreaterEqual(len(waits), 4, waits)
+        self.assertEqual([s for s, _, _ in waits], [(1 + i) % 4 for i in range(len(waits))])
+        self.assertTrue(all(m == 1 and 0 < w <= 100 for _, m, w in waits), waits)
+
+    def test_close_gives_up_at_its_deadline(self) -> None:
+        def script(header, body, core):  # type: ignore[no-untyped-def]
+            if header.opcode == 0x11:
+                return stream_answer(header.request_id, [0, 0])
+            if poll_args(body)[2] > 0:
+                return b""  # Never answered.
+            return records_answer(header.request_id, [])
+
+        g = self.connect(self.serve(script)).sharded_group(STREAM, "g", wait_slice=0.1)
+        self.assertEqual(g.poll(2, wait=0.15), [])
+        self.assertEqual(len(g._out), 2)
+        started = time.monotonic()
+        with mock.patch.object(sharded, "CLOSE_GRACE", 0.2), self.assertLogs("felix", "WARNING") as logs:
+            g.close()
+        self.assertTrue(0.25 <= time.monotonic() - started < 1.5)
+        self.assertIn("2 polls", logs.output[0])
+        self.assertEqual(g._out, {})
+
+    def test_an_answer_that_beats_the_give_up_is_handed_back(self) -> None:
+        nacked: List[int] = []
+
+        def script(header, body, core):  # type: ignore[no-untyped-def]
+            if header.opcode == 0x11:
+                return stream_answer(header.request_id, [0, 0])
+            shard = int.from_bytes(body[_SHARD_AT : _SHARD_AT + 4], "little")
+            if header.opcode == 0x32:
+                nacked.append(shard)
+                return nack_answer(header.request_id)
+            if poll_args(body)[2] == 0:
+                return records_answer(header.request_id, [])
+            if shard == 1:
+                time.sleep(0.3)  # Lands after close's deadline.
+            return records_answer(header.request_id, [0] if shard == 0 else [5])
+
+        g = self.connect(self.serve(script)).sharded_group(STREAM, "g", wait_slice=0.05)
+        self.assertEqual([(r.shard, r.offset) for r in g.poll(2, wait=5)], [(0, 0)])
+        late = g._out[1]
+        cancel = late.cancel
+
+        def cancel_after_landing() -> bool:
+            # The answer comes in just as close() gives up on it.
+            late.wait_landed(5)
+            return cancel()
+
+        late.cancel = cancel_after_landing  # type: ignore[assignment]
+        with mock.patch.object(sharded, "CLOSE_GRACE", 0.0):
+            g.close()
+        self.assertEqual(nacked, [1])
+        self.assertEqual(g.held, 0)

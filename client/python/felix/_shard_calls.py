@@ -1,0 +1,241 @@
+"""Requests about one shard sent without waiting for their answers
+(:class:`ShardCall`), and :class:`ShardPort`, the small interface a
+:class:`~felix.ShardedGroup` has to its :class:`~felix.Client`."""
+
+import itertools
+import math
+import threading
+from typing import TYPE_CHECKING, Callable, List, Optional
+
+from . import _wire
+from ._connection import Connection, Pending
+from ._durations import Seconds
+from .errors import Disconnected, FelixError, Timeout, WrongCore
+from .types import Feature, GroupRecord, StreamInfo, StreamRef
+
+if TYPE_CHECKING:
+    from .client import Client
+
+#: Numbers the answers of every call in the order they land (``next`` on an
+#: ``itertools.count`` is atomic).
+_landings = itertools.count(1)
+
+
+class NotSent(FelixError):
+    """The answer of a call interrupted before its request went out: there is
+    nothing to take in."""
+
+    code = "not_sent"
+
+
+class ShardCall:
+    """A request about one shard, sent without waiting for its answer and
+    routed as :meth:`Client._call_shard` routes it (one ``wrong_core``
+    redirect included). Several are in flight at once on the client's
+    pipelined connections, and no thread waits for them.
+
+    Sending takes two steps, so that what may block can run outside a
+    caller's lock: :meth:`connection` finds the connection to the shard's
+    core (refreshing the placement or connecting if need be: it may block),
+    and :meth:`send` sends on it and returns at once (:meth:`start` does
+    both). Once the answer (or a failure) is in, :attr:`landed` numbers it
+    (answers of every call, in the order they landed) and ``notify(call)`` is
+    called, from the connection's reader thread or the thread that failed.
+    """
+
+    def __init__(
+        self,
+        client: "Client",
+        stream: StreamRef,
+        shard: int,
+        request: _wire.WireRequest,
+        wait: float,
+        notify: Optional[Callable[["ShardCall"], None]],
+    ) -> None:
+        self._client = client
+        self._stream = stream
+        self.shard = shard
+        self._request = request
+        self._wait = wait
+        self._notify = notify
+        #: The ``wrong_core`` answer being followed, once.
+        self._redirect: Optional[WrongCore] = None
+        self._redirected = False
+        self._pending: Optional[Pending] = None
+        self._error: Optional[FelixError] = None
+        self._landed_event = threading.Event()
+        #: Set once the answer is in: the order it landed in.
+        self.landed: Optional[int] = None
+
+    # --- sending -------------------------------------------------------------
+
+    def connection(self) -> Connection:
+        """The connection to send on: the shard's core's or, after a
+        ``wrong_core`` answer (:meth:`wrong_core`), the core it names. May
+        block (a placement refresh, a connect); raises what they raise."""
+        client = self._client
+        if self._redirect is not None:
+            error, self._redirect = self._redirect, None
+            self._redirected = True
+            return client._conn(client._redirect_core(self._stream, self.shard, error))
+        core = client._core_for(self._stream, self.shard)
+        return client._conn_or_moved(core, lambda: client._core_for(self._stream, self.shard))
+
+    def send(self, conn: Connection) -> None:
+        """Send the request on ``conn`` without waiting; a failure to send is
+        the answer. Quick: it only writes a small frame."""
+        self.landed = None
+        self._landed_event.clear()
+        self._pending, self._error = None, None
+        try:
+            self._pending = conn.start(self._request, self._client._timeout(self._wait), self._answered)
+        except FelixError as error:
+            self.fail(error)
+        except BaseException:
+            # Interrupted: if a part of the frame went out the connection is
+            # closed, else nothing was sent. Either way the call has landed.
+            self.fail(Disconnected("the send was interrupted") if conn.closed else NotSent("interrupted"))
+            raise
+
+    def start(self) -> "ShardCall":
+        """:meth:`connection` and :meth:`send`; a failure to route is the answer."""
+        try:
+            conn = self.connection()
+        except FelixError as error:
+            self.fail(error)
+            return self
+        self.send(conn)
+        return self
+
+    def fail(self, error: FelixError) -> None:
+        """Land the call with ``error`` as its answer."""
+        self._error = error
+        self._answered()
+
+    def _answered(self) -> None:
+        self.landed = next(_landings)
+        self._landed_event.set()
+        if self._notify is not None:
+            self._notify(self)
+
+    # --- the answer ------------------------------------------------------------
+
+    @property
+    def deadline(self) -> float:
+        """When the answer stops being awaited (``time.monotonic()``)."""
+        if self._pending is None or self._error is not None:
+            return -math.inf
+        return self._pending.deadline
+
+    def wait_landed(self, timeout: Optional[float] = None) -> bool:
+        """Wait up to ``timeout`` for the answer to land; whether it has."""
+        return self._landed_event.wait(timeout)
+
+    def expire(self) -> bool:
+        """Give up on an answer past its deadline: True if it had not come
+        (the call lands with :class:`~felix.errors.Timeout`), False if it is
+        in or landing."""
+        if self.landed is not None or self._pending is None or not self._pending.cancel():
+            return False
+        self.fail(Timeout(f"no answer to {self._request.name} within {self._client._timeout(self._wait):.3g} s"))
+        return True
+
+    def cancel(self) -> bool:
+        """Stop waiting for the answer: True if it had not come (it is dropped
+        if it comes); False if it is in, or landing (:meth:`wait_landed`)."""
+        if self.landed is not None:
+            return False
+        if self._pending is None:
+            return True
+        return self._pending.cancel()
+
+    def wrong_core(self) -> bool:
+        """Whether the call landed with a ``wrong_core`` answer it may still
+        follow; if so, the next :meth:`connection` is the right core's."""
+        if self.landed is None or self._error is not None or self._redirected or self._pending is None:
+            return False
+        try:
+            response = self._pending.outcome()
+        except FelixError:
+            return False
+        if response.name == "error" and isinstance(response.value, WrongCore):
+            self._redirect = response.value
+            return True
+        return False
+
+    def answer(self) -> _wire.Response:
+        """The answer of a call that landed; an error (``wrong_core`` included) raised."""
+        if self._error is not None:
+            raise self._error
+        assert self._pending is not None
+        return self._client._raise_error(self._pending.outcome())
+
+    def result(self) -> _wire.Response:
+        """Block for the answer, following a ``wrong_core`` redirect; an error raised."""
+        while True:
+            if self._pending is not None and self.landed is None:
+                try:
+                    self._pending.wait()
+                except FelixError:
+                    pass  # Timeout: the expire below lands it.
+                if not self.expire():
+                    self.wait_landed()
+            if self.wrong_core():
+                self.start()
+                continue
+            return self.answer()
+
+
+class ShardPort:
+    """What a :class:`~felix.ShardedGroup` needs of its :class:`~felix.Client`,
+    for one stream: checked request builders, per-shard calls that do not
+    wait (:class:`ShardCall`), and the client itself for the public calls."""
+
+    def __init__(self, client: "Client", stream: StreamRef) -> None:
+        self.client = client
+        self.stream = stream
+
+    def member(self, consumer: Optional[str], reclaim: bool) -> Optional[_wire.GroupMember]:
+        return self.client._member(consumer, reclaim)
+
+    def visibility_ms(self, visibility: Optional[Seconds]) -> Optional[int]:
+        return self.client._visibility_ms(visibility)
+
+    def describe(self) -> StreamInfo:
+        return self.client.describe_stream(self.stream)
+
+    def poll_request(
+        self,
+        shard: int,
+        group: str,
+        max_records: int,
+        wait_ms: int,
+        member: Optional[_wire.GroupMember],
+        visibility_ms: Optional[int],
+    ) -> _wire.WireRequest:
+        return self.client._group_poll_request(self.stream, shard, group, max_records, wait_ms, member, visibility_ms)
+
+    def records(self, response: _wire.Response) -> List[GroupRecord]:
+        """The records of a poll's answer."""
+        return self.client._group_records(response)
+
+    def nack_request(self, shard: int, group: str, record: GroupRecord) -> _wire.WireRequest:
+        return self.client._group_nack_request(self.stream, shard, group, record, 0, None)
+
+    def ack_request(self, shard: int, group: str, offsets: List[int]) -> _wire.WireRequest:
+        self.client._require(Feature.GROUPS, "group_ack")
+        return _wire.group_ack(self.stream, shard, group, offsets)
+
+    def call(
+        self,
+        shard: int,
+        request: _wire.WireRequest,
+        wait: float = 0.0,
+        notify: Optional[Callable[[ShardCall], None]] = None,
+    ) -> ShardCall:
+        """A call about ``shard``, not sent yet."""
+        return ShardCall(self.client, self.stream, shard, request, wait, notify)
+
+    def start(self, shard: int, request: _wire.WireRequest) -> ShardCall:
+        """A call about ``shard``, sent (routing may block)."""
+        return self.call(shard, request).start()
