@@ -159,21 +159,29 @@ export interface ShardedPollOptions {
   maxRecords?: number;
   /** How long to wait for a record when none is available. Default 0. */
   waitMs?: number;
-  /** Ends the poll on the spot, rejecting with the signal's reason; what its shard polls claim stays held. */
+  /**
+   * Ends the poll on the spot, rejecting with the signal's reason; it hands
+   * out nothing and what its shard polls claim stays held for the next poll.
+   * The safe way to time a poll out: never race it with `Promise.race`.
+   */
   signal?: AbortSignal;
 }
 
 /**
  * One consumer of a group on every shard of a stream (`client.shardedGroup`).
- * One poll at a time: a new poll() or close() ends one still running, which
- * resolves empty; its claims stay held for the next.
+ * Records leave it only as the value of a poll() that resolves with them (or
+ * as close()'s nacks): everything its shard polls claim is held first. One
+ * poll at a time: a new poll() or close() ends one still running, which
+ * resolves empty; its claims stay held for the next. Time a poll out with
+ * `waitMs` or `signal`, not `Promise.race`: a raced poll left running
+ * resolves with what it claims to nobody.
  */
 export class ShardedGroup {
   /** The stream's shard count. */
   readonly shards: number;
   readonly group: string;
   readonly stream: StreamRef;
-  /** Records claimed by waiting polls and not yet handed out; the next poll hands them out first. */
+  /** Records claimed by shard polls and not yet handed out; the next poll hands them out first. */
   readonly held: number;
   poll(options?: ShardedPollOptions): Promise<ShardedRecord[]>;
   ack(record: ShardedRecord): Promise<void>;

@@ -72,18 +72,54 @@ function abortReason(signal) {
  * a shard answers while records are at hand is thrown by the next `poll()`
  * that has none to give.
  *
- * One poll at a time: a `poll()` (or `close()`) made while an earlier poll
- * is still running ends that one at once, resolving it empty; whatever
- * its shard polls claimed stays held for the new one. So a poll abandoned
- * by its caller (a `Promise.race` timeout) loses nothing as long as the
- * next `poll()` or `close()` follows; to end a poll on the spot, pass a
- * `signal`, which rejects it with the signal's reason and keeps its claims.
+ * Custody: every shard poll's answer is held here first, and records leave
+ * only as the value of a `poll()` that resolves with them (taken from what
+ * is held in the same step as it resolves) or as `close()`'s nacks. A poll
+ * that cannot give them to its caller gives none: one ended by a newer
+ * `poll()` or by `close()` resolves `[]`, one whose `signal` aborted
+ * rejects with the signal's reason, and what their shard polls claimed,
+ * before or after, stays held for the next `poll()` or `close()`. So to give
+ * up on a poll, pass a `signal` (`AbortSignal.timeout(ms)`), never a
+ * `Promise.race` timeout: a poll cannot know its caller stopped listening,
+ * and one raced and left running resolves with what its waits bring before
+ * the next `poll()`, to nobody (those claims then lapse back to the group
+ * when their visibility ends).
  *
  * `close()` waits for the polls still out (about a wait slice; at most
  * 5 s more) and hands back (nacks) everything held, so another consumer
  * gets it at once, with the attempt counted. It does not close the client.
  */
 class ShardedGroup {
+  #client;
+  #ref;
+  #group;
+  #shards;
+  /** The broker core of each shard, when the polls began: shards on one core share a connection. */
+  #placement;
+  #pollOptions;
+  #waitSliceMs;
+  /** Where the next sweep (and the next rotating wait) starts. */
+  #next = 0;
+  /** @type {import('../index').ShardedRecord[]} Claimed, not yet handed out; handed out before anything else. */
+  #ready = [];
+  /** An error answered while records were at hand (or no poll was running), for the next poll with none. */
+  #deferred = undefined;
+  /** Shards with a poll out (at most one each). */
+  #waiting;
+  #out = 0;
+  /** No new waiting poll goes to a shard before this (its last one's slice). */
+  #quietUntil;
+  /** Wakers of whoever waits for an answer (the running poll, or close). */
+  #wakers = new Set();
+  /** The running poll: `{ended: boolean}`. */
+  #run = undefined;
+  #closed = false;
+  /** During close: errors of polls answering. */
+  #closeErrors = undefined;
+  /** After close gave up waiting: records that arrive are handed back at once. */
+  #handedBack = false;
+  #closing = undefined;
+
   /**
    * Use `client.shardedGroup(...)`, which asks the broker for the shard count.
    * @param {import('./client').Client} client
@@ -94,39 +130,19 @@ class ShardedGroup {
    * @private
    */
   constructor(client, ref, group, info, options) {
-    this.client = client;
-    this.ref = ref;
-    this.groupName = group;
-    this.shardCount = info.shards;
-    /** The broker core of each shard, when the polls began: shards on one core share a connection. */
-    this.placement = info.placement;
-    this.pollOptions = {
+    this.#client = client;
+    this.#ref = ref;
+    this.#group = group;
+    this.#shards = info.shards;
+    this.#placement = info.placement ?? [];
+    this.#pollOptions = {
       consumer: options.consumer,
       reclaim: options.reclaim,
       visibilityMs: options.visibilityMs,
     };
-    this.waitSliceMs = options.waitSliceMs;
-    /** Where the next sweep (and the next rotating wait) starts. */
-    this.next = 0;
-    /** @type {import('../index').ShardedRecord[]} Claimed, not yet handed out; handed out before anything else. */
-    this.ready = [];
-    /** An error answered while records were at hand (or no poll was running), for the next poll with none. */
-    this.deferred = undefined;
-    /** Shards with a poll out (at most one each). */
-    this.waiting = new Array(info.shards).fill(false);
-    this.out = 0;
-    /** No new waiting poll goes to a shard before this (its last one's slice). */
-    this.quietUntil = new Array(info.shards).fill(0);
-    /** Wakers of whoever waits for an answer (the running poll, or close). */
-    this.wakers = new Set();
-    /** The running poll: `{ended: boolean}`. */
-    this.run = undefined;
-    this.closed = false;
-    /** During close: errors of polls answering. */
-    this.closeErrors = undefined;
-    /** After close gave up waiting: records that arrive are handed back at once. */
-    this.handedBack = false;
-    this.closing = undefined;
+    this.#waitSliceMs = options.waitSliceMs;
+    this.#waiting = new Array(info.shards).fill(false);
+    this.#quietUntil = new Array(info.shards).fill(0);
   }
 
   /**
@@ -167,32 +183,35 @@ class ShardedGroup {
 
   /** The stream's shard count. @returns {number} */
   get shards() {
-    return this.shardCount;
+    return this.#shards;
   }
 
   /** The group's name. @returns {string} */
   get group() {
-    return this.groupName;
+    return this.#group;
   }
 
   /** The stream, as `{tenant, namespace, stream}`. */
   get stream() {
-    return { ...this.ref };
+    return { ...this.#ref };
   }
 
   /**
-   * Records claimed by earlier polls' waiting polls and not yet handed out
-   * by `poll()`. @returns {number}
+   * Records claimed by shard polls and not yet handed out by `poll()`
+   * (answers still on their way not counted). @returns {number}
    */
   get held() {
-    return this.ready.length;
+    return this.#ready.length;
   }
 
   /**
    * Claim up to `maxRecords` records from any of the stream's shards,
    * waiting up to `waitMs` for one when none is available. An empty array
    * means nothing was (or this poll was ended by a newer `poll()` or by
-   * `close()`). `signal` aborts it, rejecting with the signal's reason.
+   * `close()`). `signal` aborts it, rejecting with the signal's reason;
+   * an aborted or ended poll hands out nothing, and what it claimed stays
+   * held for the next. Time a poll out with `waitMs` or `signal`, not
+   * with `Promise.race`.
    * @param {import('../index').ShardedPollOptions} [options] defaults: 16 records, no wait
    * @returns {Promise<import('../index').ShardedRecord[]>}
    */
@@ -204,74 +223,83 @@ class ShardedGroup {
     if (signal !== undefined && !(signal instanceof AbortSignal)) {
       throw new InvalidArgumentError('signal must be an AbortSignal');
     }
-    if (this.closed) throw new DisconnectedError('the sharded group is closed');
+    if (this.#closed) throw new DisconnectedError('the sharded group is closed');
+    signal?.throwIfAborted();
     // One poll at a time: an earlier one still running (abandoned by its
     // caller) ends now and hands out nothing; its claims stay held.
-    this.endRun();
-    signal?.throwIfAborted();
+    this.#endRun();
     const run = { ended: false };
-    this.run = run;
-    const onAbort = () => this.endRun();
+    this.#run = run;
+    // Only this poll: a signal aborting once a newer poll runs ends nothing.
+    const onAbort = () => {
+      if (this.#run === run) this.#endRun();
+    };
     signal?.addEventListener('abort', onAbort);
     try {
-      const records = await this.pollRun(run, max, waitMs);
-      // Aborted: records already handed out are still returned, never dropped.
-      if (records.length === 0 && run.ended && signal?.aborted) throw abortReason(signal);
-      return records;
+      await this.#pollRun(run, max, waitMs);
+      // From here to the return nothing else runs: records leave `ready`
+      // only as this poll's value, and only while its caller still wants it.
+      if (run.ended || signal?.aborted) {
+        if (signal?.aborted) throw abortReason(signal);
+        return [];
+      }
+      if (this.#ready.length > 0) return this.#ready.splice(0, max);
+      const err = this.#deferred;
+      this.#deferred = undefined;
+      if (err !== undefined) throw err;
+      return [];
     } finally {
       signal?.removeEventListener('abort', onAbort);
-      if (this.run === run) this.run = undefined;
+      if (this.#run === run) this.#run = undefined;
     }
   }
 
   /** End the running poll, if any; it resolves empty at its next step. */
-  endRun() {
-    if (!this.run) return;
-    this.run.ended = true;
-    this.run = undefined;
-    this.wake();
+  #endRun() {
+    if (!this.#run) return;
+    this.#run.ended = true;
+    this.#run = undefined;
+    this.#wake();
   }
 
-  async pollRun(run, max, waitMs) {
+  /**
+   * Claim and wait until there is something to give (records held, or an
+   * error with none), the poll's wait is over, or the poll is ended. Hands
+   * out nothing: every shard poll's answer goes to `ready` (or `deferred`)
+   * as it arrives, whoever is waiting, and `poll()` takes from there.
+   */
+  async #pollRun(run, max, waitMs) {
     const deadline = now() + waitMs;
-    if (this.ready.length > 0) return this.handOut(max);
-    this.throwDeferred();
+    if (this.#ready.length > 0 || this.#deferred !== undefined) return;
+    const somethingToGive = () => this.#ready.length > 0 || this.#deferred !== undefined;
 
-    // Every shard poll's answer goes to `ready` (or `deferred`) as it
-    // arrives, whoever is waiting: records are handed out only by the
-    // poll running when it returns, never by one that was ended.
-    const start = this.next;
-    this.next = (this.next + 1) % this.shardCount;
-    for (let i = 0; i < this.shardCount; i++) {
-      const shard = (start + i) % this.shardCount;
+    const start = this.#next;
+    this.#next = (this.#next + 1) % this.#shards;
+    for (let i = 0; i < this.#shards; i++) {
+      const shard = (start + i) % this.#shards;
       // A waiting poll is already out there and gets what arrives.
-      if (this.waiting[shard]) continue;
-      const want = max - this.ready.length;
+      if (this.#waiting[shard]) continue;
+      const want = max - this.#ready.length;
       if (want <= 0) break;
-      this.spawnPoll(shard, want, 0);
-      while (this.waiting[shard] && !run.ended) await this.changed(undefined);
-      if (run.ended) return [];
-      if (this.ready.length === 0) this.throwDeferred();
+      this.#spawnPoll(shard, want, 0);
+      while (this.#waiting[shard]) {
+        await this.#changed(undefined);
+        if (run.ended) return;
+        // An error with nothing at hand is the caller's at once, whichever
+        // shard answered it (as the Rust client); beside records it waits.
+        if (this.#ready.length === 0 && this.#deferred !== undefined) return;
+      }
     }
-    if (this.ready.length > 0 || waitMs === 0) return this.handOut(max);
+    if (this.#ready.length > 0 || waitMs === 0) return;
 
     // Nothing anywhere: wait.
     for (;;) {
       const t = now();
-      if (deadline - t < 1) return [];
-      const freeAt = this.spreadWaits(max, deadline - t, t);
-      await this.changed(freeAt === undefined ? deadline : Math.min(freeAt, deadline));
-      if (run.ended) return [];
-      if (this.ready.length > 0) return this.handOut(max);
-      this.throwDeferred();
+      if (deadline - t < 1) return;
+      const freeAt = this.#spreadWaits(max, deadline - t, t);
+      await this.#changed(freeAt === undefined ? deadline : Math.min(freeAt, deadline));
+      if (run.ended || somethingToGive()) return;
     }
-  }
-
-  throwDeferred() {
-    if (this.deferred === undefined) return;
-    const err = this.deferred;
-    this.deferred = undefined;
-    throw err;
   }
 
   /**
@@ -282,115 +310,158 @@ class ShardedGroup {
    * turn, a short slice at a time. A shard whose last wait's slice is not
    * over yet waits its turn; returns the earliest such turn.
    */
-  spreadWaits(max, remaining, t) {
-    const n = this.shardCount;
-    const free = (s) => !this.waiting[s] && this.quietUntil[s] <= t;
+  #spreadWaits(max, remaining, t) {
+    const n = this.#shards;
+    const free = (s) => !this.#waiting[s] && this.#quietUntil[s] <= t;
     if (max >= n) {
       const base = Math.floor(max / n);
       const extra = max % n;
-      const slice = Math.min(remaining, this.waitSliceMs);
+      const slice = Math.min(remaining, this.#waitSliceMs);
       for (let shard = 0; shard < n; shard++) {
-        if (free(shard)) this.spawnWait(shard, base + (shard < extra ? 1 : 0), slice, t);
+        if (free(shard)) this.#spawnWait(shard, base + (shard < extra ? 1 : 0), slice, t);
       }
     } else {
       const slice = Math.min(remaining, SHORT_WAIT_SLICE_MS);
-      for (let out = this.out; out < max; out++) {
+      for (let out = this.#out; out < max; out++) {
         let idle;
         for (let i = 0; i < n; i++) {
-          const s = (this.next + i) % n;
+          const s = (this.#next + i) % n;
           if (free(s)) {
             idle = s;
             break;
           }
         }
         if (idle === undefined) break;
-        this.next = (idle + 1) % n;
-        this.spawnWait(idle, 1, slice, t);
+        this.#next = (idle + 1) % n;
+        this.#spawnWait(idle, 1, slice, t);
       }
     }
     let earliest;
     for (let s = 0; s < n; s++) {
-      const q = this.quietUntil[s];
-      if (!this.waiting[s] && q > t && (earliest === undefined || q < earliest)) earliest = q;
+      const q = this.#quietUntil[s];
+      if (!this.#waiting[s] && q > t && (earliest === undefined || q < earliest)) earliest = q;
     }
     return earliest;
   }
 
-  spawnWait(shard, maxRecords, sliceMs, t) {
-    this.quietUntil[shard] = t + sliceMs;
-    this.spawnPoll(shard, maxRecords, Math.max(1, Math.ceil(sliceMs)));
-  }
-
-  handOut(max) {
-    return this.ready.splice(0, max);
+  #spawnWait(shard, maxRecords, sliceMs, t) {
+    this.#quietUntil[shard] = t + sliceMs;
+    this.#spawnPoll(shard, maxRecords, Math.max(1, Math.ceil(sliceMs)));
   }
 
   /** Send one shard's poll; its answer is taken in whenever it comes. */
-  spawnPoll(shard, maxRecords, waitMs) {
-    this.waiting[shard] = true;
-    this.out++;
-    this.client.groupPoll(this.ref, shard, this.groupName, { maxRecords, waitMs, ...this.pollOptions }).then(
-      (records) => this.take(shard, records, undefined),
-      (err) => this.take(shard, undefined, err),
+  #spawnPoll(shard, maxRecords, waitMs) {
+    this.#waiting[shard] = true;
+    this.#out++;
+    let answer;
+    try {
+      answer = Promise.resolve(this.#client.groupPoll(this.#ref, shard, this.#group, { maxRecords, waitMs, ...this.#pollOptions }));
+    } catch (err) {
+      answer = Promise.reject(err);
+    }
+    answer.then(
+      (records) => this.#take(shard, records, undefined),
+      (err) => this.#take(shard, undefined, err),
     );
   }
 
-  /** Take in one shard poll's answer: records join `ready`, an error waits in `deferred`. */
-  take(shard, records, err) {
-    this.waiting[shard] = false;
-    this.out--;
-    if (err !== undefined && (err instanceof DisconnectedError || err instanceof ConnectionError) && this.pollOptions.reclaim) {
-      // The connection of the shard's core dropped. A member that reclaims
-      // takes back, on its first poll of each shard over the new
-      // connection, what the old one held, so records held here from that
-      // core's shards would come out twice: let the reclaim hand them out.
-      const lost = this.placement[shard];
-      this.ready = this.ready.filter((r) => !(r.shard === shard || (lost !== undefined && this.placement[r.shard] === lost)));
+  /**
+   * Take in one shard poll's answer: records join `ready`, an error waits
+   * in `deferred` (or, during close, in `closeErrors`). Never throws: a
+   * failure taking the answer in is deferred as the answer's error, and
+   * the records taken in before it stay held.
+   */
+  #take(shard, records, err) {
+    this.#waiting[shard] = false;
+    this.#out--;
+    try {
+      if (
+        err !== undefined &&
+        (err instanceof DisconnectedError || err instanceof ConnectionError) &&
+        this.#pollOptions.reclaim &&
+        !this.#closed
+      ) {
+        // The connection of the shard's core dropped. A member that
+        // reclaims takes back, on its first poll of each shard over the
+        // new connection, what the old one held, so records held here from
+        // that core's shards would come out twice: let the reclaim hand
+        // them out. Not once closing: close() hands back what is held.
+        const lost = this.#placement[shard];
+        this.#ready = this.#ready.filter((r) => !(r.shard === shard || (lost !== undefined && this.#placement[r.shard] === lost)));
+      }
+      if (records !== undefined) {
+        if (this.#handedBack) {
+          // close() stopped waiting for this poll: hand its records back now.
+          for (const r of records) this.#nackQuietly(Object.assign(r, { shard }));
+        } else {
+          this.#hold(shard, records);
+        }
+      }
+    } catch (e) {
+      err ??= e;
     }
-    const got = (records ?? []).map((r) => Object.assign(r, { shard }));
-    if (this.handedBack) {
-      // close() stopped waiting for this poll: hand its records back now.
-      for (const r of got) this.nackQuietly(r);
-      return;
+    if (err !== undefined && !this.#handedBack) {
+      if (this.#closeErrors) this.#closeErrors.push(err);
+      else this.#deferred ??= err;
     }
-    this.ready.push(...got);
-    if (err !== undefined) {
-      if (this.closeErrors) this.closeErrors.push(err);
-      else this.deferred ??= err;
-    }
-    this.wake();
+    this.#wake();
   }
 
-  nackQuietly(record) {
-    this.client.groupNack(this.ref, record.shard, this.groupName, record).catch(() => {});
+  /**
+   * Add one shard's records to `ready`, one (shard, offset) once: a record
+   * already held (a reconnect and reclaim can hand it out again) keeps the
+   * delivery with the most attempts, the latest.
+   */
+  #hold(shard, records) {
+    const at = new Map();
+    for (let i = 0; i < this.#ready.length; i++) {
+      const r = this.#ready[i];
+      if (r.shard === shard) at.set(r.offset, i);
+    }
+    for (const record of records) {
+      const r = Object.assign(record, { shard });
+      const i = at.get(r.offset);
+      if (i === undefined) {
+        at.set(r.offset, this.#ready.length);
+        this.#ready.push(r);
+      } else if (r.attempts > this.#ready[i].attempts) {
+        this.#ready[i] = r;
+      }
+    }
   }
 
-  wake() {
-    for (const waker of [...this.wakers]) waker();
+  #nackQuietly(record) {
+    Promise.resolve()
+      .then(() => this.#client.groupNack(this.#ref, record.shard, this.#group, record))
+      .catch(() => {});
+  }
+
+  #wake() {
+    for (const waker of [...this.#wakers]) waker();
   }
 
   /** Resolve at the next answer, `endRun`, or `until` (a `now()` time; undefined: no limit). */
-  changed(until) {
+  #changed(until) {
     return new Promise((resolve) => {
       let timer;
       const waker = () => {
         clearTimeout(timer);
-        this.wakers.delete(waker);
+        this.#wakers.delete(waker);
         resolve();
       };
       if (until !== undefined) timer = setTimeout(waker, timerDelay(Math.ceil(until - now())));
-      this.wakers.add(waker);
+      this.#wakers.add(waker);
     });
   }
 
   /** A record's shard, checked against the stream's. */
-  shardOf(record) {
+  #shardOf(record) {
     if (record === null || typeof record !== 'object') {
       throw new InvalidArgumentError('expected a record delivered by this ShardedGroup ({shard, offset, attempts})');
     }
     const { shard } = record;
-    if (!Number.isInteger(shard) || shard < 0 || shard >= this.shardCount) {
-      throw new InvalidArgumentError(`record.shard must be a shard of the stream (0 to ${this.shardCount - 1}), not ${String(shard)}`);
+    if (!Number.isInteger(shard) || shard < 0 || shard >= this.#shards) {
+      throw new InvalidArgumentError(`record.shard must be a shard of the stream (0 to ${this.#shards - 1}), not ${String(shard)}`);
     }
     return shard;
   }
@@ -401,7 +472,7 @@ class ShardedGroup {
    * @returns {Promise<void>}
    */
   async ack(record) {
-    return this.client.groupAck(this.ref, this.shardOf(record), this.groupName, record.offset);
+    return this.#client.groupAck(this.#ref, this.#shardOf(record), this.#group, record.offset);
   }
 
   /**
@@ -416,7 +487,7 @@ class ShardedGroup {
     /** @type {Map<number, Array<bigint|number>>} */
     const byShard = new Map();
     for (const r of records) {
-      const shard = this.shardOf(r);
+      const shard = this.#shardOf(r);
       let list = byShard.get(shard);
       if (!list) byShard.set(shard, (list = []));
       list.push(r.offset);
@@ -425,7 +496,7 @@ class ShardedGroup {
     for (const shard of [...byShard.keys()].sort((a, b) => a - b)) {
       const offsets = byShard.get(shard);
       for (let i = 0; i < offsets.length; i += wire.MAX_ITEMS_PER_VEC) {
-        acks.push(this.client.groupAck(this.ref, shard, this.groupName, offsets.slice(i, i + wire.MAX_ITEMS_PER_VEC)));
+        acks.push(this.#client.groupAck(this.#ref, shard, this.#group, offsets.slice(i, i + wire.MAX_ITEMS_PER_VEC)));
       }
     }
     const results = await Promise.allSettled(acks);
@@ -441,7 +512,7 @@ class ShardedGroup {
    * @returns {Promise<void>}
    */
   async nack(record, options = {}) {
-    return this.client.groupNack(this.ref, this.shardOf(record), this.groupName, record, options);
+    return this.#client.groupNack(this.#ref, this.#shardOf(record), this.#group, record, options);
   }
 
   /**
@@ -452,7 +523,7 @@ class ShardedGroup {
    * @returns {Promise<void>}
    */
   async nackAfter(record, delayMs, options = {}) {
-    return this.client.groupNackAfter(this.ref, this.shardOf(record), this.groupName, record, delayMs, options);
+    return this.#client.groupNackAfter(this.#ref, this.#shardOf(record), this.#group, record, delayMs, options);
   }
 
   /**
@@ -462,7 +533,7 @@ class ShardedGroup {
    * @returns {Promise<number>} how long the claim now stands, in ms
    */
   async extend(record, byMs) {
-    return this.client.groupExtend(this.ref, this.shardOf(record), this.groupName, record, byMs);
+    return this.#client.groupExtend(this.#ref, this.#shardOf(record), this.#group, record, byMs);
   }
 
   /**
@@ -473,7 +544,7 @@ class ShardedGroup {
    * @returns {Promise<void>}
    */
   async deadLetter(record, reason) {
-    return this.client.groupDeadLetter(this.ref, this.shardOf(record), this.groupName, record, reason);
+    return this.#client.groupDeadLetter(this.#ref, this.#shardOf(record), this.#group, record, reason);
   }
 
   /**
@@ -482,8 +553,8 @@ class ShardedGroup {
    */
   async describe() {
     const infos = [];
-    for (let shard = 0; shard < this.shardCount; shard++) {
-      infos.push(this.client.groupDescribe(this.ref, shard, this.groupName));
+    for (let shard = 0; shard < this.#shards; shard++) {
+      infos.push(this.#client.groupDescribe(this.#ref, shard, this.#group));
     }
     return Promise.all(infos);
   }
@@ -503,28 +574,29 @@ class ShardedGroup {
    * what they claim is handed back as it arrives, or lapses back to the
    * group) and hand back (nack) every record held, all nacks at once. A
    * claim that already lapsed (`StaleClaimError`) is not an error. Throws
-   * the first other error met; every record is still tried. Calling it
-   * again returns the same promise. The client stays open.
+   * the first other error met (a shard poll's answer included); every
+   * record is still tried. Calling it again returns the same promise. The
+   * client stays open.
    * @returns {Promise<void>}
    */
   close() {
-    if (!this.closing) {
-      this.closed = true;
-      this.endRun();
-      this.closing = this.handBack();
+    if (!this.#closing) {
+      this.#closed = true;
+      this.#endRun();
+      this.#closing = this.#handBack();
     }
-    return this.closing;
+    return this.#closing;
   }
 
-  async handBack() {
-    this.closeErrors = [];
-    this.deferred = undefined;
-    const deadline = now() + this.waitSliceMs + CLOSE_GRACE_MS;
-    while (this.out > 0 && now() < deadline) await this.changed(deadline);
-    this.handedBack = true;
-    const errors = this.closeErrors;
-    const records = this.ready.splice(0);
-    const nacks = await Promise.allSettled(records.map((r) => this.client.groupNack(this.ref, r.shard, this.groupName, r)));
+  async #handBack() {
+    this.#closeErrors = [];
+    this.#deferred = undefined;
+    const deadline = now() + this.#waitSliceMs + CLOSE_GRACE_MS;
+    while (this.#out > 0 && now() < deadline) await this.#changed(deadline);
+    this.#handedBack = true;
+    const errors = this.#closeErrors;
+    const records = this.#ready.splice(0);
+    const nacks = await Promise.allSettled(records.map(async (r) => this.#client.groupNack(this.#ref, r.shard, this.#group, r)));
     for (const n of nacks) {
       // StaleClaim: the claim lapsed and the record already went back.
       if (n.status === 'rejected' && !(n.reason instanceof StaleClaimError)) errors.push(n.reason);

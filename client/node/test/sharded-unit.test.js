@@ -193,16 +193,38 @@ test('sharded unit: close() waits for the polls out, ends the running poll, igno
 
   // A nack refused for another reason is close()'s error; every record is still tried.
   const stub2 = stubClient();
-  const g2 = await open(stub2);
-  const p2 = g2.poll({ maxRecords: 4 });
-  (await nthPoll(stub2, 0)).answer([rec(5)]);
-  (await nthPoll(stub2, 1)).answer([rec(6)]);
-  const got = await p2;
-  assert.equal(got.length, 2);
-  g2.ready.push(...got); // as if claimed ahead
+  const g2 = await open(stub2, { waitSliceMs: 5_000 });
+  const p2 = g2.poll({ maxRecords: 4, waitMs: 20_000 });
+  (await nthPoll(stub2, 0)).answer([]);
+  (await nthPoll(stub2, 1)).answer([]);
+  (await nthPoll(stub2, 2)).answer([rec(4)]);
+  assert.deepEqual(keys(await p2), ['0:4']);
+  (await nthPoll(stub2, 3)).answer([rec(5), rec(6)]); // claimed ahead
+  await tick();
+  assert.equal(g2.held, 2);
   stub2.nackError = (r) => (r.offset === 5n ? new felix.UnavailableError('down') : undefined);
   await assert.rejects(g2.close(), felix.UnavailableError);
-  assert.deepEqual(stub2.nacks.sort(), ['0:5', '1:6']);
+  assert.deepEqual(stub2.nacks.sort(), ['1:5', '1:6']);
+});
+
+test('sharded unit: a dropped connection during close() drops nothing held: close() hands it back', async () => {
+  // Shards 0 and 2 on core 0, shard 1 on core 1.
+  const stub = stubClient({ shards: 3, placement: [0, 1, 0] });
+  const g = await open(stub, { consumer: 'w', reclaim: true, waitSliceMs: 5_000 });
+  const polled = g.poll({ maxRecords: 3, waitMs: 20_000 });
+  for (let i = 0; i < 3; i++) (await nthPoll(stub, i)).answer([]);
+  const waits = [await nthPoll(stub, 3), await nthPoll(stub, 4), await nthPoll(stub, 5)];
+  waits[1].answer([rec(1)]);
+  assert.deepEqual(keys(await polled), ['1:1']);
+  waits[0].answer([rec(0)]);
+  await tick();
+  assert.equal(g.held, 1);
+  const closing = g.close();
+  // Core 0 drops while close() waits for shard 2's poll.
+  waits[2].fail(new felix.DisconnectedError('core 0 dropped'));
+  await assert.rejects(closing, felix.DisconnectedError, 'the poll\'s error is close()\'s');
+  assert.deepEqual(stub.nacks, ['0:0'], 'the held record of core 0 is handed back, not dropped');
+  assert.equal(g.held, 0);
 });
 
 test('sharded unit: a dropped connection drops held records of that core for a reclaiming member', async () => {
@@ -246,5 +268,102 @@ test('sharded unit: records carry their shard and go to it', async () => {
     ['groupNackAfter', 0, '[object Object]'], ['groupExtend', 1, '[object Object]'], ['groupDeadLetter', 0, '[object Object]'],
   ]);
   await assert.rejects(g.ack({ ...a, shard: 2 }), felix.InvalidArgumentError);
+  await g.close();
+});
+
+test('sharded unit: a poll timed out by its signal hands out nothing; what its waits claim after is held for the next', async () => {
+  const stub = stubClient({ shards: 2 });
+  const g = await open(stub, { waitSliceMs: 5_000 });
+  const controller = new AbortController();
+  const timedOut = g.poll({ maxRecords: 4, waitMs: 20_000, signal: controller.signal });
+  (await nthPoll(stub, 0)).answer([]);
+  (await nthPoll(stub, 1)).answer([]);
+  const w0 = await nthPoll(stub, 2);
+  const w1 = await nthPoll(stub, 3);
+  // An answer already on its way as the caller gives up is not handed out either.
+  w0.answer([rec(1)]);
+  controller.abort(new Error('gave up'));
+  await assert.rejects(timedOut, /gave up/);
+  // The waits answer before the caller polls again: nothing is lost.
+  w1.answer([rec(2), rec(3)]);
+  await tick();
+  assert.equal(g.held, 3);
+  assert.deepEqual(keys(await g.poll({ maxRecords: 2 })), ['0:1', '1:2']);
+  assert.deepEqual(keys(await g.poll({ maxRecords: 2 })), ['1:3']);
+  assert.equal(g.held, 0);
+  assert.equal(stub.polls.length, 4, 'nothing sent while records were held');
+  await g.close();
+  assert.deepEqual(stub.nacks, []);
+});
+
+test('sharded unit: an earlier poll\'s signal aborting ends only that poll, not the one running now', async () => {
+  const stub = stubClient({ shards: 2 });
+  const g = await open(stub, { waitSliceMs: 5_000 });
+  const controller = new AbortController();
+  const first = g.poll({ maxRecords: 4, waitMs: 20_000, signal: controller.signal });
+  const sweep0 = await nthPoll(stub, 0);
+  const second = g.poll({ maxRecords: 4, waitMs: 20_000 });
+  controller.abort(new Error('first gave up')); // while the first is still winding down
+  await assert.rejects(first, /first gave up/);
+  sweep0.answer([rec(7)]);
+  assert.deepEqual(keys(await second), ['0:7'], 'the second poll still runs');
+  await g.close();
+});
+
+test('sharded unit: an error another shard answers during the sweep ends the poll at once', async () => {
+  const stub = stubClient({ shards: 2 });
+  const g = await open(stub, { waitSliceMs: 5_000 });
+  const first = g.poll({ maxRecords: 4, waitMs: 20_000 });
+  (await nthPoll(stub, 0)).answer([]);
+  (await nthPoll(stub, 1)).answer([]);
+  const w0 = await nthPoll(stub, 2);
+  const w1 = await nthPoll(stub, 3);
+  w0.answer([rec(1)]);
+  assert.deepEqual(keys(await first), ['0:1']);
+  // The next sweep starts at shard 1 (its wait still out: skipped) and polls shard 0.
+  const second = g.poll({ maxRecords: 4 });
+  const sweep = await nthPoll(stub, 4);
+  assert.equal(sweep.shard, 0);
+  w1.fail(new felix.UnavailableError('shard 1 stopped'));
+  await assert.rejects(second, felix.UnavailableError);
+  assert.equal(sweep.settled, false, 'thrown before the sweep\'s shard answered');
+  await g.close();
+});
+
+test('sharded unit: a failure taking an answer in is the next poll\'s error; records before it are held', async () => {
+  const stub = stubClient({ shards: 2 });
+  const g = await open(stub);
+  const polled = g.poll({ maxRecords: 4 });
+  (await nthPoll(stub, 0)).answer([rec(1), null, rec(2)]); // null: not a record
+  (await nthPoll(stub, 1)).answer([]);
+  assert.deepEqual(keys(await polled), ['0:1']);
+  await assert.rejects(g.poll({ maxRecords: 4 }), TypeError);
+
+  // A batch too large to spread into push()'s arguments is taken in whole.
+  const big = Array.from({ length: 300_000 }, (_, i) => rec(i));
+  const many = g.poll({ maxRecords: 300_000 });
+  (await nthPoll(stub, 2)).answer(big);
+  assert.equal((await many).length, 300_000);
+  assert.equal(stub.polls.length, 3, 'the first shard had enough');
+  await g.close();
+});
+
+test('sharded unit: a record handed out again while held (a reclaim) is held once, as the later delivery', async () => {
+  const stub = stubClient({ shards: 2 });
+  const g = await open(stub, { consumer: 'w', reclaim: true, waitSliceMs: 5_000 });
+  const polled = g.poll({ maxRecords: 4, waitMs: 20_000 });
+  (await nthPoll(stub, 0)).answer([]);
+  (await nthPoll(stub, 1)).answer([]);
+  const w0 = await nthPoll(stub, 2);
+  const w1 = await nthPoll(stub, 3);
+  w0.answer([rec(9)]);
+  assert.deepEqual(keys(await polled), ['0:9']);
+  const again = { ...rec(3), attempts: 2 };
+  w1.answer([rec(3), rec(4), again, rec(3)]);
+  await tick();
+  assert.equal(g.held, 2);
+  const got = await g.poll({ maxRecords: 10 });
+  assert.deepEqual(keys(got), ['1:3', '1:4']);
+  assert.equal(got[0].attempts, 2, 'the later delivery');
   await g.close();
 });
