@@ -57,8 +57,16 @@ fn brokers() -> Brokers {
     }
 }
 
+/// One suite at a time: each runs its own tests in parallel against brokers
+/// of its own, and timing-sensitive cases (short visibility timeouts) should
+/// not share the machine with the other suite too.
+static ONE_SUITE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Run a suite with the brokers' addresses; fail with its output if it fails.
 fn run_suite(mut cmd: Command, name: &str) {
+    let _turn = ONE_SUITE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let b = brokers();
     let out = cmd
         .current_dir(repo_root())
