@@ -853,7 +853,14 @@ async fn a_group_is_created_moved_described_and_deleted() {
     stream(&c, JOBS).await;
     publish(&c, JOBS, 5).await;
     let g = Group::new(&c, JOBS, "workers");
-    assert_eq!(code(g.describe().await), Some(ErrorCode::NotFound));
+    let missing = g.describe().await.unwrap_err();
+    assert_eq!(missing.code(), Some(ErrorCode::NotFound));
+    let said = missing.to_string();
+    assert!(
+        said.contains("group workers does not exist on")
+            && said.contains(&format!("{T}/{NS}/{JOBS} shard 0")),
+        "names the group, stream and shard: {said}"
+    );
 
     g.create(StartPosition::Latest).await.unwrap();
     let info = g.describe().await.unwrap();

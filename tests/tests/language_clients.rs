@@ -109,7 +109,17 @@ fn the_node_client_suite_passes_against_a_real_broker() {
     if !interpreter("node") {
         return;
     }
+    // The test files by name: how `node --test` treats a directory differs
+    // between Node versions.
+    let dir = repo_root().join("client/node/test");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|entry| entry.expect("directory entry").path())
+        .filter(|p| p.to_string_lossy().ends_with(".test.js"))
+        .collect();
+    files.sort();
+    assert!(!files.is_empty(), "no *.test.js in {}", dir.display());
     let mut cmd = Command::new("node");
-    cmd.args(["--test", "client/node/test/"]);
+    cmd.arg("--test").args(&files);
     run_suite(cmd, "Node client");
 }

@@ -1053,7 +1053,7 @@ impl GroupTracker {
     }
 
     fn no_group(&self) -> GroupError {
-        GroupError::NotFound(format!("group {} does not exist on this shard", self.group))
+        GroupError::NotFound(format!("group {} does not exist", self.group))
     }
 
     fn require_dead_letter(&self, offset: Offset) -> Result<(), GroupError> {

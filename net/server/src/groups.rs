@@ -25,11 +25,16 @@ use felix_wire::{
 use std::cell::Cell;
 use std::rc::Rc;
 
-fn group_err(e: GroupError) -> Response {
+/// A tracker's refusal as the wire carries it; what was not found is named
+/// with its stream and shard (the tracker knows only its group).
+fn group_err<S: Storage>(e: GroupError, shard: &Shard<S>) -> Response {
     match e {
         GroupError::InvalidRequest(m) => wire_err(ErrorCode::InvalidRequest, m),
         GroupError::StaleClaim(m) => wire_err(ErrorCode::StaleClaim, m),
-        GroupError::NotFound(m) => wire_err(ErrorCode::NotFound, m),
+        GroupError::NotFound(m) => wire_err(
+            ErrorCode::NotFound,
+            format!("{m} on {} shard {}", shard.stream, shard.index),
+        ),
     }
 }
 
@@ -195,7 +200,7 @@ pub(crate) async fn handle<S: Storage>(
                 // How long the claim now stands, from now (the wire's
                 // `Extended.stands_ms`).
                 Ok(stands_ms) => Response::Extended { stands_ms },
-                Err(e) => group_err(e),
+                Err(e) => group_err(e, &shard),
             }
         }
         Request::GroupDeadLetter {
@@ -255,7 +260,7 @@ pub(crate) async fn handle<S: Storage>(
                             .collect(),
                     )
                 }
-                Err(e) => group_err(e),
+                Err(e) => group_err(e, &shard),
             }
         }
         Request::GroupDeadLettersPage { from, max, .. } => {
@@ -280,7 +285,7 @@ pub(crate) async fn handle<S: Storage>(
                         .collect(),
                     next: page.next.map(|o| o.0),
                 },
-                Err(e) => group_err(e),
+                Err(e) => group_err(e, &shard),
             }
         }
         Request::GroupRedrive { offset, .. } => {
@@ -340,7 +345,7 @@ pub(crate) async fn handle<S: Storage>(
                     oldest_owed_age_ms: (st.owed > 0).then_some(st.oldest_owed_age_ms),
                     last_active_ms: Some(st.last_active_ms),
                 }),
-                Err(e) => group_err(e),
+                Err(e) => group_err(e, &shard),
             }
         }
         _ => unreachable!("matched above"),
@@ -462,7 +467,7 @@ async fn write_op<S: Storage>(
     let view = view(shard);
     let entries = match with_tracker(shard, group, |t| f(t, now_ms(), view)) {
         Ok(e) => e,
-        Err(e) => return group_err(e),
+        Err(e) => return group_err(e, &shard),
     };
     let lsn = match append_entries(shard, &entries) {
         Ok(l) => l,
