@@ -142,7 +142,16 @@ class Connection {
       // After an error the socket is destroyed; a later one must not go unhandled.
       socket.on('error', () => {});
       for (const [event, fn] of Object.entries(listeners)) socket.on(event, fn);
+      let start = Buffer.alloc(0); // the answer's first bytes, until there are 4
       const onHelloData = (chunk) => {
+        if (start.length < 4) {
+          start = Buffer.concat([start, chunk]).subarray(0, 4);
+          const wrong = start.length === 4 && notAFrame(start, options);
+          if (wrong) {
+            finish(new ProtocolError(wrong));
+            return;
+          }
+        }
         let frames;
         try {
           frames = parser.push(chunk);
@@ -324,6 +333,26 @@ class Connection {
     }
     this.pending.clear();
   }
+}
+
+/**
+ * Why the first 4 bytes answering HELLO cannot start a Felix frame (an HTTP
+ * answer, e.g. from the metrics port, or a length no HELLO answer could
+ * have), or `undefined` if they can.
+ * @param {Buffer} start
+ * @param {{host: string, port: number, maxFrameBytes: number}} options
+ * @returns {string | undefined}
+ */
+function notAFrame(start, options) {
+  const where = `${options.host.includes(':') ? `[${options.host}]` : options.host}:${options.port}`;
+  if (start.toString('latin1') === 'HTTP') {
+    return `not a Felix broker at ${where} (it answered HTTP: the metrics port?)`;
+  }
+  const len = start.readUInt32LE(0);
+  if (len > options.maxFrameBytes || len < wire.HEADER_AFTER_LEN) {
+    return `not a Felix broker at ${where}: its first answer declares a ${len}-byte frame`;
+  }
+  return undefined;
 }
 
 /** The HELLO frame for `options`. */

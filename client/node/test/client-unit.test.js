@@ -247,6 +247,49 @@ test('connecting to nothing fails with ConnectionError', async () => {
   await assert.rejects(Client.connect('no-port'), felix.InvalidArgumentError);
 });
 
+/** A TCP server answering every connection's first bytes with `reply` and closing it. */
+async function answeringServer(t, reply) {
+  const net = require('node:net');
+  const server = net.createServer((socket) => {
+    socket.on('error', () => {});
+    socket.once('data', () => socket.end(reply));
+  });
+  await new Promise((resolve) => server.listen(0, '127.0.0.1', resolve));
+  t.after(() => new Promise((resolve) => server.close(resolve)));
+  return `127.0.0.1:${server.address().port}`;
+}
+
+test('connecting to something that is not a Felix broker says so', async (t) => {
+  const http = await answeringServer(t, 'HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n');
+  await assert.rejects(Client.connect(http, { connectTimeoutMs: 2000 }), (err) => {
+    assert.ok(err instanceof felix.ProtocolError, String(err));
+    assert.equal(err.message, `not a Felix broker at ${http} (it answered HTTP: the metrics port?)`);
+    return true;
+  });
+  const junk = await answeringServer(t, Buffer.from([0xff, 0xff, 0xff, 0x7f, 1, 2, 3, 4]));
+  await assert.rejects(Client.connect(junk, { connectTimeoutMs: 2000 }), (err) => {
+    assert.ok(err instanceof felix.ProtocolError, String(err));
+    assert.match(err.message, new RegExp(`^not a Felix broker at ${junk}: its first answer declares a 2147483647-byte frame$`));
+    return true;
+  });
+  // The bytes arriving one at a time change nothing.
+  const net = require('node:net');
+  const slow = net.createServer((socket) => {
+    socket.on('error', () => {});
+    socket.once('data', async () => {
+      for (const b of Buffer.from('HTTP/1.0 200 OK\r\n\r\n')) {
+        if (socket.destroyed) return;
+        socket.write(Buffer.from([b]));
+        await sleep(2);
+      }
+      socket.end();
+    });
+  });
+  await new Promise((resolve) => slow.listen(0, '127.0.0.1', resolve));
+  t.after(() => new Promise((resolve) => slow.close(resolve)));
+  await assert.rejects(Client.connect(`127.0.0.1:${slow.address().port}`, { connectTimeoutMs: 2000 }), /it answered HTTP: the metrics port\?/);
+});
+
 test('unknown option keys are refused', async () => {
   await assert.rejects(Client.connect('127.0.0.1:1', { requestTimeout: 5 }), (err) => err instanceof felix.InvalidArgumentError && /requestTimeout/.test(err.message));
   assert.equal(felix.errorFromWire(5, 'no').wireCode, 5, 'the broker\'s unsupported keeps its wire code');

@@ -137,6 +137,14 @@ def _time_left(deadline: float, what: str) -> float:
     return remaining
 
 
+def _show_addr(sockaddr: object) -> str:
+    """``host:port`` (``[host]:port`` for IPv6) for a socket address tuple."""
+    if isinstance(sockaddr, tuple) and len(sockaddr) >= 2:
+        host, port = sockaddr[0], sockaddr[1]
+        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    return str(sockaddr)
+
+
 def _connect_first(addrs: Sequence[SockAddr], deadline: float) -> socket.socket:
     """A socket connected to the first address that answers before ``deadline``."""
     errors: List[str] = []
@@ -150,10 +158,10 @@ def _connect_first(addrs: Sequence[SockAddr], deadline: float) -> socket.socket:
             return sock
         except socket.timeout:
             sock.close()
-            raise Timeout(f"connecting to {sockaddr} timed out") from None
+            raise Timeout(f"connecting to {_show_addr(sockaddr)} timed out") from None
         except OSError as e:
             sock.close()
-            errors.append(f"{sockaddr}: {e}")
+            errors.append(f"{_show_addr(sockaddr)}: {e}")
         except BaseException:
             sock.close()
             raise
@@ -167,6 +175,7 @@ def _read_frame(
     The whole wait is bounded by ``deadline`` (however slowly bytes trickle
     in): :class:`Timeout` once it passes."""
     while True:
+        _check_hello_start(sock, buf, max_frame_bytes)
         taken = _take_frame(buf, max_frame_bytes)
         if taken is not None:
             return taken
@@ -175,6 +184,25 @@ def _read_frame(
         if not chunk:
             raise ConnectionFailed("the broker closed the connection during HELLO")
         buf += chunk
+
+
+def _check_hello_start(sock: socket.socket, buf: bytearray, max_frame_bytes: int) -> None:
+    """Raise :class:`ProtocolError` naming the likely mistake when the first
+    bytes answering HELLO cannot be a Felix frame: an HTTP answer (the
+    metrics port?) or a length prefix no HELLO answer could have."""
+    if len(buf) < 4:
+        return
+    try:
+        where = _show_addr(sock.getpeername())
+    except OSError:
+        where = "that address"
+    if bytes(buf[:4]) == b"HTTP":
+        raise ProtocolError(f"not a Felix broker at {where} (it answered HTTP: the metrics port?)")
+    length = int.from_bytes(buf[:4], "little")
+    if length > max_frame_bytes or length < _wire.HEADER_AFTER_LEN:
+        raise ProtocolError(
+            f"not a Felix broker at {where}: its first answer declares a {length}-byte frame"
+        )
 
 
 def _take_frame(buf: bytearray, max_frame_bytes: int) -> Optional[Tuple[_wire.FrameHeader, bytes]]:

@@ -17,8 +17,10 @@ def broker_addr() -> str:
     addr = os.environ.get("FELIX_ADDR")
     if not addr:
         raise RuntimeError(
-            "FELIX_ADDR is not set: start a broker (felix serve --data-dir DIR --listen 127.0.0.1:7611 "
-            "--cores 2, with FELIX_GROUP_MAX_ATTEMPTS=3) and export FELIX_ADDR=127.0.0.1:7611"
+            "FELIX_ADDR is not set: start a broker with durable storage and 2 cores, with "
+            "FELIX_GROUP_MAX_ATTEMPTS=3 (FELIX_GROUP_MAX_ATTEMPTS=3 ./target/release/felix serve --data-dir DIR "
+            "--listen 127.0.0.1:7611 --cores 2) and export FELIX_ADDR=127.0.0.1:7611; "
+            "the broker-free tests: cd client/python && python3 -m unittest tests.test_wire tests.test_sharded_fake"
         )
     return addr
 

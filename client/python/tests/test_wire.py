@@ -357,8 +357,54 @@ class MisbehavingBrokerTest(unittest.TestCase):
         unused.bind(("127.0.0.1", 0))
         addr = unused.getsockname()
         unused.close()
-        with self.assertRaises(felix.ConnectionFailed):
+        with self.assertRaises(felix.ConnectionFailed) as caught:
             felix.Client.connect(addr, connect_timeout=1.0)
+        self.assertIn(f"{addr[0]}:{addr[1]}: ", caught.exception.message, "host:port, not a tuple")
+
+    def answering_server(self, reply: bytes, *, trickle: float = 0.0) -> str:
+        """A TCP server answering each connection's first bytes with ``reply``
+        (a byte at a time when ``trickle``) and closing it; its ``host:port``."""
+        server = socket.socket()
+        server.bind(("127.0.0.1", 0))
+        server.listen(4)
+        self.addCleanup(server.close)
+
+        def serve() -> None:
+            while True:
+                try:
+                    conn, _ = server.accept()
+                except OSError:
+                    return
+                with conn:
+                    try:
+                        conn.recv(4096)
+                        if not trickle:
+                            conn.sendall(reply)
+                        for i in range(len(reply)) if trickle else ():
+                            conn.sendall(reply[i : i + 1])
+                            time.sleep(trickle)
+                    except OSError:
+                        pass
+
+        threading.Thread(target=serve, daemon=True).start()
+        host, port = server.getsockname()
+        return f"{host}:{port}"
+
+    def test_something_that_is_not_a_felix_broker_is_named(self) -> None:
+        http = b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+        for trickle in (0.0, 0.002):
+            addr = self.answering_server(http, trickle=trickle)
+            with self.assertRaises(felix.ProtocolError) as caught:
+                felix.Client.connect(addr, connect_timeout=2.0)
+            self.assertEqual(
+                caught.exception.message, f"not a Felix broker at {addr} (it answered HTTP: the metrics port?)"
+            )
+        addr = self.answering_server(b"\xff\xff\xff\x7f\x01\x02\x03\x04")
+        with self.assertRaises(felix.ProtocolError) as caught:
+            felix.Client.connect(addr, connect_timeout=2.0)
+        self.assertEqual(
+            caught.exception.message, f"not a Felix broker at {addr}: its first answer declares a 2147483647-byte frame"
+        )
 
 
 class ArgumentValidationTest(unittest.TestCase):

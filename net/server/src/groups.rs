@@ -467,7 +467,7 @@ async fn write_op<S: Storage>(
     let view = view(shard);
     let entries = match with_tracker(shard, group, |t| f(t, now_ms(), view)) {
         Ok(e) => e,
-        Err(e) => return group_err(e, &shard),
+        Err(e) => return group_err(e, shard),
     };
     let lsn = match append_entries(shard, &entries) {
         Ok(l) => l,
