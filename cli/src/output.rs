@@ -164,6 +164,54 @@ fn opt<T: std::fmt::Display>(v: Option<T>, none: &str) -> String {
     v.map(|v| v.to_string()).unwrap_or_else(|| none.to_string())
 }
 
+/// Unix milliseconds as an RFC 3339 UTC time: `2026-12-02T05:32:04.693Z`.
+pub fn utc(ms: u64) -> String {
+    let secs = ms / 1000;
+    let (year, month, day) = civil_from_days((secs / 86_400) as i64);
+    let s = secs % 86_400;
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        s / 3600,
+        s % 3600 / 60,
+        s % 60,
+        ms % 1000
+    )
+}
+
+/// Days since 1970-01-01 as a (year, month, day) of the proleptic
+/// Gregorian calendar, counting in 400-year eras of 146,097 days with years
+/// starting on March 1st (so a leap day ends its year).
+fn civil_from_days(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468; // days since 0000-03-01
+    let era = z.div_euclid(146_097);
+    let day_of_era = z.rem_euclid(146_097);
+    let year_of_era =
+        (day_of_era - day_of_era / 1_460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
+    let march_month = (5 * day_of_year + 2) / 153; // 0 = March
+    let day = (day_of_year - (153 * march_month + 2) / 5 + 1) as u32;
+    let month = if march_month < 10 {
+        march_month + 3
+    } else {
+        march_month - 9
+    } as u32;
+    let year = year_of_era + era * 400 + i64::from(month <= 2);
+    (year, month, day)
+}
+
+/// A past moment for people: its UTC time and how long ago it was.
+fn when(ms: u64) -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let ago = match now.checked_sub(ms) {
+        Some(d) if d < 1_000 => format!("{d} ms ago"),
+        Some(d) => format!("{:.1} s ago", d as f64 / 1000.0),
+        None => "ahead of this machine's clock".to_string(),
+    };
+    format!("{} ({ago})", utc(ms))
+}
+
 pub fn stream_line(s: &StreamInfo) -> String {
     format!(
         "{}\tshards={}\tretention_bytes={}\tretention_ms={}",
@@ -259,7 +307,7 @@ pub fn shard_details(s: &ShardInfo) -> String {
 
 pub fn group_details(g: &GroupInfo) -> String {
     format!(
-        "group                    {}\nposition                 {}\nstart_offset             {}\nend_offset               {}\nlag                      {}\nin_flight                {}\nowed                     {}\ndelayed                  {}\ndead_letters             {}\noldest_in_flight_age_ms  {}\noldest_owed_age_ms       {}\nlast_active_ms           {}\n",
+        "group                    {}\nposition                 {}\nstart_offset             {}\nend_offset               {}\nlag                      {}\nin_flight                {}\nowed                     {}\ndelayed                  {}\ndead_letters             {}\noldest_in_flight_age_ms  {}\noldest_owed_age_ms       {}\nlast_active              {}\n",
         g.group,
         g.position,
         g.start_offset,
@@ -271,7 +319,7 @@ pub fn group_details(g: &GroupInfo) -> String {
         g.dead_letters,
         opt(g.oldest_in_flight_age_ms, "-"),
         opt(g.oldest_owed_age_ms, "-"),
-        opt(g.last_active_ms, "-"),
+        g.last_active_ms.map_or_else(|| "-".to_string(), when),
     )
 }
 
@@ -327,10 +375,10 @@ pub fn dead_letter_line(d: &DeadLetterInfo, format: Format) -> String {
     let by = if d.by_consumer { "consumer" } else { "broker" };
     match format {
         Format::Text => format!(
-            "{}\tattempts={}\tat_ms={}\tby={}\treason={}",
+            "{}\tattempts={}\tat={}\tby={}\treason={}",
             d.offset,
             d.attempts,
-            d.at_ms,
+            utc(d.at_ms),
             by,
             d.reason.as_deref().unwrap_or("-")
         ),
@@ -347,6 +395,17 @@ pub fn dead_letter_line(d: &DeadLetterInfo, format: Format) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn unix_milliseconds_print_as_utc_times() {
+        use super::utc;
+        assert_eq!(utc(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(utc(951_782_400_000), "2000-02-29T00:00:00.000Z");
+        assert_eq!(utc(1_796_189_524_693), "2026-12-02T05:32:04.693Z");
+        assert_eq!(utc(4_102_444_799_999), "2099-12-31T23:59:59.999Z");
+        assert_eq!(utc(1_709_251_199_000), "2024-02-29T23:59:59.000Z");
+        assert_eq!(utc(1_709_251_200_000), "2024-03-01T00:00:00.000Z");
+    }
+
     use super::*;
     use bytes::Bytes;
     use serde_json::Value;
