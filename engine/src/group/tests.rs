@@ -1076,7 +1076,11 @@ mod rules {
         assert_eq!((st.in_flight, st.delayed, st.owed), (1, 0, 0));
         assert_eq!(st.dead_letters, 2);
         assert_eq!(st.oldest_in_flight_age_ms, 1_100);
-        assert_eq!(st.last_active_ms, h.now);
+        assert_eq!(
+            st.last_active_ms,
+            h.now - 600,
+            "the extend: looking is not activity"
+        );
         h.tick();
         assert_eq!(h.dead(), vec![0, 1]);
         assert_eq!(h.position(), 3);
@@ -1093,6 +1097,8 @@ mod rules {
         h.ack(0).unwrap();
         h.advance(799_999);
         assert!(!h.t.is_idle(h.now));
+        // Describing the group does not keep it busy.
+        h.describe();
         h.advance(1);
         assert!(h.t.is_idle(h.now) && h.t.can_evict(h.now));
     }

@@ -729,11 +729,17 @@ impl GroupTracker {
     }
 
     /// Where the group stands. Claims past their deadline count as owed (or
-    /// as dead letters at the attempt bound) even before a `tick`.
+    /// as dead letters at the attempt bound) even before a `tick`. Looking
+    /// is not activity: `last_active_ms` stays the group's last request of
+    /// any other kind, and a group only described still goes idle.
     pub fn describe(&mut self, now_ms: u64, log: LogView) -> Result<GroupStatus, GroupError> {
-        self.begin_request(now_ms)?;
+        check_time(now_ms);
+        self.refresh();
+        if self.durable.is_none() {
+            return Err(self.no_group());
+        }
         self.observe(log);
-        let g = self.durable.as_ref().expect("checked by begin_request");
+        let g = self.durable.as_ref().expect("checked above");
         let mut st = GroupStatus {
             position: g.position(),
             frontier: self.frontier,
