@@ -40,23 +40,13 @@ async fn connect(addr: &str, token: Option<&str>) -> Result<Client, ClientError>
     Client::connect(addr, config).await
 }
 
-fn refused(r: Result<Client, ClientError>) -> String {
-    match r {
-        Err(e) => {
-            assert_eq!(e.code(), Some(ErrorCode::Unauthorized), "{e}");
-            e.to_string()
-        }
-        Ok(c) => panic!("connected: {c:?}"),
-    }
-}
-
 #[tokio::test]
 async fn a_broker_with_tokens_lets_in_only_the_tokens_it_lists() {
     let f = security_file(&format!("# who may connect\nalice {ALICE}\nbob {BOB}\n"));
     let b = felix_tests::start_broker!(with_tokens(BrokerOptions::default(), &f));
-    let no_token = refused(connect(&b.addr, None).await);
+    let no_token = denied(connect(&b.addr, None).await);
     assert!(no_token.contains("requires a token"), "{no_token}");
-    let wrong = refused(connect(&b.addr, Some("alice-secreT")).await);
+    let wrong = denied(connect(&b.addr, Some("alice-secreT")).await);
     assert!(wrong.contains("unknown token"), "{wrong}");
     assert_eq!(b.metric("felix_errors_total{code=\"unauthorized\"}"), 2.0);
 
@@ -88,7 +78,7 @@ async fn a_broker_with_tokens_lets_in_only_the_tokens_it_lists() {
 #[tokio::test]
 async fn a_broker_without_tokens_refuses_a_token_rather_than_ignore_it() {
     let b = felix_tests::start_broker!(BrokerOptions::default());
-    let e = refused(connect(&b.addr, Some("alice-secret")).await);
+    let e = denied(connect(&b.addr, Some("alice-secret")).await);
     assert!(e.contains("does not authenticate"), "{e}");
     connect(&b.addr, None).await.expect("anonymous");
 }
@@ -264,6 +254,7 @@ fn acl_broker(acl: &str) -> (SecurityFile, SecurityFile, felix_tests::Broker) {
     (tokens, acl_file, b)
 }
 
+/// The call (or the connection) was refused as `unauthorized`: its message.
 fn denied<T: std::fmt::Debug>(r: Result<T, ClientError>) -> String {
     match r {
         Err(e) => {
@@ -429,7 +420,7 @@ async fn tokens_and_permissions_are_read_again_on_sighup() {
             .env("FELIX_ACL_FILE", acl.path.display()));
     let alice = connect(&b.addr, Some("alice-secret")).await.unwrap();
     stream(&alice, JOBS).await;
-    refused(connect(&b.addr, Some("bob-secret")).await);
+    denied(connect(&b.addr, Some("bob-secret")).await);
     let pid = b.pid() as i32;
     // SAFETY: kill(2) on the broker this test started.
     let hup = || assert_eq!(unsafe { libc::kill(pid, libc::SIGHUP) }, 0);

@@ -1,9 +1,10 @@
 """Shared helpers: the broker under test and fresh names."""
 
 import os
+import threading
 import unittest
 import uuid
-from typing import Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import felix
 
@@ -23,6 +24,25 @@ def broker_addr() -> str:
             "the broker-free tests: cd client/python && python3 -m unittest tests.test_wire tests.test_sharded_fake"
         )
     return addr
+
+
+def in_thread(
+    case: unittest.TestCase, call: Callable[[], object]
+) -> Tuple[threading.Thread, Dict[str, object]]:
+    """Run ``call`` in a thread joined when ``case`` ends; the dict gets its
+    ``result`` or ``error``."""
+    outcome: Dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = call()
+        except BaseException as e:  # noqa: B902 - reported to the test
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    case.addCleanup(thread.join, 10)
+    return thread, outcome
 
 
 def fresh_stream(prefix: str = "s") -> str:

@@ -8,7 +8,7 @@ from typing import Callable, Dict, List, Set, Tuple
 import felix
 from felix import ShardedGroup, ShardedRecord
 
-from .support import BrokerTestCase, broker_addr
+from .support import BrokerTestCase, broker_addr, in_thread
 
 GROUP = "workers"
 
@@ -39,21 +39,6 @@ class ShardedTestCase(BrokerTestCase):
         g = (client or self.client).sharded_group(stream, GROUP, **options)  # type: ignore[arg-type]
         self.addCleanup(g.close)
         return g
-
-    def in_thread(self, call: Callable[[], object]) -> Tuple[threading.Thread, Dict[str, object]]:
-        """Run ``call`` in a thread; the dict gets its ``result`` or ``error``."""
-        outcome: Dict[str, object] = {}
-
-        def run() -> None:
-            try:
-                outcome["result"] = call()
-            except BaseException as e:  # noqa: B902 - reported to the test
-                outcome["error"] = e
-
-        thread = threading.Thread(target=run)
-        thread.start()
-        self.addCleanup(thread.join, 10)
-        return thread, outcome
 
     def parked(self, g: ShardedGroup, count: int) -> None:
         """Wait until ``g`` has ``count`` waiting polls out, and give the broker
@@ -90,8 +75,8 @@ class DeliveryTest(ShardedTestCase):
                     got.extend(keys(batch))
 
         # Two consumers, each on its own connections, drain the stream at once.
-        ta, a = self.in_thread(lambda: consume(self.connect()))
-        tb, b = self.in_thread(lambda: consume(self.connect()))
+        ta, a = in_thread(self, lambda: consume(self.connect()))
+        tb, b = in_thread(self, lambda: consume(self.connect()))
         ta.join(15)
         tb.join(15)
         self.assertNotIn("error", a)
@@ -132,7 +117,7 @@ class DeliveryTest(ShardedTestCase):
     def test_a_poll_for_fewer_records_than_shards_claims_no_more(self) -> None:
         stream = self.new_stream(shards=4)
         a = self.group(stream, self.connect())
-        thread, outcome = self.in_thread(lambda: a.poll(1, wait=20))
+        thread, outcome = in_thread(self, lambda: a.poll(1, wait=20))
         self.parked(a, 1)
         for shard in range(4):
             self.publish_to(stream, shard, 1)
@@ -152,7 +137,7 @@ class WaitingTest(ShardedTestCase):
         # Waits long enough to still be out when the test publishes.
         g = self.group(stream, wait_slice=5)
         started = time.monotonic()
-        thread, outcome = self.in_thread(lambda: g.poll(10, wait=20))
+        thread, outcome = in_thread(self, lambda: g.poll(10, wait=20))
         self.parked(g, 2)
         self.publish_to(stream, 1, 1)
         first = self.finish(thread, outcome)
@@ -180,7 +165,7 @@ class WaitingTest(ShardedTestCase):
     def test_close_hands_back_what_was_claimed_ahead(self) -> None:
         stream = self.new_stream(shards=2)
         a = self.connect().sharded_group(stream, GROUP, wait_slice=5)
-        thread, outcome = self.in_thread(lambda: a.poll(2, wait=20))
+        thread, outcome = in_thread(self, lambda: a.poll(2, wait=20))
         self.parked(a, 2)
         self.publish_to(stream, 0, 1)
         self.assertEqual(keys(self.finish(thread, outcome)), [(0, 0)])
@@ -206,7 +191,7 @@ class WaitingTest(ShardedTestCase):
     def test_close_from_another_thread_ends_a_waiting_poll(self) -> None:
         stream = self.new_stream(shards=2)
         g = self.group(stream, self.connect(), wait_slice=0.5)
-        thread, outcome = self.in_thread(lambda: g.poll(10, wait=20))
+        thread, outcome = in_thread(self, lambda: g.poll(10, wait=20))
         self.parked(g, 2)
         before = {t.ident for t in threading.enumerate()}  # The client's readers included.
         started = time.monotonic()
@@ -298,7 +283,7 @@ class RoutingTest(ShardedTestCase):
         (d,) = {0, 1, 2} - {a, b}
         self.assertNotEqual(cores[d], cores[a])
 
-        thread, outcome = self.in_thread(lambda: g.poll(3, wait=20))
+        thread, outcome = in_thread(self, lambda: g.poll(3, wait=20))
         self.parked(g, 3)
         self.publish_to(stream, d, 1)
         first = self.finish(thread, outcome)

@@ -10,13 +10,14 @@ import threading
 import time
 import unittest
 from datetime import timedelta
-from typing import Dict, List, Tuple
+from typing import List
 
 import felix
 from felix import _wire
 from felix.errors import error_from_wire
 
 from .fake_broker import FakeBroker, error_frame, response_frame
+from .support import in_thread
 
 
 class KeyRoutingTest(unittest.TestCase):
@@ -129,21 +130,6 @@ class MisbehavingBrokerTest(unittest.TestCase):
         self.addCleanup(client.close)
         return client
 
-    def in_thread(self, call) -> Tuple[threading.Thread, Dict[str, object]]:  # type: ignore[no-untyped-def]
-        """Run ``call`` in a thread; the dict gets its ``result`` or ``error``."""
-        outcome: Dict[str, object] = {}
-
-        def run() -> None:
-            try:
-                outcome["result"] = call()
-            except BaseException as e:  # noqa: B902 - reported to the test
-                outcome["error"] = e
-
-        thread = threading.Thread(target=run)
-        thread.start()
-        self.addCleanup(thread.join, 5)
-        return thread, outcome
-
     def test_calls_needing_unadvertised_features_are_refused_without_sending(self) -> None:
         fake = self.serve(lambda h, b, c: response_frame(h.request_id, 0x03, b""), features=int(felix.Feature.GROUPS))
         client = self.connect(fake, ack_on_commit=True)
@@ -187,7 +173,7 @@ class MisbehavingBrokerTest(unittest.TestCase):
 
         fake = self.serve(script)
         client = self.connect(fake)
-        poller, outcome = self.in_thread(lambda: client.read("t/n/s", 0, 3, wait=10))
+        poller, outcome = in_thread(self, lambda: client.read("t/n/s", 0, 3, wait=10))
         self.assertTrue(fake.wait_for_requests(1))
         with self.assertRaises(felix.ProtocolError):
             client.ping()
@@ -271,7 +257,7 @@ class MisbehavingBrokerTest(unittest.TestCase):
 
         fake = self.serve(script)
         client = self.connect(fake)
-        first, outcome = self.in_thread(client.ping)
+        first, outcome = in_thread(self, client.ping)
         self.assertTrue(fake.wait_for_requests(1))
         client.ping()
         first.join(2.0)
@@ -312,7 +298,7 @@ class MisbehavingBrokerTest(unittest.TestCase):
     def test_close_fails_calls_in_flight(self) -> None:
         fake = self.serve(lambda h, b, c: b"")
         client = self.connect(fake, request_timeout=30)
-        caller, outcome = self.in_thread(client.ping)
+        caller, outcome = in_thread(self, client.ping)
         self.assertTrue(fake.wait_for_requests(1))
         client.close()
         caller.join(5)
