@@ -598,6 +598,15 @@ impl Drop for Reply {
 /// poll on the new connection took back what the old one held. The newer
 /// delivery (more attempts) is the one its claim now stands for.
 fn hold(ready: &mut VecDeque<ShardedRecord>, shard: u32, records: Vec<GroupRecord>) {
+    if !ready.iter().any(|h| h.shard == shard) {
+        // The usual case: nothing of this shard held, nothing to compare.
+        ready.extend(
+            records
+                .into_iter()
+                .map(|record| ShardedRecord { shard, record }),
+        );
+        return;
+    }
     for record in records {
         let held = ready
             .iter_mut()
