@@ -280,6 +280,21 @@ impl Broker {
         out
     }
 
+    /// The value of one series of a metric: the sample whose labels include
+    /// every `name="value"` pair given. `None` if no series matches.
+    pub fn metric_series(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+        let text = self.metrics();
+        let line = text.lines().find(|l| {
+            l.strip_prefix(name).is_some_and(|rest| {
+                rest.starts_with('{')
+                    && labels
+                        .iter()
+                        .all(|(k, v)| rest.contains(&format!("{k}=\"{v}\"")))
+            })
+        })?;
+        line.rsplit(' ').next()?.parse().ok()
+    }
+
     /// Sum of a metric's samples (all label sets).
     pub fn metric(&self, name: &str) -> f64 {
         self.metrics()

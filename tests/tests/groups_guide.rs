@@ -2522,3 +2522,73 @@ async fn scattered_owed_records_never_push_a_poll_over_the_frame_cap() {
     g.ack_all(&last).await;
     assert_eq!(g.position().await, 11);
 }
+
+// --------------------------------- beyond the guide: per-group metrics
+
+/// A scrape reports, per shard, each group's position, lag, in-flight
+/// (delayed included), owed and dead-letter counts (what `group_describe`
+/// answers) and how long its oldest claim has stood; a deleted group
+/// leaves the metrics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_report_each_groups_lag_and_unfinished_work() {
+    let b = felix_tests::start_broker!(opts(30_000, 5));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 10).await;
+    let g = Group::new(&c, JOBS, "workers");
+    let r = g.poll(5).await;
+    assert_eq!(offsets(&r), vec![0, 1, 2, 3, 4]);
+    g.ack(0).await.unwrap();
+    g.nack(&r[1]).await.unwrap(); // owed
+    g.dead_letter(&r[2], Some("bad input")).await.unwrap();
+    g.nack_after(&r[3], Duration::from_secs(60)).await.unwrap(); // delayed
+                                                                 // Offset 4 stays claimed.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let labels = [
+        ("stream", "t/ns/jobs"),
+        ("shard", "0"),
+        ("group", "workers"),
+    ];
+    let m = |name: &str| {
+        b.metric_series(name, &labels)
+            .unwrap_or_else(|| panic!("no {name} series for the group:\n{}", b.metrics()))
+    };
+    assert_eq!(m("felix_group_position"), 1.0, "offset 1 is unfinished");
+    assert_eq!(m("felix_group_lag"), 9.0);
+    assert_eq!(m("felix_group_in_flight"), 2.0, "a claim and a delay");
+    assert_eq!(m("felix_group_delayed"), 1.0);
+    assert_eq!(m("felix_group_owed"), 1.0);
+    assert_eq!(m("felix_group_dead_letters"), 1.0);
+    assert!(m("felix_group_oldest_in_flight_age_seconds") >= 0.1);
+    let info = g.describe().await.unwrap();
+    assert_eq!(
+        (
+            info.position,
+            info.lag(),
+            u64::from(info.in_flight),
+            u64::from(info.owed)
+        ),
+        (1, 9, 2, 1),
+        "the metrics agree with group_describe"
+    );
+    g.delete().await.unwrap();
+    assert_eq!(b.metric_series("felix_group_lag", &labels), None);
+}
+
+/// Past `server.metrics_max_groups` a scrape reports the first groups by
+/// stream, shard and name, and counts the rest as omitted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_report_at_most_the_configured_groups() {
+    let cfg = config_file("[server]\nmetrics_max_groups = 2\n");
+    let b =
+        felix_tests::start_broker!(opts(30_000, 5).env("FELIX_TEST_CONFIG", cfg.path.display()));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 3).await;
+    for name in ["c", "a", "b"] {
+        Group::new(&c, JOBS, name).poll(1).await;
+    }
+    let lag = |group: &str| b.metric_series("felix_group_lag", &[("group", group)]);
+    assert_eq!((lag("a"), lag("b"), lag("c")), (Some(3.0), Some(3.0), None));
+    assert_eq!(b.metric("felix_group_metrics_omitted"), 1.0);
+}

@@ -8,7 +8,7 @@
 
 use crate::config::Config;
 use crate::conn;
-use crate::metrics::{CoreMetrics, MetricsSnapshot, ShardSnapshot};
+use crate::metrics::{CoreMetrics, GroupSnapshot, MetricsSnapshot, ShardSnapshot};
 use crate::shard::Shard;
 use felix_engine::catalog::{self, StreamMeta};
 use felix_engine::log::LogConfig;
@@ -807,6 +807,7 @@ impl<S: Storage> Core<S> {
             read_cache,
         });
         snap.retired = self.retired.borrow().clone();
+        snap.max_groups = self.shared.config.metrics_max_groups;
         for s in self.retiring.borrow().iter() {
             snap.retired.add_io(&ShardSnapshot::io_of(&s.log.stats()));
         }
@@ -831,9 +832,16 @@ impl<S: Storage> Core<S> {
                         stopped: st.stopped.is_some(),
                         ..ShardSnapshot::io_of(&st)
                     });
+                    group_snapshots(r, i as u32, s, &mut snap.groups);
                 }
             }
         }
+        // The first groups by name, so that the cores' lists together
+        // hold the first of all of them.
+        snap.groups
+            .sort_by(|a, b| (&a.stream, a.shard, &a.group).cmp(&(&b.stream, b.shard, &b.group)));
+        snap.groups_omitted = snap.groups.len().saturating_sub(snap.max_groups) as u64;
+        snap.groups.truncate(snap.max_groups);
         snap
     }
 
@@ -1563,6 +1571,43 @@ fn reload_security(shared: &Shared) {
             shared.security_reloads[1].fetch_add(1, Ordering::Relaxed);
             tracing::error!("SIGHUP: {e}; the tokens and permissions in force are kept");
         }
+    }
+}
+
+/// Where each group of a shard stands (what `group_describe` answers), for
+/// the per-group gauges. Describing is not activity: scrapes never keep an
+/// idle group's state in memory.
+fn group_snapshots<S: Storage>(
+    stream: &impl std::fmt::Display,
+    index: u32,
+    shard: &Shard<S>,
+    out: &mut Vec<GroupSnapshot>,
+) {
+    let view = felix_engine::group::LogView {
+        start: shard.log.start(),
+        end: shard.log.end(),
+    };
+    let now = now_ms();
+    let stream = stream.to_string();
+    for (name, t) in shard.groups.borrow_mut().iter_mut() {
+        // A tracker kept only for its standing claims after a delete has
+        // no group to describe.
+        let Ok(st) = t.describe(now, view) else {
+            continue;
+        };
+        out.push(GroupSnapshot {
+            stream: stream.clone(),
+            shard: index,
+            group: name.clone(),
+            position: st.position.0,
+            lag: st.lag(),
+            in_flight: st.in_flight.into(),
+            delayed: st.delayed.into(),
+            owed: st.owed,
+            dead_letters: st.dead_letters,
+            oldest_in_flight_age_ms: st.oldest_in_flight_age_ms,
+            oldest_owed_age_ms: st.oldest_owed_age_ms,
+        });
     }
 }
 

@@ -62,6 +62,7 @@ const SETTINGS: &[Setting] = &[
     Setting { section: "server", name: "max_pending_response_bytes", env: None, kind: Kind::U64, default: "67108864", help: "unsent response bytes per connection (reads and polls count their size cap while they run) before the broker stops reading it" },
     Setting { section: "server", name: "max_buffered_bytes_per_core", env: Some("FELIX_MAX_BUFFERED_BYTES_PER_CORE"), kind: Kind::U64, default: "1073741824", help: "request and answer bytes all connections of one core may hold together (requests read and not yet answered, room reserved by reads and polls, answers not yet sent); at the budget the core stops reading connections that already hold something until some is freed" },
     Setting { section: "server", name: "metrics_listen", env: Some("FELIX_METRICS_LISTEN"), kind: Kind::Str, default: "127.0.0.1:7401", help: "Prometheus text exposition over HTTP; empty disables" },
+    Setting { section: "server", name: "metrics_max_groups", env: None, kind: Kind::U64, default: "10000", help: "most (stream, shard, group) triples a scrape reports per-group gauges for (lag, in flight, oldest claim...), in name order; the rest are counted in felix_group_metrics_omitted; 0 reports none" },
     Setting { section: "server", name: "shutdown_grace_ms", env: None, kind: Kind::U64, default: "10000", help: "on SIGTERM/SIGINT, how long in-flight requests may take to finish" },
     Setting { section: "server", name: "log", env: Some("RUST_LOG"), kind: Kind::Str, default: "info", help: "log filter (tracing EnvFilter syntax)" },
     Setting { section: "storage", name: "data_dir", env: Some("FELIX_DURABLE_STORAGE_DIR"), kind: Kind::Str, default: "./felix-data", help: "durable storage directory; empty runs in memory (nothing survives a restart, no consumer groups)" },
@@ -126,6 +127,7 @@ pub struct Config {
     pub max_pending_response_bytes: usize,
     pub max_buffered_bytes_per_core: usize,
     pub metrics_listen: Option<String>,
+    pub metrics_max_groups: usize,
     pub shutdown_grace_ms: u64,
     pub log: String,
     pub data_dir: Option<PathBuf>,
@@ -443,6 +445,7 @@ impl Config {
             } else {
                 Some(metrics)
             },
+            metrics_max_groups: num("server", "metrics_max_groups")? as usize,
             shutdown_grace_ms: num("server", "shutdown_grace_ms")?,
             log: get("server", "log").value.clone(),
             data_dir: if data_dir.is_empty() {

@@ -81,6 +81,9 @@ impl CoreMetrics {
             group_polls_waiting: self.group_polls_waiting.get(),
             buffered: Vec::new(),
             shards: Vec::new(),
+            groups: Vec::new(),
+            groups_omitted: 0,
+            max_groups: 0,
             retired: ShardSnapshot::default(),
             executor_wakeups: 0,
             security_reloads: (0, 0),
@@ -126,6 +129,25 @@ impl ShardSnapshot {
     }
 }
 
+/// Where one consumer group stands on one shard (what `group_describe`
+/// answers), for the per-group gauges: lag and the age of the oldest
+/// unfinished work per shard, so that one stuck shard is not hidden in a
+/// total.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct GroupSnapshot {
+    pub stream: String,
+    pub shard: u32,
+    pub group: String,
+    pub position: u64,
+    pub lag: u64,
+    pub in_flight: u64,
+    pub delayed: u64,
+    pub owed: u64,
+    pub dead_letters: u64,
+    pub oldest_in_flight_age_ms: u64,
+    pub oldest_owed_age_ms: u64,
+}
+
 /// A core's buffered-bytes budget (`server.max_buffered_bytes_per_core`).
 #[derive(Clone, Debug, Default)]
 pub(crate) struct BufferedSnapshot {
@@ -148,6 +170,11 @@ pub(crate) struct MetricsSnapshot {
     /// One entry per core (labelled, not summed).
     pub buffered: Vec<BufferedSnapshot>,
     pub shards: Vec<ShardSnapshot>,
+    pub groups: Vec<GroupSnapshot>,
+    /// Groups left out of `groups` (over `server.metrics_max_groups`).
+    pub groups_omitted: u64,
+    /// `server.metrics_max_groups`.
+    pub max_groups: usize,
     /// I/O totals of deleted shards (counters only; no shape).
     pub retired: ShardSnapshot,
     /// Process-wide (not merged): executors the watchdog had to wake.
@@ -176,6 +203,9 @@ impl MetricsSnapshot {
         self.group_polls_waiting += o.group_polls_waiting;
         self.buffered.extend(o.buffered);
         self.shards.extend(o.shards);
+        self.groups.extend(o.groups);
+        self.groups_omitted += o.groups_omitted;
+        self.max_groups = self.max_groups.max(o.max_groups);
         self.retired.add_io(&o.retired);
     }
 
@@ -274,6 +304,7 @@ impl MetricsSnapshot {
             );
             io.add_io(sh);
         }
+        self.render_groups(&mut s);
         let ShardSnapshot {
             flushes,
             bytes_written: written,
@@ -316,6 +347,53 @@ impl MetricsSnapshot {
         let _ = writeln!(s, "felix_fsync_seconds_count {}", sync.count);
         s
     }
+}
+
+impl MetricsSnapshot {
+    /// The per-group gauges, one series per (stream, shard, group), in
+    /// name order. Names need no escaping: stream and group names are
+    /// `[A-Za-z0-9._-]` (checked before anything is written to a log).
+    fn render_groups(&self, s: &mut String) {
+        let mut groups: Vec<&GroupSnapshot> = self.groups.iter().collect();
+        groups.sort_by(|a, b| (&a.stream, a.shard, &a.group).cmp(&(&b.stream, b.shard, &b.group)));
+        // Each core kept at most the cap; together they may hold more.
+        let omitted = self.groups_omitted + groups.len().saturating_sub(self.max_groups) as u64;
+        groups.truncate(self.max_groups);
+        let _ = writeln!(
+            s,
+            "# HELP felix_group_metrics_omitted Groups left out of the per-group gauges (server.metrics_max_groups).\n\
+             # TYPE felix_group_metrics_omitted gauge\n\
+             felix_group_metrics_omitted {omitted}"
+        );
+        type Gauge = (&'static str, &'static str, fn(&GroupSnapshot) -> String);
+        let gauges: [Gauge; 8] = [
+            ("felix_group_position", "A group's saved position on a shard: every offset below it is finished.", |g| g.position.to_string()),
+            ("felix_group_lag", "Records between a group's position and the shard's durable end.", |g| g.lag.to_string()),
+            ("felix_group_in_flight", "Records a group has handed out and not settled (standing claims and delayed nacks).", |g| g.in_flight.to_string()),
+            ("felix_group_delayed", "Of a group's in-flight records, those handed back with a delay.", |g| g.delayed.to_string()),
+            ("felix_group_owed", "Records a group handed out before that wait for the next poll (lapsed claims, nacks, redrives).", |g| g.owed.to_string()),
+            ("felix_group_dead_letters", "Records a group has set aside as dead letters.", |g| g.dead_letters.to_string()),
+            ("felix_group_oldest_in_flight_age_seconds", "How long a group's oldest standing claim or delay has stood (0 with none).", |g| secs(g.oldest_in_flight_age_ms)),
+            ("felix_group_oldest_owed_age_seconds", "How long a group's oldest owed record has waited for a poll (0 with none).", |g| secs(g.oldest_owed_age_ms)),
+        ];
+        for (name, help, value) in gauges {
+            let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} gauge");
+            for g in &groups {
+                let _ = writeln!(
+                    s,
+                    "{name}{{stream=\"{}\",shard=\"{}\",group=\"{}\"}} {}",
+                    g.stream,
+                    g.shard,
+                    g.group,
+                    value(g)
+                );
+            }
+        }
+    }
+}
+
+fn secs(ms: u64) -> String {
+    format!("{:.3}", ms as f64 / 1e3)
 }
 
 /// Gather every core's snapshot and merge them.
