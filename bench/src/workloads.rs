@@ -45,13 +45,19 @@ fn payload(size: usize) -> Bytes {
     )
 }
 
-/// A payload carrying its intended send time and a sequence number.
-fn stamped(size: usize, intended_ns: u64, seq: u64) -> Bytes {
-    let mut b = BytesMut::with_capacity(size);
-    b.put_u64_le(intended_ns);
-    b.put_u64_le(seq);
-    b.resize(size, b'x');
-    b.freeze()
+/// `n` payloads of `size` bytes, each carrying the batch's intended send
+/// time and its own sequence number (`seq + 1`, `seq + 2`, ...): slices of
+/// one buffer, one allocation for the batch.
+fn stamped(n: usize, size: usize, intended_ns: u64, seq: u64) -> Vec<Bytes> {
+    let mut b = BytesMut::with_capacity(n * size);
+    for i in 0..n as u64 {
+        let at = b.len();
+        b.put_u64_le(intended_ns);
+        b.put_u64_le(seq + 1 + i);
+        b.resize(at + size, b'x');
+    }
+    let b = b.freeze();
+    (0..n).map(|i| b.slice(i * size..(i + 1) * size)).collect()
 }
 
 fn stamp_of(p: &[u8]) -> Option<u64> {
@@ -261,10 +267,12 @@ async fn producer(
                     if run.stopping() {
                         break 'send;
                     }
-                    match tokio::time::timeout(Duration::from_millis(100), r.recv()).await {
-                        Ok(Some(d)) => due = d,
-                        Ok(None) => break 'send,
-                        Err(_) => {}
+                    // The pacer checks for the end of the run at least every
+                    // 50 ms and then hangs up (no timer here: one a batch
+                    // costs the client CPU the broker shares).
+                    match r.recv().await {
+                        Some(d) => due = d,
+                        None => break 'send,
                     }
                 }
                 base + iv.mul_f64(k as f64)
@@ -276,13 +284,9 @@ async fn producer(
         };
         let shard = plan.shards[(k % plan.shards.len() as u64) as usize];
         let payloads: Vec<Bytes> = if plan.stamp {
-            let ns = harness::ns_of(intended);
-            (0..n)
-                .map(|_| {
-                    seq += 1;
-                    stamped(plan.record_size, ns, seq)
-                })
-                .collect()
+            let v = stamped(n as usize, plan.record_size, harness::ns_of(intended), seq);
+            seq += n;
+            v
         } else {
             vec![fixed.clone(); n as usize]
         };
@@ -944,9 +948,14 @@ mod tests {
 
     #[test]
     fn stamps_round_trip() {
-        let p = stamped(100, 123_456_789, 7);
-        assert_eq!(p.len(), 100);
-        assert_eq!(stamp_of(&p), Some(123_456_789));
+        let batch = stamped(3, 100, 123_456_789, 7);
+        assert_eq!(batch.len(), 3);
+        for (i, p) in batch.iter().enumerate() {
+            assert_eq!(p.len(), 100);
+            assert_eq!(stamp_of(p), Some(123_456_789));
+            assert_eq!(&p[8..16], &(8 + i as u64).to_le_bytes(), "its own sequence");
+            assert!(p[16..].iter().all(|&b| b == b'x'));
+        }
         assert_eq!(stamp_of(b"short"), None);
     }
 
