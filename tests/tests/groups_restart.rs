@@ -227,3 +227,37 @@ async fn concurrent_polls_over_cold_records_never_answer_empty_while_records_wai
     );
     assert_eq!(g1.position().await, N);
 }
+
+/// Describing a group right after a restart tells the truth about time: a
+/// redrive still owed has been owed since the broker came back (its redrive
+/// time is not durable), not since 1970, and a group with no request since
+/// the restart has no last-active time. The same holds for the metrics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_described_after_a_restart_reports_sane_ages() {
+    let mut b = felix_tests::start_broker!(opts(30_000, 1));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 2).await;
+    let g = Group::new(&c, JOBS, "workers");
+    let batch = g.poll(2).await;
+    g.nack(&batch[0]).await.unwrap(); // one attempt: a dead letter
+    g.ack(1).await.unwrap();
+    g.redrive(0).await.unwrap();
+
+    b.kill9();
+    b.restart();
+    let g = Group::new(&client(&b.addr).await, JOBS, "workers");
+    let info = g.describe().await.unwrap();
+    assert_eq!((info.owed, info.in_flight), (1, 0), "{info:?}");
+    let age = info.oldest_owed_age_ms.expect("an owed record has an age");
+    assert!(age < 60_000, "owed for {age} ms, since before the restart");
+    assert_eq!(info.last_active_ms, None, "no request since the restart");
+    let labels = [("group", "workers")];
+    let metric = b
+        .metric_series("felix_group_oldest_owed_age_seconds", &labels)
+        .expect("the group's gauge");
+    assert!(metric < 60.0, "{metric}");
+    // Its first request since: active again.
+    assert_eq!(offsets(&g.poll(1).await), vec![0]);
+    assert!(g.describe().await.unwrap().last_active_ms.is_some());
+}

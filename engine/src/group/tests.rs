@@ -1101,6 +1101,16 @@ mod rules {
         h.describe();
         h.advance(1);
         assert!(h.t.is_idle(h.now) && h.t.can_evict(h.now));
+        // Evicted once: nothing more to drop until the group is used again.
+        h.t.reset_to_durable();
+        assert!(!h.t.can_evict(h.now));
+        h.describe();
+        h.advance(1_000_000);
+        assert!(h.t.is_idle(h.now) && !h.t.can_evict(h.now));
+        h.poll(1);
+        assert!(!h.t.can_evict(h.now), "just used");
+        h.advance(800_000);
+        assert!(h.t.can_evict(h.now), "idle again after its request");
     }
 
     /// Acks drain the index of upcoming deadlines long before the claims

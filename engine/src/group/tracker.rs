@@ -61,6 +61,10 @@ pub struct GroupTracker {
     /// next `LogView`.
     handed_out_end: Option<Offset>,
     last_active_ms: u64,
+    /// Memory holds nothing an eviction would drop: true when new, after
+    /// `reset_to_durable`, and until the next request. An idle group is
+    /// evicted once per idle period, not on every timer pass.
+    at_rest: bool,
 }
 
 enum Step {
@@ -119,6 +123,7 @@ impl GroupTracker {
             staged: Vec::new(),
             handed_out_end: None,
             last_active_ms: 0,
+            at_rest: true,
         }
     }
 
@@ -379,7 +384,7 @@ impl GroupTracker {
     /// Call when [`next_deadline`](Self::next_deadline) passes. Lazy writes.
     pub fn tick(&mut self, now_ms: u64) -> Vec<GroupEntry> {
         check_time(now_ms);
-        self.refresh();
+        self.refresh(now_ms);
         let mut w = Vec::new();
         if self.durable.is_some() {
             self.expire(now_ms, &mut w);
@@ -653,7 +658,7 @@ impl GroupTracker {
         log: LogView,
     ) -> Result<Vec<GroupEntry>, GroupError> {
         check_time(now_ms);
-        self.refresh();
+        self.refresh(now_ms);
         self.touch(now_ms);
         let mut w = Vec::new();
         if self.durable.is_none() {
@@ -734,7 +739,7 @@ impl GroupTracker {
     /// any other kind, and a group only described still goes idle.
     pub fn describe(&mut self, now_ms: u64, log: LogView) -> Result<GroupStatus, GroupError> {
         check_time(now_ms);
-        self.refresh();
+        self.refresh(now_ms);
         if self.durable.is_none() {
             return Err(self.no_group());
         }
@@ -783,11 +788,12 @@ impl GroupTracker {
         now_ms.saturating_sub(self.last_active_ms) >= self.config.effective_idle_ms()
     }
 
-    /// Idle, and no claim or delayed nack still stands: the broker may drop
-    /// the in-memory state (`reset_to_durable`, or drop the tracker and
-    /// replay).
+    /// Idle, not already evicted since its last request, and no claim or
+    /// delayed nack still stands: the broker may drop the in-memory state
+    /// (`reset_to_durable`, or drop the tracker and replay).
     pub fn can_evict(&self, now_ms: u64) -> bool {
-        self.is_idle(now_ms)
+        !self.at_rest
+            && self.is_idle(now_ms)
             && !self
                 .slots
                 .values()
@@ -804,6 +810,7 @@ impl GroupTracker {
         self.rebuild_memory(self.last_active_ms);
         self.handed_out_end = None;
         self.stale = false;
+        self.at_rest = true;
     }
 
     /// Replay one entry from the log (on start). Entries of other groups are
@@ -1023,19 +1030,23 @@ impl GroupTracker {
 
     fn touch(&mut self, now_ms: u64) {
         self.last_active_ms = self.last_active_ms.max(now_ms);
+        self.at_rest = false;
     }
 
-    fn refresh(&mut self) {
+    /// Rebuild the memory of a replayed tracker before its first use. Its
+    /// redriven records are owed from now: when they were redriven is not
+    /// durable, and the start of the epoch would make them look decades old.
+    fn refresh(&mut self, now_ms: u64) {
         if self.stale {
             self.stale = false;
-            self.rebuild_memory(self.last_active_ms);
+            self.rebuild_memory(now_ms);
         }
     }
 
     /// Common start of a request on an existing group.
     fn begin_request(&mut self, now_ms: u64) -> Result<(), GroupError> {
         check_time(now_ms);
-        self.refresh();
+        self.refresh(now_ms);
         self.touch(now_ms);
         if self.durable.is_none() {
             return Err(self.no_group());
@@ -1179,7 +1190,7 @@ impl GroupTracker {
         w: &mut Vec<GroupEntry>,
     ) {
         check_time(now_ms);
-        self.refresh();
+        self.refresh(now_ms);
         self.touch(now_ms);
         if self.durable.is_none() {
             // A group appears at offset 0 on its first poll; whatever

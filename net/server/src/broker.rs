@@ -811,6 +811,8 @@ impl<S: Storage> Core<S> {
         for s in self.retiring.borrow().iter() {
             snap.retired.add_io(&ShardSnapshot::io_of(&s.log.stats()));
         }
+        // (stream, shard, group, its shard) of every group on this core.
+        let mut named = Vec::new();
         for (r, ls) in self.streams.borrow().iter() {
             for (i, s) in ls.shards.iter().enumerate() {
                 if let Slot::Failed(_) = s {
@@ -832,16 +834,28 @@ impl<S: Storage> Core<S> {
                         stopped: st.stopped.is_some(),
                         ..ShardSnapshot::io_of(&st)
                     });
-                    group_snapshots(r, i as u32, s, &mut snap.groups);
+                    for (name, t) in s.groups.borrow().iter() {
+                        // A tracker kept only for standing claims after a
+                        // delete has no group to report.
+                        if t.exists() {
+                            named.push((r.to_string(), i as u32, name.clone(), s.clone()));
+                        }
+                    }
                 }
             }
         }
-        // The first groups by name, so that the cores' lists together
-        // hold the first of all of them.
-        snap.groups
-            .sort_by(|a, b| (&a.stream, a.shard, &a.group).cmp(&(&b.stream, b.shard, &b.group)));
-        snap.groups_omitted = snap.groups.len().saturating_sub(snap.max_groups) as u64;
-        snap.groups.truncate(snap.max_groups);
+        // The first groups by name (each core's first are enough for the
+        // first of all), and only those described: a describe walks the
+        // group's claims.
+        named.sort_unstable_by(|a, b| (&a.0, a.1, &a.2).cmp(&(&b.0, b.1, &b.2)));
+        snap.groups_omitted = named.len().saturating_sub(snap.max_groups) as u64;
+        named.truncate(snap.max_groups);
+        snap.groups = named
+            .into_iter()
+            .filter_map(|(stream, index, group, shard)| {
+                describe_group(stream, index, group, &shard)
+            })
+            .collect();
         snap
     }
 
@@ -1574,41 +1588,38 @@ fn reload_security(shared: &Shared) {
     }
 }
 
-/// Where each group of a shard stands (what `group_describe` answers), for
-/// the per-group gauges. Describing is not activity: scrapes never keep an
-/// idle group's state in memory.
-fn group_snapshots<S: Storage>(
-    stream: &impl std::fmt::Display,
+/// Where a group stands on a shard (what `group_describe` answers), for the
+/// per-group gauges; `None` if it is gone. Describing is not activity:
+/// scrapes never keep an idle group's state in memory.
+fn describe_group<S: Storage>(
+    stream: String,
     index: u32,
+    group: String,
     shard: &Shard<S>,
-    out: &mut Vec<GroupSnapshot>,
-) {
+) -> Option<GroupSnapshot> {
     let view = felix_engine::group::LogView {
         start: shard.log.start(),
         end: shard.log.end(),
     };
-    let now = now_ms();
-    let stream = stream.to_string();
-    for (name, t) in shard.groups.borrow_mut().iter_mut() {
-        // A tracker kept only for its standing claims after a delete has
-        // no group to describe.
-        let Ok(st) = t.describe(now, view) else {
-            continue;
-        };
-        out.push(GroupSnapshot {
-            stream: stream.clone(),
-            shard: index,
-            group: name.clone(),
-            position: st.position.0,
-            lag: st.lag(),
-            in_flight: st.in_flight.into(),
-            delayed: st.delayed.into(),
-            owed: st.owed,
-            dead_letters: st.dead_letters,
-            oldest_in_flight_age_ms: st.oldest_in_flight_age_ms,
-            oldest_owed_age_ms: st.oldest_owed_age_ms,
-        });
-    }
+    let st = shard
+        .groups
+        .borrow_mut()
+        .get_mut(&group)?
+        .describe(now_ms(), view)
+        .ok()?;
+    Some(GroupSnapshot {
+        stream,
+        shard: index,
+        group,
+        position: st.position.0,
+        lag: st.lag(),
+        in_flight: st.in_flight.into(),
+        delayed: st.delayed.into(),
+        owed: st.owed,
+        dead_letters: st.dead_letters,
+        oldest_in_flight_age_ms: st.oldest_in_flight_age_ms,
+        oldest_owed_age_ms: st.oldest_owed_age_ms,
+    })
 }
 
 #[cfg(test)]

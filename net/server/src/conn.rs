@@ -96,8 +96,10 @@ impl Outbox {
             // (and drops the connection): answer too_large instead. Publish
             // keeps records small enough to come back; this catches a cap
             // lowered since they were written.
-            if buf.len() - at > self.max_frame as usize {
-                let n = buf.len() - at;
+            // The cap is on the frame's `len`, which leaves out its own
+            // 4-byte prefix.
+            if buf.len() - at > self.max_frame as usize + 4 {
+                let n = buf.len() - at - 4;
                 buf.truncate(at);
                 felix_wire::encode_response(
                     request_id,

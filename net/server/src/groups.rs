@@ -131,6 +131,9 @@ pub(crate) async fn handle<S: Storage>(
         Ok(s) => s,
         Err(e) => return e,
     };
+    // Looking changes nothing a waiting poll could want: a stream of
+    // describes must not make every waiting poll of the shard plan again.
+    let settles = !matches!(req, Request::GroupDescribe { .. });
     let r = match req {
         Request::GroupPoll {
             max_records,
@@ -343,7 +346,8 @@ pub(crate) async fn handle<S: Storage>(
                     oldest_in_flight_age_ms: (st.in_flight > 0)
                         .then_some(st.oldest_in_flight_age_ms),
                     oldest_owed_age_ms: (st.owed > 0).then_some(st.oldest_owed_age_ms),
-                    last_active_ms: Some(st.last_active_ms),
+                    // None: no request since the broker started.
+                    last_active_ms: (st.last_active_ms > 0).then_some(st.last_active_ms),
                 }),
                 Err(e) => group_err(e, &shard),
             }
@@ -351,7 +355,9 @@ pub(crate) async fn handle<S: Storage>(
         _ => unreachable!("matched above"),
     };
     // Anything that settled a claim may free room for a waiting poll.
-    shard.group_wake.wake_all();
+    if settles {
+        shard.group_wake.wake_all();
+    }
     r
 }
 
@@ -512,9 +518,6 @@ async fn poll<S: Storage>(
             );
         }
     }
-    if let Err(e) = room_for_group(core, shard, &key.group) {
-        return e;
-    }
     let caller = Caller {
         principal: info.principal.borrow().clone(),
         connection: info.id,
@@ -546,6 +549,12 @@ async fn poll<S: Storage>(
             return Response::GroupRecords {
                 records: Vec::new(),
             };
+        }
+        // Checked on every pass: a group deleted while this poll waited is
+        // created again by it, and the shard's group limit holds for that
+        // too.
+        if let Err(e) = room_for_group(core, shard, &key.group) {
+            return e;
         }
         let view = view(shard);
         let plan = with_tracker(shard, &key.group, |t| {

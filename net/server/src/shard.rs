@@ -143,6 +143,9 @@ impl<S: Storage> Shard<S> {
 /// the in-flight cap, and dead-lettering records out of attempts), and drop
 /// the memory of idle groups.
 async fn run_group_timers<S: Storage>(shard: std::rc::Weak<Shard<S>>) {
+    // Idle periods are minutes long: looking for groups to evict twice a
+    // second is enough, however often short claims wake the timer.
+    let mut next_evict_scan = 0;
     loop {
         let (sleep_ms, wake) = {
             let Some(s) = shard.upgrade() else { return };
@@ -176,12 +179,16 @@ async fn run_group_timers<S: Storage>(shard: std::rc::Weak<Shard<S>>) {
         let now = now_ms();
         let mut writes = Vec::new();
         let mut woke = false;
+        let evict = now >= next_evict_scan;
+        if evict {
+            next_evict_scan = now + 500;
+        }
         for t in s.groups.borrow_mut().values_mut() {
             if t.next_deadline().is_some_and(|d| d <= now) {
                 writes.extend(t.tick(now));
                 woke = true;
             }
-            if t.can_evict(now) {
+            if evict && t.can_evict(now) {
                 t.reset_to_durable();
             }
         }
