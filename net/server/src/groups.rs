@@ -619,23 +619,20 @@ async fn poll<S: Storage>(
             core.metrics
                 .group_delivered
                 .set(core.metrics.group_delivered.get() + outcome.deliveries.len() as u64);
-            let out = outcome
-                .deliveries
-                .iter()
-                .filter_map(|d| {
-                    let r = loaded.take(d.offset)?;
-                    let w = to_wire_record(r);
-                    Some(GroupRecord {
-                        offset: w.offset,
-                        attempts: d.attempts,
-                        timestamp_ms: w.timestamp_ms,
-                        key: w.key,
-                        headers: w.headers,
-                        payload: w.payload,
-                        skipped_before: skipped.then_some(d.skipped_before),
-                    })
+            let mut out = Vec::with_capacity(outcome.deliveries.len());
+            out.extend(outcome.deliveries.iter().filter_map(|d| {
+                let r = loaded.take(d.offset)?;
+                let w = to_wire_record(r);
+                Some(GroupRecord {
+                    offset: w.offset,
+                    attempts: d.attempts,
+                    timestamp_ms: w.timestamp_ms,
+                    key: w.key,
+                    headers: w.headers,
+                    payload: w.payload,
+                    skipped_before: skipped.then_some(d.skipped_before),
                 })
-                .collect();
+            }));
             return Response::GroupRecords { records: out };
         }
         if outcome.unread && replans < MAX_REPLANS {
