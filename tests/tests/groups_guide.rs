@@ -2591,4 +2591,33 @@ async fn metrics_report_at_most_the_configured_groups() {
     let lag = |group: &str| b.metric_series("felix_group_lag", &[("group", group)]);
     assert_eq!((lag("a"), lag("b"), lag("c")), (Some(3.0), Some(3.0), None));
     assert_eq!(b.metric("felix_group_metrics_omitted"), 1.0);
+
+    // Across cores: a two-shard stream (a shard on each core), two groups
+    // on each shard; the cap keeps the first by stream, shard and group.
+    let cfg = config_file("[server]\nmetrics_max_groups = 3\n");
+    let b =
+        felix_tests::start_broker!(opts(30_000, 5).env("FELIX_TEST_CONFIG", cfg.path.display()));
+    let c = client(&b.addr).await;
+    c.create_stream(T, NS, "two", 2, felix_client::StreamOptions::default())
+        .await
+        .unwrap();
+    for shard in [1, 0] {
+        for group in ["y", "x"] {
+            c.group_poll(T, NS, "two", shard, group, 1).await.unwrap();
+        }
+    }
+    let seen = |shard: &str, group: &str| {
+        b.metric_series("felix_group_lag", &[("shard", shard), ("group", group)])
+            .is_some()
+    };
+    assert_eq!(
+        [
+            seen("0", "x"),
+            seen("0", "y"),
+            seen("1", "x"),
+            seen("1", "y")
+        ],
+        [true, true, true, false]
+    );
+    assert_eq!(b.metric("felix_group_metrics_omitted"), 1.0);
 }

@@ -1033,6 +1033,14 @@ impl GroupTracker {
         self.at_rest = false;
     }
 
+    /// Rebuild a replayed group's memory now, when its shard opens, rather
+    /// than at its first request, which may come much later: its redrives
+    /// are owed from `now_ms`.
+    pub fn rebuild(&mut self, now_ms: u64) {
+        check_time(now_ms);
+        self.refresh(now_ms);
+    }
+
     /// Rebuild the memory of a replayed tracker before its first use. Its
     /// redriven records are owed from now: when they were redriven is not
     /// durable, and the start of the epoch would make them look decades old.

@@ -790,7 +790,9 @@ impl<S: Storage> Core<S> {
     }
 
     /// Metrics of this core, as plain numbers another core can merge.
-    pub fn snapshot(&self) -> MetricsSnapshot {
+    /// Yields between groups: describing thousands of groups with full
+    /// in-flight tables must not hold up the core's connections.
+    pub async fn snapshot(&self) -> MetricsSnapshot {
         let mut snap = self.metrics.snapshot();
         let read_cache = self
             .streams
@@ -850,12 +852,12 @@ impl<S: Storage> Core<S> {
         named.sort_unstable_by(|a, b| (&a.0, a.1, &a.2).cmp(&(&b.0, b.1, &b.2)));
         snap.groups_omitted = named.len().saturating_sub(snap.max_groups) as u64;
         named.truncate(snap.max_groups);
-        snap.groups = named
-            .into_iter()
-            .filter_map(|(stream, index, group, shard)| {
-                describe_group(stream, index, group, &shard)
-            })
-            .collect();
+        snap.groups.reserve(named.len());
+        for (stream, index, group, shard) in named {
+            snap.groups
+                .extend(describe_group(stream, index, group, &shard));
+            glommio::yield_if_needed().await;
+        }
         snap
     }
 
@@ -892,7 +894,13 @@ impl<S: Storage> Core<S> {
                     .detach();
                 }
                 CoreMsg::Scrape { reply } => {
-                    let _ = reply.send(self.snapshot());
+                    // Its own task: a scrape that yields must not hold up
+                    // the connections handed to this core meanwhile.
+                    let core = self.clone();
+                    glommio::spawn_local(async move {
+                        let _ = reply.send(core.snapshot().await);
+                    })
+                    .detach();
                 }
                 CoreMsg::Shutdown => {
                     self.stopping.set(true);

@@ -578,6 +578,11 @@ async fn poll<S: Storage>(
                 records: Vec::new(),
             };
         }
+        if !shard.groups.borrow().contains_key(&key.group) {
+            // Deleted while the records were read: plan again (which
+            // checks the group limit before creating it anew).
+            continue;
+        }
         let view = self::view(shard);
         let mut freed = false;
         let outcome = with_tracker(shard, &key.group, |t| {

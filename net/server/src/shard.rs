@@ -77,6 +77,10 @@ impl<S: Storage> Shard<S> {
             t.apply_entry(e);
         }
         groups.retain(|_, t| t.exists());
+        let opened = now_ms();
+        for t in groups.values_mut() {
+            t.rebuild(opened);
+        }
         let groups: Groups = Rc::new(RefCell::new(groups));
         let snap = groups.clone();
         log.set_snapshot_provider(Box::new(move |out| {
@@ -145,7 +149,9 @@ impl<S: Storage> Shard<S> {
 async fn run_group_timers<S: Storage>(shard: std::rc::Weak<Shard<S>>) {
     // Idle periods are minutes long: looking for groups to evict twice a
     // second is enough, however often short claims wake the timer.
-    let mut next_evict_scan = 0;
+    // Paced by the monotonic clock: a wall clock stepped back must not
+    // stop evictions.
+    let mut next_evict_scan = std::time::Instant::now();
     loop {
         let (sleep_ms, wake) = {
             let Some(s) = shard.upgrade() else { return };
@@ -179,9 +185,9 @@ async fn run_group_timers<S: Storage>(shard: std::rc::Weak<Shard<S>>) {
         let now = now_ms();
         let mut writes = Vec::new();
         let mut woke = false;
-        let evict = now >= next_evict_scan;
+        let evict = std::time::Instant::now() >= next_evict_scan;
         if evict {
-            next_evict_scan = now + 500;
+            next_evict_scan = std::time::Instant::now() + Duration::from_millis(500);
         }
         for t in s.groups.borrow_mut().values_mut() {
             if t.next_deadline().is_some_and(|d| d <= now) {
