@@ -2571,6 +2571,16 @@ async fn metrics_report_each_groups_lag_and_unfinished_work() {
         (1, 9, 2, 1),
         "the metrics agree with group_describe"
     );
+    // And what it has done: five handed out, one acked, one given up on;
+    // then the nacked record goes out again.
+    assert_eq!(m("felix_group_delivered_records_total"), 5.0);
+    assert_eq!(m("felix_group_redelivered_records_total"), 0.0);
+    assert_eq!(m("felix_group_acked_records_total"), 1.0);
+    assert_eq!(m("felix_group_dead_lettered_records_total"), 1.0);
+    let owed = g.poll(1).await;
+    assert_eq!((offsets(&owed), attempts(&owed)), (vec![1], vec![2]));
+    assert_eq!(m("felix_group_delivered_records_total"), 6.0);
+    assert_eq!(m("felix_group_redelivered_records_total"), 1.0);
     g.delete().await.unwrap();
     assert_eq!(b.metric_series("felix_group_lag", &labels), None);
 }

@@ -291,6 +291,21 @@ pub struct PollOutcome {
     pub unread: bool,
 }
 
+/// What a group has done since its tracker was created (the broker started,
+/// or the group was first used): plain counters for metrics, kept across
+/// evictions, not durable.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GroupCounters {
+    /// Records handed out, redeliveries included.
+    pub delivered: u64,
+    /// Of those, handed out again (attempt 2 or later).
+    pub redelivered: u64,
+    /// Records finished by an ack (duplicates not counted).
+    pub acked: u64,
+    /// Records set aside as dead letters, by the broker or a consumer.
+    pub dead_lettered: u64,
+}
+
 /// Where a group stands (`group_describe`). Counts are the leader's memory.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct GroupStatus {

@@ -1087,6 +1087,31 @@ mod rules {
     }
 
     #[test]
+    fn counters_count_deliveries_redeliveries_acks_and_dead_letters() {
+        let mut h = Harness::with(small(|c| c.max_attempts = 2));
+        h.append(3);
+        assert_eq!(h.poll(3).len(), 3);
+        h.ack(0).unwrap();
+        h.ack(0).unwrap(); // a duplicate: not counted again
+        h.nack(1, 1, None).unwrap();
+        let again = h.poll(1);
+        assert_eq!((offsets(&again), attempts(&again)), (vec![1], vec![2]));
+        h.nack(1, 2, None).unwrap(); // at the bound: a dead letter
+        assert_eq!(h.dead(), vec![1]);
+        // Kept across an eviction.
+        h.t.reset_to_durable();
+        assert_eq!(
+            h.t.counters(),
+            GroupCounters {
+                delivered: 4,
+                redelivered: 1,
+                acked: 1,
+                dead_lettered: 1,
+            }
+        );
+    }
+
+    #[test]
     fn idle_means_untouched_for_the_effective_idle_time() {
         let mut h = Harness::with(GroupConfig {
             visibility_ms: 400_000,

@@ -9,8 +9,8 @@ use super::entry::{
 use super::members::{fast_map, FastMap, Members};
 use super::slot::{Slot, State, Timers, ATTEMPTS_MAX, TIME_MAX_MS};
 use super::{
-    Caller, DeadLetterPage, Delivery, GroupConfig, GroupError, GroupStatus, LogView, Lookup,
-    PollOutcome, PollPlan, StartAt,
+    Caller, DeadLetterPage, Delivery, GroupConfig, GroupCounters, GroupError, GroupStatus, LogView,
+    Lookup, PollOutcome, PollPlan, StartAt,
 };
 use crate::types::Offset;
 
@@ -65,6 +65,7 @@ pub struct GroupTracker {
     /// `reset_to_durable`, and until the next request. An idle group is
     /// evicted once per idle period, not on every timer pass.
     at_rest: bool,
+    counters: GroupCounters,
 }
 
 enum Step {
@@ -124,6 +125,7 @@ impl GroupTracker {
             handed_out_end: None,
             last_active_ms: 0,
             at_rest: true,
+            counters: GroupCounters::default(),
         }
     }
 
@@ -138,6 +140,11 @@ impl GroupTracker {
 
     pub fn exists(&self) -> bool {
         self.durable.is_some()
+    }
+
+    /// What the group has done since this tracker was created.
+    pub fn counters(&self) -> GroupCounters {
+        self.counters
     }
 
     /// The durable state, `None` if the group does not exist.
@@ -360,6 +367,7 @@ impl GroupTracker {
                             attempts,
                             skipped_before,
                         });
+                        self.count_delivery(attempts);
                         run.bytes += payload_bytes as u64;
                     }
                     Lookup::Skipped => {
@@ -422,6 +430,7 @@ impl GroupTracker {
         for &o in offsets {
             if self.slots.contains_key(&o) {
                 self.finish(o, &mut w);
+                self.counters.acked += 1;
             }
         }
         self.settle_position(&mut w);
@@ -1369,6 +1378,7 @@ impl GroupTracker {
                     attempts,
                     skipped_before: self.skipped_below.get(&o).copied().unwrap_or(0),
                 });
+                self.count_delivery(attempts);
                 run.bytes += payload_bytes as u64;
                 Step::Go
             }
@@ -1456,6 +1466,12 @@ impl GroupTracker {
             w,
         );
         self.transition(o, None);
+        self.counters.dead_lettered += 1;
+    }
+
+    fn count_delivery(&mut self, attempts: u32) {
+        self.counters.delivered += 1;
+        self.counters.redelivered += u64::from(attempts > 1);
     }
 
     /// The record at `o` is done (acked, or settled without delivery).

@@ -1609,12 +1609,11 @@ fn describe_group<S: Storage>(
         start: shard.log.start(),
         end: shard.log.end(),
     };
-    let st = shard
-        .groups
-        .borrow_mut()
-        .get_mut(&group)?
-        .describe(now_ms(), view)
-        .ok()?;
+    let mut groups = shard.groups.borrow_mut();
+    let t = groups.get_mut(&group)?;
+    let st = t.describe(now_ms(), view).ok()?;
+    let counters = t.counters();
+    drop(groups);
     Some(GroupSnapshot {
         stream,
         shard: index,
@@ -1627,6 +1626,7 @@ fn describe_group<S: Storage>(
         dead_letters: st.dead_letters,
         oldest_in_flight_age_ms: st.oldest_in_flight_age_ms,
         oldest_owed_age_ms: st.oldest_owed_age_ms,
+        counters,
     })
 }
 

@@ -146,6 +146,9 @@ pub(crate) struct GroupSnapshot {
     pub dead_letters: u64,
     pub oldest_in_flight_age_ms: u64,
     pub oldest_owed_age_ms: u64,
+    /// What the group has done since the broker started (or the group was
+    /// first used).
+    pub counters: felix_engine::group::GroupCounters,
 }
 
 /// A core's buffered-bytes budget (`server.max_buffered_bytes_per_core`).
@@ -365,8 +368,8 @@ impl MetricsSnapshot {
              # TYPE felix_group_metrics_omitted gauge\n\
              felix_group_metrics_omitted {omitted}"
         );
-        type Gauge = (&'static str, &'static str, fn(&GroupSnapshot) -> String);
-        let gauges: [Gauge; 8] = [
+        type Series = (&'static str, &'static str, fn(&GroupSnapshot) -> String);
+        let gauges: [Series; 8] = [
             ("felix_group_position", "A group's saved position on a shard: every offset below it is finished.", |g| g.position.to_string()),
             ("felix_group_lag", "Records between a group's position and the shard's durable end.", |g| g.lag.to_string()),
             ("felix_group_in_flight", "Records a group has handed out and not settled (standing claims and delayed nacks).", |g| g.in_flight.to_string()),
@@ -376,8 +379,34 @@ impl MetricsSnapshot {
             ("felix_group_oldest_in_flight_age_seconds", "How long a group's oldest standing claim or delay has stood (0 with none).", |g| secs(g.oldest_in_flight_age_ms)),
             ("felix_group_oldest_owed_age_seconds", "How long a group's oldest owed record has waited for a poll (0 with none).", |g| secs(g.oldest_owed_age_ms)),
         ];
-        for (name, help, value) in gauges {
-            let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} gauge");
+        let counters: [Series; 4] = [
+            (
+                "felix_group_delivered_records_total",
+                "Records a group handed out, redeliveries included, since the broker started.",
+                |g| g.counters.delivered.to_string(),
+            ),
+            (
+                "felix_group_redelivered_records_total",
+                "Records a group handed out again (attempt 2 or later) since the broker started.",
+                |g| g.counters.redelivered.to_string(),
+            ),
+            (
+                "felix_group_acked_records_total",
+                "Records a group finished by an ack since the broker started.",
+                |g| g.counters.acked.to_string(),
+            ),
+            (
+                "felix_group_dead_lettered_records_total",
+                "Records a group set aside as dead letters since the broker started.",
+                |g| g.counters.dead_lettered.to_string(),
+            ),
+        ];
+        let typed = gauges
+            .iter()
+            .map(|g| (g, "gauge"))
+            .chain(counters.iter().map(|c| (c, "counter")));
+        for ((name, help, value), kind) in typed {
+            let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} {kind}");
             for g in &groups {
                 let _ = writeln!(
                     s,
