@@ -115,6 +115,9 @@ pub struct DurableGroup {
     /// *skipped* above).
     position_skipped: u64,
     dead_letters: BTreeMap<Offset, DeadLetter>,
+    /// How many of `dead_letters` are listed (not discarded): counted as
+    /// they change, so a describe need not walk the list.
+    listed: usize,
     /// Sum of the reasons' lengths in `dead_letters`.
     reason_bytes: usize,
     /// Redriven offsets below the position: owed again until finished.
@@ -150,6 +153,7 @@ impl DurableGroup {
         Ok(DurableGroup {
             position,
             position_skipped: 0,
+            listed: listed_in(&dead_letters),
             dead_letters,
             reason_bytes,
             redriven,
@@ -179,6 +183,12 @@ impl DurableGroup {
     /// The dead letters the group lists (not discarded).
     pub fn listed_dead_letters(&self) -> impl Iterator<Item = (&Offset, &DeadLetter)> {
         self.dead_letters.iter().filter(|(_, d)| !d.discarded)
+    }
+
+    /// How many dead letters the group lists.
+    pub fn listed_count(&self) -> usize {
+        debug_assert_eq!(self.listed, listed_in(&self.dead_letters));
+        self.listed
     }
 
     /// The listed dead letters at `from` and above, in offset order.
@@ -230,6 +240,7 @@ impl DurableGroup {
             position: self.position,
             position_skipped: self.position_skipped,
             reason_bytes: first.values().map(DeadLetter::reason_len).sum(),
+            listed: listed_in(&first),
             dead_letters: first,
             redriven: self.redriven.clone(),
         };
@@ -269,16 +280,34 @@ impl DurableGroup {
 
     fn insert_dead_letter(&mut self, offset: Offset, info: DeadLetter) {
         self.reason_bytes += info.reason_len();
+        self.listed += usize::from(!info.discarded);
         if let Some(old) = self.dead_letters.insert(offset, info) {
             self.reason_bytes -= old.reason_len();
+            self.listed -= usize::from(!old.discarded);
         }
     }
 
     fn remove_dead_letter(&mut self, offset: &Offset) -> Option<DeadLetter> {
         let old = self.dead_letters.remove(offset)?;
         self.reason_bytes -= old.reason_len();
+        self.listed -= usize::from(!old.discarded);
         Some(old)
     }
+
+    /// Mark a dead letter above the position discarded (kept finished, no
+    /// longer listed).
+    fn discard_dead_letter(&mut self, offset: &Offset) {
+        if let Some(d) = self.dead_letters.get_mut(offset) {
+            if !d.discarded {
+                d.discarded = true;
+                self.listed -= 1;
+            }
+        }
+    }
+}
+
+fn listed_in(letters: &BTreeMap<Offset, DeadLetter>) -> usize {
+    letters.values().filter(|d| !d.discarded).count()
 }
 
 /// A change to durable group state, appended to the shard's log (taking no
@@ -583,10 +612,10 @@ pub(crate) fn apply(state: &mut Option<DurableGroup>, entry: &GroupEntry) {
             if let Some(g) = state {
                 if *offset < g.position {
                     g.remove_dead_letter(offset);
-                } else if let Some(d) = g.dead_letters.get_mut(offset) {
+                } else {
                     // Above a cursor held back by an earlier offset: keep it
                     // finished until the position passes it.
-                    d.discarded = true;
+                    g.discard_dead_letter(offset);
                 }
             }
         }
@@ -978,6 +1007,7 @@ mod codec_tests {
             position: Offset(3),
             position_skipped: 0,
             dead_letters: BTreeMap::new(),
+            listed: 0,
             reason_bytes: 0,
             redriven: [Offset(7)].into_iter().collect(),
         };

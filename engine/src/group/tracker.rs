@@ -759,7 +759,7 @@ impl GroupTracker {
             frontier: self.frontier,
             log_start: log.start,
             log_end: log.end,
-            dead_letters: g.listed_dead_letters().count() as u64,
+            dead_letters: g.listed_count() as u64,
             last_active_ms: self.last_active_ms,
             ..GroupStatus::default()
         };
