@@ -1605,28 +1605,15 @@ fn describe_group<S: Storage>(
     group: String,
     shard: &Shard<S>,
 ) -> Option<GroupSnapshot> {
-    let view = felix_engine::group::LogView {
-        start: shard.log.start(),
-        end: shard.log.end(),
-    };
+    let view = crate::groups::view(shard);
     let mut groups = shard.groups.borrow_mut();
     let t = groups.get_mut(&group)?;
-    let st = t.describe(now_ms(), view).ok()?;
-    let counters = t.counters();
-    drop(groups);
     Some(GroupSnapshot {
         stream,
         shard: index,
         group,
-        position: st.position.0,
-        lag: st.lag(),
-        in_flight: st.in_flight.into(),
-        delayed: st.delayed.into(),
-        owed: st.owed,
-        dead_letters: st.dead_letters,
-        oldest_in_flight_age_ms: st.oldest_in_flight_age_ms,
-        oldest_owed_age_ms: st.oldest_owed_age_ms,
-        counters,
+        status: t.describe(now_ms(), view).ok()?,
+        counters: t.counters(),
     })
 }
 

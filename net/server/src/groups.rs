@@ -361,7 +361,7 @@ pub(crate) async fn handle<S: Storage>(
     r
 }
 
-fn view<S: Storage>(shard: &Shard<S>) -> LogView {
+pub(crate) fn view<S: Storage>(shard: &Shard<S>) -> LogView {
     LogView {
         start: shard.log.start(),
         end: shard.log.end(),

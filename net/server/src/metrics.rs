@@ -3,6 +3,7 @@
 //! served as Prometheus text over HTTP by core 0.
 
 use crate::broker::{Core, CoreMsg};
+use felix_engine::group::{GroupCounters, GroupStatus};
 use felix_engine::log::{SyncStats, SYNC_BUCKETS_US};
 use felix_engine::storage::Storage;
 use felix_wire::ErrorCode;
@@ -130,25 +131,17 @@ impl ShardSnapshot {
 }
 
 /// Where one consumer group stands on one shard (what `group_describe`
-/// answers), for the per-group gauges: lag and the age of the oldest
-/// unfinished work per shard, so that one stuck shard is not hidden in a
-/// total.
-#[derive(Clone, Debug, Default)]
+/// answers) and what it has done, for the per-group series: lag and the age
+/// of the oldest unfinished work per shard, so that one stuck shard is not
+/// hidden in a total.
+#[derive(Clone, Debug)]
 pub(crate) struct GroupSnapshot {
     pub stream: String,
     pub shard: u32,
     pub group: String,
-    pub position: u64,
-    pub lag: u64,
-    pub in_flight: u64,
-    pub delayed: u64,
-    pub owed: u64,
-    pub dead_letters: u64,
-    pub oldest_in_flight_age_ms: u64,
-    pub oldest_owed_age_ms: u64,
-    /// What the group has done since the broker started (or the group was
-    /// first used).
-    pub counters: felix_engine::group::GroupCounters,
+    pub status: GroupStatus,
+    /// Since the broker started (or the group was first used).
+    pub counters: GroupCounters,
 }
 
 /// A core's buffered-bytes budget (`server.max_buffered_bytes_per_core`).
@@ -368,44 +361,27 @@ impl MetricsSnapshot {
              # TYPE felix_group_metrics_omitted gauge\n\
              felix_group_metrics_omitted {omitted}"
         );
-        type Series = (&'static str, &'static str, fn(&GroupSnapshot) -> String);
-        let gauges: [Series; 8] = [
-            ("felix_group_position", "A group's saved position on a shard: every offset below it is finished.", |g| g.position.to_string()),
-            ("felix_group_lag", "Records between a group's position and the shard's durable end.", |g| g.lag.to_string()),
-            ("felix_group_in_flight", "Records a group has handed out and not settled (standing claims and delayed nacks).", |g| g.in_flight.to_string()),
-            ("felix_group_delayed", "Of a group's in-flight records, those handed back with a delay.", |g| g.delayed.to_string()),
-            ("felix_group_owed", "Records a group handed out before that wait for the next poll (lapsed claims, nacks, redrives).", |g| g.owed.to_string()),
-            ("felix_group_dead_letters", "Records a group has set aside as dead letters.", |g| g.dead_letters.to_string()),
-            ("felix_group_oldest_in_flight_age_seconds", "How long a group's oldest standing claim or delay has stood (0 with none).", |g| secs(g.oldest_in_flight_age_ms)),
-            ("felix_group_oldest_owed_age_seconds", "How long a group's oldest owed record has waited for a poll (0 with none).", |g| secs(g.oldest_owed_age_ms)),
+        type Series = (
+            &'static str,
+            &'static str,
+            &'static str,
+            fn(&GroupSnapshot) -> String,
+        );
+        let series: [Series; 12] = [
+            ("felix_group_position", "gauge", "A group's saved position on a shard: every offset below it is finished.", |g| g.status.position.0.to_string()),
+            ("felix_group_lag", "gauge", "Records between a group's position and the shard's durable end.", |g| g.status.lag().to_string()),
+            ("felix_group_in_flight", "gauge", "Records a group has handed out and not settled (standing claims and delayed nacks).", |g| g.status.in_flight.to_string()),
+            ("felix_group_delayed", "gauge", "Of a group's in-flight records, those handed back with a delay.", |g| g.status.delayed.to_string()),
+            ("felix_group_owed", "gauge", "Records a group handed out before that wait for the next poll (lapsed claims, nacks, redrives).", |g| g.status.owed.to_string()),
+            ("felix_group_dead_letters", "gauge", "Records a group has set aside as dead letters.", |g| g.status.dead_letters.to_string()),
+            ("felix_group_oldest_in_flight_age_seconds", "gauge", "How long a group's oldest standing claim or delay has stood (0 with none).", |g| secs(g.status.oldest_in_flight_age_ms)),
+            ("felix_group_oldest_owed_age_seconds", "gauge", "How long a group's oldest owed record has waited for a poll (0 with none).", |g| secs(g.status.oldest_owed_age_ms)),
+            ("felix_group_delivered_records_total", "counter", "Records a group handed out, redeliveries included, since the broker started.", |g| g.counters.delivered.to_string()),
+            ("felix_group_redelivered_records_total", "counter", "Records a group handed out again (attempt 2 or later) since the broker started.", |g| g.counters.redelivered.to_string()),
+            ("felix_group_acked_records_total", "counter", "Records a group finished by an ack since the broker started.", |g| g.counters.acked.to_string()),
+            ("felix_group_dead_lettered_records_total", "counter", "Records a group set aside as dead letters since the broker started.", |g| g.counters.dead_lettered.to_string()),
         ];
-        let counters: [Series; 4] = [
-            (
-                "felix_group_delivered_records_total",
-                "Records a group handed out, redeliveries included, since the broker started.",
-                |g| g.counters.delivered.to_string(),
-            ),
-            (
-                "felix_group_redelivered_records_total",
-                "Records a group handed out again (attempt 2 or later) since the broker started.",
-                |g| g.counters.redelivered.to_string(),
-            ),
-            (
-                "felix_group_acked_records_total",
-                "Records a group finished by an ack since the broker started.",
-                |g| g.counters.acked.to_string(),
-            ),
-            (
-                "felix_group_dead_lettered_records_total",
-                "Records a group set aside as dead letters since the broker started.",
-                |g| g.counters.dead_lettered.to_string(),
-            ),
-        ];
-        let typed = gauges
-            .iter()
-            .map(|g| (g, "gauge"))
-            .chain(counters.iter().map(|c| (c, "counter")));
-        for ((name, help, value), kind) in typed {
+        for (name, kind, help, value) in series {
             let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} {kind}");
             for g in &groups {
                 let _ = writeln!(

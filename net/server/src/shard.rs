@@ -185,9 +185,10 @@ async fn run_group_timers<S: Storage>(shard: std::rc::Weak<Shard<S>>) {
         let now = now_ms();
         let mut writes = Vec::new();
         let mut woke = false;
-        let evict = std::time::Instant::now() >= next_evict_scan;
+        let mono = std::time::Instant::now();
+        let evict = mono >= next_evict_scan;
         if evict {
-            next_evict_scan = std::time::Instant::now() + Duration::from_millis(500);
+            next_evict_scan = mono + Duration::from_millis(500);
         }
         for t in s.groups.borrow_mut().values_mut() {
             if t.next_deadline().is_some_and(|d| d <= now) {
