@@ -5,8 +5,10 @@ redirects, a refused or trickling HELLO)."""
 import socket
 import struct
 import threading
+import unittest
 from typing import Callable, List, Optional, Tuple
 
+import felix
 from felix import _wire
 
 #: Called with each request frame (header, body) and the core of the
@@ -189,3 +191,17 @@ class FakeBroker:
             buf += chunk
         total = 4 + int.from_bytes(buf[:4], "little")
         return _wire.FrameHeader.parse(buf[:16]), buf[16:total], buf[total:]
+
+
+class FakeBrokerCase(unittest.TestCase):
+    """Fake brokers and clients that are closed when the test ends."""
+
+    def serve(self, script: Script, features: int = 0, **options: object) -> FakeBroker:
+        fake = FakeBroker(script, features, **options)  # type: ignore[arg-type]
+        self.addCleanup(fake.close)
+        return fake
+
+    def connect(self, fake: FakeBroker, **options: object) -> felix.Client:
+        client = felix.Client.connect(fake.addr, **options)  # type: ignore[arg-type]
+        self.addCleanup(client.close)
+        return client

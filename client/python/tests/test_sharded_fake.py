@@ -4,7 +4,6 @@ a wrong core). No real broker needed."""
 
 import struct
 import time
-import unittest
 from dataclasses import replace
 from typing import Callable, Iterable, List, Optional, Tuple
 from unittest import mock
@@ -12,7 +11,7 @@ from unittest import mock
 import felix
 from felix import ShardedRecord, _wire, sharded
 
-from .fake_broker import FakeBroker, error_frame, response_frame
+from .fake_broker import FakeBroker, FakeBrokerCase, error_frame, response_frame
 
 STREAM = "t/n/s"
 #: Where a group key's shard sits in a request body for STREAM.
@@ -20,11 +19,15 @@ _SHARD_AT = len(_wire.Writer().stream(felix.StreamRef("t", "n", "s")).buf)
 _GROUPS = int(felix.Feature.GROUPS)
 
 
+def shard_of(body: bytes) -> int:
+    """The shard a group request for STREAM names."""
+    return int.from_bytes(body[_SHARD_AT : _SHARD_AT + 4], "little")
+
+
 def poll_args(body: bytes) -> Tuple[int, int, int]:
     """(shard, max_records, wait_ms) of a group poll to group ``g``."""
-    shard = int.from_bytes(body[_SHARD_AT : _SHARD_AT + 4], "little")
     max_records, wait_ms = struct.unpack_from("<II", body, _SHARD_AT + 4 + 2 + 1)
-    return shard, max_records, wait_ms
+    return shard_of(body), max_records, wait_ms
 
 
 def stream_answer(request_id: int, placement: List[int]) -> bytes:
@@ -41,16 +44,34 @@ def records_answer(request_id: int, offsets: List[int]) -> bytes:
     return response_frame(request_id, 0x30, bytes(w.buf))
 
 
-class FakeCase(unittest.TestCase):
-    def serve(self, script, cores: int = 1) -> FakeBroker:  # type: ignore[no-untyped-def]
-        fake = FakeBroker(script, _GROUPS, cores=cores)
-        self.addCleanup(fake.close)
-        return fake
+def unanswered_waits(header, body, core):  # type: ignore[no-untyped-def]
+    """Two shards; sweeps answered empty, waiting polls never answered."""
+    if header.opcode == 0x11:
+        return stream_answer(header.request_id, [0, 0])
+    if poll_args(body)[2] > 0:
+        return b""  # Never answered.
+    return records_answer(header.request_id, [])
 
-    def connect(self, fake: FakeBroker, **options: object) -> felix.Client:
-        client = felix.Client.connect(fake.addr, **options)  # type: ignore[arg-type]
-        self.addCleanup(client.close)
-        return client
+
+def handing_back(nacked: List[int], polls):  # type: ignore[no-untyped-def]
+    """Two shards; nacks are answered and their shards noted in ``nacked``;
+    ``polls(header, body, shard)`` answers the polls."""
+
+    def script(header, body, core):  # type: ignore[no-untyped-def]
+        if header.opcode == 0x11:
+            return stream_answer(header.request_id, [0, 0])
+        shard = shard_of(body)
+        if header.opcode == 0x32:
+            nacked.append(shard)
+            return nack_answer(header.request_id)
+        return polls(header, body, shard)
+
+    return script
+
+
+class FakeCase(FakeBrokerCase):
+    def serve(self, script, features: int = _GROUPS, **options: object) -> FakeBroker:  # type: ignore[no-untyped-def]
+        return super().serve(script, features, **options)
 
 
 class ShardedFakeTest(FakeCase):
@@ -105,14 +126,7 @@ class ShardedFakeTest(FakeCase):
         g.close()
 
     def test_a_wait_that_never_answers_times_out(self) -> None:
-        def script(header, body, core):  # type: ignore[no-untyped-def]
-            if header.opcode == 0x11:
-                return stream_answer(header.request_id, [0, 0])
-            if poll_args(body)[2] > 0:
-                return b""  # Never answered.
-            return records_answer(header.request_id, [])
-
-        client = self.connect(self.serve(script), request_timeout=0.3)
+        client = self.connect(self.serve(unanswered_waits), request_timeout=0.3)
         g = client.sharded_group(STREAM, "g", wait_slice=0.2)
         started = time.monotonic()
         with self.assertRaises(felix.Timeout):
@@ -131,7 +145,7 @@ class ShardedFakeTest(FakeCase):
             if header.opcode == 0x11:
                 describes.append(core)
                 return stream_answer(header.request_id, [0, 0] if len(describes) == 1 else [0, 1])
-            shard = int.from_bytes(body[_SHARD_AT : _SHARD_AT + 4], "little")
+            shard = shard_of(body)
             calls.append((core, header.opcode, shard))
             if shard == 1 and core == 0:
                 return error_frame(header.request_id, 4, "shard 1 is on core 1", core=1)
@@ -160,16 +174,11 @@ class ShardedInterruptTest(FakeCase):
         given = {0: [0, 1], 1: [5]}
         nacked: List[int] = []
 
-        def script(header, body, core):  # type: ignore[no-untyped-def]
-            if header.opcode == 0x11:
-                return stream_answer(header.request_id, [0, 0])
-            shard = int.from_bytes(body[_SHARD_AT : _SHARD_AT + 4], "little")
-            if header.opcode == 0x32:
-                nacked.append(shard)
-                return nack_answer(header.request_id)
+        def polls(header, body, shard):  # type: ignore[no-untyped-def]
             _, _, wait_ms = poll_args(body)
             return records_answer(header.request_id, given.pop(shard, []) if wait_ms else [])
 
+        script = handing_back(nacked, polls)
         g = self.connect(self.serve(script)).sharded_group(STREAM, "g", wait_slice=0.2, **options)
         self.addCleanup(g.close)
         return g, nacked
@@ -284,14 +293,7 @@ class ShardedWaitsTest(FakeCase):
         self.assertTrue(all(m == 1 and 0 < w <= 100 for _, m, w in waits), waits)
 
     def test_close_gives_up_at_its_deadline(self) -> None:
-        def script(header, body, core):  # type: ignore[no-untyped-def]
-            if header.opcode == 0x11:
-                return stream_answer(header.request_id, [0, 0])
-            if poll_args(body)[2] > 0:
-                return b""  # Never answered.
-            return records_answer(header.request_id, [])
-
-        g = self.connect(self.serve(script)).sharded_group(STREAM, "g", wait_slice=0.1)
+        g = self.connect(self.serve(unanswered_waits)).sharded_group(STREAM, "g", wait_slice=0.1)
         self.assertEqual(g.poll(2, wait=0.15), [])
         self.assertEqual(len(g._out), 2)
         started = time.monotonic()
@@ -304,20 +306,14 @@ class ShardedWaitsTest(FakeCase):
     def test_an_answer_that_beats_the_give_up_is_handed_back(self) -> None:
         nacked: List[int] = []
 
-        def script(header, body, core):  # type: ignore[no-untyped-def]
-            if header.opcode == 0x11:
-                return stream_answer(header.request_id, [0, 0])
-            shard = int.from_bytes(body[_SHARD_AT : _SHARD_AT + 4], "little")
-            if header.opcode == 0x32:
-                nacked.append(shard)
-                return nack_answer(header.request_id)
+        def polls(header, body, shard):  # type: ignore[no-untyped-def]
             if poll_args(body)[2] == 0:
                 return records_answer(header.request_id, [])
             if shard == 1:
                 time.sleep(0.3)  # Lands after close's deadline.
             return records_answer(header.request_id, [0] if shard == 0 else [5])
 
-        g = self.connect(self.serve(script)).sharded_group(STREAM, "g", wait_slice=0.05)
+        g = self.connect(self.serve(handing_back(nacked, polls))).sharded_group(STREAM, "g", wait_slice=0.05)
         self.assertEqual([(r.shard, r.offset) for r in g.poll(2, wait=5)], [(0, 0)])
         late = g._out[1]
         cancel = late.cancel

@@ -16,7 +16,7 @@ import felix
 from felix import _wire
 from felix.errors import error_from_wire
 
-from .fake_broker import FakeBroker, error_frame, response_frame
+from .fake_broker import FakeBrokerCase, error_frame, response_frame
 from .support import in_thread
 
 
@@ -119,17 +119,7 @@ def _dead_letters(w: _wire.Writer, offsets: list) -> _wire.Writer:  # type: igno
     return w
 
 
-class MisbehavingBrokerTest(unittest.TestCase):
-    def serve(self, script, features: int = 0, **options: object) -> FakeBroker:  # type: ignore[no-untyped-def]
-        fake = FakeBroker(script, features, **options)  # type: ignore[arg-type]
-        self.addCleanup(fake.close)
-        return fake
-
-    def connect(self, fake: FakeBroker, **options: object) -> felix.Client:
-        client = felix.Client.connect(fake.addr, **options)  # type: ignore[arg-type]
-        self.addCleanup(client.close)
-        return client
-
+class MisbehavingBrokerTest(FakeBrokerCase):
     def test_calls_needing_unadvertised_features_are_refused_without_sending(self) -> None:
         fake = self.serve(lambda h, b, c: response_frame(h.request_id, 0x03, b""), features=int(felix.Feature.GROUPS))
         client = self.connect(fake, ack_on_commit=True)
