@@ -293,6 +293,14 @@ pub struct QueueArgs {
     #[arg(long, default_value_t = 4, value_name = "N")]
     pub ack_inflight: usize,
 
+    /// Consume at most this many records per second over all consumers: a
+    /// consumer sends its next poll only once the records it has taken so
+    /// far are due at its share of the rate. Measures poll latency at a
+    /// partial load (e.g. half the rate an unpaced run reaches). Default:
+    /// each consumer polls again as soon as its last poll is answered.
+    #[arg(long, value_name = "RECORDS_PER_SEC")]
+    pub rate: Option<f64>,
+
     /// Records to publish before consuming. Default: --count plus a quarter
     /// (for the warm-up), or 2,000,000 with --duration.
     #[arg(long, value_name = "N")]
@@ -645,6 +653,9 @@ impl Cli {
                 let c = a.common.validate("queue")?;
                 check_range("--consumers", a.consumers, 1, 10_000)?;
                 check_range("--ack-inflight", a.ack_inflight, 1, 10_000)?;
+                if let Some(r) = a.rate {
+                    check_rate("--rate", r)?;
+                }
                 if a.per_poll == 0 || a.per_poll > 1000 {
                     return err(
                         "--per-poll must be 1 to 1000 (a poll returns at most 1,000 records)",
@@ -765,6 +776,7 @@ mod tests {
             (&["queue", "--per-poll", "0"], "--per-poll"),
             (&["queue", "--per-poll", "1001"], "--per-poll"),
             (&["queue", "--nack-rate", "1.0"], "--nack-rate"),
+            (&["queue", "--rate", "0"], "--rate"),
             (
                 &["queue", "--target", "redis", "--nack-rate", "0.1"],
                 "--nack-rate",

@@ -583,12 +583,24 @@ pub async fn queue(
             delivered.clone(),
         );
         let (per_poll, nack_rate) = (a.per_poll, a.nack_rate);
+        // Paced: this consumer's share of --rate, from its first poll.
+        let share = a.rate.map(|r| r / a.consumers as f64);
         tasks.push(tokio::spawn(async move {
             let mut hist = new_histogram();
             let mut idle_since: Option<Instant> = None;
             let mut k = 0usize;
             let mut seq = (i as u64) << 40;
+            let paced_from = Instant::now();
+            let mut taken = 0u64;
             while !run.stopping() {
+                if let Some(share) = share {
+                    // The next poll is due once what was taken so far is.
+                    let due = paced_from + Duration::from_secs_f64(taken as f64 / share);
+                    if due > Instant::now() {
+                        tokio::time::sleep_until(due.into()).await;
+                        continue;
+                    }
+                }
                 let shard = shards[k % shards.len()];
                 k += 1;
                 let t0 = Instant::now();
@@ -619,6 +631,7 @@ pub async fn queue(
                     continue;
                 }
                 idle_since = None;
+                taken += batch.len() as u64;
                 let measured = run.is_measured(t0);
                 if measured {
                     record(&mut hist, t0.elapsed().as_nanos() as u64, 1);
@@ -667,6 +680,7 @@ pub async fn queue(
     progress.store(true, Ordering::Relaxed);
     let acked = acked_total.load(Ordering::Relaxed);
     let mut out = Outcome::new(&run, lat.take(), "poll round trip");
+    out.offered_rate = a.rate;
     out.totals.published = Some(published);
     out.totals.acked = Some(acked);
     out.totals.delivered = Some(delivered.load(Ordering::Relaxed));

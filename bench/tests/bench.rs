@@ -226,6 +226,36 @@ fn embedded_runs_count_every_record() {
     assert_eq!(num(&doc, "totals.acked"), 1000.0);
     assert_eq!(num(&doc, "records"), 1000.0);
 
+    // Paced at 2,000 records/s: every record still acknowledged once, and the
+    // run cannot end before the rate lets the consumers take the last poll
+    // (each of the two takes 300 at 1,000/s, the last 50 due at 0.25 s).
+    let doc = run_json(
+        dir.path(),
+        "queue-paced",
+        &[
+            "queue",
+            "--count",
+            "600",
+            "--warmup",
+            "0",
+            "--consumers",
+            "2",
+            "--shards",
+            "2",
+            "--per-poll",
+            "50",
+            "--rate",
+            "2000",
+        ],
+    );
+    all_checks_pass(&doc);
+    assert_eq!(num(&doc, "totals.acked"), 600.0);
+    assert_eq!(num(&doc, "offered_rate"), 2000.0);
+    assert!(
+        num(&doc, "measured_secs") >= 0.25,
+        "paced consumers finished early: {doc:#}"
+    );
+
     // With nacks: every record still ends acknowledged, nacked ones redelivered.
     let doc = run_json(
         dir.path(),
