@@ -447,6 +447,8 @@ pub struct LogStats {
     /// Cold reads that went to disk, and those served from a recent chunk.
     pub cold_reads: u64,
     pub cold_hits: u64,
+    /// Chunks read ahead of a sequential reader (see [`ShardLog::run_read_ahead`]).
+    pub cold_read_ahead: u64,
     /// Bytes held for reads: recent batches and cold-read chunks.
     pub cache_bytes: u64,
 }
@@ -625,6 +627,14 @@ struct Inner<F> {
     cold: VecDeque<ColdChunk>,
     cold_hits: u64,
     cold_reads: u64,
+    cold_read_ahead: u64,
+    /// Chunks to read ahead of sequential readers, oldest first (at most
+    /// `cold_chunks`): (segment, position).
+    ahead: VecDeque<(Offset, u64)>,
+    /// Cold reads in flight, a reader's or one ahead of readers: (segment,
+    /// position, length). A reader that needs bytes one of them brings
+    /// waits for it instead of reading them again.
+    reading: Vec<(Offset, u64, u64)>,
     stopped: Option<String>,
     closed: bool,
     flushing: bool,
@@ -835,6 +845,9 @@ pub struct ShardLog<S: Storage> {
     /// [`Frontier::Written`] (apart from `progress` so that durable waiters,
     /// the many, are not woken once per write as well).
     written: Rc<WaitList>,
+    /// Woken when a chunk is wanted ahead of a reader, or one read ahead
+    /// arrives (or the log closes).
+    ahead: Rc<WaitList>,
     /// Where recent reads stopped inside a batch (see [`ReadHints`]).
     hints: Rc<RefCell<ReadHints>>,
 }
@@ -847,6 +860,7 @@ impl<S: Storage> Clone for ShardLog<S> {
             progress: self.progress.clone(),
             queued: self.queued.clone(),
             written: self.written.clone(),
+            ahead: self.ahead.clone(),
             hints: self.hints.clone(),
         }
     }
@@ -1084,6 +1098,9 @@ impl<S: Storage> ShardLog<S> {
             cold: VecDeque::new(),
             cold_hits: 0,
             cold_reads: 0,
+            cold_read_ahead: 0,
+            ahead: VecDeque::new(),
+            reading: Vec::new(),
             stopped: None,
             closed: false,
             flushing: false,
@@ -1100,6 +1117,7 @@ impl<S: Storage> ShardLog<S> {
             progress: Rc::new(WaitList::new()),
             queued: Rc::new(WaitList::new()),
             written: Rc::new(WaitList::new()),
+            ahead: Rc::new(WaitList::new()),
             hints: Rc::new(RefCell::new(ReadHints::default())),
         })
     }
@@ -1269,6 +1287,7 @@ impl<S: Storage> ShardLog<S> {
             sync: i.sync,
             cold_reads: i.cold_reads,
             cold_hits: i.cold_hits,
+            cold_read_ahead: i.cold_read_ahead,
             cache_bytes: (i.cache_bytes + i.cold.iter().map(|c| c.bytes.len()).sum::<usize>())
                 as u64,
         }
@@ -1960,7 +1979,10 @@ impl<S: Storage> ShardLog<S> {
     /// Bytes of segment `segment` from `pos`: from a recent chunk that
     /// holds at least `need` bytes from there, at most `max(want, need)`
     /// of them (no more than a disk read returns); otherwise `want` bytes
-    /// read from disk and kept as a chunk.
+    /// read from disk and kept as a chunk. A reader moving forward through
+    /// the chunks asks for the next one to be read ahead (see
+    /// [`ShardLog::run_read_ahead`]); one that needs a chunk being read
+    /// ahead waits for it rather than reading it again.
     async fn cold_read(
         &self,
         file: &S::File,
@@ -1969,46 +1991,166 @@ impl<S: Storage> ShardLog<S> {
         need: usize,
         want: usize,
     ) -> Result<Bytes, LogError> {
-        {
-            let mut i = self.inner.borrow_mut();
-            let hit = i.cold.iter().position(|c| {
-                c.segment == segment
-                    && c.pos <= pos
-                    && pos + need as u64 <= c.pos + c.bytes.len() as u64
-            });
-            if let Some(k) = hit {
-                i.cold_hits += 1;
-                let c = &i.cold[k];
-                // At most what a disk read would return: a chunk another
-                // reader read after the segment grew can run past the end
-                // this reader took, into a batch it must not see cut short.
-                let at = (pos - c.pos) as usize;
-                return Ok(c.bytes.slice(at..(at + want.max(need)).min(c.bytes.len())));
+        loop {
+            let arrived = self.ahead.wait();
+            match self.kept_or_claim(segment, pos, need, want) {
+                Cold::Kept(bytes) => return Ok(bytes),
+                Cold::Read => break,
+                Cold::Coming => arrived.await,
             }
         }
-        let bytes = file
-            .read_at(pos, want)
-            .await
-            .map_err(|e| io_err("read", e))?;
+        let in_flight = Reading {
+            log: self,
+            read: (segment, pos, want as u64),
+        };
+        let read = file.read_at(pos, want).await;
+        drop(in_flight);
+        let bytes = read.map_err(|e| io_err("read", e))?;
         let mut i = self.inner.borrow_mut();
         i.cold_reads += 1;
-        if i.config.cold_chunks > 0 && !bytes.is_empty() {
-            // One chunk per place: a newer read of the same region replaces
-            // the older one.
-            i.cold.retain(|c| {
-                !(c.segment == segment && c.pos >= pos && c.pos < pos + bytes.len() as u64)
-            });
-            while i.cold.len() >= i.config.cold_chunks {
-                i.cold.pop_front();
-            }
-            i.cold.push_back(ColdChunk {
-                segment,
-                pos,
-                bytes: bytes.clone(),
-                verified: (pos, pos),
-            });
+        // A miss past the start of a kept chunk, up to where it ends, is a
+        // reader moving forward out of it.
+        let sequential = i
+            .cold
+            .iter()
+            .any(|c| c.segment == segment && c.pos < pos && pos <= c.pos + c.bytes.len() as u64);
+        keep_cold(&mut i, segment, pos, bytes.clone());
+        if sequential && bytes.len() >= want {
+            self.want_ahead(&mut *i, segment, pos + bytes.len() as u64);
         }
         Ok(bytes)
+    }
+
+    /// The bytes a cold read wants, from the kept chunks (one, or two a
+    /// batch straddles), asking for the next chunk to be read ahead. If
+    /// they are not kept and no read in flight brings them, lists this
+    /// reader's own read in `reading` for it to issue.
+    fn kept_or_claim(&self, segment: Offset, pos: u64, need: usize, want: usize) -> Cold {
+        let mut i = self.inner.borrow_mut();
+        let hit = i.cold.iter().position(|c| {
+            c.segment == segment
+                && c.pos <= pos
+                && pos + need as u64 <= c.pos + c.bytes.len() as u64
+        });
+        if let Some(k) = hit {
+            i.cold_hits += 1;
+            let c = &i.cold[k];
+            // At most what a disk read would return: a chunk another reader
+            // read after the segment grew can run past the end this reader
+            // took, into a batch it must not see cut short.
+            let at = (pos - c.pos) as usize;
+            let out = c.bytes.slice(at..(at + want.max(need)).min(c.bytes.len()));
+            // A reader in a whole chunk will want the next one.
+            let (end, full) = (c.pos + c.bytes.len() as u64, c.bytes.len() >= want);
+            if full {
+                self.want_ahead(&mut i, segment, end);
+            }
+            return Cold::Kept(out);
+        }
+        // Across the end of one kept chunk into the one read after it
+        // (chunks read ahead tile the segment, so a batch can straddle two):
+        // the `need` bytes, copied into one piece.
+        if let Some((joined, (end, len))) = straddle(&i.cold, segment, pos, need) {
+            i.cold_hits += 1;
+            if len >= want {
+                self.want_ahead(&mut i, segment, end);
+            }
+            return Cold::Kept(joined);
+        }
+        let coming = i
+            .reading
+            .iter()
+            .any(|&(s, p, len)| s == segment && p <= pos && pos < p + len);
+        if coming {
+            return Cold::Coming;
+        }
+        i.reading.push((segment, pos, want as u64));
+        Cold::Read
+    }
+
+    /// Ask for the chunk of `segment` at `pos` to be read ahead, unless it
+    /// is kept, wanted or being read already, or no room is left for it
+    /// beside the chunk being read.
+    fn want_ahead(&self, i: &mut Inner<S::File>, segment: Offset, pos: u64) {
+        if i.config.cold_chunks < 2
+            || i.reading
+                .iter()
+                .any(|&(s, p, len)| s == segment && p <= pos && pos < p + len)
+            || i.ahead.contains(&(segment, pos))
+            || i.cold.iter().any(|c| c.holds(segment, pos, 1))
+        {
+            return;
+        }
+        if i.ahead.len() >= i.config.cold_chunks {
+            i.ahead.pop_front();
+        }
+        i.ahead.push_back((segment, pos));
+        self.ahead.wake_all();
+    }
+
+    /// Read ahead of sequential readers until the log closes: each chunk a
+    /// reader is about to need (see `cold_read`) is read from disk and kept
+    /// with the recent chunks, so a consumer working through a backlog
+    /// rarely waits on the disk. One read at a time; a failed one is left
+    /// to the reader to meet (and report) itself.
+    pub async fn run_read_ahead(&self) {
+        loop {
+            let wanted = self.ahead.wait();
+            let job = {
+                let mut i = self.inner.borrow_mut();
+                if i.closed || i.stopped.is_some() {
+                    i.ahead.clear();
+                    return;
+                }
+                let mut job = None;
+                while let Some((segment, pos)) = i.ahead.pop_front() {
+                    let chunk = i.config.read_chunk_bytes;
+                    let Some(s) = i.segments.get(&segment) else {
+                        continue; // removed by retention meanwhile
+                    };
+                    let busy = i
+                        .reading
+                        .iter()
+                        .any(|&(g, p, len)| g == segment && p <= pos && pos < p + len);
+                    if pos >= s.len || busy || i.cold.iter().any(|c| c.holds(segment, pos, 1)) {
+                        continue;
+                    }
+                    // Never past the segment's written length: bytes below
+                    // it do not change while the log is open.
+                    let len = chunk.min((s.len - pos) as usize);
+                    job = Some((s.file.clone(), segment, pos, len));
+                    break;
+                }
+                if let Some((_, segment, pos, len)) = &job {
+                    i.reading.push((*segment, *pos, *len as u64));
+                }
+                job
+            };
+            let Some((file, segment, pos, len)) = job else {
+                wanted.await;
+                continue;
+            };
+            let in_flight = Reading {
+                log: self,
+                read: (segment, pos, len as u64),
+            };
+            let read = file.read_at(pos, len).await;
+            drop(in_flight);
+            {
+                let mut i = self.inner.borrow_mut();
+                match read {
+                    Ok(bytes) if !bytes.is_empty() && i.segments.contains_key(&segment) => {
+                        i.cold_read_ahead += 1;
+                        keep_cold(&mut i, segment, pos, bytes);
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::debug!(segment = segment.0, pos, "read ahead failed: {e}");
+                    }
+                }
+            }
+            self.ahead.wake_all();
+        }
     }
 
     /// Delete whole sealed segments past the retention limits. Returns how
@@ -2128,6 +2270,7 @@ impl<S: Storage> ShardLog<S> {
         self.inner.borrow_mut().closed = true;
         self.progress.wake_all();
         self.queued.wake_all();
+        self.ahead.wake_all();
         if result.is_ok() {
             result = self.release_reservation().await;
         }
@@ -2167,6 +2310,7 @@ impl<S: Storage> ShardLog<S> {
         self.inner.borrow_mut().closed = true;
         self.progress.wake_all();
         self.queued.wake_all();
+        self.ahead.wake_all();
         self.storage.remove_dir_all(&dir).await.map_err(|e| {
             tracing::error!(dir = %dir.display(), "cannot remove a deleted shard's files: {e}");
             io_err(&format!("remove {}", dir.display()), e)
@@ -2418,6 +2562,78 @@ struct PastDamage {
     first: (u64, BatchHeader),
     /// One written by a different flush than `first`, if there is one.
     later_flush: Option<(u64, BatchHeader)>,
+}
+
+/// Where a cold read's bytes are to come from.
+enum Cold {
+    /// Kept in memory: here they are.
+    Kept(Bytes),
+    /// A read in flight brings them: wait for it, then look again.
+    Coming,
+    /// Nowhere yet: read them (the read is listed as in flight).
+    Read,
+}
+
+/// A cold read in flight, listed in `Inner::reading` from before it is
+/// issued until it completes or its future is dropped, whichever comes
+/// first: readers waiting for its bytes look again either way.
+struct Reading<'a, S: Storage> {
+    log: &'a ShardLog<S>,
+    read: (Offset, u64, u64),
+}
+
+impl<S: Storage> Drop for Reading<'_, S> {
+    fn drop(&mut self) {
+        if let Ok(mut i) = self.log.inner.try_borrow_mut() {
+            if let Some(k) = i.reading.iter().position(|r| *r == self.read) {
+                i.reading.swap_remove(k);
+            }
+        }
+        self.log.ahead.wake_all();
+    }
+}
+
+/// The `need` bytes of `segment` from `pos`, copied from two kept chunks
+/// when one ends inside them and another starts where it ends; with the end
+/// and length of the second.
+fn straddle(
+    cold: &VecDeque<ColdChunk>,
+    segment: Offset,
+    pos: u64,
+    need: usize,
+) -> Option<(Bytes, (u64, usize))> {
+    let first = cold.iter().find(|c| c.holds(segment, pos, 1))?;
+    let split = first.pos + first.bytes.len() as u64;
+    let head = &first.bytes[(pos - first.pos) as usize..];
+    let rest = need.checked_sub(head.len())?;
+    let second = cold
+        .iter()
+        .find(|c| c.segment == segment && c.pos == split && c.bytes.len() >= rest)?;
+    let mut joined = Vec::with_capacity(need);
+    joined.extend_from_slice(head);
+    joined.extend_from_slice(&second.bytes[..rest]);
+    let len = second.bytes.len();
+    Some((Bytes::from(joined), (split + len as u64, len)))
+}
+
+/// Keep `bytes`, read from `segment` at `pos`, as the newest cold chunk
+/// (dropping the oldest past `cold_chunks`, and any older chunk read from
+/// the same place).
+fn keep_cold<F>(i: &mut Inner<F>, segment: Offset, pos: u64, bytes: Bytes) {
+    if i.config.cold_chunks == 0 || bytes.is_empty() {
+        return;
+    }
+    i.cold
+        .retain(|c| !(c.segment == segment && c.pos >= pos && c.pos < pos + bytes.len() as u64));
+    while i.cold.len() >= i.config.cold_chunks {
+        i.cold.pop_front();
+    }
+    i.cold.push_back(ColdChunk {
+        segment,
+        pos,
+        bytes,
+        verified: (pos, pos),
+    });
 }
 
 /// Look past a bad spot at byte `bad` of the last segment (the batch there

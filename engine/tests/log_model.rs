@@ -831,6 +831,107 @@ fn small_cold_reads_are_served_from_the_chunk_read_before() {
     });
 }
 
+/// A reader working forward through a backlog finds each next chunk read
+/// ahead (by the shard's read-ahead task) instead of waiting on the disk,
+/// including across batches that straddle two chunks; and it gets exactly
+/// the records it would have got without.
+#[test]
+fn a_reader_moving_forward_finds_the_next_chunk_read_ahead() {
+    let storage = SimStorage::new();
+    block_on(async {
+        let cfg = LogConfig {
+            read_cache_bytes: 0, // every read is cold
+            read_chunk_bytes: 64 << 10,
+            ..LogConfig::default()
+        };
+        let log = open(&storage, &cfg).await;
+        // Batches of 1 to 60 records: many of them straddle two chunks.
+        let mut n = 0u64;
+        let mut k = 0u64;
+        while n < 3000 {
+            let count = 1 + (k * 37 % 60);
+            let batch: Vec<RecordIn> = (n..n + count)
+                .map(|i| RecordIn {
+                    payload: Bytes::from(vec![(i % 251) as u8; 100]),
+                    ..Default::default()
+                })
+                .collect();
+            log.append(&batch).unwrap();
+            n += count;
+            k += 1;
+        }
+        log.flush().await.unwrap();
+        storage.set_yielding(true);
+        let end = log.end();
+        let reader = async {
+            let mut next = Offset::ZERO;
+            while next < end {
+                let r = log
+                    .read(
+                        next,
+                        ReadLimits {
+                            max_records: 16,
+                            max_bytes: usize::MAX,
+                        },
+                    )
+                    .await
+                    .unwrap();
+                for (j, rec) in r.records.iter().enumerate() {
+                    assert_eq!(rec.offset, next.plus(j as u64));
+                    assert_eq!(rec.payload, vec![(rec.offset.0 % 251) as u8; 100]);
+                }
+                next = r.next;
+                // The consumer's work: the read-ahead task runs meanwhile.
+                for _ in 0..4 {
+                    futures_lite::future::yield_now().await;
+                }
+            }
+        };
+        futures_lite::future::or(reader, log.run_read_ahead()).await;
+        let s = log.stats();
+        // About 400 KB of batches: 7 chunks of 64 KiB. The reader reads the
+        // first two itself (the second one's miss shows it moving forward);
+        // the rest were read ahead.
+        assert!(s.cold_reads <= 2, "reader's disk reads {}", s.cold_reads);
+        assert!(s.cold_read_ahead >= 4, "read ahead {}", s.cold_read_ahead);
+        assert!(s.cold_hits >= 150, "chunk hits {}", s.cold_hits);
+    });
+}
+
+/// A cold read dropped while its disk read is in flight (a poll given up
+/// on) does not leave later readers of the same bytes waiting for it.
+#[test]
+fn a_cold_read_dropped_in_flight_strands_nobody() {
+    let storage = SimStorage::new();
+    block_on(async {
+        let cfg = LogConfig {
+            read_cache_bytes: 0,
+            read_chunk_bytes: 64 << 10,
+            ..LogConfig::default()
+        };
+        let log = open(&storage, &cfg).await;
+        for i in 0..100u64 {
+            log.append(&[RecordIn {
+                payload: Bytes::from(vec![i as u8; 100]),
+                ..Default::default()
+            }])
+            .unwrap();
+        }
+        log.flush().await.unwrap();
+        storage.set_yielding(true);
+        let limits = ReadLimits {
+            max_records: 10,
+            max_bytes: usize::MAX,
+        };
+        let mut first = Box::pin(log.read(Offset(5), limits));
+        assert!(futures_lite::future::poll_once(&mut first).await.is_none());
+        drop(first);
+        let r = log.read(Offset(5), limits).await.unwrap();
+        assert_eq!(r.records.len(), 10);
+        assert_eq!(r.records[0].payload[0], 5);
+    });
+}
+
 /// The shard's flusher task (a round is written and synced while producers
 /// keep appending to the next) never acknowledges a record as durable
 /// before it is: producers append and wait on the durable frontier

@@ -104,6 +104,7 @@ pub(crate) struct ShardSnapshot {
     pub bytes_written: u64,
     pub cold_reads: u64,
     pub cold_hits: u64,
+    pub cold_read_ahead: u64,
     pub sync: SyncStats,
 }
 
@@ -115,6 +116,7 @@ impl ShardSnapshot {
             bytes_written: st.bytes_written,
             cold_reads: st.cold_reads,
             cold_hits: st.cold_hits,
+            cold_read_ahead: st.cold_read_ahead,
             sync: st.sync,
             ..ShardSnapshot::default()
         }
@@ -126,6 +128,7 @@ impl ShardSnapshot {
         self.bytes_written += o.bytes_written;
         self.cold_reads += o.cold_reads;
         self.cold_hits += o.cold_hits;
+        self.cold_read_ahead += o.cold_read_ahead;
         self.sync.merge(&o.sync);
     }
 }
@@ -306,6 +309,7 @@ impl MetricsSnapshot {
             bytes_written: written,
             cold_reads,
             cold_hits,
+            cold_read_ahead,
             sync,
             ..
         } = io;
@@ -319,7 +323,10 @@ impl MetricsSnapshot {
             "# HELP felix_cold_reads_total Reads below the in-memory tail, by where they were served from.\n\
              # TYPE felix_cold_reads_total counter\n\
              felix_cold_reads_total{{from=\"disk\"}} {cold_reads}\n\
-             felix_cold_reads_total{{from=\"chunk\"}} {cold_hits}"
+             felix_cold_reads_total{{from=\"chunk\"}} {cold_hits}\n\
+             # HELP felix_cold_read_ahead_total Chunks read from disk ahead of a reader moving forward through them.\n\
+             # TYPE felix_cold_read_ahead_total counter\n\
+             felix_cold_read_ahead_total {cold_read_ahead}"
         );
         let _ = writeln!(
             s,

@@ -103,6 +103,8 @@ impl<S: Storage> Shard<S> {
         });
         let flusher = shard.log.clone();
         glommio::spawn_local(async move { flusher.run_flusher().await }).detach();
+        let reader = shard.log.clone();
+        glommio::spawn_local(async move { reader.run_read_ahead().await }).detach();
         glommio::spawn_local(run_group_timers(Rc::downgrade(&shard))).detach();
         Ok(shard)
     }
