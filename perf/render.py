@@ -373,7 +373,7 @@ w("## Machine and versions")
 w("")
 lo = iperf()
 if m.get("elapsed") and m.get("budget"):
-    m["elapsed"] = "%s s, budget %s s (install/build before it: %s s, not counted)" % (
+    m["elapsed"] = "%s s of a %s s budget (install/build included: %s s)" % (
         m["elapsed"].rstrip("s"), m["budget"], m.get("setup", "?").rstrip("s"))
 w("| | |")
 w("|---|---|")
@@ -413,5 +413,6 @@ w(read_text("commands.txt").rstrip())
 w("```")
 w("")
 w("NATS configuration files used are in `perf/results/latest/nats-*.conf`; Redis was started")
-w("with `redis-server --appendonly yes --appendfsync always` (durable) or with no options (defaults).")
+w("with `redis-server --appendonly yes --appendfsync always` (durable) or with no persistence options (defaults); both with")
+w("`--port --bind 127.0.0.1 --dir --daemonize no --logfile` set for the run.")
 print("\n".join(out))

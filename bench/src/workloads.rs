@@ -211,6 +211,9 @@ struct ProducerPlan {
     pace: Option<(Instant, Duration)>,
     /// Stamp each payload with its intended send time (e2e).
     stamp: bool,
+    /// e2e: the publish-to-delivery latencies, where records never sent
+    /// count too (one sample a record, as delivered records are counted).
+    delivery: Option<Arc<Latencies>>,
 }
 
 /// Run one producer until the run stops; returns records acknowledged.
@@ -307,7 +310,10 @@ async fn producer(
     drop(ch_tx);
     if run.stop_reason() == StopReason::Duration {
         if let (Some((base, iv)), Some(end)) = (plan.pace, run.stop_at()) {
-            lat.add(&missed_batches(&run, base, iv, k, end));
+            lat.add(&missed_batches(&run, base, iv, k, end, 1));
+            if let Some(d) = &plan.delivery {
+                d.add(&missed_batches(&run, base, iv, k, end, plan.batch as u64));
+            }
         }
     }
     completer.await.unwrap_or(0)
@@ -315,14 +321,16 @@ async fn producer(
 
 /// Batches from `first` on that fell due before `end` and were never sent
 /// (the producer was held up: every batch in flight, or a send blocked).
-/// Each has waited at least until `end`, and counts so: leaving them out
-/// would drop exactly the waits a corrected latency exists to show.
+/// Each has waited at least until `end`, and counts so (`samples` times: 1
+/// for a batch's acknowledgement, its records for their delivery): leaving
+/// them out would drop exactly the waits a corrected latency exists to show.
 fn missed_batches(
     run: &Run,
     base: Instant,
     interval: Duration,
     first: u64,
     end: Instant,
+    samples: u64,
 ) -> Histogram<u64> {
     let mut missed = new_histogram();
     for k in first.. {
@@ -331,7 +339,7 @@ fn missed_batches(
             break;
         }
         if run.is_measured(intended) {
-            record(&mut missed, (end - intended).as_nanos() as u64, 1);
+            record(&mut missed, (end - intended).as_nanos() as u64, samples);
         }
     }
     missed
@@ -395,6 +403,7 @@ pub async fn publish(target: &Target, c: &Common, a: &PublishArgs) -> Result<Out
             record_size: c.record_size,
             pace,
             stamp: false,
+            delivery: None,
         };
         tasks.push(tokio::spawn(producer(
             run.clone(),
@@ -868,6 +877,7 @@ pub async fn e2e(target: &Target, c: &Common, a: &E2eArgs) -> Result<Outcome, St
             record_size: c.record_size,
             pace: Some((base + iv.mul_f64(i as f64 / a.producers as f64), iv)),
             stamp: true,
+            delivery: Some(lat.clone()),
         };
         ptasks.push(tokio::spawn(producer(
             run.clone(),
@@ -983,14 +993,16 @@ mod tests {
         let end = run.stop_at().unwrap();
         let iv = Duration::from_millis(100);
         // Batches 0..=9 are due before the end; 7, 8 and 9 were not sent.
-        let h = missed_batches(&run, base, iv, 7, end);
+        let h = missed_batches(&run, base, iv, 7, end, 1);
         assert_eq!(h.len(), 3);
         assert_eq!(h.min() / 1_000_000, 99, "{}", h.min());
         assert_eq!(h.max() / 1_000_000, 300, "{}", h.max());
+        // Counted once a record for their delivery: 3 batches of 50.
+        assert_eq!(missed_batches(&run, base, iv, 7, end, 50).len(), 150);
         // Nothing due after the end, and nothing before the window.
-        assert_eq!(missed_batches(&run, base, iv, 10, end).len(), 0);
+        assert_eq!(missed_batches(&run, base, iv, 10, end, 1).len(), 0);
         let early = base - Duration::from_millis(250);
-        assert_eq!(missed_batches(&run, early, iv, 0, end).len(), 10);
+        assert_eq!(missed_batches(&run, early, iv, 0, end, 1).len(), 10);
     }
 
     #[test]
