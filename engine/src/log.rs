@@ -90,9 +90,12 @@ pub struct LogConfig {
     pub max_queued_bytes: usize,
     /// Bytes read at a time by cold reads and recovery.
     pub read_chunk_bytes: usize,
-    /// Chunks of cold reads kept for the next read (read-ahead): a consumer
-    /// group or reader working through a backlog in small polls reads each
-    /// chunk from disk once, not once a poll. A few per reader of the shard.
+    /// Chunks of cold reads kept for the next read: a consumer group or
+    /// reader working through a backlog in small polls reads each chunk from
+    /// disk once, not once a poll, and has the next one read ahead (see
+    /// [`ShardLog::run_read_ahead`]). Two per reader moving through the
+    /// shard at once (the chunk it is in and the next one); read-ahead is
+    /// off below two.
     pub cold_chunks: usize,
     /// Reserve the active segment's blocks ahead of its writes (fallocate,
     /// [`Self::preallocate_step`] bytes at a time), so a flush writes inside
@@ -177,7 +180,7 @@ impl Default for LogConfig {
             index_interval_bytes: 4096,
             max_queued_bytes: 64 << 20,
             read_chunk_bytes: 256 << 10,
-            cold_chunks: 4,
+            cold_chunks: 8,
             preallocate: false,
             preallocate_step: 16 << 20,
         }
