@@ -469,6 +469,12 @@ struct ColdChunk {
     /// what the checksum guards against). Small polls of a backlog otherwise
     /// re-check the same large batch once per poll.
     verified: (u64, u64),
+    /// `Inner::cold_hits` when a read last used it (or it was kept): the
+    /// least recently used chunk goes first.
+    used: u64,
+    /// Read ahead and not used yet: a reader is on its way to it, so it
+    /// goes only after every chunk a reader has used.
+    ahead: bool,
 }
 
 impl ColdChunk {
@@ -2017,7 +2023,7 @@ impl<S: Storage> ShardLog<S> {
             .cold
             .iter()
             .any(|c| c.segment == segment && c.pos < pos && pos <= c.pos + c.bytes.len() as u64);
-        keep_cold(&mut i, segment, pos, bytes.clone());
+        keep_cold(&mut i, segment, pos, bytes.clone(), false);
         if sequential && bytes.len() >= want {
             self.want_ahead(&mut *i, segment, pos + bytes.len() as u64);
         }
@@ -2037,14 +2043,19 @@ impl<S: Storage> ShardLog<S> {
         });
         if let Some(k) = hit {
             i.cold_hits += 1;
-            let c = &i.cold[k];
+            let tick = i.cold_hits;
+            let whole = i.config.read_chunk_bytes;
+            let c = &mut i.cold[k];
+            c.used = tick;
+            c.ahead = false;
             // At most what a disk read would return: a chunk another reader
             // read after the segment grew can run past the end this reader
             // took, into a batch it must not see cut short.
             let at = (pos - c.pos) as usize;
             let out = c.bytes.slice(at..(at + want.max(need)).min(c.bytes.len()));
-            // A reader in a whole chunk will want the next one.
-            let (end, full) = (c.pos + c.bytes.len() as u64, c.bytes.len() >= want);
+            // A reader in a whole chunk (not the short one at a segment's
+            // written end) will want the next one.
+            let (end, full) = (c.pos + c.bytes.len() as u64, c.bytes.len() >= whole);
             if full {
                 self.want_ahead(&mut i, segment, end);
             }
@@ -2053,17 +2064,25 @@ impl<S: Storage> ShardLog<S> {
         // Across the end of one kept chunk into the one read after it
         // (chunks read ahead tile the segment, so a batch can straddle two):
         // the `need` bytes, copied into one piece.
-        if let Some((joined, (end, len))) = straddle(&i.cold, segment, pos, need) {
-            i.cold_hits += 1;
-            if len >= want {
+        let tick = i.cold_hits + 1;
+        if let Some((joined, (end, len))) = straddle(&mut i.cold, segment, pos, need, tick) {
+            i.cold_hits = tick;
+            if len >= i.config.read_chunk_bytes {
                 self.want_ahead(&mut i, segment, end);
             }
             return Cold::Kept(joined);
         }
-        let coming = i
-            .reading
+        // Wait for a read in flight only if it brings all the bytes needed
+        // that no kept chunk holds, and they will be kept.
+        let from = i
+            .cold
             .iter()
-            .any(|&(s, p, len)| s == segment && p <= pos && pos < p + len);
+            .find(|c| c.holds(segment, pos, 1))
+            .map_or(pos, |c| c.pos + c.bytes.len() as u64);
+        let coming = i.config.cold_chunks > 0
+            && i.reading
+                .iter()
+                .any(|&(s, p, len)| s == segment && p <= from && pos + need as u64 <= p + len);
         if coming {
             return Cold::Coming;
         }
@@ -2072,10 +2091,14 @@ impl<S: Storage> ShardLog<S> {
     }
 
     /// Ask for the chunk of `segment` at `pos` to be read ahead, unless it
-    /// is kept, wanted or being read already, or no room is left for it
-    /// beside the chunk being read.
+    /// is kept, wanted or being read already, or keeping it would push out
+    /// a chunk a reader may still be in: one used within the last
+    /// `cold_chunks` reads served from chunks (with more readers moving
+    /// through the shard than the chunks can hold, each keeps the chunk it
+    /// is in and reads the next itself, as without read-ahead).
     fn want_ahead(&self, i: &mut Inner<S::File>, segment: Offset, pos: u64) {
         if i.config.cold_chunks < 2
+            || crowded(i)
             || i.reading
                 .iter()
                 .any(|&(s, p, len)| s == segment && p <= pos && pos < p + len)
@@ -2115,7 +2138,12 @@ impl<S: Storage> ShardLog<S> {
                         .reading
                         .iter()
                         .any(|&(g, p, len)| g == segment && p <= pos && pos < p + len);
-                    if pos >= s.len || busy || i.cold.iter().any(|c| c.holds(segment, pos, 1)) {
+                    // Crowded since it was wanted: no chunk may go for it now.
+                    if pos >= s.len
+                        || busy
+                        || crowded(&i)
+                        || i.cold.iter().any(|c| c.holds(segment, pos, 1))
+                    {
                         continue;
                     }
                     // Never past the segment's written length: bytes below
@@ -2144,7 +2172,7 @@ impl<S: Storage> ShardLog<S> {
                 match read {
                     Ok(bytes) if !bytes.is_empty() && i.segments.contains_key(&segment) => {
                         i.cold_read_ahead += 1;
-                        keep_cold(&mut i, segment, pos, bytes);
+                        keep_cold(&mut i, segment, pos, bytes, true);
                     }
                     Ok(_) => {}
                     Err(e) => {
@@ -2597,45 +2625,74 @@ impl<S: Storage> Drop for Reading<'_, S> {
 }
 
 /// The `need` bytes of `segment` from `pos`, copied from two kept chunks
-/// when one ends inside them and another starts where it ends; with the end
-/// and length of the second.
+/// when one ends inside them and another holds the rest (both marked used
+/// at `tick`); with the end and length of the second.
 fn straddle(
-    cold: &VecDeque<ColdChunk>,
+    cold: &mut VecDeque<ColdChunk>,
     segment: Offset,
     pos: u64,
     need: usize,
+    tick: u64,
 ) -> Option<(Bytes, (u64, usize))> {
-    let first = cold.iter().find(|c| c.holds(segment, pos, 1))?;
-    let split = first.pos + first.bytes.len() as u64;
-    let head = &first.bytes[(pos - first.pos) as usize..];
-    let rest = need.checked_sub(head.len())?;
-    let second = cold
-        .iter()
-        .find(|c| c.segment == segment && c.pos == split && c.bytes.len() >= rest)?;
+    let a = cold.iter().position(|c| c.holds(segment, pos, 1))?;
+    let split = cold[a].pos + cold[a].bytes.len() as u64;
+    let rest = (pos + need as u64).checked_sub(split)?;
+    let b = cold.iter().position(|c| c.holds(segment, split, rest))?;
     let mut joined = Vec::with_capacity(need);
-    joined.extend_from_slice(head);
-    joined.extend_from_slice(&second.bytes[..rest]);
-    let len = second.bytes.len();
-    Some((Bytes::from(joined), (split + len as u64, len)))
+    joined.extend_from_slice(&cold[a].bytes[(pos - cold[a].pos) as usize..]);
+    let from = (split - cold[b].pos) as usize;
+    joined.extend_from_slice(&cold[b].bytes[from..from + rest as usize]);
+    for k in [a, b] {
+        cold[k].used = tick;
+        cold[k].ahead = false;
+    }
+    let second = &cold[b];
+    Some((
+        Bytes::from(joined),
+        (second.pos + second.bytes.len() as u64, second.bytes.len()),
+    ))
+}
+
+/// The chunk to let go of first: the least recently used of those a reader
+/// has used, else the oldest read ahead.
+fn victim(cold: &VecDeque<ColdChunk>) -> Option<usize> {
+    (0..cold.len()).min_by_key(|&k| (cold[k].ahead, cold[k].used))
+}
+
+/// Whether every chunk is taken: the one that would go for a chunk read
+/// ahead was used within the last `cold_chunks` reads served from chunks
+/// (a reader may still be in it), or is itself read ahead and unused.
+fn crowded<F>(i: &Inner<F>) -> bool {
+    if i.cold.len() < i.config.cold_chunks {
+        return false;
+    }
+    victim(&i.cold).is_none_or(|k| {
+        let c = &i.cold[k];
+        c.ahead || c.used + i.config.cold_chunks as u64 > i.cold_hits
+    })
 }
 
 /// Keep `bytes`, read from `segment` at `pos`, as the newest cold chunk
 /// (dropping the oldest past `cold_chunks`, and any older chunk read from
 /// the same place).
-fn keep_cold<F>(i: &mut Inner<F>, segment: Offset, pos: u64, bytes: Bytes) {
+fn keep_cold<F>(i: &mut Inner<F>, segment: Offset, pos: u64, bytes: Bytes, ahead: bool) {
     if i.config.cold_chunks == 0 || bytes.is_empty() {
         return;
     }
     i.cold
         .retain(|c| !(c.segment == segment && c.pos >= pos && c.pos < pos + bytes.len() as u64));
     while i.cold.len() >= i.config.cold_chunks {
-        i.cold.pop_front();
+        let Some(k) = victim(&i.cold) else { break };
+        i.cold.remove(k);
     }
+    let used = i.cold_hits;
     i.cold.push_back(ColdChunk {
         segment,
         pos,
         bytes,
         verified: (pos, pos),
+        used,
+        ahead,
     });
 }
 

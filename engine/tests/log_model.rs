@@ -880,6 +880,7 @@ fn a_reader_moving_forward_finds_the_next_chunk_read_ahead() {
                     assert_eq!(rec.offset, next.plus(j as u64));
                     assert_eq!(rec.payload, vec![(rec.offset.0 % 251) as u8; 100]);
                 }
+                assert_eq!(r.next, next.plus(r.records.len() as u64));
                 next = r.next;
                 // The consumer's work: the read-ahead task runs meanwhile.
                 for _ in 0..4 {
@@ -896,6 +897,93 @@ fn a_reader_moving_forward_finds_the_next_chunk_read_ahead() {
         assert!(s.cold_read_ahead >= 4, "read ahead {}", s.cold_read_ahead);
         assert!(s.cold_hits >= 150, "chunk hits {}", s.cold_hits);
     });
+}
+
+/// Two readers moving through different parts of a backlog at once (two
+/// consumer groups): with room for both, each finds its next chunk read
+/// ahead; with room for only the chunks they are in, reading ahead would
+/// push out the other's chunk, so it stands back and each reads its own
+/// chunks once, as without read-ahead, rather than thrashing.
+#[test]
+fn read_ahead_for_two_readers_never_pushes_out_a_chunk_in_use() {
+    // (chunks kept, most disk reads by the readers, least read ahead, most
+    // reads in all): the two readers pass through about 15 chunks.
+    for (chunks, most_disk_reads, least_ahead, most_reads) in
+        [(4usize, 2u64, 12u64, 16u64), (2, 18, 0, 24)]
+    {
+        let storage = SimStorage::new();
+        block_on(async {
+            let cfg = LogConfig {
+                read_cache_bytes: 0,
+                read_chunk_bytes: 64 << 10,
+                cold_chunks: chunks,
+                ..LogConfig::default()
+            };
+            let log = open(&storage, &cfg).await;
+            // 5,000 records in batches of 1 to 40: about ten chunks.
+            let (mut n, mut k) = (0u64, 0u64);
+            while n < 5000 {
+                let count = (1 + (k * 13 % 40)).min(5000 - n);
+                let batch: Vec<RecordIn> = (n..n + count)
+                    .map(|i| RecordIn {
+                        payload: Bytes::from(vec![(i % 251) as u8; 100]),
+                        ..Default::default()
+                    })
+                    .collect();
+                log.append(&batch).unwrap();
+                n += count;
+                k += 1;
+            }
+            log.flush().await.unwrap();
+            storage.set_yielding(true);
+            let limits = ReadLimits {
+                max_records: 16,
+                max_bytes: usize::MAX,
+            };
+            let readers = async {
+                let (mut a, mut b) = (Offset(0), Offset(2500));
+                while a < Offset(5000) || b < Offset(5000) {
+                    for at in [&mut a, &mut b] {
+                        if *at >= Offset(5000) {
+                            continue;
+                        }
+                        let r = log.read(*at, limits).await.unwrap();
+                        for (j, rec) in r.records.iter().enumerate() {
+                            assert_eq!(rec.offset, at.plus(j as u64));
+                            assert_eq!(rec.payload[0], (rec.offset.0 % 251) as u8);
+                        }
+                        assert_eq!(r.next, at.plus(r.records.len() as u64));
+                        *at = r.next;
+                    }
+                    for _ in 0..4 {
+                        futures_lite::future::yield_now().await;
+                    }
+                }
+            };
+            futures_lite::future::or(readers, log.run_read_ahead()).await;
+            let s = log.stats();
+            eprintln!(
+                "{chunks} chunks: readers' disk reads {}, read ahead {}, hits {}",
+                s.cold_reads, s.cold_read_ahead, s.cold_hits
+            );
+            assert!(
+                s.cold_reads <= most_disk_reads,
+                "{chunks} chunks: readers' disk reads {} (read ahead {})",
+                s.cold_reads,
+                s.cold_read_ahead
+            );
+            assert!(
+                s.cold_read_ahead >= least_ahead,
+                "{chunks} chunks: read ahead {}",
+                s.cold_read_ahead
+            );
+            assert!(
+                s.cold_reads + s.cold_read_ahead <= most_reads,
+                "{chunks} chunks: {} chunks read in all",
+                s.cold_reads + s.cold_read_ahead
+            );
+        });
+    }
 }
 
 /// A cold read dropped while its disk read is in flight (a poll given up
