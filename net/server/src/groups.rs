@@ -407,6 +407,7 @@ fn with_tracker<S: Storage, R>(
     }
     let t = groups.get_mut(group).unwrap();
     let r = f(t);
+    shard.deadlines.borrow_mut().note(group, t.next_deadline());
     // A deadline before the timer task's next wake (a short visibility, a
     // short delay): wake it so the lapse is applied on time.
     if t.next_deadline().is_some_and(|d| d < shard.timer_at.get()) {

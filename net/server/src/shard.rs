@@ -16,6 +16,60 @@ use std::time::Duration;
 
 pub(crate) type Groups = Rc<RefCell<ahash::AHashMap<String, GroupTracker>>>;
 
+/// The shard's upcoming group deadlines (claims lapsing, delays ending), so
+/// the group timer finds what falls due without visiting every group. Each
+/// group with a deadline has an entry at or before it: a request that moves
+/// a group's next deadline earlier than the one it has listed lists the new
+/// one (see `groups::with_tracker`); one that moves it later leaves the
+/// entry, which the timer finds early, and then lists the group's real next
+/// deadline. Entries a newer, earlier one replaced are skipped when popped.
+#[derive(Default)]
+pub(crate) struct Deadlines {
+    heap: std::collections::BinaryHeap<std::cmp::Reverse<(u64, String)>>,
+    listed: ahash::AHashMap<String, u64>,
+}
+
+impl Deadlines {
+    /// `group`'s next deadline is now `next`: list it if it comes before the
+    /// one the group has listed (or it has none).
+    pub fn note(&mut self, group: &str, next: Option<u64>) {
+        let Some(d) = next else { return };
+        if self.listed.get(group).is_some_and(|&l| l <= d) {
+            return;
+        }
+        self.listed.insert(group.to_string(), d);
+        self.heap.push(std::cmp::Reverse((d, group.to_string())));
+        // Replaced entries wait in the heap until their time (up to the
+        // longest visibility): past twice the live ones, drop them all.
+        if self.heap.len() > 2 * self.listed.len() + 1024 {
+            self.heap = self
+                .listed
+                .iter()
+                .map(|(g, &d)| std::cmp::Reverse((d, g.clone())))
+                .collect();
+        }
+    }
+
+    /// The earliest listed deadline.
+    pub fn earliest(&self) -> Option<u64> {
+        self.heap.peek().map(|e| e.0 .0)
+    }
+
+    /// The groups whose listed deadline is at or before `now`, unlisted
+    /// (the caller ticks them and notes their next deadline).
+    pub fn due(&mut self, now: u64) -> Vec<String> {
+        let mut out = Vec::new();
+        while self.heap.peek().is_some_and(|e| e.0 .0 <= now) {
+            let std::cmp::Reverse((d, group)) = self.heap.pop().expect("peeked");
+            if self.listed.get(&group) == Some(&d) {
+                self.listed.remove(&group);
+                out.push(group);
+            }
+        }
+        out
+    }
+}
+
 pub(crate) struct Shard<S: Storage> {
     pub stream: StreamName,
     pub index: u32,
@@ -31,6 +85,8 @@ pub(crate) struct Shard<S: Storage> {
     /// ... and how to wake it sooner, when a request sets an earlier
     /// deadline (see `groups::with_tracker`).
     pub timer_wake: Rc<WaitList>,
+    /// Upcoming group deadlines, for the timer.
+    pub deadlines: RefCell<Deadlines>,
 }
 
 impl<S: Storage> Shard<S> {
@@ -100,6 +156,7 @@ impl<S: Storage> Shard<S> {
             group_wake: Rc::new(WaitList::new()),
             timer_at: std::cell::Cell::new(0),
             timer_wake: Rc::new(WaitList::new()),
+            deadlines: RefCell::new(Deadlines::default()),
         });
         let flusher = shard.log.clone();
         glommio::spawn_local(async move { flusher.run_flusher().await }).detach();
@@ -158,12 +215,7 @@ async fn run_group_timers<S: Storage>(shard: std::rc::Weak<Shard<S>>) {
         let (sleep_ms, wake) = {
             let Some(s) = shard.upgrade() else { return };
             let now = now_ms();
-            let next = s
-                .groups
-                .borrow()
-                .values()
-                .filter_map(|t| t.next_deadline())
-                .min();
+            let next = s.deadlines.borrow().earliest();
             let sleep_ms = next
                 .map(|d| d.saturating_sub(now))
                 .unwrap_or(1000)
@@ -192,13 +244,33 @@ async fn run_group_timers<S: Storage>(shard: std::rc::Weak<Shard<S>>) {
         if evict {
             next_evict_scan = mono + Duration::from_millis(500);
         }
-        for t in s.groups.borrow_mut().values_mut() {
-            if t.next_deadline().is_some_and(|d| d <= now) {
-                writes.extend(t.tick(now));
-                woke = true;
+        {
+            let mut groups = s.groups.borrow_mut();
+            let mut deadlines = s.deadlines.borrow_mut();
+            for name in deadlines.due(now) {
+                let Some(t) = groups.get_mut(&name) else {
+                    continue; // deleted meanwhile
+                };
+                if t.next_deadline().is_some_and(|d| d <= now) {
+                    writes.extend(t.tick(now));
+                    woke = true;
+                }
+                deadlines.note(&name, t.next_deadline());
             }
-            if evict && t.can_evict(now) {
-                t.reset_to_durable();
+            if evict {
+                // Every group, twice a second: idle ones let their memory
+                // go, and (belt and braces) any deadline the list missed
+                // is applied at most half a second late.
+                for (name, t) in groups.iter_mut() {
+                    if t.next_deadline().is_some_and(|d| d <= now) {
+                        writes.extend(t.tick(now));
+                        woke = true;
+                        deadlines.note(name, t.next_deadline());
+                    }
+                    if t.can_evict(now) {
+                        t.reset_to_durable();
+                    }
+                }
             }
         }
         let mut body = Vec::new();
@@ -212,5 +284,46 @@ async fn run_group_timers<S: Storage>(shard: std::rc::Weak<Shard<S>>) {
         if woke {
             s.group_wake.wake_all();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Deadlines;
+
+    #[test]
+    fn deadlines_list_each_groups_earliest_and_skip_replaced_ones() {
+        let mut d = Deadlines::default();
+        d.note("a", Some(100));
+        d.note("a", Some(150)); // later: the entry at 100 stands for it
+        d.note("b", Some(120));
+        d.note("b", Some(90)); // earlier: replaces 120
+        d.note("c", None);
+        assert_eq!(d.earliest(), Some(90));
+        assert!(d.due(80).is_empty());
+        assert_eq!(d.due(100), vec!["b".to_string(), "a".to_string()]);
+        // Both unlisted now; the replaced entry for b (120) is skipped.
+        assert!(d.due(200).is_empty());
+        assert_eq!(d.earliest(), None);
+        // Listed again after being due.
+        d.note("a", Some(300));
+        assert_eq!(d.due(300), vec!["a".to_string()]);
+    }
+
+    #[test]
+    fn replaced_deadlines_do_not_pile_up() {
+        let mut d = Deadlines::default();
+        // One group whose deadline keeps moving earlier: every move leaves
+        // a replaced entry behind, far in the future.
+        for k in 0..100_000u64 {
+            d.note("g", Some(1_000_000_000 - k));
+        }
+        assert!(
+            d.heap.len() <= 2 * d.listed.len() + 1025,
+            "{}",
+            d.heap.len()
+        );
+        assert_eq!(d.due(u64::MAX), vec!["g".to_string()]);
+        assert!(d.heap.is_empty());
     }
 }
