@@ -419,6 +419,7 @@ start_redis() {  # durable|default
   local extra=()
   [ "$1" = durable ] && extra=(--appendonly yes --appendfsync always)
   free_port redis-server "$REDIS_PORT" || return 1
+  echo "redis-server --port $REDIS_PORT --bind 127.0.0.1 --dir DIR --daemonize no ${extra[*]:-}" >> "$OUT/commands.txt"
   redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --dir "$dir" --daemonize no \
     --logfile "$OUT/redis-$1.server.log" "${extra[@]}" &
   PEER_PID=$!
@@ -437,6 +438,7 @@ start_nats() {  # durable|default
   } > "$WORK/nats-$1.conf"
   cp "$WORK/nats-$1.conf" "$OUT/nats-$1.conf"
   free_port nats-server "$NATS_PORT" || return 1
+  echo "nats-server -c nats-$1.conf   # $(tr '\n' ' ' < "$WORK/nats-$1.conf")" >> "$OUT/commands.txt"
   nats-server -c "$WORK/nats-$1.conf" > "$OUT/nats-$1.server.log" 2>&1 &
   PEER_PID=$!
   wait_port "$NATS_PORT" "$PEER_PID"
