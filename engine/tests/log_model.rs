@@ -831,6 +831,26 @@ fn small_cold_reads_are_served_from_the_chunk_read_before() {
     });
 }
 
+/// Append records 0 to `total` (100-byte payloads of `offset % 251`) in
+/// batches of 1 to `most` records (the k-th of `1 + k * step % most`), and
+/// make them durable.
+async fn append_varied_batches(log: &ShardLog<SimStorage>, total: u64, step: u64, most: u64) {
+    let (mut n, mut k) = (0u64, 0u64);
+    while n < total {
+        let count = (1 + (k * step % most)).min(total - n);
+        let batch: Vec<RecordIn> = (n..n + count)
+            .map(|i| RecordIn {
+                payload: Bytes::from(vec![(i % 251) as u8; 100]),
+                ..Default::default()
+            })
+            .collect();
+        log.append(&batch).unwrap();
+        n += count;
+        k += 1;
+    }
+    log.flush().await.unwrap();
+}
+
 /// A reader working forward through a backlog finds each next chunk read
 /// ahead (by the shard's read-ahead task) instead of waiting on the disk,
 /// including across batches that straddle two chunks; and it gets exactly
@@ -846,21 +866,7 @@ fn a_reader_moving_forward_finds_the_next_chunk_read_ahead() {
         };
         let log = open(&storage, &cfg).await;
         // Batches of 1 to 60 records: many of them straddle two chunks.
-        let mut n = 0u64;
-        let mut k = 0u64;
-        while n < 3000 {
-            let count = 1 + (k * 37 % 60);
-            let batch: Vec<RecordIn> = (n..n + count)
-                .map(|i| RecordIn {
-                    payload: Bytes::from(vec![(i % 251) as u8; 100]),
-                    ..Default::default()
-                })
-                .collect();
-            log.append(&batch).unwrap();
-            n += count;
-            k += 1;
-        }
-        log.flush().await.unwrap();
+        append_varied_batches(&log, 3000, 37, 60).await;
         storage.set_yielding(true);
         let end = log.end();
         let reader = async {
@@ -921,20 +927,7 @@ fn read_ahead_for_two_readers_never_pushes_out_a_chunk_in_use() {
             };
             let log = open(&storage, &cfg).await;
             // 5,000 records in batches of 1 to 40: about ten chunks.
-            let (mut n, mut k) = (0u64, 0u64);
-            while n < 5000 {
-                let count = (1 + (k * 13 % 40)).min(5000 - n);
-                let batch: Vec<RecordIn> = (n..n + count)
-                    .map(|i| RecordIn {
-                        payload: Bytes::from(vec![(i % 251) as u8; 100]),
-                        ..Default::default()
-                    })
-                    .collect();
-                log.append(&batch).unwrap();
-                n += count;
-                k += 1;
-            }
-            log.flush().await.unwrap();
+            append_varied_batches(&log, 5000, 13, 40).await;
             storage.set_yielding(true);
             let limits = ReadLimits {
                 max_records: 16,
