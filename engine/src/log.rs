@@ -2036,12 +2036,11 @@ impl<S: Storage> ShardLog<S> {
     /// reader's own read in `reading` for it to issue.
     fn kept_or_claim(&self, segment: Offset, pos: u64, need: usize, want: usize) -> Cold {
         let mut i = self.inner.borrow_mut();
-        let hit = i.cold.iter().position(|c| {
-            c.segment == segment
-                && c.pos <= pos
-                && pos + need as u64 <= c.pos + c.bytes.len() as u64
-        });
-        if let Some(k) = hit {
+        if let Some(k) = i
+            .cold
+            .iter()
+            .position(|c| c.holds(segment, pos, need as u64))
+        {
             i.cold_hits += 1;
             let tick = i.cold_hits;
             let whole = i.config.read_chunk_bytes;
@@ -2079,11 +2078,7 @@ impl<S: Storage> ShardLog<S> {
             .iter()
             .find(|c| c.holds(segment, pos, 1))
             .map_or(pos, |c| c.pos + c.bytes.len() as u64);
-        let coming = i.config.cold_chunks > 0
-            && i.reading
-                .iter()
-                .any(|&(s, p, len)| s == segment && p <= from && pos + need as u64 <= p + len);
-        if coming {
+        if i.config.cold_chunks > 0 && reading_brings(&i, segment, from, pos + need as u64) {
             return Cold::Coming;
         }
         i.reading.push((segment, pos, want as u64));
@@ -2099,11 +2094,8 @@ impl<S: Storage> ShardLog<S> {
     fn want_ahead(&self, i: &mut Inner<S::File>, segment: Offset, pos: u64) {
         if i.config.cold_chunks < 2
             || crowded(i)
-            || i.reading
-                .iter()
-                .any(|&(s, p, len)| s == segment && p <= pos && pos < p + len)
+            || at_hand(i, segment, pos)
             || i.ahead.contains(&(segment, pos))
-            || i.cold.iter().any(|c| c.holds(segment, pos, 1))
         {
             return;
         }
@@ -2134,16 +2126,8 @@ impl<S: Storage> ShardLog<S> {
                     let Some(s) = i.segments.get(&segment) else {
                         continue; // removed by retention meanwhile
                     };
-                    let busy = i
-                        .reading
-                        .iter()
-                        .any(|&(g, p, len)| g == segment && p <= pos && pos < p + len);
                     // Crowded since it was wanted: no chunk may go for it now.
-                    if pos >= s.len
-                        || busy
-                        || crowded(&i)
-                        || i.cold.iter().any(|c| c.holds(segment, pos, 1))
-                    {
+                    if pos >= s.len || crowded(&i) || at_hand(&i, segment, pos) {
                         continue;
                     }
                     // Never past the segment's written length: bytes below
@@ -2672,9 +2656,21 @@ fn crowded<F>(i: &Inner<F>) -> bool {
     })
 }
 
+/// Whether a cold read in flight brings bytes `[from, to)` of `segment`.
+fn reading_brings<F>(i: &Inner<F>, segment: Offset, from: u64, to: u64) -> bool {
+    i.reading
+        .iter()
+        .any(|&(s, p, len)| s == segment && p <= from && to <= p + len)
+}
+
+/// Whether the byte of `segment` at `pos` is kept in a chunk or on its way.
+fn at_hand<F>(i: &Inner<F>, segment: Offset, pos: u64) -> bool {
+    i.cold.iter().any(|c| c.holds(segment, pos, 1)) || reading_brings(i, segment, pos, pos + 1)
+}
+
 /// Keep `bytes`, read from `segment` at `pos`, as the newest cold chunk
-/// (dropping the oldest past `cold_chunks`, and any older chunk read from
-/// the same place).
+/// (letting go of `victim`s past `cold_chunks`, and of any older chunk read
+/// from the same place).
 fn keep_cold<F>(i: &mut Inner<F>, segment: Offset, pos: u64, bytes: Bytes, ahead: bool) {
     if i.config.cold_chunks == 0 || bytes.is_empty() {
         return;

@@ -781,17 +781,23 @@ fn retention_by_age_removes_only_old_sealed_segments() {
     });
 }
 
+/// A log whose every read below the tail is cold (no recent batches kept),
+/// in chunks of 64 KiB.
+fn cold_config() -> LogConfig {
+    LogConfig {
+        read_cache_bytes: 0,
+        read_chunk_bytes: 64 << 10,
+        ..LogConfig::default()
+    }
+}
+
 /// A backlog read a few records at a time (a consumer group working through
 /// it) goes to disk once a chunk, not once a read.
 #[test]
 fn small_cold_reads_are_served_from_the_chunk_read_before() {
     let storage = SimStorage::new();
     block_on(async {
-        let cfg = LogConfig {
-            read_cache_bytes: 0, // every read is cold
-            read_chunk_bytes: 64 << 10,
-            ..LogConfig::default()
-        };
+        let cfg = cold_config();
         let log = open(&storage, &cfg).await;
         for i in 0..2000u64 {
             log.append(&[RecordIn {
@@ -804,23 +810,7 @@ fn small_cold_reads_are_served_from_the_chunk_read_before() {
         let mut next = Offset::ZERO;
         let mut reads = 0u64;
         while next < log.end() {
-            let r = log
-                .read(
-                    next,
-                    ReadLimits {
-                        max_records: 16,
-                        max_bytes: usize::MAX,
-                    },
-                )
-                .await
-                .unwrap();
-            let carried: usize = r.records.iter().map(|x| x.size_bytes()).sum();
-            assert_eq!(r.bytes, carried, "the read reports the bytes it returns");
-            for (k, rec) in r.records.iter().enumerate() {
-                assert_eq!(rec.offset, next.plus(k as u64));
-                assert_eq!(rec.payload[0], (rec.offset.0 % 251) as u8);
-            }
-            next = r.next;
+            next = read_16_checked(&log, next).await;
             reads += 1;
         }
         assert_eq!(reads, 125);
@@ -829,6 +819,26 @@ fn small_cold_reads_are_served_from_the_chunk_read_before() {
         assert!(s.cold_reads <= 8, "disk reads {}", s.cold_reads);
         assert!(s.cold_hits >= 100, "chunk hits {}", s.cold_hits);
     });
+}
+
+/// Read up to 16 records from `at` and check them against how the backlogs
+/// here are written (consecutive offsets, 100-byte payloads of `offset %
+/// 251`), with the bytes the read reports; returns where the next read
+/// starts, just past them.
+async fn read_16_checked(log: &ShardLog<SimStorage>, at: Offset) -> Offset {
+    let limits = ReadLimits {
+        max_records: 16,
+        max_bytes: usize::MAX,
+    };
+    let r = log.read(at, limits).await.unwrap();
+    let carried: usize = r.records.iter().map(|x| x.size_bytes()).sum();
+    assert_eq!(r.bytes, carried, "the read reports the bytes it returns");
+    for (j, rec) in r.records.iter().enumerate() {
+        assert_eq!(rec.offset, at.plus(j as u64));
+        assert_eq!(rec.payload, vec![(rec.offset.0 % 251) as u8; 100]);
+    }
+    assert_eq!(r.next, at.plus(r.records.len() as u64));
+    r.next
 }
 
 /// Append records 0 to `total` (100-byte payloads of `offset % 251`) in
@@ -859,11 +869,7 @@ async fn append_varied_batches(log: &ShardLog<SimStorage>, total: u64, step: u64
 fn a_reader_moving_forward_finds_the_next_chunk_read_ahead() {
     let storage = SimStorage::new();
     block_on(async {
-        let cfg = LogConfig {
-            read_cache_bytes: 0, // every read is cold
-            read_chunk_bytes: 64 << 10,
-            ..LogConfig::default()
-        };
+        let cfg = cold_config();
         let log = open(&storage, &cfg).await;
         // Batches of 1 to 60 records: many of them straddle two chunks.
         append_varied_batches(&log, 3000, 37, 60).await;
@@ -872,22 +878,7 @@ fn a_reader_moving_forward_finds_the_next_chunk_read_ahead() {
         let reader = async {
             let mut next = Offset::ZERO;
             while next < end {
-                let r = log
-                    .read(
-                        next,
-                        ReadLimits {
-                            max_records: 16,
-                            max_bytes: usize::MAX,
-                        },
-                    )
-                    .await
-                    .unwrap();
-                for (j, rec) in r.records.iter().enumerate() {
-                    assert_eq!(rec.offset, next.plus(j as u64));
-                    assert_eq!(rec.payload, vec![(rec.offset.0 % 251) as u8; 100]);
-                }
-                assert_eq!(r.next, next.plus(r.records.len() as u64));
-                next = r.next;
+                next = read_16_checked(&log, next).await;
                 // The consumer's work: the read-ahead task runs meanwhile.
                 for _ in 0..4 {
                     futures_lite::future::yield_now().await;
@@ -920,19 +911,13 @@ fn read_ahead_for_two_readers_never_pushes_out_a_chunk_in_use() {
         let storage = SimStorage::new();
         block_on(async {
             let cfg = LogConfig {
-                read_cache_bytes: 0,
-                read_chunk_bytes: 64 << 10,
                 cold_chunks: chunks,
-                ..LogConfig::default()
+                ..cold_config()
             };
             let log = open(&storage, &cfg).await;
             // 5,000 records in batches of 1 to 40: about ten chunks.
             append_varied_batches(&log, 5000, 13, 40).await;
             storage.set_yielding(true);
-            let limits = ReadLimits {
-                max_records: 16,
-                max_bytes: usize::MAX,
-            };
             let readers = async {
                 let (mut a, mut b) = (Offset(0), Offset(2500));
                 while a < Offset(5000) || b < Offset(5000) {
@@ -940,13 +925,7 @@ fn read_ahead_for_two_readers_never_pushes_out_a_chunk_in_use() {
                         if *at >= Offset(5000) {
                             continue;
                         }
-                        let r = log.read(*at, limits).await.unwrap();
-                        for (j, rec) in r.records.iter().enumerate() {
-                            assert_eq!(rec.offset, at.plus(j as u64));
-                            assert_eq!(rec.payload[0], (rec.offset.0 % 251) as u8);
-                        }
-                        assert_eq!(r.next, at.plus(r.records.len() as u64));
-                        *at = r.next;
+                        *at = read_16_checked(&log, *at).await;
                     }
                     for _ in 0..4 {
                         futures_lite::future::yield_now().await;
@@ -985,11 +964,7 @@ fn read_ahead_for_two_readers_never_pushes_out_a_chunk_in_use() {
 fn a_cold_read_dropped_in_flight_strands_nobody() {
     let storage = SimStorage::new();
     block_on(async {
-        let cfg = LogConfig {
-            read_cache_bytes: 0,
-            read_chunk_bytes: 64 << 10,
-            ..LogConfig::default()
-        };
+        let cfg = cold_config();
         let log = open(&storage, &cfg).await;
         for i in 0..100u64 {
             log.append(&[RecordIn {

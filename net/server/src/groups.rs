@@ -407,10 +407,12 @@ fn with_tracker<S: Storage, R>(
     }
     let t = groups.get_mut(group).unwrap();
     let r = f(t);
-    shard.deadlines.borrow_mut().note(group, t.next_deadline());
-    // A deadline before the timer task's next wake (a short visibility, a
-    // short delay): wake it so the lapse is applied on time.
-    if t.next_deadline().is_some_and(|d| d < shard.timer_at.get()) {
+    // A deadline newly listed before the timer task's next wake (a short
+    // visibility, a short delay): wake it so the lapse is applied on time.
+    // (One not listed anew has an entry at or before it, which the timer
+    // already wakes for.)
+    let listed = shard.deadlines.borrow_mut().note(group, t.next_deadline());
+    if listed.is_some_and(|d| d < shard.timer_at.get()) {
         shard.timer_at.set(0);
         shard.timer_wake.wake_all();
     }

@@ -147,6 +147,10 @@ pub(crate) struct GroupSnapshot {
     pub counters: GroupCounters,
 }
 
+/// One metric family drawn from many values of `T`: its name, kind
+/// (`gauge` or `counter`), help text, and how to read one value.
+type Series<T, V> = (&'static str, &'static str, &'static str, fn(&T) -> V);
+
 /// A core's buffered-bytes budget (`server.max_buffered_bytes_per_core`).
 #[derive(Clone, Debug, Default)]
 pub(crate) struct BufferedSnapshot {
@@ -234,13 +238,7 @@ impl MetricsSnapshot {
         );
         let mut cores = self.buffered.clone();
         cores.sort_by_key(|b| b.core);
-        type PerCore = (
-            &'static str,
-            &'static str,
-            &'static str,
-            fn(&BufferedSnapshot) -> u64,
-        );
-        let per_core: [PerCore; 4] = [
+        let per_core: [Series<BufferedSnapshot, u64>; 4] = [
             ("felix_core_buffered_bytes", "gauge", "Request and answer bytes a core's connections hold (server.max_buffered_bytes_per_core).", |b| b.bytes),
             ("felix_core_buffered_bytes_peak", "gauge", "The most felix_core_buffered_bytes has been since start.", |b| b.peak),
             ("felix_read_cache_bytes", "gauge", "Bytes a core's shards keep in memory for reads (storage.read_cache_bytes_per_core).", |b| b.read_cache),
@@ -368,13 +366,7 @@ impl MetricsSnapshot {
              # TYPE felix_group_metrics_omitted gauge\n\
              felix_group_metrics_omitted {omitted}"
         );
-        type Series = (
-            &'static str,
-            &'static str,
-            &'static str,
-            fn(&GroupSnapshot) -> String,
-        );
-        let series: [Series; 12] = [
+        let series: [Series<GroupSnapshot, String>; 12] = [
             ("felix_group_position", "gauge", "A group's saved position on a shard: every offset below it is finished.", |g| g.status.position.0.to_string()),
             ("felix_group_lag", "gauge", "Records between a group's position and the shard's durable end.", |g| g.status.lag().to_string()),
             ("felix_group_in_flight", "gauge", "Records a group has handed out and not settled (standing claims and delayed nacks).", |g| g.status.in_flight.to_string()),

@@ -31,11 +31,12 @@ pub(crate) struct Deadlines {
 
 impl Deadlines {
     /// `group`'s next deadline is now `next`: list it if it comes before the
-    /// one the group has listed (or it has none).
-    pub fn note(&mut self, group: &str, next: Option<u64>) {
-        let Some(d) = next else { return };
+    /// one the group has listed (or it has none). Returns the deadline it
+    /// listed, if it did.
+    pub fn note(&mut self, group: &str, next: Option<u64>) -> Option<u64> {
+        let d = next?;
         if self.listed.get(group).is_some_and(|&l| l <= d) {
-            return;
+            return None;
         }
         self.listed.insert(group.to_string(), d);
         self.heap.push(std::cmp::Reverse((d, group.to_string())));
@@ -48,6 +49,7 @@ impl Deadlines {
                 .map(|(g, &d)| std::cmp::Reverse((d, g.clone())))
                 .collect();
         }
+        Some(d)
     }
 
     /// The earliest listed deadline.
@@ -294,11 +296,13 @@ mod tests {
     #[test]
     fn deadlines_list_each_groups_earliest_and_skip_replaced_ones() {
         let mut d = Deadlines::default();
-        d.note("a", Some(100));
-        d.note("a", Some(150)); // later: the entry at 100 stands for it
-        d.note("b", Some(120));
-        d.note("b", Some(90)); // earlier: replaces 120
-        d.note("c", None);
+        assert_eq!(d.note("a", Some(100)), Some(100));
+        // Later: the entry at 100 stands for it.
+        assert_eq!(d.note("a", Some(150)), None);
+        assert_eq!(d.note("b", Some(120)), Some(120));
+        // Earlier: replaces 120.
+        assert_eq!(d.note("b", Some(90)), Some(90));
+        assert_eq!(d.note("c", None), None);
         assert_eq!(d.earliest(), Some(90));
         assert!(d.due(80).is_empty());
         assert_eq!(d.due(100), vec!["b".to_string(), "a".to_string()]);
