@@ -287,6 +287,19 @@ pub fn encode_group_into(
     encode_body_into(out, BatchKind::Group, 0, at, (term, flush), body)
 }
 
+/// Append a group-state batch to `out` (see [`encode_group_into`]).
+pub fn encode_group(
+    out: &mut Vec<u8>,
+    at: Offset,
+    term: u64,
+    flush: u16,
+    body: &[u8],
+) -> BatchHeader {
+    append_batch(out, BATCH_HEADER_BYTES + body.len(), |dst| {
+        encode_group_into(dst, at, term, flush, body)
+    })
+}
+
 /// A batch whose body is `body` as it is.
 fn encode_body_into(
     out: &mut [MaybeUninit<u8>],

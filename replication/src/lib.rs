@@ -1,0 +1,25 @@
+//! Shard replication for Felix.
+//!
+//! Each shard is one Raft group over its own log, driven on the core that
+//! owns the shard. This crate builds on raft-rs (tikv's `raft`): a Raft
+//! state machine with no I/O, no threads and no timers, so every replica of
+//! every shard on a core can be driven by that core's one executor. What
+//! Felix adds is in [`Replica`] (see its module docs) and [`entry`]: the
+//! Raft log's entries are the shard's own batches, stamped with their term
+//! and first offset, and a new leader's empty entry is the shard's
+//! generation-start record.
+//!
+//! Stage one (this crate today) is the replica itself, with its log in
+//! memory ([`ReplicaLog`]) and a deterministic simulation of a three-replica
+//! shard under crashes, partitions and lost messages (`tests/cluster_sim.rs`).
+//! The broker does not use it yet: see `README.md` in this folder for what
+//! comes next.
+
+pub mod entry;
+mod log;
+mod replica;
+
+pub use entry::{EntryError, EntryInfo, EntryKind};
+pub use log::ReplicaLog;
+pub use raft::eraftpb::Message;
+pub use replica::{Applied, Event, Landed, Replica, ReplicaConfig, ReplicationError};

@@ -1,0 +1,597 @@
+//! One replica of one shard: raft-rs's `RawNode` with Felix's rules around
+//! it, and no I/O of its own.
+//!
+//! The owner (the shard's core, or the simulation) feeds it ticks and peer
+//! messages and takes out what to send and what happened: entries applied
+//! in order, proposals acknowledged or superseded, reads answered or
+//! refused. Rules it adds to Raft:
+//!
+//! * offsets are stamped by the leader when it proposes, from the end of its
+//!   own log; every replica checks each entry starts where the log before
+//!   it ends, so replicas agree on every record's offset;
+//! * a new leader's empty entry is the shard's generation-start record (one
+//!   offset, never delivered);
+//! * a leader takes proposals and reads only once it has applied its own
+//!   generation start, so it knows everything committed before it (group
+//!   state included: the position and the dead letters written before it
+//!   arrive together, in log order);
+//! * a proposal is acknowledged once committed (on a majority) and applied
+//!   here; one overwritten by a newer leader is reported superseded, never
+//!   acknowledged;
+//! * a read is answered only after a majority confirmed, after the read was
+//!   asked, that this replica still leads (raft-rs's `ReadIndex` in its safe
+//!   mode), and only from state that includes everything committed before;
+//!   a deposed leader refuses instead of answering from stale state.
+
+use std::collections::BTreeMap;
+
+use bytes::Bytes;
+use felix_engine::format::{self, RecordIn};
+use felix_engine::group::GroupEntry;
+use felix_engine::Offset;
+use raft::eraftpb::{Entry, Message, MessageType};
+use raft::{Config, RawNode, ReadOnlyOption, StateRole};
+
+use crate::entry::{inspect, kind_of, offsets_of, EntryError, EntryKind};
+use crate::log::ReplicaLog;
+
+/// How a replica runs. Ticks are the owner's clock: one call to
+/// [`Replica::tick`] each.
+#[derive(Clone, Debug)]
+pub struct ReplicaConfig {
+    /// This replica's id (non-zero), one of `voters`.
+    pub id: u64,
+    /// Ticks without word from a leader before standing for election: a
+    /// fresh draw from `[min, max)` each time.
+    pub election_ticks: (usize, usize),
+    /// Ticks between a leader's heartbeats.
+    pub heartbeat_ticks: usize,
+    /// Ticks a read may wait for a majority to confirm the leader.
+    pub read_timeout_ticks: u64,
+    /// Most entry bytes in one append message to a peer.
+    pub max_append_bytes: u64,
+    /// Most append messages in flight to one peer.
+    pub max_inflight_appends: usize,
+}
+
+impl ReplicaConfig {
+    pub fn new(id: u64) -> ReplicaConfig {
+        ReplicaConfig {
+            id,
+            election_ticks: (10, 20),
+            heartbeat_ticks: 2,
+            read_timeout_ticks: 20,
+            max_append_bytes: 1 << 20,
+            max_inflight_appends: 256,
+        }
+    }
+}
+
+/// Why a replica refused or gave up on something.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ReplicationError {
+    /// Only the leader takes writes and reads; `leader` is who leads as far
+    /// as this replica knows.
+    #[error("not the shard's leader (leader: {leader:?})")]
+    NotLeader { leader: Option<u64> },
+    /// This replica was just elected and has not yet applied its own
+    /// generation start, so it may not know all that was committed.
+    #[error("the new leader is not ready yet")]
+    NotReady,
+    /// A newer leader wrote another entry where this proposal was: it was
+    /// never committed and never will be (safe to send again).
+    #[error("the proposal was superseded by a newer leader's entry")]
+    Superseded,
+    /// Bytes from a peer that are not a valid entry, or a message this
+    /// replica does not take.
+    #[error("refused from a peer: {0}")]
+    Refused(String),
+    /// This replica's own log broke a rule; it has stopped.
+    #[error("replica stopped: {0}")]
+    Stopped(String),
+}
+
+impl From<EntryError> for ReplicationError {
+    fn from(e: EntryError) -> Self {
+        ReplicationError::Refused(e.to_string())
+    }
+}
+
+/// Where an acknowledged proposal landed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Landed {
+    pub index: u64,
+    pub term: u64,
+    /// First offset (for group entries: the log's end when written).
+    pub base: Offset,
+    /// One past the last offset it took.
+    pub end: Offset,
+}
+
+/// An entry applied on this replica (every replica applies the same ones,
+/// in the same order).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Applied {
+    pub index: u64,
+    pub term: u64,
+    pub kind: EntryKind,
+    pub base: Offset,
+    pub end: Offset,
+    /// The batch bytes (empty for a generation start).
+    pub data: Bytes,
+}
+
+/// What the owner learns from [`Replica::drain`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// The next committed entry.
+    Applied(Applied),
+    /// A proposal made here was committed and applied, or superseded.
+    Acked {
+        token: u64,
+        result: Result<Landed, ReplicationError>,
+    },
+    /// A read may be answered from state through `applied` (or is refused).
+    Read {
+        token: u64,
+        result: Result<u64, ReplicationError>,
+    },
+    /// Who leads changed (as this replica sees it).
+    Leader { leader: Option<u64>, term: u64 },
+}
+
+struct PendingRead {
+    token: u64,
+    ctx: u64,
+    asked_tick: u64,
+    /// The commit index the leader confirmed for it.
+    index: Option<u64>,
+}
+
+/// One replica of a shard.
+pub struct Replica {
+    node: RawNode<ReplicaLog>,
+    config: ReplicaConfig,
+    /// Proposals made here, by (index, term), waiting to be applied.
+    waiting: BTreeMap<(u64, u64), u64>,
+    reads: Vec<PendingRead>,
+    next_ctx: u64,
+    ticks: u64,
+    applied: u64,
+    applied_term: u64,
+    applied_end: u64,
+    leader: Option<u64>,
+    /// The log's last (index, term) and offset end, as last computed.
+    tail: Option<(u64, u64, u64)>,
+    stopped: Option<String>,
+}
+
+impl Replica {
+    /// Start a replica over `log` (empty, or kept from before a restart).
+    /// Committed entries are applied again from the first: the owner
+    /// rebuilds its state from the `Applied` events.
+    pub fn open(config: ReplicaConfig, log: ReplicaLog) -> Result<Replica, ReplicationError> {
+        let raft_config = Config {
+            id: config.id,
+            election_tick: config.election_ticks.0,
+            min_election_tick: config.election_ticks.0,
+            max_election_tick: config.election_ticks.1,
+            heartbeat_tick: config.heartbeat_ticks,
+            max_size_per_msg: config.max_append_bytes,
+            max_inflight_msgs: config.max_inflight_appends,
+            check_quorum: true,
+            pre_vote: true,
+            read_only_option: ReadOnlyOption::Safe,
+            applied: 0,
+            ..Config::default()
+        };
+        raft_config
+            .validate()
+            .map_err(|e| ReplicationError::Stopped(format!("configuration: {e}")))?;
+        if !log.voters().contains(&config.id) {
+            return Err(ReplicationError::Stopped(format!(
+                "replica {} is not one of the shard's voters {:?}",
+                config.id,
+                log.voters()
+            )));
+        }
+        let logger = slog::Logger::root(slog::Discard, slog::o!());
+        let node = RawNode::new(&raft_config, log, &logger)
+            .map_err(|e| ReplicationError::Stopped(e.to_string()))?;
+        Ok(Replica {
+            node,
+            config,
+            waiting: BTreeMap::new(),
+            reads: Vec::new(),
+            next_ctx: 1,
+            ticks: 0,
+            applied: 0,
+            applied_term: 0,
+            applied_end: 0,
+            leader: None,
+            tail: None,
+            stopped: None,
+        })
+    }
+
+    /// Give up the replica, keeping its log (what a crash keeps).
+    pub fn into_log(self) -> ReplicaLog {
+        let RawNode { raft, .. } = self.node;
+        raft.r.raft_log.store
+    }
+
+    pub fn id(&self) -> u64 {
+        self.config.id
+    }
+
+    pub fn log(&self) -> &ReplicaLog {
+        self.node.store()
+    }
+
+    pub fn term(&self) -> u64 {
+        self.node.raft.term
+    }
+
+    pub fn is_leader(&self) -> bool {
+        self.node.raft.state == StateRole::Leader
+    }
+
+    /// Who leads, as far as this replica knows.
+    pub fn leader(&self) -> Option<u64> {
+        match self.node.raft.leader_id {
+            0 => None,
+            id => Some(id),
+        }
+    }
+
+    /// Index of the last entry applied here.
+    pub fn applied(&self) -> u64 {
+        self.applied
+    }
+
+    /// The offset after the last entry applied here: the shard's committed
+    /// end as this replica knows it.
+    pub fn applied_end(&self) -> Offset {
+        Offset(self.applied_end)
+    }
+
+    /// Leader, and has applied its own generation start: it takes
+    /// proposals and reads.
+    pub fn serving(&self) -> bool {
+        self.stopped.is_none() && self.is_leader() && self.applied_term == self.term()
+    }
+
+    fn refuse_unless_serving(&self) -> Result<(), ReplicationError> {
+        if let Some(why) = &self.stopped {
+            return Err(ReplicationError::Stopped(why.clone()));
+        }
+        if !self.is_leader() {
+            return Err(ReplicationError::NotLeader {
+                leader: self.leader(),
+            });
+        }
+        if self.applied_term != self.term() {
+            return Err(ReplicationError::NotReady);
+        }
+        Ok(())
+    }
+
+    /// One tick of the owner's clock.
+    pub fn tick(&mut self) {
+        self.ticks += 1;
+        if self.stopped.is_none() {
+            self.node.tick();
+        }
+    }
+
+    /// A message from a peer. Entries it carries are checked before raft-rs
+    /// sees them; a message that fails is dropped whole.
+    pub fn step(&mut self, msg: Message) -> Result<(), ReplicationError> {
+        if let Some(why) = &self.stopped {
+            return Err(ReplicationError::Stopped(why.clone()));
+        }
+        if msg.to != self.config.id || !self.log().voters().contains(&msg.from) {
+            return Err(ReplicationError::Refused(format!(
+                "message from {} to {} reached replica {}",
+                msg.from, msg.to, self.config.id
+            )));
+        }
+        match msg.get_msg_type() {
+            MessageType::MsgAppend => {
+                for e in msg.get_entries() {
+                    inspect(e)?;
+                }
+            }
+            MessageType::MsgSnapshot => {
+                return Err(ReplicationError::Refused(
+                    "snapshots are not supported yet".into(),
+                ))
+            }
+            // Requests only this replica's owner makes, never a peer.
+            MessageType::MsgPropose
+            | MessageType::MsgHup
+            | MessageType::MsgBeat
+            | MessageType::MsgUnreachable
+            | MessageType::MsgSnapStatus
+            | MessageType::MsgCheckQuorum => {
+                return Err(ReplicationError::Refused(format!(
+                    "{:?} is not a peer message",
+                    msg.get_msg_type()
+                )))
+            }
+            _ => {}
+        }
+        self.node
+            .step(msg)
+            .map_err(|e| ReplicationError::Refused(e.to_string()))
+    }
+
+    /// The offset after the last entry of this replica's log, committed or
+    /// not: where the next proposal starts.
+    fn log_end(&mut self) -> u64 {
+        let raft_log = &self.node.raft.raft_log;
+        let (last, last_term) = (raft_log.last_index(), raft_log.last_term());
+        if let Some((i, t, end)) = self.tail {
+            if (i, t) == (last, last_term) {
+                return end;
+            }
+        }
+        let unstable = &raft_log.unstable;
+        let end = if unstable.entries.is_empty() {
+            self.node
+                .store()
+                .end_after(last)
+                .expect("last entry is stored")
+        } else {
+            let before = self
+                .node
+                .store()
+                .end_after(unstable.offset - 1)
+                .expect("unstable entries follow stored ones");
+            before + unstable.entries.iter().map(offsets_of).sum::<u64>()
+        };
+        self.tail = Some((last, last_term, end));
+        end
+    }
+
+    /// Propose one batch of records. `token` comes back in the
+    /// [`Event::Acked`] that settles it.
+    pub fn propose_records(
+        &mut self,
+        token: u64,
+        records: &[RecordIn],
+    ) -> Result<Landed, ReplicationError> {
+        self.refuse_unless_serving()?;
+        format::check_records(records).map_err(ReplicationError::Refused)?;
+        let base = self.log_end();
+        let term = self.term();
+        let mut data = Vec::with_capacity(format::records_batch_len(records));
+        format::encode_records(&mut data, Offset(base), term, 0, records);
+        self.propose(token, data, base, base + records.len() as u64)
+    }
+
+    /// Propose a group's state changes (one request's writes) as one entry.
+    pub fn propose_group(
+        &mut self,
+        token: u64,
+        entries: &[GroupEntry],
+    ) -> Result<Landed, ReplicationError> {
+        self.refuse_unless_serving()?;
+        if entries.is_empty() {
+            return Err(ReplicationError::Refused("no group entries".into()));
+        }
+        let base = self.log_end();
+        let term = self.term();
+        let mut data = Vec::new();
+        let mut body = Vec::new();
+        for e in entries {
+            body.clear();
+            e.encode(&mut body);
+            format::encode_group(&mut data, Offset(base), term, 0, &body);
+        }
+        self.propose(token, data, base, base)
+    }
+
+    fn propose(
+        &mut self,
+        token: u64,
+        data: Vec<u8>,
+        base: u64,
+        end: u64,
+    ) -> Result<Landed, ReplicationError> {
+        let before = self.node.raft.raft_log.last_index();
+        self.node.propose(Vec::new(), data).map_err(|e| match e {
+            raft::Error::ProposalDropped => ReplicationError::NotLeader {
+                leader: self.leader(),
+            },
+            other => ReplicationError::Refused(other.to_string()),
+        })?;
+        let index = self.node.raft.raft_log.last_index();
+        debug_assert_eq!(index, before + 1);
+        let term = self.term();
+        self.tail = Some((index, term, end));
+        self.waiting.insert((index, term), token);
+        Ok(Landed {
+            index,
+            term,
+            base: Offset(base),
+            end: Offset(end),
+        })
+    }
+
+    /// Ask for a read: answered with an [`Event::Read`] once a majority
+    /// confirmed this replica still leads and it has applied everything
+    /// committed when the read was asked.
+    pub fn read(&mut self, token: u64) -> Result<(), ReplicationError> {
+        self.refuse_unless_serving()?;
+        let ctx = self.next_ctx;
+        self.next_ctx += 1;
+        self.node.read_index(ctx.to_le_bytes().to_vec());
+        self.reads.push(PendingRead {
+            token,
+            ctx,
+            asked_tick: self.ticks,
+            index: None,
+        });
+        Ok(())
+    }
+
+    /// Take what raft-rs has ready: `out` gets the messages to send (each
+    /// names its peer in `to`), `events` what happened, in order.
+    pub fn drain(&mut self, out: &mut Vec<Message>, events: &mut Vec<Event>) {
+        if self.stopped.is_none() && self.node.has_ready() {
+            if let Err(why) = self.handle_ready(out, events) {
+                self.stop(why, events);
+            }
+        }
+        self.settle_reads(events);
+    }
+
+    fn handle_ready(
+        &mut self,
+        out: &mut Vec<Message>,
+        events: &mut Vec<Event>,
+    ) -> Result<(), String> {
+        let mut rd = self.node.ready();
+        if let Some(ss) = rd.ss() {
+            let leader = match ss.leader_id {
+                0 => None,
+                id => Some(id),
+            };
+            let leads = ss.raft_state == StateRole::Leader;
+            if leader != self.leader || !leads {
+                self.leader = leader;
+                events.push(Event::Leader {
+                    leader,
+                    term: self.node.raft.term,
+                });
+            }
+            if !leads {
+                for r in self.reads.drain(..) {
+                    events.push(Event::Read {
+                        token: r.token,
+                        result: Err(ReplicationError::NotLeader { leader }),
+                    });
+                }
+            }
+        }
+        out.extend(rd.take_messages());
+        if !rd.snapshot().is_empty() {
+            return Err("a snapshot arrived, and snapshots are not supported yet".into());
+        }
+        let committed = rd.take_committed_entries();
+        self.apply(committed, events)?;
+        self.node
+            .mut_store()
+            .append(rd.entries())
+            .map_err(|e| e.to_string())?;
+        if let Some(hs) = rd.hs() {
+            self.node.mut_store().set_hard_state(hs.clone());
+        }
+        for rs in rd.take_read_states() {
+            let ctx = <[u8; 8]>::try_from(&rs.request_ctx[..])
+                .map(u64::from_le_bytes)
+                .unwrap_or(0);
+            if let Some(r) = self.reads.iter_mut().find(|r| r.ctx == ctx) {
+                r.index = Some(rs.index);
+            }
+        }
+        out.extend(rd.take_persisted_messages());
+        let mut light = self.node.advance(rd);
+        if let Some(commit) = light.commit_index() {
+            self.node.mut_store().set_commit(commit);
+        }
+        out.extend(light.take_messages());
+        self.apply(light.take_committed_entries(), events)?;
+        self.node.advance_apply();
+        Ok(())
+    }
+
+    fn apply(&mut self, entries: Vec<Entry>, events: &mut Vec<Event>) -> Result<(), String> {
+        for e in entries {
+            if e.index != self.applied + 1 {
+                return Err(format!(
+                    "entry {} committed after {}",
+                    e.index, self.applied
+                ));
+            }
+            let end = self
+                .node
+                .store()
+                .end_after(e.index)
+                .ok_or_else(|| format!("committed entry {} is not in the log", e.index))?;
+            let base = self.applied_end;
+            let kind = kind_of(&e);
+            self.applied = e.index;
+            self.applied_term = e.term;
+            self.applied_end = end;
+            events.push(Event::Applied(Applied {
+                index: e.index,
+                term: e.term,
+                kind,
+                base: Offset(base),
+                end: Offset(end),
+                data: e.data.clone(),
+            }));
+            // Every proposal at or below this index is settled now: the one
+            // of this entry's term landed, any other was overwritten.
+            while let Some((&(index, term), &token)) = self.waiting.first_key_value() {
+                if index > e.index {
+                    break;
+                }
+                self.waiting.pop_first();
+                let result = if (index, term) == (e.index, e.term) {
+                    Ok(Landed {
+                        index,
+                        term,
+                        base: Offset(base),
+                        end: Offset(end),
+                    })
+                } else {
+                    Err(ReplicationError::Superseded)
+                };
+                events.push(Event::Acked { token, result });
+            }
+        }
+        Ok(())
+    }
+
+    fn settle_reads(&mut self, events: &mut Vec<Event>) {
+        let (applied, ticks, timeout) = (self.applied, self.ticks, self.config.read_timeout_ticks);
+        let leader = self.leader();
+        let mut i = 0;
+        while i < self.reads.len() {
+            let r = &self.reads[i];
+            let result = match r.index {
+                Some(index) if index <= applied => Some(Ok(applied)),
+                _ if ticks.saturating_sub(r.asked_tick) > timeout => {
+                    Some(Err(ReplicationError::NotLeader { leader }))
+                }
+                _ => None,
+            };
+            match result {
+                Some(result) => {
+                    let token = self.reads.swap_remove(i).token;
+                    events.push(Event::Read { token, result });
+                }
+                None => i += 1,
+            }
+        }
+    }
+
+    fn stop(&mut self, why: String, events: &mut Vec<Event>) {
+        for r in self.reads.drain(..) {
+            events.push(Event::Read {
+                token: r.token,
+                result: Err(ReplicationError::Stopped(why.clone())),
+            });
+        }
+        for (_, token) in std::mem::take(&mut self.waiting) {
+            events.push(Event::Acked {
+                token,
+                result: Err(ReplicationError::Stopped(why.clone())),
+            });
+        }
+        self.stopped = Some(why);
+    }
+}

@@ -1,0 +1,140 @@
+//! One replica's rules, one at a time (the cluster simulation covers them
+//! together under faults).
+
+use bytes::Bytes;
+use felix_engine::format::RecordIn;
+use felix_engine::Offset;
+use felix_replication::{
+    EntryKind, Event, Message, Replica, ReplicaConfig, ReplicaLog, ReplicationError,
+};
+use raft::eraftpb::{Entry, MessageType};
+
+fn record(payload: &'static [u8]) -> RecordIn {
+    RecordIn {
+        payload: Bytes::from_static(payload),
+        ..RecordIn::default()
+    }
+}
+
+/// Tick a lone replica until it serves, collecting events.
+fn lone_leader() -> (Replica, Vec<Event>) {
+    let mut r = Replica::open(ReplicaConfig::new(1), ReplicaLog::new(&[1])).unwrap();
+    let mut events = Vec::new();
+    let mut out = Vec::new();
+    for _ in 0..100 {
+        r.tick();
+        r.drain(&mut out, &mut events);
+        if r.serving() {
+            return (r, events);
+        }
+    }
+    panic!("a lone replica never elected itself");
+}
+
+#[test]
+fn a_new_leaders_generation_start_takes_an_offset_and_records_follow_it() {
+    let (mut r, events) = lone_leader();
+    let starts: Vec<_> = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Applied(a) => Some(a),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(starts.len(), 1);
+    assert_eq!(starts[0].kind, EntryKind::GenerationStart);
+    assert_eq!((starts[0].base, starts[0].end), (Offset(0), Offset(1)));
+
+    let landed = r.propose_records(7, &[record(b"a"), record(b"b")]).unwrap();
+    assert_eq!((landed.base, landed.end), (Offset(1), Offset(3)));
+    let (mut out, mut events) = (Vec::new(), Vec::new());
+    r.drain(&mut out, &mut events);
+    assert!(
+        events.iter().any(|e| matches!(e,
+            Event::Acked { token: 7, result: Ok(l) } if l.base == Offset(1) && l.end == Offset(3))),
+        "{events:?}"
+    );
+    assert_eq!(r.applied_end(), Offset(3));
+
+    r.read(8).unwrap();
+    r.drain(&mut out, &mut events);
+    assert!(events.iter().any(|e| matches!(
+        e,
+        Event::Read {
+            token: 8,
+            result: Ok(_)
+        }
+    )));
+}
+
+#[test]
+fn a_restarted_replica_applies_its_committed_log_again() {
+    let (mut r, _) = lone_leader();
+    r.propose_records(1, &[record(b"kept")]).unwrap();
+    let (mut out, mut events) = (Vec::new(), Vec::new());
+    r.drain(&mut out, &mut events);
+    let log = r.into_log();
+    let mut r = Replica::open(ReplicaConfig::new(1), log).unwrap();
+    let mut events = Vec::new();
+    for _ in 0..100 {
+        r.tick();
+        r.drain(&mut out, &mut events);
+        if r.serving() {
+            break;
+        }
+    }
+    let kinds: Vec<_> = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Applied(a) => Some((a.kind, a.base.0)),
+            _ => None,
+        })
+        .collect();
+    // The old generation start, the record, then this term's start.
+    assert_eq!(
+        kinds,
+        vec![
+            (EntryKind::GenerationStart, 0),
+            (EntryKind::Records { count: 1 }, 1),
+            (EntryKind::GenerationStart, 2)
+        ]
+    );
+}
+
+#[test]
+fn a_follower_refuses_writes_and_reads_and_names_no_leader_it_does_not_know() {
+    let mut r = Replica::open(ReplicaConfig::new(2), ReplicaLog::new(&[1, 2, 3])).unwrap();
+    assert_eq!(
+        r.propose_records(1, &[record(b"x")]),
+        Err(ReplicationError::NotLeader { leader: None })
+    );
+    assert_eq!(r.read(2), Err(ReplicationError::NotLeader { leader: None }));
+}
+
+#[test]
+fn a_malformed_append_from_a_peer_is_dropped_whole() {
+    let mut r = Replica::open(ReplicaConfig::new(2), ReplicaLog::new(&[1, 2, 3])).unwrap();
+    let mut m = Message::default();
+    m.set_msg_type(MessageType::MsgAppend);
+    m.from = 1;
+    m.to = 2;
+    m.term = 1;
+    m.entries = vec![Entry {
+        index: 1,
+        term: 1,
+        data: Bytes::from_static(b"not a batch at all"),
+        ..Entry::default()
+    }]
+    .into();
+    assert!(matches!(
+        r.step(m.clone()),
+        Err(ReplicationError::Refused(_))
+    ));
+    // From someone who is not a replica of the shard.
+    m.from = 9;
+    m.entries.clear();
+    assert!(matches!(r.step(m), Err(ReplicationError::Refused(_))));
+    let (mut out, mut events) = (Vec::new(), Vec::new());
+    r.drain(&mut out, &mut events);
+    assert_eq!(r.log().last(), 0);
+}
