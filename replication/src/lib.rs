@@ -18,6 +18,7 @@
 pub mod entry;
 mod log;
 mod replica;
+pub mod wire;
 
 pub use entry::{EntryError, EntryInfo, EntryKind};
 pub use log::ReplicaLog;

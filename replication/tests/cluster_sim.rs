@@ -1,6 +1,7 @@
 //! Deterministic simulation of one shard replicated on three replicas.
 //!
-//! Producers publish to whichever replica serves as leader; two consumers
+//! Every message between replicas goes through the peer wire format
+//! (`wire.rs`). Producers publish to whichever replica serves as leader; two consumers
 //! work the shard as a queue through the real group tracker running on the
 //! leader, whose state changes are replicated as group entries. Replicas
 //! crash and restart (keeping their log), get partitioned away, and
@@ -32,8 +33,9 @@ use felix_engine::group::{
 };
 use felix_engine::Offset;
 use felix_replication::entry::group_bodies;
+use felix_replication::wire::{decode_frame, encode_frame, PeerMessage};
 use felix_replication::{
-    Applied, EntryKind, Event, Message, Replica, ReplicaConfig, ReplicaLog, ReplicationError,
+    Applied, EntryKind, Event, Replica, ReplicaConfig, ReplicaLog, ReplicationError,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -41,6 +43,8 @@ use rand::{Rng, SeedableRng};
 const REPLICAS: u64 = 3;
 const TICK_MS: u64 = 10;
 const GROUP: &str = "workers";
+const SHARD_GROUP: u64 = 42;
+const FRAME_MAX: usize = 64 << 20;
 
 fn group_config() -> GroupConfig {
     GroupConfig {
@@ -124,7 +128,8 @@ struct Sim {
     now: u64,
     nodes: Vec<Node>,
     net: BinaryHeap<InFlight>,
-    messages: Vec<Option<Message>>,
+    /// Messages in flight, as the frames that carry them between brokers.
+    messages: Vec<Option<Bytes>>,
     seq: u64,
     /// Replica cut off from the others until the given time.
     isolated: Option<(u64, u64)>,
@@ -239,10 +244,17 @@ impl Sim {
                 break;
             }
             let m = self.net.pop().unwrap();
-            let msg = self.messages[m.msg_index].take().unwrap();
+            let frame = self.messages[m.msg_index].take().unwrap();
             if self.cut(m.from, m.to) {
                 continue;
             }
+            let (mut msgs, used) = decode_frame(&frame, FRAME_MAX).unwrap().unwrap();
+            assert_eq!((used, msgs.len()), (frame.len(), 1));
+            let PeerMessage {
+                group,
+                message: msg,
+            } = msgs.pop().unwrap();
+            assert_eq!(group, SHARD_GROUP);
             if let Some(r) = self.nodes[m.to as usize - 1].replica.as_mut() {
                 if let Err(e) = r.step(msg) {
                     assert!(
@@ -445,7 +457,17 @@ impl Sim {
             }
             let at = self.now + self.rng.gen_range(1..=12);
             self.seq += 1;
-            self.messages.push(Some(msg));
+            let mut frame = Vec::new();
+            encode_frame(
+                &[PeerMessage {
+                    group: SHARD_GROUP,
+                    message: msg,
+                }],
+                FRAME_MAX,
+                &mut frame,
+            )
+            .expect("every message a replica sends can be framed");
+            self.messages.push(Some(Bytes::from(frame)));
             self.net.push(InFlight {
                 at: std::cmp::Reverse((at, self.seq)),
                 from,
