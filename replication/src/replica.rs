@@ -32,7 +32,7 @@ use felix_engine::Offset;
 use raft::eraftpb::{Entry, Message, MessageType};
 use raft::{Config, RawNode, ReadOnlyOption, StateRole};
 
-use crate::entry::{inspect, kind_of, offsets_of, EntryError, EntryKind};
+use crate::entry::{follow, inspect, kind_of, offsets_of, EntryError, EntryKind};
 use crate::log::ReplicaLog;
 
 /// How a replica runs. Ticks are the owner's clock: one call to
@@ -86,7 +86,13 @@ pub enum ReplicationError {
     /// replica does not take.
     #[error("refused from a peer: {0}")]
     Refused(String),
-    /// This replica's own log broke a rule; it has stopped.
+    /// A read was not confirmed in time (no majority answered): whether
+    /// this replica still leads is not known.
+    #[error("leadership was not confirmed in time")]
+    Timeout,
+    /// This replica's own log broke a rule; it has stopped. A proposal
+    /// settled with this may still be committed by the other replicas: its
+    /// outcome is unknown, and sending it again may write it twice.
     #[error("replica stopped: {0}")]
     Stopped(String),
 }
@@ -169,7 +175,9 @@ pub struct Replica {
 impl Replica {
     /// Start a replica over `log` (empty, or kept from before a restart).
     /// Committed entries are applied again from the first: the owner
-    /// rebuilds its state from the `Applied` events.
+    /// rebuilds its state from the `Applied` events. Proposals a replica
+    /// was waiting on when it stopped are not settled by the new one: their
+    /// outcome is unknown (they may have been committed).
     pub fn open(config: ReplicaConfig, log: ReplicaLog) -> Result<Replica, ReplicationError> {
         let raft_config = Config {
             id: config.id,
@@ -284,46 +292,108 @@ impl Replica {
         }
     }
 
-    /// A message from a peer. Entries it carries are checked before raft-rs
-    /// sees them; a message that fails is dropped whole.
+    /// A message from a peer. raft-rs trusts what it steps (some malformed
+    /// messages make it panic), so everything a peer could get wrong is
+    /// checked here first, and a message that fails is dropped whole:
+    /// sender and recipient, the message types replicas exchange, append
+    /// entries contiguous after the index they follow with terms in order,
+    /// each one whole batch of its term starting where the log before it
+    /// ends, and heartbeats that commit no further than this log reaches.
+    ///
+    /// Raft does not defend against a peer that lies (a false append
+    /// response can make a leader commit what no majority holds): peers
+    /// must be authenticated brokers of the cluster.
     pub fn step(&mut self, msg: Message) -> Result<(), ReplicationError> {
         if let Some(why) = &self.stopped {
             return Err(ReplicationError::Stopped(why.clone()));
         }
-        if msg.to != self.config.id || !self.log().voters().contains(&msg.from) {
+        let me = self.config.id;
+        if msg.to != me || msg.from == me || !self.log().voters().contains(&msg.from) {
             return Err(ReplicationError::Refused(format!(
-                "message from {} to {} reached replica {}",
-                msg.from, msg.to, self.config.id
+                "message from {} to {} reached replica {me}",
+                msg.from, msg.to
             )));
         }
-        match msg.get_msg_type() {
-            MessageType::MsgAppend => {
-                for e in msg.get_entries() {
-                    inspect(e)?;
+        let kind = msg.get_msg_type();
+        match kind {
+            MessageType::MsgAppend => self.check_append(&msg)?,
+            MessageType::MsgHeartbeat => {
+                let last = self.node.raft.raft_log.last_index();
+                if msg.commit > last {
+                    return Err(ReplicationError::Refused(format!(
+                        "heartbeat commits index {} past this log's last, {last}",
+                        msg.commit
+                    )));
                 }
             }
-            MessageType::MsgSnapshot => {
-                return Err(ReplicationError::Refused(
-                    "snapshots are not supported yet".into(),
-                ))
-            }
-            // Requests only this replica's owner makes, never a peer.
-            MessageType::MsgPropose
-            | MessageType::MsgHup
-            | MessageType::MsgBeat
-            | MessageType::MsgUnreachable
-            | MessageType::MsgSnapStatus
-            | MessageType::MsgCheckQuorum => {
+            MessageType::MsgAppendResponse
+            | MessageType::MsgHeartbeatResponse
+            | MessageType::MsgRequestVote
+            | MessageType::MsgRequestVoteResponse
+            | MessageType::MsgRequestPreVote
+            | MessageType::MsgRequestPreVoteResponse => {}
+            // Snapshots are not supported yet; leadership transfer and
+            // forwarded reads are never used; the rest are the owner's own.
+            other => {
                 return Err(ReplicationError::Refused(format!(
-                    "{:?} is not a peer message",
-                    msg.get_msg_type()
+                    "{other:?} is not taken from a peer"
                 )))
             }
-            _ => {}
+        }
+        if kind != MessageType::MsgAppend && !msg.get_entries().is_empty() {
+            return Err(ReplicationError::Refused(format!(
+                "{kind:?} carries entries"
+            )));
         }
         self.node
             .step(msg)
             .map_err(|e| ReplicationError::Refused(e.to_string()))
+    }
+
+    fn check_append(&self, msg: &Message) -> Result<(), ReplicationError> {
+        let refuse = |why: String| Err(ReplicationError::Refused(why));
+        let mut prev_term = msg.log_term;
+        for (k, e) in msg.get_entries().iter().enumerate() {
+            if Some(e.index) != msg.index.checked_add(1 + k as u64) {
+                return refuse(format!(
+                    "append after index {} carries entry {} in place {k}",
+                    msg.index, e.index
+                ));
+            }
+            if e.term < prev_term || e.term > msg.term {
+                return refuse(format!(
+                    "entry {} has term {} after term {prev_term} in a term-{} append",
+                    e.index, e.term, msg.term
+                ));
+            }
+            prev_term = e.term;
+            inspect(e)?;
+        }
+        // Where this replica holds the entry the append follows (else Raft
+        // refuses the append itself), every entry must start where the log
+        // before it ends: refused here, never taken and then found wrong.
+        let raft_log = &self.node.raft.raft_log;
+        if raft_log.term(msg.index).ok() == Some(msg.log_term) {
+            if let Some(mut end) = self.end_at(msg.index) {
+                for e in msg.get_entries() {
+                    end = follow(e, end)?.1;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The offset after the entry at `index` in this replica's log, stable
+    /// or not yet persisted (`None` if the log does not reach it).
+    fn end_at(&self, index: u64) -> Option<u64> {
+        let unstable = &self.node.raft.raft_log.unstable;
+        if unstable.entries.is_empty() || index < unstable.offset {
+            return self.node.store().end_after(index);
+        }
+        let upto = (index - unstable.offset + 1) as usize;
+        let before = self.node.store().end_after(unstable.offset - 1)?;
+        let taken = unstable.entries.get(..upto)?;
+        Some(before + taken.iter().map(offsets_of).sum::<u64>())
     }
 
     /// The offset after the last entry of this replica's log, committed or
@@ -336,20 +406,7 @@ impl Replica {
                 return end;
             }
         }
-        let unstable = &raft_log.unstable;
-        let end = if unstable.entries.is_empty() {
-            self.node
-                .store()
-                .end_after(last)
-                .expect("last entry is stored")
-        } else {
-            let before = self
-                .node
-                .store()
-                .end_after(unstable.offset - 1)
-                .expect("unstable entries follow stored ones");
-            before + unstable.entries.iter().map(offsets_of).sum::<u64>()
-        };
+        let end = self.end_at(last).expect("the log reaches its last entry");
         self.tail = Some((last, last_term, end));
         end
     }
@@ -362,6 +419,11 @@ impl Replica {
         records: &[RecordIn],
     ) -> Result<Landed, ReplicationError> {
         self.refuse_unless_serving()?;
+        if records.is_empty() {
+            return Err(ReplicationError::Refused(
+                "a batch needs at least one record".into(),
+            ));
+        }
         format::check_records(records).map_err(ReplicationError::Refused)?;
         let base = self.log_end();
         let term = self.term();
@@ -387,6 +449,12 @@ impl Replica {
         for e in entries {
             body.clear();
             e.encode(&mut body);
+            if format::BATCH_HEADER_BYTES + body.len() > format::BATCH_MAX_BYTES as usize {
+                return Err(ReplicationError::Refused(format!(
+                    "a group entry of {} bytes is over the batch limit",
+                    body.len()
+                )));
+            }
             format::encode_group(&mut data, Offset(base), term, 0, &body);
         }
         self.propose(token, data, base, base)
@@ -420,8 +488,10 @@ impl Replica {
     }
 
     /// Ask for a read: answered with an [`Event::Read`] once a majority
-    /// confirmed this replica still leads and it has applied everything
-    /// committed when the read was asked.
+    /// confirmed, after it was asked, that this replica still leads, and
+    /// this replica has applied everything committed at that point. It is
+    /// settled `NotLeader` if leadership is lost first, `Timeout` if no
+    /// majority confirms within `read_timeout_ticks`.
     pub fn read(&mut self, token: u64) -> Result<(), ReplicationError> {
         self.refuse_unless_serving()?;
         let ctx = self.next_ctx;
@@ -459,7 +529,7 @@ impl Replica {
                 id => Some(id),
             };
             let leads = ss.raft_state == StateRole::Leader;
-            if leader != self.leader || !leads {
+            if leader != self.leader {
                 self.leader = leader;
                 events.push(Event::Leader {
                     leader,
@@ -558,16 +628,17 @@ impl Replica {
 
     fn settle_reads(&mut self, events: &mut Vec<Event>) {
         let (applied, ticks, timeout) = (self.applied, self.ticks, self.config.read_timeout_ticks);
-        let leader = self.leader();
         let mut i = 0;
         while i < self.reads.len() {
             let r = &self.reads[i];
             let result = match r.index {
                 Some(index) if index <= applied => Some(Ok(applied)),
-                _ if ticks.saturating_sub(r.asked_tick) > timeout => {
-                    Some(Err(ReplicationError::NotLeader { leader }))
+                // Confirmed: waits for this replica to apply that far.
+                Some(_) => None,
+                None if ticks.saturating_sub(r.asked_tick) > timeout => {
+                    Some(Err(ReplicationError::Timeout))
                 }
-                _ => None,
+                None => None,
             };
             match result {
                 Some(result) => {

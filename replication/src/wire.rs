@@ -17,7 +17,9 @@
 //! ```
 //!
 //! All integers little-endian. `flags` bit 0 is `reject`. Only the message
-//! types peers exchange are framed (no snapshots yet, no local-only types),
+//! types replicas exchange are framed: appends, heartbeats, votes and
+//! pre-votes and their responses (no snapshots yet; leadership transfer and
+//! forwarded reads are not used),
 //! and entries are normal entries without their own context. Decoding
 //! checks every length against the bytes that are there before using it,
 //! never panics, and hands out entry data as slices of the frame (no copy).
@@ -67,10 +69,6 @@ fn type_code(t: MessageType) -> Option<u8> {
         MsgRequestVoteResponse => 6,
         MsgHeartbeat => 8,
         MsgHeartbeatResponse => 9,
-        MsgTransferLeader => 13,
-        MsgTimeoutNow => 14,
-        MsgReadIndex => 15,
-        MsgReadIndexResp => 16,
         MsgRequestPreVote => 17,
         MsgRequestPreVoteResponse => 18,
         _ => return None,
@@ -86,10 +84,6 @@ fn type_from(code: u8) -> Option<MessageType> {
         6 => MsgRequestVoteResponse,
         8 => MsgHeartbeat,
         9 => MsgHeartbeatResponse,
-        13 => MsgTransferLeader,
-        14 => MsgTimeoutNow,
-        15 => MsgReadIndex,
-        16 => MsgReadIndexResp,
         17 => MsgRequestPreVote,
         18 => MsgRequestPreVoteResponse,
         _ => return None,
@@ -315,7 +309,7 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     const MAX: usize = 1 << 20;
-    const TYPES: [u8; 12] = [3, 4, 5, 6, 8, 9, 13, 14, 15, 16, 17, 18];
+    const TYPES: [u8; 8] = [3, 4, 5, 6, 8, 9, 17, 18];
 
     fn random_message(rng: &mut SmallRng) -> PeerMessage {
         let mut m = Message::default();

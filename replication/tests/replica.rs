@@ -138,3 +138,154 @@ fn a_malformed_append_from_a_peer_is_dropped_whole() {
     r.drain(&mut out, &mut events);
     assert_eq!(r.log().last(), 0);
 }
+
+#[test]
+fn an_empty_publish_is_refused_and_the_leader_keeps_serving() {
+    let (mut r, _) = lone_leader();
+    assert!(matches!(
+        r.propose_records(1, &[]),
+        Err(ReplicationError::Refused(_))
+    ));
+    let (mut out, mut events) = (Vec::new(), Vec::new());
+    r.drain(&mut out, &mut events);
+    assert!(r.serving());
+    r.propose_records(2, &[record(b"after")]).unwrap();
+    r.drain(&mut out, &mut events);
+    assert!(events.iter().any(|e| matches!(
+        e,
+        Event::Acked {
+            token: 2,
+            result: Ok(_)
+        }
+    )));
+}
+
+fn records_entry(index: u64, term: u64, base: u64) -> Entry {
+    let mut data = Vec::new();
+    felix_engine::format::encode_records(&mut data, Offset(base), term, 0, &[record(b"r")]);
+    Entry {
+        index,
+        term,
+        data: data.into(),
+        ..Entry::default()
+    }
+}
+
+fn generation_entry(index: u64, term: u64) -> Entry {
+    Entry {
+        index,
+        term,
+        ..Entry::default()
+    }
+}
+
+fn append_from_1(index: u64, log_term: u64, entries: Vec<Entry>) -> Message {
+    let mut m = Message::default();
+    m.set_msg_type(MessageType::MsgAppend);
+    m.from = 1;
+    m.to = 2;
+    m.term = 1;
+    m.index = index;
+    m.log_term = log_term;
+    m.entries = entries.into();
+    m
+}
+
+#[test]
+fn an_append_at_the_wrong_offset_is_refused_before_raft_takes_it() {
+    let mut r = Replica::open(ReplicaConfig::new(2), ReplicaLog::new(&[1, 2, 3])).unwrap();
+    // Offset 5 where the log would end at 1.
+    let bad = append_from_1(0, 0, vec![generation_entry(1, 1), records_entry(2, 1, 5)]);
+    assert!(matches!(r.step(bad), Err(ReplicationError::Refused(_))));
+    let good = append_from_1(0, 0, vec![generation_entry(1, 1), records_entry(2, 1, 1)]);
+    r.step(good).unwrap();
+    let (mut out, mut events) = (Vec::new(), Vec::new());
+    r.drain(&mut out, &mut events);
+    assert_eq!((r.log().last(), r.log().end()), (2, 2));
+    // Following on from what it holds (unpersisted or not), the next
+    // entry must start at 2.
+    let next_bad = append_from_1(2, 1, vec![records_entry(3, 1, 3)]);
+    assert!(matches!(
+        r.step(next_bad),
+        Err(ReplicationError::Refused(_))
+    ));
+    r.step(append_from_1(2, 1, vec![records_entry(3, 1, 2)]))
+        .unwrap();
+    r.drain(&mut out, &mut events);
+    assert_eq!((r.log().last(), r.log().end()), (3, 3));
+}
+
+#[test]
+fn forged_messages_that_would_panic_raft_are_refused() {
+    let mut r = Replica::open(ReplicaConfig::new(2), ReplicaLog::new(&[1, 2, 3])).unwrap();
+    let refused = |r: &mut Replica, m: Message, what: &str| {
+        assert!(
+            matches!(r.step(m), Err(ReplicationError::Refused(_))),
+            "{what} was taken"
+        );
+    };
+    // A gap between entries, an entry at index 0, entries far ahead.
+    refused(
+        &mut r,
+        append_from_1(0, 0, vec![generation_entry(1, 1), generation_entry(3, 1)]),
+        "a gap",
+    );
+    refused(
+        &mut r,
+        append_from_1(0, 0, vec![generation_entry(0, 1)]),
+        "index 0",
+    );
+    refused(
+        &mut r,
+        append_from_1(0, 0, vec![generation_entry(9, 1)]),
+        "a far entry",
+    );
+    // Terms out of order, or past the message's own term.
+    refused(
+        &mut r,
+        append_from_1(0, 0, vec![generation_entry(1, 1), generation_entry(2, 0)]),
+        "falling terms",
+    );
+    refused(
+        &mut r,
+        append_from_1(0, 0, vec![generation_entry(1, 7)]),
+        "a future term",
+    );
+    // A heartbeat committing past the log.
+    let mut hb = Message::default();
+    hb.set_msg_type(MessageType::MsgHeartbeat);
+    hb.from = 1;
+    hb.to = 2;
+    hb.term = 1;
+    hb.commit = 100;
+    refused(&mut r, hb.clone(), "a heartbeat past the log");
+    // Entries on a heartbeat; from itself; types never taken from peers.
+    hb.commit = 0;
+    hb.entries = vec![generation_entry(1, 1)].into();
+    refused(&mut r, hb.clone(), "entries on a heartbeat");
+    hb.entries.clear();
+    hb.from = 2;
+    refused(&mut r, hb.clone(), "a message from itself");
+    for t in [
+        MessageType::MsgTimeoutNow,
+        MessageType::MsgReadIndex,
+        MessageType::MsgReadIndexResp,
+        MessageType::MsgTransferLeader,
+        MessageType::MsgSnapshot,
+        MessageType::MsgPropose,
+        MessageType::MsgHup,
+    ] {
+        let mut m = Message::default();
+        m.set_msg_type(t);
+        m.from = 1;
+        m.to = 2;
+        m.term = 1;
+        refused(&mut r, m, &format!("{t:?}"));
+    }
+    // Still a working follower.
+    r.step(append_from_1(0, 0, vec![generation_entry(1, 1)]))
+        .unwrap();
+    let (mut out, mut events) = (Vec::new(), Vec::new());
+    r.drain(&mut out, &mut events);
+    assert_eq!(r.log().last(), 1);
+}
