@@ -9,13 +9,15 @@
 //! and first offset, and a new leader's empty entry is the shard's
 //! generation-start record.
 //!
-//! Stage one (this crate today) is the replica itself, with its log in
-//! memory ([`ReplicaLog`]) and a deterministic simulation of a three-replica
-//! shard under crashes, partitions and lost messages (`tests/cluster_sim.rs`).
-//! The broker does not use it yet: see `README.md` in this folder for what
-//! comes next.
+//! Built so far: the replica itself, with its log in memory
+//! ([`ReplicaLog`]) and a deterministic simulation of a three-replica shard
+//! under crashes, partitions and lost messages (`tests/cluster_sim.rs`); the
+//! peer wire format ([`wire`]); and [`host::Host`], which drives a core's
+//! replicas over TCP on its glommio executor. The broker does not use it
+//! yet: see `README.md` in this folder for what comes next.
 
 pub mod entry;
+pub mod host;
 mod log;
 mod replica;
 pub mod wire;
