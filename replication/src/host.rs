@@ -8,25 +8,36 @@
 //!   it drains every replica once, sends **one frame per peer** holding all
 //!   of that pass's messages for it (heartbeats and appends of every group
 //!   together), and settles the owner's waiting proposals and reads;
-//! * links: one outgoing connection per peer, reconnecting with backoff
-//!   (frames queued while it is down are dropped beyond a small bound —
-//!   Raft sends again what matters), and a reader per incoming connection
-//!   that decodes frames and steps the replicas they are for.
+//! * links: one outgoing connection per peer, reconnecting with backoff and
+//!   a timeout on connecting and on each write (frames queued past a byte
+//!   bound, or while the link is down, are dropped and the peer reported
+//!   unreachable to every replica, so leaders probe it again instead of
+//!   waiting on appends that never arrived), and a reader per incoming
+//!   connection (at most `max_inbound` at once, each closed after
+//!   `idle_timeout` without a byte) that decodes frames and steps the
+//!   replicas they are for.
 //!
 //! Nothing here crosses cores: core *i* of a broker talks to core *i* of
 //! its peers. The log is still the in-memory [`ReplicaLog`] (stage two
 //! puts it on the shard's segment files), so a host that stops loses its
 //! replicas' state: this is the transport and the event loop, tested with
-//! three hosts over loopback TCP.
+//! three hosts over loopback TCP. A host must not be restarted under the
+//! same id with an empty log (Raft's vote and acknowledged entries would be
+//! forgotten); that waits for stage two's durable log.
+//!
+//! The tasks hold the host weakly: dropping the last `Host` handle stops
+//! them as `close` does. `publish` and `read` have no timeout of their own
+//! (a deposed leader's proposal settles only once its index is applied);
+//! callers bound them.
 
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
-use std::rc::Rc;
+use std::rc::{Rc, Weak};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
-use felix_engine::format::RecordIn;
+use bytes::Bytes;
+use felix_engine::format::{self, RecordIn};
 use felix_engine::notify::WaitList;
 use futures_lite::{AsyncReadExt, AsyncWriteExt};
 use glommio::channels::local_channel::{self, LocalSender};
@@ -35,7 +46,10 @@ use glommio::Task;
 
 use crate::log::ReplicaLog;
 use crate::replica::{Applied, Event, Landed, Replica, ReplicaConfig, ReplicationError};
-use crate::wire::{decode_frame, encode_frame, frame_len, PeerMessage};
+use crate::wire::{
+    decode_frame, encode_frame, frame_len, framed_len, PeerMessage, FRAME_HEADER_BYTES,
+    FRAME_MAX_MESSAGES,
+};
 use crate::Message;
 
 /// How a host runs.
@@ -48,10 +62,18 @@ pub struct HostConfig {
     pub peers: BTreeMap<u64, SocketAddr>,
     /// One replica tick.
     pub tick: Duration,
-    /// Largest frame sent or taken.
+    /// Largest frame sent or taken (at most 4 GiB; at least room for a
+    /// full append of `replica.max_append_bytes`).
     pub max_frame: usize,
-    /// Frames kept for a peer whose connection is down.
-    pub max_queued_frames: usize,
+    /// Bytes of frames queued for one peer before the oldest are dropped.
+    pub max_queued_bytes: usize,
+    /// Connecting to a peer, and each write to it, gives up after this.
+    pub io_timeout: Duration,
+    /// An incoming connection without a byte for this long is closed
+    /// (a live peer sends heartbeats every few ticks).
+    pub idle_timeout: Duration,
+    /// Incoming connections served at once.
+    pub max_inbound: usize,
     /// Replica settings (the id is set per host).
     pub replica: ReplicaConfig,
 }
@@ -63,7 +85,10 @@ impl HostConfig {
             peers,
             tick: Duration::from_millis(10),
             max_frame: 64 << 20,
-            max_queued_frames: 64,
+            max_queued_bytes: 64 << 20,
+            io_timeout: Duration::from_secs(2),
+            idle_timeout: Duration::from_secs(10),
+            max_inbound: 64,
             replica: ReplicaConfig::new(id),
         }
     }
@@ -83,7 +108,47 @@ enum Settle {
 
 struct Link {
     queue: RefCell<VecDeque<Bytes>>,
+    queued_bytes: Cell<usize>,
     ready: WaitList,
+    /// Frames were lost (dropped, or the connection failed): the next pass
+    /// reports the peer unreachable to every replica.
+    lost: Cell<bool>,
+    /// Frames or messages dropped so far (not counting a failed write).
+    dropped: Cell<u64>,
+}
+
+impl Link {
+    fn push(&self, frame: Bytes, max_bytes: usize) {
+        let mut q = self.queue.borrow_mut();
+        self.queued_bytes.set(self.queued_bytes.get() + frame.len());
+        q.push_back(frame);
+        while self.queued_bytes.get() > max_bytes && q.len() > 1 {
+            let old = q.pop_front().expect("more than one queued");
+            self.queued_bytes.set(self.queued_bytes.get() - old.len());
+            self.drop_one();
+        }
+        drop(q);
+        self.ready.wake_all();
+    }
+
+    fn pop(&self) -> Option<Bytes> {
+        let f = self.queue.borrow_mut().pop_front()?;
+        self.queued_bytes.set(self.queued_bytes.get() - f.len());
+        Some(f)
+    }
+
+    fn drop_one(&self) {
+        self.lost.set(true);
+        self.dropped.set(self.dropped.get() + 1);
+    }
+
+    fn clear(&self) {
+        for _ in 0..self.queue.borrow().len() {
+            self.drop_one();
+        }
+        self.queue.borrow_mut().clear();
+        self.queued_bytes.set(0);
+    }
 }
 
 struct Inner {
@@ -94,7 +159,7 @@ struct Inner {
     links: BTreeMap<u64, Rc<Link>>,
     /// Something happened since the last pass.
     dirty: Cell<bool>,
-    wake_pass: WaitList,
+    wake_pass: Rc<WaitList>,
     on_applied: RefCell<ApplyHook>,
     tasks: RefCell<Vec<Task<()>>>,
     closed: Cell<bool>,
@@ -109,15 +174,33 @@ pub struct Host {
 impl Host {
     /// Start a host on the current glommio executor, serving `listener`
     /// (this core's replication port), with one replica per group in
-    /// `groups` (group id → its voters, this host among them).
+    /// `groups` (group id → its voters, this host among them, and every
+    /// other one in `config.peers`).
     pub fn start(
         config: HostConfig,
         listener: TcpListener,
         groups: &[(u64, Vec<u64>)],
         on_applied: ApplyHook,
     ) -> Result<Host, ReplicationError> {
+        let bad = |why: String| Err(ReplicationError::Stopped(format!("host config: {why}")));
+        if config.max_frame > u32::MAX as usize {
+            return bad(format!("max_frame {} is over 4 GiB", config.max_frame));
+        }
+        if (config.replica.max_append_bytes as usize).saturating_add(FRAME_SLACK) > config.max_frame
+        {
+            return bad(format!(
+                "max_frame {} has no room for an append of {} bytes",
+                config.max_frame, config.replica.max_append_bytes
+            ));
+        }
         let mut replicas = BTreeMap::new();
         for (group, voters) in groups {
+            if let Some(v) = voters
+                .iter()
+                .find(|&&v| v != config.id && !config.peers.contains_key(&v))
+            {
+                return bad(format!("group {group}: no address for voter {v}"));
+            }
             let mut rc = config.replica.clone();
             rc.id = config.id;
             replicas.insert(*group, Replica::open(rc, ReplicaLog::new(voters))?);
@@ -130,7 +213,10 @@ impl Host {
                     p,
                     Rc::new(Link {
                         queue: RefCell::new(VecDeque::new()),
+                        queued_bytes: Cell::new(0),
                         ready: WaitList::new(),
+                        lost: Cell::new(false),
+                        dropped: Cell::new(0),
                     }),
                 )
             })
@@ -143,22 +229,24 @@ impl Host {
                 next_token: Cell::new(1),
                 links,
                 dirty: Cell::new(false),
-                wake_pass: WaitList::new(),
+                wake_pass: Rc::new(WaitList::new()),
                 on_applied: RefCell::new(on_applied),
                 tasks: RefCell::new(Vec::new()),
                 closed: Cell::new(false),
             }),
         };
-        let mut tasks = Vec::new();
-        tasks.push(glommio::spawn_local(host.clone().run_ticker()));
-        tasks.push(glommio::spawn_local(host.clone().run_passes()));
-        tasks.push(glommio::spawn_local(host.clone().run_listener(listener)));
+        let weak = Rc::downgrade(&host.inner);
+        let mut tasks = vec![
+            glommio::spawn_local(run_ticker(weak.clone())),
+            glommio::spawn_local(run_passes(weak.clone())),
+            glommio::spawn_local(run_listener(weak, listener)),
+        ];
         for (&peer, link) in &host.inner.links {
-            let addr = host.inner.config.peers[&peer];
+            let c = &host.inner.config;
             tasks.push(glommio::spawn_local(run_link(
-                addr,
+                c.peers[&peer],
                 link.clone(),
-                host.inner.config.max_frame,
+                c.io_timeout,
             )));
         }
         host.inner.tasks.borrow_mut().extend(tasks);
@@ -170,33 +258,37 @@ impl Host {
     }
 
     /// Does this host's replica of `group` serve (lead, with its
-    /// generation start applied)?
+    /// generation start applied)? Never after `close`.
     pub fn serving(&self, group: u64) -> bool {
-        self.inner
-            .replicas
-            .borrow()
-            .get(&group)
-            .is_some_and(Replica::serving)
+        !self.inner.closed.get()
+            && self
+                .inner
+                .replicas
+                .borrow()
+                .get(&group)
+                .is_some_and(Replica::serving)
     }
 
-    /// Who leads `group`, as this host's replica knows.
+    /// Who leads `group`, as this host's replica knows (`None` after
+    /// `close`).
     pub fn leader(&self, group: u64) -> Option<u64> {
+        if self.inner.closed.get() {
+            return None;
+        }
         self.inner.replicas.borrow().get(&group)?.leader()
+    }
+
+    /// Frames (or single messages too large for one) dropped for any peer
+    /// so far: queued past the byte bound, queued while its link was down,
+    /// or unframeable.
+    pub fn frames_dropped(&self) -> u64 {
+        self.inner.links.values().map(|l| l.dropped.get()).sum()
     }
 
     /// Stop: every task ends, every connection closes, waiting callers
     /// are told the host stopped.
     pub fn close(&self) {
-        self.inner.closed.set(true);
-        self.inner.tasks.borrow_mut().clear();
-        for (_, tx) in self.inner.waiting.borrow_mut().drain() {
-            let _ = tx.try_send(Err(ReplicationError::Stopped("host closed".into())));
-        }
-    }
-
-    fn kick(&self) {
-        self.inner.dirty.set(true);
-        self.inner.wake_pass.wake_all();
+        self.inner.close();
     }
 
     async fn settle(
@@ -218,19 +310,27 @@ impl Host {
         }
         let (tx, rx) = local_channel::new_bounded(1);
         self.inner.waiting.borrow_mut().insert(token, tx);
-        self.kick();
+        self.inner.kick();
         rx.recv()
             .await
             .unwrap_or(Err(ReplicationError::Stopped("host closed".into())))
     }
 
     /// Publish a batch of records to `group` through this host's replica;
-    /// resolves once committed on a majority and applied here.
+    /// resolves once committed on a majority and applied here. A batch too
+    /// large to be sent to a peer in one frame is refused.
     pub async fn publish(
         &self,
         group: u64,
         records: &[RecordIn],
     ) -> Result<Landed, ReplicationError> {
+        let len = format::records_batch_len(records);
+        if len.saturating_add(FRAME_SLACK) > self.inner.config.max_frame {
+            return Err(ReplicationError::Refused(format!(
+                "a batch of {len} bytes does not fit a {}-byte replication frame",
+                self.inner.config.max_frame
+            )));
+        }
         match self
             .settle(group, |r, t| r.propose_records(t, records).map(|_| ()))
             .await?
@@ -248,142 +348,92 @@ impl Host {
             Settle::Landed(_) => unreachable!("a read settles as read"),
         }
     }
+}
 
-    async fn run_ticker(self) {
-        loop {
-            glommio::timer::sleep(self.inner.config.tick).await;
-            for r in self.inner.replicas.borrow_mut().values_mut() {
-                r.tick();
-            }
-            self.kick();
+/// Room a frame needs besides its entries' data: the frame header, one
+/// message's fixed part and its context, one entry's fixed part.
+const FRAME_SLACK: usize = 64 << 10;
+
+impl Inner {
+    fn close(&self) {
+        self.closed.set(true);
+        // Dropping a task cancels it (and what it owns: connections,
+        // readers).
+        let tasks = std::mem::take(&mut *self.tasks.borrow_mut());
+        drop(tasks);
+        for (_, tx) in self.waiting.borrow_mut().drain() {
+            let _ = tx.try_send(Err(ReplicationError::Stopped("host closed".into())));
         }
     }
 
-    async fn run_passes(self) {
-        let mut out: Vec<Message> = Vec::new();
-        let mut events = Vec::new();
-        let mut by_peer: BTreeMap<u64, Vec<PeerMessage>> = BTreeMap::new();
-        loop {
-            while !self.inner.dirty.get() {
-                let w = self.inner.wake_pass.wait();
-                if self.inner.dirty.get() {
-                    break;
-                }
-                w.await;
-            }
-            self.inner.dirty.set(false);
-            let groups: Vec<u64> = self.inner.replicas.borrow().keys().copied().collect();
-            for group in groups {
-                if let Some(r) = self.inner.replicas.borrow_mut().get_mut(&group) {
-                    r.drain(&mut out, &mut events);
-                }
-                for m in out.drain(..) {
-                    by_peer
-                        .entry(m.to)
-                        .or_default()
-                        .push(PeerMessage { group, message: m });
-                }
-                for e in events.drain(..) {
-                    self.on_event(group, e);
-                }
-            }
-            for (peer, msgs) in std::mem::take(&mut by_peer) {
-                let Some(link) = self.inner.links.get(&peer) else {
-                    continue;
-                };
-                let mut frame = Vec::new();
-                match encode_frame(&msgs, self.inner.config.max_frame, &mut frame) {
-                    Ok(()) => {
-                        let mut q = link.queue.borrow_mut();
-                        q.push_back(Bytes::from(frame));
-                        while q.len() > self.inner.config.max_queued_frames {
-                            q.pop_front();
-                        }
-                        drop(q);
-                        link.ready.wake_all();
-                    }
-                    Err(e) => tracing::warn!(peer, "replication frame not sent: {e}"),
-                }
-            }
-            // Let ticks, readers and callers in between passes.
-            glommio::yield_if_needed().await;
-        }
+    fn kick(&self) {
+        self.dirty.set(true);
+        self.wake_pass.wake_all();
     }
 
     fn on_event(&self, group: u64, e: Event) {
         let settle = |token: u64, s: Settled| {
-            if let Some(tx) = self.inner.waiting.borrow_mut().remove(&token) {
+            if let Some(tx) = self.waiting.borrow_mut().remove(&token) {
                 let _ = tx.try_send(s);
             }
         };
         match e {
-            Event::Applied(a) => (self.inner.on_applied.borrow_mut())(group, &a),
+            Event::Applied(a) => (self.on_applied.borrow_mut())(group, &a),
             Event::Acked { token, result } => settle(token, result.map(Settle::Landed)),
             Event::Read { token, result } => settle(token, result.map(Settle::Read)),
             Event::Leader { .. } => {}
         }
     }
 
-    async fn run_listener(self, listener: TcpListener) {
-        // Readers end with their connection; they are kept (and so end
-        // with this task when the host closes) until then.
-        let mut readers: Vec<(Rc<Cell<bool>>, Task<()>)> = Vec::new();
-        loop {
-            match listener.accept().await {
-                Ok(stream) => {
-                    readers.retain(|(done, _)| !done.get());
-                    let done = Rc::new(Cell::new(false));
-                    let reader = self.clone().run_reader(stream);
-                    let flag = done.clone();
-                    let task = glommio::spawn_local(async move {
-                        reader.await;
-                        flag.set(true);
-                    });
-                    readers.push((done, task));
-                }
+    /// Queue `msgs` for `peer` in as many frames as the limits need; a
+    /// message that cannot be framed alone is dropped (and the peer
+    /// reported unreachable next pass).
+    fn send(&self, peer: u64, msgs: Vec<PeerMessage>) {
+        let Some(link) = self.links.get(&peer) else {
+            return;
+        };
+        let (max_frame, max_queued) = (self.config.max_frame, self.config.max_queued_bytes);
+        let mut pending: Vec<PeerMessage> = Vec::new();
+        let mut pending_len = FRAME_HEADER_BYTES;
+        let flush = |pending: &mut Vec<PeerMessage>| {
+            if pending.is_empty() {
+                return;
+            }
+            let mut frame = Vec::new();
+            match encode_frame(pending, max_frame, &mut frame) {
+                Ok(()) => link.push(Bytes::from(frame), max_queued),
                 Err(e) => {
-                    tracing::warn!("replication listener: {e}");
-                    glommio::timer::sleep(Duration::from_millis(50)).await;
+                    tracing::warn!(peer, "replication frame not sent: {e}");
+                    link.drop_one();
                 }
             }
-        }
-    }
-
-    async fn run_reader(self, mut stream: TcpStream) {
-        let max = self.inner.config.max_frame;
-        let mut buf = BytesMut::with_capacity(64 << 10);
-        let mut chunk = vec![0u8; 64 << 10];
-        loop {
-            // Take every whole frame buffered.
-            loop {
-                let len = match frame_len(&buf, max) {
-                    Ok(Some(len)) if buf.len() >= len => len,
-                    Ok(_) => break,
-                    Err(e) => {
-                        tracing::warn!("replication peer sent a bad frame: {e}; closing");
-                        return;
-                    }
-                };
-                let frame = buf.split_to(len).freeze();
-                match decode_frame(&frame, max) {
-                    Ok(Some((msgs, _))) => self.deliver(msgs),
-                    Ok(None) => unreachable!("the whole frame is there"),
-                    Err(e) => {
-                        tracing::warn!("replication peer sent a bad frame: {e}; closing");
-                        return;
-                    }
-                }
+            pending.clear();
+        };
+        for m in msgs {
+            let len = framed_len(&m.message);
+            if len + FRAME_HEADER_BYTES > max_frame {
+                tracing::warn!(
+                    peer,
+                    group = m.group,
+                    len,
+                    "replication message over the frame limit, dropped"
+                );
+                link.drop_one();
+                continue;
             }
-            match stream.read(&mut chunk).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            if pending_len + len > max_frame || pending.len() == FRAME_MAX_MESSAGES {
+                flush(&mut pending);
+                pending_len = FRAME_HEADER_BYTES;
             }
+            pending_len += len;
+            pending.push(m);
         }
+        flush(&mut pending);
     }
 
     fn deliver(&self, msgs: Vec<PeerMessage>) {
         {
-            let mut replicas = self.inner.replicas.borrow_mut();
+            let mut replicas = self.replicas.borrow_mut();
             for pm in msgs {
                 match replicas.get_mut(&pm.group) {
                     Some(r) => {
@@ -399,27 +449,173 @@ impl Host {
     }
 }
 
+async fn run_ticker(host: Weak<Inner>) {
+    loop {
+        let tick = match host.upgrade() {
+            Some(h) => h.config.tick,
+            None => return,
+        };
+        glommio::timer::sleep(tick).await;
+        let Some(h) = host.upgrade() else {
+            return;
+        };
+        for r in h.replicas.borrow_mut().values_mut() {
+            r.tick();
+        }
+        h.kick();
+    }
+}
+
+async fn run_passes(host: Weak<Inner>) {
+    let mut out: Vec<Message> = Vec::new();
+    let mut events = Vec::new();
+    let mut by_peer: BTreeMap<u64, Vec<PeerMessage>> = BTreeMap::new();
+    loop {
+        {
+            let Some(h) = host.upgrade() else {
+                return;
+            };
+            if !h.dirty.get() {
+                // Wait without holding the host, so dropping its last
+                // handle still ends this task.
+                let wake = h.wake_pass.clone();
+                let w = wake.wait();
+                drop(h);
+                w.await;
+                continue;
+            }
+            h.dirty.set(false);
+            // Links that lost frames since the last pass: Raft hears of it.
+            for (&peer, link) in &h.links {
+                if link.lost.replace(false) {
+                    for r in h.replicas.borrow_mut().values_mut() {
+                        r.report_unreachable(peer);
+                    }
+                }
+            }
+            let groups: Vec<u64> = h.replicas.borrow().keys().copied().collect();
+            for group in groups {
+                if let Some(r) = h.replicas.borrow_mut().get_mut(&group) {
+                    r.drain(&mut out, &mut events);
+                }
+                for m in out.drain(..) {
+                    by_peer
+                        .entry(m.to)
+                        .or_default()
+                        .push(PeerMessage { group, message: m });
+                }
+                for e in events.drain(..) {
+                    h.on_event(group, e);
+                }
+            }
+            for (peer, msgs) in std::mem::take(&mut by_peer) {
+                h.send(peer, msgs);
+            }
+        }
+        // Let ticks, readers and callers in between passes.
+        glommio::yield_if_needed().await;
+    }
+}
+
+async fn run_listener(host: Weak<Inner>, listener: TcpListener) {
+    // Readers end with their connection; they are kept (and so end with
+    // this task when the host closes) until then.
+    let mut readers: Vec<(Rc<Cell<bool>>, Task<()>)> = Vec::new();
+    loop {
+        let stream = listener.accept().await;
+        let Some(h) = host.upgrade() else {
+            return;
+        };
+        match stream {
+            Ok(stream) => {
+                readers.retain(|(done, _)| !done.get());
+                if readers.len() >= h.config.max_inbound {
+                    tracing::warn!(
+                        "replication listener: {} connections already, refusing one",
+                        readers.len()
+                    );
+                    continue;
+                }
+                let _ = stream.set_read_timeout(Some(h.config.idle_timeout));
+                let done = Rc::new(Cell::new(false));
+                let flag = done.clone();
+                let reader = run_reader(host.clone(), stream, h.config.max_frame);
+                let task = glommio::spawn_local(async move {
+                    reader.await;
+                    flag.set(true);
+                });
+                readers.push((done, task));
+            }
+            Err(e) => {
+                drop(h);
+                tracing::warn!("replication listener: {e}");
+                glommio::timer::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// Read frames from one peer connection until it closes, idles out or
+/// sends a bad frame. Each frame gets its own buffer of exactly its length,
+/// so entries kept in the log pin nothing else.
+async fn run_reader(host: Weak<Inner>, mut stream: TcpStream, max: usize) {
+    let mut buf: Vec<u8> = Vec::with_capacity(64 << 10);
+    let mut chunk = vec![0u8; 64 << 10];
+    loop {
+        // Take every whole frame buffered.
+        loop {
+            let len = match frame_len(&buf, max) {
+                Ok(Some(len)) if buf.len() >= len => len,
+                Ok(_) => break,
+                Err(e) => {
+                    tracing::warn!("replication peer sent a bad frame: {e}; closing");
+                    return;
+                }
+            };
+            let frame = Bytes::copy_from_slice(&buf[..len]);
+            buf.drain(..len);
+            match decode_frame(&frame, max) {
+                Ok(Some((msgs, _))) => match host.upgrade() {
+                    Some(h) => h.deliver(msgs),
+                    None => return,
+                },
+                Ok(None) => unreachable!("the whole frame is there"),
+                Err(e) => {
+                    tracing::warn!("replication peer sent a bad frame: {e}; closing");
+                    return;
+                }
+            }
+        }
+        match stream.read(&mut chunk).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+        glommio::yield_if_needed().await;
+    }
+}
+
 /// One peer's outgoing connection: connect (again, with backoff), then
-/// write whatever frames are queued.
-async fn run_link(addr: SocketAddr, link: Rc<Link>, _max_frame: usize) {
+/// write whatever frames are queued. Frames queued while it is down are
+/// dropped (Raft sends again what matters once told the peer was lost).
+async fn run_link(addr: SocketAddr, link: Rc<Link>, io_timeout: Duration) {
     let mut backoff = Duration::from_millis(20);
     loop {
-        let mut stream = match TcpStream::connect(addr).await {
+        let mut stream = match TcpStream::connect_timeout(addr, io_timeout).await {
             Ok(s) => {
                 backoff = Duration::from_millis(20);
                 let _ = s.set_nodelay(true);
+                let _ = s.set_write_timeout(Some(io_timeout));
                 s
             }
             Err(_) => {
-                link.queue.borrow_mut().clear();
+                link.clear();
                 glommio::timer::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(1));
                 continue;
             }
         };
         loop {
-            let next = link.queue.borrow_mut().pop_front();
-            let Some(frame) = next else {
+            let Some(frame) = link.pop() else {
                 let w = link.ready.wait();
                 if link.queue.borrow().is_empty() {
                     w.await;
@@ -427,6 +623,7 @@ async fn run_link(addr: SocketAddr, link: Rc<Link>, _max_frame: usize) {
                 continue;
             };
             if stream.write_all(&frame).await.is_err() {
+                link.lost.set(true);
                 break;
             }
         }

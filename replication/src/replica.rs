@@ -284,6 +284,15 @@ impl Replica {
         Ok(())
     }
 
+    /// Tell Raft a message to `peer` may have been lost (its connection
+    /// failed or its queue overflowed): the leader goes back to probing it
+    /// instead of waiting on a window of appends that never arrived.
+    pub fn report_unreachable(&mut self, peer: u64) {
+        if self.stopped.is_none() {
+            self.node.report_unreachable(peer);
+        }
+    }
+
     /// One tick of the owner's clock.
     pub fn tick(&mut self) {
         self.ticks += 1;
@@ -303,7 +312,7 @@ impl Replica {
     /// Raft does not defend against a peer that lies (a false append
     /// response can make a leader commit what no majority holds): peers
     /// must be authenticated brokers of the cluster.
-    pub fn step(&mut self, msg: Message) -> Result<(), ReplicationError> {
+    pub fn step(&mut self, mut msg: Message) -> Result<(), ReplicationError> {
         if let Some(why) = &self.stopped {
             return Err(ReplicationError::Stopped(why.clone()));
         }
@@ -318,16 +327,23 @@ impl Replica {
         match kind {
             MessageType::MsgAppend => self.check_append(&msg)?,
             MessageType::MsgHeartbeat => {
+                // An honest leader commits no further than it knows this
+                // log matches; raft-rs panics on more. Clamped rather than
+                // refused, so the heartbeat still resets the election timer
+                // and names the leader.
                 let last = self.node.raft.raft_log.last_index();
-                if msg.commit > last {
+                msg.commit = msg.commit.min(last);
+            }
+            MessageType::MsgAppendResponse => {
+                let last = self.node.raft.raft_log.last_index();
+                if !msg.reject && msg.index > last {
                     return Err(ReplicationError::Refused(format!(
-                        "heartbeat commits index {} past this log's last, {last}",
-                        msg.commit
+                        "append response acknowledges index {} past this log's last, {last}",
+                        msg.index
                     )));
                 }
             }
-            MessageType::MsgAppendResponse
-            | MessageType::MsgHeartbeatResponse
+            MessageType::MsgHeartbeatResponse
             | MessageType::MsgRequestVote
             | MessageType::MsgRequestVoteResponse
             | MessageType::MsgRequestPreVote
@@ -352,6 +368,12 @@ impl Replica {
 
     fn check_append(&self, msg: &Message) -> Result<(), ReplicationError> {
         let refuse = |why: String| Err(ReplicationError::Refused(why));
+        // raft-rs takes the term of an index past the log as 0, so an
+        // append "following" such an index at term 0 would match and make
+        // it panic. Only index 0 has term 0.
+        if msg.log_term == 0 && msg.index != 0 {
+            return refuse(format!("append follows index {} at term 0", msg.index));
+        }
         let mut prev_term = msg.log_term;
         for (k, e) in msg.get_entries().iter().enumerate() {
             if Some(e.index) != msg.index.checked_add(1 + k as u64) {

@@ -90,6 +90,16 @@ fn type_from(code: u8) -> Option<MessageType> {
     })
 }
 
+/// Bytes `m` takes in a frame (without the frame's header).
+pub fn framed_len(m: &Message) -> usize {
+    MESSAGE_FIXED_BYTES
+        + m.context.len()
+        + m.get_entries()
+            .iter()
+            .map(|e| ENTRY_FIXED_BYTES + e.data.len())
+            .sum::<usize>()
+}
+
 /// Append one frame holding `messages` to `out`. Refuses (and appends
 /// nothing) a message of a type peers do not exchange, one carrying a
 /// snapshot, an entry that is not normal or has a context, or a frame of
@@ -125,6 +135,7 @@ pub fn encode_frame(
             len += ENTRY_FIXED_BYTES + e.data.len();
         }
     }
+    let max_frame = max_frame.min(u32::MAX as usize);
     if len > max_frame {
         return Err(WireError::TooLarge {
             len,

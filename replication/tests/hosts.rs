@@ -134,3 +134,117 @@ fn three_hosts_replicate_over_tcp_and_a_new_leader_carries_on() {
         .join()
         .unwrap();
 }
+
+/// Three hosts with `configure` applied to each config.
+fn three_hosts(configure: impl Fn(&mut HostConfig)) -> Vec<Host> {
+    let listeners: Vec<TcpListener> = (0..3)
+        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+    listeners
+        .into_iter()
+        .enumerate()
+        .map(|(i, listener)| {
+            let peers = (0..3)
+                .filter(|&j| j != i)
+                .map(|j| (j as u64 + 1, addrs[j]))
+                .collect();
+            let mut config = HostConfig::new(i as u64 + 1, peers);
+            config.tick = Duration::from_millis(5);
+            configure(&mut config);
+            Host::start(
+                config,
+                listener,
+                &[(GROUP, vec![1, 2, 3])],
+                Box::new(|_, _| {}),
+            )
+            .unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn appends_larger_than_one_frame_together_are_split_across_frames() {
+    LocalExecutorBuilder::new(Placement::Unbound)
+        .spawn(|| async move {
+            // A frame holds one 1 MiB append and little more, so eight
+            // 400 KiB batches in flight need several frames a pass.
+            let hosts = three_hosts(|c| {
+                c.max_frame = (1 << 20) + (64 << 10);
+                c.replica.max_append_bytes = 1 << 20;
+            });
+            let leader = until("a leader", || hosts.iter().position(|h| h.serving(GROUP))).await;
+            let big = Rc::new(RecordIn {
+                payload: Bytes::from(vec![1u8; 400 << 10]),
+                ..RecordIn::default()
+            });
+            let mut tasks = Vec::new();
+            for _ in 0..8 {
+                let (h, big) = (hosts[leader].clone(), big.clone());
+                tasks.push(glommio::spawn_local(async move {
+                    glommio::timer::timeout(Duration::from_secs(20), async {
+                        Ok(h.publish(GROUP, &[(*big).clone()]).await)
+                    })
+                    .await
+                    .expect("committed in time")
+                    .unwrap()
+                }));
+            }
+            for t in tasks {
+                t.await;
+            }
+            // Split, not dropped and sent again.
+            assert_eq!(hosts[leader].frames_dropped(), 0);
+            // Too big for any frame: refused up front, not stuck.
+            let huge = RecordIn {
+                payload: Bytes::from(vec![2u8; 2 << 20]),
+                ..RecordIn::default()
+            };
+            assert!(matches!(
+                hosts[leader].publish(GROUP, &[huge]).await,
+                Err(ReplicationError::Refused(_))
+            ));
+            for h in &hosts {
+                h.close();
+            }
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+}
+
+#[test]
+fn a_host_dropped_without_close_stops_its_tasks_and_a_bad_config_is_refused() {
+    LocalExecutorBuilder::new(Placement::Unbound)
+        .spawn(|| async move {
+            let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+            let addr = listener.local_addr().unwrap();
+            let host = Host::start(
+                HostConfig::new(1, BTreeMap::new()),
+                listener,
+                &[(GROUP, vec![1])],
+                Box::new(|_, _| {}),
+            )
+            .unwrap();
+            until("a lone leader", || host.serving(GROUP).then_some(())).await;
+            drop(host);
+            // Its listener went with its tasks.
+            glommio::timer::sleep(Duration::from_millis(20)).await;
+            assert!(glommio::net::TcpStream::connect(addr).await.is_err());
+
+            let bad = |configure: &dyn Fn(&mut HostConfig), voters: Vec<u64>| {
+                let mut c = HostConfig::new(1, BTreeMap::new());
+                configure(&mut c);
+                let l = TcpListener::bind("127.0.0.1:0").unwrap();
+                Host::start(c, l, &[(GROUP, voters)], Box::new(|_, _| {})).is_err()
+            };
+            assert!(bad(&|_| {}, vec![1, 2]), "a voter without an address");
+            assert!(
+                bad(&|c| c.max_frame = 1 << 20, vec![1]),
+                "no room for a full append"
+            );
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+}

@@ -251,14 +251,31 @@ fn forged_messages_that_would_panic_raft_are_refused() {
         append_from_1(0, 0, vec![generation_entry(1, 7)]),
         "a future term",
     );
-    // A heartbeat committing past the log.
+    // Following an index past the log at term 0 (raft-rs takes that term
+    // as a match), with and without entries.
+    let mut far = append_from_1(5, 0, vec![records_entry(6, 1, 0)]);
+    refused(&mut r, far.clone(), "an append after a far index at term 0");
+    far.entries.clear();
+    far.commit = 5;
+    refused(&mut r, far, "an empty append committing past the log");
+    // A heartbeat committing past the log is taken, with its commit cut to
+    // the log (it still names the leader).
     let mut hb = Message::default();
     hb.set_msg_type(MessageType::MsgHeartbeat);
     hb.from = 1;
     hb.to = 2;
     hb.term = 1;
     hb.commit = 100;
-    refused(&mut r, hb.clone(), "a heartbeat past the log");
+    r.step(hb.clone()).unwrap();
+    assert_eq!(r.leader(), Some(1));
+    // An append response past the log.
+    let mut resp = Message::default();
+    resp.set_msg_type(MessageType::MsgAppendResponse);
+    resp.from = 1;
+    resp.to = 2;
+    resp.term = 1;
+    resp.index = u64::MAX;
+    refused(&mut r, resp, "an append response past the log");
     // Entries on a heartbeat; from itself; types never taken from peers.
     hb.commit = 0;
     hb.entries = vec![generation_entry(1, 1)].into();
