@@ -35,6 +35,9 @@ use raft::{Config, RawNode, ReadOnlyOption, StateRole};
 use crate::entry::{follow, inspect, kind_of, offsets_of, EntryError, EntryKind};
 use crate::log::ReplicaLog;
 
+/// Terms, indices and commits from a peer at or past this are refused.
+pub const NUMBER_LIMIT: u64 = 1 << 62;
+
 /// How a replica runs. Ticks are the owner's clock: one call to
 /// [`Replica::tick`] each.
 #[derive(Clone, Debug)]
@@ -323,6 +326,42 @@ impl Replica {
                 msg.from, msg.to
             )));
         }
+        // No honest group gets near 2^62 terms or entries; numbers past
+        // that only overflow raft-rs's arithmetic.
+        let fields = [
+            msg.term,
+            msg.log_term,
+            msg.index,
+            msg.commit,
+            msg.commit_term,
+            msg.reject_hint,
+        ];
+        let entries = msg.get_entries().iter().flat_map(|e| [e.index, e.term]);
+        if let Some(v) = fields
+            .into_iter()
+            .chain(entries)
+            .find(|&v| v >= NUMBER_LIMIT)
+        {
+            return Err(ReplicationError::Refused(format!(
+                "{:?} from {} carries {v}, past any term or index",
+                msg.get_msg_type(),
+                msg.from
+            )));
+        }
+        if msg.request_snapshot != 0 {
+            return Err(ReplicationError::Refused(
+                "snapshots are not supported yet".into(),
+            ));
+        }
+        // raft-rs takes a message of term 0 as its owner's own (and some of
+        // them make it panic); every message a peer sends carries its term.
+        if msg.term == 0 {
+            return Err(ReplicationError::Refused(format!(
+                "{:?} from {} carries no term",
+                msg.get_msg_type(),
+                msg.from
+            )));
+        }
         let kind = msg.get_msg_type();
         match kind {
             MessageType::MsgAppend => self.check_append(&msg)?,
@@ -342,6 +381,15 @@ impl Replica {
                         msg.index
                     )));
                 }
+            }
+            // A campaign marked as a leadership transfer skips the check
+            // that a leader is still heard from; transfers are never used.
+            MessageType::MsgRequestVote | MessageType::MsgRequestPreVote
+                if &msg.context[..] == raft::CAMPAIGN_TRANSFER =>
+            {
+                return Err(ReplicationError::Refused(
+                    "a campaign claiming a leadership transfer".into(),
+                ));
             }
             MessageType::MsgHeartbeatResponse
             | MessageType::MsgRequestVote

@@ -299,6 +299,18 @@ fn forged_messages_that_would_panic_raft_are_refused() {
         m.term = 1;
         refused(&mut r, m, &format!("{t:?}"));
     }
+    // No term (raft-rs takes that as its owner's own), a term no group
+    // reaches, a campaign claiming a leadership transfer.
+    let mut pv = Message::default();
+    pv.set_msg_type(MessageType::MsgRequestPreVote);
+    pv.from = 3;
+    pv.to = 2;
+    refused(&mut r, pv.clone(), "a pre-vote without a term");
+    pv.term = u64::MAX;
+    refused(&mut r, pv.clone(), "a pre-vote at term u64::MAX");
+    pv.term = 2;
+    pv.context = Bytes::from_static(b"CampaignTransfer");
+    refused(&mut r, pv, "a campaign claiming a transfer");
     // Still a working follower.
     r.step(append_from_1(0, 0, vec![generation_entry(1, 1)]))
         .unwrap();
