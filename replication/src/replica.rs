@@ -37,6 +37,8 @@ use crate::log::ReplicaLog;
 
 /// Terms, indices and commits from a peer at or past this are refused.
 pub const NUMBER_LIMIT: u64 = 1 << 62;
+/// A peer's term more than this past a replica's own is refused.
+pub const TERM_JUMP_LIMIT: u64 = 1 << 32;
 
 /// How a replica runs. Ticks are the owner's clock: one call to
 /// [`Replica::tick`] each.
@@ -348,6 +350,24 @@ impl Replica {
                 msg.from
             )));
         }
+        // A term far ahead of this replica's can only be inflation by a
+        // forger (which would leave the group unable to elect past the
+        // limit above); honest terms move one election at a time.
+        if msg.term > self.term().saturating_add(TERM_JUMP_LIMIT) {
+            return Err(ReplicationError::Refused(format!(
+                "term {} is implausibly far past this replica's {}",
+                msg.term,
+                self.term()
+            )));
+        }
+        // Election priorities are not used (an honest peer sends 0); a
+        // negative one makes raft-rs answer a term-0 vote and panic.
+        if msg.priority != 0 {
+            return Err(ReplicationError::Refused(format!(
+                "election priority {} (not used)",
+                msg.priority
+            )));
+        }
         if msg.request_snapshot != 0 {
             return Err(ReplicationError::Refused(
                 "snapshots are not supported yet".into(),
@@ -430,7 +450,7 @@ impl Replica {
                     msg.index, e.index
                 ));
             }
-            if e.term < prev_term || e.term > msg.term {
+            if e.term < prev_term.max(1) || e.term > msg.term {
                 return refuse(format!(
                     "entry {} has term {} after term {prev_term} in a term-{} append",
                     e.index, e.term, msg.term

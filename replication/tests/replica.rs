@@ -310,7 +310,18 @@ fn forged_messages_that_would_panic_raft_are_refused() {
     refused(&mut r, pv.clone(), "a pre-vote at term u64::MAX");
     pv.term = 2;
     pv.context = Bytes::from_static(b"CampaignTransfer");
-    refused(&mut r, pv, "a campaign claiming a transfer");
+    refused(&mut r, pv.clone(), "a campaign claiming a transfer");
+    pv.context = Bytes::new();
+    pv.priority = -1;
+    refused(&mut r, pv.clone(), "a pre-vote with an election priority");
+    pv.priority = 0;
+    pv.term = (1 << 40) + 5;
+    refused(&mut r, pv, "a term implausibly far ahead");
+    // An entry of term 0 after index 0 (raft-rs would take it as a match
+    // and commit past the log).
+    let mut zero = append_from_1(0, 0, vec![generation_entry(1, 0)]);
+    zero.commit = 1;
+    refused(&mut r, zero, "an entry of term 0");
     // Still a working follower.
     r.step(append_from_1(0, 0, vec![generation_entry(1, 1)]))
         .unwrap();
