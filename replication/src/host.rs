@@ -203,6 +203,7 @@ impl Host {
             }
             let mut rc = config.replica.clone();
             rc.id = config.id;
+            rc.async_persist = false;
             replicas.insert(*group, Replica::open(rc, ReplicaLog::new(voters))?);
         }
         let links = config
@@ -381,7 +382,9 @@ impl Inner {
             Event::Applied(a) => (self.on_applied.borrow_mut())(group, &a),
             Event::Acked { token, result } => settle(token, result.map(Settle::Landed)),
             Event::Read { token, result } => settle(token, result.map(Settle::Read)),
-            Event::Leader { .. } => {}
+            // Hosts run their replicas with the log kept at once (the
+            // in-memory log: `async_persist` off).
+            Event::Leader { .. } | Event::Persist { .. } => {}
         }
     }
 

@@ -23,13 +23,13 @@
 //!   mode), and only from state that includes everything committed before;
 //!   a deposed leader refuses instead of answering from stale state.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 
 use bytes::Bytes;
 use felix_engine::format::{self, RecordIn};
 use felix_engine::group::GroupEntry;
 use felix_engine::Offset;
-use raft::eraftpb::{Entry, Message, MessageType};
+use raft::eraftpb::{Entry, HardState, Message, MessageType};
 use raft::{Config, RawNode, ReadOnlyOption, StateRole};
 
 use crate::entry::{follow, inspect, kind_of, offsets_of, EntryError, EntryKind};
@@ -57,6 +57,11 @@ pub struct ReplicaConfig {
     pub max_append_bytes: u64,
     /// Most append messages in flight to one peer.
     pub max_inflight_appends: usize,
+    /// The owner persists entries and hard state itself, told by
+    /// [`Event::Persist`], and reports with [`Replica::persisted`]; until
+    /// then nothing that depends on them (an append's acknowledgement, a
+    /// vote) is sent. Off: [`Replica::drain`] keeps them in the log at once.
+    pub async_persist: bool,
 }
 
 impl ReplicaConfig {
@@ -68,6 +73,7 @@ impl ReplicaConfig {
             read_timeout_ticks: 20,
             max_append_bytes: 1 << 20,
             max_inflight_appends: 256,
+            async_persist: false,
         }
     }
 }
@@ -133,7 +139,7 @@ pub struct Applied {
 }
 
 /// What the owner learns from [`Replica::drain`].
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum Event {
     /// The next committed entry.
     Applied(Applied),
@@ -149,6 +155,22 @@ pub enum Event {
     },
     /// Who leads changed (as this replica sees it).
     Leader { leader: Option<u64>, term: u64 },
+    /// With `async_persist`: make these entries (replacing any at the same
+    /// indices and after) and this hard state durable, then call
+    /// [`Replica::persisted`] with `number` (in order).
+    Persist {
+        number: u64,
+        entries: Vec<Entry>,
+        hard_state: Option<HardState>,
+    },
+}
+
+/// A ready's writes waiting for the owner to make them durable.
+struct Unpersisted {
+    number: u64,
+    entries: Vec<Entry>,
+    hard_state: Option<HardState>,
+    messages: Vec<Message>,
 }
 
 struct PendingRead {
@@ -175,6 +197,11 @@ pub struct Replica {
     /// The log's last (index, term) and offset end, as last computed.
     tail: Option<(u64, u64, u64)>,
     stopped: Option<String>,
+    unpersisted: VecDeque<Unpersisted>,
+    /// With `async_persist`, the log as far as the owner has reported it
+    /// durable: what [`Replica::into_log`] gives back (a crash loses the
+    /// rest). In stage two this is the shard's segments themselves.
+    durable: ReplicaLog,
 }
 
 impl Replica {
@@ -208,6 +235,11 @@ impl Replica {
                 log.voters()
             )));
         }
+        let durable = if config.async_persist {
+            log.clone()
+        } else {
+            ReplicaLog::new(log.voters())
+        };
         let logger = slog::Logger::root(slog::Discard, slog::o!());
         let node = RawNode::new(&raft_config, log, &logger)
             .map_err(|e| ReplicationError::Stopped(e.to_string()))?;
@@ -224,11 +256,17 @@ impl Replica {
             leader: None,
             tail: None,
             stopped: None,
+            unpersisted: VecDeque::new(),
+            durable,
         })
     }
 
-    /// Give up the replica, keeping its log (what a crash keeps).
+    /// Give up the replica, keeping its log as a crash would: everything
+    /// (without `async_persist`), or what the owner reported durable.
     pub fn into_log(self) -> ReplicaLog {
+        if self.config.async_persist {
+            return self.durable;
+        }
         let RawNode { raft, .. } = self.node;
         raft.r.raft_log.store
     }
@@ -641,13 +679,6 @@ impl Replica {
         }
         let committed = rd.take_committed_entries();
         self.apply(committed, events)?;
-        self.node
-            .mut_store()
-            .append(rd.entries())
-            .map_err(|e| e.to_string())?;
-        if let Some(hs) = rd.hs() {
-            self.node.mut_store().set_hard_state(hs.clone());
-        }
         for rs in rd.take_read_states() {
             let ctx = <[u8; 8]>::try_from(&rs.request_ctx[..])
                 .map(u64::from_le_bytes)
@@ -655,6 +686,51 @@ impl Replica {
             if let Some(r) = self.reads.iter_mut().find(|r| r.ctx == ctx) {
                 r.index = Some(rs.index);
             }
+        }
+        // raft-rs reads what a ready appends from the log at once (with
+        // `async_persist` too: it is the write cache then).
+        self.node
+            .mut_store()
+            .append(rd.entries())
+            .map_err(|e| e.to_string())?;
+        if let Some(hs) = rd.hs() {
+            self.node.mut_store().set_hard_state(hs.clone());
+        }
+        if self.config.async_persist {
+            // The owner makes the entries and hard state durable, then
+            // calls `persisted`; what depends on them waits until then.
+            let number = rd.number();
+            let entries = rd.take_entries();
+            let hard_state = rd.hs().cloned();
+            let messages = rd.take_persisted_messages();
+            self.node.advance_append_async(rd);
+            self.node.advance_apply_to(self.applied);
+            let nothing = entries.is_empty() && hard_state.is_none() && messages.is_empty();
+            if nothing && self.unpersisted.is_empty() {
+                self.node.on_persist_ready(number);
+            } else if nothing {
+                // Reporting it persisted now would report the writes of
+                // the readies before it too: it waits its turn.
+                self.unpersisted.push_back(Unpersisted {
+                    number,
+                    entries,
+                    hard_state,
+                    messages,
+                });
+            } else {
+                events.push(Event::Persist {
+                    number,
+                    entries: entries.clone(),
+                    hard_state: hard_state.clone(),
+                });
+                self.unpersisted.push_back(Unpersisted {
+                    number,
+                    entries,
+                    hard_state,
+                    messages,
+                });
+            }
+            return Ok(());
         }
         out.extend(rd.take_persisted_messages());
         let mut light = self.node.advance(rd);
@@ -665,6 +741,35 @@ impl Replica {
         self.apply(light.take_committed_entries(), events)?;
         self.node.advance_apply();
         Ok(())
+    }
+
+    /// The owner has made durable what every [`Event::Persist`] up to
+    /// `number` asked for: it is kept in the log now, and the messages
+    /// that had to wait for it go into `out`.
+    pub fn persisted(&mut self, number: u64, out: &mut Vec<Message>, events: &mut Vec<Event>) {
+        if self.stopped.is_some() {
+            return;
+        }
+        let mut done = number;
+        // Readies up to `number`, and any with nothing to write right after.
+        while let Some(u) = self.unpersisted.front() {
+            let empty = u.entries.is_empty() && u.hard_state.is_none() && u.messages.is_empty();
+            if u.number > done && !empty {
+                break;
+            }
+            done = done.max(u.number);
+            let u = self.unpersisted.pop_front().expect("checked");
+            // Checked when they went into the log: cannot fail here.
+            if let Err(e) = self.durable.append(&u.entries) {
+                self.stop(e.to_string(), events);
+                return;
+            }
+            if let Some(hs) = u.hard_state {
+                self.durable.set_hard_state(hs);
+            }
+            out.extend(u.messages);
+        }
+        self.node.on_persist_ready(done);
     }
 
     fn apply(&mut self, entries: Vec<Entry>, events: &mut Vec<Event>) -> Result<(), String> {

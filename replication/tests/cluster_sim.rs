@@ -24,7 +24,7 @@
 //! A failure prints its seed; `FELIX_SIM_SEED=<seed>` replays just that one
 //! and `FELIX_SIM_SCHEDULES=<n>` runs more.
 
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, VecDeque};
 
 use bytes::Bytes;
 use felix_engine::format::RecordIn;
@@ -35,7 +35,7 @@ use felix_engine::Offset;
 use felix_replication::entry::group_bodies;
 use felix_replication::wire::{decode_frame, encode_frame, PeerMessage};
 use felix_replication::{
-    Applied, EntryKind, Event, Replica, ReplicaConfig, ReplicaLog, ReplicationError,
+    Applied, EntryKind, Event, Message, Replica, ReplicaConfig, ReplicaLog, ReplicationError,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -61,6 +61,10 @@ fn replica_config(id: u64) -> ReplicaConfig {
     // of one value per replica (all different) keeps runs reproducible.
     let base = 10 + 3 * id as usize;
     c.election_ticks = (base, base + 1);
+    // Writes finish some milliseconds after they are asked for, and a
+    // crash in between loses them: nothing that depends on them may have
+    // gone out before.
+    c.async_persist = true;
     c
 }
 
@@ -100,6 +104,9 @@ struct Node {
     /// The group tracker serving requests while this replica serves as
     /// leader, rebuilt from the applied log when it starts serving.
     live: Option<(u64, GroupTracker)>,
+    /// Writes the replica asked for and the "disk" has not finished:
+    /// (when it will, ready number). A crash loses them.
+    disk: VecDeque<(u64, u64)>,
 }
 
 #[derive(Debug)]
@@ -184,6 +191,7 @@ struct Stats {
     reads_refused: u64,
     leader_changes: u64,
     reads_at_deposed: u64,
+    writes: u64,
     crashes: u64,
     dead_confirmed: u64,
     acks: u64,
@@ -198,6 +206,7 @@ impl Sim {
                 id,
                 replica: Some(Replica::open(replica_config(id), ReplicaLog::new(&voters)).unwrap()),
                 down_log: None,
+                disk: VecDeque::new(),
                 up_at: 0,
                 applier: Applier::new(),
                 live: None,
@@ -304,6 +313,7 @@ impl Sim {
             self.clients();
         }
         for i in 0..self.nodes.len() {
+            self.finish_writes(i);
             self.drain(i);
         }
     }
@@ -319,6 +329,8 @@ impl Sim {
                 self.nodes[i].down_log = Some(r.into_log());
                 self.nodes[i].up_at = self.now + self.rng.gen_range(50..600);
                 self.nodes[i].live = None;
+                // Writes in flight are lost with it.
+                self.nodes[i].disk.clear();
                 // What it was asked and had not settled is lost with it
                 // (the clients would time out).
                 self.ops.retain(|_, p| p.node != i);
@@ -485,6 +497,27 @@ impl Sim {
         let mut out = Vec::new();
         let mut events = Vec::new();
         r.drain(&mut out, &mut events);
+        self.route(i, out, events);
+    }
+
+    /// Finish the writes the disk is done with; what waited on them goes out.
+    fn finish_writes(&mut self, i: usize) {
+        while let Some(&(due, number)) = self.nodes[i].disk.front() {
+            if due > self.now {
+                break;
+            }
+            self.nodes[i].disk.pop_front();
+            let Some(r) = self.nodes[i].replica.as_mut() else {
+                return;
+            };
+            let (mut out, mut events) = (Vec::new(), Vec::new());
+            r.persisted(number, &mut out, &mut events);
+            self.route(i, out, events);
+        }
+    }
+
+    fn route(&mut self, i: usize, out: Vec<Message>, events: Vec<Event>) {
+        let r = self.nodes[i].replica.as_ref().expect("a live replica");
         let from = r.id();
         let (term, leads) = (r.term(), r.is_leader());
         if leads {
@@ -593,6 +626,14 @@ impl Sim {
                 Event::Leader { .. } => {
                     self.stats.leader_changes += 1;
                     self.nodes[i].live = None;
+                }
+                Event::Persist { number, .. } => {
+                    // The replica keeps the entries itself (its log is what
+                    // a crash keeps); the disk takes a while to say so.
+                    let due = self.now + self.rng.gen_range(1..=15);
+                    let due = due.max(self.nodes[i].disk.back().map_or(0, |d| d.0));
+                    self.nodes[i].disk.push_back((due, number));
+                    self.stats.writes += 1;
                 }
             }
         }
@@ -794,6 +835,7 @@ fn replicated_shard_keeps_its_promises_under_crashes_and_partitions() {
         total.dead_confirmed += s.dead_confirmed;
         total.acks += s.acks;
         total.reads_at_deposed += s.reads_at_deposed;
+        total.writes += s.writes;
     }
     eprintln!("{total:?}");
     // The schedules must have exercised what they claim to.
