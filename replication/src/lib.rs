@@ -17,6 +17,7 @@
 //! yet: see `README.md` in this folder for what comes next.
 
 pub mod entry;
+pub mod hard_state;
 pub mod host;
 mod log;
 mod replica;
