@@ -122,43 +122,48 @@ pub fn inspect(entry: &Entry) -> Result<EntryInfo, EntryError> {
     Ok(first.expect("data is not empty"))
 }
 
-/// The kind of an entry this replica already checked (with [`inspect`],
-/// when it was appended): reads one header, no checksum.
-pub(crate) fn kind_of(entry: &Entry) -> EntryKind {
+/// What an entry this replica already checked is (with [`inspect`] when
+/// it came from a peer, or because this replica built it): one header
+/// read, no checksum.
+pub(crate) fn info_of(entry: &Entry) -> EntryInfo {
     if entry.data.is_empty() {
-        return EntryKind::GenerationStart;
+        return EntryInfo {
+            kind: EntryKind::GenerationStart,
+            offsets: 1,
+            base: None,
+        };
     }
     match format::parse_header(&entry.data) {
-        Ok(h) if h.kind == BatchKind::Records => EntryKind::Records {
-            count: h.record_count,
+        Ok(h) => EntryInfo {
+            kind: match h.kind {
+                BatchKind::Records => EntryKind::Records {
+                    count: h.record_count,
+                },
+                _ => EntryKind::Group,
+            },
+            offsets: h.offsets(),
+            base: Some(h.base_offset),
         },
-        _ => EntryKind::Group,
+        // Not reached for checked entries; taking no offset keeps it inert.
+        Err(_) => EntryInfo {
+            kind: EntryKind::Group,
+            offsets: 0,
+            base: None,
+        },
     }
 }
 
-/// Offsets an entry this replica already checked takes.
-pub(crate) fn offsets_of(entry: &Entry) -> u64 {
-    match kind_of(entry) {
-        EntryKind::GenerationStart => 1,
-        EntryKind::Records { count } => count as u64,
-        EntryKind::Group => 0,
+/// Check the entry at `index`, described by `info`, starts where a log
+/// ending at offset `end` ends, and return the end after it.
+pub fn follows(index: u64, info: &EntryInfo, end: u64) -> Result<u64, EntryError> {
+    match info.base {
+        Some(base) if base.0 != end => Err(EntryError::Offset {
+            index,
+            base: base.0,
+            expected: end,
+        }),
+        _ => Ok(end + info.offsets),
     }
-}
-
-/// Check `entry` follows a log that ends at offset `end`, and return the
-/// end after it.
-pub fn follow(entry: &Entry, end: u64) -> Result<(EntryInfo, u64), EntryError> {
-    let info = inspect(entry)?;
-    if let Some(base) = info.base {
-        if base.0 != end {
-            return Err(EntryError::Offset {
-                index: entry.index,
-                base: base.0,
-                expected: end,
-            });
-        }
-    }
-    Ok((info, end + info.offsets))
 }
 
 /// The bodies of a checked group entry's batches, in order (each one
@@ -277,7 +282,7 @@ mod tests {
         ));
         // Offsets that do not follow the log.
         assert!(matches!(
-            follow(&entry(3, one_record(5, 3)), 4),
+            follows(7, &inspect(&entry(3, one_record(5, 3))).unwrap(), 4),
             Err(EntryError::Offset {
                 base: 5,
                 expected: 4,

@@ -473,6 +473,7 @@ async fn run_passes(host: Weak<Inner>) {
     let mut out: Vec<Message> = Vec::new();
     let mut events = Vec::new();
     let mut by_peer: BTreeMap<u64, Vec<PeerMessage>> = BTreeMap::new();
+    let mut groups: Vec<u64> = Vec::new();
     loop {
         {
             let Some(h) = host.upgrade() else {
@@ -496,8 +497,11 @@ async fn run_passes(host: Weak<Inner>) {
                     }
                 }
             }
-            let groups: Vec<u64> = h.replicas.borrow().keys().copied().collect();
-            for group in groups {
+            // Each replica is drained with the map borrowed only for that
+            // (the apply hook may ask the host about its replicas).
+            groups.clear();
+            groups.extend(h.replicas.borrow().keys().copied());
+            for &group in &groups {
                 if let Some(r) = h.replicas.borrow_mut().get_mut(&group) {
                     r.drain(&mut out, &mut events);
                 }
@@ -565,18 +569,21 @@ async fn run_reader(host: Weak<Inner>, mut stream: TcpStream, max: usize) {
     let mut buf: Vec<u8> = Vec::with_capacity(64 << 10);
     let mut chunk = vec![0u8; 64 << 10];
     loop {
-        // Take every whole frame buffered.
+        // Take every whole frame buffered, then drop them from the buffer
+        // in one move.
+        let mut at = 0;
         loop {
-            let len = match frame_len(&buf, max) {
-                Ok(Some(len)) if buf.len() >= len => len,
+            let rest = &buf[at..];
+            let len = match frame_len(rest, max) {
+                Ok(Some(len)) if rest.len() >= len => len,
                 Ok(_) => break,
                 Err(e) => {
                     tracing::warn!("replication peer sent a bad frame: {e}; closing");
                     return;
                 }
             };
-            let frame = Bytes::copy_from_slice(&buf[..len]);
-            buf.drain(..len);
+            let frame = Bytes::copy_from_slice(&rest[..len]);
+            at += len;
             match decode_frame(&frame, max) {
                 Ok(Some((msgs, _))) => match host.upgrade() {
                     Some(h) => h.deliver(msgs),
@@ -589,6 +596,7 @@ async fn run_reader(host: Weak<Inner>, mut stream: TcpStream, max: usize) {
                 }
             }
         }
+        buf.drain(..at);
         match stream.read(&mut chunk).await {
             Ok(0) | Err(_) => return,
             Ok(n) => buf.extend_from_slice(&chunk[..n]),

@@ -32,8 +32,9 @@ use felix_engine::Offset;
 use raft::eraftpb::{Entry, HardState, Message, MessageType};
 use raft::{Config, RawNode, ReadOnlyOption, StateRole};
 
-use crate::entry::{follow, inspect, kind_of, offsets_of, EntryError, EntryKind};
+use crate::entry::{follows, info_of, inspect, EntryError, EntryKind};
 use crate::log::ReplicaLog;
+use crate::wire::PEER_MESSAGE_TYPES;
 
 /// Terms, indices and commits from a peer at or past this are refused.
 pub const NUMBER_LIMIT: u64 = 1 << 62;
@@ -309,7 +310,7 @@ impl Replica {
     /// Leader, and has applied its own generation start: it takes
     /// proposals and reads.
     pub fn serving(&self) -> bool {
-        self.stopped.is_none() && self.is_leader() && self.applied_term == self.term()
+        self.refuse_unless_serving().is_ok()
     }
 
     fn refuse_unless_serving(&self) -> Result<(), ReplicationError> {
@@ -421,6 +422,13 @@ impl Replica {
             )));
         }
         let kind = msg.get_msg_type();
+        // Snapshots are not supported yet, leadership transfer and
+        // forwarded reads are never used, and the rest are the owner's own.
+        if !PEER_MESSAGE_TYPES.contains(&kind) {
+            return Err(ReplicationError::Refused(format!(
+                "{kind:?} is not taken from a peer"
+            )));
+        }
         match kind {
             MessageType::MsgAppend => self.check_append(&msg)?,
             MessageType::MsgHeartbeat => {
@@ -449,18 +457,7 @@ impl Replica {
                     "a campaign claiming a leadership transfer".into(),
                 ));
             }
-            MessageType::MsgHeartbeatResponse
-            | MessageType::MsgRequestVote
-            | MessageType::MsgRequestVoteResponse
-            | MessageType::MsgRequestPreVote
-            | MessageType::MsgRequestPreVoteResponse => {}
-            // Snapshots are not supported yet; leadership transfer and
-            // forwarded reads are never used; the rest are the owner's own.
-            other => {
-                return Err(ReplicationError::Refused(format!(
-                    "{other:?} is not taken from a peer"
-                )))
-            }
+            _ => {}
         }
         if kind != MessageType::MsgAppend && !msg.get_entries().is_empty() {
             return Err(ReplicationError::Refused(format!(
@@ -499,12 +496,13 @@ impl Replica {
         }
         // Where this replica holds the entry the append follows (else Raft
         // refuses the append itself), every entry must start where the log
-        // before it ends: refused here, never taken and then found wrong.
+        // before it ends: refused here, never taken and then found wrong
+        // (checked above, so the headers are enough).
         let raft_log = &self.node.raft.raft_log;
         if raft_log.term(msg.index).ok() == Some(msg.log_term) {
             if let Some(mut end) = self.end_at(msg.index) {
                 for e in msg.get_entries() {
-                    end = follow(e, end)?.1;
+                    end = follows(e.index, &info_of(e), end)?;
                 }
             }
         }
@@ -521,7 +519,7 @@ impl Replica {
         let upto = (index - unstable.offset + 1) as usize;
         let before = self.node.store().end_after(unstable.offset - 1)?;
         let taken = unstable.entries.get(..upto)?;
-        Some(before + taken.iter().map(offsets_of).sum::<u64>())
+        Some(before + taken.iter().map(|e| info_of(e).offsets).sum::<u64>())
     }
 
     /// The offset after the last entry of this replica's log, committed or
@@ -786,7 +784,7 @@ impl Replica {
                 .end_after(e.index)
                 .ok_or_else(|| format!("committed entry {} is not in the log", e.index))?;
             let base = self.applied_end;
-            let kind = kind_of(&e);
+            let kind = info_of(&e).kind;
             self.applied = e.index;
             self.applied_term = e.term;
             self.applied_end = end;

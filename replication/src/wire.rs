@@ -60,34 +60,26 @@ pub enum WireError {
     Unframeable(&'static str),
 }
 
+/// The message types replicas exchange, and so the only ones framed:
+/// appends, heartbeats, votes and pre-votes, and their responses.
+pub const PEER_MESSAGE_TYPES: [MessageType; 8] = [
+    MessageType::MsgAppend,
+    MessageType::MsgAppendResponse,
+    MessageType::MsgRequestVote,
+    MessageType::MsgRequestVoteResponse,
+    MessageType::MsgHeartbeat,
+    MessageType::MsgHeartbeatResponse,
+    MessageType::MsgRequestPreVote,
+    MessageType::MsgRequestPreVoteResponse,
+];
+
+/// On the wire a type is raft-rs's own number for it.
 fn type_code(t: MessageType) -> Option<u8> {
-    use MessageType::*;
-    Some(match t {
-        MsgAppend => 3,
-        MsgAppendResponse => 4,
-        MsgRequestVote => 5,
-        MsgRequestVoteResponse => 6,
-        MsgHeartbeat => 8,
-        MsgHeartbeatResponse => 9,
-        MsgRequestPreVote => 17,
-        MsgRequestPreVoteResponse => 18,
-        _ => return None,
-    })
+    PEER_MESSAGE_TYPES.contains(&t).then_some(t as u8)
 }
 
 fn type_from(code: u8) -> Option<MessageType> {
-    use MessageType::*;
-    Some(match code {
-        3 => MsgAppend,
-        4 => MsgAppendResponse,
-        5 => MsgRequestVote,
-        6 => MsgRequestVoteResponse,
-        8 => MsgHeartbeat,
-        9 => MsgHeartbeatResponse,
-        17 => MsgRequestPreVote,
-        18 => MsgRequestPreVoteResponse,
-        _ => return None,
-    })
+    PEER_MESSAGE_TYPES.into_iter().find(|&t| t as u8 == code)
 }
 
 /// Bytes `m` takes in a frame (without the frame's header).
@@ -320,11 +312,10 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     const MAX: usize = 1 << 20;
-    const TYPES: [u8; 8] = [3, 4, 5, 6, 8, 9, 17, 18];
 
     fn random_message(rng: &mut SmallRng) -> PeerMessage {
         let mut m = Message::default();
-        m.set_msg_type(type_from(TYPES[rng.gen_range(0..TYPES.len())]).unwrap());
+        m.set_msg_type(PEER_MESSAGE_TYPES[rng.gen_range(0..PEER_MESSAGE_TYPES.len())]);
         m.to = rng.gen();
         m.from = rng.gen();
         m.term = rng.gen();

@@ -13,21 +13,11 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use bytes::Bytes;
 use felix_engine::format::{encode_group, encode_records, RecordIn};
 use felix_engine::Offset;
+use felix_replication::wire::PEER_MESSAGE_TYPES;
 use felix_replication::{Event, Message, Replica, ReplicaConfig, ReplicaLog};
 use raft::eraftpb::{Entry, MessageType};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-
-const TYPES: [MessageType; 8] = [
-    MessageType::MsgAppend,
-    MessageType::MsgAppendResponse,
-    MessageType::MsgRequestVote,
-    MessageType::MsgRequestVoteResponse,
-    MessageType::MsgHeartbeat,
-    MessageType::MsgHeartbeatResponse,
-    MessageType::MsgRequestPreVote,
-    MessageType::MsgRequestPreVoteResponse,
-];
 
 /// Three replicas passing messages directly (no loss), to reach a state
 /// with a leader and a log.
@@ -136,7 +126,7 @@ fn forged_entry(rng: &mut SmallRng, index: u64, term: u64, end: u64) -> Entry {
 
 fn forged(rng: &mut SmallRng, to: u64, term: u64, last: u64, end: u64) -> Message {
     let mut m = Message::default();
-    m.set_msg_type(TYPES[rng.gen_range(0..TYPES.len())]);
+    m.set_msg_type(PEER_MESSAGE_TYPES[rng.gen_range(0..PEER_MESSAGE_TYPES.len())]);
     m.to = if rng.gen_ratio(19, 20) {
         to
     } else {
