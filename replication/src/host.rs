@@ -18,12 +18,23 @@
 //!   replicas they are for.
 //!
 //! Nothing here crosses cores: core *i* of a broker talks to core *i* of
-//! its peers. The log is still the in-memory [`ReplicaLog`] (stage two
-//! puts it on the shard's segment files), so a host that stops loses its
-//! replicas' state: this is the transport and the event loop, tested with
-//! three hosts over loopback TCP. A host must not be restarted under the
-//! same id with an empty log (Raft's vote and acknowledged entries would be
-//! forgotten); that waits for stage two's durable log.
+//! its peers.
+//!
+//! With a `data_dir` ([`Host::open`]) each replica's log is durable: a
+//! persister task takes what the replicas ask to be made durable
+//! ([`Event::Persist`]), writes it to each group's [`Journal`], syncs
+//! every journal it wrote (at once), stores a hard state whose term or vote
+//! changed, and only then tells the replicas (`Replica::persisted`), which
+//! releases the append responses and votes that waited on it. One round
+//! takes whatever queued while the last was on disk: group commit. A host
+//! reopened on the same directory carries on with its term, vote and
+//! entries, and applies its committed entries again from the first. An
+//! I/O error stops the group's replica (its proposals and reads fail)
+//! rather than let it answer as if its writes were durable.
+//!
+//! Without a `data_dir` ([`Host::start`]) the logs are in memory: a host
+//! that stops loses its replicas' state and must not be restarted under
+//! the same id (its vote and acknowledged entries would be forgotten).
 //!
 //! The tasks hold the host weakly: dropping the last `Host` handle stops
 //! them as `close` does. `publish` and `read` have no timeout of their own
@@ -33,17 +44,21 @@
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::rc::{Rc, Weak};
 use std::time::Duration;
 
 use bytes::Bytes;
 use felix_engine::format::{self, RecordIn};
 use felix_engine::notify::WaitList;
+use felix_engine::storage::dma::DmaStorage;
 use futures_lite::{AsyncReadExt, AsyncWriteExt};
 use glommio::channels::local_channel::{self, LocalSender};
 use glommio::net::{TcpListener, TcpStream};
 use glommio::Task;
 
+use crate::hard_state;
+use crate::journal::{Journal, JournalConfig};
 use crate::log::ReplicaLog;
 use crate::replica::{Applied, Event, Landed, Replica, ReplicaConfig, ReplicationError};
 use crate::wire::{
@@ -51,6 +66,7 @@ use crate::wire::{
     FRAME_MAX_MESSAGES,
 };
 use crate::Message;
+use raft::eraftpb::{Entry, HardState};
 
 /// How a host runs.
 #[derive(Clone, Debug)]
@@ -76,6 +92,12 @@ pub struct HostConfig {
     pub max_inbound: usize,
     /// Replica settings (the id is set per host).
     pub replica: ReplicaConfig,
+    /// Where the replicas' logs and hard states live (one directory per
+    /// group, `group-{id}`); `None` keeps them in memory. Only
+    /// [`Host::open`] reads it.
+    pub data_dir: Option<PathBuf>,
+    /// How each group's journal lays out its files.
+    pub journal: JournalConfig,
 }
 
 impl HostConfig {
@@ -90,8 +112,53 @@ impl HostConfig {
             idle_timeout: Duration::from_secs(10),
             max_inbound: 64,
             replica: ReplicaConfig::new(id),
+            data_dir: None,
+            journal: JournalConfig::default(),
         }
     }
+
+    /// A group's directory under `data_dir`.
+    pub fn group_dir(data_dir: &Path, group: u64) -> PathBuf {
+        data_dir.join(format!("group-{group}"))
+    }
+
+    fn check(&self, groups: &[(u64, Vec<u64>)]) -> Result<(), ReplicationError> {
+        let bad = |why: String| Err(ReplicationError::Stopped(format!("host config: {why}")));
+        if self.max_frame > u32::MAX as usize {
+            return bad(format!("max_frame {} is over 4 GiB", self.max_frame));
+        }
+        if (self.replica.max_append_bytes as usize).saturating_add(FRAME_SLACK) > self.max_frame {
+            return bad(format!(
+                "max_frame {} has no room for an append of {} bytes",
+                self.max_frame, self.replica.max_append_bytes
+            ));
+        }
+        for (group, voters) in groups {
+            if let Some(v) = voters
+                .iter()
+                .find(|&&v| v != self.id && !self.peers.contains_key(&v))
+            {
+                return bad(format!("group {group}: no address for voter {v}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a group asked to be made durable, waiting for the persister.
+struct PersistAsk {
+    group: u64,
+    number: u64,
+    entries: Vec<Entry>,
+    hard_state: Option<HardState>,
+}
+
+/// A group's durable state, owned by the persister task.
+struct GroupDisk {
+    dir: PathBuf,
+    journal: Journal<DmaStorage>,
+    /// The term and vote last stored.
+    stored: (u64, u64),
 }
 
 /// Called with every entry a replica applies, in order: (group, entry).
@@ -163,6 +230,9 @@ struct Inner {
     on_applied: RefCell<ApplyHook>,
     tasks: RefCell<Vec<Task<()>>>,
     closed: Cell<bool>,
+    /// Writes waiting for the persister (durable hosts only).
+    persist: RefCell<Vec<PersistAsk>>,
+    wake_persister: Rc<WaitList>,
 }
 
 /// The replicas of one core and their connections to their peers.
@@ -182,30 +252,89 @@ impl Host {
         groups: &[(u64, Vec<u64>)],
         on_applied: ApplyHook,
     ) -> Result<Host, ReplicationError> {
-        let bad = |why: String| Err(ReplicationError::Stopped(format!("host config: {why}")));
-        if config.max_frame > u32::MAX as usize {
-            return bad(format!("max_frame {} is over 4 GiB", config.max_frame));
-        }
-        if (config.replica.max_append_bytes as usize).saturating_add(FRAME_SLACK) > config.max_frame
-        {
-            return bad(format!(
-                "max_frame {} has no room for an append of {} bytes",
-                config.max_frame, config.replica.max_append_bytes
+        config.check(groups)?;
+        if config.data_dir.is_some() {
+            return Err(ReplicationError::Stopped(
+                "host config: a data_dir is opened with Host::open, not kept in memory".into(),
             ));
         }
         let mut replicas = BTreeMap::new();
         for (group, voters) in groups {
-            if let Some(v) = voters
-                .iter()
-                .find(|&&v| v != config.id && !config.peers.contains_key(&v))
-            {
-                return bad(format!("group {group}: no address for voter {v}"));
-            }
             let mut rc = config.replica.clone();
             rc.id = config.id;
             rc.async_persist = false;
             replicas.insert(*group, Replica::open(rc, ReplicaLog::new(voters))?);
         }
+        Ok(Host::run(config, listener, replicas, None, on_applied))
+    }
+
+    /// Start a host as [`Host::start`] does, with each group's log and hard
+    /// state kept under `config.data_dir` (in memory without one): a
+    /// group's replica comes back with the term, vote and entries it had
+    /// made durable. A damaged journal or hard state, or a commit index
+    /// past the entries kept, is an error: a replica that forgot what it
+    /// acknowledged or voted must not take part.
+    pub async fn open(
+        config: HostConfig,
+        listener: TcpListener,
+        groups: &[(u64, Vec<u64>)],
+        on_applied: ApplyHook,
+    ) -> Result<Host, ReplicationError> {
+        let Some(data_dir) = config.data_dir.clone() else {
+            return Host::start(config, listener, groups, on_applied);
+        };
+        config.check(groups)?;
+        // glommio settles how it reads a disk at the first DMA file an
+        // executor opens; an empty one (a new journal) makes it guess
+        // wrong. The broker's runtime does this at each core's start; a
+        // second time costs a small file.
+        felix_engine::runtime::warm_up_dma(&data_dir)
+            .await
+            .map_err(|e| ReplicationError::Stopped(format!("{}: {e}", data_dir.display())))?;
+        let storage = DmaStorage::new();
+        let mut replicas = BTreeMap::new();
+        let mut disks = BTreeMap::new();
+        for (group, voters) in groups {
+            let stop = |why: String| ReplicationError::Stopped(format!("group {group}: {why}"));
+            let dir = HostConfig::group_dir(&data_dir, *group);
+            let (journal, entries) = Journal::open(storage.clone(), &dir, config.journal.clone())
+                .await
+                .map_err(|e| stop(e.to_string()))?;
+            let hs = hard_state::load(&storage, &dir)
+                .await
+                .map_err(|e| stop(e.to_string()))?;
+            let stored = (hs.term, hs.vote);
+            let log = ReplicaLog::restore(voters, hs, &entries).map_err(stop)?;
+            drop(entries);
+            let mut rc = config.replica.clone();
+            rc.id = config.id;
+            rc.async_persist = true;
+            replicas.insert(*group, Replica::open(rc, log)?);
+            disks.insert(
+                *group,
+                GroupDisk {
+                    dir,
+                    journal,
+                    stored,
+                },
+            );
+        }
+        Ok(Host::run(
+            config,
+            listener,
+            replicas,
+            Some((storage, disks)),
+            on_applied,
+        ))
+    }
+
+    fn run(
+        config: HostConfig,
+        listener: TcpListener,
+        replicas: BTreeMap<u64, Replica>,
+        disks: Option<(DmaStorage, BTreeMap<u64, GroupDisk>)>,
+        on_applied: ApplyHook,
+    ) -> Host {
         let links = config
             .peers
             .keys()
@@ -234,14 +363,23 @@ impl Host {
                 on_applied: RefCell::new(on_applied),
                 tasks: RefCell::new(Vec::new()),
                 closed: Cell::new(false),
+                persist: RefCell::new(Vec::new()),
+                wake_persister: Rc::new(WaitList::new()),
             }),
         };
         let weak = Rc::downgrade(&host.inner);
         let mut tasks = vec![
             glommio::spawn_local(run_ticker(weak.clone())),
             glommio::spawn_local(run_passes(weak.clone())),
-            glommio::spawn_local(run_listener(weak, listener)),
         ];
+        if let Some((storage, disks)) = disks {
+            tasks.push(glommio::spawn_local(run_persister(
+                weak.clone(),
+                storage,
+                disks,
+            )));
+        }
+        tasks.push(glommio::spawn_local(run_listener(weak, listener)));
         for (&peer, link) in &host.inner.links {
             let c = &host.inner.config;
             tasks.push(glommio::spawn_local(run_link(
@@ -251,7 +389,7 @@ impl Host {
             )));
         }
         host.inner.tasks.borrow_mut().extend(tasks);
-        Ok(host)
+        host
     }
 
     pub fn id(&self) -> u64 {
@@ -382,9 +520,38 @@ impl Inner {
             Event::Applied(a) => (self.on_applied.borrow_mut())(group, &a),
             Event::Acked { token, result } => settle(token, result.map(Settle::Landed)),
             Event::Read { token, result } => settle(token, result.map(Settle::Read)),
-            // Hosts run their replicas with the log kept at once (the
-            // in-memory log: `async_persist` off).
-            Event::Leader { .. } | Event::Persist { .. } => {}
+            Event::Persist {
+                number,
+                entries,
+                hard_state,
+            } => {
+                self.persist.borrow_mut().push(PersistAsk {
+                    group,
+                    number,
+                    entries,
+                    hard_state,
+                });
+                self.wake_persister.wake_all();
+            }
+            Event::Leader { .. } => {}
+        }
+    }
+
+    /// Send what a replica produced outside a pass (messages to peers,
+    /// events to their owners).
+    fn route(&self, group: u64, out: &mut Vec<Message>, events: &mut Vec<Event>) {
+        let mut by_peer: BTreeMap<u64, Vec<PeerMessage>> = BTreeMap::new();
+        for m in out.drain(..) {
+            by_peer
+                .entry(m.to)
+                .or_default()
+                .push(PeerMessage { group, message: m });
+        }
+        for e in events.drain(..) {
+            self.on_event(group, e);
+        }
+        for (peer, msgs) in by_peer {
+            self.send(peer, msgs);
         }
     }
 
@@ -521,6 +688,112 @@ async fn run_passes(host: Weak<Inner>) {
         }
         // Let ticks, readers and callers in between passes.
         glommio::yield_if_needed().await;
+    }
+}
+
+/// Make durable what the replicas ask, a round at a time (see the module
+/// docs), and tell them.
+async fn run_persister(
+    host: Weak<Inner>,
+    storage: DmaStorage,
+    mut disks: BTreeMap<u64, GroupDisk>,
+) {
+    let mut out = Vec::new();
+    let mut events = Vec::new();
+    loop {
+        let asks = {
+            let Some(h) = host.upgrade() else {
+                return;
+            };
+            if h.persist.borrow().is_empty() {
+                let wake = h.wake_persister.clone();
+                let w = wake.wait();
+                drop(h);
+                w.await;
+                continue;
+            }
+            let asks = std::mem::take(&mut *h.persist.borrow_mut());
+            asks
+        };
+        // Write: every ask in order, each group's after its earlier ones.
+        let mut done: BTreeMap<u64, u64> = BTreeMap::new();
+        let mut failed: BTreeMap<u64, String> = BTreeMap::new();
+        let mut hard: BTreeMap<u64, HardState> = BTreeMap::new();
+        for ask in asks {
+            if failed.contains_key(&ask.group) {
+                continue;
+            }
+            let Some(disk) = disks.get_mut(&ask.group) else {
+                continue;
+            };
+            if let Err(e) = disk.journal.append(&ask.entries).await {
+                failed.insert(ask.group, e.to_string());
+                continue;
+            }
+            if let Some(hs) = ask.hard_state {
+                hard.insert(ask.group, hs);
+            }
+            done.insert(ask.group, ask.number);
+        }
+        // Sync every journal written, all at once.
+        let mut syncing = Vec::new();
+        for &group in done.keys() {
+            if failed.contains_key(&group) {
+                continue;
+            }
+            let mut disk = disks.remove(&group).expect("written above");
+            syncing.push(glommio::spawn_local(async move {
+                let r = disk.journal.sync().await;
+                (group, disk, r)
+            }));
+        }
+        for task in syncing {
+            let (group, disk, r) = task.await;
+            if let Err(e) = r {
+                failed.insert(group, e.to_string());
+            }
+            disks.insert(group, disk);
+        }
+        // Then the hard states whose term or vote changed (the commit
+        // index alone is not worth a file replacement: a lower one read
+        // back is learned again from the leader).
+        for (group, hs) in hard {
+            if failed.contains_key(&group) {
+                continue;
+            }
+            let disk = disks.get_mut(&group).expect("held");
+            if (hs.term, hs.vote) == disk.stored {
+                continue;
+            }
+            match hard_state::store(&storage, &disk.dir, &hs).await {
+                Ok(()) => disk.stored = (hs.term, hs.vote),
+                Err(e) => {
+                    failed.insert(group, format!("storing the hard state: {e}"));
+                }
+            }
+        }
+        let Some(h) = host.upgrade() else {
+            return;
+        };
+        for (group, number) in done {
+            if failed.contains_key(&group) {
+                continue;
+            }
+            if let Some(r) = h.replicas.borrow_mut().get_mut(&group) {
+                r.persisted(number, &mut out, &mut events);
+            }
+            h.route(group, &mut out, &mut events);
+        }
+        for (group, why) in failed {
+            tracing::error!(group, "replica stopped: {why}");
+            if let Some(r) = h.replicas.borrow_mut().get_mut(&group) {
+                r.fail(why, &mut events);
+            }
+            // A failed group takes no more writes.
+            disks.remove(&group);
+            h.route(group, &mut out, &mut events);
+        }
+        h.kick();
     }
 }
 

@@ -19,6 +19,7 @@
 pub mod entry;
 pub mod hard_state;
 pub mod host;
+pub mod journal;
 mod log;
 mod replica;
 pub mod wire;

@@ -37,6 +37,43 @@ impl ReplicaLog {
         }
     }
 
+    /// A log read back from disk: the stored hard state and the entries
+    /// the journal kept, from index 1. Refused when the entries break the
+    /// offset rule, or when the hard state's commit index is past the last
+    /// entry (entries known committed were lost: a replica must not serve,
+    /// or vote, on such a log).
+    pub fn restore(
+        voters: &[u64],
+        hard: HardState,
+        entries: &[Entry],
+    ) -> Result<ReplicaLog, String> {
+        let mut log = ReplicaLog::new(voters);
+        if let Some(first) = entries.first() {
+            if first.index != 1 {
+                return Err(format!(
+                    "the entries kept start at index {}, and compacted logs are not supported yet",
+                    first.index
+                ));
+            }
+        }
+        for (i, e) in entries.iter().enumerate() {
+            if e.index != i as u64 + 1 {
+                return Err(format!("entry {} follows entry {i}", e.index));
+            }
+            crate::entry::inspect(e).map_err(|e| e.to_string())?;
+        }
+        log.append(entries).map_err(|e| e.to_string())?;
+        if hard.commit > log.last() {
+            return Err(format!(
+                "the hard state says entries up to {} are committed, and the log ends at {}",
+                hard.commit,
+                log.last()
+            ));
+        }
+        log.hard = hard;
+        Ok(log)
+    }
+
     /// Index of the last entry (0 when empty).
     pub fn last(&self) -> u64 {
         self.entries.len() as u64

@@ -843,6 +843,20 @@ impl Replica {
         }
     }
 
+    /// Stop the replica from outside (its owner could not make its writes
+    /// durable): every waiting proposal and read fails with `why`, and the
+    /// replica takes nothing more.
+    pub fn fail(&mut self, why: String, events: &mut Vec<Event>) {
+        if self.stopped.is_none() {
+            self.stop(why, events);
+        }
+    }
+
+    /// Why the replica stopped, if it did.
+    pub fn stopped(&self) -> Option<&str> {
+        self.stopped.as_deref()
+    }
+
     fn stop(&mut self, why: String, events: &mut Vec<Event>) {
         for r in self.reads.drain(..) {
             events.push(Event::Read {
