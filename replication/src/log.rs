@@ -1,10 +1,10 @@
 //! The replica's copy of the shard's Raft log, as raft-rs reads it.
 //!
-//! Stage one keeps the entries in memory: the simulation "persists" an
-//! entry by keeping the `ReplicaLog` across a crash of its `Replica`. The
-//! next stage puts the same interface over the shard's segment files (one
-//! batch per entry, term and index in the batch header), written by the
-//! core's flusher before the `Replica` is told they are durable.
+//! The entries are kept in memory, where raft-rs reads them. What makes
+//! them durable is the owner's: a durable [`crate::host::Host`] writes what
+//! the replica asks to its [`crate::journal::Journal`] and restores the log
+//! from it ([`ReplicaLog::restore`]); the simulation "persists" an entry by
+//! keeping the `ReplicaLog` across a crash of its `Replica`.
 
 use raft::eraftpb::{ConfState, Entry, HardState, Snapshot};
 use raft::{GetEntriesContext, RaftState, Storage, StorageError};

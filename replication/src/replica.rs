@@ -201,7 +201,7 @@ pub struct Replica {
     unpersisted: VecDeque<Unpersisted>,
     /// With `async_persist`, the log as far as the owner has reported it
     /// durable: what [`Replica::into_log`] gives back (a crash loses the
-    /// rest). In stage two this is the shard's segments themselves.
+    /// rest). A durable host keeps its own copy on disk instead.
     durable: ReplicaLog,
 }
 
