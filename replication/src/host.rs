@@ -52,6 +52,7 @@ use bytes::Bytes;
 use felix_engine::format::{self, RecordIn};
 use felix_engine::notify::WaitList;
 use felix_engine::storage::dma::DmaStorage;
+use felix_engine::storage::Storage;
 use futures_lite::{AsyncReadExt, AsyncWriteExt};
 use glommio::channels::local_channel::{self, LocalSender};
 use glommio::net::{TcpListener, TcpStream};
@@ -233,6 +234,11 @@ struct Inner {
     /// Writes waiting for the persister (durable hosts only).
     persist: RefCell<Vec<PersistAsk>>,
     wake_persister: Rc<WaitList>,
+    /// Durable hosts: the storage, and groups added or removed since the
+    /// persister last looked (it owns the groups' disks).
+    storage: Option<DmaStorage>,
+    added: RefCell<Vec<(u64, GroupDisk)>>,
+    removed: RefCell<Vec<(u64, LocalSender<()>)>>,
 }
 
 /// The replicas of one core and their connections to their peers.
@@ -295,29 +301,9 @@ impl Host {
         let mut replicas = BTreeMap::new();
         let mut disks = BTreeMap::new();
         for (group, voters) in groups {
-            let stop = |why: String| ReplicationError::Stopped(format!("group {group}: {why}"));
-            let dir = HostConfig::group_dir(&data_dir, *group);
-            let (journal, entries) = Journal::open(storage.clone(), &dir, config.journal.clone())
-                .await
-                .map_err(|e| stop(e.to_string()))?;
-            let hs = hard_state::load(&storage, &dir)
-                .await
-                .map_err(|e| stop(e.to_string()))?;
-            let stored = (hs.term, hs.vote);
-            let log = ReplicaLog::restore(voters, hs, &entries).map_err(stop)?;
-            drop(entries);
-            let mut rc = config.replica.clone();
-            rc.id = config.id;
-            rc.async_persist = true;
-            replicas.insert(*group, Replica::open(rc, log)?);
-            disks.insert(
-                *group,
-                GroupDisk {
-                    dir,
-                    journal,
-                    stored,
-                },
-            );
+            let (replica, disk) = open_group(&storage, &config, &data_dir, *group, voters).await?;
+            replicas.insert(*group, replica);
+            disks.insert(*group, disk);
         }
         Ok(Host::run(
             config,
@@ -365,6 +351,9 @@ impl Host {
                 closed: Cell::new(false),
                 persist: RefCell::new(Vec::new()),
                 wake_persister: Rc::new(WaitList::new()),
+                storage: disks.as_ref().map(|(s, _)| s.clone()),
+                added: RefCell::new(Vec::new()),
+                removed: RefCell::new(Vec::new()),
             }),
         };
         let weak = Rc::downgrade(&host.inner);
@@ -394,6 +383,68 @@ impl Host {
 
     pub fn id(&self) -> u64 {
         self.inner.config.id
+    }
+
+    /// Add a replica of `group` (a shard created or opened after the host
+    /// started), durable as the host is: from its directory under the
+    /// `data_dir` if the host was opened on one.
+    pub async fn add_group(&self, group: u64, voters: &[u64]) -> Result<(), ReplicationError> {
+        let inner = &self.inner;
+        if inner.closed.get() {
+            return Err(ReplicationError::Stopped("host closed".into()));
+        }
+        let groups = [(group, voters.to_vec())];
+        inner.config.check(&groups)?;
+        if inner.replicas.borrow().contains_key(&group) {
+            return Err(ReplicationError::Refused(format!(
+                "group {group} already has a replica here"
+            )));
+        }
+        let replica = match (&inner.storage, &inner.config.data_dir) {
+            (Some(storage), Some(dir)) => {
+                let (replica, disk) =
+                    open_group(storage, &inner.config, dir, group, voters).await?;
+                inner.added.borrow_mut().push((group, disk));
+                replica
+            }
+            _ => {
+                let mut rc = inner.config.replica.clone();
+                rc.id = inner.config.id;
+                rc.async_persist = false;
+                Replica::open(rc, ReplicaLog::new(voters))?
+            }
+        };
+        if inner.replicas.borrow().contains_key(&group) {
+            return Err(ReplicationError::Refused(format!(
+                "group {group} was added twice at once"
+            )));
+        }
+        inner.replicas.borrow_mut().insert(group, replica);
+        inner.kick();
+        Ok(())
+    }
+
+    /// Remove this host's replica of `group` and, on a durable host, its
+    /// journal and hard state (the shard is being deleted). Waiting
+    /// proposals and reads fail.
+    pub async fn remove_group(&self, group: u64) -> Result<(), ReplicationError> {
+        let inner = &self.inner;
+        let Some(mut replica) = inner.replicas.borrow_mut().remove(&group) else {
+            return Ok(());
+        };
+        let mut events = Vec::new();
+        replica.fail(format!("group {group} was removed"), &mut events);
+        let mut out = Vec::new();
+        inner.route(group, &mut out, &mut events);
+        if inner.storage.is_none() {
+            return Ok(());
+        }
+        let (tx, rx) = local_channel::new_bounded(1);
+        inner.removed.borrow_mut().push((group, tx));
+        inner.wake_persister.wake_all();
+        rx.recv()
+            .await
+            .ok_or_else(|| ReplicationError::Stopped("host closed".into()))
     }
 
     /// Does this host's replica of `group` serve (lead, with its
@@ -487,6 +538,39 @@ impl Host {
             Settle::Landed(_) => unreachable!("a read settles as read"),
         }
     }
+}
+
+/// Open one group's replica from its directory under `data_dir`.
+async fn open_group(
+    storage: &DmaStorage,
+    config: &HostConfig,
+    data_dir: &Path,
+    group: u64,
+    voters: &[u64],
+) -> Result<(Replica, GroupDisk), ReplicationError> {
+    let stop = |why: String| ReplicationError::Stopped(format!("group {group}: {why}"));
+    let dir = HostConfig::group_dir(data_dir, group);
+    let (journal, entries) = Journal::open(storage.clone(), &dir, config.journal.clone())
+        .await
+        .map_err(|e| stop(e.to_string()))?;
+    let hs = hard_state::load(storage, &dir)
+        .await
+        .map_err(|e| stop(e.to_string()))?;
+    let stored = (hs.term, hs.vote);
+    let log = ReplicaLog::restore(voters, hs, &entries).map_err(stop)?;
+    drop(entries);
+    let mut rc = config.replica.clone();
+    rc.id = config.id;
+    rc.async_persist = true;
+    let replica = Replica::open(rc, log)?;
+    Ok((
+        replica,
+        GroupDisk {
+            dir,
+            journal,
+            stored,
+        },
+    ))
 }
 
 /// Room a frame needs besides its entries' data: the frame header, one
@@ -705,7 +789,26 @@ async fn run_persister(
             let Some(h) = host.upgrade() else {
                 return;
             };
+            disks.extend(h.added.borrow_mut().drain(..));
+            let removed = std::mem::take(&mut *h.removed.borrow_mut());
+            for (group, done) in removed {
+                // Drop the asks still queued for it, then its files.
+                h.persist.borrow_mut().retain(|a| a.group != group);
+                if let Some(disk) = disks.remove(&group) {
+                    let dir = disk.dir.clone();
+                    if let Err(e) = disk.journal.close().await {
+                        tracing::warn!(group, "closing a removed group's journal: {e}");
+                    }
+                    if let Err(e) = storage.remove_dir_all(&dir).await {
+                        tracing::warn!(group, "removing {}: {e}", dir.display());
+                    }
+                }
+                let _ = done.try_send(());
+            }
             if h.persist.borrow().is_empty() {
+                if !h.added.borrow().is_empty() || !h.removed.borrow().is_empty() {
+                    continue;
+                }
                 let wake = h.wake_persister.clone();
                 let w = wake.wait();
                 drop(h);

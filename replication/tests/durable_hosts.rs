@@ -222,3 +222,60 @@ fn a_damaged_hard_state_stops_the_host_from_opening() {
         .join()
         .unwrap();
 }
+
+#[test]
+fn groups_added_after_the_start_replicate_and_a_removed_group_leaves_no_files() {
+    let root = tempfile::tempdir().unwrap();
+    let root = root.path().to_path_buf();
+    LocalExecutorBuilder::new(Placement::Unbound)
+        .spawn(move || async move {
+            let listeners: Vec<TcpListener> = (0..3)
+                .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+                .collect();
+            let addrs: Vec<SocketAddr> =
+                listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+            let mut hosts = Vec::new();
+            for (i, listener) in listeners.into_iter().enumerate() {
+                let peers = (0..3)
+                    .filter(|&j| j != i)
+                    .map(|j| (j as u64 + 1, addrs[j]))
+                    .collect();
+                let mut config = HostConfig::new(i as u64 + 1, peers);
+                config.tick = Duration::from_millis(5);
+                config.data_dir = Some(root.join(format!("host-{}", i + 1)));
+                hosts.push(
+                    Host::open(config, listener, &[], Box::new(|_, _| {}))
+                        .await
+                        .unwrap(),
+                );
+            }
+            for h in &hosts {
+                h.add_group(GROUP, &[1, 2, 3]).await.unwrap();
+                assert!(h.add_group(GROUP, &[1, 2, 3]).await.is_err(), "twice");
+            }
+            let leader = until("a leader", || hosts.iter().position(|h| h.serving(GROUP))).await;
+            hosts[leader].publish(GROUP, &[record(1)]).await.unwrap();
+            let dirs: Vec<_> = (0..3)
+                .map(|i| HostConfig::group_dir(&root.join(format!("host-{}", i + 1)), GROUP))
+                .collect();
+            assert!(dirs.iter().all(|d| d.exists()));
+            for h in &hosts {
+                h.remove_group(GROUP).await.unwrap();
+            }
+            assert!(
+                dirs.iter().all(|d| !d.exists()),
+                "the group's files are gone"
+            );
+            assert!(!hosts[leader].serving(GROUP));
+            assert!(matches!(
+                hosts[leader].publish(GROUP, &[record(2)]).await,
+                Err(felix_replication::ReplicationError::Refused(_))
+            ));
+            for h in &hosts {
+                h.close();
+            }
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+}
