@@ -218,6 +218,8 @@ pub fn serve(args: &ServeArgs) -> i32 {
         data_dir: Some(args.data_dir.clone()),
         listen: Some(args.listen.clone()),
         cores: Some(args.cores.clone()),
+        node_id: None,
+        peers: None,
         print_config: false,
     };
     match felix_server::serve(opts) {

@@ -114,6 +114,17 @@ pub struct ServeArgs {
     /// (`0-3`, `0,2,4`; one CPU: `3,`). One executor is pinned to each.
     #[arg(long, value_name = "N|LIST")]
     pub cores: Option<String>,
+    /// This broker's id in its cluster (cluster.node_id / FELIX_NODE_ID),
+    /// one of the ids --peers lists.
+    #[arg(long, value_name = "ID")]
+    pub node_id: Option<u64>,
+    /// Every broker of the cluster, this one included:
+    /// ID=CLIENT_ADDR/REPLICATION_ADDR,... (cluster.nodes /
+    /// FELIX_CLUSTER_NODES). Each shard is then replicated on every broker
+    /// listed, and served by its elected leader; core i of each broker
+    /// replicates on REPLICATION_ADDR's port + i. Needs a data directory.
+    #[arg(long, value_name = "LIST")]
+    pub peers: Option<String>,
     /// Print the effective configuration (file, environment and flags
     /// merged) and exit without starting.
     #[arg(long)]

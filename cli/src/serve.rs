@@ -9,6 +9,8 @@ pub fn run(args: ServeArgs) -> Result<(), CliError> {
         data_dir: args.data_dir,
         listen: args.listen,
         cores: args.cores,
+        node_id: args.node_id,
+        peers: args.peers,
         print_config: args.print_config,
     })
     .map_err(|e| CliError::Serve(e.to_string()))

@@ -12,6 +12,14 @@ pub enum ClientError {
     /// The broker refused the request.
     #[error("{code}: {message}")]
     Server { code: ErrorCode, message: String },
+    /// A broker of a cluster that does not lead the shard refused the
+    /// request (`not_leader`), naming the client address of the broker
+    /// that does when it knows one. [`crate::ClusterClient`] follows it.
+    #[error("not_leader: {message}")]
+    NotLeader {
+        leader: Option<String>,
+        message: String,
+    },
     /// Connecting to the broker, or talking to it, failed.
     #[error("i/o error: {0}")]
     Io(#[from] std::io::Error),
@@ -42,6 +50,7 @@ impl ClientError {
     pub fn code(&self) -> Option<ErrorCode> {
         match self {
             ClientError::Server { code, .. } => Some(*code),
+            ClientError::NotLeader { .. } => Some(ErrorCode::NotLeader),
             _ => None,
         }
     }
@@ -53,6 +62,7 @@ impl ClientError {
     pub fn kind(&self) -> &'static str {
         match self {
             ClientError::Server { code, .. } => code.as_str(),
+            ClientError::NotLeader { .. } => ErrorCode::NotLeader.as_str(),
             ClientError::Io(_) => "io",
             ClientError::Timeout => "timeout",
             ClientError::Disconnected => "disconnected",
@@ -66,7 +76,9 @@ impl ClientError {
     /// server error, otherwise the error's description.
     pub fn message(&self) -> String {
         match self {
-            ClientError::Server { message, .. } => message.clone(),
+            ClientError::Server { message, .. } | ClientError::NotLeader { message, .. } => {
+                message.clone()
+            }
             ClientError::Io(e) => e.to_string(),
             ClientError::Unsupported(m)
             | ClientError::Protocol(m)
@@ -78,6 +90,12 @@ impl ClientError {
 
 impl From<WireError> for ClientError {
     fn from(e: WireError) -> ClientError {
+        if e.code == ErrorCode::NotLeader {
+            return ClientError::NotLeader {
+                leader: e.leader,
+                message: e.message,
+            };
+        }
         ClientError::Server {
             code: e.code,
             message: e.message,

@@ -148,6 +148,7 @@
 #![warn(missing_debug_implementations)]
 
 mod client;
+mod cluster;
 mod config;
 mod conn;
 mod error;
@@ -156,6 +157,7 @@ mod subscribe;
 mod types;
 
 pub use client::{Client, Pending, PendingAck, PendingPublish};
+pub use cluster::ClusterClient;
 pub use config::ClientConfig;
 pub use error::{ClientError, Result};
 pub use sharded::{ShardedGroup, ShardedRecord};

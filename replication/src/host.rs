@@ -301,7 +301,8 @@ impl Host {
         let mut replicas = BTreeMap::new();
         let mut disks = BTreeMap::new();
         for (group, voters) in groups {
-            let (replica, disk) = open_group(&storage, &config, &data_dir, *group, voters).await?;
+            let dir = HostConfig::group_dir(&data_dir, *group);
+            let (replica, disk) = open_group(&storage, &config, &dir, *group, voters).await?;
             replicas.insert(*group, replica);
             disks.insert(*group, disk);
         }
@@ -389,6 +390,24 @@ impl Host {
     /// started), durable as the host is: from its directory under the
     /// `data_dir` if the host was opened on one.
     pub async fn add_group(&self, group: u64, voters: &[u64]) -> Result<(), ReplicationError> {
+        let dir = self
+            .inner
+            .config
+            .data_dir
+            .as_deref()
+            .map(|d| HostConfig::group_dir(d, group));
+        self.add_group_in(group, voters, dir).await
+    }
+
+    /// [`Host::add_group`] with the group's journal and hard state in `dir`
+    /// (the shard's own directory, say) instead of under the `data_dir`;
+    /// ignored by a host kept in memory.
+    pub async fn add_group_in(
+        &self,
+        group: u64,
+        voters: &[u64],
+        dir: Option<PathBuf>,
+    ) -> Result<(), ReplicationError> {
         let inner = &self.inner;
         if inner.closed.get() {
             return Err(ReplicationError::Stopped("host closed".into()));
@@ -400,10 +419,10 @@ impl Host {
                 "group {group} already has a replica here"
             )));
         }
-        let replica = match (&inner.storage, &inner.config.data_dir) {
+        let replica = match (&inner.storage, dir) {
             (Some(storage), Some(dir)) => {
                 let (replica, disk) =
-                    open_group(storage, &inner.config, dir, group, voters).await?;
+                    open_group(storage, &inner.config, &dir, group, voters).await?;
                 inner.added.borrow_mut().push((group, disk));
                 replica
             }
@@ -544,12 +563,12 @@ impl Host {
 async fn open_group(
     storage: &DmaStorage,
     config: &HostConfig,
-    data_dir: &Path,
+    dir: &Path,
     group: u64,
     voters: &[u64],
 ) -> Result<(Replica, GroupDisk), ReplicationError> {
     let stop = |why: String| ReplicationError::Stopped(format!("group {group}: {why}"));
-    let dir = HostConfig::group_dir(data_dir, group);
+    let dir = dir.to_path_buf();
     let (journal, entries) = Journal::open(storage.clone(), &dir, config.journal.clone())
         .await
         .map_err(|e| stop(e.to_string()))?;

@@ -28,6 +28,8 @@ pub struct BrokerOptions {
     pub cores: u32,
     pub durable: bool,
     pub env: Vec<(String, String)>,
+    /// Address to listen on (default `127.0.0.1:0`, a free port).
+    pub listen: Option<String>,
 }
 
 impl Default for BrokerOptions {
@@ -36,6 +38,7 @@ impl Default for BrokerOptions {
             cores: 2,
             durable: true,
             env: Vec::new(),
+            listen: None,
         }
     }
 }
@@ -51,6 +54,10 @@ impl BrokerOptions {
     }
     pub fn in_memory(mut self) -> Self {
         self.durable = false;
+        self
+    }
+    pub fn listen(mut self, addr: impl ToString) -> Self {
+        self.listen = Some(addr.to_string());
         self
     }
 }
@@ -118,7 +125,7 @@ impl Broker {
         let mut b = Broker {
             bin: bin.to_string(),
             child: None,
-            addr: "127.0.0.1:0".into(),
+            addr: opts.listen.unwrap_or_else(|| "127.0.0.1:0".into()),
             metrics_addr: "127.0.0.1:0".into(),
             data_dir,
             _tmp: Some(tmp),

@@ -100,7 +100,8 @@ pub(crate) struct Shared {
 impl Shared {
     pub fn features(&self) -> u64 {
         let mut f = felix_wire::FEATURE_PUBLISH_ACK_MODE;
-        if self.durable {
+        // Consumer groups are not served on replicated shards yet.
+        if self.durable && self.config.cluster.is_none() {
             f |= felix_wire::FEATURE_GROUPS
                 | felix_wire::FEATURE_GROUP_SKIPPED
                 | felix_wire::FEATURE_GROUP_CLAIM_CONTROL
@@ -171,6 +172,8 @@ pub(crate) struct Core<S: Storage> {
     pub budget: Rc<crate::memory::Budget>,
     /// This core's copy of `Shared::security`, and the generation it is.
     security: RefCell<(u64, Arc<crate::auth::Security>)>,
+    /// In a cluster: this core's replication (set once at start).
+    pub replication: std::cell::OnceCell<crate::cluster::Replication<S>>,
 }
 
 /// Largest `retention_bytes` / `retention_ms` a stream may have: what a
@@ -229,6 +232,7 @@ impl<S: Storage> Core<S> {
             budget,
             disk,
             security,
+            replication: std::cell::OnceCell::new(),
         })
     }
 
@@ -348,7 +352,23 @@ impl<S: Storage> Core<S> {
                 continue;
             }
             match Shard::open(self.clone(), &meta, s, &dir).await {
-                Ok(shard) => shards.push(Slot::Open(shard)),
+                Ok(shard) => {
+                    let replicated = match self.replication.get() {
+                        Some(r) => r.add(&shard, dir.clone()).await,
+                        None => Ok(()),
+                    };
+                    match replicated {
+                        Ok(()) => shards.push(Slot::Open(shard)),
+                        Err(why) => {
+                            tracing::error!(
+                                "shard cannot be replicated and will refuse requests: {why}"
+                            );
+                            let _ = shard.log.close().await;
+                            failures.push(why.clone());
+                            shards.push(Slot::Failed(why));
+                        }
+                    }
+                }
                 Err(e) => {
                     let why = format!("{}/{s}: {e}", meta.name);
                     tracing::error!("shard cannot be opened and will refuse requests: {why}");
@@ -420,6 +440,9 @@ impl<S: Storage> Core<S> {
             // they close misses none of their counters.
             self.retiring.borrow_mut().extend(open.iter().cloned());
             for shard in open {
+                if let Some(r) = self.replication.get() {
+                    r.remove(&shard).await;
+                }
                 let result = shard.destroy().await;
                 self.retiring
                     .borrow_mut()
@@ -1301,6 +1324,10 @@ async fn core_main<S: Storage>(
     );
     let core = Core::new(ctx, shared.clone(), storage, disk);
     report_disk(&core, core.disk.refresh());
+    if let Err(e) = crate::cluster::start(&core).await {
+        eprintln!("felix: core {}: {e}", core.core_id());
+        std::process::exit(1);
+    }
     for meta in metas.iter() {
         if let Err(e) = core.open_stream_only(meta.clone()).await {
             // The failed shards refuse requests with the reason; everything

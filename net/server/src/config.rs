@@ -87,6 +87,9 @@ const SETTINGS: &[Setting] = &[
     Setting { section: "groups", name: "idle_ms", env: None, kind: Kind::U64, default: "600000", help: "idle groups drop their memory state after this (or twice the visibility timeout)" },
     Setting { section: "security", name: "tokens_file", env: Some("FELIX_TOKENS_FILE"), kind: Kind::Str, default: "", help: "tokens the broker accepts, one `PRINCIPAL SHA256-HEX` line each (the hex of `printf %s TOKEN | sha256sum`; # starts a comment); a connection must then present one in HELLO and acts as its principal. Empty: no authentication, every connection is the anonymous principal and a HELLO carrying a token is refused. Read at start and again on SIGHUP" },
     Setting { section: "security", name: "acl_file", env: Some("FELIX_ACL_FILE"), kind: Kind::Str, default: "", help: "permissions, one `PRINCIPAL PERMISSION RESOURCE` line each (permissions stream.publish, stream.subscribe, stream.manage, group.consume, group.manage or *; resources TENANT/NAMESPACE/STREAM or group:TENANT/NAMESPACE/STREAM/GROUP, any part *, or * alone; principal * is everyone); nothing is allowed that a line does not grant. Empty: every principal may do everything. Read at start and again on SIGHUP" },
+    Setting { section: "cluster", name: "node_id", env: Some("FELIX_NODE_ID"), kind: Kind::U64, default: "0", help: "this broker's id among cluster.nodes; 0 = a single broker, shards not replicated" },
+    Setting { section: "cluster", name: "nodes", env: Some("FELIX_CLUSTER_NODES"), kind: Kind::Str, default: "", help: "every broker of the cluster, this one included, as ID=CLIENT_ADDR/REPLICATION_ADDR separated by commas (e.g. \"1=10.0.0.1:7400/10.0.0.1:7500,2=...\"); core i of each broker replicates on REPLICATION_ADDR's port + i, so every broker runs the same number of cores. Every shard is replicated on every node (at least three for a failure to be survived); needs storage.data_dir" },
+    Setting { section: "cluster", name: "tick_ms", env: None, kind: Kind::U64, default: "10", help: "replication tick: a leader heartbeats every 2 ticks, and a follower that hears nothing for 10 to 20 ticks starts an election" },
     Setting { section: "limits", name: "max_records_per_read", env: None, kind: Kind::U64, default: "1000", help: "records one read or poll returns at most" },
     Setting { section: "limits", name: "max_bytes_per_read", env: None, kind: Kind::U64, default: "4194304", help: "payload bytes after which a read or poll stops" },
     Setting { section: "limits", name: "max_records_per_publish", env: None, kind: Kind::U64, default: "100000", help: "records in one publish request" },
@@ -108,6 +111,72 @@ pub struct Overrides {
     pub data_dir: Option<PathBuf>,
     pub listen: Option<String>,
     pub cores: Option<String>,
+    pub node_id: Option<u64>,
+    pub peers: Option<String>,
+}
+
+/// One broker of a cluster.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClusterNode {
+    pub id: u64,
+    /// Where clients reach it (`server.listen` on that broker).
+    pub client: String,
+    /// Its replication address for core 0 (core i: the port + i).
+    pub replication: std::net::SocketAddr,
+}
+
+/// The cluster this broker is part of.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClusterConfig {
+    pub node_id: u64,
+    /// Every node, this one included, by id.
+    pub nodes: Vec<ClusterNode>,
+    pub tick_ms: u64,
+}
+
+impl ClusterConfig {
+    pub fn node(&self, id: u64) -> Option<&ClusterNode> {
+        self.nodes.iter().find(|n| n.id == id)
+    }
+
+    pub fn voters(&self) -> Vec<u64> {
+        self.nodes.iter().map(|n| n.id).collect()
+    }
+}
+
+/// Parse `cluster.nodes`: `ID=CLIENT_ADDR/REPLICATION_ADDR,...`.
+pub fn parse_nodes(s: &str) -> Result<Vec<ClusterNode>, String> {
+    let mut nodes: Vec<ClusterNode> = Vec::new();
+    for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let bad = |why: &str| format!("{item:?}: {why} (expected ID=CLIENT_ADDR/REPLICATION_ADDR)");
+        let (id, addrs) = item.split_once('=').ok_or_else(|| bad("no `=`"))?;
+        let id: u64 = id
+            .trim()
+            .parse()
+            .map_err(|_| bad("the id is not a whole number"))?;
+        if id == 0 || id >= 1 << 62 {
+            return Err(bad("ids run from 1 to 2^62 - 1"));
+        }
+        let (client, repl) = addrs.split_once('/').ok_or_else(|| bad("no `/`"))?;
+        let client = client.trim();
+        if client.is_empty() {
+            return Err(bad("no client address"));
+        }
+        let replication: std::net::SocketAddr = repl
+            .trim()
+            .parse()
+            .map_err(|_| bad("the replication address is not IP:PORT"))?;
+        if nodes.iter().any(|n| n.id == id) {
+            return Err(bad("the id is listed twice"));
+        }
+        nodes.push(ClusterNode {
+            id,
+            client: client.to_string(),
+            replication,
+        });
+    }
+    nodes.sort_by_key(|n| n.id);
+    Ok(nodes)
 }
 
 /// The effective configuration.
@@ -164,6 +233,8 @@ pub struct Config {
     pub tokens_file: Option<PathBuf>,
     /// `security.acl_file`; `None`: every principal may do everything.
     pub acl_file: Option<PathBuf>,
+    /// `cluster.*`; `None`: a single broker.
+    pub cluster: Option<ClusterConfig>,
 }
 
 /// A configuration that cannot be used, and why.
@@ -315,6 +386,24 @@ impl Config {
                 },
             );
         }
+        if let Some(id) = overrides.node_id {
+            values.insert(
+                ("cluster", "node_id"),
+                Resolved {
+                    value: id.to_string(),
+                    source: Source::Flag("--node-id"),
+                },
+            );
+        }
+        if let Some(p) = &overrides.peers {
+            values.insert(
+                ("cluster", "nodes"),
+                Resolved {
+                    value: p.clone(),
+                    source: Source::Flag("--peers"),
+                },
+            );
+        }
         Self::build(values)
     }
 
@@ -411,7 +500,42 @@ impl Config {
                 "server.max_buffered_bytes_per_core must be at least server.max_frame_bytes".into(),
             ));
         }
+        let node_id = num("cluster", "node_id")?;
+        let nodes = parse_nodes(&get("cluster", "nodes").value)
+            .map_err(|e| ConfigError(format!("cluster.nodes: {e}")))?;
+        let cluster = match (node_id, nodes.is_empty()) {
+            (0, true) => None,
+            (0, false) => {
+                return Err(ConfigError(
+                    "cluster.nodes is set but cluster.node_id is not: which node is this?".into(),
+                ))
+            }
+            (id, true) => {
+                return Err(ConfigError(format!(
+                    "cluster.node_id is {id} but cluster.nodes is empty"
+                )))
+            }
+            (id, false) => {
+                if !nodes.iter().any(|n| n.id == id) {
+                    return Err(ConfigError(format!(
+                        "cluster.node_id {id} is not one of cluster.nodes"
+                    )));
+                }
+                if data_dir.is_empty() {
+                    return Err(ConfigError(
+                        "a cluster needs storage.data_dir: a replica must remember its votes and entries"
+                            .into(),
+                    ));
+                }
+                Some(ClusterConfig {
+                    node_id: id,
+                    nodes,
+                    tick_ms: nonzero(num("cluster", "tick_ms")?, "cluster.tick_ms")?,
+                })
+            }
+        };
         let cfg = Config {
+            cluster,
             listen: get("server", "listen").value.clone(),
             cores: get("server", "cores").value.clone(),
             max_connections: nonzero(num("server", "max_connections")?, "server.max_connections")?,
@@ -614,6 +738,89 @@ pub fn example_toml() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn with_env(vars: &[(&str, &str)], overrides: &Overrides) -> Result<Config, ConfigError> {
+        let env: BTreeMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Config::load_with_env(None, overrides, &env)
+    }
+
+    #[test]
+    fn a_cluster_is_every_node_with_this_one_among_them() {
+        let nodes = "2=127.0.0.1:7410/127.0.0.1:7510, 1=127.0.0.1:7400/127.0.0.1:7500,3=h3:7400/10.0.0.3:7500";
+        let c = with_env(
+            &[("FELIX_NODE_ID", "1"), ("FELIX_CLUSTER_NODES", nodes)],
+            &Overrides::default(),
+        )
+        .unwrap();
+        let cluster = c.cluster.expect("a cluster");
+        assert_eq!(cluster.node_id, 1);
+        assert_eq!(cluster.voters(), vec![1, 2, 3]);
+        assert_eq!(cluster.node(3).unwrap().client, "h3:7400");
+        assert_eq!(
+            cluster.node(2).unwrap().replication,
+            "127.0.0.1:7510".parse().unwrap()
+        );
+        // The flags win over the environment.
+        let c = with_env(
+            &[("FELIX_NODE_ID", "1"), ("FELIX_CLUSTER_NODES", nodes)],
+            &Overrides {
+                node_id: Some(2),
+                ..Overrides::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(c.cluster.unwrap().node_id, 2);
+        // No cluster by default.
+        assert!(with_env(&[], &Overrides::default())
+            .unwrap()
+            .cluster
+            .is_none());
+        for (vars, why) in [
+            (
+                vec![("FELIX_NODE_ID", "4"), ("FELIX_CLUSTER_NODES", nodes)],
+                "not one of",
+            ),
+            (vec![("FELIX_CLUSTER_NODES", nodes)], "node_id is not"),
+            (vec![("FELIX_NODE_ID", "1")], "nodes is empty"),
+            (
+                vec![
+                    ("FELIX_NODE_ID", "1"),
+                    ("FELIX_CLUSTER_NODES", "1=a:1/127.0.0.1:2,1=b:1/127.0.0.1:3"),
+                ],
+                "listed twice",
+            ),
+            (
+                vec![
+                    ("FELIX_NODE_ID", "1"),
+                    ("FELIX_CLUSTER_NODES", "1=a:1/nowhere"),
+                ],
+                "IP:PORT",
+            ),
+            (
+                vec![
+                    ("FELIX_NODE_ID", "1"),
+                    ("FELIX_CLUSTER_NODES", "0=a:1/127.0.0.1:2"),
+                ],
+                "ids run",
+            ),
+            (
+                vec![
+                    ("FELIX_NODE_ID", "1"),
+                    ("FELIX_CLUSTER_NODES", nodes),
+                    ("FELIX_DURABLE_STORAGE_DIR", ""),
+                ],
+                "needs storage.data_dir",
+            ),
+        ] {
+            let err = with_env(&vars, &Overrides::default())
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(why), "{vars:?}: {err}");
+        }
+    }
 
     /// The shipped example lists every setting at its default and parses.
     #[test]

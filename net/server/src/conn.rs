@@ -980,6 +980,14 @@ async fn handle<S: Storage>(
             )
             .await
         }
+        other if core.replication.get().is_some() => wire_err(
+            ErrorCode::Unsupported,
+            format!(
+                "{} is not served by a broker in a cluster yet: consumer groups on replicated \
+                 shards are still to come",
+                other.name()
+            ),
+        ),
         other => crate::groups::handle(core, info, room, other).await,
     }
 }
@@ -1084,6 +1092,19 @@ async fn publish<S: Storage>(
             return shard.closed_answer();
         }
         return log_err(&shard.name(), e);
+    }
+    if let Some(r) = core.replication.get() {
+        // Through the shard's leader; every replica writes it to its log
+        // once committed.
+        let answer = r.publish(&shard, &recs).await;
+        if let Response::Published { count, .. } = &answer {
+            core.disk.note_appended(bytes);
+            let m = &core.metrics;
+            m.publish_records
+                .set(m.publish_records.get() + u64::from(*count));
+            m.publish_bytes.set(m.publish_bytes.get() + bytes);
+        }
+        return answer;
     }
     let appended = match shard.log.append(&recs) {
         Ok(a) => a,

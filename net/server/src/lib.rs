@@ -13,6 +13,7 @@
 mod acl;
 mod auth;
 mod broker;
+mod cluster;
 
 pub mod config;
 mod conn;
@@ -22,7 +23,7 @@ mod memory;
 mod metrics;
 mod shard;
 
-pub use config::{Config, ConfigError, Overrides, Source};
+pub use config::{ClusterConfig, ClusterNode, Config, ConfigError, Overrides, Source};
 use felix_engine::runtime::CoreSet;
 use std::path::PathBuf;
 
@@ -33,6 +34,10 @@ pub struct ServeOptions {
     pub data_dir: Option<PathBuf>,
     pub listen: Option<String>,
     pub cores: Option<String>,
+    /// `--node-id`: this broker's id in its cluster.
+    pub node_id: Option<u64>,
+    /// `--peers`: every broker of the cluster (see `cluster.nodes`).
+    pub peers: Option<String>,
     pub print_config: bool,
 }
 
@@ -89,6 +94,8 @@ pub fn serve(opts: ServeOptions) -> Result<(), ServeError> {
             data_dir: opts.data_dir.clone(),
             listen: opts.listen.clone(),
             cores: opts.cores.clone(),
+            node_id: opts.node_id,
+            peers: opts.peers.clone(),
         },
     )?;
     if opts.print_config {

@@ -97,6 +97,10 @@ pub struct WireError {
     pub message: String,
     /// For [`ErrorCode::WrongCore`]: the core that owns the shard.
     pub core: Option<u32>,
+    /// For [`ErrorCode::NotLeader`]: the client address of the broker that
+    /// leads the shard, when the answering broker knows it. (On the wire
+    /// only in `not_leader` errors, which brokers send only in a cluster.)
+    pub leader: Option<String>,
 }
 
 impl WireError {
@@ -105,6 +109,7 @@ impl WireError {
             code,
             message: message.into(),
             core: None,
+            leader: None,
         }
     }
 
@@ -114,6 +119,18 @@ impl WireError {
             code: ErrorCode::WrongCore,
             message: message.into(),
             core: Some(core),
+            leader: None,
+        }
+    }
+
+    /// A [`ErrorCode::NotLeader`] error naming the leader's client address,
+    /// if known.
+    pub fn not_leader(leader: Option<String>, message: impl Into<String>) -> WireError {
+        WireError {
+            code: ErrorCode::NotLeader,
+            message: message.into(),
+            core: None,
+            leader,
         }
     }
 }
@@ -123,6 +140,9 @@ impl fmt::Display for WireError {
         write!(f, "{}: {}", self.code, self.message)?;
         if let Some(core) = self.core {
             write!(f, " (core {core})")?;
+        }
+        if let Some(leader) = &self.leader {
+            write!(f, " (leader {leader})")?;
         }
         Ok(())
     }

@@ -556,21 +556,33 @@ impl Wire for WireError {
         out.put_u16_le(self.code.as_u16());
         put_str(out, &self.message);
         put_opt(out, self.core.as_ref(), |o, c| o.put_u32_le(*c));
+        // Only not_leader carries the leader (older decoders never see one:
+        // a broker sends not_leader only in a cluster).
+        if self.code == ErrorCode::NotLeader {
+            put_opt(out, self.leader.as_ref(), |o, l| put_str(o, l));
+        }
     }
     fn get(r: &mut Reader) -> Result<Self> {
         let raw = r.u16("error code")?;
         let message = r.string("error message")?;
         let core = r.opt_u32("error core")?;
+        let leader = if raw == ErrorCode::NotLeader.as_u16() {
+            r.opt_string("error leader")?
+        } else {
+            None
+        };
         Ok(match ErrorCode::from_u16(raw) {
             Some(code) => WireError {
                 code,
                 message,
                 core,
+                leader,
             },
             None => WireError {
                 code: ErrorCode::Internal,
                 message: format!("unknown error code {raw}: {message}"),
                 core,
+                leader,
             },
         })
     }

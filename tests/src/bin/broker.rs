@@ -19,6 +19,8 @@ fn main() {
         data_dir,
         listen: Some(args[2].clone()),
         cores: Some(args[3].clone()),
+        node_id: None,
+        peers: None,
         print_config: false,
     };
     if let Err(e) = felix_server::serve(opts) {

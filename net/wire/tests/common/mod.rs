@@ -124,11 +124,19 @@ pub fn error_code() -> impl Strategy<Value = ErrorCode> {
 }
 
 pub fn wire_error() -> impl Strategy<Value = WireError> {
-    (error_code(), text(), option::of(any::<u32>())).prop_map(|(code, message, core)| WireError {
-        code,
-        message,
-        core,
-    })
+    (
+        error_code(),
+        text(),
+        option::of(any::<u32>()),
+        option::of(text()),
+    )
+        .prop_map(|(code, message, core, leader)| WireError {
+            code,
+            message,
+            core,
+            // Only not_leader errors carry one.
+            leader: leader.filter(|_| code == ErrorCode::NotLeader),
+        })
 }
 
 pub fn stream_info() -> impl Strategy<Value = StreamInfo> {

@@ -1,0 +1,310 @@
+//! A broker in a cluster (`cluster.nodes`): every shard is one Raft group
+//! replicated on every node, driven by the core that owns the shard.
+//!
+//! Each core runs a replication [`Host`] on its own port (the node's
+//! replication address, port + core), talking to the same core of every
+//! other node, so a shard's replicas live on the same core number
+//! everywhere (every node runs the same number of cores). A shard's replica
+//! keeps its journal and vote in the shard's directory (`raft/`).
+//!
+//! A publish to a replicated shard goes through its leader's replica: it
+//! is acknowledged once a majority's journals hold it and the leader's
+//! shard log has it durably (so a read right after the acknowledgement
+//! sees it). Every replica writes each committed entry to its shard log
+//! (`apply`), in order: records at the offsets the leader gave them, a new
+//! leader's generation start as a control record. A replica that restarts
+//! applies its committed entries again from the first; those its shard
+//! log already holds (below its end) are skipped, so nothing is written
+//! twice. Reads are served by any replica from its shard log, which holds
+//! only committed entries. Publishes to a follower are refused with
+//! `not_leader` naming the leader's client address.
+//!
+//! Not yet: consumer groups on replicated shards (refused with
+//! `unsupported`, and not advertised by a broker in a cluster), the
+//! shard's leader in its metadata, compaction of the journal.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::rc::{Rc, Weak};
+use std::time::Duration;
+
+use felix_engine::format::{self, RecordIn};
+use felix_engine::storage::Storage;
+use felix_engine::StreamName;
+use felix_replication::host::{Host, HostConfig};
+use felix_replication::{Applied, EntryKind, ReplicationError};
+use felix_wire::{ErrorCode, Response, WireError};
+use sha2::{Digest, Sha256};
+
+use crate::broker::{wire_err, Core};
+use crate::config::ClusterConfig;
+use crate::shard::Shard;
+
+/// Shards of one core by replica group.
+type Registry<S> = Rc<RefCell<HashMap<u64, Weak<Shard<S>>>>>;
+
+/// A core's replication: its host and the shards it replicates.
+pub(crate) struct Replication<S: Storage> {
+    pub host: Host,
+    pub cluster: ClusterConfig,
+    shards: Registry<S>,
+}
+
+/// How long a replicated publish may wait for its commit before the broker
+/// answers `unavailable` (the outcome is then unknown: it may still be
+/// committed).
+const COMMIT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The replica group of a shard: the same on every node (a hash of the
+/// stream's name and the shard), below 2^62 as replica numbers must be.
+pub(crate) fn group_id(name: &StreamName, shard: u32) -> u64 {
+    let mut h = Sha256::new();
+    h.update(name.to_string().as_bytes());
+    h.update(b"#");
+    h.update(shard.to_le_bytes());
+    let d = h.finalize();
+    let v = u64::from_le_bytes(d[..8].try_into().expect("eight bytes")) & ((1 << 62) - 1);
+    v.max(1)
+}
+
+/// `addr` with its port moved up by `by` (core `by`'s replication port).
+fn port_plus(addr: SocketAddr, by: u32) -> Result<SocketAddr, String> {
+    let port = u32::from(addr.port()) + by;
+    let port = u16::try_from(port)
+        .map_err(|_| format!("replication port {} + core {by} is past 65535", addr.port()))?;
+    let mut a = addr;
+    a.set_port(port);
+    Ok(a)
+}
+
+/// Start this core's replication host, if the broker is in a cluster.
+pub(crate) async fn start<S: Storage>(core: &Rc<Core<S>>) -> Result<(), String> {
+    let Some(cluster) = core.shared.config.cluster.clone() else {
+        return Ok(());
+    };
+    let me = cluster
+        .node(cluster.node_id)
+        .expect("the config checks the node is listed")
+        .clone();
+    let core_no = core.core_id();
+    let addr = port_plus(me.replication, core_no)?;
+    let listener = glommio::net::TcpListener::bind(addr)
+        .map_err(|e| format!("cannot listen for replication on {addr}: {e}"))?;
+    let mut peers = std::collections::BTreeMap::new();
+    for n in cluster.nodes.iter().filter(|n| n.id != me.id) {
+        peers.insert(n.id, port_plus(n.replication, core_no)?);
+    }
+    let mut config = HostConfig::new(me.id, peers);
+    config.tick = Duration::from_millis(cluster.tick_ms);
+    // Groups are added with their shard's own directory.
+    config.data_dir = Some(
+        core.shared
+            .config
+            .data_dir
+            .clone()
+            .ok_or("a cluster needs a data directory")?,
+    );
+    // A record the broker takes must fit a replication frame.
+    config.max_frame = config
+        .max_frame
+        .max(core.shared.config.max_frame_bytes as usize + (1 << 20));
+    let shards: Registry<S> = Rc::new(RefCell::new(HashMap::new()));
+    let hook_shards = shards.clone();
+    let hook = Box::new(move |group: u64, a: &Applied| apply(&hook_shards, group, a));
+    let host = Host::open(config, listener, &[], hook)
+        .await
+        .map_err(|e| format!("replication: {e}"))?;
+    tracing::info!(
+        node = me.id,
+        core = core_no,
+        %addr,
+        "replicating with {} other node(s)",
+        cluster.nodes.len() - 1
+    );
+    let _ = core.replication.set(Replication {
+        host,
+        cluster,
+        shards,
+    });
+    Ok(())
+}
+
+impl<S: Storage> Replication<S> {
+    /// Replicate `shard` (just opened from `dir`): its replica joins the
+    /// host, with its journal in the shard's directory.
+    pub async fn add(&self, shard: &Rc<Shard<S>>, dir: PathBuf) -> Result<(), String> {
+        let group = group_id(&shard.stream, shard.index);
+        self.shards.borrow_mut().insert(group, Rc::downgrade(shard));
+        let r = self
+            .host
+            .add_group_in(group, &self.cluster.voters(), Some(dir.join("raft")))
+            .await;
+        if let Err(e) = r {
+            self.shards.borrow_mut().remove(&group);
+            return Err(format!("replica of {}: {e}", shard.name()));
+        }
+        Ok(())
+    }
+
+    /// Stop replicating `shard` and delete its replica's files.
+    pub async fn remove(&self, shard: &Shard<S>) {
+        let group = group_id(&shard.stream, shard.index);
+        self.shards.borrow_mut().remove(&group);
+        if let Err(e) = self.host.remove_group(group).await {
+            tracing::warn!("removing the replica of {}: {e}", shard.name());
+        }
+    }
+
+    /// Publish `records` to `shard` through its replica; the answer once a
+    /// majority holds them and this shard log has them durably.
+    pub async fn publish(&self, shard: &Shard<S>, records: &[RecordIn]) -> Response {
+        let group = group_id(&shard.stream, shard.index);
+        let landed = match glommio::timer::timeout(COMMIT_TIMEOUT, async {
+            Ok(self.host.publish(group, records).await)
+        })
+        .await
+        {
+            Ok(Ok(l)) => l,
+            Ok(Err(e)) => return self.refusal(shard, e),
+            Err(_) => {
+                return wire_err(
+                    ErrorCode::Unavailable,
+                    format!(
+                        "shard {}: not committed within {COMMIT_TIMEOUT:?} (no majority \
+                             reachable?); it may still be, so a retry can duplicate it",
+                        shard.name()
+                    ),
+                )
+            }
+        };
+        if landed.end > landed.base {
+            if let Err(e) = shard
+                .log
+                .wait_for_offset(felix_engine::Offset(landed.end.0 - 1))
+                .await
+            {
+                return wire_err(
+                    ErrorCode::Unavailable,
+                    format!(
+                        "shard {}: committed, but its log here failed: {e}",
+                        shard.name()
+                    ),
+                );
+            }
+        }
+        Response::Published {
+            shard: shard.index,
+            base_offset: landed.base.0,
+            count: (landed.end.0 - landed.base.0) as u32,
+        }
+    }
+
+    /// The answer for a replication error on `shard`.
+    pub fn refusal(&self, shard: &Shard<S>, e: ReplicationError) -> Response {
+        match e {
+            ReplicationError::NotLeader { leader } => {
+                let addr = leader
+                    .and_then(|id| self.cluster.node(id))
+                    .map(|n| n.client.clone());
+                let msg = match (&addr, leader) {
+                    (Some(a), Some(id)) => {
+                        format!("shard {} is led by node {id} at {a}", shard.name())
+                    }
+                    _ => format!(
+                        "shard {} has no leader this node knows of (an election may be on); retry",
+                        shard.name()
+                    ),
+                };
+                Response::Error(WireError::not_leader(addr, msg))
+            }
+            ReplicationError::NotReady => wire_err(
+                ErrorCode::Unavailable,
+                format!(
+                    "shard {}: its new leader is still catching up; retry",
+                    shard.name()
+                ),
+            ),
+            ReplicationError::Superseded => wire_err(
+                ErrorCode::Unavailable,
+                format!(
+                    "shard {}: the leader changed before this was committed, and it was not: \
+                     safe to send again",
+                    shard.name()
+                ),
+            ),
+            other => wire_err(
+                ErrorCode::Unavailable,
+                format!("shard {}: {other}", shard.name()),
+            ),
+        }
+    }
+}
+
+/// Write a committed entry into its shard's log.
+fn apply<S: Storage>(shards: &Registry<S>, group: u64, a: &Applied) {
+    let shard = shards.borrow().get(&group).and_then(Weak::upgrade);
+    let Some(shard) = shard else {
+        tracing::warn!(
+            group,
+            index = a.index,
+            "a committed entry for a shard not open here"
+        );
+        return;
+    };
+    if let Err(why) = apply_to(&shard, a) {
+        tracing::error!(
+            shard = %shard.name(),
+            index = a.index,
+            "a committed entry could not be written to the shard's log: {why}"
+        );
+    }
+}
+
+fn apply_to<S: Storage>(shard: &Shard<S>, a: &Applied) -> Result<(), String> {
+    let end = shard.log.queued_end();
+    if a.kind == EntryKind::Group {
+        return Err("consumer-group entries are not served on replicated shards yet".into());
+    }
+    if a.base < end {
+        // Applied before this restart: the log holds it.
+        return Ok(());
+    }
+    if a.base > end {
+        return Err(format!(
+            "the entry starts at offset {} and the log ends at {end}",
+            a.base
+        ));
+    }
+    let appended = match a.kind {
+        EntryKind::GenerationStart => shard
+            .log
+            .append_control(&a.term.to_le_bytes())
+            .map_err(|e| e.to_string())?,
+        EntryKind::Records { .. } => {
+            let batch = a.data.clone();
+            let header = format::parse_header(&batch).map_err(|e| e.to_string())?;
+            let mut records = Vec::with_capacity(header.record_count as usize);
+            format::for_each_record(&batch, &header, header.base_offset, |r| {
+                records.push(RecordIn {
+                    timestamp_ms: r.timestamp_ms,
+                    key: r.key,
+                    headers: r.headers,
+                    payload: r.payload,
+                });
+                true
+            })
+            .map_err(|e| e.to_string())?;
+            shard.log.append(&records).map_err(|e| e.to_string())?
+        }
+        EntryKind::Group => unreachable!("refused above"),
+    };
+    if appended.base != a.base {
+        return Err(format!(
+            "the log put it at offset {}, the leader at {}",
+            appended.base, a.base
+        ));
+    }
+    Ok(())
+}
