@@ -450,12 +450,18 @@ const RESPONSES = new Map([
   })],
   [0x40, (r) => ({ type: 'group', info: getGroupInfo(r) })],
   [0x41, (r) => ({ type: 'groups', names: r.vec('group names', 2, (g) => g.str('group name')) })],
-  [0xff, (r) => ({
-    type: 'error',
-    code: r.u16('error code'),
-    message: r.str('error message'),
-    core: r.opt('error core', r.u32),
-  })],
+  [0xff, (r) => {
+    const e = {
+      type: 'error',
+      code: r.u16('error code'),
+      message: r.str('error message'),
+      core: r.opt('error core', r.u32),
+    };
+    // A not_leader error (from a broker in a cluster) names the leader's
+    // client address after the core.
+    if (e.code === 10) e.leader = r.opt('error leader', r.str);
+    return e;
+  }],
 ]);
 
 /**

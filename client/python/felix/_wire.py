@@ -514,6 +514,12 @@ def _error(r: Reader) -> FelixError:
     number = r.u16("error code")
     message = r.string("error message")
     core = r.opt("error core", r.u32)
+    # A not_leader error (from a broker in a cluster) names the leader's
+    # client address after the core.
+    if number == 10:
+        leader = r.opt("error leader", r.string)
+        if leader is not None:
+            message = f"{message} (leader {leader})"
     return error_from_wire(number, message, core)
 
 
