@@ -6,9 +6,14 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use bytes::Bytes;
-use felix_wire::{ErrorCode, RecordIn, StartPosition, StreamInfo, StreamRef};
+use felix_wire::{
+    ErrorCode, GroupInfo, GroupRecord, RecordIn, StartPosition, StreamInfo, StreamRef,
+};
 
-use crate::{Client, ClientConfig, ClientError, Published, ReadBatch, Result, StreamOptions};
+use crate::{
+    Client, ClientConfig, ClientError, GroupMember, GroupPollOptions, Published, ReadBatch, Result,
+    StreamOptions,
+};
 
 /// How many times a call tries before giving up (following a leader, or
 /// waiting out an election, takes a few).
@@ -139,6 +144,27 @@ impl ClusterClient {
     /// Forget a broker's client (it failed): the next call connects anew.
     async fn drop_client(&self, addr: &str) {
         self.clients.lock().await.remove(addr);
+    }
+
+    /// Run `call` with a [`Client`] of the broker that leads `shard` of
+    /// the stream: any per-shard call of `Client` not wrapped here. A
+    /// `not_leader` answer is followed, and while no leader is known the
+    /// other brokers are tried, backing off; a call whose answer was lost
+    /// is made again (so it must tolerate running twice).
+    pub async fn with_leader<T, F, Fut>(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        call: F,
+    ) -> Result<T>
+    where
+        F: Fn(Client) -> Fut,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        self.on_leader(&StreamRef::new(tenant, namespace, stream), shard, call)
+            .await
     }
 
     /// Run `call` against the leader of `shard`, following `not_leader`
@@ -350,5 +376,367 @@ impl ClusterClient {
                 .await
         })
         .await
+    }
+
+    // Consumer groups: each call goes to the shard's leader, as `Client`'s
+    // of the same name does to its broker.
+
+    /// [`Client::group_poll`] on the shard's leader.
+    pub async fn group_poll(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        max_records: u32,
+    ) -> Result<Vec<GroupRecord>> {
+        self.with_leader(tenant, namespace, stream, shard, |c| async move {
+            c.group_poll(tenant, namespace, stream, shard, group, max_records)
+                .await
+        })
+        .await
+    }
+
+    /// [`Client::group_poll_wait`] on the shard's leader.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn group_poll_wait(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        max_records: u32,
+        wait: Duration,
+    ) -> Result<Vec<GroupRecord>> {
+        self.with_leader(tenant, namespace, stream, shard, |c| async move {
+            c.group_poll_wait(tenant, namespace, stream, shard, group, max_records, wait)
+                .await
+        })
+        .await
+    }
+
+    /// [`Client::group_poll_as`] on the shard's leader. A member that polls
+    /// with `reclaim` after a failover finds nothing to reclaim: claims were
+    /// the old leader's memory, and the records are owed to the group again.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn group_poll_as(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        member: &GroupMember,
+        options: GroupPollOptions,
+    ) -> Result<Vec<GroupRecord>> {
+        self.with_leader(tenant, namespace, stream, shard, |c| async move {
+            c.group_poll_as(tenant, namespace, stream, shard, group, member, options)
+                .await
+        })
+        .await
+    }
+
+    /// [`Client::group_ack`] on the shard's leader.
+    pub async fn group_ack(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        offset: u64,
+    ) -> Result<()> {
+        self.with_leader(tenant, namespace, stream, shard, |c| async move {
+            c.group_ack(tenant, namespace, stream, shard, group, offset)
+                .await
+        })
+        .await
+    }
+
+    /// [`Client::group_nack`] on the shard's leader.
+    pub async fn group_nack(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        record: &GroupRecord,
+    ) -> Result<()> {
+        self.with_leader(tenant, namespace, stream, shard, |c| async move {
+            c.group_nack(tenant, namespace, stream, shard, group, record)
+                .await
+        })
+        .await
+    }
+
+    /// [`Client::group_nack_after`] on the shard's leader.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn group_nack_after(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        record: &GroupRecord,
+        delay: Duration,
+    ) -> Result<()> {
+        self.with_leader(tenant, namespace, stream, shard, |c| async move {
+            c.group_nack_after(tenant, namespace, stream, shard, group, record, delay)
+                .await
+        })
+        .await
+    }
+
+    /// [`Client::group_extend`] on the shard's leader.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn group_extend(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        record: &GroupRecord,
+        by: Duration,
+    ) -> Result<Duration> {
+        self.with_leader(tenant, namespace, stream, shard, |c| async move {
+            c.group_extend(tenant, namespace, stream, shard, group, record, by)
+                .await
+        })
+        .await
+    }
+
+    /// [`Client::group_dead_letter`] on the shard's leader.
+    pub async fn group_dead_letter(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        record: &GroupRecord,
+    ) -> Result<()> {
+        self.with_leader(tenant, namespace, stream, shard, |c| async move {
+            c.group_dead_letter(tenant, namespace, stream, shard, group, record)
+                .await
+        })
+        .await
+    }
+
+    /// [`Client::group_dead_letters`] on the shard's leader (answered only
+    /// once a majority confirms it still leads).
+    pub async fn group_dead_letters(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+    ) -> Result<Vec<u64>> {
+        self.with_leader(tenant, namespace, stream, shard, |c| async move {
+            c.group_dead_letters(tenant, namespace, stream, shard, group)
+                .await
+        })
+        .await
+    }
+
+    /// [`Client::group_redrive`] on the shard's leader.
+    pub async fn group_redrive(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        offset: u64,
+    ) -> Result<()> {
+        self.with_leader(tenant, namespace, stream, shard, |c| async move {
+            c.group_redrive(tenant, namespace, stream, shard, group, offset)
+                .await
+        })
+        .await
+    }
+
+    /// [`Client::group_discard`] on the shard's leader.
+    pub async fn group_discard(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        offset: u64,
+    ) -> Result<()> {
+        self.with_leader(tenant, namespace, stream, shard, |c| async move {
+            c.group_discard(tenant, namespace, stream, shard, group, offset)
+                .await
+        })
+        .await
+    }
+
+    /// [`Client::group_create`] on the shard's leader.
+    pub async fn group_create(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        start: StartPosition,
+    ) -> Result<()> {
+        self.with_leader(tenant, namespace, stream, shard, |c| async move {
+            c.group_create(tenant, namespace, stream, shard, group, start)
+                .await
+        })
+        .await
+    }
+
+    /// [`Client::group_seek`] on the shard's leader.
+    pub async fn group_seek(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        start: StartPosition,
+    ) -> Result<()> {
+        self.with_leader(tenant, namespace, stream, shard, |c| async move {
+            c.group_seek(tenant, namespace, stream, shard, group, start)
+                .await
+        })
+        .await
+    }
+
+    /// [`Client::group_describe`] on the shard's leader (answered only once
+    /// a majority confirms it still leads).
+    pub async fn group_describe(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+    ) -> Result<GroupInfo> {
+        self.with_leader(tenant, namespace, stream, shard, |c| async move {
+            c.group_describe(tenant, namespace, stream, shard, group)
+                .await
+        })
+        .await
+    }
+
+    /// [`Client::group_delete`] on the shard's leader.
+    pub async fn group_delete(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+    ) -> Result<()> {
+        self.with_leader(tenant, namespace, stream, shard, |c| async move {
+            c.group_delete(tenant, namespace, stream, shard, group)
+                .await
+        })
+        .await
+    }
+
+    /// The stream's shard count, refusing an offset for a stream of more
+    /// than one shard (offsets are per shard).
+    async fn shards_for(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        start: Option<StartPosition>,
+    ) -> Result<u32> {
+        let shards = self
+            .describe_stream(tenant, namespace, stream)
+            .await?
+            .shards;
+        if shards > 1 && matches!(start, Some(StartPosition::Offset(_))) {
+            return Err(ClientError::InvalidArgument(format!(
+                "{tenant}/{namespace}/{stream} has {shards} shards, and an offset names a \
+                 position in one shard: use Earliest or Latest, or the per-shard call"
+            )));
+        }
+        Ok(shards)
+    }
+
+    /// [`ClusterClient::group_create`] on every shard of the stream, each on
+    /// its leader. `Latest` is each shard's own tail when its call lands.
+    pub async fn group_create_stream(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        group: &str,
+        start: StartPosition,
+    ) -> Result<()> {
+        for shard in 0..self
+            .shards_for(tenant, namespace, stream, Some(start))
+            .await?
+        {
+            self.group_create(tenant, namespace, stream, shard, group, start)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// [`ClusterClient::group_seek`] on every shard of the stream.
+    pub async fn group_seek_stream(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        group: &str,
+        start: StartPosition,
+    ) -> Result<()> {
+        for shard in 0..self
+            .shards_for(tenant, namespace, stream, Some(start))
+            .await?
+        {
+            self.group_seek(tenant, namespace, stream, shard, group, start)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// [`ClusterClient::group_describe`] of every shard of the stream, in
+    /// shard order.
+    pub async fn group_describe_stream(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        group: &str,
+    ) -> Result<Vec<GroupInfo>> {
+        let mut out = Vec::new();
+        for shard in 0..self.shards_for(tenant, namespace, stream, None).await? {
+            out.push(
+                self.group_describe(tenant, namespace, stream, shard, group)
+                    .await?,
+            );
+        }
+        Ok(out)
+    }
+
+    /// [`ClusterClient::group_delete`] on every shard of the stream.
+    pub async fn group_delete_stream(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        group: &str,
+    ) -> Result<()> {
+        for shard in 0..self.shards_for(tenant, namespace, stream, None).await? {
+            self.group_delete(tenant, namespace, stream, shard, group)
+                .await?;
+        }
+        Ok(())
     }
 }

@@ -478,6 +478,51 @@ impl Host {
                 .is_some_and(Replica::serving)
     }
 
+    /// The term `group`'s replica is in (`None` after `close` or for a
+    /// group not here).
+    pub fn term(&self, group: u64) -> Option<u64> {
+        if self.inner.closed.get() {
+            return None;
+        }
+        self.inner.replicas.borrow().get(&group).map(Replica::term)
+    }
+
+    /// Propose group-state entries to `group` now (so proposals made one
+    /// after another keep their order); the future resolves once they are
+    /// committed and applied here. A refusal (not the leader, say) is
+    /// returned at once.
+    pub fn propose_group_now(
+        &self,
+        group: u64,
+        entries: &[felix_engine::group::GroupEntry],
+    ) -> Result<impl std::future::Future<Output = Result<Landed, ReplicationError>>, ReplicationError>
+    {
+        let inner = &self.inner;
+        if inner.closed.get() {
+            return Err(ReplicationError::Stopped("host closed".into()));
+        }
+        let token = inner.next_token.get();
+        inner.next_token.set(token + 1);
+        {
+            let mut replicas = inner.replicas.borrow_mut();
+            let r = replicas.get_mut(&group).ok_or_else(|| {
+                ReplicationError::Refused(format!("no replica of group {group} here"))
+            })?;
+            r.propose_group(token, entries)?;
+        }
+        let (tx, rx) = local_channel::new_bounded(1);
+        inner.waiting.borrow_mut().insert(token, tx);
+        inner.kick();
+        Ok(async move {
+            match rx.recv().await {
+                Some(Ok(Settle::Landed(l))) => Ok(l),
+                Some(Ok(Settle::Read(_))) => unreachable!("a proposal settles as landed"),
+                Some(Err(e)) => Err(e),
+                None => Err(ReplicationError::Stopped("host closed".into())),
+            }
+        })
+    }
+
     /// Who leads `group`, as this host's replica knows (`None` after
     /// `close`).
     pub fn leader(&self, group: u64) -> Option<u64> {

@@ -63,6 +63,11 @@ pub struct ReplicaConfig {
     /// then nothing that depends on them (an append's acknowledgement, a
     /// vote) is sent. Off: [`Replica::drain`] keeps them in the log at once.
     pub async_persist: bool,
+    /// With `async_persist`: keep a second copy of the log as far as the
+    /// owner reported it durable, for [`Replica::into_log`] to give back as
+    /// a crash would leave it (the simulation's disk). An owner with a real
+    /// disk leaves it off: the copy would double the replica's memory.
+    pub keep_durable_copy: bool,
 }
 
 impl ReplicaConfig {
@@ -75,6 +80,7 @@ impl ReplicaConfig {
             max_append_bytes: 1 << 20,
             max_inflight_appends: 256,
             async_persist: false,
+            keep_durable_copy: false,
         }
     }
 }
@@ -137,6 +143,10 @@ pub struct Applied {
     pub end: Offset,
     /// The batch bytes (empty for a generation start).
     pub data: Bytes,
+    /// Proposed by this replica (as leader, in this life of the replica):
+    /// an owner that applied the proposal's effects when it made it knows
+    /// not to apply them twice.
+    pub local: bool,
 }
 
 /// What the owner learns from [`Replica::drain`].
@@ -236,7 +246,7 @@ impl Replica {
                 log.voters()
             )));
         }
-        let durable = if config.async_persist {
+        let durable = if config.async_persist && config.keep_durable_copy {
             log.clone()
         } else {
             ReplicaLog::new(log.voters())
@@ -263,9 +273,10 @@ impl Replica {
     }
 
     /// Give up the replica, keeping its log as a crash would: everything
-    /// (without `async_persist`), or what the owner reported durable.
+    /// (without `async_persist`), or what the owner reported durable (with
+    /// `keep_durable_copy`; without it, the whole log, durable or not).
     pub fn into_log(self) -> ReplicaLog {
-        if self.config.async_persist {
+        if self.config.async_persist && self.config.keep_durable_copy {
             return self.durable;
         }
         let RawNode { raft, .. } = self.node;
@@ -757,13 +768,15 @@ impl Replica {
             }
             done = done.max(u.number);
             let u = self.unpersisted.pop_front().expect("checked");
-            // Checked when they went into the log: cannot fail here.
-            if let Err(e) = self.durable.append(&u.entries) {
-                self.stop(e.to_string(), events);
-                return;
-            }
-            if let Some(hs) = u.hard_state {
-                self.durable.set_hard_state(hs);
+            if self.config.keep_durable_copy {
+                // Checked when they went into the log: cannot fail here.
+                if let Err(e) = self.durable.append(&u.entries) {
+                    self.stop(e.to_string(), events);
+                    return;
+                }
+                if let Some(hs) = u.hard_state {
+                    self.durable.set_hard_state(hs);
+                }
             }
             out.extend(u.messages);
         }
@@ -795,6 +808,7 @@ impl Replica {
                 base: Offset(base),
                 end: Offset(end),
                 data: e.data.clone(),
+                local: self.waiting.contains_key(&(e.index, e.term)),
             }));
             // Every proposal at or below this index is settled now: the one
             // of this entry's term landed, any other was overwritten.

@@ -65,6 +65,7 @@ fn replica_config(id: u64) -> ReplicaConfig {
     // crash in between loses them: nothing that depends on them may have
     // gone out before.
     c.async_persist = true;
+    c.keep_durable_copy = true;
     c
 }
 

@@ -100,8 +100,7 @@ pub(crate) struct Shared {
 impl Shared {
     pub fn features(&self) -> u64 {
         let mut f = felix_wire::FEATURE_PUBLISH_ACK_MODE;
-        // Consumer groups are not served on replicated shards yet.
-        if self.durable && self.config.cluster.is_none() {
+        if self.durable {
             f |= felix_wire::FEATURE_GROUPS
                 | felix_wire::FEATURE_GROUP_SKIPPED
                 | felix_wire::FEATURE_GROUP_CLAIM_CONTROL

@@ -19,9 +19,19 @@
 //! only committed entries. Publishes to a follower are refused with
 //! `not_leader` naming the leader's client address.
 //!
-//! Not yet: consumer groups on replicated shards (refused with
-//! `unsupported`, and not advertised by a broker in a cluster), the
-//! shard's leader in its metadata, compaction of the journal.
+//! Consumer groups are served by the shard's leader. A group request's
+//! state changes are applied to the leader's trackers (`Shard::groups`) as
+//! on a single broker, and its writes proposed as one entry; it is answered
+//! once that entry is committed. Every replica applies committed group
+//! entries to `Shard::committed` and writes them to its log, wrapped with
+//! their Raft index (`encode_replicated`) so a restart skips those already
+//! there. A replica that becomes leader rebuilds its serving trackers from
+//! `committed` before it serves a group request of its term: claims,
+//! extensions and delays were the old leader's memory, so records come
+//! out again from the durable position. Describes and dead-letter lists
+//! are answered only after a round of heartbeats confirms the leadership.
+//!
+//! Not yet: the shard's leader in its metadata, compaction of the journal.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -45,10 +55,148 @@ use crate::shard::Shard;
 /// Shards of one core by replica group.
 type Registry<S> = Rc<RefCell<HashMap<u64, Weak<Shard<S>>>>>;
 
+/// A proposal of group writes, settled once committed.
+pub(crate) type Committed =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), ReplicationError>>>>;
+
+/// A replicated group entry read back: its Raft index and its bodies.
+pub(crate) type ReplicatedEntry<'a> = (u64, Vec<&'a [u8]>);
+
+/// A shard's replica, as the shard's requests need it.
+pub(crate) struct ShardReplica {
+    pub host: Host,
+    pub group: u64,
+    pub cluster: Rc<ClusterConfig>,
+}
+
+/// First byte of a replicated group entry's body in a shard's log: never a
+/// `GroupEntry`'s version byte.
+const REPLICATED: u8 = 0xFE;
+
+/// A group entry's bodies as a replicated shard's log holds them: one
+/// group batch, `REPLICATED | index u64 | count u32 | (len u32 | body)*`,
+/// so the bodies and the index land (or tear) together. With no bodies it
+/// only records the index (closing a segment's snapshot).
+pub(crate) fn encode_replicated(index: u64, bodies: &[bytes::Bytes]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(13 + bodies.iter().map(|b| 4 + b.len()).sum::<usize>());
+    out.push(REPLICATED);
+    out.extend_from_slice(&index.to_le_bytes());
+    out.extend_from_slice(&(bodies.len() as u32).to_le_bytes());
+    for b in bodies {
+        out.extend_from_slice(&(b.len() as u32).to_le_bytes());
+        out.extend_from_slice(b);
+    }
+    out
+}
+
+/// The index and bodies of a replicated group entry; `None` for a body
+/// that is not one (a single broker's group entry). Never panics.
+pub(crate) fn decode_replicated(body: &[u8]) -> Option<Result<ReplicatedEntry<'_>, String>> {
+    if body.first() != Some(&REPLICATED) {
+        return None;
+    }
+    let bad = || Some(Err("a replicated group entry is cut short".to_string()));
+    let Some(head) = body.get(1..13) else {
+        return bad();
+    };
+    let index = u64::from_le_bytes(head[..8].try_into().expect("eight bytes"));
+    let count = u32::from_le_bytes(head[8..12].try_into().expect("four bytes"));
+    let mut at = 13;
+    let mut out = Vec::new();
+    for _ in 0..count {
+        let Some(len) = body.get(at..at + 4) else {
+            return bad();
+        };
+        let len = u32::from_le_bytes(len.try_into().expect("four bytes")) as usize;
+        at += 4;
+        let Some(b) = body.get(at..at.saturating_add(len)) else {
+            return bad();
+        };
+        out.push(b);
+        at += len;
+    }
+    if at != body.len() {
+        return Some(Err(format!(
+            "a replicated group entry has {} bytes past its bodies",
+            body.len() - at
+        )));
+    }
+    Some(Ok((index, out)))
+}
+
+impl ShardReplica {
+    /// Refuse unless this replica leads the shard and serves; on the first
+    /// request of a new leadership, rebuild the serving trackers from the
+    /// committed state (claims and delays were the old leader's memory).
+    pub fn ensure_serving<S: Storage>(&self, shard: &Shard<S>) -> Result<(), Response> {
+        if !self.host.serving(self.group) {
+            let leader = self.host.leader(self.group);
+            return Err(refusal(
+                &self.cluster,
+                &shard.name(),
+                ReplicationError::NotLeader { leader },
+            ));
+        }
+        let term = self.host.term(self.group).unwrap_or(0);
+        if shard.served_term.get() != term {
+            let now = crate::broker::now_ms();
+            let committed = shard.committed.borrow();
+            let mut serving = shard.groups.borrow_mut();
+            serving.clear();
+            for (name, c) in committed.iter() {
+                let mut t = felix_engine::group::GroupTracker::new(
+                    name.as_str(),
+                    shard.group_config.clone(),
+                );
+                for e in c.snapshot_entries() {
+                    t.apply_entry(&e);
+                }
+                if t.exists() {
+                    t.rebuild(now);
+                    serving.insert(name.clone(), t);
+                }
+            }
+            shard.served_term.set(term);
+            tracing::info!(shard = %shard.name(), term, "leading: group state rebuilt from the committed log");
+        }
+        Ok(())
+    }
+
+    /// A round of heartbeats confirming this replica still leads, before a
+    /// read of group state is answered.
+    pub async fn confirm<S: Storage>(&self, shard: &Shard<S>) -> Result<(), Response> {
+        match self.host.read(self.group).await {
+            Ok(_) => Ok(()),
+            Err(e) => Err(refusal(&self.cluster, &shard.name(), e)),
+        }
+    }
+
+    /// Propose a group request's writes (in order, now); the future
+    /// settles once they are committed. A refusal voids the serving state.
+    pub fn propose<S: Storage>(
+        &self,
+        shard: &Shard<S>,
+        entries: &[felix_engine::group::GroupEntry],
+    ) -> Result<Committed, Response> {
+        match self.host.propose_group_now(self.group, entries) {
+            Ok(f) => Ok(Box::pin(async move { f.await.map(|_| ()) })),
+            Err(e) => {
+                // What the trackers did for this request is not committed.
+                shard.served_term.set(0);
+                Err(refusal(&self.cluster, &shard.name(), e))
+            }
+        }
+    }
+
+    pub fn refusal(&self, shard: &str, e: ReplicationError) -> Response {
+        refusal(&self.cluster, shard, e)
+    }
+}
+
 /// A core's replication: its host and the shards it replicates.
 pub(crate) struct Replication<S: Storage> {
     pub host: Host,
-    pub cluster: ClusterConfig,
+    pub cluster: Rc<ClusterConfig>,
     shards: Registry<S>,
 }
 
@@ -125,7 +273,7 @@ pub(crate) async fn start<S: Storage>(core: &Rc<Core<S>>) -> Result<(), String> 
     );
     let _ = core.replication.set(Replication {
         host,
-        cluster,
+        cluster: Rc::new(cluster),
         shards,
     });
     Ok(())
@@ -145,6 +293,11 @@ impl<S: Storage> Replication<S> {
             self.shards.borrow_mut().remove(&group);
             return Err(format!("replica of {}: {e}", shard.name()));
         }
+        let _ = shard.replica.set(ShardReplica {
+            host: self.host.clone(),
+            group,
+            cluster: self.cluster.clone(),
+        });
         Ok(())
     }
 
@@ -203,42 +356,41 @@ impl<S: Storage> Replication<S> {
 
     /// The answer for a replication error on `shard`.
     pub fn refusal(&self, shard: &Shard<S>, e: ReplicationError) -> Response {
-        match e {
-            ReplicationError::NotLeader { leader } => {
-                let addr = leader
-                    .and_then(|id| self.cluster.node(id))
-                    .map(|n| n.client.clone());
-                let msg = match (&addr, leader) {
-                    (Some(a), Some(id)) => {
-                        format!("shard {} is led by node {id} at {a}", shard.name())
-                    }
-                    _ => format!(
-                        "shard {} has no leader this node knows of (an election may be on); retry",
-                        shard.name()
-                    ),
-                };
-                Response::Error(WireError::not_leader(addr, msg))
-            }
-            ReplicationError::NotReady => wire_err(
-                ErrorCode::Unavailable,
-                format!(
-                    "shard {}: its new leader is still catching up; retry",
-                    shard.name()
+        refusal(&self.cluster, &shard.name(), e)
+    }
+}
+
+/// The answer for a replication error on the shard named `shard`.
+pub(crate) fn refusal(cluster: &ClusterConfig, shard: &str, e: ReplicationError) -> Response {
+    match e {
+        ReplicationError::NotLeader { leader } => {
+            let addr = leader
+                .and_then(|id| cluster.node(id))
+                .map(|n| n.client.clone());
+            let msg = match (&addr, leader) {
+                (Some(a), Some(id)) => format!("shard {shard} is led by node {id} at {a}"),
+                _ => format!(
+                    "shard {shard} has no leader this node knows of (an election may be on); retry"
                 ),
-            ),
-            ReplicationError::Superseded => wire_err(
-                ErrorCode::Unavailable,
-                format!(
-                    "shard {}: the leader changed before this was committed, and it was not: \
-                     safe to send again",
-                    shard.name()
-                ),
-            ),
-            other => wire_err(
-                ErrorCode::Unavailable,
-                format!("shard {}: {other}", shard.name()),
-            ),
+            };
+            Response::Error(WireError::not_leader(addr, msg))
         }
+        ReplicationError::NotReady => wire_err(
+            ErrorCode::Unavailable,
+            format!("shard {shard}: its new leader is still catching up; retry"),
+        ),
+        ReplicationError::Superseded => wire_err(
+            ErrorCode::Unavailable,
+            format!(
+                "shard {shard}: the leader changed before this was committed, and it was not: \
+                 safe to send again"
+            ),
+        ),
+        ReplicationError::Timeout => wire_err(
+            ErrorCode::Unavailable,
+            format!("shard {shard}: no majority confirmed the leader in time; retry"),
+        ),
+        other => wire_err(ErrorCode::Unavailable, format!("shard {shard}: {other}")),
     }
 }
 
@@ -263,10 +415,10 @@ fn apply<S: Storage>(shards: &Registry<S>, group: u64, a: &Applied) {
 }
 
 fn apply_to<S: Storage>(shard: &Shard<S>, a: &Applied) -> Result<(), String> {
-    let end = shard.log.queued_end();
     if a.kind == EntryKind::Group {
-        return Err("consumer-group entries are not served on replicated shards yet".into());
+        return apply_group(shard, a);
     }
+    let end = shard.log.queued_end();
     if a.base < end {
         // Applied before this restart: the log holds it.
         return Ok(());
@@ -298,13 +450,46 @@ fn apply_to<S: Storage>(shard: &Shard<S>, a: &Applied) -> Result<(), String> {
             .map_err(|e| e.to_string())?;
             shard.log.append(&records).map_err(|e| e.to_string())?
         }
-        EntryKind::Group => unreachable!("refused above"),
+        EntryKind::Group => unreachable!("applied above"),
     };
     if appended.base != a.base {
         return Err(format!(
             "the log put it at offset {}, the leader at {}",
             appended.base, a.base
         ));
+    }
+    Ok(())
+}
+
+/// A committed group entry: into the log (with its index) and the
+/// committed state. The leader's serving trackers made these changes when
+/// the request came, and a new leader rebuilds its own from the committed
+/// state, so they are not touched here.
+fn apply_group<S: Storage>(shard: &Shard<S>, a: &Applied) -> Result<(), String> {
+    if a.index <= shard.group_index.get() {
+        // In the log before this restart.
+        return Ok(());
+    }
+    let bodies = felix_replication::entry::group_bodies(&a.data);
+    let mut entries = Vec::with_capacity(bodies.len());
+    for b in &bodies {
+        entries.push(felix_engine::group::GroupEntry::decode(b).map_err(|e| e.to_string())?);
+    }
+    shard
+        .log
+        .append_group(&encode_replicated(a.index, &bodies))
+        .map_err(|e| e.to_string())?;
+    shard.group_index.set(a.index);
+    let mut committed = shard.committed.borrow_mut();
+    for e in &entries {
+        let name = e.group();
+        let t = committed.entry(name.to_string()).or_insert_with(|| {
+            felix_engine::group::GroupTracker::new(name, shard.group_config.clone())
+        });
+        t.apply_entry(e);
+        if !t.exists() {
+            committed.remove(name);
+        }
     }
     Ok(())
 }

@@ -980,14 +980,6 @@ async fn handle<S: Storage>(
             )
             .await
         }
-        other if core.replication.get().is_some() => wire_err(
-            ErrorCode::Unsupported,
-            format!(
-                "{} is not served by a broker in a cluster yet: consumer groups on replicated \
-                 shards are still to come",
-                other.name()
-            ),
-        ),
         other => crate::groups::handle(core, info, room, other).await,
     }
 }

@@ -90,6 +90,14 @@ pub(crate) async fn handle<S: Storage>(
         Request::ListGroups { stream, shard } => {
             return match core.shard(stream, *shard) {
                 Ok(s) => {
+                    if let Some(rep) = s.replica.get() {
+                        if let Err(e) = rep.confirm(&s).await {
+                            return e;
+                        }
+                        if let Err(e) = rep.ensure_serving(&s) {
+                            return e;
+                        }
+                    }
                     let names: Vec<String> = s
                         .groups
                         .borrow()
@@ -131,6 +139,24 @@ pub(crate) async fn handle<S: Storage>(
         Ok(s) => s,
         Err(e) => return e,
     };
+    if let Some(rep) = shard.replica.get() {
+        // Only the shard's leader serves its groups; reads of group state
+        // wait for a round confirming it still leads.
+        let reads = matches!(
+            req,
+            Request::GroupDescribe { .. }
+                | Request::GroupDeadLetters { .. }
+                | Request::GroupDeadLettersPage { .. }
+        );
+        if reads {
+            if let Err(e) = rep.confirm(&shard).await {
+                return e;
+            }
+        }
+        if let Err(e) = rep.ensure_serving(&shard) {
+            return e;
+        }
+    }
     // Looking changes nothing a waiting poll could want: a stream of
     // describes must not make every waiting poll of the shard plan again.
     let settles = !matches!(req, Request::GroupDescribe { .. });
@@ -432,13 +458,30 @@ fn apply_due<S: Storage>(shard: &Shard<S>, group: &str) -> Result<(), Response> 
     Ok(())
 }
 
-/// Append the tracker's entries to the log, in order. Returns the lsn to wait
-/// on for their durability, if any were written. The groups table must not
-/// be borrowed here (a segment roll asks it for a snapshot).
+/// What a group request's writes wait on to be durable.
+enum Written {
+    /// Nothing was written.
+    Nothing,
+    /// A single broker's log: the lsn of the last entry.
+    Log(Lsn),
+    /// A replicated shard: the proposal, settled once committed.
+    Replicated(crate::cluster::Committed),
+}
+
+/// Append the tracker's entries to the log, in order (on a replicated
+/// shard: propose them, in order). Returns what to wait on for their
+/// durability. The groups table must not be borrowed here (a segment roll
+/// asks it for a snapshot).
 fn append_entries<S: Storage>(
     shard: &Shard<S>,
     entries: &[GroupEntry],
-) -> Result<Option<Lsn>, Response> {
+) -> Result<Written, Response> {
+    if let Some(rep) = shard.replica.get() {
+        if entries.is_empty() {
+            return Ok(Written::Nothing);
+        }
+        return rep.propose(shard, entries).map(Written::Replicated);
+    }
     let mut lsn = None;
     let mut body = Vec::with_capacity(64);
     for e in entries {
@@ -456,7 +499,7 @@ fn append_entries<S: Storage>(
             }
         }
     }
-    Ok(lsn)
+    Ok(lsn.map_or(Written::Nothing, Written::Log))
 }
 
 /// A tracker call that returns entries to write; answer `Ok` once they are
@@ -478,16 +521,30 @@ async fn write_op<S: Storage>(
         Ok(e) => e,
         Err(e) => return group_err(e, shard),
     };
-    let lsn = match append_entries(shard, &entries) {
-        Ok(l) => l,
+    let written = match append_entries(shard, &entries) {
+        Ok(w) => w,
         Err(e) => return e,
     };
-    if let (Some(lsn), true) = (lsn, durable) {
-        if let Err(e) = shard.log.wait(lsn, Frontier::Durable).await {
-            return wire_err(
-                ErrorCode::Unavailable,
-                format!("shard {}: {e}", shard.name()),
-            );
+    if !durable {
+        return Response::Ok;
+    }
+    match written {
+        Written::Nothing => {}
+        Written::Log(lsn) => {
+            if let Err(e) = shard.log.wait(lsn, Frontier::Durable).await {
+                return wire_err(
+                    ErrorCode::Unavailable,
+                    format!("shard {}: {e}", shard.name()),
+                );
+            }
+        }
+        Written::Replicated(committed) => {
+            if let Err(e) = committed.await {
+                // What the trackers did for this request is not committed.
+                shard.served_term.set(0);
+                let rep = shard.replica.get().expect("a replicated write");
+                return rep.refusal(&shard.name(), e);
+            }
         }
     }
     Response::Ok

@@ -89,6 +89,19 @@ pub(crate) struct Shard<S: Storage> {
     pub timer_wake: Rc<WaitList>,
     /// Upcoming group deadlines, for the timer.
     pub deadlines: RefCell<Deadlines>,
+    /// In a cluster: the shard's replica (set once it joined the host).
+    pub replica: std::cell::OnceCell<crate::cluster::ShardReplica>,
+    /// In a cluster: every group's state as the committed log has it
+    /// (what a replica that becomes leader serves from, and what the log's
+    /// snapshots hold); `groups` is then the leader's serving state, which
+    /// runs ahead of it by the proposals in flight.
+    pub committed: Groups,
+    /// In a cluster: the Raft index of the last group entry the log holds
+    /// (a restart applies committed entries again; these are skipped).
+    pub group_index: Rc<std::cell::Cell<u64>>,
+    /// In a cluster: the term whose leadership `groups` was built for (0:
+    /// none; rebuilt from `committed` before the next request is served).
+    pub served_term: std::cell::Cell<u64>,
 }
 
 impl<S: Storage> Shard<S> {
@@ -111,11 +124,25 @@ impl<S: Storage> Shard<S> {
         // Replay group entries in log order.
         let mut entries = Vec::new();
         let mut bad = None;
+        let mut group_index = 0;
         let log = ShardLog::open(core.storage.clone(), dir, core.log_config(meta), &mut |e| {
             if let Replayed::Group(body) = e {
-                match GroupEntry::decode(body) {
-                    Ok(g) => entries.push(g),
-                    Err(err) => bad = Some(err.to_string()),
+                // A replicated shard's group entries carry their Raft index.
+                match crate::cluster::decode_replicated(body) {
+                    Some(Ok((index, bodies))) => {
+                        group_index = group_index.max(index);
+                        for b in bodies {
+                            match GroupEntry::decode(b) {
+                                Ok(g) => entries.push(g),
+                                Err(err) => bad = Some(err.to_string()),
+                            }
+                        }
+                    }
+                    Some(Err(err)) => bad = Some(err),
+                    None => match GroupEntry::decode(body) {
+                        Ok(g) => entries.push(g),
+                        Err(err) => bad = Some(err.to_string()),
+                    },
                 }
             }
         })
@@ -135,19 +162,48 @@ impl<S: Storage> Shard<S> {
             t.apply_entry(e);
         }
         groups.retain(|_, t| t.exists());
+        let replicated = core.shared.config.cluster.is_some();
+        // In a cluster the log holds only committed group state: it is
+        // kept apart from the leader's serving state.
+        let mut committed: ahash::AHashMap<String, GroupTracker> = Default::default();
+        if replicated {
+            for (name, t) in &groups {
+                let mut c = GroupTracker::new(name.as_str(), group_config.clone());
+                for e in t.snapshot_entries() {
+                    c.apply_entry(&e);
+                }
+                committed.insert(name.clone(), c);
+            }
+        }
         let opened = now_ms();
         for t in groups.values_mut() {
             t.rebuild(opened);
         }
         let groups: Groups = Rc::new(RefCell::new(groups));
-        let snap = groups.clone();
-        log.set_snapshot_provider(Box::new(move |out| {
-            for t in snap.borrow().values() {
-                for e in t.snapshot_entries() {
-                    out.push(e.to_bytes());
+        let committed: Groups = Rc::new(RefCell::new(committed));
+        let group_index_cell = Rc::new(std::cell::Cell::new(group_index));
+        if replicated {
+            // Snapshots of what is committed, and the index they reach.
+            let snap = committed.clone();
+            let index = group_index_cell.clone();
+            log.set_snapshot_provider(Box::new(move |out| {
+                for t in snap.borrow().values() {
+                    for e in t.snapshot_entries() {
+                        out.push(e.to_bytes());
+                    }
                 }
-            }
-        }));
+                out.push(crate::cluster::encode_replicated(index.get(), &[]));
+            }));
+        } else {
+            let snap = groups.clone();
+            log.set_snapshot_provider(Box::new(move |out| {
+                for t in snap.borrow().values() {
+                    for e in t.snapshot_entries() {
+                        out.push(e.to_bytes());
+                    }
+                }
+            }));
+        }
         let shard = Rc::new(Shard {
             stream: meta.name.clone(),
             index,
@@ -159,6 +215,10 @@ impl<S: Storage> Shard<S> {
             timer_at: std::cell::Cell::new(0),
             timer_wake: Rc::new(WaitList::new()),
             deadlines: RefCell::new(Deadlines::default()),
+            replica: std::cell::OnceCell::new(),
+            committed,
+            group_index: group_index_cell,
+            served_term: std::cell::Cell::new(0),
         });
         let flusher = shard.log.clone();
         glommio::spawn_local(async move { flusher.run_flusher().await }).detach();
@@ -275,12 +335,30 @@ async fn run_group_timers<S: Storage>(shard: std::rc::Weak<Shard<S>>) {
                 }
             }
         }
-        let mut body = Vec::new();
-        for e in &writes {
-            body.clear();
-            e.encode(&mut body);
-            if s.log.append_group(&body).is_err() {
-                return;
+        if let Some(rep) = s.replica.get() {
+            // A replicated shard's leader proposes what fell due (in the
+            // background: nobody waits on it); a follower's trackers are
+            // not served and are rebuilt when it leads.
+            let current = rep.host.term(rep.group) == Some(s.served_term.get());
+            if !writes.is_empty() && current && rep.host.serving(rep.group) {
+                match rep.propose(&s, &writes) {
+                    Ok(committed) => {
+                        glommio::spawn_local(async move {
+                            let _ = committed.await;
+                        })
+                        .detach();
+                    }
+                    Err(_) => s.served_term.set(0),
+                }
+            }
+        } else {
+            let mut body = Vec::new();
+            for e in &writes {
+                body.clear();
+                e.encode(&mut body);
+                if s.log.append_group(&body).is_err() {
+                    return;
+                }
             }
         }
         if woke {
