@@ -31,10 +31,14 @@ const BACKOFF_MAX: Duration = Duration::from_millis(500);
 /// was lost), or a broker cannot be reached, the call tries the others in
 /// turn, backing off, for about ten seconds.
 ///
-/// A publish that was sent and whose answer was lost (the broker died, the
-/// connection dropped, the request timed out) is sent again, so it can be
-/// written twice: records are at least once, as the guide says of
-/// failovers. Stream creation and deletion go to every broker.
+/// A publish (or a read) that was sent and whose answer was lost (the
+/// broker died, the connection dropped, the request timed out) is sent
+/// again, so a record can be written twice: at least once, as the guide
+/// says of failovers. Group calls are tried again only where nothing was
+/// applied (`not_leader`, a broker not reached, `unavailable`); a lost
+/// answer is returned as the error it is, since a seek to `Latest` or a
+/// redrive made twice is not the same as once. Stream creation and
+/// deletion go to every broker.
 ///
 /// ```no_run
 /// # async fn demo() -> felix_client::Result<()> {
@@ -69,14 +73,25 @@ impl std::fmt::Debug for ClusterClient {
     }
 }
 
-/// Worth trying another broker (or the same one again) for: nothing was
-/// applied, or what was may be applied again harmlessly at least once.
-fn retryable(e: &ClientError) -> bool {
+/// How a call may be tried again.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Retry {
+    /// Only where nothing was applied: `not_leader`, a broker that could
+    /// not be reached, `unavailable` (an election, a leader catching up).
+    Refused,
+    /// Also after a lost answer (a timeout, a dropped connection): for
+    /// publishes (at least once).
+    Lost,
+    /// As `Lost`, for a read: any replica answers one, so the broker that
+    /// did is not remembered as the leader.
+    Read,
+}
+
+/// Worth trying another broker (or the same one again) for.
+fn retryable(e: &ClientError, retry: Retry) -> bool {
     match e {
-        ClientError::NotLeader { .. }
-        | ClientError::Io(_)
-        | ClientError::Disconnected
-        | ClientError::Timeout => true,
+        ClientError::NotLeader { .. } | ClientError::Io(_) => true,
+        ClientError::Disconnected | ClientError::Timeout => retry != Retry::Refused,
         ClientError::Server { code, .. } => *code == ErrorCode::Unavailable,
         _ => false,
     }
@@ -132,13 +147,19 @@ impl ClusterClient {
     }
 
     async fn client(&self, addr: &str) -> Result<Client> {
-        let mut clients = self.clients.lock().await;
-        if let Some(c) = clients.get(addr) {
+        if let Some(c) = self.clients.lock().await.get(addr) {
             return Ok(c.clone());
         }
+        // Connected without the map locked: a broker that does not answer
+        // must not hold up calls to the others.
         let c = Client::connect(addr, self.config.clone()).await?;
-        clients.insert(addr.to_string(), c.clone());
-        Ok(c)
+        Ok(self
+            .clients
+            .lock()
+            .await
+            .entry(addr.to_string())
+            .or_insert(c)
+            .clone())
     }
 
     /// Forget a broker's client (it failed): the next call connects anew.
@@ -163,13 +184,44 @@ impl ClusterClient {
         F: Fn(Client) -> Fut,
         Fut: std::future::Future<Output = Result<T>>,
     {
-        self.on_leader(&StreamRef::new(tenant, namespace, stream), shard, call)
-            .await
+        self.on_leader(
+            &StreamRef::new(tenant, namespace, stream),
+            shard,
+            Retry::Refused,
+            call,
+        )
+        .await
+    }
+
+    /// [`ClusterClient::with_leader`] with its own retry rule.
+    async fn named<T, F, Fut>(
+        &self,
+        (tenant, namespace, stream, shard): (&str, &str, &str, u32),
+        retry: Retry,
+        call: F,
+    ) -> Result<T>
+    where
+        F: Fn(Client) -> Fut,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        self.on_leader(
+            &StreamRef::new(tenant, namespace, stream),
+            shard,
+            retry,
+            call,
+        )
+        .await
     }
 
     /// Run `call` against the leader of `shard`, following `not_leader`
     /// answers and trying the other brokers while none is known.
-    async fn on_leader<T, F, Fut>(&self, stream: &StreamRef, shard: u32, call: F) -> Result<T>
+    async fn on_leader<T, F, Fut>(
+        &self,
+        stream: &StreamRef,
+        shard: u32,
+        retry: Retry,
+        call: F,
+    ) -> Result<T>
     where
         F: Fn(Client) -> Fut,
         Fut: std::future::Future<Output = Result<T>>,
@@ -185,6 +237,7 @@ impl ClusterClient {
         let mut target = cached.unwrap_or_else(|| self.brokers[0].clone());
         let mut backoff = BACKOFF_FIRST;
         let mut last = None;
+        let mut follows = 0;
         for _ in 0..ATTEMPTS {
             let result = match self.client(&target).await {
                 Ok(c) => call(c).await,
@@ -192,20 +245,28 @@ impl ClusterClient {
             };
             match result {
                 Ok(v) => {
-                    self.leaders
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        .insert(key, target);
+                    if retry != Retry::Read {
+                        self.leaders
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner)
+                            .insert(key, target);
+                    }
                     return Ok(v);
                 }
                 Err(ClientError::NotLeader {
                     leader: Some(l), ..
                 }) if l != target => {
-                    // Follow the broker that leads it.
+                    // Follow the broker that leads it; brokers naming each
+                    // other (an election under way) are waited out.
+                    follows += 1;
+                    if follows > 2 {
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(BACKOFF_MAX);
+                    }
                     target = l;
                     continue;
                 }
-                Err(e) if retryable(&e) => {
+                Err(e) if retryable(&e, retry) => {
                     if matches!(
                         e,
                         ClientError::Io(_) | ClientError::Disconnected | ClientError::Timeout
@@ -220,7 +281,18 @@ impl ClusterClient {
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(BACKOFF_MAX);
                 }
-                Err(e) => return Err(e),
+                Err(e) => {
+                    if matches!(e, ClientError::Disconnected | ClientError::Timeout) {
+                        // Not tried again (it may have been applied); the
+                        // next call connects anew and finds the leader.
+                        self.drop_client(&target).await;
+                        self.leaders
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner)
+                            .remove(&key);
+                    }
+                    return Err(e);
+                }
             }
         }
         Err(last.unwrap_or(ClientError::Timeout))
@@ -307,7 +379,7 @@ impl ClusterClient {
             match self.client(b).await {
                 Ok(c) => match c.describe_stream(tenant, namespace, stream).await {
                     Ok(i) => return Ok(i),
-                    Err(e) if retryable(&e) => last = Some(e),
+                    Err(e) if retryable(&e, Retry::Read) => last = Some(e),
                     Err(e) => return Err(e),
                 },
                 Err(e) => last = Some(e),
@@ -346,7 +418,7 @@ impl ClusterClient {
         records: Vec<RecordIn>,
     ) -> Result<Published> {
         let r = StreamRef::new(tenant, namespace, stream);
-        self.on_leader(&r, shard, |c| {
+        self.on_leader(&r, shard, Retry::Lost, |c| {
             let records = records.clone();
             async move {
                 c.publish_batch(tenant, namespace, stream, shard, records)
@@ -371,7 +443,9 @@ impl ClusterClient {
         wait: Option<Duration>,
     ) -> Result<ReadBatch> {
         let r = StreamRef::new(tenant, namespace, stream);
-        self.on_leader(&r, shard, |c| async move {
+        self.on_leader(&r, shard, Retry::Read, |c| async move {
+            // Any replica serves a read: one that answers is not known to
+            // lead, so it is not cached as the leader.
             c.read(tenant, namespace, stream, shard, from, max_records, wait)
                 .await
         })
@@ -391,10 +465,14 @@ impl ClusterClient {
         group: &str,
         max_records: u32,
     ) -> Result<Vec<GroupRecord>> {
-        self.with_leader(tenant, namespace, stream, shard, |c| async move {
-            c.group_poll(tenant, namespace, stream, shard, group, max_records)
-                .await
-        })
+        self.named(
+            (tenant, namespace, stream, shard),
+            Retry::Lost,
+            |c| async move {
+                c.group_poll(tenant, namespace, stream, shard, group, max_records)
+                    .await
+            },
+        )
         .await
     }
 
@@ -410,10 +488,14 @@ impl ClusterClient {
         max_records: u32,
         wait: Duration,
     ) -> Result<Vec<GroupRecord>> {
-        self.with_leader(tenant, namespace, stream, shard, |c| async move {
-            c.group_poll_wait(tenant, namespace, stream, shard, group, max_records, wait)
-                .await
-        })
+        self.named(
+            (tenant, namespace, stream, shard),
+            Retry::Lost,
+            |c| async move {
+                c.group_poll_wait(tenant, namespace, stream, shard, group, max_records, wait)
+                    .await
+            },
+        )
         .await
     }
 
@@ -431,10 +513,14 @@ impl ClusterClient {
         member: &GroupMember,
         options: GroupPollOptions,
     ) -> Result<Vec<GroupRecord>> {
-        self.with_leader(tenant, namespace, stream, shard, |c| async move {
-            c.group_poll_as(tenant, namespace, stream, shard, group, member, options)
-                .await
-        })
+        self.named(
+            (tenant, namespace, stream, shard),
+            Retry::Lost,
+            |c| async move {
+                c.group_poll_as(tenant, namespace, stream, shard, group, member, options)
+                    .await
+            },
+        )
         .await
     }
 
@@ -448,10 +534,14 @@ impl ClusterClient {
         group: &str,
         offset: u64,
     ) -> Result<()> {
-        self.with_leader(tenant, namespace, stream, shard, |c| async move {
-            c.group_ack(tenant, namespace, stream, shard, group, offset)
-                .await
-        })
+        self.named(
+            (tenant, namespace, stream, shard),
+            Retry::Lost,
+            |c| async move {
+                c.group_ack(tenant, namespace, stream, shard, group, offset)
+                    .await
+            },
+        )
         .await
     }
 
@@ -465,10 +555,14 @@ impl ClusterClient {
         group: &str,
         record: &GroupRecord,
     ) -> Result<()> {
-        self.with_leader(tenant, namespace, stream, shard, |c| async move {
-            c.group_nack(tenant, namespace, stream, shard, group, record)
-                .await
-        })
+        self.named(
+            (tenant, namespace, stream, shard),
+            Retry::Refused,
+            |c| async move {
+                c.group_nack(tenant, namespace, stream, shard, group, record)
+                    .await
+            },
+        )
         .await
     }
 
@@ -484,10 +578,14 @@ impl ClusterClient {
         record: &GroupRecord,
         delay: Duration,
     ) -> Result<()> {
-        self.with_leader(tenant, namespace, stream, shard, |c| async move {
-            c.group_nack_after(tenant, namespace, stream, shard, group, record, delay)
-                .await
-        })
+        self.named(
+            (tenant, namespace, stream, shard),
+            Retry::Refused,
+            |c| async move {
+                c.group_nack_after(tenant, namespace, stream, shard, group, record, delay)
+                    .await
+            },
+        )
         .await
     }
 
@@ -503,10 +601,14 @@ impl ClusterClient {
         record: &GroupRecord,
         by: Duration,
     ) -> Result<Duration> {
-        self.with_leader(tenant, namespace, stream, shard, |c| async move {
-            c.group_extend(tenant, namespace, stream, shard, group, record, by)
-                .await
-        })
+        self.named(
+            (tenant, namespace, stream, shard),
+            Retry::Refused,
+            |c| async move {
+                c.group_extend(tenant, namespace, stream, shard, group, record, by)
+                    .await
+            },
+        )
         .await
     }
 
@@ -520,10 +622,14 @@ impl ClusterClient {
         group: &str,
         record: &GroupRecord,
     ) -> Result<()> {
-        self.with_leader(tenant, namespace, stream, shard, |c| async move {
-            c.group_dead_letter(tenant, namespace, stream, shard, group, record)
-                .await
-        })
+        self.named(
+            (tenant, namespace, stream, shard),
+            Retry::Refused,
+            |c| async move {
+                c.group_dead_letter(tenant, namespace, stream, shard, group, record)
+                    .await
+            },
+        )
         .await
     }
 
@@ -537,10 +643,14 @@ impl ClusterClient {
         shard: u32,
         group: &str,
     ) -> Result<Vec<u64>> {
-        self.with_leader(tenant, namespace, stream, shard, |c| async move {
-            c.group_dead_letters(tenant, namespace, stream, shard, group)
-                .await
-        })
+        self.named(
+            (tenant, namespace, stream, shard),
+            Retry::Lost,
+            |c| async move {
+                c.group_dead_letters(tenant, namespace, stream, shard, group)
+                    .await
+            },
+        )
         .await
     }
 
@@ -554,10 +664,14 @@ impl ClusterClient {
         group: &str,
         offset: u64,
     ) -> Result<()> {
-        self.with_leader(tenant, namespace, stream, shard, |c| async move {
-            c.group_redrive(tenant, namespace, stream, shard, group, offset)
-                .await
-        })
+        self.named(
+            (tenant, namespace, stream, shard),
+            Retry::Refused,
+            |c| async move {
+                c.group_redrive(tenant, namespace, stream, shard, group, offset)
+                    .await
+            },
+        )
         .await
     }
 
@@ -571,10 +685,14 @@ impl ClusterClient {
         group: &str,
         offset: u64,
     ) -> Result<()> {
-        self.with_leader(tenant, namespace, stream, shard, |c| async move {
-            c.group_discard(tenant, namespace, stream, shard, group, offset)
-                .await
-        })
+        self.named(
+            (tenant, namespace, stream, shard),
+            Retry::Refused,
+            |c| async move {
+                c.group_discard(tenant, namespace, stream, shard, group, offset)
+                    .await
+            },
+        )
         .await
     }
 
@@ -588,10 +706,14 @@ impl ClusterClient {
         group: &str,
         start: StartPosition,
     ) -> Result<()> {
-        self.with_leader(tenant, namespace, stream, shard, |c| async move {
-            c.group_create(tenant, namespace, stream, shard, group, start)
-                .await
-        })
+        self.named(
+            (tenant, namespace, stream, shard),
+            Retry::Lost,
+            |c| async move {
+                c.group_create(tenant, namespace, stream, shard, group, start)
+                    .await
+            },
+        )
         .await
     }
 
@@ -605,10 +727,14 @@ impl ClusterClient {
         group: &str,
         start: StartPosition,
     ) -> Result<()> {
-        self.with_leader(tenant, namespace, stream, shard, |c| async move {
-            c.group_seek(tenant, namespace, stream, shard, group, start)
-                .await
-        })
+        self.named(
+            (tenant, namespace, stream, shard),
+            Retry::Refused,
+            |c| async move {
+                c.group_seek(tenant, namespace, stream, shard, group, start)
+                    .await
+            },
+        )
         .await
     }
 
@@ -622,10 +748,14 @@ impl ClusterClient {
         shard: u32,
         group: &str,
     ) -> Result<GroupInfo> {
-        self.with_leader(tenant, namespace, stream, shard, |c| async move {
-            c.group_describe(tenant, namespace, stream, shard, group)
-                .await
-        })
+        self.named(
+            (tenant, namespace, stream, shard),
+            Retry::Lost,
+            |c| async move {
+                c.group_describe(tenant, namespace, stream, shard, group)
+                    .await
+            },
+        )
         .await
     }
 
@@ -638,10 +768,14 @@ impl ClusterClient {
         shard: u32,
         group: &str,
     ) -> Result<()> {
-        self.with_leader(tenant, namespace, stream, shard, |c| async move {
-            c.group_delete(tenant, namespace, stream, shard, group)
-                .await
-        })
+        self.named(
+            (tenant, namespace, stream, shard),
+            Retry::Refused,
+            |c| async move {
+                c.group_delete(tenant, namespace, stream, shard, group)
+                    .await
+            },
+        )
         .await
     }
 

@@ -1,9 +1,12 @@
 //! Replicated publish over loopback: three hosts, each on its own glommio
 //! executor thread, one replica group; the elected leader publishes batches
 //! with a window in flight and reports records/s and the commit latency of
-//! each batch (proposed → committed on a majority and applied). The log is
-//! the in-memory `ReplicaLog`, so this measures the protocol, the event
-//! loop and the transport, not the disk.
+//! each batch (proposed → committed on a majority and applied). By default
+//! the log is the in-memory `ReplicaLog`, so this measures the protocol,
+//! the event loop and the transport, not the disk; with
+//! `FELIX_REPLICATE_DIR=DIR` each host keeps its journal and hard state
+//! under `DIR/host-N` (`Host::open`), and every commit waits for a
+//! majority's journals to be synced (all three on this machine's one disk).
 //!
 //! ```text
 //! cargo run --release -p felix-replication --example replicate -- [BATCHES] [RECORDS] [BYTES] [INFLIGHT]
@@ -61,12 +64,16 @@ fn main() {
                         .filter(|&j| j != i)
                         .map(|j| (j as u64 + 1, addrs[j]))
                         .collect();
-                    let host = Host::start(
-                        HostConfig::new(id, peers),
+                    let mut config = HostConfig::new(id, peers);
+                    config.data_dir = std::env::var_os("FELIX_REPLICATE_DIR")
+                        .map(|d| std::path::PathBuf::from(d).join(format!("host-{id}")));
+                    let host = Host::open(
+                        config,
                         listener,
                         &[(GROUP, vec![1, 2, 3])],
                         Box::new(|_, _| {}),
                     )
+                    .await
                     .unwrap();
                     while !done.load(Ordering::Acquire) {
                         if host.serving(GROUP)

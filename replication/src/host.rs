@@ -443,6 +443,20 @@ impl Host {
         Ok(())
     }
 
+    /// Stop this host's replica of `group`: its owner could not apply what
+    /// it committed (a shard log that stopped, an entry it cannot read).
+    /// Its waiting proposals and reads fail, and it takes no further part:
+    /// a replica whose state missed a committed entry must not vote or
+    /// lead.
+    pub fn fail_group(&self, group: u64, why: String) {
+        let mut events = Vec::new();
+        if let Some(r) = self.inner.replicas.borrow_mut().get_mut(&group) {
+            r.fail(why, &mut events);
+        }
+        let mut out = Vec::new();
+        self.inner.route(group, &mut out, &mut events);
+    }
+
     /// Remove this host's replica of `group` and, on a durable host, its
     /// journal and hard state (the shard is being deleted). Waiting
     /// proposals and reads fail.

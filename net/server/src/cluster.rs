@@ -172,17 +172,38 @@ impl ShardReplica {
     }
 
     /// Propose a group request's writes (in order, now); the future
-    /// settles once they are committed. A refusal voids the serving state.
+    /// settles once they are committed. Refused unless the serving
+    /// trackers were built for the current term (a request that ran across
+    /// a change of leadership must not propose what stale trackers
+    /// decided). A proposal that fails voids the serving state it was made
+    /// from, unless that was already rebuilt for a later term.
     pub fn propose<S: Storage>(
         &self,
         shard: &Shard<S>,
         entries: &[felix_engine::group::GroupEntry],
     ) -> Result<Committed, Response> {
+        let term = shard.served_term.get();
+        if term == 0 || self.host.term(self.group) != Some(term) {
+            return Err(wire_err(
+                ErrorCode::Unavailable,
+                format!(
+                    "shard {}: its leadership changed while the request ran; retry",
+                    shard.name()
+                ),
+            ));
+        }
+        let served = shard.served_term.clone();
         match self.host.propose_group_now(self.group, entries) {
-            Ok(f) => Ok(Box::pin(async move { f.await.map(|_| ()) })),
+            Ok(f) => Ok(Box::pin(async move {
+                let r = f.await.map(|_| ());
+                if r.is_err() && served.get() == term {
+                    // What the trackers did for it is not committed.
+                    served.set(0);
+                }
+                r
+            })),
             Err(e) => {
-                // What the trackers did for this request is not committed.
-                shard.served_term.set(0);
+                served.set(0);
                 Err(refusal(&self.cluster, &shard.name(), e))
             }
         }
@@ -203,7 +224,7 @@ pub(crate) struct Replication<S: Storage> {
 /// How long a replicated publish may wait for its commit before the broker
 /// answers `unavailable` (the outcome is then unknown: it may still be
 /// committed).
-const COMMIT_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const COMMIT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The replica group of a shard: the same on every node (a hash of the
 /// stream's name and the shard), below 2^62 as replica numbers must be.
@@ -260,10 +281,21 @@ pub(crate) async fn start<S: Storage>(core: &Rc<Core<S>>) -> Result<(), String> 
         .max(core.shared.config.max_frame_bytes as usize + (1 << 20));
     let shards: Registry<S> = Rc::new(RefCell::new(HashMap::new()));
     let hook_shards = shards.clone();
-    let hook = Box::new(move |group: u64, a: &Applied| apply(&hook_shards, group, a));
+    // The hook stops a replica whose entry could not be applied: it needs
+    // the host, which is made with the hook.
+    let hook_host: Rc<std::cell::OnceCell<Host>> = Rc::default();
+    let for_hook = hook_host.clone();
+    let hook = Box::new(move |group: u64, a: &Applied| {
+        if let Err(why) = apply(&hook_shards, group, a) {
+            if let Some(h) = for_hook.get() {
+                h.fail_group(group, why);
+            }
+        }
+    });
     let host = Host::open(config, listener, &[], hook)
         .await
         .map_err(|e| format!("replication: {e}"))?;
+    let _ = hook_host.set(host.clone());
     tracing::info!(
         node = me.id,
         core = core_no,
@@ -333,15 +365,21 @@ impl<S: Storage> Replication<S> {
             }
         };
         if landed.end > landed.base {
-            if let Err(e) = shard
-                .log
-                .wait_for_offset(felix_engine::Offset(landed.end.0 - 1))
-                .await
-            {
+            let last = felix_engine::Offset(landed.end.0 - 1);
+            let written = glommio::timer::timeout(COMMIT_TIMEOUT, async {
+                Ok(shard.log.wait_for_offset(last).await)
+            })
+            .await;
+            let failed = match written {
+                Ok(Ok(())) => None,
+                Ok(Err(e)) => Some(e.to_string()),
+                Err(_) => Some(format!("not written within {COMMIT_TIMEOUT:?}")),
+            };
+            if let Some(why) = failed {
                 return wire_err(
                     ErrorCode::Unavailable,
                     format!(
-                        "shard {}: committed, but its log here failed: {e}",
+                        "shard {}: committed, but its log here failed: {why}",
                         shard.name()
                     ),
                 );
@@ -394,8 +432,10 @@ pub(crate) fn refusal(cluster: &ClusterConfig, shard: &str, e: ReplicationError)
     }
 }
 
-/// Write a committed entry into its shard's log.
-fn apply<S: Storage>(shards: &Registry<S>, group: u64, a: &Applied) {
+/// Write a committed entry into its shard's log. An entry that cannot be
+/// applied stops the shard's replica (the error says why): a replica
+/// whose state missed a committed entry must not go on voting or lead.
+fn apply<S: Storage>(shards: &Registry<S>, group: u64, a: &Applied) -> Result<(), String> {
     let shard = shards.borrow().get(&group).and_then(Weak::upgrade);
     let Some(shard) = shard else {
         tracing::warn!(
@@ -403,15 +443,20 @@ fn apply<S: Storage>(shards: &Registry<S>, group: u64, a: &Applied) {
             index = a.index,
             "a committed entry for a shard not open here"
         );
-        return;
+        return Ok(());
     };
-    if let Err(why) = apply_to(&shard, a) {
+    apply_to(&shard, a).map_err(|why| {
         tracing::error!(
             shard = %shard.name(),
             index = a.index,
-            "a committed entry could not be written to the shard's log: {why}"
+            "a committed entry could not be applied; the shard's replica stops: {why}"
         );
-    }
+        format!(
+            "shard {}: entry {} not applied: {why}",
+            shard.name(),
+            a.index
+        )
+    })
 }
 
 fn apply_to<S: Storage>(shard: &Shard<S>, a: &Applied) -> Result<(), String> {

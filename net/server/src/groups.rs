@@ -539,11 +539,21 @@ async fn write_op<S: Storage>(
             }
         }
         Written::Replicated(committed) => {
-            if let Err(e) = committed.await {
-                // What the trackers did for this request is not committed.
-                shard.served_term.set(0);
-                let rep = shard.replica.get().expect("a replicated write");
-                return rep.refusal(&shard.name(), e);
+            let rep = shard.replica.get().expect("a replicated write");
+            let timeout = crate::cluster::COMMIT_TIMEOUT;
+            match glommio::timer::timeout(timeout, async { Ok(committed.await) }).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return rep.refusal(&shard.name(), e),
+                Err(_) => {
+                    return wire_err(
+                        ErrorCode::Unavailable,
+                        format!(
+                            "shard {}: not committed within {timeout:?} (no majority \
+                             reachable?); it may still be",
+                            shard.name()
+                        ),
+                    )
+                }
             }
         }
     }
@@ -609,6 +619,13 @@ async fn poll<S: Storage>(
             return Response::GroupRecords {
                 records: Vec::new(),
             };
+        }
+        // A waiting poll may outlive a change of leadership: it serves
+        // only while this broker leads, from trackers built for its term.
+        if let Some(rep) = shard.replica.get() {
+            if let Err(e) = rep.ensure_serving(shard) {
+                return e;
+            }
         }
         // Checked on every pass: a group deleted while this poll waited is
         // created again by it, and the shard's group limit holds for that

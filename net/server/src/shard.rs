@@ -101,7 +101,7 @@ pub(crate) struct Shard<S: Storage> {
     pub group_index: Rc<std::cell::Cell<u64>>,
     /// In a cluster: the term whose leadership `groups` was built for (0:
     /// none; rebuilt from `committed` before the next request is served).
-    pub served_term: std::cell::Cell<u64>,
+    pub served_term: Rc<std::cell::Cell<u64>>,
 }
 
 impl<S: Storage> Shard<S> {
@@ -218,7 +218,7 @@ impl<S: Storage> Shard<S> {
             replica: std::cell::OnceCell::new(),
             committed,
             group_index: group_index_cell,
-            served_term: std::cell::Cell::new(0),
+            served_term: Rc::new(std::cell::Cell::new(0)),
         });
         let flusher = shard.log.clone();
         glommio::spawn_local(async move { flusher.run_flusher().await }).detach();
@@ -298,6 +298,19 @@ async fn run_group_timers<S: Storage>(shard: std::rc::Weak<Shard<S>>) {
         if s.log.stopped().is_some() {
             return;
         }
+        if let Some(rep) = s.replica.get() {
+            // A replicated shard's trackers are served only by its leader,
+            // built for its term: otherwise nothing falls due here (they
+            // are rebuilt from the committed state when it leads again).
+            let current = s.served_term.get() != 0
+                && rep.host.term(rep.group) == Some(s.served_term.get())
+                && rep.host.serving(rep.group);
+            if !current {
+                // Drop what fell due, so the timer sleeps rather than spin.
+                let _ = s.deadlines.borrow_mut().due(now_ms());
+                continue;
+            }
+        }
         let now = now_ms();
         let mut writes = Vec::new();
         let mut woke = false;
@@ -339,8 +352,7 @@ async fn run_group_timers<S: Storage>(shard: std::rc::Weak<Shard<S>>) {
             // A replicated shard's leader proposes what fell due (in the
             // background: nobody waits on it); a follower's trackers are
             // not served and are rebuilt when it leads.
-            let current = rep.host.term(rep.group) == Some(s.served_term.get());
-            if !writes.is_empty() && current && rep.host.serving(rep.group) {
+            if !writes.is_empty() {
                 match rep.propose(&s, &writes) {
                     Ok(committed) => {
                         glommio::spawn_local(async move {
@@ -348,6 +360,7 @@ async fn run_group_timers<S: Storage>(shard: std::rc::Weak<Shard<S>>) {
                         })
                         .detach();
                     }
+                    // Voided: rebuilt before the next request is served.
                     Err(_) => s.served_term.set(0),
                 }
             }
