@@ -139,8 +139,13 @@ async fn run(host: &Host, batches: u64, per_batch: usize, size: usize, inflight:
     let secs = start.elapsed().as_secs_f64();
     let h = hist.borrow();
     let n = batches as f64 * per_batch as f64;
+    let log = if std::env::var_os("FELIX_REPLICATE_DIR").is_some() {
+        "journals on disk"
+    } else {
+        "in memory"
+    };
     println!(
-        "replicated to 3 (in memory): {batches} batches x {per_batch} x {size} B, {inflight} in flight: \
+        "replicated to 3 ({log}): {batches} batches x {per_batch} x {size} B, {inflight} in flight: \
          {:.0} records/s, {:.1} MB/s; commit latency p50 {} us, p99 {} us, p99.9 {} us, max {} us",
         n / secs,
         n * size as f64 / secs / 1e6,

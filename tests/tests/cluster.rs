@@ -124,6 +124,17 @@ fn a_cluster_keeps_every_acknowledged_record_through_the_loss_of_its_leader() {
 
         // A follower refuses a publish, naming the leader.
         let leader = cc.leader_of(T, NS, S, 0).expect("a leader is known");
+        // Who leads shows in each broker's metrics.
+        let labels = [("stream", "t1/ha/events"), ("shard", "0")];
+        for (i, b) in cluster.brokers.iter().enumerate() {
+            let leads = cluster.addrs[i] == leader;
+            assert_eq!(
+                b.metric_series("felix_replica_leader", &labels),
+                Some(if leads { 1.0 } else { 0.0 }),
+                "broker {i}"
+            );
+            assert!(b.metric_series("felix_replica_term", &labels).unwrap() >= 1.0);
+        }
         let follower = cluster
             .addrs
             .iter()

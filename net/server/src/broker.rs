@@ -856,6 +856,10 @@ impl<S: Storage> Core<S> {
                         end: st.end.0,
                         bytes: st.bytes,
                         stopped: st.stopped.is_some(),
+                        replica: s
+                            .replica
+                            .get()
+                            .map(|r| (r.host.term(r.group).unwrap_or(0), r.host.serving(r.group))),
                         ..ShardSnapshot::io_of(&st)
                     });
                     for (name, t) in s.groups.borrow().iter() {

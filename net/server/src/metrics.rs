@@ -100,6 +100,8 @@ pub(crate) struct ShardSnapshot {
     pub end: u64,
     pub bytes: u64,
     pub stopped: bool,
+    /// In a cluster: the shard's replica's term, and whether it leads.
+    pub replica: Option<(u64, bool)>,
     pub flushes: u64,
     pub bytes_written: u64,
     pub cold_reads: u64,
@@ -300,6 +302,28 @@ impl MetricsSnapshot {
                 sh.stream, sh.shard, sh.stopped as u8
             );
             io.add_io(sh);
+        }
+        if self.shards.iter().any(|sh| sh.replica.is_some()) {
+            let _ = writeln!(s, "# HELP felix_replica_leader 1 where this broker leads the shard (in a cluster).\n# TYPE felix_replica_leader gauge");
+            for sh in &self.shards {
+                if let Some((_, leads)) = sh.replica {
+                    let _ = writeln!(
+                        s,
+                        "felix_replica_leader{{stream=\"{}\",shard=\"{}\"}} {}",
+                        sh.stream, sh.shard, leads as u8
+                    );
+                }
+            }
+            let _ = writeln!(s, "# HELP felix_replica_term The Raft term of this broker's replica of the shard.\n# TYPE felix_replica_term gauge");
+            for sh in &self.shards {
+                if let Some((term, _)) = sh.replica {
+                    let _ = writeln!(
+                        s,
+                        "felix_replica_term{{stream=\"{}\",shard=\"{}\"}} {}",
+                        sh.stream, sh.shard, term
+                    );
+                }
+            }
         }
         self.render_groups(&mut s);
         let ShardSnapshot {
