@@ -27,10 +27,13 @@ pub struct Cli {
     pub command: Command,
 }
 
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 pub struct GlobalArgs {
     /// Broker to talk to, as HOST:PORT (ignored by `serve`, which takes
-    /// --listen).
+    /// --listen). For a cluster, several separated by commas: `stream
+    /// create` and `stream delete` then run on each, and other commands go
+    /// to the first that answers, following a `not_leader` answer to the
+    /// shard's leader.
     #[arg(
         long,
         global = true,
@@ -69,7 +72,7 @@ pub struct GlobalArgs {
     pub token: Option<String>,
 }
 
-#[derive(Debug, Subcommand)]
+#[derive(Debug, Clone, Subcommand)]
 pub enum Command {
     /// Run a broker in the foreground until SIGINT/SIGTERM (SIGHUP reads the
     /// tokens and permissions files again).
@@ -93,7 +96,7 @@ pub enum Command {
     Ping,
 }
 
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
     /// Configuration file (TOML). Defaults to ./felix.toml when it exists.
     /// FELIX_* environment variables override its settings, and the flags
@@ -131,7 +134,7 @@ pub struct ServeArgs {
     pub print_config: bool,
 }
 
-#[derive(Debug, Subcommand)]
+#[derive(Debug, Clone, Subcommand)]
 pub enum StreamCmd {
     /// Create a stream.
     Create {
@@ -170,7 +173,7 @@ pub enum StreamCmd {
     },
 }
 
-#[derive(Debug, Subcommand)]
+#[derive(Debug, Clone, Subcommand)]
 pub enum ShardCmd {
     /// Show a shard's offsets, size and owning core.
     Describe {
@@ -183,7 +186,7 @@ pub enum ShardCmd {
     },
 }
 
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 pub struct PublishArgs {
     /// TENANT/NAMESPACE/STREAM
     #[arg(value_parser = parse_stream)]
@@ -230,7 +233,7 @@ pub enum Format {
     Json,
 }
 
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 pub struct ReadArgs {
     /// TENANT/NAMESPACE/STREAM
     #[arg(value_parser = parse_stream)]
@@ -254,7 +257,7 @@ pub struct ReadArgs {
 }
 
 /// Which group: the stream, shard and group name.
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 pub struct GroupTarget {
     /// TENANT/NAMESPACE/STREAM
     #[arg(value_parser = parse_stream)]
@@ -267,7 +270,7 @@ pub struct GroupTarget {
     pub group: String,
 }
 
-#[derive(Debug, Subcommand)]
+#[derive(Debug, Clone, Subcommand)]
 pub enum GroupCmd {
     /// Show where a group stands: position, lag, in flight, owed, dead
     /// letters.
@@ -361,7 +364,7 @@ pub enum GroupCmd {
     },
 }
 
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 pub struct ConsumeArgs {
     #[command(flatten)]
     pub target: GroupTarget,

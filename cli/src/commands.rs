@@ -21,7 +21,62 @@ use crate::args::{
 use crate::output;
 use crate::CliError;
 
+/// Run a client command. `--broker` may list several brokers of a cluster
+/// (`A,B,C`): a stream is then created or deleted on each; any other
+/// command goes to the first that can be reached, and a `not_leader`
+/// answer is followed to the broker it names (except a publish reading
+/// stdin, whose lines the first attempt consumed).
 pub async fn run(global: &GlobalArgs, command: Command) -> Result<(), CliError> {
+    let brokers: Vec<String> = global
+        .broker
+        .split(',')
+        .map(str::trim)
+        .filter(|b| !b.is_empty())
+        .map(str::to_string)
+        .collect();
+    if brokers.is_empty() {
+        return Err(CliError::Usage("--broker names no broker".into()));
+    }
+    let on = |broker: &str| GlobalArgs {
+        broker: broker.to_string(),
+        ..global.clone()
+    };
+    let everywhere = matches!(
+        &command,
+        Command::Stream(StreamCmd::Create { .. } | StreamCmd::Delete { .. })
+    );
+    if brokers.len() > 1 && everywhere {
+        for b in &brokers {
+            run_on(&on(b), command.clone()).await?;
+        }
+        return Ok(());
+    }
+    let rerunnable = !matches!(&command, Command::Publish(p) if p.messages.is_empty());
+    let mut target = 0;
+    let mut follows = 0;
+    let mut current = brokers[0].clone();
+    loop {
+        match run_on(&on(&current), command.clone()).await {
+            Err(CliError::Client(ClientError::NotLeader {
+                leader: Some(leader),
+                ..
+            })) if rerunnable && follows < 3 && leader != current => {
+                eprintln!("felix: {current} does not lead that shard; asking the leader, {leader}");
+                follows += 1;
+                current = leader;
+            }
+            // Not reached: the next broker listed, if any.
+            Err(CliError::Client(ClientError::Io(e))) if target + 1 < brokers.len() => {
+                eprintln!("felix: {current}: {e}; trying the next broker");
+                target += 1;
+                current = brokers[target].clone();
+            }
+            other => return other,
+        }
+    }
+}
+
+async fn run_on(global: &GlobalArgs, command: Command) -> Result<(), CliError> {
     let ack_on_commit = matches!(&command, Command::Publish(p) if p.ack_on_commit);
     let client = connect(global, ack_on_commit).await?;
     match command {
