@@ -543,3 +543,61 @@ fn a_group_resumes_from_its_durable_position_on_a_new_leader() {
         assert!(cc.group_poll(T, NS, S, 0, g, 10).await.unwrap().is_empty());
     });
 }
+
+/// A stream a single broker wrote is not taken into a cluster: its shard
+/// refuses requests, saying why, rather than let the cluster's entries
+/// land on offsets its records already hold.
+#[test]
+fn a_stream_written_before_joining_a_cluster_is_refused_not_mixed() {
+    let mut single = start_broker!(BrokerOptions::default().cores(1));
+    let data_dir = single.data_dir().unwrap().to_path_buf();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let c = Client::connect(single.addr.as_str(), ClientConfig::default())
+            .await
+            .unwrap();
+        c.create_stream(T, NS, S, 1, StreamOptions::default())
+            .await
+            .unwrap();
+        c.publish(T, NS, S, 0, "written alone").await.unwrap();
+    });
+    single.terminate();
+    // The same data directory, now as the one node of a cluster.
+    let ports = free_ports(2);
+    let addr = format!("127.0.0.1:{}", ports[0]);
+    let mut cmd = felix_tests::broker_command!(Some(data_dir.as_path()), &addr);
+    cmd.env("FELIX_NODE_ID", "1").env(
+        "FELIX_CLUSTER_NODES",
+        format!("1={addr}/127.0.0.1:{}", ports[1]),
+    );
+    let (mut child, announced) = felix_tests::spawn_announcing(cmd);
+    rt.block_on(async {
+        let c = Client::connect(announced.as_str(), ClientConfig::default())
+            .await
+            .unwrap();
+        let err = c.publish(T, NS, S, 0, "in the cluster").await.unwrap_err();
+        assert_eq!(err.kind(), "unavailable", "{err}");
+        assert!(
+            err.message()
+                .contains("before this broker joined a cluster"),
+            "{err}"
+        );
+        // The broker serves a stream created in the cluster.
+        c.create_stream(T, NS, "fresh", 1, StreamOptions::default())
+            .await
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match c.publish(T, NS, "fresh", 0, "replicated").await {
+                Ok(_) => break,
+                Err(e) => assert!(Instant::now() < deadline, "{e}"),
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    let _ = child.kill();
+    let _ = child.wait();
+}

@@ -316,6 +316,16 @@ impl<S: Storage> Replication<S> {
     /// host, with its journal in the shard's directory.
     pub async fn add(&self, shard: &Rc<Shard<S>>, dir: PathBuf) -> Result<(), String> {
         let group = group_id(&shard.stream, shard.index);
+        // A shard written by a single broker has records no replica's
+        // journal holds: its offsets would clash with the entries the
+        // cluster commits. It is refused rather than quietly diverge.
+        if shard.log.queued_end().0 > 0 && !dir.join("raft").exists() {
+            return Err(format!(
+                "{} holds records written before this broker joined a cluster; a cluster \
+                 replicates only streams created in it (create the stream anew)",
+                shard.name()
+            ));
+        }
         self.shards.borrow_mut().insert(group, Rc::downgrade(shard));
         let r = self
             .host
