@@ -34,6 +34,10 @@ struct Cluster {
 }
 
 fn start_cluster() -> Cluster {
+    start_cluster_with(&[])
+}
+
+fn start_cluster_with(env: &[(&str, &str)]) -> Cluster {
     let ports = free_ports(6);
     let addrs: Vec<String> = (0..3).map(|i| format!("127.0.0.1:{}", ports[i])).collect();
     let nodes = (0..3)
@@ -42,11 +46,15 @@ fn start_cluster() -> Cluster {
         .join(",");
     let brokers = (0..3)
         .map(|i| {
-            start_broker!(BrokerOptions::default()
+            let mut o = BrokerOptions::default()
                 .cores(1)
                 .listen(&addrs[i])
                 .env("FELIX_NODE_ID", i + 1)
-                .env("FELIX_CLUSTER_NODES", &nodes))
+                .env("FELIX_CLUSTER_NODES", &nodes);
+            for (k, v) in env {
+                o = o.env(k, v);
+            }
+            start_broker!(o)
         })
         .collect();
     Cluster { brokers, addrs }
@@ -600,4 +608,231 @@ fn a_stream_written_before_joining_a_cluster_is_refused_not_mixed() {
     });
     let _ = child.kill();
     let _ = child.wait();
+}
+
+/// A consumer group worked while brokers are killed one after another
+/// (the leader every other round): a producer publishes, a consumer polls
+/// and acknowledges, dead-lettering a fixed tenth of the records. Claims,
+/// acks above the cursor and answers are lost at each failover; nothing
+/// else may be. At the end, once the group has drained: every
+/// acknowledged record was finished (the group's position is past it) or
+/// is listed dead, and the dead letters are exactly the records the
+/// consumer gave up on: never neither, never a record the consumer
+/// finished. `FELIX_CLUSTER_SOAK_ROUNDS` sets the rounds (default 4).
+#[test]
+fn a_group_loses_nothing_while_brokers_are_killed_one_after_another() {
+    use std::collections::BTreeSet;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    let rounds: usize = std::env::var("FELIX_CLUSTER_SOAK_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4);
+    // Redeliveries across failovers must not reach the attempt bound: the
+    // only dead letters are the consumer's.
+    let mut cluster = start_cluster_with(&[
+        ("FELIX_GROUP_MAX_ATTEMPTS", "1000"),
+        ("FELIX_GROUP_VISIBILITY_TIMEOUT_MS", "2000"),
+    ]);
+    let addrs = cluster.addrs.clone();
+    const G: &str = "soak";
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let cc = ClusterClient::connect(&addrs, ClientConfig::default())
+            .await
+            .unwrap();
+        cc.create_stream(T, NS, S, 1, StreamOptions::default())
+            .await
+            .unwrap();
+        cc.group_create(T, NS, S, 0, G, StartPosition::Earliest)
+            .await
+            .unwrap();
+    });
+    // Gives up on the records whose number ends in 7.
+    let doomed = |payload: &str| payload.ends_with('7');
+    let published: Arc<Mutex<BTreeMap<u64, String>>> = Arc::default();
+    let finished = Arc::new(AtomicUsize::new(0));
+    let stop_producer = Arc::new(AtomicBool::new(false));
+    let stop_consumer = Arc::new(AtomicBool::new(false));
+    let leader: Arc<Mutex<Option<String>>> = Arc::default();
+    let config = ClientConfig {
+        request_timeout: Duration::from_secs(3),
+        connect_timeout: Duration::from_secs(1),
+        ..ClientConfig::default()
+    };
+    let producer = {
+        let (published, stop, addrs, config) = (
+            published.clone(),
+            stop_producer.clone(),
+            addrs.clone(),
+            config.clone(),
+        );
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let cc = ClusterClient::connect(&addrs, config).await.unwrap();
+                let mut n = 0u64;
+                while !stop.load(Ordering::SeqCst) {
+                    let batch: Vec<RecordIn> = (0..5).map(|k| record(0, n * 5 + k)).collect();
+                    if let Ok(p) = cc.publish_batch(T, NS, S, 0, batch.clone()).await {
+                        let mut m = published.lock().unwrap();
+                        for (k, r) in batch.iter().enumerate() {
+                            m.insert(
+                                p.base_offset + k as u64,
+                                String::from_utf8(r.payload.to_vec()).unwrap(),
+                            );
+                        }
+                    }
+                    n += 1;
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+            })
+        })
+    };
+    let consumer = {
+        let (finished, stop, leader, addrs, config) = (
+            finished.clone(),
+            stop_consumer.clone(),
+            leader.clone(),
+            addrs.clone(),
+            config.clone(),
+        );
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let cc = ClusterClient::connect(&addrs, config).await.unwrap();
+                let mut gave_up = BTreeSet::new();
+                while !stop.load(Ordering::SeqCst) {
+                    let got = match cc
+                        .group_poll_wait(T, NS, S, 0, G, 50, Duration::from_millis(100))
+                        .await
+                    {
+                        Ok(g) => g,
+                        Err(_) => continue,
+                    };
+                    *leader.lock().unwrap() = cc.leader_of(T, NS, S, 0);
+                    for r in &got {
+                        let payload = String::from_utf8(r.payload.to_vec()).unwrap();
+                        let done = if doomed(&payload) {
+                            let ok = cc.group_dead_letter(T, NS, S, 0, G, r).await.is_ok();
+                            if ok {
+                                gave_up.insert(r.offset);
+                            }
+                            ok
+                        } else {
+                            cc.group_ack(T, NS, S, 0, G, r.offset).await.is_ok()
+                        };
+                        if done {
+                            finished.fetch_add(1, Ordering::SeqCst);
+                        }
+                    }
+                }
+                gave_up
+            })
+        })
+    };
+    let progress = |what: &str| {
+        let from = finished.load(Ordering::SeqCst);
+        felix_tests::wait_until(Duration::from_secs(30), || {
+            finished.load(Ordering::SeqCst) >= from + 50
+        })
+        .unwrap_or_else(|_| panic!("the group made no progress {what} ({from} finished)"));
+    };
+    let mut rng_state = 0x2545_F491_4F6C_DD1Du64;
+    for round in 0..rounds {
+        progress("before a kill");
+        let victim = if round % 2 == 0 {
+            let l = leader.lock().unwrap().clone();
+            l.and_then(|l| addrs.iter().position(|a| *a == l))
+                .unwrap_or(0)
+        } else {
+            rng_state ^= rng_state << 13;
+            rng_state ^= rng_state >> 7;
+            rng_state ^= rng_state << 17;
+            (rng_state % 3) as usize
+        };
+        cluster.brokers[victim].kill9();
+        progress("with a broker down");
+        cluster.brokers[victim].restart();
+    }
+    stop_producer.store(true, Ordering::SeqCst);
+    producer.join().unwrap();
+    let published = published.lock().unwrap().clone();
+    assert!(published.len() >= 100, "{} published", published.len());
+    // Let the consumer drain the group.
+    rt.block_on(async {
+        let cc = ClusterClient::connect(&addrs, ClientConfig::default())
+            .await
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Ok(info) = cc.group_describe(T, NS, S, 0, G).await {
+                if info.lag() == 0 && info.in_flight == 0 {
+                    break;
+                }
+            }
+            assert!(Instant::now() < deadline, "the group does not drain");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    stop_consumer.store(true, Ordering::SeqCst);
+    let gave_up = consumer.join().unwrap();
+    rt.block_on(async {
+        let cc = ClusterClient::connect(&addrs, ClientConfig::default())
+            .await
+            .unwrap();
+        let info = cc.group_describe(T, NS, S, 0, G).await.unwrap();
+        let dead: BTreeSet<u64> = cc
+            .group_dead_letters(T, NS, S, 0, G)
+            .await
+            .unwrap()
+            .into_iter()
+            .collect();
+        for (off, payload) in &published {
+            assert!(
+                *off < info.position,
+                "offset {off} ({payload}) is not behind the drained group's position {}",
+                info.position
+            );
+            if doomed(payload) {
+                assert!(
+                    dead.contains(off),
+                    "offset {off} ({payload}) was given up on and is not listed dead"
+                );
+            } else {
+                assert!(
+                    !dead.contains(off),
+                    "offset {off} ({payload}) was acknowledged, yet is listed dead"
+                );
+            }
+        }
+        // Every dead letter is a record the consumer gave up on (some of
+        // them published, or given up on, with the answer lost).
+        let leader = cc.leader_of(T, NS, S, 0).unwrap();
+        let c = Client::connect(leader.as_str(), ClientConfig::default())
+            .await
+            .unwrap();
+        let all = read_all(&c, 0).await;
+        for off in &dead {
+            let payload = all.get(off).map(String::as_str).unwrap_or("");
+            assert!(
+                doomed(payload),
+                "dead letter {off} ({payload:?}) is no record the consumer gave up on"
+            );
+        }
+        assert!(
+            gave_up.iter().all(|o| dead.contains(o)),
+            "every dead letter the consumer saw acknowledged is listed"
+        );
+    });
 }
