@@ -537,6 +537,17 @@ impl Host {
         })
     }
 
+    /// Why `group`'s replica stopped, if it did (an I/O error, an entry
+    /// its owner could not apply).
+    pub fn stopped(&self, group: u64) -> Option<String> {
+        self.inner
+            .replicas
+            .borrow()
+            .get(&group)?
+            .stopped()
+            .map(str::to_string)
+    }
+
     /// Who leads `group`, as this host's replica knows (`None` after
     /// `close`).
     pub fn leader(&self, group: u64) -> Option<u64> {

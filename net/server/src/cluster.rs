@@ -129,6 +129,12 @@ impl ShardReplica {
     /// request of a new leadership, rebuild the serving trackers from the
     /// committed state (claims and delays were the old leader's memory).
     pub fn ensure_serving<S: Storage>(&self, shard: &Shard<S>) -> Result<(), Response> {
+        if let Some(why) = self.host.stopped(self.group) {
+            return Err(wire_err(
+                ErrorCode::Unavailable,
+                format!("shard {}: its replica stopped: {why}", shard.name()),
+            ));
+        }
         if !self.host.serving(self.group) {
             let leader = self.host.leader(self.group);
             return Err(refusal(
