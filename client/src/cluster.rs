@@ -76,11 +76,13 @@ impl std::fmt::Debug for ClusterClient {
 /// How a call may be tried again.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Retry {
-    /// Only where nothing was applied: `not_leader`, a broker that could
-    /// not be reached, `unavailable` (an election, a leader catching up).
+    /// Only where nothing was applied: `not_leader` (an election, a new
+    /// leader catching up), a broker that could not be reached.
     Refused,
-    /// Also after a lost answer (a timeout, a dropped connection): for
-    /// publishes (at least once).
+    /// Also after a lost answer (a timeout, a dropped connection) or an
+    /// `unavailable` (whose outcome may be unknown): for calls that may
+    /// run twice (publishes at least once, polls, acks, creates,
+    /// describes).
     Lost,
     /// As `Lost`, for a read: any replica answers one, so the broker that
     /// did is not remembered as the leader.
@@ -92,7 +94,11 @@ fn retryable(e: &ClientError, retry: Retry) -> bool {
     match e {
         ClientError::NotLeader { .. } | ClientError::Io(_) => true,
         ClientError::Disconnected | ClientError::Timeout => retry != Retry::Refused,
-        ClientError::Server { code, .. } => *code == ErrorCode::Unavailable,
+        // `unavailable` can mean the outcome is unknown (a commit that timed
+        // out): tried again only where doing it twice is harmless.
+        ClientError::Server { code, .. } => {
+            *code == ErrorCode::Unavailable && retry != Retry::Refused
+        }
         _ => false,
     }
 }
@@ -170,8 +176,9 @@ impl ClusterClient {
     /// Run `call` with a [`Client`] of the broker that leads `shard` of
     /// the stream: any per-shard call of `Client` not wrapped here. A
     /// `not_leader` answer is followed, and while no leader is known the
-    /// other brokers are tried, backing off; a call whose answer was lost
-    /// is made again (so it must tolerate running twice).
+    /// other brokers are tried, backing off; a call whose answer was lost,
+    /// or that was answered `unavailable` (its outcome may be unknown), is
+    /// not made again but returned.
     pub async fn with_leader<T, F, Fut>(
         &self,
         tenant: &str,
@@ -241,6 +248,12 @@ impl ClusterClient {
         for _ in 0..ATTEMPTS {
             let result = match self.client(&target).await {
                 Ok(c) => call(c).await,
+                // Not connected: nothing was sent, so any call may try
+                // another broker.
+                Err(ClientError::Timeout) => Err(ClientError::Io(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("connecting to {target} timed out"),
+                ))),
                 Err(e) => Err(e),
             };
             match result {

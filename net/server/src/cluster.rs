@@ -292,6 +292,11 @@ pub(crate) async fn start<S: Storage>(core: &Rc<Core<S>>) -> Result<(), String> 
     let hook_host: Rc<std::cell::OnceCell<Host>> = Rc::default();
     let for_hook = hook_host.clone();
     let hook = Box::new(move |group: u64, a: &Applied| {
+        // After a failure nothing more is applied: the entries after the
+        // one that failed must not move the shard's state past it.
+        if for_hook.get().is_some_and(|h| h.stopped(group).is_some()) {
+            return;
+        }
         if let Err(why) = apply(&hook_shards, group, a) {
             if let Some(h) = for_hook.get() {
                 h.fail_group(group, why);
@@ -429,10 +434,12 @@ pub(crate) fn refusal(cluster: &ClusterConfig, shard: &str, e: ReplicationError)
             };
             Response::Error(WireError::not_leader(addr, msg))
         }
-        ReplicationError::NotReady => wire_err(
-            ErrorCode::Unavailable,
+        // Safe to send again (nothing was proposed), so the same code a
+        // client retries on: this broker does not serve as leader yet.
+        ReplicationError::NotReady => Response::Error(WireError::not_leader(
+            None,
             format!("shard {shard}: its new leader is still catching up; retry"),
-        ),
+        )),
         ReplicationError::Superseded => wire_err(
             ErrorCode::Unavailable,
             format!(

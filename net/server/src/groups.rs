@@ -655,6 +655,17 @@ async fn poll<S: Storage>(
                 records: Vec::new(),
             };
         }
+        if let Some(rep) = shard.replica.get() {
+            // Leadership may have moved while the records were read: the
+            // plan was made from trackers that no longer serve.
+            let planned_for = shard.served_term.get();
+            if let Err(e) = rep.ensure_serving(shard) {
+                return e;
+            }
+            if shard.served_term.get() != planned_for {
+                continue;
+            }
+        }
         if !shard.groups.borrow().contains_key(&key.group) {
             // Deleted while the records were read: plan again (which
             // checks the group limit before creating it anew).
