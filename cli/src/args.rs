@@ -31,7 +31,8 @@ pub struct Cli {
 pub struct GlobalArgs {
     /// Broker to talk to, as HOST:PORT (ignored by `serve`, which takes
     /// --listen). For a cluster, several separated by commas: `stream
-    /// create` and `stream delete` then run on each, and other commands go
+    /// create` and `stream delete` then run on each, the --all-shards
+    /// commands send each shard's part to its leader, and other commands go
     /// to the first that answers, following a `not_leader` answer to the
     /// shard's leader.
     #[arg(

@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use felix_client::{
-    Client, ClientConfig, ClientError, GroupMember, GroupPollOptions, RecordIn, ShardedGroup,
-    ShardedRecord, StartPosition, StreamOptions, StreamRef, FEATURE_GROUPS, FEATURE_GROUP_ADMIN,
-    FEATURE_GROUP_CLAIM_CONTROL, FEATURE_GROUP_DEAD_LETTER_PAGES, FEATURE_GROUP_SKIPPED,
-    FEATURE_PUBLISH_ACK_MODE,
+    Client, ClientConfig, ClientError, ClusterClient, GroupInfo, GroupMember, GroupPollOptions,
+    RecordIn, ShardedGroup, ShardedRecord, StartPosition, StreamOptions, StreamRef, FEATURE_GROUPS,
+    FEATURE_GROUP_ADMIN, FEATURE_GROUP_CLAIM_CONTROL, FEATURE_GROUP_DEAD_LETTER_PAGES,
+    FEATURE_GROUP_SKIPPED, FEATURE_PUBLISH_ACK_MODE,
 };
 use futures_lite::future::poll_once;
 use tokio::io::AsyncBufReadExt;
@@ -41,6 +41,9 @@ pub async fn run(global: &GlobalArgs, command: Command) -> Result<(), CliError> 
         broker: broker.to_string(),
         ..global.clone()
     };
+    if brokers.len() > 1 && spans_shards(&command) {
+        return on_cluster(global, &brokers, command).await;
+    }
     let everywhere = matches!(
         &command,
         Command::Stream(StreamCmd::Create { .. } | StreamCmd::Delete { .. })
@@ -76,6 +79,67 @@ pub async fn run(global: &GlobalArgs, command: Command) -> Result<(), CliError> 
     }
 }
 
+/// A command that works on every shard of a stream: on a cluster its
+/// shards can lead on different brokers.
+fn spans_shards(command: &Command) -> bool {
+    match command {
+        Command::Consume(args) => args.all_shards,
+        Command::Group(
+            GroupCmd::Describe { all_shards, .. }
+            | GroupCmd::Create { all_shards, .. }
+            | GroupCmd::Seek { all_shards, .. }
+            | GroupCmd::Delete { all_shards, .. },
+        ) => *all_shards,
+        _ => false,
+    }
+}
+
+/// Run an every-shard command on a cluster, through a [`ClusterClient`]:
+/// each shard's part goes to the broker that leads it.
+async fn on_cluster(
+    global: &GlobalArgs,
+    brokers: &[String],
+    command: Command,
+) -> Result<(), CliError> {
+    let cluster = ClusterClient::connect(brokers, client_config(global, false)).await?;
+    match command {
+        Command::Consume(args) => {
+            let g = &args.target;
+            let (t, n, s) = parts(&g.stream);
+            let mut group = ShardedGroup::on_cluster(cluster, t, n, s, &g.group).await?;
+            if let Some(m) = &args.member {
+                group = group.member(GroupMember::new(m.clone()).reclaim(true))?;
+            }
+            consume_with(Consumer::All(Box::new(group)), &args).await
+        }
+        Command::Group(GroupCmd::Describe { target: g, .. }) => {
+            let (t, n, s) = parts(&g.stream);
+            let shards = cluster.describe_stream(t, n, s).await?.shards;
+            let mut infos = Vec::with_capacity(shards as usize);
+            for shard in 0..shards {
+                infos.push(cluster.group_describe(t, n, s, shard, &g.group).await);
+            }
+            group_shards(&g, infos)
+        }
+        Command::Group(GroupCmd::Create { target: g, to, .. }) => {
+            let (t, n, s) = parts(&g.stream);
+            cluster.group_create_stream(t, n, s, &g.group, to).await?;
+            println(&created(&g, to, true))
+        }
+        Command::Group(GroupCmd::Seek { target: g, to, .. }) => {
+            let (t, n, s) = parts(&g.stream);
+            cluster.group_seek_stream(t, n, s, &g.group, to).await?;
+            println(&moved(&g, to, true))
+        }
+        Command::Group(GroupCmd::Delete { target: g, .. }) => {
+            let (t, n, s) = parts(&g.stream);
+            cluster.group_delete_stream(t, n, s, &g.group).await?;
+            println(&deleted(&g, true))
+        }
+        _ => unreachable!("only commands `spans_shards` picks come here"),
+    }
+}
+
 async fn run_on(global: &GlobalArgs, command: Command) -> Result<(), CliError> {
     let ack_on_commit = matches!(&command, Command::Publish(p) if p.ack_on_commit);
     let client = connect(global, ack_on_commit).await?;
@@ -96,15 +160,19 @@ async fn run_on(global: &GlobalArgs, command: Command) -> Result<(), CliError> {
     }
 }
 
-async fn connect(global: &GlobalArgs, ack_on_commit: bool) -> Result<Client, CliError> {
-    let config = ClientConfig {
+fn client_config(global: &GlobalArgs, ack_on_commit: bool) -> ClientConfig {
+    ClientConfig {
         client_name: concat!("felix-cli/", env!("CARGO_PKG_VERSION")).to_string(),
         connect_timeout: global.timeout.min(Duration::from_secs(10)),
         request_timeout: global.timeout,
         ack_on_commit,
         token: global.token.clone(),
         ..ClientConfig::default()
-    };
+    }
+}
+
+async fn connect(global: &GlobalArgs, ack_on_commit: bool) -> Result<Client, CliError> {
+    let config = client_config(global, ack_on_commit);
     Client::connect(global.broker.as_str(), config)
         .await
         .map_err(|e| match e {
@@ -610,6 +678,60 @@ fn shards_named(g: &GroupTarget, all_shards: bool) -> String {
     }
 }
 
+/// Print a group's state on every shard, from each shard's describe. A
+/// group comes into being shard by shard (on its first poll there): shards
+/// without it show as `-`.
+fn group_shards(
+    g: &GroupTarget,
+    describes: Vec<Result<GroupInfo, ClientError>>,
+) -> Result<(), CliError> {
+    let mut infos = Vec::with_capacity(describes.len());
+    for d in describes {
+        match d {
+            Ok(info) => infos.push(Some(info)),
+            Err(e) if e.code() == Some(felix_client::ErrorCode::NotFound) => infos.push(None),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    if infos.iter().all(Option::is_none) {
+        return Err(CliError::from(ClientError::Server {
+            code: felix_client::ErrorCode::NotFound,
+            message: format!(
+                "group {} does not exist on any shard of {}",
+                g.group, g.stream
+            ),
+        }));
+    }
+    print(&output::group_shards_table(&infos))
+}
+
+fn created(g: &GroupTarget, to: StartPosition, all_shards: bool) -> String {
+    format!(
+        "group {} on {} {}: created at {to} (an existing group is left as it was)",
+        g.group,
+        g.stream,
+        shards_named(g, all_shards)
+    )
+}
+
+fn moved(g: &GroupTarget, to: StartPosition, all_shards: bool) -> String {
+    format!(
+        "group {} on {} {}: moved to {to}",
+        g.group,
+        g.stream,
+        shards_named(g, all_shards)
+    )
+}
+
+fn deleted(g: &GroupTarget, all_shards: bool) -> String {
+    format!(
+        "group {} on {} {}: deleted",
+        g.group,
+        g.stream,
+        shards_named(g, all_shards)
+    )
+}
+
 async fn group(client: &Client, cmd: GroupCmd) -> Result<(), CliError> {
     match cmd {
         GroupCmd::Describe {
@@ -623,24 +745,9 @@ async fn group(client: &Client, cmd: GroupCmd) -> Result<(), CliError> {
                 let shards = client.describe_stream(t, n, s).await?.shards;
                 let mut infos = Vec::with_capacity(shards as usize);
                 for shard in 0..shards {
-                    match client.group_describe(t, n, s, shard, &g.group).await {
-                        Ok(info) => infos.push(Some(info)),
-                        Err(e) if e.code() == Some(felix_client::ErrorCode::NotFound) => {
-                            infos.push(None)
-                        }
-                        Err(e) => return Err(e.into()),
-                    }
+                    infos.push(client.group_describe(t, n, s, shard, &g.group).await);
                 }
-                if infos.iter().all(Option::is_none) {
-                    return Err(CliError::from(ClientError::Server {
-                        code: felix_client::ErrorCode::NotFound,
-                        message: format!(
-                            "group {} does not exist on any shard of {}",
-                            g.group, g.stream
-                        ),
-                    }));
-                }
-                return print(&output::group_shards_table(&infos));
+                return group_shards(&g, infos);
             }
             let info = client.group_describe(t, n, s, g.shard, &g.group).await?;
             print(&output::group_details(&info))
@@ -656,12 +763,7 @@ async fn group(client: &Client, cmd: GroupCmd) -> Result<(), CliError> {
             } else {
                 client.group_create(t, n, s, g.shard, &g.group, to).await?;
             }
-            println(&format!(
-                "group {} on {} {}: created at {to} (an existing group is left as it was)",
-                g.group,
-                g.stream,
-                shards_named(&g, all_shards)
-            ))
+            println(&created(&g, to, all_shards))
         }
         GroupCmd::Seek {
             target: g,
@@ -674,12 +776,7 @@ async fn group(client: &Client, cmd: GroupCmd) -> Result<(), CliError> {
             } else {
                 client.group_seek(t, n, s, g.shard, &g.group, to).await?;
             }
-            println(&format!(
-                "group {} on {} {}: moved to {to}",
-                g.group,
-                g.stream,
-                shards_named(&g, all_shards)
-            ))
+            println(&moved(&g, to, all_shards))
         }
         GroupCmd::Delete {
             target: g,
@@ -691,12 +788,7 @@ async fn group(client: &Client, cmd: GroupCmd) -> Result<(), CliError> {
             } else {
                 client.group_delete(t, n, s, g.shard, &g.group).await?;
             }
-            println(&format!(
-                "group {} on {} {}: deleted",
-                g.group,
-                g.stream,
-                shards_named(&g, all_shards)
-            ))
+            println(&deleted(&g, all_shards))
         }
         GroupCmd::List { stream, shard } => {
             let (t, n, s) = parts(&stream);
@@ -826,8 +918,38 @@ async fn settle_dead_letters(
 }
 
 async fn consume(client: &Client, args: ConsumeArgs) -> Result<(), CliError> {
+    let g = &args.target;
+    let member = args
+        .member
+        .as_ref()
+        .map(|m| GroupMember::new(m.clone()).reclaim(true));
+    let consumer = if args.all_shards {
+        let (t, n, s) = parts(&g.stream);
+        let mut group = ShardedGroup::new(client.clone(), t, n, s, &g.group).await?;
+        if let Some(m) = member {
+            group = group.member(m)?;
+        }
+        Consumer::All(Box::new(group))
+    } else {
+        Consumer::One {
+            client,
+            target: g,
+            member,
+        }
+    };
+    consume_with(consumer, &args).await
+}
+
+/// Poll, print and acknowledge until done; then hand back what was
+/// claimed ahead, and say how many records were consumed.
+async fn consume_with(mut consumer: Consumer<'_>, args: &ConsumeArgs) -> Result<(), CliError> {
     let mut done = 0u64;
-    let result = consume_loop(client, &args, &mut done).await;
+    let result = consume_records(&mut consumer, args, &mut done, stop_on_signal()).await;
+    // Records claimed ahead go back to the group; if that fails they lapse
+    // back after their visibility timeout, so it only earns a warning.
+    if let Err(e) = consumer.finish().await {
+        eprintln!("felix: handing back records claimed ahead: {e}; they return to the group when their claims lapse");
+    }
     match &result {
         Ok(()) => eprintln!("consumed {}", records(done)),
         Err(_) if done > 0 => eprintln!("consumed {} before the error", records(done)),
@@ -924,35 +1046,6 @@ impl Consumer<'_> {
             Consumer::All(group) => group.close().await,
         }
     }
-}
-
-async fn consume_loop(client: &Client, args: &ConsumeArgs, done: &mut u64) -> Result<(), CliError> {
-    let g = &args.target;
-    let member = args
-        .member
-        .as_ref()
-        .map(|m| GroupMember::new(m.clone()).reclaim(true));
-    let mut consumer = if args.all_shards {
-        let (t, n, s) = parts(&g.stream);
-        let mut group = ShardedGroup::new(client.clone(), t, n, s, &g.group).await?;
-        if let Some(m) = member {
-            group = group.member(m)?;
-        }
-        Consumer::All(Box::new(group))
-    } else {
-        Consumer::One {
-            client,
-            target: g,
-            member,
-        }
-    };
-    let result = consume_records(&mut consumer, args, done, stop_on_signal()).await;
-    // Records claimed ahead go back to the group; if that fails they lapse
-    // back after their visibility timeout, so it only earns a warning.
-    if let Err(e) = consumer.finish().await {
-        eprintln!("felix: handing back records claimed ahead: {e}; they return to the group when their claims lapse");
-    }
-    result
 }
 
 /// Ctrl-C or SIGTERM asks `felix consume` to stop once the batch in hand is

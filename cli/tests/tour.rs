@@ -1918,5 +1918,82 @@ fn the_readme_cluster_works() {
         None,
     );
     assert_eq!(consumed, "one\ntwo\nthree\n");
+
+    // A stream of two shards, which may lead on different brokers: the
+    // every-shard commands go to each shard's leader.
+    ok_at(
+        &all,
+        &["stream", "create", "demo/ha/wide", "--shards", "2"],
+        None,
+    );
+    for (shard, words) in [("0", ["a", "b"]), ("1", ["c", "d"])] {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        loop {
+            let out = run_at(
+                &all,
+                &[
+                    "publish",
+                    "demo/ha/wide",
+                    "--shard",
+                    shard,
+                    words[0],
+                    words[1],
+                ],
+                None,
+            );
+            if out.status.success() {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "publish to shard {shard} kept failing: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            std::thread::park_timeout(std::time::Duration::from_millis(100));
+        }
+    }
+    ok_at(
+        &all,
+        &[
+            "group",
+            "create",
+            "demo/ha/wide",
+            "--all-shards",
+            "--group",
+            "wide",
+        ],
+        None,
+    );
+    let consumed = ok_at(
+        &all,
+        &[
+            "consume",
+            "demo/ha/wide",
+            "--all-shards",
+            "--group",
+            "wide",
+            "--count",
+            "4",
+        ],
+        None,
+    );
+    let mut lines: Vec<&str> = consumed.lines().collect();
+    lines.sort_unstable();
+    assert_eq!(lines, ["a", "b", "c", "d"], "{consumed}");
+    let described = ok_at(
+        &all,
+        &[
+            "group",
+            "describe",
+            "demo/ha/wide",
+            "--all-shards",
+            "--group",
+            "wide",
+        ],
+        None,
+    );
+    // A row per shard and one for them all, each shard finished.
+    assert_eq!(described.lines().count(), 4, "{described}");
+    assert!(described.lines().any(|l| l.starts_with("all")), "{described}");
     drop(nodes);
 }

@@ -2,12 +2,13 @@
 //! shard's requests to the broker that leads it.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
 use felix_wire::{
-    ErrorCode, GroupInfo, GroupRecord, RecordIn, StartPosition, StreamInfo, StreamRef,
+    DeadLetterInfo, ErrorCode, GroupInfo, GroupKey, GroupRecord, RecordIn, StartPosition,
+    StreamInfo, StreamRef,
 };
 
 use crate::{
@@ -40,6 +41,10 @@ const BACKOFF_MAX: Duration = Duration::from_millis(500);
 /// redrive made twice is not the same as once. Stream creation and
 /// deletion go to every broker.
 ///
+/// Clone it freely: clones share the connections and what is known of the
+/// leaders. [`ShardedGroup::on_cluster`](crate::ShardedGroup::on_cluster)
+/// consumes a group on every shard of a stream through one.
+///
 /// ```no_run
 /// # async fn demo() -> felix_client::Result<()> {
 /// use felix_client::{ClientConfig, ClusterClient, StreamOptions};
@@ -57,12 +62,13 @@ const BACKOFF_MAX: Duration = Duration::from_millis(500);
 /// # Ok(())
 /// # }
 /// ```
+#[derive(Clone)]
 pub struct ClusterClient {
-    brokers: Vec<String>,
+    brokers: Arc<[String]>,
     config: ClientConfig,
-    clients: tokio::sync::Mutex<HashMap<String, Client>>,
+    clients: Arc<tokio::sync::Mutex<HashMap<String, Client>>>,
     /// The broker that last led each shard.
-    leaders: Mutex<HashMap<(StreamRef, u32), String>>,
+    leaders: Arc<Mutex<HashMap<(StreamRef, u32), String>>>,
 }
 
 impl std::fmt::Debug for ClusterClient {
@@ -110,21 +116,21 @@ impl ClusterClient {
         brokers: &[impl AsRef<str>],
         config: ClientConfig,
     ) -> Result<ClusterClient> {
-        let brokers: Vec<String> = brokers.iter().map(|b| b.as_ref().to_string()).collect();
+        let brokers: Arc<[String]> = brokers.iter().map(|b| b.as_ref().to_string()).collect();
         if brokers.is_empty() {
             return Err(ClientError::InvalidArgument(
                 "a cluster client needs at least one broker address".into(),
             ));
         }
         let c = ClusterClient {
-            brokers,
+            brokers: brokers.clone(),
             config,
-            clients: tokio::sync::Mutex::new(HashMap::new()),
-            leaders: Mutex::new(HashMap::new()),
+            clients: Arc::default(),
+            leaders: Arc::default(),
         };
         let mut last = None;
-        for b in c.brokers.clone() {
-            match c.client(&b).await {
+        for b in brokers.iter() {
+            match c.client(b).await {
                 Ok(_) => return Ok(c),
                 Err(e) => last = Some(e),
             }
@@ -317,7 +323,7 @@ impl ClusterClient {
         F: Fn(Client) -> Fut,
         Fut: std::future::Future<Output = Result<()>>,
     {
-        for b in &self.brokers {
+        for b in self.brokers.iter() {
             let c = self.client(b).await?;
             call(c).await?;
         }
@@ -388,7 +394,7 @@ impl ClusterClient {
         stream: &str,
     ) -> Result<StreamInfo> {
         let mut last = None;
-        for b in &self.brokers {
+        for b in self.brokers.iter() {
             match self.client(b).await {
                 Ok(c) => match c.describe_stream(tenant, namespace, stream).await {
                     Ok(i) => return Ok(i),
@@ -558,6 +564,50 @@ impl ClusterClient {
         .await
     }
 
+    /// [`Client::group_ack_many`] on the shard's leader: several records
+    /// in one request.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn group_ack_many(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        offsets: &[u64],
+    ) -> Result<()> {
+        if offsets.is_empty() {
+            return Ok(());
+        }
+        self.named(
+            (tenant, namespace, stream, shard),
+            Retry::Lost,
+            |c| async move {
+                c.group_ack_many(tenant, namespace, stream, shard, group, offsets)
+                    .await
+            },
+        )
+        .await
+    }
+
+    /// A poll of one shard's group on its leader, anonymous or as `member`
+    /// (its name already checked): what [`ShardedGroup`](crate::ShardedGroup)
+    /// sends.
+    pub(crate) async fn poll_group(
+        &self,
+        key: &GroupKey,
+        max_records: u32,
+        wait: Duration,
+        member: Option<&GroupMember>,
+        visibility: Option<Duration>,
+    ) -> Result<Vec<GroupRecord>> {
+        self.on_leader(&key.stream, key.shard, Retry::Lost, |c| async move {
+            c.poll_group(key.clone(), max_records, wait, member.cloned(), visibility)
+                .await
+        })
+        .await
+    }
+
     /// [`Client::group_nack`] on the shard's leader.
     pub async fn group_nack(
         &self,
@@ -602,6 +652,32 @@ impl ClusterClient {
         .await
     }
 
+    /// [`Client::group_nack_with_reason`] on the shard's leader.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn group_nack_with_reason(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        record: &GroupRecord,
+        delay: Duration,
+        reason: &str,
+    ) -> Result<()> {
+        self.named(
+            (tenant, namespace, stream, shard),
+            Retry::Refused,
+            |c| async move {
+                c.group_nack_with_reason(
+                    tenant, namespace, stream, shard, group, record, delay, reason,
+                )
+                .await
+            },
+        )
+        .await
+    }
+
     /// [`Client::group_extend`] on the shard's leader.
     #[allow(clippy::too_many_arguments)]
     pub async fn group_extend(
@@ -640,6 +716,52 @@ impl ClusterClient {
             Retry::Refused,
             |c| async move {
                 c.group_dead_letter(tenant, namespace, stream, shard, group, record)
+                    .await
+            },
+        )
+        .await
+    }
+
+    /// [`Client::group_dead_letter_with_reason`] on the shard's leader.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn group_dead_letter_with_reason(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+        record: &GroupRecord,
+        reason: &str,
+    ) -> Result<()> {
+        self.named(
+            (tenant, namespace, stream, shard),
+            Retry::Refused,
+            |c| async move {
+                c.group_dead_letter_with_reason(
+                    tenant, namespace, stream, shard, group, record, reason,
+                )
+                .await
+            },
+        )
+        .await
+    }
+
+    /// [`Client::group_dead_letters_detailed`] on the shard's leader
+    /// (answered only once a majority confirms it still leads).
+    pub async fn group_dead_letters_detailed(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        group: &str,
+    ) -> Result<Vec<DeadLetterInfo>> {
+        self.named(
+            (tenant, namespace, stream, shard),
+            Retry::Lost,
+            |c| async move {
+                c.group_dead_letters_detailed(tenant, namespace, stream, shard, group)
                     .await
             },
         )

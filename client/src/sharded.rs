@@ -12,7 +12,7 @@ use felix_wire::{ErrorCode, GroupInfo, GroupRecord};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use crate::{Client, ClientError, GroupMember, Result};
+use crate::{Client, ClientError, ClusterClient, GroupMember, Result};
 
 /// A record claimed through a [`ShardedGroup`], with the shard it came from
 /// (acks, nacks and extensions go to that shard's group).
@@ -93,7 +93,7 @@ type Answer = (u32, Result<Vec<GroupRecord>>);
 /// ```
 #[derive(Debug)]
 pub struct ShardedGroup {
-    client: Client,
+    via: Via,
     tenant: String,
     namespace: String,
     stream: String,
@@ -132,7 +132,67 @@ impl ShardedGroup {
         group: &str,
     ) -> Result<ShardedGroup> {
         let info = client.describe_stream(tenant, namespace, stream).await?;
-        let shards = info.shards;
+        Self::build(
+            Via::Broker(client),
+            info.placement,
+            info.shards,
+            [tenant, namespace, stream, group],
+        )
+    }
+
+    /// The group `group` on every shard of `tenant/namespace/stream` of a
+    /// cluster: each shard's polls, acks, nacks, extensions and dead
+    /// letters go to the broker that leads it, following a new leader
+    /// after a failover as [`ClusterClient`] does.
+    ///
+    /// Claims are the leader's memory: after a failover the records a lost
+    /// leader had handed out are owed again from the group's durable
+    /// position, so an ack of one of them may be refused (`stale_claim`,
+    /// once it has gone out again) and a record can arrive twice. A
+    /// member's `reclaim` takes back only what it held on the leader it
+    /// polls.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), felix_client::ClientError> {
+    /// use std::time::Duration;
+    /// use felix_client::{ClientConfig, ClusterClient, ShardedGroup};
+    ///
+    /// let cluster = ClusterClient::connect(
+    ///     &["127.0.0.1:7400", "127.0.0.1:7410", "127.0.0.1:7420"],
+    ///     ClientConfig::default(),
+    /// )
+    /// .await?;
+    /// let mut jobs = ShardedGroup::on_cluster(cluster, "t1", "default", "jobs", "workers").await?;
+    /// let batch = jobs.poll(16, Duration::from_secs(5)).await?;
+    /// jobs.ack_many(&batch).await?;
+    /// jobs.close().await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn on_cluster(
+        cluster: ClusterClient,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        group: &str,
+    ) -> Result<ShardedGroup> {
+        let info = cluster.describe_stream(tenant, namespace, stream).await?;
+        // Each shard is on its own leader's connection: no placement says
+        // which shards share one.
+        Self::build(
+            Via::Cluster(cluster),
+            Vec::new(),
+            info.shards,
+            [tenant, namespace, stream, group],
+        )
+    }
+
+    fn build(
+        via: Via,
+        placement: Vec<u32>,
+        shards: u32,
+        [tenant, namespace, stream, group]: [&str; 4],
+    ) -> Result<ShardedGroup> {
         if shards == 0 {
             return Err(ClientError::InvalidArgument(format!(
                 "{tenant}/{namespace}/{stream} has no shards"
@@ -141,13 +201,13 @@ impl ShardedGroup {
         let (answers_tx, answers) = mpsc::unbounded_channel();
         let now = Instant::now();
         Ok(ShardedGroup {
-            client,
+            via,
             tenant: tenant.to_string(),
             namespace: namespace.to_string(),
             stream: stream.to_string(),
             group: group.to_string(),
             shards,
-            placement: info.placement,
+            placement,
             member: None,
             visibility: None,
             wait_slice: DEFAULT_WAIT_SLICE,
@@ -382,16 +442,14 @@ impl ShardedGroup {
 
     fn spawn_poll(&mut self, shard: u32, max_records: u32, wait: Duration) {
         self.waiting[shard as usize] = true;
-        let (client, key) = (self.client.clone(), self.key(shard));
+        let (via, key) = (self.via.clone(), self.key(shard));
         let (member, visibility) = (self.member.clone(), self.visibility);
         let reply = Reply {
             shard,
             tx: Some(self.answers_tx.clone()),
         };
         tokio::spawn(async move {
-            let answer = client
-                .poll_group(key, max_records, wait, member, visibility)
-                .await;
+            let answer = via.poll(key, max_records, wait, member, visibility).await;
             reply.send(answer);
         });
     }
@@ -409,9 +467,11 @@ impl ShardedGroup {
     /// Finish a record.
     pub async fn ack(&self, record: &ShardedRecord) -> Result<()> {
         let (t, n, s, g) = self.names();
-        self.client
-            .group_ack(t, n, s, record.shard, g, record.record.offset)
-            .await
+        let offsets = [record.record.offset];
+        match &self.via {
+            Via::Broker(c) => c.group_ack_many(t, n, s, record.shard, g, &offsets).await,
+            Via::Cluster(c) => c.group_ack_many(t, n, s, record.shard, g, &offsets).await,
+        }
     }
 
     /// Finish several records, one request per shard, all sent before any
@@ -423,23 +483,44 @@ impl ShardedGroup {
             by_shard.entry(r.shard).or_default().push(r.record.offset);
         }
         let (t, n, s, g) = self.names();
-        let mut pending = Vec::with_capacity(by_shard.len());
         let mut first_error = None;
-        for (shard, offsets) in &by_shard {
-            match self
-                .client
-                .begin_group_ack_many(t, n, s, *shard, g, offsets)
-                .await
-            {
-                Ok(p) => pending.push(p),
-                Err(e) => {
-                    first_error.get_or_insert(e);
+        match &self.via {
+            Via::Broker(client) => {
+                let mut pending = Vec::with_capacity(by_shard.len());
+                for (shard, offsets) in &by_shard {
+                    match client
+                        .begin_group_ack_many(t, n, s, *shard, g, offsets)
+                        .await
+                    {
+                        Ok(p) => pending.push(p),
+                        Err(e) => {
+                            first_error.get_or_insert(e);
+                        }
+                    }
+                }
+                for p in pending {
+                    if let Err(e) = p.await {
+                        first_error.get_or_insert(e);
+                    }
                 }
             }
-        }
-        for p in pending {
-            if let Err(e) = p.await {
-                first_error.get_or_insert(e);
+            Via::Cluster(cluster) => {
+                // Shards lead on different brokers: one task each, all at
+                // once.
+                let mut acks = tokio::task::JoinSet::new();
+                for (shard, offsets) in by_shard {
+                    let (cluster, (t, n, s, g)) = (cluster.clone(), self.owned_names());
+                    acks.spawn(async move {
+                        cluster
+                            .group_ack_many(&t, &n, &s, shard, &g, &offsets)
+                            .await
+                    });
+                }
+                while let Some(done) = acks.join_next().await {
+                    if let Err(e) = done.map_err(joined).and_then(|r| r) {
+                        first_error.get_or_insert(e);
+                    }
+                }
             }
         }
         first_error.map_or(Ok(()), Err)
@@ -448,34 +529,40 @@ impl ShardedGroup {
     /// Hand a record back now, owed to the group again.
     pub async fn nack(&self, record: &ShardedRecord) -> Result<()> {
         let (t, n, s, g) = self.names();
-        self.client
-            .group_nack(t, n, s, record.shard, g, &record.record)
+        self.via
+            .nack(t, n, s, record.shard, g, &record.record)
             .await
     }
 
     /// Hand a record back, owed again once `delay` has passed.
     pub async fn nack_after(&self, record: &ShardedRecord, delay: Duration) -> Result<()> {
         let (t, n, s, g) = self.names();
-        self.client
-            .group_nack_after(t, n, s, record.shard, g, &record.record, delay)
-            .await
+        let r = &record.record;
+        match &self.via {
+            Via::Broker(c) => c.group_nack_after(t, n, s, record.shard, g, r, delay).await,
+            Via::Cluster(c) => c.group_nack_after(t, n, s, record.shard, g, r, delay).await,
+        }
     }
 
     /// Extend the claim on a record by `by`; returns how long it now stands.
     pub async fn extend(&self, record: &ShardedRecord, by: Duration) -> Result<Duration> {
         let (t, n, s, g) = self.names();
-        self.client
-            .group_extend(t, n, s, record.shard, g, &record.record, by)
-            .await
+        let r = &record.record;
+        match &self.via {
+            Via::Broker(c) => c.group_extend(t, n, s, record.shard, g, r, by).await,
+            Via::Cluster(c) => c.group_extend(t, n, s, record.shard, g, r, by).await,
+        }
     }
 
     /// Give up on a record: list it as a dead letter of its shard's group
     /// and finish it.
     pub async fn dead_letter(&self, record: &ShardedRecord) -> Result<()> {
         let (t, n, s, g) = self.names();
-        self.client
-            .group_dead_letter(t, n, s, record.shard, g, &record.record)
-            .await
+        let r = &record.record;
+        match &self.via {
+            Via::Broker(c) => c.group_dead_letter(t, n, s, record.shard, g, r).await,
+            Via::Cluster(c) => c.group_dead_letter(t, n, s, record.shard, g, r).await,
+        }
     }
 
     /// [`dead_letter`](Self::dead_letter) with a short reason the
@@ -486,15 +573,26 @@ impl ShardedGroup {
         reason: &str,
     ) -> Result<()> {
         let (t, n, s, g) = self.names();
-        self.client
-            .group_dead_letter_with_reason(t, n, s, record.shard, g, &record.record, reason)
-            .await
+        let r = &record.record;
+        match &self.via {
+            Via::Broker(c) => {
+                c.group_dead_letter_with_reason(t, n, s, record.shard, g, r, reason)
+                    .await
+            }
+            Via::Cluster(c) => {
+                c.group_dead_letter_with_reason(t, n, s, record.shard, g, r, reason)
+                    .await
+            }
+        }
     }
 
     /// The group on every shard, in shard order.
     pub async fn describe(&self) -> Result<Vec<GroupInfo>> {
         let (t, n, s, g) = self.names();
-        self.client.group_describe_stream(t, n, s, g).await
+        match &self.via {
+            Via::Broker(c) => c.group_describe_stream(t, n, s, g).await,
+            Via::Cluster(c) => c.group_describe_stream(t, n, s, g).await,
+        }
     }
 
     /// Records published to the stream and not yet finished by the group,
@@ -505,6 +603,15 @@ impl ShardedGroup {
 
     fn names(&self) -> (&str, &str, &str, &str) {
         (&self.tenant, &self.namespace, &self.stream, &self.group)
+    }
+
+    fn owned_names(&self) -> (String, String, String, String) {
+        (
+            self.tenant.clone(),
+            self.namespace.clone(),
+            self.stream.clone(),
+            self.group.clone(),
+        )
     }
 
     /// Wait for the polls still out (about a wait slice; at most that
@@ -525,13 +632,8 @@ impl ShardedGroup {
         let out = self.waiting.iter().filter(|w| **w).count();
         self.waiting.fill(false);
         HandBack {
-            client: self.client.clone(),
-            names: (
-                self.tenant.clone(),
-                self.namespace.clone(),
-                self.stream.clone(),
-                self.group.clone(),
-            ),
+            via: self.via.clone(),
+            names: self.owned_names(),
             ready: std::mem::take(&mut self.ready),
             out,
             deadline: Instant::now() + self.wait_slice + CLOSE_GRACE,
@@ -563,6 +665,56 @@ impl Drop for ShardedGroup {
             ),
         }
     }
+}
+
+/// What a [`ShardedGroup`] sends its requests through: one broker, or the
+/// leaders of a cluster.
+#[derive(Debug, Clone)]
+enum Via {
+    Broker(Client),
+    Cluster(ClusterClient),
+}
+
+impl Via {
+    async fn poll(
+        &self,
+        key: felix_wire::GroupKey,
+        max_records: u32,
+        wait: Duration,
+        member: Option<GroupMember>,
+        visibility: Option<Duration>,
+    ) -> Result<Vec<GroupRecord>> {
+        match self {
+            Via::Broker(c) => {
+                c.poll_group(key, max_records, wait, member, visibility)
+                    .await
+            }
+            Via::Cluster(c) => {
+                c.poll_group(&key, max_records, wait, member.as_ref(), visibility)
+                    .await
+            }
+        }
+    }
+
+    async fn nack(
+        &self,
+        t: &str,
+        n: &str,
+        s: &str,
+        shard: u32,
+        g: &str,
+        record: &GroupRecord,
+    ) -> Result<()> {
+        match self {
+            Via::Broker(c) => c.group_nack(t, n, s, shard, g, record).await,
+            Via::Cluster(c) => c.group_nack(t, n, s, shard, g, record).await,
+        }
+    }
+}
+
+/// A task that panicked (or was cancelled) as a client error.
+fn joined(e: tokio::task::JoinError) -> ClientError {
+    ClientError::Protocol(format!("a ShardedGroup task failed: {e}"))
 }
 
 /// Where a shard's poll answers. Dropped unsent (the task panicked or its
@@ -621,7 +773,7 @@ fn hold(ready: &mut VecDeque<ShardedRecord>, shard: u32, records: Vec<GroupRecor
 
 /// What [`ShardedGroup::close`] (or its drop) still owes the group.
 struct HandBack {
-    client: Client,
+    via: Via,
     names: (String, String, String, String),
     ready: VecDeque<ShardedRecord>,
     /// Polls still to answer.
@@ -654,8 +806,8 @@ impl HandBack {
         }
         let mut nacks = tokio::task::JoinSet::new();
         for r in self.ready.drain(..) {
-            let (client, (t, n, s, g)) = (self.client.clone(), self.names.clone());
-            nacks.spawn(async move { client.group_nack(&t, &n, &s, r.shard, &g, &r.record).await });
+            let (via, (t, n, s, g)) = (self.via.clone(), self.names.clone());
+            nacks.spawn(async move { via.nack(&t, &n, &s, r.shard, &g, &r.record).await });
         }
         while let Some(done) = nacks.join_next().await {
             match done {
@@ -666,9 +818,7 @@ impl HandBack {
                 }
                 Ok(Ok(())) => {}
                 Err(join) => {
-                    first_error.get_or_insert(ClientError::Protocol(format!(
-                        "a hand-back nack failed: {join}"
-                    )));
+                    first_error.get_or_insert(joined(join));
                 }
             }
         }

@@ -9,7 +9,8 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use felix_client::{
-    Client, ClientConfig, ClientError, ClusterClient, RecordIn, StartPosition, StreamOptions,
+    Client, ClientConfig, ClientError, ClusterClient, RecordIn, ShardedGroup, StartPosition,
+    StreamOptions,
 };
 use felix_tests::{start_broker, Broker, BrokerOptions};
 
@@ -834,5 +835,201 @@ fn a_group_loses_nothing_while_brokers_are_killed_one_after_another() {
             gave_up.iter().all(|o| dead.contains(o)),
             "every dead letter the consumer saw acknowledged is listed"
         );
+    });
+}
+
+/// The group calls a consumer takes decisions with, on a cluster, across
+/// a failover: an extension and a delayed nack are the leader's memory, so
+/// the new leader hands those records out at once; a consumer dead letter
+/// survives and can be redriven there; the `*_stream` calls make one call
+/// per shard, each on its leader.
+#[test]
+fn claim_control_and_stream_calls_work_across_a_failover() {
+    let mut cluster = start_cluster();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let cc = ClusterClient::connect(&cluster.addrs, ClientConfig::default())
+            .await
+            .unwrap();
+        cc.create_stream(T, NS, S, SHARDS, StreamOptions::default())
+            .await
+            .unwrap();
+        let mut acked = BTreeMap::new();
+        publish_some(&cc, 0, 2, &mut acked).await;
+        let g = "deciders";
+        cc.group_create_stream(T, NS, S, g, StartPosition::Earliest)
+            .await
+            .unwrap();
+        // An offset names a position in one shard: refused for two.
+        assert!(matches!(
+            cc.group_seek_stream(T, NS, S, g, StartPosition::Offset(3))
+                .await,
+            Err(ClientError::InvalidArgument(_))
+        ));
+        // Every record of shard 0 (ten; the leader's generation start is
+        // settled, not delivered).
+        let got = cc
+            .group_poll_wait(T, NS, S, 0, g, 100, Duration::from_secs(1))
+            .await
+            .unwrap();
+        assert_eq!(got.len(), 10, "{got:?}");
+        let stands = cc
+            .group_extend(T, NS, S, 0, g, &got[0], Duration::from_secs(60))
+            .await
+            .unwrap();
+        assert!(stands >= Duration::from_secs(59), "{stands:?}");
+        cc.group_nack_after(T, NS, S, 0, g, &got[1], Duration::from_secs(60))
+            .await
+            .unwrap();
+        cc.group_dead_letter(T, NS, S, 0, g, &got[2]).await.unwrap();
+        for r in &got[3..] {
+            cc.group_ack(T, NS, S, 0, g, r.offset).await.unwrap();
+        }
+        let infos = cc.group_describe_stream(T, NS, S, g).await.unwrap();
+        assert_eq!(infos.len(), SHARDS as usize);
+        assert_eq!(infos[0].in_flight, 2, "{:?}", infos[0]);
+        assert_eq!(infos[0].dead_letters, 1);
+
+        let leader = cc.leader_of(T, NS, S, 0).unwrap();
+        let dead = cluster.addrs.iter().position(|a| *a == leader).unwrap();
+        cluster.brokers[dead].kill9();
+
+        // The new leader: the extension and the delay are gone with the
+        // old one, so both records go out again now; the dead letter is
+        // still listed, and a redrive there makes it owed.
+        let after = cc.group_describe(T, NS, S, 0, g).await.unwrap();
+        assert_eq!(after.in_flight, 0, "{after:?}");
+        assert_eq!(
+            cc.group_dead_letters(T, NS, S, 0, g).await.unwrap(),
+            vec![got[2].offset]
+        );
+        let again: Vec<u64> = cc
+            .group_poll(T, NS, S, 0, g, 100)
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.offset)
+            .collect();
+        // (The acks above the cursor, which stood at the first record,
+        // were the old leader's memory too.)
+        let mut want: Vec<u64> = got.iter().map(|r| r.offset).collect();
+        want.remove(2);
+        assert_eq!(again, want, "all but the dead letter, again");
+        for o in &again {
+            cc.group_ack(T, NS, S, 0, g, *o).await.unwrap();
+        }
+        cc.group_redrive(T, NS, S, 0, g, got[2].offset)
+            .await
+            .unwrap();
+        let owed: Vec<u64> = cc
+            .group_poll(T, NS, S, 0, g, 100)
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.offset)
+            .collect();
+        assert_eq!(owed, vec![got[2].offset]);
+        assert!(cc
+            .group_dead_letters(T, NS, S, 0, g)
+            .await
+            .unwrap()
+            .is_empty());
+        // Every shard moved, then the group deleted, each on its leader.
+        cc.group_seek_stream(T, NS, S, g, StartPosition::Latest)
+            .await
+            .unwrap();
+        for info in cc.group_describe_stream(T, NS, S, g).await.unwrap() {
+            assert_eq!(info.lag(), 0, "{info:?}");
+        }
+        cc.group_delete_stream(T, NS, S, g).await.unwrap();
+        let gone = cc.group_describe(T, NS, S, 1, g).await.unwrap_err();
+        assert_eq!(
+            gone.code(),
+            Some(felix_client::ErrorCode::NotFound),
+            "{gone}"
+        );
+    });
+}
+
+/// `ShardedGroup::on_cluster`: one consumer of a group on every shard of a
+/// replicated stream, each shard's calls on its leader. Its leader killed
+/// part way, the group carries on from the durable position on the new
+/// one, and once drained every acknowledged publish was delivered at least
+/// once and the group is finished on every shard.
+#[test]
+fn a_sharded_group_consumes_a_cluster_across_a_failover() {
+    let mut cluster = start_cluster();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let cc = ClusterClient::connect(&cluster.addrs, ClientConfig::default())
+            .await
+            .unwrap();
+        cc.create_stream(T, NS, S, SHARDS, StreamOptions::default())
+            .await
+            .unwrap();
+        let mut acked = BTreeMap::new();
+        publish_some(&cc, 0, 8, &mut acked).await;
+        let mut group = ShardedGroup::on_cluster(cc.clone(), T, NS, S, "sharded")
+            .await
+            .unwrap()
+            .wait_slice(Duration::from_millis(200));
+        assert_eq!(group.shards(), SHARDS);
+
+        let mut seen: BTreeMap<(u32, u64), String> = BTreeMap::new();
+        let mut consume = async |group: &mut ShardedGroup, upto: usize| {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while seen.len() < upto {
+                assert!(Instant::now() < deadline, "stuck at {}", seen.len());
+                let batch = match group.poll(7, Duration::from_millis(500)).await {
+                    Ok(b) => b,
+                    // A poll that lost its leader's answer: the claims
+                    // lapse or are the old leader's; poll again.
+                    Err(ClientError::Disconnected | ClientError::Timeout) => continue,
+                    Err(e) => panic!("poll: {e}"),
+                };
+                for r in &batch {
+                    let payload = String::from_utf8(r.record.payload.to_vec()).unwrap();
+                    seen.insert((r.shard, r.record.offset), payload);
+                }
+                match group.ack_many(&batch).await {
+                    Ok(()) => {}
+                    // Handed out by a leader lost since: owed again.
+                    Err(e) if e.code() == Some(felix_client::ErrorCode::StaleClaim) => {}
+                    Err(ClientError::Disconnected | ClientError::Timeout) => {}
+                    Err(e) => panic!("ack: {e}"),
+                }
+            }
+        };
+        consume(&mut group, acked.len() / 2).await;
+
+        let leader = cc.leader_of(T, NS, S, 0).unwrap();
+        let dead = cluster.addrs.iter().position(|a| *a == leader).unwrap();
+        cluster.brokers[dead].kill9();
+        // More work lands on the new leaders meanwhile.
+        publish_some(&cc, 8, 4, &mut acked).await;
+        consume(&mut group, acked.len()).await;
+
+        for (at, payload) in &acked {
+            assert_eq!(seen.get(at), Some(payload), "{at:?} never delivered");
+        }
+        // Drained: every shard's group finished what was published (a
+        // redelivery of a record acked twice is a harmless duplicate).
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let extra = group.poll(100, Duration::from_millis(200)).await.unwrap();
+            group.ack_many(&extra).await.unwrap();
+            let lag = group.lag().await.unwrap();
+            if lag == 0 {
+                break;
+            }
+            assert!(Instant::now() < deadline, "lag stays at {lag}");
+        }
+        group.close().await.unwrap();
     });
 }
