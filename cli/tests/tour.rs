@@ -1994,6 +1994,9 @@ fn the_readme_cluster_works() {
     );
     // A row per shard and one for them all, each shard finished.
     assert_eq!(described.lines().count(), 4, "{described}");
-    assert!(described.lines().any(|l| l.starts_with("all")), "{described}");
+    assert!(
+        described.lines().any(|l| l.starts_with("all")),
+        "{described}"
+    );
     drop(nodes);
 }
