@@ -60,7 +60,7 @@ use glommio::Task;
 
 use crate::hard_state;
 use crate::journal::{Journal, JournalConfig};
-use crate::log::ReplicaLog;
+use crate::log::{Compacted, ReplicaLog};
 use crate::replica::{Applied, Event, Landed, Replica, ReplicaConfig, ReplicationError};
 use crate::wire::{
     decode_frame, encode_frame, frame_len, framed_len, PeerMessage, FRAME_HEADER_BYTES,
@@ -233,6 +233,8 @@ struct Inner {
     closed: Cell<bool>,
     /// Writes waiting for the persister (durable hosts only).
     persist: RefCell<Vec<PersistAsk>>,
+    /// Journals to compact, after the writes (durable hosts only).
+    compactions: RefCell<Vec<(u64, Compacted)>>,
     wake_persister: Rc<WaitList>,
     /// Durable hosts: the storage, and groups added or removed since the
     /// persister last looked (it owns the groups' disks).
@@ -351,6 +353,7 @@ impl Host {
                 tasks: RefCell::new(Vec::new()),
                 closed: Cell::new(false),
                 persist: RefCell::new(Vec::new()),
+                compactions: RefCell::new(Vec::new()),
                 wake_persister: Rc::new(WaitList::new()),
                 storage: disks.as_ref().map(|(s, _)| s.clone()),
                 added: RefCell::new(Vec::new()),
@@ -548,6 +551,63 @@ impl Host {
             .map(str::to_string)
     }
 
+    /// Index of the last entry `group`'s replica applied here.
+    pub fn applied(&self, group: u64) -> Option<u64> {
+        self.inner
+            .replicas
+            .borrow()
+            .get(&group)
+            .map(Replica::applied)
+    }
+
+    /// Entries [`Host::compact`] would drop from `group`'s log now.
+    pub fn compactable(&self, group: u64) -> Option<u64> {
+        self.inner
+            .replicas
+            .borrow()
+            .get(&group)
+            .map(Replica::compactable)
+    }
+
+    /// Where `group`'s log starts: its compaction point.
+    pub fn compacted(&self, group: u64) -> Option<Compacted> {
+        self.inner
+            .replicas
+            .borrow()
+            .get(&group)
+            .map(|r| r.log().compacted())
+    }
+
+    /// The host was closed (or dropped by its owner).
+    pub fn closed(&self) -> bool {
+        self.inner.closed.get()
+    }
+
+    /// Entries `group`'s replica holds in memory, past its compaction point.
+    pub fn log_len(&self, group: u64) -> Option<usize> {
+        self.inner
+            .replicas
+            .borrow()
+            .get(&group)
+            .map(Replica::log_len)
+    }
+
+    /// Compact `group`'s log up to `upto`, or less ([`Replica::compact`]:
+    /// never past what every replica holds or what is applied here). The
+    /// owner calls it once what it applied up to `upto` is durable in its
+    /// own state, since the entries are gone from memory at once and from
+    /// the journal (whole segments) when the persister gets to it. Returns
+    /// the new compaction point, `None` if nothing was dropped.
+    pub fn compact(&self, group: u64, upto: u64) -> Option<Compacted> {
+        let inner = &self.inner;
+        let point = inner.replicas.borrow_mut().get_mut(&group)?.compact(upto)?;
+        if inner.storage.is_some() {
+            inner.compactions.borrow_mut().push((group, point));
+            inner.wake_persister.wake_all();
+        }
+        Some(point)
+    }
+
     /// Who leads `group`, as this host's replica knows (`None` after
     /// `close`).
     pub fn leader(&self, group: u64) -> Option<u64> {
@@ -646,7 +706,7 @@ async fn open_group(
         .await
         .map_err(|e| stop(e.to_string()))?;
     let stored = (hs.term, hs.vote);
-    let log = ReplicaLog::restore(voters, hs, &entries).map_err(stop)?;
+    let log = ReplicaLog::restore(voters, hs, journal.compacted(), &entries).map_err(stop)?;
     drop(entries);
     let mut rc = config.replica.clone();
     rc.id = config.id;
@@ -714,11 +774,20 @@ impl Inner {
     /// events to their owners).
     fn route(&self, group: u64, out: &mut Vec<Message>, events: &mut Vec<Event>) {
         let mut by_peer: BTreeMap<u64, Vec<PeerMessage>> = BTreeMap::new();
+        // (The map may be borrowed by a caller up the stack: then the hint
+        // waits for the next pass.)
+        let held_by_all = self
+            .replicas
+            .try_borrow_mut()
+            .ok()
+            .and_then(|mut rs| rs.get_mut(&group).map(Replica::compact_hint))
+            .unwrap_or(0);
         for m in out.drain(..) {
-            by_peer
-                .entry(m.to)
-                .or_default()
-                .push(PeerMessage { group, message: m });
+            by_peer.entry(m.to).or_default().push(PeerMessage {
+                group,
+                held_by_all,
+                message: m,
+            });
         }
         for e in events.drain(..) {
             self.on_event(group, e);
@@ -779,11 +848,10 @@ impl Inner {
             let mut replicas = self.replicas.borrow_mut();
             for pm in msgs {
                 match replicas.get_mut(&pm.group) {
-                    Some(r) => {
-                        if let Err(e) = r.step(pm.message) {
-                            tracing::debug!(group = pm.group, "peer message refused: {e}");
-                        }
-                    }
+                    Some(r) => match r.step(pm.message) {
+                        Ok(()) => r.note_compact_hint(pm.held_by_all),
+                        Err(e) => tracing::debug!(group = pm.group, "peer message refused: {e}"),
+                    },
                     None => tracing::debug!(group = pm.group, "message for a group not here"),
                 }
             }
@@ -842,14 +910,17 @@ async fn run_passes(host: Weak<Inner>) {
             groups.clear();
             groups.extend(h.replicas.borrow().keys().copied());
             for &group in &groups {
+                let mut held_by_all = 0;
                 if let Some(r) = h.replicas.borrow_mut().get_mut(&group) {
                     r.drain(&mut out, &mut events);
+                    held_by_all = r.compact_hint();
                 }
                 for m in out.drain(..) {
-                    by_peer
-                        .entry(m.to)
-                        .or_default()
-                        .push(PeerMessage { group, message: m });
+                    by_peer.entry(m.to).or_default().push(PeerMessage {
+                        group,
+                        held_by_all,
+                        message: m,
+                    });
                 }
                 for e in events.drain(..) {
                     h.on_event(group, e);
@@ -893,6 +964,14 @@ async fn run_persister(
                     }
                 }
                 let _ = done.try_send(());
+            }
+            let compactions = std::mem::take(&mut *h.compactions.borrow_mut());
+            if !compactions.is_empty() {
+                // After every write asked before them: the journals hold
+                // the entries (what is applied was persisted first).
+                drop(h);
+                compact_journals(&mut disks, compactions).await;
+                continue;
             }
             if h.persist.borrow().is_empty() {
                 if !h.added.borrow().is_empty() || !h.removed.borrow().is_empty() {
@@ -986,6 +1065,34 @@ async fn run_persister(
             h.route(group, &mut out, &mut events);
         }
         h.kick();
+    }
+}
+
+/// Compact each group's journal to its point (the last one asked for a
+/// group wins). A failure is logged and leaves the journal as it was, or
+/// stops it on an I/O error (its replica stops at its next write).
+async fn compact_journals(disks: &mut BTreeMap<u64, GroupDisk>, asks: Vec<(u64, Compacted)>) {
+    let mut last: BTreeMap<u64, Compacted> = BTreeMap::new();
+    for (group, point) in asks {
+        let e = last.entry(group).or_insert(point);
+        if point.index > e.index {
+            *e = point;
+        }
+    }
+    for (group, point) in last {
+        let Some(disk) = disks.get_mut(&group) else {
+            continue;
+        };
+        match disk.journal.compact(point).await {
+            Ok(0) => {}
+            Ok(removed) => tracing::debug!(
+                group,
+                to = point.index,
+                removed,
+                "replica journal compacted"
+            ),
+            Err(e) => tracing::warn!(group, "compacting the replica journal: {e}"),
+        }
     }
 }
 

@@ -37,6 +37,14 @@
 //! byte of the new entries is written: otherwise a crash could leave new
 //! frames followed by old ones that still check, a log that never existed.
 //!
+//! Compaction ([`Journal::compact`]) first stores the compaction point
+//! (`compacted`: the last entry compacted away, its term and the shard
+//! offset after it, checksummed, replaced atomically), then removes the
+//! segments whose entries all lie at or below it, oldest first, never the
+//! last one. A crash part way leaves older segments the point already
+//! covers: the next open removes them, and the entries of a kept segment
+//! at or below the point are the caller's to drop.
+//!
 //! Any I/O error stops the journal: every later call fails with the first
 //! error, and the replica above it stops with it rather than claim
 //! durability it does not have.
@@ -49,12 +57,47 @@ use felix_engine::format::BATCH_MAX_BYTES;
 use felix_engine::storage::{align_up, PageBuf, Storage, StorageFile};
 use raft::eraftpb::{Entry, EntryType};
 
+use crate::log::Compacted;
+
 /// Bytes of a frame before its data.
 pub const FRAME_HEADER_BYTES: usize = 32;
 const VERSION: u8 = 1;
 const SUFFIX: &str = ".rlog";
 /// Bytes read at a time when a segment is recovered.
 const RECOVERY_READ: usize = 8 << 20;
+/// The file holding the compaction point.
+const COMPACTED_FILE: &str = "compacted";
+const COMPACTED_MAGIC: &[u8; 4] = b"FXJC";
+/// magic, version u8, zero u8 * 3, index, term, end: u64 each, crc32c u32.
+const COMPACTED_BYTES: usize = 4 + 4 + 3 * 8 + 4;
+
+fn encode_compacted(c: &Compacted) -> Vec<u8> {
+    let mut b = Vec::with_capacity(COMPACTED_BYTES);
+    b.extend_from_slice(COMPACTED_MAGIC);
+    b.extend_from_slice(&[VERSION, 0, 0, 0]);
+    b.extend_from_slice(&c.index.to_le_bytes());
+    b.extend_from_slice(&c.term.to_le_bytes());
+    b.extend_from_slice(&c.end.to_le_bytes());
+    let crc = crc32c::crc32c(&b);
+    b.extend_from_slice(&crc.to_le_bytes());
+    b
+}
+
+fn decode_compacted(b: &[u8]) -> Option<Compacted> {
+    if b.len() != COMPACTED_BYTES || &b[..4] != COMPACTED_MAGIC || b[4..8] != [VERSION, 0, 0, 0] {
+        return None;
+    }
+    let (body, crc) = b.split_at(COMPACTED_BYTES - 4);
+    if crc32c::crc32c(body).to_le_bytes() != crc {
+        return None;
+    }
+    let u64_at = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("eight bytes"));
+    Some(Compacted {
+        index: u64_at(8),
+        term: u64_at(16),
+        end: u64_at(24),
+    })
+}
 
 /// How the journal lays out its files.
 #[derive(Clone, Debug)]
@@ -122,6 +165,8 @@ pub struct Journal<S: Storage> {
     /// Ascending by `first`; never empty once open.
     segments: Vec<Segment<S::File>>,
     last_term: u64,
+    /// The compaction point stored, if the log was ever compacted.
+    compacted: Option<Compacted>,
     stopped: Option<String>,
 }
 
@@ -197,7 +242,9 @@ fn parse_frame(buf: &Bytes, index: u64, min_term: u64) -> Option<Entry> {
 impl<S: Storage> Journal<S> {
     /// Open the journal in `dir` (created if missing), recovering its
     /// entries; they are returned in index order. An empty journal starts
-    /// at index 1.
+    /// at index 1. A compacted one ([`Journal::compacted`]) can return
+    /// entries at or below its compaction point (a segment is kept whole):
+    /// the caller drops them.
     pub async fn open(
         storage: S,
         dir: &Path,
@@ -209,12 +256,27 @@ impl<S: Storage> Journal<S> {
             config,
             segments: Vec::new(),
             last_term: 0,
+            compacted: None,
             stopped: None,
         };
         j.storage
             .create_dir_all(dir)
             .await
             .map_err(|e| j.io("creating the directory", e))?;
+        let point = dir.join(COMPACTED_FILE);
+        match j.storage.read_file(&point).await {
+            Ok(None) => {}
+            Ok(Some(b)) => match decode_compacted(&b) {
+                Some(c) => j.compacted = Some(c),
+                None => {
+                    return Err(j.damaged(format!(
+                        "{} does not check: the log's start is unknown",
+                        point.display()
+                    )))
+                }
+            },
+            Err(e) => return Err(j.io("reading the compaction point", e)),
+        }
         let names = j
             .storage
             .list_dir(dir)
@@ -222,6 +284,31 @@ impl<S: Storage> Journal<S> {
             .map_err(|e| j.io("listing the directory", e))?;
         let mut firsts: Vec<u64> = names.iter().filter_map(|n| parse_name(n)).collect();
         firsts.sort_unstable();
+        // Segments a compaction was removing when it was cut short: every
+        // entry in them is at or below the point (the next segment starts
+        // at or before the entry after it).
+        if let Some(c) = j.compacted {
+            let covered = firsts
+                .windows(2)
+                .take_while(|w| w[1] <= c.index + 1)
+                .count();
+            for first in firsts.drain(..covered) {
+                let path = dir.join(segment_name(first));
+                j.storage
+                    .remove_file(&path)
+                    .await
+                    .map_err(|e| j.io(&format!("removing {}", path.display()), e))?;
+            }
+            if let Some(&first) = firsts.first() {
+                if first > c.index + 1 {
+                    return Err(j.damaged(format!(
+                        "the log was compacted to entry {}, and the first segment left is {}",
+                        c.index,
+                        segment_name(first)
+                    )));
+                }
+            }
+        }
         let mut entries = Vec::new();
         let count = firsts.len();
         for (k, first) in firsts.into_iter().enumerate() {
@@ -243,7 +330,8 @@ impl<S: Storage> Journal<S> {
             j.segments.push(seg);
         }
         if j.segments.is_empty() {
-            let seg = j.create_segment(1).await?;
+            let first = j.compacted.map_or(1, |c| c.index + 1);
+            let seg = j.create_segment(first).await?;
             j.segments.push(seg);
         } else {
             // A segment a crash interrupted the creation of may be here
@@ -405,9 +493,62 @@ impl<S: Storage> Journal<S> {
         }
     }
 
-    /// Index of the first entry held (1 until compaction exists).
+    /// Index of the first entry held (its segment's first: entries at or
+    /// below the compaction point can be among them).
     pub fn first_index(&self) -> u64 {
         self.segments[0].first
+    }
+
+    /// The compaction point stored, if the log was compacted.
+    pub fn compacted(&self) -> Option<Compacted> {
+        self.compacted
+    }
+
+    /// Compact the journal to `point` (an entry held, committed, applied and
+    /// needed by no replica): store the point, then remove every segment
+    /// but the last whose entries all lie at or below it. The entries left
+    /// at or below it in the first segment kept are dropped by the next
+    /// open's caller. Returns the segments removed.
+    pub async fn compact(&mut self, point: Compacted) -> Result<usize, JournalError> {
+        self.refuse()?;
+        if self.compacted.is_some_and(|c| c.index >= point.index) {
+            return Ok(0);
+        }
+        if point.index > self.last_index() {
+            return Err(JournalError::Invalid(format!(
+                "compacting to entry {} of a journal ending at {}",
+                point.index,
+                self.last_index()
+            )));
+        }
+        let path = self.dir.join(COMPACTED_FILE);
+        if let Err(e) = self
+            .storage
+            .write_file_atomic(&path, &encode_compacted(&point))
+            .await
+        {
+            return Err(self.io("storing the compaction point", e));
+        }
+        self.compacted = Some(point);
+        let mut removed = 0;
+        while self.segments.len() > 1 && self.segments[0].last() <= point.index {
+            let seg = self.segments.remove(0);
+            if let Ok(file) = Rc::try_unwrap(seg.file) {
+                if let Err(e) = file.close().await {
+                    return Err(self.io(&format!("closing {}", seg.path.display()), e));
+                }
+            }
+            if let Err(e) = self.storage.remove_file(&seg.path).await {
+                return Err(self.io(&format!("removing {}", seg.path.display()), e));
+            }
+            removed += 1;
+        }
+        if removed > 0 {
+            if let Err(e) = self.storage.sync_dir(&self.dir).await {
+                return Err(self.io("syncing the directory", e));
+            }
+        }
+        Ok(removed)
     }
 
     /// Index of the last entry held (`first_index() - 1` when empty).

@@ -27,6 +27,6 @@ mod replica;
 pub mod wire;
 
 pub use entry::{EntryError, EntryInfo, EntryKind};
-pub use log::ReplicaLog;
+pub use log::{Compacted, ReplicaLog};
 pub use raft::eraftpb::Message;
 pub use replica::{Applied, Event, Landed, Replica, ReplicaConfig, ReplicationError};

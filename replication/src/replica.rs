@@ -33,7 +33,7 @@ use raft::eraftpb::{Entry, HardState, Message, MessageType};
 use raft::{Config, RawNode, ReadOnlyOption, StateRole};
 
 use crate::entry::{follows, info_of, inspect, EntryError, EntryKind};
-use crate::log::ReplicaLog;
+use crate::log::{Compacted, ReplicaLog};
 use crate::wire::PEER_MESSAGE_TYPES;
 
 /// Terms, indices and commits from a peer at or past this are refused.
@@ -213,6 +213,11 @@ pub struct Replica {
     /// durable: what [`Replica::into_log`] gives back (a crash loses the
     /// rest). A durable host keeps its own copy on disk instead.
     durable: ReplicaLog,
+    /// An index every voter's log is known to hold (durably): a leader's
+    /// own count of its followers' matched entries, or what a leader said
+    /// ([`Replica::note_compact_hint`]). Nothing at or below it is ever sent
+    /// to a replica again, so [`Replica::compact`] may drop it once applied.
+    held_by_all: u64,
 }
 
 impl Replica {
@@ -252,6 +257,8 @@ impl Replica {
             ReplicaLog::new(log.voters())
         };
         let logger = slog::Logger::root(slog::Discard, slog::o!());
+        // A compacted log starts applied at its compaction point.
+        let base = log.compacted();
         let node = RawNode::new(&raft_config, log, &logger)
             .map_err(|e| ReplicationError::Stopped(e.to_string()))?;
         Ok(Replica {
@@ -261,14 +268,15 @@ impl Replica {
             reads: Vec::new(),
             next_ctx: 1,
             ticks: 0,
-            applied: 0,
-            applied_term: 0,
-            applied_end: 0,
+            applied: base.index,
+            applied_term: base.term,
+            applied_end: base.end,
             leader: None,
             tail: None,
             stopped: None,
             unpersisted: VecDeque::new(),
             durable,
+            held_by_all: base.index,
         })
     }
 
@@ -337,6 +345,60 @@ impl Replica {
             return Err(ReplicationError::NotReady);
         }
         Ok(())
+    }
+
+    /// An index every voter of the shard holds, as far as this replica
+    /// knows: a leader counts its followers' acknowledged entries (its own
+    /// included); a follower has it from its leader. It only grows, and
+    /// stays true whoever leads later: an entry acknowledged durable is
+    /// never taken back from a log. Sent to followers with every message
+    /// (the host does it), so each compacts its own log in step.
+    pub fn compact_hint(&mut self) -> u64 {
+        if self.stopped.is_none() && self.is_leader() {
+            let raft = &self.node.raft;
+            let voters = self.node.store().voters();
+            let matched = voters
+                .iter()
+                .map(|id| raft.prs().get(*id).map_or(0, |p| p.matched))
+                .min()
+                .unwrap_or(0);
+            self.held_by_all = self.held_by_all.max(matched);
+        }
+        self.held_by_all
+    }
+
+    /// A leader's [`Replica::compact_hint`], from a message it sent.
+    pub fn note_compact_hint(&mut self, hint: u64) {
+        self.held_by_all = self.held_by_all.max(hint);
+    }
+
+    /// Drop the entries up to `upto` from memory, or fewer: never past what
+    /// every voter holds (no replica will be sent them again) nor past
+    /// what is applied here. The owner calls it once the entries it has
+    /// applied are durable in its own state (the shard log), then compacts
+    /// its journal to the point returned (`None`: nothing to drop).
+    pub fn compact(&mut self, upto: u64) -> Option<Compacted> {
+        if self.stopped.is_some() {
+            return None;
+        }
+        let to = upto.min(self.applied).min(self.held_by_all);
+        if self.config.keep_durable_copy {
+            // What is applied is durable (raft-rs applies only persisted
+            // entries), so the copy holds it.
+            self.durable.compact(to);
+        }
+        self.node.mut_store().compact(to)
+    }
+
+    /// Entries [`Replica::compact`] would drop now.
+    pub fn compactable(&self) -> u64 {
+        let to = self.applied.min(self.held_by_all);
+        to.saturating_sub(self.log().compacted().index)
+    }
+
+    /// Entries held in memory (the log past its compaction point).
+    pub fn log_len(&self) -> usize {
+        self.node.store().len()
     }
 
     /// Tell Raft a message to `peer` may have been lost (its connection

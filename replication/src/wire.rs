@@ -9,14 +9,18 @@
 //! ```text
 //! frame    len u32 | crc u32 | version u8 | count u16 | message * count
 //!          len: bytes after itself; crc: CRC32C of everything after it
-//! message  group u64 | type u8 | flags u8 | to from term log_term index
-//!          commit commit_term reject_hint request_snapshot: u64 * 9 |
+//! message  group u64 | held_by_all u64 | type u8 | flags u8 | to from
+//!          term log_term index commit commit_term reject_hint
+//!          request_snapshot: u64 * 9 |
 //!          priority i64 | context_len u16 | context | entry_count u32 |
 //!          entry * entry_count
 //! entry    term u64 | index u64 | data_len u32 | data
 //! ```
 //!
-//! All integers little-endian. `flags` bit 0 is `reject`. Only the message
+//! All integers little-endian. `held_by_all` is Felix's, not Raft's: an
+//! index the sender knows every replica of the group holds (a leader's
+//! count of its followers' acknowledged entries), below which each
+//! replica compacts its log (0 when unknown). `flags` bit 0 is `reject`. Only the message
 //! types replicas exchange are framed: appends, heartbeats, votes and
 //! pre-votes and their responses (no snapshots yet; leadership transfer and
 //! forwarded reads are not used),
@@ -27,10 +31,10 @@
 use bytes::{Buf, Bytes};
 use raft::eraftpb::{Entry, EntryType, Message, MessageType};
 
-pub const WIRE_VERSION: u8 = 1;
+pub const WIRE_VERSION: u8 = 2;
 /// Bytes before the first message: len, crc, version, count.
 pub const FRAME_HEADER_BYTES: usize = 4 + 4 + 1 + 2;
-const MESSAGE_FIXED_BYTES: usize = 8 + 1 + 1 + 9 * 8 + 8 + 2 + 4;
+const MESSAGE_FIXED_BYTES: usize = 8 + 8 + 1 + 1 + 9 * 8 + 8 + 2 + 4;
 const ENTRY_FIXED_BYTES: usize = 8 + 8 + 4;
 /// Most messages in one frame.
 pub const FRAME_MAX_MESSAGES: usize = u16::MAX as usize;
@@ -40,6 +44,9 @@ pub const FRAME_MAX_MESSAGES: usize = u16::MAX as usize;
 pub struct PeerMessage {
     /// The replica group (shard) it belongs to.
     pub group: u64,
+    /// An index every replica of the group holds, as far as the sender
+    /// knows ([`crate::replica::Replica::compact_hint`]); 0 when unknown.
+    pub held_by_all: u64,
     pub message: Message,
 }
 
@@ -143,6 +150,7 @@ pub fn encode_frame(
     for pm in messages {
         let m = &pm.message;
         out.extend_from_slice(&pm.group.to_le_bytes());
+        out.extend_from_slice(&pm.held_by_all.to_le_bytes());
         out.push(type_code(m.get_msg_type()).expect("checked above"));
         out.push(m.reject as u8);
         for v in [
@@ -263,6 +271,7 @@ fn take_bytes(r: &mut Bytes, n: usize) -> Result<Bytes, WireError> {
 fn take_message(r: &mut Bytes) -> Result<PeerMessage, WireError> {
     need(r, MESSAGE_FIXED_BYTES)?;
     let group = r.get_u64_le();
+    let held_by_all = r.get_u64_le();
     let code = r.get_u8();
     let msg_type = type_from(code).ok_or(WireError::MessageType(code))?;
     let flags = r.get_u8();
@@ -302,7 +311,11 @@ fn take_message(r: &mut Bytes) -> Result<PeerMessage, WireError> {
         });
     }
     m.entries = list.into();
-    Ok(PeerMessage { group, message: m })
+    Ok(PeerMessage {
+        group,
+        held_by_all,
+        message: m,
+    })
 }
 
 #[cfg(test)]
@@ -343,6 +356,7 @@ mod tests {
         m.entries = entries.into();
         PeerMessage {
             group: rng.gen(),
+            held_by_all: rng.gen(),
             message: m,
         }
     }
@@ -404,6 +418,7 @@ mod tests {
         m.set_msg_type(MessageType::MsgPropose);
         let local = PeerMessage {
             group: 1,
+            held_by_all: 0,
             message: m,
         };
         assert!(encode_frame(&[local], MAX, &mut Vec::new()).is_err());
@@ -411,6 +426,7 @@ mod tests {
         m.set_msg_type(MessageType::MsgSnapshot);
         let snap = PeerMessage {
             group: 1,
+            held_by_all: 0,
             message: m,
         };
         assert!(encode_frame(&[snap], MAX, &mut Vec::new()).is_err());
@@ -423,6 +439,7 @@ mod tests {
         .into();
         let with_ctx = PeerMessage {
             group: 1,
+            held_by_all: 0,
             message: m,
         };
         let mut untouched = vec![1, 2, 3];

@@ -291,6 +291,7 @@ impl Sim {
             let PeerMessage {
                 group,
                 message: msg,
+                ..
             } = msgs.pop().unwrap();
             assert_eq!(group, SHARD_GROUP);
             if let Some(r) = self.nodes[m.to as usize - 1].replica.as_mut() {
@@ -536,6 +537,9 @@ impl Sim {
             encode_frame(
                 &[PeerMessage {
                     group: SHARD_GROUP,
+                    // The simulation's applier rebuilds its state from the
+                    // entries applied since the first: it never compacts.
+                    held_by_all: 0,
                     message: msg,
                 }],
                 FRAME_MAX,

@@ -279,3 +279,185 @@ fn groups_added_after_the_start_replicate_and_a_removed_group_leaves_no_files() 
         .join()
         .unwrap();
 }
+
+/// `.rlog` segment files in host `i`'s journal of `GROUP`.
+fn segments(root: &Path, i: usize) -> usize {
+    let dir = HostConfig::group_dir(&root.join(format!("host-{}", i + 1)), GROUP);
+    std::fs::read_dir(dir)
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .is_ok_and(|e| e.file_name().to_string_lossy().ends_with(".rlog"))
+        })
+        .count()
+}
+
+/// Logs compacted on every host: entries every replica holds leave memory
+/// and whole journal segments leave the disk; a replica that is down
+/// holds the others' compaction back to what it has, catches up when it
+/// returns, and hosts restarted from compacted journals go on at the same
+/// offsets.
+#[test]
+fn compacted_logs_keep_what_a_replica_still_needs_and_restart_from_their_point() {
+    let root = tempfile::tempdir().unwrap();
+    let root = root.path().to_path_buf();
+    LocalExecutorBuilder::new(Placement::Unbound)
+        .spawn(move || async move {
+            let addrs: Vec<SocketAddr> = (0..3)
+                .map(|_| {
+                    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+                    l.local_addr().unwrap()
+                })
+                .collect();
+            let open = |i: usize| {
+                let (addrs, root) = (addrs.clone(), root.clone());
+                async move {
+                    let listener = TcpListener::bind(addrs[i]).expect("the port is free again");
+                    let peers: BTreeMap<u64, SocketAddr> = (0..3)
+                        .filter(|&j| j != i)
+                        .map(|j| (j as u64 + 1, addrs[j]))
+                        .collect();
+                    let mut config = HostConfig::new(i as u64 + 1, peers);
+                    config.tick = Duration::from_millis(5);
+                    config.data_dir = Some(root.join(format!("host-{}", i + 1)));
+                    // Small segments, so compaction has whole ones to drop.
+                    config.journal.segment_bytes = 8 << 10;
+                    let log = Log::default();
+                    let applied = log.clone();
+                    let hook = Box::new(move |_: u64, a: &Applied| {
+                        applied.borrow_mut().push((
+                            a.index,
+                            a.term,
+                            a.kind,
+                            a.base.0,
+                            a.data.clone(),
+                        ));
+                    });
+                    let host = Host::open(config, listener, &[(GROUP, vec![1, 2, 3])], hook)
+                        .await
+                        .expect("the host opens its journal");
+                    (host, log)
+                }
+            };
+            let mut hosts: Vec<Option<Host>> = Vec::new();
+            let mut logs: Vec<Log> = Vec::new();
+            for i in 0..3 {
+                let (h, l) = open(i).await;
+                hosts.push(Some(h));
+                logs.push(l);
+            }
+            let big = |n: u64| RecordIn {
+                payload: Bytes::from(vec![n as u8; 1500]),
+                ..RecordIn::default()
+            };
+            let first = leader(&hosts).await;
+            for n in 0..40 {
+                hosts[first]
+                    .as_ref()
+                    .unwrap()
+                    .publish(GROUP, &[big(n)])
+                    .await
+                    .unwrap();
+            }
+            let last = hosts[first].as_ref().unwrap().applied(GROUP).unwrap();
+            for h in hosts.iter().flatten() {
+                until(
+                    "every replica to apply everything and hear it is held",
+                    || {
+                        (h.applied(GROUP) == Some(last) && h.compactable(GROUP) == Some(last))
+                            .then_some(())
+                    },
+                )
+                .await;
+            }
+            let before = segments(&root, 0);
+            for (i, h) in hosts.iter().enumerate() {
+                let h = h.as_ref().unwrap();
+                let point = h.compact(GROUP, last).expect("something to compact");
+                assert_eq!(point.index, last);
+                assert_eq!(h.log_len(GROUP), Some(0), "host {i} holds nothing past it");
+            }
+            until("the journals to drop whole segments", || {
+                (0..3).all(|i| segments(&root, i) < before).then_some(())
+            })
+            .await;
+
+            // A follower goes down: the others keep what it has not got.
+            let follower = (first + 1) % 3;
+            hosts[follower].take().unwrap().close();
+            for n in 0..30 {
+                hosts[first]
+                    .as_ref()
+                    .unwrap()
+                    .publish(GROUP, &[big(100 + n)])
+                    .await
+                    .unwrap();
+            }
+            let lead = hosts[first].as_ref().unwrap();
+            assert_eq!(
+                lead.compact(GROUP, u64::MAX),
+                None,
+                "the follower holds it back"
+            );
+            assert!(lead.log_len(GROUP).unwrap() >= 30);
+
+            // Back, from its compacted journal: applies what it missed.
+            let (h, l) = open(follower).await;
+            hosts[follower] = Some(h);
+            logs[follower] = l;
+            let last = hosts[first].as_ref().unwrap().applied(GROUP).unwrap();
+            until("the follower to catch up", || {
+                (hosts[follower].as_ref().unwrap().applied(GROUP) == Some(last)).then_some(())
+            })
+            .await;
+            let caught = logs[follower].borrow().clone();
+            assert!(
+                caught.first().is_some_and(|e| e.0 > 1),
+                "it applies from its compaction point on, not from the first entry"
+            );
+            let same: Vec<_> = logs[first]
+                .borrow()
+                .iter()
+                .filter(|e| e.0 >= caught[0].0)
+                .cloned()
+                .collect();
+            assert_eq!(caught, same, "the same entries at the same offsets");
+            until("the leader to compact once it is held again", || {
+                hosts[first]
+                    .as_ref()
+                    .unwrap()
+                    .compact(GROUP, last)
+                    .map(|_| ())
+            })
+            .await;
+
+            // Everyone restarts from compacted journals and goes on.
+            let end_before = logs[first].borrow().iter().map(|e| e.3).max().unwrap();
+            for h in hosts.iter_mut() {
+                h.take().unwrap().close();
+            }
+            glommio::timer::sleep(Duration::from_millis(20)).await;
+            for i in 0..3 {
+                let (h, l) = open(i).await;
+                hosts[i] = Some(h);
+                logs[i] = l;
+            }
+            let second = leader(&hosts).await;
+            let landed = hosts[second]
+                .as_ref()
+                .unwrap()
+                .publish(GROUP, &[big(9_999)])
+                .await
+                .unwrap();
+            assert!(
+                landed.base.0 > end_before,
+                "{landed:?} lands after everything committed before (offset {end_before} on)"
+            );
+            for h in hosts.iter().flatten() {
+                h.close();
+            }
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+}

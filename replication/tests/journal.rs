@@ -14,6 +14,7 @@ use std::path::Path;
 use felix_engine::storage::sim::{CrashPlan, SimStorage};
 use felix_engine::storage::Storage;
 use felix_replication::journal::{Journal, JournalConfig, JournalError};
+use felix_replication::Compacted;
 use futures_lite::future::block_on;
 use raft::eraftpb::Entry;
 use rand::rngs::SmallRng;
@@ -143,6 +144,146 @@ fn damage_before_the_last_segment_stops_the_open() {
             .await
             .err()
             .expect("a hole stops the open");
+        assert!(matches!(err, JournalError::Damaged { .. }), "{err}");
+    });
+}
+
+#[test]
+fn a_compacted_journal_drops_whole_segments_and_reopens_after_its_point() {
+    block_on(async {
+        let storage = SimStorage::new();
+        let dir = Path::new("/j");
+        let (mut j, _) = open(&storage, dir).await;
+        let log: Vec<E> = (1..=60)
+            .map(|i| (i, 1 + i / 30, vec![i as u8; 1000]))
+            .collect();
+        j.append(&log.iter().map(entry).collect::<Vec<_>>())
+            .await
+            .unwrap();
+        j.sync().await.unwrap();
+        let segments = j.segment_count();
+        assert!(segments >= 4, "{segments}");
+        let point = Compacted {
+            index: 40,
+            term: 2,
+            end: 4000,
+        };
+        let removed = j.compact(point).await.unwrap();
+        assert!(removed >= 2, "{removed}");
+        assert_eq!(j.segment_count(), segments - removed);
+        assert!(j.first_index() <= 41 && j.first_index() > 1);
+        // Compacting to an older point changes nothing.
+        assert_eq!(
+            j.compact(Compacted { index: 10, ..point }).await.unwrap(),
+            0
+        );
+        // Past the log: refused.
+        let past = j
+            .compact(Compacted { index: 61, ..point })
+            .await
+            .unwrap_err();
+        assert!(matches!(past, JournalError::Invalid(_)), "{past}");
+        let more: Vec<E> = (61..=70).map(|i| (i, 3, vec![7; 500])).collect();
+        j.append(&more.iter().map(entry).collect::<Vec<_>>())
+            .await
+            .unwrap();
+        j.sync().await.unwrap();
+        let first = j.first_index();
+        drop(j);
+        // Reopened: the point, and every entry from the kept segment's
+        // first on (those up to the point are the caller's to drop).
+        let (j, got) = open(&storage, dir).await;
+        assert_eq!(j.compacted(), Some(point));
+        let mut want = log[first as usize - 1..].to_vec();
+        want.extend(more.clone());
+        assert_eq!(got, want);
+        drop(j);
+        // A compaction cut short before it removed an old segment: the
+        // next open removes what the point covers.
+        let files_before = storage.files().len();
+        let (mut j, _) = open(&storage, dir).await;
+        j.compact(Compacted {
+            index: 65,
+            term: 3,
+            end: 5000,
+        })
+        .await
+        .unwrap();
+        drop(j);
+        assert!(storage.files().len() <= files_before);
+        let (j, got) = open(&storage, dir).await;
+        assert_eq!(j.compacted().map(|c| c.index), Some(65));
+        assert!(got.first().is_some_and(|e| e.0 <= 66));
+        assert_eq!(got.last().map(|e| e.0), Some(70));
+    });
+}
+
+/// A compaction point stored, then a crash before any segment went: the
+/// older segments are removed on the next open, and a hole between the
+/// point and the first segment left is damage.
+#[test]
+fn segments_a_compaction_point_covers_go_at_open() {
+    block_on(async {
+        let storage = SimStorage::new();
+        let dir = Path::new("/j");
+        let (mut j, _) = open(&storage, dir).await;
+        let log: Vec<E> = (1..=60).map(|i| (i, 1, vec![i as u8; 1000])).collect();
+        j.append(&log.iter().map(entry).collect::<Vec<_>>())
+            .await
+            .unwrap();
+        j.sync().await.unwrap();
+        let mut files: Vec<String> = storage
+            .files()
+            .into_iter()
+            .map(|f| f.display().to_string())
+            .filter(|f| f.ends_with(".rlog"))
+            .collect();
+        files.sort();
+        // Keep a copy of the oldest segment, compact, put it back.
+        let oldest = std::path::PathBuf::from(&files[0]);
+        let bytes = storage.read_file(&oldest).await.unwrap().unwrap();
+        let point = Compacted {
+            index: 50,
+            term: 1,
+            end: 50,
+        };
+        let removed = j.compact(point).await.unwrap();
+        assert!(removed >= 2);
+        drop(j);
+        storage.write_file_atomic(&oldest, &bytes).await.unwrap();
+        let (j, got) = open(&storage, dir).await;
+        assert!(
+            !storage.files().contains(&oldest),
+            "the covered segment went"
+        );
+        assert!(got.first().is_some_and(|e| e.0 > 1 && e.0 <= 51));
+        drop(j);
+        // Every segment gone but one past the point: a hole.
+        let storage = SimStorage::new();
+        let (mut j, _) = open(&storage, dir).await;
+        j.append(&log.iter().map(entry).collect::<Vec<_>>())
+            .await
+            .unwrap();
+        j.sync().await.unwrap();
+        j.compact(Compacted {
+            index: 5,
+            term: 1,
+            end: 5,
+        })
+        .await
+        .unwrap();
+        drop(j);
+        let mut files: Vec<_> = storage
+            .files()
+            .into_iter()
+            .filter(|f| f.display().to_string().ends_with(".rlog"))
+            .collect();
+        files.sort();
+        storage.remove_file(&files[0]).await.unwrap();
+        let err = Journal::open(storage.clone(), dir, config())
+            .await
+            .err()
+            .expect("a hole after the point stops the open");
         assert!(matches!(err, JournalError::Damaged { .. }), "{err}");
     });
 }

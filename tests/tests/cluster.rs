@@ -51,7 +51,11 @@ fn start_cluster_with(env: &[(&str, &str)]) -> Cluster {
                 .cores(1)
                 .listen(&addrs[i])
                 .env("FELIX_NODE_ID", i + 1)
-                .env("FELIX_CLUSTER_NODES", &nodes);
+                .env("FELIX_CLUSTER_NODES", &nodes)
+                // Compaction at work throughout: small journal segments,
+                // and a log compacted once 8 entries can go.
+                .env("FELIX_CLUSTER_COMPACT_ENTRIES", 8)
+                .env("FELIX_CLUSTER_JOURNAL_SEGMENT_BYTES", 16 << 10);
             for (k, v) in env {
                 o = o.env(k, v);
             }
@@ -144,6 +148,23 @@ fn a_cluster_keeps_every_acknowledged_record_through_the_loss_of_its_leader() {
             );
             assert!(b.metric_series("felix_replica_term", &labels).unwrap() >= 1.0);
         }
+        // Every replica compacts its Raft log (8 entries at a time here):
+        // the entries leave memory, and whole journal segments the disk.
+        for (i, b) in cluster.brokers.iter().enumerate() {
+            let compacted = || {
+                b.metric_series("felix_replica_compacted_index", &labels)
+                    .unwrap_or(0.0)
+            };
+            felix_tests::wait_until(Duration::from_secs(10), || compacted() >= 10.0)
+                .unwrap_or_else(|_| panic!("broker {i} compacted only to {}", compacted()));
+            let held = b
+                .metric_series("felix_replica_log_entries", &labels)
+                .unwrap();
+            assert!(
+                held < 20.0,
+                "broker {i} holds {held} entries past its point"
+            );
+        }
         let follower = cluster
             .addrs
             .iter()
@@ -222,6 +243,15 @@ fn a_cluster_keeps_every_acknowledged_record_through_the_loss_of_its_leader() {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
+        // Having caught up, it compacts past where it was killed.
+        publish_some(&cc, 40, 4, &mut acked).await;
+        let b = &cluster.brokers[dead];
+        felix_tests::wait_until(Duration::from_secs(10), || {
+            b.metric_series("felix_replica_compacted_index", &labels)
+                .unwrap_or(0.0)
+                >= 30.0
+        })
+        .expect("the restarted broker compacts");
     });
 }
 

@@ -856,10 +856,12 @@ impl<S: Storage> Core<S> {
                         end: st.end.0,
                         bytes: st.bytes,
                         stopped: st.stopped.is_some(),
-                        replica: s
-                            .replica
-                            .get()
-                            .map(|r| (r.host.term(r.group).unwrap_or(0), r.host.serving(r.group))),
+                        replica: s.replica.get().map(|r| crate::metrics::ReplicaSnapshot {
+                            term: r.host.term(r.group).unwrap_or(0),
+                            leads: r.host.serving(r.group),
+                            log_entries: r.host.log_len(r.group).unwrap_or(0) as u64,
+                            compacted: r.host.compacted(r.group).map_or(0, |c| c.index),
+                        }),
                         ..ShardSnapshot::io_of(&st)
                     });
                     for (name, t) in s.groups.borrow().iter() {

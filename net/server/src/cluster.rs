@@ -31,7 +31,11 @@
 //! out again from the durable position. Describes and dead-letter lists
 //! are answered only after a round of heartbeats confirms the leadership.
 //!
-//! Not yet: the shard's leader in its metadata, compaction of the journal.
+//! Each replica's Raft log is compacted (`run_compactor`): entries every
+//! replica holds and this one applied, once its shard log has them
+//! durably, leave memory and, a journal segment at a time, the disk.
+//!
+//! Not yet: the shard's leader in its metadata.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -273,6 +277,7 @@ pub(crate) async fn start<S: Storage>(core: &Rc<Core<S>>) -> Result<(), String> 
     }
     let mut config = HostConfig::new(me.id, peers);
     config.tick = Duration::from_millis(cluster.tick_ms);
+    config.journal.segment_bytes = cluster.journal_segment_bytes;
     // Groups are added with their shard's own directory.
     config.data_dir = Some(
         core.shared
@@ -314,12 +319,67 @@ pub(crate) async fn start<S: Storage>(core: &Rc<Core<S>>) -> Result<(), String> 
         "replicating with {} other node(s)",
         cluster.nodes.len() - 1
     );
+    if cluster.compact_entries > 0 {
+        glommio::spawn_local(run_compactor(
+            Rc::downgrade(&shards),
+            host.clone(),
+            cluster.compact_entries,
+        ))
+        .detach();
+    }
     let _ = core.replication.set(Replication {
         host,
         cluster: Rc::new(cluster),
         shards,
     });
     Ok(())
+}
+
+/// How often a core looks for replica logs to compact.
+const COMPACT_EVERY: Duration = Duration::from_millis(200);
+
+/// Compact the replica logs of this core's shards, each once at least
+/// `min_entries` of its entries can go: every replica holds them and this
+/// one applied them. The shard's log is flushed first, so what they wrote
+/// there is durable before the journal lets go of them (a restart then
+/// finds them in the shard log, not the journal).
+async fn run_compactor<S: Storage>(
+    shards: Weak<RefCell<HashMap<u64, Weak<Shard<S>>>>>,
+    host: Host,
+    min_entries: u64,
+) {
+    loop {
+        glommio::timer::sleep(COMPACT_EVERY).await;
+        if host.closed() {
+            return;
+        }
+        let Some(registry) = shards.upgrade() else {
+            return;
+        };
+        let due: Vec<(u64, Rc<Shard<S>>)> = registry
+            .borrow()
+            .iter()
+            .filter(|(group, _)| host.compactable(**group).unwrap_or(0) >= min_entries)
+            .filter_map(|(group, shard)| Some((*group, shard.upgrade()?)))
+            .collect();
+        drop(registry);
+        for (group, shard) in due {
+            if host.stopped(group).is_some() {
+                continue;
+            }
+            // Everything applied so far is queued in the shard log.
+            let Some(applied) = host.applied(group) else {
+                continue;
+            };
+            if let Err(e) = shard.log.flush().await {
+                tracing::warn!(shard = %shard.name(), "replica log not compacted: the shard log did not flush: {e}");
+                continue;
+            }
+            if let Some(point) = host.compact(group, applied) {
+                tracing::debug!(shard = %shard.name(), to = point.index, "replica log compacted");
+            }
+        }
+    }
 }
 
 impl<S: Storage> Replication<S> {

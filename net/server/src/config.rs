@@ -90,6 +90,8 @@ const SETTINGS: &[Setting] = &[
     Setting { section: "cluster", name: "node_id", env: Some("FELIX_NODE_ID"), kind: Kind::U64, default: "0", help: "this broker's id among cluster.nodes; 0 = a single broker, shards not replicated" },
     Setting { section: "cluster", name: "nodes", env: Some("FELIX_CLUSTER_NODES"), kind: Kind::Str, default: "", help: "every broker of the cluster, this one included, as ID=CLIENT_ADDR/REPLICATION_ADDR separated by commas (e.g. \"1=10.0.0.1:7400/10.0.0.1:7500,2=...\"); core i of each broker replicates on REPLICATION_ADDR's port + i, so every broker runs the same number of cores. Every shard is replicated on every node (at least three for a failure to be survived); needs storage.data_dir" },
     Setting { section: "cluster", name: "tick_ms", env: None, kind: Kind::U64, default: "10", help: "replication tick: a leader heartbeats every 2 ticks, and a follower that hears nothing for 10 to 20 ticks starts an election" },
+    Setting { section: "cluster", name: "compact_entries", env: Some("FELIX_CLUSTER_COMPACT_ENTRIES"), kind: Kind::U64, default: "4096", help: "a shard's replica drops the entries of its Raft log that every replica holds and it has applied (and made durable in the shard's log) once there are this many; 0 = never (the log then grows for ever). While a replica is down the others keep what it has not got" },
+    Setting { section: "cluster", name: "journal_segment_bytes", env: Some("FELIX_CLUSTER_JOURNAL_SEGMENT_BYTES"), kind: Kind::U64, default: "67108864", help: "size past which a replica's journal starts a new segment file; compaction removes whole segments" },
     Setting { section: "limits", name: "max_records_per_read", env: None, kind: Kind::U64, default: "1000", help: "records one read or poll returns at most" },
     Setting { section: "limits", name: "max_bytes_per_read", env: None, kind: Kind::U64, default: "4194304", help: "payload bytes after which a read or poll stops" },
     Setting { section: "limits", name: "max_records_per_publish", env: None, kind: Kind::U64, default: "100000", help: "records in one publish request" },
@@ -132,6 +134,9 @@ pub struct ClusterConfig {
     /// Every node, this one included, by id.
     pub nodes: Vec<ClusterNode>,
     pub tick_ms: u64,
+    /// Compact a replica's log once this many entries can go (0: never).
+    pub compact_entries: u64,
+    pub journal_segment_bytes: u64,
 }
 
 impl ClusterConfig {
@@ -531,6 +536,11 @@ impl Config {
                     node_id: id,
                     nodes,
                     tick_ms: nonzero(num("cluster", "tick_ms")?, "cluster.tick_ms")?,
+                    compact_entries: num("cluster", "compact_entries")?,
+                    journal_segment_bytes: nonzero(
+                        num("cluster", "journal_segment_bytes")?,
+                        "cluster.journal_segment_bytes",
+                    )?,
                 })
             }
         };

@@ -92,6 +92,17 @@ impl CoreMetrics {
     }
 }
 
+/// A shard's replica, in a cluster.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct ReplicaSnapshot {
+    pub term: u64,
+    pub leads: bool,
+    /// Raft entries held in memory, past the compaction point.
+    pub log_entries: u64,
+    /// The last entry compacted away (0: none yet).
+    pub compacted: u64,
+}
+
 #[derive(Clone, Debug, Default)]
 pub(crate) struct ShardSnapshot {
     pub stream: String,
@@ -100,8 +111,8 @@ pub(crate) struct ShardSnapshot {
     pub end: u64,
     pub bytes: u64,
     pub stopped: bool,
-    /// In a cluster: the shard's replica's term, and whether it leads.
-    pub replica: Option<(u64, bool)>,
+    /// In a cluster: the shard's replica.
+    pub replica: Option<ReplicaSnapshot>,
     pub flushes: u64,
     pub bytes_written: u64,
     pub cold_reads: u64,
@@ -304,24 +315,41 @@ impl MetricsSnapshot {
             io.add_io(sh);
         }
         if self.shards.iter().any(|sh| sh.replica.is_some()) {
-            let _ = writeln!(s, "# HELP felix_replica_leader 1 where this broker leads the shard (in a cluster).\n# TYPE felix_replica_leader gauge");
-            for sh in &self.shards {
-                if let Some((_, leads)) = sh.replica {
-                    let _ = writeln!(
-                        s,
-                        "felix_replica_leader{{stream=\"{}\",shard=\"{}\"}} {}",
-                        sh.stream, sh.shard, leads as u8
-                    );
-                }
-            }
-            let _ = writeln!(s, "# HELP felix_replica_term The Raft term of this broker's replica of the shard.\n# TYPE felix_replica_term gauge");
-            for sh in &self.shards {
-                if let Some((term, _)) = sh.replica {
-                    let _ = writeln!(
-                        s,
-                        "felix_replica_term{{stream=\"{}\",shard=\"{}\"}} {}",
-                        sh.stream, sh.shard, term
-                    );
+            type Field = fn(&ReplicaSnapshot) -> u64;
+            let series: [(&str, &str, Field); 4] = [
+                (
+                    "felix_replica_leader",
+                    "1 where this broker leads the shard (in a cluster).",
+                    |r| r.leads as u64,
+                ),
+                (
+                    "felix_replica_term",
+                    "The Raft term of this broker's replica of the shard.",
+                    |r| r.term,
+                ),
+                (
+                    "felix_replica_log_entries",
+                    "Raft entries the shard's replica holds, past its compaction point.",
+                    |r| r.log_entries,
+                ),
+                (
+                    "felix_replica_compacted_index",
+                    "The last Raft entry the shard's replica compacted away.",
+                    |r| r.compacted,
+                ),
+            ];
+            for (name, help, field) in series {
+                let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} gauge");
+                for sh in &self.shards {
+                    if let Some(r) = &sh.replica {
+                        let _ = writeln!(
+                            s,
+                            "{name}{{stream=\"{}\",shard=\"{}\"}} {}",
+                            sh.stream,
+                            sh.shard,
+                            field(r)
+                        );
+                    }
                 }
             }
         }
