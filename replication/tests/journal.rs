@@ -295,9 +295,13 @@ async fn crash_round(seed: u64) -> usize {
     let storage = SimStorage::new();
     let dir = Path::new("/j");
     let (mut j, _) = open(&storage, dir).await;
-    // What the journal holds now.
+    // What the journal holds now (from index 1: the entries compacted
+    // away stay here, as the shard's own log would hold them).
     let mut current: Vec<E> = Vec::new();
     let mut term = 1u64;
+    // The compaction point: Raft compacts only committed entries, which
+    // are never cut, so no cut goes at or below it.
+    let mut compacted = 0u64;
     let mut recovered = 0;
     for _life in 0..3 {
         match rng.gen_range(0..4) {
@@ -312,15 +316,30 @@ async fn crash_round(seed: u64) -> usize {
         for _ in 0..rng.gen_range(1..30) {
             let before = current.clone();
             let mut cut = None;
-            let is_sync = rng.gen_bool(0.25);
+            let op = rng.gen_range(0..100);
+            let is_sync = op < 25;
+            // Compact to an entry certainly durable.
+            let is_compact = !is_sync && op < 35 && floor.len() as u64 > compacted;
             let result = if is_sync {
                 j.sync().await
+            } else if is_compact {
+                let to = rng.gen_range(compacted + 1..=floor.len() as u64);
+                let point = Compacted {
+                    index: to,
+                    term: current[to as usize - 1].1,
+                    end: to,
+                };
+                let r = j.compact(point).await.map(|_| ());
+                if r.is_ok() {
+                    compacted = to;
+                }
+                r
             } else {
                 // Append, sometimes from an index already held (a cut).
                 let last = current.len() as u64;
-                let from = if last > 0 && rng.gen_bool(0.3) {
+                let from = if last > compacted && rng.gen_bool(0.3) {
                     term += rng.gen_range(0..2);
-                    rng.gen_range(1..=last)
+                    rng.gen_range(compacted + 1..=last)
                 } else {
                     last + 1
                 };
@@ -342,6 +361,7 @@ async fn crash_round(seed: u64) -> usize {
                 j.append(&new.iter().map(entry).collect::<Vec<_>>()).await
             };
             match result {
+                Ok(()) if is_compact => {}
                 Ok(()) if is_sync => {
                     // A sync: the disk holds exactly this now.
                     floor = current.clone();
@@ -383,6 +403,28 @@ async fn crash_round(seed: u64) -> usize {
         storage.fail_write_after(u64::MAX / 2);
         storage.fail_sync_after(u64::MAX / 2);
         let (reopened, got) = open(&storage, dir).await;
+        // Compared past the point read back: the one stored, or the one a
+        // compaction cut short was storing.
+        let point = reopened.compacted().map_or(0, |c| c.index);
+        assert!(
+            point >= compacted,
+            "seed {seed}: the journal forgot it was compacted to {compacted} (reads {point})"
+        );
+        assert!(
+            got.first().is_none_or(|e| e.0 <= point + 1),
+            "seed {seed}: a hole after the compaction point {point}"
+        );
+        let kept = point as usize;
+        assert!(
+            floor.len() >= kept,
+            "seed {seed}: compacted past what was durable"
+        );
+        let got: Vec<E> = current[..kept]
+            .iter()
+            .cloned()
+            .chain(got.into_iter().filter(|e| e.0 > point))
+            .collect();
+        compacted = point;
         assert!(
             got.len() >= floor.len() && got[..floor.len()] == floor[..],
             "seed {seed}: lost durable entries: read back {} entries, {} were durable",
