@@ -132,7 +132,10 @@ pub struct CommonArgs {
 
     /// Address of a running broker (host:port). Without it, felix-bench
     /// starts an embedded Felix broker for --target felix, and connects to
-    /// the peer's default port (redis 6379, nats 4222) otherwise.
+    /// the peer's default port (redis 6379, nats 4222) otherwise. For a
+    /// Felix cluster, every broker's address separated by commas: the
+    /// stream is created on each, and every shard's publishes, reads and
+    /// polls go to the broker that leads it.
     #[arg(long, value_name = "ADDR")]
     pub broker: Option<String>,
 
@@ -540,8 +543,12 @@ impl CommonArgs {
             return err("--peer-mode describes a Redis or NATS peer, not Felix");
         }
         if let Some(b) = &self.broker {
-            if !b.contains(':') {
-                return err(format!("--broker must be HOST:PORT, not {b:?}"));
+            let list: Vec<&str> = b.split(',').map(str::trim).collect();
+            if list.iter().any(|a| !a.contains(':')) {
+                return err(format!("--broker must be HOST:PORT (or, for a Felix cluster, HOST:PORT,HOST:PORT,...), not {b:?}"));
+            }
+            if list.len() > 1 && self.target != TargetKind::Felix {
+                return err("a list of brokers (a cluster) is for --target felix only");
             }
         }
         let client_threads = match self.client_threads {
@@ -763,6 +770,11 @@ mod tests {
             (&["publish", "--broker-cores", "zero"], "--broker-cores"),
             (&["publish", "--broker-cores", "0"], "--broker-cores"),
             (&["publish", "--broker", "nohostport"], "--broker"),
+            (&["publish", "--broker", "a:1,nohostport"], "--broker"),
+            (
+                &["publish", "--target", "redis", "--broker", "a:1,b:2"],
+                "brokers",
+            ),
             (&["publish", "--stream", "a/b"], "--stream"),
             (&["publish", "--warmup=-2"], "--warmup"),
             (&["publish", "--client-threads", "0"], "--client-threads"),

@@ -848,10 +848,21 @@ impl Inner {
             let mut replicas = self.replicas.borrow_mut();
             for pm in msgs {
                 match replicas.get_mut(&pm.group) {
-                    Some(r) => match r.step(pm.message) {
-                        Ok(()) => r.note_compact_hint(pm.held_by_all),
-                        Err(e) => tracing::debug!(group = pm.group, "peer message refused: {e}"),
-                    },
+                    Some(r) => {
+                        let (from, term) = (pm.message.from, pm.message.term);
+                        match r.step(pm.message) {
+                            // Only the leader of the replica's own term is
+                            // heard on what every replica holds (a message
+                            // of an older term is one raft-rs ignores).
+                            Ok(()) if r.term() == term && r.leader() == Some(from) => {
+                                r.note_compact_hint(pm.held_by_all)
+                            }
+                            Ok(()) => {}
+                            Err(e) => {
+                                tracing::debug!(group = pm.group, "peer message refused: {e}")
+                            }
+                        }
+                    }
                     None => tracing::debug!(group = pm.group, "message for a group not here"),
                 }
             }

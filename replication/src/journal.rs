@@ -580,7 +580,12 @@ impl<S: Storage> Journal<S> {
         let Some(first) = entries.first() else {
             return Ok(());
         };
-        let (lo, hi) = (self.first_index(), self.last_index());
+        let hi = self.last_index();
+        // Nothing at or below the compaction point is written again.
+        let lo = self
+            .compacted
+            .map_or(self.first_index(), |c| c.index + 1)
+            .max(self.first_index());
         if first.index < lo || first.index > hi + 1 {
             return Err(JournalError::Invalid(format!(
                 "an append at index {} to a journal holding {lo}..={hi}",
@@ -709,8 +714,12 @@ impl<S: Storage> Journal<S> {
         Ok(())
     }
 
-    /// The term of entry `index` (0 if not held).
+    /// The term of entry `index` (the compaction point's own, once its
+    /// segment is gone; 0 if not held).
     fn term_of(&self, index: u64) -> u64 {
+        if let Some(c) = self.compacted.filter(|c| c.index == index) {
+            return c.term;
+        }
         self.segments
             .iter()
             .rev()

@@ -220,6 +220,10 @@ impl ReplicaLog {
             self.ends.shrink_to_fit();
         }
         self.base = base;
+        // What is compacted was committed; the stored hard state must say
+        // so, or raft-rs refuses it when a log kept across a crash (the
+        // simulation's) opens again.
+        self.hard.commit = self.hard.commit.max(index);
         Some(base)
     }
 
@@ -414,6 +418,11 @@ mod tests {
             }
         );
         assert_eq!(log.compact(2), None, "already past it");
+        assert_eq!(
+            log.hard_state().commit,
+            3,
+            "what is compacted was committed"
+        );
         assert_eq!((log.first(), log.last(), log.end()), (4, 4, 7));
         assert_eq!(log.first_index().unwrap(), 4);
         assert_eq!(log.term(3).unwrap(), 2, "the point keeps its term");

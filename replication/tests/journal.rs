@@ -183,6 +183,9 @@ fn a_compacted_journal_drops_whole_segments_and_reopens_after_its_point() {
             .await
             .unwrap_err();
         assert!(matches!(past, JournalError::Invalid(_)), "{past}");
+        // Nothing at or below the point is written again.
+        let below = j.append(&[entry(&(40, 3, vec![]))]).await.unwrap_err();
+        assert!(matches!(below, JournalError::Invalid(_)), "{below}");
         let more: Vec<E> = (61..=70).map(|i| (i, 3, vec![7; 500])).collect();
         j.append(&more.iter().map(entry).collect::<Vec<_>>())
             .await

@@ -5,7 +5,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use felix_client::{Client, ClientConfig, GroupRecord, PendingPublish, RecordIn, StartPosition};
+use felix_client::{
+    Client, ClientConfig, ClientError, ClusterClient, ErrorCode, GroupRecord, PendingPublish,
+    RecordIn, StartPosition,
+};
 
 use super::{Delivery, Handle, Spec, StreamKind};
 
@@ -14,6 +17,10 @@ pub const GROUP: &str = "bench";
 #[derive(Debug, Clone)]
 pub struct FelixTarget {
     clients: Vec<Client>,
+    /// With `--broker A,B,C`: the cluster, its brokers' connections, and
+    /// once the stream exists, each connection slot's client of every
+    /// shard's leader.
+    cluster: Option<Cluster>,
     spec: Arc<Spec>,
     /// Whether this run created the stream: only then does `delete` remove
     /// it. A stream that already existed (`--stream` naming a user's own) is
@@ -23,6 +30,33 @@ pub struct FelixTarget {
 
 fn e(err: felix_client::ClientError) -> String {
     err.to_string()
+}
+
+#[derive(Debug, Clone)]
+struct Cluster {
+    cc: ClusterClient,
+    /// `connections` clients of each broker, by address.
+    by_broker: Arc<std::collections::HashMap<String, Vec<Client>>>,
+    /// `leaders[slot][shard]`: connection `slot`'s client of the shard's
+    /// leader.
+    leaders: Arc<std::sync::OnceLock<Vec<Arc<Vec<Client>>>>>,
+}
+
+/// Where a producer, reader or consumer sends a shard's requests: its one
+/// broker, or (a cluster) the shard's leader.
+#[derive(Debug, Clone)]
+enum Route {
+    One(Client),
+    PerShard(Arc<Vec<Client>>),
+}
+
+impl Route {
+    fn get(&self, shard: u32) -> &Client {
+        match self {
+            Route::One(c) => c,
+            Route::PerShard(v) => &v[shard as usize],
+        }
+    }
 }
 
 impl FelixTarget {
@@ -40,25 +74,27 @@ impl FelixTarget {
             request_timeout: Duration::from_secs(60),
             ..ClientConfig::default()
         };
-        let mut clients = Vec::with_capacity(connections);
-        // The broker prints its address before every core has bound it:
-        // retry a refused connection for a few seconds.
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        for _ in 0..connections {
-            let c = loop {
-                match Client::connect(addr, config.clone()).await {
-                    Ok(c) => break c,
-                    Err(err) if tokio::time::Instant::now() < deadline => {
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                        let _ = err;
-                    }
-                    Err(err) => return Err(format!("cannot connect to Felix at {addr}: {err}")),
-                }
-            };
-            clients.push(c);
+        let brokers: Vec<&str> = addr.split(',').map(str::trim).collect();
+        let mut by_broker = std::collections::HashMap::new();
+        for b in &brokers {
+            by_broker.insert(b.to_string(), connect_all(b, connections, &config).await?);
         }
+        let clients = by_broker[brokers[0]].clone();
+        let cluster = if brokers.len() > 1 {
+            let cc = ClusterClient::connect(&brokers, config)
+                .await
+                .map_err(|err| format!("cannot connect to the Felix cluster {addr}: {err}"))?;
+            Some(Cluster {
+                cc,
+                by_broker: Arc::new(by_broker),
+                leaders: Default::default(),
+            })
+        } else {
+            None
+        };
         Ok(FelixTarget {
             clients,
+            cluster,
             spec,
             created: Default::default(),
         })
@@ -66,6 +102,97 @@ impl FelixTarget {
 
     fn client(&self, idx: usize) -> &Client {
         &self.clients[idx % self.clients.len()]
+    }
+
+    /// Connection slot `idx`'s route to each shard.
+    fn route(&self, idx: usize) -> Route {
+        match self.cluster.as_ref().and_then(|c| c.leaders.get()) {
+            Some(slots) => Route::PerShard(slots[idx % slots.len()].clone()),
+            None => Route::One(self.client(idx).clone()),
+        }
+    }
+
+    /// The client of a shard's leader (a cluster) or of the broker.
+    fn shard_client(&self, shard: u32) -> &Client {
+        match self.cluster.as_ref().and_then(|c| c.leaders.get()) {
+            Some(slots) => &slots[0][shard as usize],
+            None => self.client(0),
+        }
+    }
+
+    /// A cluster's stream: created on every broker, then each shard's
+    /// leader found (asked for a group that does not exist: the leader
+    /// answers `not_found`, a follower `not_leader` naming it), waiting out
+    /// elections.
+    async fn create_on_cluster(&self, cluster: &Cluster) -> Result<(), String> {
+        let s = &self.spec.name;
+        cluster
+            .cc
+            .create_stream(
+                &s.tenant,
+                &s.namespace,
+                &s.stream,
+                self.spec.shards,
+                Default::default(),
+            )
+            .await
+            .map_err(|err| format!("create_stream {s}: {err}"))?;
+        let mut leaders = Vec::with_capacity(self.spec.shards as usize);
+        for shard in 0..self.spec.shards {
+            leaders.push(self.find_leader(cluster, shard).await?);
+        }
+        let slots = self.clients.len();
+        let per_slot = (0..slots)
+            .map(|slot| {
+                Arc::new(
+                    leaders
+                        .iter()
+                        .map(|l| cluster.by_broker[l][slot].clone())
+                        .collect::<Vec<_>>(),
+                )
+            })
+            .collect();
+        let _ = cluster.leaders.set(per_slot);
+        Ok(())
+    }
+
+    async fn find_leader(&self, cluster: &Cluster, shard: u32) -> Result<String, String> {
+        let s = &self.spec.name;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        let mut brokers: Vec<&String> = cluster.by_broker.keys().collect();
+        brokers.sort();
+        loop {
+            for b in &brokers {
+                let c = &cluster.by_broker[*b][0];
+                match c
+                    .group_describe(
+                        &s.tenant,
+                        &s.namespace,
+                        &s.stream,
+                        shard,
+                        "felix-bench-probe",
+                    )
+                    .await
+                {
+                    Err(ClientError::Server {
+                        code: ErrorCode::NotFound,
+                        ..
+                    })
+                    | Ok(_) => return Ok((*b).clone()),
+                    Err(ClientError::NotLeader {
+                        leader: Some(l), ..
+                    }) if cluster.by_broker.contains_key(&l) => return Ok(l),
+                    Err(ClientError::NotLeader { .. }) => {}
+                    Err(err) => {
+                        return Err(format!("finding shard {shard}'s leader at {b}: {err}"))
+                    }
+                }
+            }
+            if tokio::time::Instant::now() > deadline {
+                return Err(format!("shard {shard} of {s} elected no leader in 20 s"));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     pub fn version(&self) -> String {
@@ -78,6 +205,27 @@ impl FelixTarget {
 
     pub async fn create(&self) -> Result<(), String> {
         let s = &self.spec.name;
+        if let Some(cluster) = &self.cluster {
+            self.create_on_cluster(cluster).await?;
+            self.created
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            if self.spec.kind == StreamKind::Queue {
+                for shard in 0..self.spec.shards {
+                    self.shard_client(shard)
+                        .group_create(
+                            &s.tenant,
+                            &s.namespace,
+                            &s.stream,
+                            shard,
+                            GROUP,
+                            StartPosition::Earliest,
+                        )
+                        .await
+                        .map_err(|err| format!("group_create shard {shard}: {err}"))?;
+                }
+            }
+            return Ok(());
+        }
         let c = self.client(0);
         c.create_stream(
             &s.tenant,
@@ -119,17 +267,25 @@ impl FelixTarget {
             return Ok(());
         }
         let s = &self.spec.name;
-        self.client(0)
-            .delete_stream(&s.tenant, &s.namespace, &s.stream)
-            .await
-            .map_err(e)
+        match &self.cluster {
+            Some(cluster) => cluster
+                .cc
+                .delete_stream(&s.tenant, &s.namespace, &s.stream)
+                .await
+                .map_err(e),
+            None => self
+                .client(0)
+                .delete_stream(&s.tenant, &s.namespace, &s.stream)
+                .await
+                .map_err(e),
+        }
     }
 
     /// Records the shard holds.
     pub async fn stored(&self, shard: u32) -> Result<u64, String> {
         let s = &self.spec.name;
         let info = self
-            .client(0)
+            .shard_client(shard)
             .describe_shard(&s.tenant, &s.namespace, &s.stream, shard)
             .await
             .map_err(e)?;
@@ -141,7 +297,7 @@ impl FelixTarget {
     pub async fn unfinished(&self, shard: u32) -> Result<Option<u64>, String> {
         let s = &self.spec.name;
         let info = self
-            .client(0)
+            .shard_client(shard)
             .group_describe(&s.tenant, &s.namespace, &s.stream, shard, GROUP)
             .await
             .map_err(e)?;
@@ -152,14 +308,14 @@ impl FelixTarget {
 
     pub fn producer(&self, idx: usize) -> PubTx {
         PubTx {
-            client: self.client(idx).clone(),
+            route: self.route(idx),
             spec: self.spec.clone(),
         }
     }
 
     pub fn reader(&self, idx: usize) -> Reader {
         Reader {
-            client: self.client(idx).clone(),
+            route: self.route(idx),
             spec: self.spec.clone(),
             next: vec![None; self.spec.shards as usize],
         }
@@ -167,7 +323,7 @@ impl FelixTarget {
 
     pub fn consumer(&self, idx: usize, ack_inflight: usize) -> Consumer {
         Consumer {
-            client: self.client(idx).clone(),
+            route: self.route(idx),
             spec: self.spec.clone(),
             acks: VecDeque::new(),
             ack_inflight,
@@ -179,7 +335,7 @@ impl FelixTarget {
 /// request is on the connection, with a [`PendingPublish`] to await.
 #[derive(Debug)]
 pub struct PubTx {
-    client: Client,
+    route: Route,
     spec: Arc<Spec>,
 }
 
@@ -197,7 +353,8 @@ impl PubTx {
                 ..RecordIn::default()
             })
             .collect();
-        self.client
+        self.route
+            .get(shard)
             .begin_publish_batch(&s.tenant, &s.namespace, &s.stream, shard, records)
             .await
             .map_err(e)
@@ -211,7 +368,7 @@ pub async fn complete(p: PendingPublish) -> Result<u64, String> {
 
 #[derive(Debug)]
 pub struct Reader {
-    client: Client,
+    route: Route,
     spec: Arc<Spec>,
     /// Next offset per shard; `None`: from the earliest.
     next: Vec<Option<StartPosition>>,
@@ -226,7 +383,8 @@ impl Reader {
     pub async fn seek_end(&mut self, shard: u32) -> Result<(), String> {
         let s = &self.spec.name;
         let info = self
-            .client
+            .route
+            .get(shard)
             .describe_shard(&s.tenant, &s.namespace, &s.stream, shard)
             .await
             .map_err(e)?;
@@ -244,7 +402,8 @@ impl Reader {
         let from = self.next[shard as usize].unwrap_or(StartPosition::Earliest);
         let wait = (!wait.is_zero()).then_some(wait);
         let batch = self
-            .client
+            .route
+            .get(shard)
             .read(&s.tenant, &s.namespace, &s.stream, shard, from, max, wait)
             .await
             .map_err(e)?;
@@ -255,7 +414,7 @@ impl Reader {
 
 #[derive(Debug)]
 pub struct Consumer {
-    client: Client,
+    route: Route,
     spec: Arc<Spec>,
     acks: VecDeque<felix_client::PendingAck>,
     ack_inflight: usize,
@@ -270,7 +429,8 @@ impl Consumer {
     ) -> Result<Vec<Delivery>, String> {
         let s = &self.spec.name;
         let records = self
-            .client
+            .route
+            .get(shard)
             .group_poll_wait(&s.tenant, &s.namespace, &s.stream, shard, GROUP, max, wait)
             .await
             .map_err(e)?;
@@ -303,7 +463,8 @@ impl Consumer {
         // Queued on the connection now, so the next poll leaves with it.
         let s = &self.spec.name;
         let pending = self
-            .client
+            .route
+            .get(shard)
             .begin_group_ack_many(&s.tenant, &s.namespace, &s.stream, shard, GROUP, &offsets)
             .await
             .map_err(e)?;
@@ -324,7 +485,8 @@ impl Consumer {
         };
         let r: GroupRecord = r;
         let s = &self.spec.name;
-        self.client
+        self.route
+            .get(shard)
             .group_nack(&s.tenant, &s.namespace, &s.stream, shard, GROUP, &r)
             .await
             .map_err(e)
@@ -337,4 +499,29 @@ impl Consumer {
         }
         Ok(())
     }
+}
+
+/// `connections` clients of the broker at `addr`. The broker prints its
+/// address before every core has bound it: a refused connection is tried
+/// again for a few seconds.
+async fn connect_all(
+    addr: &str,
+    connections: usize,
+    config: &ClientConfig,
+) -> Result<Vec<Client>, String> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut clients = Vec::with_capacity(connections);
+    for _ in 0..connections {
+        let c = loop {
+            match Client::connect(addr, config.clone()).await {
+                Ok(c) => break c,
+                Err(_) if tokio::time::Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(err) => return Err(format!("cannot connect to Felix at {addr}: {err}")),
+            }
+        };
+        clients.push(c);
+    }
+    Ok(clients)
 }
