@@ -434,16 +434,32 @@ pub async fn publish(target: &Target, c: &Common, a: &PublishArgs) -> Result<Out
                 return Ok(out);
             }
         }
-        if stored == acked || attempt == 29 {
+        if stored == acked || (stored > acked && !target.counts_exactly()) || attempt == 29 {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    out.checks.push(Check::equal(
-        "records stored = records acknowledged",
-        stored,
-        acked,
-    ));
+    if target.counts_exactly() {
+        out.checks.push(Check::equal(
+            "records stored = records acknowledged",
+            stored,
+            acked,
+        ));
+    } else {
+        // Each new leader's generation start takes an offset as well.
+        let name = "offsets stored >= records acknowledged";
+        out.checks.push(if stored >= acked {
+            Check::passed(
+                name,
+                format!(
+                    "{stored} >= {acked} ({} offsets taken by generation starts)",
+                    stored - acked
+                ),
+            )
+        } else {
+            Check::failed(name, format!("{stored} < {acked}"))
+        });
+    }
     Ok(out)
 }
 

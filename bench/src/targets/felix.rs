@@ -100,6 +100,11 @@ impl FelixTarget {
         })
     }
 
+    /// Run against a cluster (`--broker A,B,C`).
+    pub fn is_cluster(&self) -> bool {
+        self.cluster.is_some()
+    }
+
     fn client(&self, idx: usize) -> &Client {
         &self.clients[idx % self.clients.len()]
     }
