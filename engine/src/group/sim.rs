@@ -627,10 +627,10 @@ impl Sim {
                 "delivered {o}, which is not a record"
             );
             assert!(delivered.insert(o), "{o} delivered twice in one poll");
-            // A delivery a seek voided goes out again even at the bound.
+            // Never past the bound, a seek's voided deliveries included.
             let carried = self.carried.remove(&o);
             assert!(
-                d.attempts >= 1 && (d.attempts <= self.cfg.max_attempts || carried.is_some()),
+                d.attempts >= 1 && d.attempts <= self.cfg.max_attempts,
                 "{o} delivered at attempt {}",
                 d.attempts
             );
@@ -1034,10 +1034,16 @@ impl Sim {
                     .collect();
                 self.new_epoch();
                 // Voided deliveries keep their attempts: the next delivery
-                // counts on from them, and is made even at the bound.
+                // counts on from them; one at the bound is set aside now.
+                let mut dead = vec![];
                 for (o, a) in voided {
                     let redriven = self.mrec.contains_key(&o);
                     if !redriven && o < p {
+                        continue;
+                    }
+                    if a >= self.cfg.max_attempts {
+                        dead.push(o);
+                        self.finish(o);
                         continue;
                     }
                     if let Some(m) = self.mrec.get_mut(&o) {
@@ -1045,6 +1051,7 @@ impl Sim {
                     }
                     self.carried.insert(o, a);
                 }
+                self.check_dead(&dead);
             }
         }
     }

@@ -716,7 +716,13 @@ impl GroupTracker {
             if !redriven && o < position {
                 continue;
             }
-            // Saturating: each seek may add a delivery past the bound.
+            if attempts >= self.config.max_attempts {
+                // Out of attempts, as a claim lapsing at the bound would
+                // be: set aside now, never delivered past the bound.
+                let why = format!("claim voided by a seek after attempt {attempts}");
+                self.give_up(o, attempts, now_ms, Some(why), false, &mut w);
+                continue;
+            }
             let attempts = attempts.min(ATTEMPTS_MAX - 1);
             if redriven {
                 let since = self.slots[&o].since_ms();
