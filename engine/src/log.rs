@@ -634,6 +634,10 @@ struct Inner<F> {
     cache_bytes: usize,
     /// Recent cold-read chunks, newest at the back (see `LogConfig::cold_chunks`).
     cold: VecDeque<ColdChunk>,
+    /// The last batch joined from two kept chunks (see `straddle`), kept so
+    /// that the small polls of a backlog do not copy it, and check its
+    /// checksum, once per poll.
+    joined: Option<Joined>,
     cold_hits: u64,
     cold_reads: u64,
     cold_read_ahead: u64,
@@ -1105,6 +1109,7 @@ impl<S: Storage> ShardLog<S> {
             cache: VecDeque::new(),
             cache_bytes: 0,
             cold: VecDeque::new(),
+            joined: None,
             cold_hits: 0,
             cold_reads: 0,
             cold_read_ahead: 0,
@@ -1953,19 +1958,33 @@ impl<S: Storage> ShardLog<S> {
     /// it was verified.
     fn cold_verified(&self, segment: Offset, pos: u64, batch: &[u8]) -> bool {
         let len = batch.len() as u64;
-        self.inner.borrow().cold.iter().any(|c| {
-            c.holds(segment, pos, len)
-                && c.verified.0 <= pos
-                && pos + len <= c.verified.1
-                && std::ptr::eq(batch.as_ptr(), c.bytes[(pos - c.pos) as usize..].as_ptr())
-        })
+        let i = self.inner.borrow();
+        let joined = i.joined.as_ref().is_some_and(|j| {
+            j.verified
+                && (j.segment, j.pos) == (segment, pos)
+                && len <= j.bytes.len() as u64
+                && std::ptr::eq(batch.as_ptr(), j.bytes.as_ptr())
+        });
+        joined
+            || i.cold.iter().any(|c| {
+                c.holds(segment, pos, len)
+                    && c.verified.0 <= pos
+                    && pos + len <= c.verified.1
+                    && std::ptr::eq(batch.as_ptr(), c.bytes[(pos - c.pos) as usize..].as_ptr())
+            })
     }
 
     /// Note that the batch of `len` bytes at `pos` of `segment` passed its
     /// checksum, in every cold chunk that holds it.
     fn mark_cold_verified(&self, segment: Offset, pos: u64, len: u32) {
         let end = pos + u64::from(len);
-        for c in self.inner.borrow_mut().cold.iter_mut() {
+        let mut i = self.inner.borrow_mut();
+        if let Some(j) = i.joined.as_mut() {
+            if (j.segment, j.pos) == (segment, pos) && u64::from(len) <= j.bytes.len() as u64 {
+                j.verified = true;
+            }
+        }
+        for c in i.cold.iter_mut() {
             if !c.holds(segment, pos, u64::from(len)) {
                 continue;
             }
@@ -2063,12 +2082,27 @@ impl<S: Storage> ShardLog<S> {
         // Across the end of one kept chunk into the one read after it
         // (chunks read ahead tile the segment, so a batch can straddle two):
         // the `need` bytes, copied into one piece.
+        // The same batch joined for the last read (a poll of a few of its
+        // records after another): already copied, and maybe verified.
+        if let Some(j) = i.joined.as_ref() {
+            if (j.segment, j.pos) == (segment, pos) && j.bytes.len() >= need {
+                let out = j.bytes.clone();
+                i.cold_hits += 1;
+                return Cold::Kept(out);
+            }
+        }
         let tick = i.cold_hits + 1;
         if let Some((joined, (end, len))) = straddle(&mut i.cold, segment, pos, need, tick) {
             i.cold_hits = tick;
             if len >= i.config.read_chunk_bytes {
                 self.want_ahead(&mut i, segment, end);
             }
+            i.joined = Some(Joined {
+                segment,
+                pos,
+                bytes: joined.clone(),
+                verified: false,
+            });
             return Cold::Kept(joined);
         }
         // Wait for a read in flight only if it brings all the bytes needed
@@ -2232,6 +2266,9 @@ impl<S: Storage> ShardLog<S> {
                 i.segments.remove(&base);
                 i.covers.retain(|&(b, _)| b > base);
                 i.cold.retain(|c| c.segment != base);
+                if i.joined.as_ref().is_some_and(|j| j.segment == base) {
+                    i.joined = None;
+                }
                 i.start = *i.segments.keys().next().unwrap();
                 let start = i.start;
                 while i
@@ -2606,6 +2643,14 @@ impl<S: Storage> Drop for Reading<'_, S> {
         }
         self.log.ahead.wake_all();
     }
+}
+
+/// A batch `straddle` joined, with whether its checksum was verified.
+struct Joined {
+    segment: Offset,
+    pos: u64,
+    bytes: Bytes,
+    verified: bool,
 }
 
 /// The `need` bytes of `segment` from `pos`, copied from two kept chunks
