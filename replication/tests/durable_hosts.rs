@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use felix_engine::format::RecordIn;
 use felix_replication::host::{Host, HostConfig};
+use felix_replication::journal::JournalConfig;
 use felix_replication::{Applied, EntryKind};
 use glommio::net::TcpListener;
 use glommio::{LocalExecutorBuilder, Placement};
@@ -44,6 +45,16 @@ fn record(n: u64) -> RecordIn {
 /// Host `i` (id `i + 1`) of three at `addrs`, its state under `root`,
 /// applying into a fresh log.
 async fn open_host(i: usize, addrs: &[SocketAddr], root: &Path) -> (Host, Log) {
+    open_host_with(i, addrs, root, JournalConfig::default()).await
+}
+
+/// [`open_host`] with its journals laid out by `journal`.
+async fn open_host_with(
+    i: usize,
+    addrs: &[SocketAddr],
+    root: &Path,
+    journal: JournalConfig,
+) -> (Host, Log) {
     let listener = TcpListener::bind(addrs[i]).expect("the host's port is free again");
     let peers: BTreeMap<u64, SocketAddr> = (0..3)
         .filter(|&j| j != i)
@@ -52,6 +63,7 @@ async fn open_host(i: usize, addrs: &[SocketAddr], root: &Path) -> (Host, Log) {
     let mut config = HostConfig::new(i as u64 + 1, peers);
     config.tick = Duration::from_millis(5);
     config.data_dir = Some(root.join(format!("host-{}", i + 1)));
+    config.journal = journal;
     let log = Log::default();
     let applied = log.clone();
     let hook = Box::new(move |group: u64, a: &Applied| {
@@ -309,35 +321,12 @@ fn compacted_logs_keep_what_a_replica_still_needs_and_restart_from_their_point()
                     l.local_addr().unwrap()
                 })
                 .collect();
+            // Small segments, so compaction has whole ones to drop.
             let open = |i: usize| {
-                let (addrs, root) = (addrs.clone(), root.clone());
-                async move {
-                    let listener = TcpListener::bind(addrs[i]).expect("the port is free again");
-                    let peers: BTreeMap<u64, SocketAddr> = (0..3)
-                        .filter(|&j| j != i)
-                        .map(|j| (j as u64 + 1, addrs[j]))
-                        .collect();
-                    let mut config = HostConfig::new(i as u64 + 1, peers);
-                    config.tick = Duration::from_millis(5);
-                    config.data_dir = Some(root.join(format!("host-{}", i + 1)));
-                    // Small segments, so compaction has whole ones to drop.
-                    config.journal.segment_bytes = 8 << 10;
-                    let log = Log::default();
-                    let applied = log.clone();
-                    let hook = Box::new(move |_: u64, a: &Applied| {
-                        applied.borrow_mut().push((
-                            a.index,
-                            a.term,
-                            a.kind,
-                            a.base.0,
-                            a.data.clone(),
-                        ));
-                    });
-                    let host = Host::open(config, listener, &[(GROUP, vec![1, 2, 3])], hook)
-                        .await
-                        .expect("the host opens its journal");
-                    (host, log)
-                }
+                let journal = JournalConfig {
+                    segment_bytes: 8 << 10,
+                };
+                open_host_with(i, &addrs, &root, journal)
             };
             let mut hosts: Vec<Option<Host>> = Vec::new();
             let mut logs: Vec<Log> = Vec::new();

@@ -142,6 +142,8 @@ impl FelixTarget {
             )
             .await
             .map_err(|err| format!("create_stream {s}: {err}"))?;
+        self.created
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         let mut leaders = Vec::with_capacity(self.spec.shards as usize);
         for shard in 0..self.spec.shards {
             leaders.push(self.find_leader(cluster, shard).await?);
@@ -210,57 +212,43 @@ impl FelixTarget {
 
     pub async fn create(&self) -> Result<(), String> {
         let s = &self.spec.name;
-        if let Some(cluster) = &self.cluster {
-            self.create_on_cluster(cluster).await?;
-            self.created
-                .store(true, std::sync::atomic::Ordering::Relaxed);
-            if self.spec.kind == StreamKind::Queue {
-                for shard in 0..self.spec.shards {
-                    self.shard_client(shard)
-                        .group_create(
-                            &s.tenant,
-                            &s.namespace,
-                            &s.stream,
-                            shard,
-                            GROUP,
-                            StartPosition::Earliest,
-                        )
+        match &self.cluster {
+            Some(cluster) => self.create_on_cluster(cluster).await?,
+            None => {
+                self.client(0)
+                    .create_stream(
+                        &s.tenant,
+                        &s.namespace,
+                        &s.stream,
+                        self.spec.shards,
+                        Default::default(),
+                    )
+                    .await
+                    .map_err(|err| format!("create_stream {s}: {err}"))?;
+                self.created
+                    .store(true, std::sync::atomic::Ordering::Relaxed);
+                // Every client learns the placement once, before the clock
+                // starts.
+                for c in &self.clients {
+                    c.describe_stream(&s.tenant, &s.namespace, &s.stream)
                         .await
-                        .map_err(|err| format!("group_create shard {shard}: {err}"))?;
+                        .map_err(e)?;
                 }
             }
-            return Ok(());
-        }
-        let c = self.client(0);
-        c.create_stream(
-            &s.tenant,
-            &s.namespace,
-            &s.stream,
-            self.spec.shards,
-            Default::default(),
-        )
-        .await
-        .map_err(|err| format!("create_stream {s}: {err}"))?;
-        self.created
-            .store(true, std::sync::atomic::Ordering::Relaxed);
-        // Every client learns the placement once, before the clock starts.
-        for c in &self.clients {
-            c.describe_stream(&s.tenant, &s.namespace, &s.stream)
-                .await
-                .map_err(e)?;
         }
         if self.spec.kind == StreamKind::Queue {
             for shard in 0..self.spec.shards {
-                c.group_create(
-                    &s.tenant,
-                    &s.namespace,
-                    &s.stream,
-                    shard,
-                    GROUP,
-                    StartPosition::Earliest,
-                )
-                .await
-                .map_err(|err| format!("group_create shard {shard}: {err}"))?;
+                self.shard_client(shard)
+                    .group_create(
+                        &s.tenant,
+                        &s.namespace,
+                        &s.stream,
+                        shard,
+                        GROUP,
+                        StartPosition::Earliest,
+                    )
+                    .await
+                    .map_err(|err| format!("group_create shard {shard}: {err}"))?;
             }
         }
         Ok(())
