@@ -2,6 +2,8 @@
 //! processes on loopback, and wait on conditions with deadlines instead of
 //! sleeping.
 
+pub mod partition;
+
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

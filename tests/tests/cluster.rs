@@ -12,6 +12,7 @@ use felix_client::{
     Client, ClientConfig, ClientError, ClusterClient, RecordIn, ShardedGroup, StartPosition,
     StreamOptions,
 };
+use felix_tests::partition::Partition;
 use felix_tests::{start_broker, Broker, BrokerOptions};
 
 const T: &str = "t1";
@@ -32,6 +33,8 @@ fn free_ports(n: usize) -> Vec<u16> {
 struct Cluster {
     brokers: Vec<Broker>,
     addrs: Vec<String>,
+    /// The relays between the brokers, for a cluster that can be cut.
+    net: Option<Partition>,
 }
 
 fn start_cluster() -> Cluster {
@@ -39,19 +42,36 @@ fn start_cluster() -> Cluster {
 }
 
 fn start_cluster_with(env: &[(&str, &str)]) -> Cluster {
+    start_cluster_on(env, false)
+}
+
+/// Three brokers; with `cuttable`, each dials the others through relays
+/// ([`Partition`]) the test can cut.
+fn start_cluster_on(env: &[(&str, &str)], cuttable: bool) -> Cluster {
     let ports = free_ports(6);
     let addrs: Vec<String> = (0..3).map(|i| format!("127.0.0.1:{}", ports[i])).collect();
-    let nodes = (0..3)
-        .map(|i| format!("{}={}/127.0.0.1:{}", i + 1, addrs[i], ports[3 + i]))
-        .collect::<Vec<_>>()
-        .join(",");
+    let real: Vec<std::net::SocketAddr> = (0..3)
+        .map(|i| format!("127.0.0.1:{}", ports[3 + i]).parse().unwrap())
+        .collect();
+    let net = cuttable.then(|| Partition::new(&real));
+    // Broker `x`'s view: its own replication address, and a relay (or the
+    // real address) for each other broker.
+    let nodes = |x: usize| {
+        (0..3)
+            .map(|y| {
+                let peer = net.as_ref().map_or(real[y], |n| n.address(x, y));
+                format!("{}={}/{peer}", y + 1, addrs[y])
+            })
+            .collect::<Vec<_>>()
+            .join(",")
+    };
     let brokers = (0..3)
         .map(|i| {
             let mut o = BrokerOptions::default()
                 .cores(1)
                 .listen(&addrs[i])
                 .env("FELIX_NODE_ID", i + 1)
-                .env("FELIX_CLUSTER_NODES", &nodes)
+                .env("FELIX_CLUSTER_NODES", nodes(i))
                 // Compaction at work throughout: small journal segments,
                 // and a log compacted once 8 entries can go.
                 .env("FELIX_CLUSTER_COMPACT_ENTRIES", 8)
@@ -62,7 +82,11 @@ fn start_cluster_with(env: &[(&str, &str)]) -> Cluster {
             start_broker!(o)
         })
         .collect();
-    Cluster { brokers, addrs }
+    Cluster {
+        brokers,
+        addrs,
+        net,
+    }
 }
 
 fn record(shard: u32, n: u64) -> RecordIn {
@@ -1061,5 +1085,362 @@ fn a_sharded_group_consumes_a_cluster_across_a_failover() {
             assert!(Instant::now() < deadline, "lag stays at {lag}");
         }
         group.close().await.unwrap();
+    });
+}
+
+/// Every offset of `0..end` is either a delivered record or one of the
+/// offsets a delivered record's `skipped_before` says directly below it
+/// were settled without delivery, and no offset is both; the settled ones
+/// are exactly those an ordinary read does not return.
+fn assert_skips_cover_the_holes(
+    delivered: &BTreeMap<u64, u64>,
+    readable: &BTreeMap<u64, String>,
+    end: u64,
+) {
+    let mut settled = std::collections::BTreeSet::new();
+    for (&o, &skipped) in delivered {
+        assert!(skipped <= o, "offset {o} skipped {skipped}");
+        settled.extend(o - skipped..o);
+    }
+    for o in 0..end {
+        let d = delivered.contains_key(&o);
+        let s = settled.contains(&o);
+        assert!(
+            d != s,
+            "offset {o}: delivered {d}, counted in a skipped_before {s} (delivered {delivered:?})"
+        );
+        assert_eq!(
+            readable.contains_key(&o),
+            d,
+            "offset {o}: a settled offset is one a read does not return"
+        );
+    }
+}
+
+/// The guide's holes that will not fill, over TCP across a failover: each
+/// leader's generation-start record takes an offset that a group settles
+/// without delivering, and the record delivered next counts it in
+/// `skipped_before`, so a consumer applying records in offset order never
+/// waits for it.
+#[test]
+fn a_new_leaders_generation_start_is_counted_in_skipped_before() {
+    let mut cluster = start_cluster();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let cc = ClusterClient::connect(&cluster.addrs, ClientConfig::default())
+            .await
+            .unwrap();
+        cc.create_stream(T, NS, S, 1, StreamOptions::default())
+            .await
+            .unwrap();
+        let g = "in-order";
+        // offset → skipped_before of its latest delivery.
+        let mut delivered = BTreeMap::new();
+        let mut take = |got: Vec<felix_client::GroupRecord>| {
+            for r in got {
+                let s = r
+                    .skipped_before
+                    .expect("the client negotiates skipped_before");
+                delivered.insert(r.offset, s);
+            }
+        };
+        for round in 0..3u64 {
+            for b in 0..3 {
+                let batch: Vec<RecordIn> =
+                    (0..5).map(|k| record(0, round * 100 + b * 5 + k)).collect();
+                cc.publish_batch(T, NS, S, 0, batch).await.unwrap();
+            }
+            let got = cc
+                .group_poll_wait(T, NS, S, 0, g, 1000, Duration::from_secs(1))
+                .await
+                .unwrap();
+            assert!(!got.is_empty(), "round {round}");
+            for r in &got {
+                cc.group_ack(T, NS, S, 0, g, r.offset).await.unwrap();
+            }
+            take(got);
+            if round < 2 {
+                // The leader dies; the next one writes its generation start.
+                let leader = cc.leader_of(T, NS, S, 0).unwrap();
+                let i = cluster.addrs.iter().position(|a| *a == leader).unwrap();
+                cluster.brokers[i].kill9();
+                cluster.brokers[i].restart();
+            }
+        }
+        // Whatever is left (a failover may hand back an ack the old leader
+        // had not yet shipped: a record delivered twice is fine here).
+        loop {
+            let got = cc.group_poll(T, NS, S, 0, g, 1000).await.unwrap();
+            if got.is_empty() {
+                break;
+            }
+            for r in &got {
+                cc.group_ack(T, NS, S, 0, g, r.offset).await.unwrap();
+            }
+            take(got);
+        }
+        let leader = cc.leader_of(T, NS, S, 0).unwrap();
+        let c = Client::connect(leader.as_str(), ClientConfig::default())
+            .await
+            .unwrap();
+        let end = c.describe_shard(T, NS, S, 0).await.unwrap().end_offset;
+        let readable = read_all(&c, 0).await;
+        assert_eq!(readable.len(), 45, "every record published");
+        // At least three leaders' generation starts: three offsets settled.
+        assert!(end >= 48, "end {end}");
+        assert_skips_cover_the_holes(&delivered, &readable, end);
+        let info = cc.group_describe(T, NS, S, 0, g).await.unwrap();
+        assert_eq!(info.lag(), 0, "{info:?}");
+    });
+}
+
+/// Send `sig` to a broker this test started.
+fn signal(b: &Broker, sig: libc::c_int) {
+    // SAFETY: kill(2) on a child process of this test.
+    assert_eq!(unsafe { libc::kill(b.pid() as libc::pid_t, sig) }, 0);
+}
+
+/// The guide's promise on reading group state: a leader cut off while the
+/// rest of the cluster elects another and moves the group on does not
+/// answer `group_describe` or the dead-letter list from its old state; it
+/// must hear from a majority first, so it refuses, and once the network
+/// heals it learns it was deposed and names the new leader.
+///
+/// The old leader is cut off and at once stopped (SIGSTOP), so it still
+/// believes it leads when it is asked (a leader cut off and running steps
+/// down by itself within an election timeout); it is let go, still cut
+/// off, with the requests waiting in its socket. A broker that answered
+/// from its own memory would answer them with the old position.
+#[test]
+fn a_deposed_leader_refuses_to_describe_a_group() {
+    let cluster = start_cluster_on(&[], true);
+    let net = cluster.net.as_ref().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let cc = ClusterClient::connect(&cluster.addrs, ClientConfig::default())
+            .await
+            .unwrap();
+        cc.create_stream(T, NS, S, 1, StreamOptions::default())
+            .await
+            .unwrap();
+        let g = "readers";
+        let batch: Vec<RecordIn> = (0..5).map(|k| record(0, k)).collect();
+        cc.publish_batch(T, NS, S, 0, batch).await.unwrap();
+        let got = cc
+            .group_poll_wait(T, NS, S, 0, g, 100, Duration::from_secs(1))
+            .await
+            .unwrap();
+        cc.group_dead_letter(T, NS, S, 0, g, &got[0]).await.unwrap();
+        cc.group_ack(T, NS, S, 0, g, got[1].offset).await.unwrap();
+        let old = cc.group_describe(T, NS, S, 0, g).await.unwrap();
+        assert_eq!(
+            cc.group_dead_letters(T, NS, S, 0, g).await.unwrap(),
+            vec![got[0].offset]
+        );
+
+        let leader = cc.leader_of(T, NS, S, 0).unwrap();
+        let li = cluster.addrs.iter().position(|a| *a == leader).unwrap();
+        let to_old = Client::connect(leader.as_str(), ClientConfig::default())
+            .await
+            .unwrap();
+        net.isolate(li);
+        signal(&cluster.brokers[li], libc::SIGSTOP);
+
+        // The other two elect a leader; there the group finishes every
+        // record and its dead letter is redriven and finished too.
+        let others: Vec<String> = cluster
+            .addrs
+            .iter()
+            .filter(|a| **a != leader)
+            .cloned()
+            .collect();
+        let config = ClientConfig {
+            connect_timeout: Duration::from_millis(500),
+            request_timeout: Duration::from_secs(2),
+            ..ClientConfig::default()
+        };
+        let rest = ClusterClient::connect(&others, config).await.unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let moved = loop {
+            assert!(Instant::now() < deadline, "the others elect a leader");
+            let _ = rest.group_redrive(T, NS, S, 0, g, got[0].offset).await;
+            if let Ok(got) = rest.group_poll(T, NS, S, 0, g, 100).await {
+                for r in &got {
+                    let _ = rest.group_ack(T, NS, S, 0, g, r.offset).await;
+                }
+            }
+            if let Ok(info) = rest.group_describe(T, NS, S, 0, g).await {
+                if info.position > old.position && info.in_flight == 0 && info.dead_letters == 0 {
+                    break info;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert_ne!(rest.leader_of(T, NS, S, 0).unwrap(), leader);
+
+        // Asked while stopped, then let go, still cut off.
+        let describe = {
+            let c = to_old.clone();
+            tokio::spawn(async move { c.group_describe(T, NS, S, 0, g).await })
+        };
+        let dead_letters = {
+            let c = to_old.clone();
+            tokio::spawn(async move { c.group_dead_letters(T, NS, S, 0, g).await })
+        };
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        signal(&cluster.brokers[li], libc::SIGCONT);
+        // Refused: not_leader once it stepped down for want of a majority,
+        // or unavailable when no majority confirmed it in time.
+        let refused = |e: &ClientError| {
+            matches!(e, ClientError::NotLeader { .. })
+                || e.code() == Some(felix_client::ErrorCode::Unavailable)
+        };
+        let d = describe.await.unwrap();
+        assert!(
+            matches!(&d, Err(e) if refused(e)),
+            "the deposed leader answered {d:?} (the group stands at {})",
+            moved.position
+        );
+        let l = dead_letters.await.unwrap();
+        assert!(
+            matches!(&l, Err(e) if refused(e)),
+            "the deposed leader answered {l:?} (the new leader lists none)"
+        );
+
+        // Healed, it hears of the new leader and names it.
+        net.heal(li);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match to_old.group_describe(T, NS, S, 0, g).await {
+                Err(ClientError::NotLeader {
+                    leader: Some(named),
+                    ..
+                }) => {
+                    assert_ne!(named, leader);
+                    break;
+                }
+                Err(e) if refused(&e) => {
+                    assert!(Instant::now() < deadline, "it never names a leader: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                other => panic!("expected not_leader, got {other:?}"),
+            }
+        }
+    });
+}
+
+/// A leader cut off from the others acknowledges nothing sent to it (it
+/// cannot reach a majority), the other two elect a leader and take
+/// publishes, and once the network heals the old leader drops what it
+/// took alone and holds exactly the cluster's log: every acknowledged
+/// record at its offset, nothing that was not acknowledged.
+#[test]
+fn a_cut_off_leader_acknowledges_nothing_and_rejoins_without_it() {
+    let cluster = start_cluster_on(&[], true);
+    let net = cluster.net.as_ref().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let cc = ClusterClient::connect(&cluster.addrs, ClientConfig::default())
+            .await
+            .unwrap();
+        cc.create_stream(T, NS, S, SHARDS, StreamOptions::default())
+            .await
+            .unwrap();
+        let mut acked = BTreeMap::new();
+        publish_some(&cc, 0, 4, &mut acked).await;
+        // Cut off the broker that leads shard 0.
+        let leader = cc.leader_of(T, NS, S, 0).unwrap();
+        let li = cluster.addrs.iter().position(|a| *a == leader).unwrap();
+        let to_old = Client::connect(leader.as_str(), ClientConfig::default())
+            .await
+            .unwrap();
+        net.isolate(li);
+        let alone = {
+            let c = to_old.clone();
+            tokio::spawn(async move {
+                let batch: Vec<RecordIn> = (0..5)
+                    .map(|k| RecordIn {
+                        payload: format!("alone-{k}").into_bytes().into(),
+                        ..RecordIn::default()
+                    })
+                    .collect();
+                c.publish_batch(T, NS, S, 0, batch).await
+            })
+        };
+
+        // The other two carry on (through a client that knows only them).
+        let others: Vec<String> = cluster
+            .addrs
+            .iter()
+            .filter(|a| **a != leader)
+            .cloned()
+            .collect();
+        let config = ClientConfig {
+            connect_timeout: Duration::from_millis(500),
+            request_timeout: Duration::from_secs(2),
+            ..ClientConfig::default()
+        };
+        let rest = ClusterClient::connect(&others, config).await.unwrap();
+        publish_some(&rest, 4, 4, &mut acked).await;
+
+        // Nothing it took alone is acknowledged, before the network heals
+        // or after, once it hears the news and its entry is overwritten.
+        let alone = if alone.is_finished() {
+            net.heal(li);
+            alone.await.unwrap()
+        } else {
+            net.heal(li);
+            tokio::time::timeout(Duration::from_secs(40), alone)
+                .await
+                .expect("the publish to the cut-off leader is answered")
+                .unwrap()
+        };
+        match alone {
+            Err(e) => eprintln!("the cut-off leader's publish: {e}"),
+            Ok(p) => panic!("acknowledged without a majority: {p:?}"),
+        }
+        publish_some(&cc, 8, 2, &mut acked).await;
+
+        // Every broker converges on the same log, which is exactly what
+        // was acknowledged.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        for shard in 0..SHARDS {
+            let want: BTreeMap<u64, String> = acked
+                .iter()
+                .filter(|((s, _), _)| *s == shard)
+                .map(|((_, o), p)| (*o, p.clone()))
+                .collect();
+            for addr in &cluster.addrs {
+                let c = Client::connect(addr.as_str(), ClientConfig::default())
+                    .await
+                    .unwrap();
+                loop {
+                    let have = read_all(&c, shard).await;
+                    if have == want {
+                        break;
+                    }
+                    assert!(
+                        Instant::now() < deadline,
+                        "broker {addr}, shard {shard}: {} records, want {}; not acknowledged: {:?}",
+                        have.len(),
+                        want.len(),
+                        have.iter()
+                            .filter(|(o, _)| !want.contains_key(o))
+                            .collect::<Vec<_>>()
+                    );
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
     });
 }
