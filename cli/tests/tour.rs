@@ -1800,22 +1800,26 @@ fn the_readme_cluster_works() {
         .map(|i| format!("{}={}/127.0.0.1:{}", i + 1, addrs[i], ports[3 + i]))
         .collect::<Vec<_>>()
         .join(",");
+    let secret_dir = tempfile::tempdir().unwrap();
+    let secret = secret_dir.path().join("felix-cluster.secret");
+    std::fs::write(&secret, "c2VjcmV0IGZvciB0aGUgUkVBRE1FIGNsdXN0ZXIK\n").unwrap();
     let nodes: Vec<Serve> = (0..3)
         .map(|i| {
             let dir = tempfile::tempdir().unwrap();
             let mut cmd = felix();
-            cmd.args([
-                "serve",
-                "--node-id",
-                &(i + 1).to_string(),
-                "--peers",
-                &peers,
-            ])
-            .args(["--listen", &addrs[i], "--data-dir"])
-            .arg(dir.path())
-            .env("FELIX_METRICS_LISTEN", "")
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::piped());
+            cmd.env("FELIX_CLUSTER_SECRET_FILE", &secret)
+                .args([
+                    "serve",
+                    "--node-id",
+                    &(i + 1).to_string(),
+                    "--peers",
+                    &peers,
+                ])
+                .args(["--listen", &addrs[i], "--data-dir"])
+                .arg(dir.path())
+                .env("FELIX_METRICS_LISTEN", "")
+                .env("RUST_LOG", "warn")
+                .stdout(Stdio::piped());
             let mut child = cmd.spawn().expect("felix serve");
             let out = child.stdout.take().unwrap();
             let (tx, rx) = std::sync::mpsc::channel();

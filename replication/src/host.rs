@@ -9,13 +9,17 @@
 //!   of that pass's messages for it (heartbeats and appends of every group
 //!   together), and settles the owner's waiting proposals and reads;
 //! * links: one outgoing connection per peer, reconnecting with backoff and
-//!   a timeout on connecting and on each write (frames queued past a byte
+//!   a timeout on connecting, on the handshake and on each write (frames queued past a byte
 //!   bound, or while the link is down, are dropped and the peer reported
 //!   unreachable to every replica, so leaders probe it again instead of
 //!   waiting on appends that never arrived), and a reader per incoming
 //!   connection (at most `max_inbound` at once, each closed after
 //!   `idle_timeout` without a byte) that decodes frames and steps the
-//!   replicas they are for.
+//!   replicas they are for. Every connection opens with a [`handshake`]:
+//!   the dialer proves it knows the cluster's [`PeerKey`] and names itself,
+//!   and its reader then takes only messages from that peer.
+//!
+//! [`handshake`]: crate::handshake
 //!
 //! Nothing here crosses cores: core *i* of a broker talks to core *i* of
 //! its peers.
@@ -58,6 +62,7 @@ use glommio::channels::local_channel::{self, LocalSender};
 use glommio::net::{TcpListener, TcpStream};
 use glommio::Task;
 
+use crate::handshake::{self, PeerKey, CHALLENGE_BYTES, PROOF_BYTES};
 use crate::hard_state;
 use crate::journal::{Journal, JournalConfig};
 use crate::log::{Compacted, ReplicaLog};
@@ -99,6 +104,11 @@ pub struct HostConfig {
     pub data_dir: Option<PathBuf>,
     /// How each group's journal lays out its files.
     pub journal: JournalConfig,
+    /// The key peers prove themselves with ([`handshake`]): the same on
+    /// every host of the cluster. Default: the key of no secret.
+    ///
+    /// [`handshake`]: crate::handshake
+    pub peer_key: PeerKey,
 }
 
 impl HostConfig {
@@ -115,6 +125,7 @@ impl HostConfig {
             replica: ReplicaConfig::new(id),
             data_dir: None,
             journal: JournalConfig::default(),
+            peer_key: PeerKey::open(),
         }
     }
 
@@ -241,6 +252,9 @@ struct Inner {
     storage: Option<DmaStorage>,
     added: RefCell<Vec<(u64, GroupDisk)>>,
     removed: RefCell<Vec<(u64, LocalSender<()>)>>,
+    /// When a refused incoming connection was last logged as a warning
+    /// (a peer with the wrong secret retries every second).
+    refusal_logged: Cell<Option<std::time::Instant>>,
 }
 
 /// The replicas of one core and their connections to their peers.
@@ -358,6 +372,7 @@ impl Host {
                 storage: disks.as_ref().map(|(s, _)| s.clone()),
                 added: RefCell::new(Vec::new()),
                 removed: RefCell::new(Vec::new()),
+                refusal_logged: Cell::new(None),
             }),
         };
         let weak = Rc::downgrade(&host.inner);
@@ -376,9 +391,14 @@ impl Host {
         for (&peer, link) in &host.inner.links {
             let c = &host.inner.config;
             tasks.push(glommio::spawn_local(run_link(
-                c.peers[&peer],
+                Dial {
+                    addr: c.peers[&peer],
+                    me: c.id,
+                    peer,
+                    key: c.peer_key.clone(),
+                    io_timeout: c.io_timeout,
+                },
                 link.clone(),
-                c.io_timeout,
             )));
         }
         host.inner.tasks.borrow_mut().extend(tasks);
@@ -843,6 +863,22 @@ impl Inner {
         flush(&mut pending);
     }
 
+    /// A refused incoming connection: a warning at most every ten seconds
+    /// (a peer with the wrong secret retries every second), debug between.
+    fn log_refusal(&self, what: &str) {
+        let now = std::time::Instant::now();
+        let quiet = self
+            .refusal_logged
+            .get()
+            .is_some_and(|t| now.duration_since(t) < Duration::from_secs(10));
+        if quiet {
+            tracing::debug!("{what}");
+        } else {
+            self.refusal_logged.set(Some(now));
+            tracing::warn!("{what}");
+        }
+    }
+
     fn deliver(&self, msgs: Vec<PeerMessage>) {
         {
             let mut replicas = self.replicas.borrow_mut();
@@ -1130,6 +1166,7 @@ async fn run_listener(host: Weak<Inner>, listener: TcpListener) {
                 let done = Rc::new(Cell::new(false));
                 let flag = done.clone();
                 let reader = run_reader(host.clone(), stream, h.config.max_frame);
+                drop(h);
                 let task = glommio::spawn_local(async move {
                     reader.await;
                     flag.set(true);
@@ -1145,10 +1182,27 @@ async fn run_listener(host: Weak<Inner>, listener: TcpListener) {
     }
 }
 
-/// Read frames from one peer connection until it closes, idles out or
-/// sends a bad frame. Each frame gets its own buffer of exactly its length,
-/// so entries kept in the log pin nothing else.
+/// Serve one incoming connection: its handshake, then frames until it
+/// closes, idles out or sends a bad frame or a message from any other node
+/// than the one it proved to be. Each frame gets its own buffer of exactly
+/// its length, so entries kept in the log pin nothing else.
 async fn run_reader(host: Weak<Inner>, mut stream: TcpStream, max: usize) {
+    let Some(h) = host.upgrade() else {
+        return;
+    };
+    let (me, key) = (h.config.id, h.config.peer_key.clone());
+    let is_peer = |id: u64| h.config.peers.contains_key(&id);
+    let from = match accept_peer(&mut stream, &key, me, is_peer).await {
+        Ok(from) => from,
+        Err(e) => {
+            let addr = stream
+                .peer_addr()
+                .map_or_else(|_| "?".to_string(), |a| a.to_string());
+            h.log_refusal(&format!("replication connection from {addr} refused: {e}"));
+            return;
+        }
+    };
+    drop(h);
     let mut buf: Vec<u8> = Vec::with_capacity(64 << 10);
     let mut chunk = vec![0u8; 64 << 10];
     loop {
@@ -1168,10 +1222,19 @@ async fn run_reader(host: Weak<Inner>, mut stream: TcpStream, max: usize) {
             let frame = Bytes::copy_from_slice(&rest[..len]);
             at += len;
             match decode_frame(&frame, max) {
-                Ok(Some((msgs, _))) => match host.upgrade() {
-                    Some(h) => h.deliver(msgs),
-                    None => return,
-                },
+                Ok(Some((msgs, _))) => {
+                    if let Some(m) = msgs.iter().find(|m| m.message.from != from) {
+                        tracing::warn!(
+                            "replication peer {from} sent a message from node {}; closing",
+                            m.message.from
+                        );
+                        return;
+                    }
+                    match host.upgrade() {
+                        Some(h) => h.deliver(msgs),
+                        None => return,
+                    }
+                }
                 Ok(None) => unreachable!("the whole frame is there"),
                 Err(e) => {
                     tracing::warn!("replication peer sent a bad frame: {e}; closing");
@@ -1188,20 +1251,92 @@ async fn run_reader(host: Weak<Inner>, mut stream: TcpStream, max: usize) {
     }
 }
 
-/// One peer's outgoing connection: connect (again, with backoff), then
-/// write whatever frames are queued. Frames queued while it is down are
-/// dropped (Raft sends again what matters once told the peer was lost).
-async fn run_link(addr: SocketAddr, link: Rc<Link>, io_timeout: Duration) {
+/// The listener's side of the [`handshake`](crate::handshake): the peer
+/// on the other end, once it proved itself.
+async fn accept_peer(
+    stream: &mut TcpStream,
+    key: &PeerKey,
+    me: u64,
+    is_peer: impl Fn(u64) -> bool,
+) -> Result<u64, String> {
+    let nonce = handshake::nonce();
+    stream
+        .write_all(&handshake::challenge(&nonce))
+        .await
+        .map_err(|e| format!("sending the challenge: {e}"))?;
+    let mut proof = [0u8; PROOF_BYTES];
+    stream
+        .read_exact(&mut proof)
+        .await
+        .map_err(|e| format!("no handshake: {e}"))?;
+    handshake::check_proof(key, &nonce, me, is_peer, &proof).map_err(|e| e.to_string())
+}
+
+/// Where and as whom a link dials.
+struct Dial {
+    addr: SocketAddr,
+    me: u64,
+    peer: u64,
+    key: PeerKey,
+    io_timeout: Duration,
+}
+
+impl Dial {
+    /// Connect and prove this host to the peer. An error says why, and
+    /// whether it is worth a warning (not for a peer that is down).
+    async fn connect(&self) -> Result<TcpStream, (String, bool)> {
+        let mut s = TcpStream::connect_timeout(self.addr, self.io_timeout)
+            .await
+            .map_err(|e| (format!("connecting: {e}"), false))?;
+        let _ = s.set_nodelay(true);
+        let _ = s.set_write_timeout(Some(self.io_timeout));
+        let _ = s.set_read_timeout(Some(self.io_timeout));
+        let mut challenge = [0u8; CHALLENGE_BYTES];
+        s.read_exact(&mut challenge)
+            .await
+            .map_err(|e| (format!("waiting for its handshake: {e}"), false))?;
+        let nonce = handshake::read_challenge(&challenge).map_err(|e| (e.to_string(), true))?;
+        s.write_all(&handshake::prove(&self.key, &nonce, self.me, self.peer))
+            .await
+            .map_err(|e| (format!("sending the proof: {e}"), false))?;
+        Ok(s)
+    }
+}
+
+/// One peer's outgoing connection: connect and shake hands (again, with
+/// backoff), then write whatever frames are queued. Frames queued while it
+/// is down are dropped (Raft sends again what matters once told the peer
+/// was lost).
+async fn run_link(dial: Dial, link: Rc<Link>) {
     let mut backoff = Duration::from_millis(20);
+    // The reason the link is down, once logged (not again each retry).
+    let mut down: Option<String> = None;
     loop {
-        let mut stream = match TcpStream::connect_timeout(addr, io_timeout).await {
+        let mut stream = match dial.connect().await {
             Ok(s) => {
                 backoff = Duration::from_millis(20);
-                let _ = s.set_nodelay(true);
-                let _ = s.set_write_timeout(Some(io_timeout));
+                if down.take().is_some() {
+                    tracing::info!(
+                        peer = dial.peer,
+                        "replication link to node {} is up",
+                        dial.peer
+                    );
+                }
                 s
             }
-            Err(_) => {
+            Err((e, serious)) => {
+                if down.as_deref() != Some(e.as_str()) {
+                    let what = format!(
+                        "replication link to node {} at {}: {e}",
+                        dial.peer, dial.addr
+                    );
+                    if serious {
+                        tracing::warn!(peer = dial.peer, "{what}");
+                    } else {
+                        tracing::debug!(peer = dial.peer, "{what}");
+                    }
+                    down = Some(e);
+                }
                 link.clear();
                 glommio::timer::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(1));

@@ -19,6 +19,7 @@
 //! comes next.
 
 pub mod entry;
+pub mod handshake;
 pub mod hard_state;
 pub mod host;
 pub mod journal;

@@ -1,5 +1,9 @@
 //! Replication traffic between brokers, framed by Felix.
 //!
+//! A connection carries these frames one way, from the broker that dialed,
+//! after a [`handshake`](crate::handshake) in which the dialer proved who
+//! it is.
+//!
 //! raft-rs's messages are protobuf types, but only in memory: what crosses
 //! the network is this frame, so no protobuf parser ever reads bytes from a
 //! peer. A frame carries every message one core has for one peer core in
@@ -31,7 +35,7 @@
 use bytes::{Buf, Bytes};
 use raft::eraftpb::{Entry, EntryType, Message, MessageType};
 
-pub const WIRE_VERSION: u8 = 2;
+pub const WIRE_VERSION: u8 = 3;
 /// Bytes before the first message: len, crc, version, count.
 pub const FRAME_HEADER_BYTES: usize = 4 + 4 + 1 + 2;
 const MESSAGE_FIXED_BYTES: usize = 8 + 8 + 1 + 1 + 9 * 8 + 8 + 2 + 4;

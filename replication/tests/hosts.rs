@@ -10,10 +10,14 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use felix_engine::format::RecordIn;
+use felix_replication::handshake::{self, PeerKey};
 use felix_replication::host::{Host, HostConfig};
-use felix_replication::{EntryKind, ReplicationError};
-use glommio::net::TcpListener;
+use felix_replication::wire::{encode_frame, PeerMessage};
+use felix_replication::{EntryKind, Message, ReplicationError};
+use futures_lite::{AsyncReadExt, AsyncWriteExt};
+use glommio::net::{TcpListener, TcpStream};
 use glommio::{LocalExecutorBuilder, Placement};
+use raft::eraftpb::MessageType;
 
 const GROUP: u64 = 7;
 
@@ -243,6 +247,171 @@ fn a_host_dropped_without_close_stops_its_tasks_and_a_bad_config_is_refused() {
                 bad(&|c| c.max_frame = 1 << 20, vec![1]),
                 "no room for a full append"
             );
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+}
+
+/// Hosts 1..=3 on one group, each with the key `key(id)`; returns them and
+/// their replication addresses.
+fn keyed_hosts(key: impl Fn(u64) -> PeerKey) -> (Vec<Host>, Vec<SocketAddr>) {
+    let listeners: Vec<TcpListener> = (0..3)
+        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+    let hosts = listeners
+        .into_iter()
+        .enumerate()
+        .map(|(i, listener)| {
+            let peers = (0..3)
+                .filter(|&j| j != i)
+                .map(|j| (j as u64 + 1, addrs[j]))
+                .collect();
+            let mut config = HostConfig::new(i as u64 + 1, peers);
+            config.tick = Duration::from_millis(5);
+            config.peer_key = key(i as u64 + 1);
+            Host::start(
+                config,
+                listener,
+                &[(GROUP, vec![1, 2, 3])],
+                Box::new(|_, _| {}),
+            )
+            .unwrap()
+        })
+        .collect();
+    (hosts, addrs)
+}
+
+/// A heartbeat for `GROUP` from `from` to `to` in `term`, framed.
+fn heartbeat_frame(from: u64, to: u64, term: u64) -> Vec<u8> {
+    let mut hb = Message::default();
+    hb.set_msg_type(MessageType::MsgHeartbeat);
+    hb.from = from;
+    hb.to = to;
+    hb.term = term;
+    let mut out = Vec::new();
+    encode_frame(
+        &[PeerMessage {
+            group: GROUP,
+            held_by_all: 0,
+            message: hb,
+        }],
+        1 << 20,
+        &mut out,
+    )
+    .unwrap();
+    out
+}
+
+/// Connect to a host's replication port and prove to be `from` with `key`.
+async fn dial_as(addr: SocketAddr, key: &PeerKey, from: u64, to: u64) -> TcpStream {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let mut c = [0u8; handshake::CHALLENGE_BYTES];
+    s.read_exact(&mut c).await.unwrap();
+    let nonce = handshake::read_challenge(&c).unwrap();
+    s.write_all(&handshake::prove(key, &nonce, from, to))
+        .await
+        .unwrap();
+    s
+}
+
+/// Whether the host closed `s` within a second: a read sees the end, or
+/// a reset (a socket closed with bytes unread resets the connection).
+async fn closed(s: &mut TcpStream) -> bool {
+    s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+    let mut b = [0u8; 64];
+    match s.read(&mut b).await {
+        Ok(0) => true,
+        Ok(_) => false,
+        Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+    }
+}
+
+#[test]
+fn a_host_without_the_clusters_secret_is_not_heard_and_hears_nothing() {
+    LocalExecutorBuilder::new(Placement::Unbound)
+        .spawn(|| async move {
+            let secret = PeerKey::from_secret(b"the cluster's secret");
+            let (hosts, _) = keyed_hosts(|id| match id {
+                3 => PeerKey::from_secret(b"another secret"),
+                _ => secret.clone(),
+            });
+            let leader = until("a leader", || {
+                hosts[..2].iter().position(|h| h.serving(GROUP))
+            })
+            .await;
+            for n in 0..20 {
+                hosts[leader].publish(GROUP, &[record(n)]).await.unwrap();
+            }
+            hosts[leader].read(GROUP).await.unwrap();
+            // Committed by the two that share the secret; the third never
+            // heard a heartbeat, so it knows no leader, and never won.
+            glommio::timer::sleep(Duration::from_millis(300)).await;
+            assert_eq!(hosts[2].leader(GROUP), None);
+            assert!(!hosts[2].serving(GROUP));
+            assert!(hosts[..2].iter().any(|h| h.serving(GROUP)));
+            for h in &hosts {
+                h.close();
+            }
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+}
+
+#[test]
+fn a_connection_speaks_only_for_the_peer_it_proved_to_be() {
+    LocalExecutorBuilder::new(Placement::Unbound)
+        .spawn(|| async move {
+            let key = PeerKey::from_secret(b"the cluster's secret");
+            let (hosts, addrs) = keyed_hosts(|_| key.clone());
+            let leader = until("a leader", || hosts.iter().position(|h| h.serving(GROUP))).await;
+            let f = (leader + 1) % 3;
+            let other = 3 - leader - f;
+            let (fid, lid, oid) = (f as u64 + 1, leader as u64 + 1, other as u64 + 1);
+            until("the follower to know the leader", || {
+                (hosts[f].leader(GROUP) == Some(lid)).then_some(())
+            })
+            .await;
+            let term = hosts[f].term(GROUP).unwrap();
+
+            // No handshake: the host's challenge, then the end.
+            let mut s = TcpStream::connect(addrs[f]).await.unwrap();
+            s.write_all(&heartbeat_frame(oid, fid, term + 10))
+                .await
+                .unwrap();
+            let mut c = [0u8; handshake::CHALLENGE_BYTES];
+            s.read_exact(&mut c).await.unwrap();
+            assert!(handshake::read_challenge(&c).is_ok());
+            assert!(closed(&mut s).await, "no proof, no hearing");
+            // The wrong secret, and a proof meant for another node.
+            let mut s = dial_as(addrs[f], &PeerKey::from_secret(b"guess"), oid, fid).await;
+            assert!(closed(&mut s).await, "the wrong secret");
+            let mut s = dial_as(addrs[f], &key, oid, lid).await;
+            assert!(closed(&mut s).await, "a proof for another node");
+            // Proved as one peer, a message claiming to be from another.
+            let mut s = dial_as(addrs[f], &key, lid, fid).await;
+            s.write_all(&heartbeat_frame(oid, fid, term + 10))
+                .await
+                .unwrap();
+            assert!(closed(&mut s).await, "a message from another node");
+            assert_eq!(hosts[f].term(GROUP), Some(term), "and it was not taken");
+
+            // The same message from the peer it proved to be is taken (a
+            // heartbeat of a later term: the follower moves to it), so the
+            // refusal above was the connection's identity, nothing else.
+            let mut s = dial_as(addrs[f], &key, oid, fid).await;
+            s.write_all(&heartbeat_frame(oid, fid, term + 10))
+                .await
+                .unwrap();
+            until("the heartbeat to be taken", || {
+                (hosts[f].term(GROUP) == Some(term + 10)).then_some(())
+            })
+            .await;
+            for h in &hosts {
+                h.close();
+            }
         })
         .unwrap()
         .join()

@@ -35,6 +35,8 @@ struct Cluster {
     addrs: Vec<String>,
     /// The relays between the brokers, for a cluster that can be cut.
     net: Option<Partition>,
+    /// Holds the cluster's secret file.
+    _secret: tempfile::TempDir,
 }
 
 fn start_cluster() -> Cluster {
@@ -54,6 +56,10 @@ fn start_cluster_on(env: &[(&str, &str)], cuttable: bool) -> Cluster {
         .map(|i| format!("127.0.0.1:{}", ports[3 + i]).parse().unwrap())
         .collect();
     let net = cuttable.then(|| Partition::new(&real));
+    // The brokers prove themselves to each other with a shared secret.
+    let secret = tempfile::tempdir().unwrap();
+    let secret_file = secret.path().join("cluster.secret");
+    std::fs::write(&secret_file, "a secret for the cluster tests\n").unwrap();
     // Broker `x`'s view: its own replication address, and a relay (or the
     // real address) for each other broker.
     let nodes = |x: usize| {
@@ -72,6 +78,7 @@ fn start_cluster_on(env: &[(&str, &str)], cuttable: bool) -> Cluster {
                 .listen(&addrs[i])
                 .env("FELIX_NODE_ID", i + 1)
                 .env("FELIX_CLUSTER_NODES", nodes(i))
+                .env("FELIX_CLUSTER_SECRET_FILE", secret_file.display())
                 // Compaction at work throughout: small journal segments,
                 // and a log compacted once 8 entries can go.
                 .env("FELIX_CLUSTER_COMPACT_ENTRIES", 8)
@@ -86,6 +93,7 @@ fn start_cluster_on(env: &[(&str, &str)], cuttable: bool) -> Cluster {
         brokers,
         addrs,
         net,
+        _secret: secret,
     }
 }
 

@@ -278,6 +278,7 @@ pub(crate) async fn start<S: Storage>(core: &Rc<Core<S>>) -> Result<(), String> 
     let mut config = HostConfig::new(me.id, peers);
     config.tick = Duration::from_millis(cluster.tick_ms);
     config.journal.segment_bytes = cluster.journal_segment_bytes;
+    config.peer_key = cluster.peer_key.clone();
     // Groups are added with their shard's own directory.
     config.data_dir = Some(
         core.shared

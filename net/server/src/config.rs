@@ -6,6 +6,8 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
+use felix_replication::handshake::PeerKey;
+
 /// Where a setting's value came from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Source {
@@ -89,6 +91,7 @@ const SETTINGS: &[Setting] = &[
     Setting { section: "security", name: "acl_file", env: Some("FELIX_ACL_FILE"), kind: Kind::Str, default: "", help: "permissions, one `PRINCIPAL PERMISSION RESOURCE` line each (permissions stream.publish, stream.subscribe, stream.manage, group.consume, group.manage or *; resources TENANT/NAMESPACE/STREAM or group:TENANT/NAMESPACE/STREAM/GROUP, any part *, or * alone; principal * is everyone); nothing is allowed that a line does not grant. Empty: every principal may do everything. Read at start and again on SIGHUP" },
     Setting { section: "cluster", name: "node_id", env: Some("FELIX_NODE_ID"), kind: Kind::U64, default: "0", help: "this broker's id among cluster.nodes; 0 = a single broker, shards not replicated" },
     Setting { section: "cluster", name: "nodes", env: Some("FELIX_CLUSTER_NODES"), kind: Kind::Str, default: "", help: "every broker of the cluster, this one included, as ID=CLIENT_ADDR/REPLICATION_ADDR separated by commas (e.g. \"1=10.0.0.1:7400/10.0.0.1:7500,2=...\"); core i of each broker replicates on REPLICATION_ADDR's port + i, so every broker runs the same number of cores. Every shard is replicated on every node (at least three for a failure to be survived); needs storage.data_dir" },
+    Setting { section: "cluster", name: "secret_file", env: Some("FELIX_CLUSTER_SECRET_FILE"), kind: Kind::Str, default: "", help: "a file holding the cluster's shared secret (at least 16 bytes; one trailing newline is not part of it), the same on every broker: a broker's replication connection is taken only once it proved it knows the secret (HMAC-SHA256 over a fresh challenge). Empty: brokers are not authenticated, so any process that can reach the replication ports could act as one. Either way replication traffic is not encrypted: keep it on a private network. Read at start" },
     Setting { section: "cluster", name: "tick_ms", env: None, kind: Kind::U64, default: "50", help: "replication tick: a leader heartbeats every 2 ticks, and a follower that hears nothing for 10 to 20 ticks starts an election (shorter fails over sooner, but a broker short of CPU can then miss heartbeats under load and elect needlessly)" },
     Setting { section: "cluster", name: "compact_entries", env: Some("FELIX_CLUSTER_COMPACT_ENTRIES"), kind: Kind::U64, default: "4096", help: "a shard's replica drops the entries of its Raft log that every replica holds and it has applied (and made durable in the shard's log) once there are this many; 0 = never (the log then grows for ever). While a replica is down the others keep what it has not got" },
     Setting { section: "cluster", name: "journal_segment_bytes", env: Some("FELIX_CLUSTER_JOURNAL_SEGMENT_BYTES"), kind: Kind::U64, default: "67108864", help: "size past which a replica's journal starts a new segment file; compaction removes whole segments" },
@@ -137,6 +140,10 @@ pub struct ClusterConfig {
     /// Compact a replica's log once this many entries can go (0: never).
     pub compact_entries: u64,
     pub journal_segment_bytes: u64,
+    /// `cluster.secret_file`, and the key derived from it (the key of no
+    /// secret without one).
+    pub secret_file: Option<PathBuf>,
+    pub peer_key: PeerKey,
 }
 
 impl ClusterConfig {
@@ -147,6 +154,30 @@ impl ClusterConfig {
     pub fn voters(&self) -> Vec<u64> {
         self.nodes.iter().map(|n| n.id).collect()
     }
+}
+
+/// Shortest cluster secret taken.
+pub const MIN_SECRET_BYTES: usize = 16;
+
+/// The key of the secret in `path`: its bytes without one trailing
+/// newline, at least [`MIN_SECRET_BYTES`] of them.
+pub fn read_secret(path: &Path) -> Result<PeerKey, String> {
+    let mut bytes = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    if bytes.ends_with(b"\n") {
+        bytes.pop();
+        if bytes.ends_with(b"\r") {
+            bytes.pop();
+        }
+    }
+    if bytes.len() < MIN_SECRET_BYTES {
+        return Err(format!(
+            "{}: the secret is {} bytes, and at least {MIN_SECRET_BYTES} are needed \
+             (make one with `head -c 32 /dev/urandom | base64 > FILE`)",
+            path.display(),
+            bytes.len()
+        ));
+    }
+    Ok(PeerKey::from_secret(&bytes))
 }
 
 /// Parse `cluster.nodes`: `ID=CLIENT_ADDR/REPLICATION_ADDR,...`.
@@ -532,7 +563,24 @@ impl Config {
                             .into(),
                     ));
                 }
+                let secret_file = get("cluster", "secret_file").value.trim().to_string();
+                let secret_file = (!secret_file.is_empty()).then(|| PathBuf::from(secret_file));
+                let peer_key = match &secret_file {
+                    Some(f) => read_secret(f)
+                        .map_err(|e| ConfigError(format!("cluster.secret_file: {e}")))?,
+                    None => {
+                        warnings.push(
+                            "cluster.secret_file is not set: brokers are not authenticated, \
+                             so any process that can reach the replication ports could act as \
+                             one; set the same secret on every broker"
+                                .into(),
+                        );
+                        PeerKey::open()
+                    }
+                };
                 Some(ClusterConfig {
+                    secret_file,
+                    peer_key,
                     node_id: id,
                     nodes,
                     tick_ms: nonzero(num("cluster", "tick_ms")?, "cluster.tick_ms")?,
@@ -755,6 +803,62 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         Config::load_with_env(None, overrides, &env)
+    }
+
+    #[test]
+    fn a_cluster_secret_is_read_from_its_file() {
+        let nodes = "1=127.0.0.1:7400/127.0.0.1:7500,2=127.0.0.1:7410/127.0.0.1:7510";
+        let dir = tempfile::tempdir().unwrap();
+        let load = |secret: Option<&[u8]>| {
+            let f = dir.path().join("secret");
+            let _ = std::fs::remove_file(&f);
+            if let Some(b) = secret {
+                std::fs::write(&f, b).unwrap();
+            }
+            let f = f.display().to_string();
+            with_env(
+                &[
+                    ("FELIX_NODE_ID", "1"),
+                    ("FELIX_CLUSTER_NODES", nodes),
+                    ("FELIX_CLUSTER_SECRET_FILE", &f),
+                ],
+                &Overrides::default(),
+            )
+        };
+        let c = load(Some(b"0123456789abcdef\n")).unwrap();
+        assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+        let cluster = c.cluster.unwrap();
+        // One trailing newline is not part of the secret.
+        assert_eq!(cluster.peer_key, PeerKey::from_secret(b"0123456789abcdef"));
+        assert!(cluster.secret_file.is_some());
+        assert_eq!(
+            load(Some(b"0123456789abcdef\r\n"))
+                .unwrap()
+                .cluster
+                .unwrap()
+                .peer_key,
+            PeerKey::from_secret(b"0123456789abcdef")
+        );
+        for (secret, why) in [
+            (Some(&b"short\n"[..]), "at least 16"),
+            (Some(&b"\n"[..]), "the secret is 0 bytes"),
+            (None, "No such file"),
+        ] {
+            let e = load(secret).unwrap_err().to_string();
+            assert!(e.contains("cluster.secret_file") && e.contains(why), "{e}");
+        }
+        // Without one: the key of no secret, and a warning.
+        let c = with_env(
+            &[("FELIX_NODE_ID", "1"), ("FELIX_CLUSTER_NODES", nodes)],
+            &Overrides::default(),
+        )
+        .unwrap();
+        assert!(c.cluster.unwrap().peer_key.is_open());
+        assert!(
+            c.warnings.iter().any(|w| w.contains("not authenticated")),
+            "{:?}",
+            c.warnings
+        );
     }
 
     #[test]
