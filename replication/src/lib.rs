@@ -9,14 +9,15 @@
 //! and first offset, and a new leader's empty entry is the shard's
 //! generation-start record.
 //!
-//! Built so far: the replica itself ([`Replica`], its log [`ReplicaLog`])
-//! and a deterministic simulation of a three-replica shard under crashes,
+//! What is here: the replica ([`Replica`], its log [`ReplicaLog`]) and a
+//! deterministic simulation of a three-replica shard under crashes,
 //! partitions and lost messages (`tests/cluster_sim.rs`); the peer wire
-//! format ([`wire`]); [`host::Host`], which drives a core's replicas over
-//! TCP on its glommio executor; and the durable log ([`journal`],
-//! [`hard_state`]) a host keeps each replica's entries and votes in. The
-//! broker does not use it yet: see `README.md` in this folder for what
-//! comes next.
+//! format ([`wire`]) and the handshake that authenticates a peer before
+//! its first frame ([`handshake`]); [`host::Host`], which drives a core's
+//! replicas over TCP on its glommio executor; and the durable log
+//! ([`journal`], [`hard_state`]) a host keeps each replica's entries and
+//! votes in. The broker (`felix serve --peers`) runs a host on every core;
+//! `README.md` in this folder has the design and what is not done yet.
 
 pub mod entry;
 pub mod handshake;
