@@ -1803,6 +1803,7 @@ fn the_readme_cluster_works() {
     let secret_dir = tempfile::tempdir().unwrap();
     let secret = secret_dir.path().join("felix-cluster.secret");
     std::fs::write(&secret, "c2VjcmV0IGZvciB0aGUgUkVBRE1FIGNsdXN0ZXIK\n").unwrap();
+    std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
     let nodes: Vec<Serve> = (0..3)
         .map(|i| {
             let dir = tempfile::tempdir().unwrap();

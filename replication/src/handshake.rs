@@ -2,29 +2,35 @@
 //!
 //! Replication connections run one way: a broker's core dials each peer's
 //! listener and only writes frames. Before the first frame the two
-//! exchange two fixed-size messages:
+//! exchange three fixed-size messages:
 //!
 //! ```text
 //! challenge  (listener → dialer)  "FXRC" | version u8 | nonce [32]
 //! proof      (dialer → listener)  "FXRP" | version u8 | from u64 | to u64 | mac [32]
 //!            mac = HMAC-SHA256(key, "FXRP" | version | from | to | nonce)
+//! accept     (listener → dialer)  "FXRA" | mac [32]
+//!            mac = HMAC-SHA256(key, "FXRA" | version | from | to | nonce)
 //! ```
 //!
 //! The listener makes a fresh random nonce for every connection; the
 //! dialer proves it knows the cluster's key for that nonce, names itself
-//! (`from`) and the node it meant to reach (`to`). The listener accepts
-//! only a proof for its own id from one of its peers, and from then on
-//! only messages whose `from` is that peer: a connection speaks for one
-//! broker. The key is derived from the cluster's shared secret
-//! ([`PeerKey::from_secret`]); a cluster without one uses the key of the
-//! empty secret, which authenticates nothing but still catches a broker
-//! pointed at the wrong node or at another cluster's port with a
-//! different secret, and an old build that does not shake hands.
+//! (`from`) and the node it meant to reach (`to`). The listener takes only
+//! a proof for its own id from one of its peers, answers it with its own
+//! proof (so the dialer knows it reached a broker of its cluster, and that
+//! it was taken: a refusal is a closed connection), and from then on takes
+//! only messages from that peer to itself. The key is derived from the
+//! cluster's shared secret ([`PeerKey::from_secret`]); a cluster without
+//! one uses the key of the empty secret, which authenticates nothing but
+//! still catches a broker pointed at the wrong node or at another
+//! cluster's port with a different secret, and a build of another version.
 //!
-//! This authenticates; it does not encrypt. Frames after the handshake
-//! carry a CRC, not a MAC: an attacker on the path between two brokers
-//! can still read and alter them, so replication traffic belongs on a
-//! private network (or a tunnel such as WireGuard).
+//! Every broker holds the same key, so the handshake tells a broker of the
+//! cluster from anything else, not one broker from another: a broker that
+//! knows the secret could claim any id. It authenticates; it does not
+//! encrypt. Frames after the handshake carry a CRC, not a MAC: an attacker
+//! on the path between two brokers can still read and alter them, so
+//! replication traffic belongs on a private network (or a tunnel such as
+//! WireGuard).
 
 use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
@@ -35,9 +41,12 @@ use crate::wire::WIRE_VERSION;
 pub const CHALLENGE_BYTES: usize = 4 + 1 + 32;
 /// Bytes of the dialer's proof.
 pub const PROOF_BYTES: usize = 4 + 1 + 8 + 8 + 32;
+/// Bytes of the listener's acceptance.
+pub const ACCEPT_BYTES: usize = 4 + 32;
 
 const CHALLENGE_MAGIC: &[u8; 4] = b"FXRC";
 const PROOF_MAGIC: &[u8; 4] = b"FXRP";
+const ACCEPT_MAGIC: &[u8; 4] = b"FXRA";
 
 type HmacSha256 = Hmac<Sha256>;
 
@@ -98,6 +107,8 @@ pub enum HandshakeError {
     UnknownPeer(u64),
     #[error("node {0} did not prove it knows the cluster's secret (is cluster.secret_file the same on both brokers?)")]
     BadProof(u64),
+    #[error("node {0} answered without proving it knows the cluster's secret (is cluster.secret_file the same on both brokers, and is this its replication port?)")]
+    BadAccept(u64),
 }
 
 /// A fresh random nonce for one connection.
@@ -123,6 +134,43 @@ pub fn read_challenge(bytes: &[u8; CHALLENGE_BYTES]) -> Result<[u8; 32], Handsha
         return Err(HandshakeError::Version(bytes[4]));
     }
     Ok(bytes[5..].try_into().expect("32 bytes"))
+}
+
+/// The listener's acceptance of `from`'s proof: its own proof, for the
+/// same nonce, that it knows `key`.
+pub fn accept(key: &PeerKey, nonce: &[u8; 32], from: u64, to: u64) -> [u8; ACCEPT_BYTES] {
+    let mut out = [0u8; ACCEPT_BYTES];
+    out[..4].copy_from_slice(ACCEPT_MAGIC);
+    let tag = mac_of(key, &accept_head(from, to), nonce)
+        .finalize()
+        .into_bytes();
+    out[4..].copy_from_slice(&tag);
+    out
+}
+
+/// Check the listener's acceptance (the dialer, `from`, reached `to`).
+pub fn check_accept(
+    key: &PeerKey,
+    nonce: &[u8; 32],
+    from: u64,
+    to: u64,
+    bytes: &[u8; ACCEPT_BYTES],
+) -> Result<(), HandshakeError> {
+    if &bytes[..4] != ACCEPT_MAGIC {
+        return Err(HandshakeError::BadAccept(to));
+    }
+    mac_of(key, &accept_head(from, to), nonce)
+        .verify_slice(&bytes[4..])
+        .map_err(|_| HandshakeError::BadAccept(to))
+}
+
+fn accept_head(from: u64, to: u64) -> [u8; 21] {
+    let mut head = [0u8; 21];
+    head[..4].copy_from_slice(ACCEPT_MAGIC);
+    head[4] = WIRE_VERSION;
+    head[5..13].copy_from_slice(&from.to_le_bytes());
+    head[13..].copy_from_slice(&to.to_le_bytes());
+    head
 }
 
 fn mac_of(key: &PeerKey, head: &[u8], nonce: &[u8; 32]) -> HmacSha256 {
@@ -247,6 +295,31 @@ mod tests {
             check_proof(&key, &n, 1, peers, &p),
             Err(HandshakeError::Version(WIRE_VERSION + 1))
         );
+    }
+
+    #[test]
+    fn the_listener_proves_itself_too() {
+        let key = PeerKey::from_secret(b"s3cret");
+        let n = nonce();
+        let a = accept(&key, &n, 2, 1);
+        assert_eq!(check_accept(&key, &n, 2, 1, &a), Ok(()));
+        let bad = Err(HandshakeError::BadAccept(1));
+        let other = PeerKey::from_secret(b"other");
+        assert_eq!(check_accept(&other, &n, 2, 1, &a), bad, "another secret");
+        assert_eq!(check_accept(&key, &nonce(), 2, 1, &a), bad, "another nonce");
+        assert_eq!(check_accept(&key, &n, 3, 1, &a), bad, "for another dialer");
+        // The dialer's own proof sent back is no acceptance.
+        let p = prove(&key, &n, 2, 1);
+        let mut echoed = [0u8; ACCEPT_BYTES];
+        echoed.copy_from_slice(&p[PROOF_BYTES - ACCEPT_BYTES..]);
+        assert_eq!(check_accept(&key, &n, 2, 1, &echoed), bad);
+        echoed[..4].copy_from_slice(b"FXRA");
+        assert_eq!(check_accept(&key, &n, 2, 1, &echoed), bad);
+        for i in 0..ACCEPT_BYTES {
+            let mut a = a;
+            a[i] ^= 0x40;
+            assert_eq!(check_accept(&key, &n, 2, 1, &a), bad, "byte {i}");
+        }
     }
 
     #[test]

@@ -62,7 +62,7 @@ use glommio::channels::local_channel::{self, LocalSender};
 use glommio::net::{TcpListener, TcpStream};
 use glommio::Task;
 
-use crate::handshake::{self, PeerKey, CHALLENGE_BYTES, PROOF_BYTES};
+use crate::handshake::{self, PeerKey, ACCEPT_BYTES, CHALLENGE_BYTES, PROOF_BYTES};
 use crate::hard_state;
 use crate::journal::{Journal, JournalConfig};
 use crate::log::{Compacted, ReplicaLog};
@@ -1156,10 +1156,10 @@ async fn run_listener(host: Weak<Inner>, listener: TcpListener) {
             Ok(stream) => {
                 readers.retain(|(done, _)| !done.get());
                 if readers.len() >= h.config.max_inbound {
-                    tracing::warn!(
+                    h.log_refusal(&format!(
                         "replication listener: {} connections already, refusing one",
                         readers.len()
-                    );
+                    ));
                     continue;
                 }
                 let _ = stream.set_read_timeout(Some(h.config.idle_timeout));
@@ -1182,27 +1182,42 @@ async fn run_listener(host: Weak<Inner>, listener: TcpListener) {
     }
 }
 
-/// Serve one incoming connection: its handshake, then frames until it
-/// closes, idles out or sends a bad frame or a message from any other node
-/// than the one it proved to be. Each frame gets its own buffer of exactly
-/// its length, so entries kept in the log pin nothing else.
+/// Serve one incoming connection: its handshake (which must end within
+/// `io_timeout`), then frames until it closes, idles out or sends a bad
+/// frame or a message from any other node than the one it proved to be,
+/// or to any other than this one. Each frame gets its own buffer of
+/// exactly its length, so entries kept in the log pin nothing else.
 async fn run_reader(host: Weak<Inner>, mut stream: TcpStream, max: usize) {
+    // Nothing of the host is held across a wait: a host dropped without
+    // `close` must not be kept alive by a connection.
     let Some(h) = host.upgrade() else {
         return;
     };
-    let (me, key) = (h.config.id, h.config.peer_key.clone());
-    let is_peer = |id: u64| h.config.peers.contains_key(&id);
-    let from = match accept_peer(&mut stream, &key, me, is_peer).await {
-        Ok(from) => from,
-        Err(e) => {
+    let (me, key, deadline) = (h.config.id, h.config.peer_key.clone(), h.config.io_timeout);
+    let peers: Vec<u64> = h.config.peers.keys().copied().collect();
+    drop(h);
+    let shake = glommio::timer::timeout(deadline, async {
+        Ok(accept_peer(&mut stream, &key, me, |id| peers.contains(&id)).await)
+    })
+    .await;
+    let from = match shake {
+        Ok(Ok(from)) => from,
+        refused => {
+            let why = match refused {
+                Ok(Err(e)) => e,
+                _ => format!("no handshake within {deadline:?}"),
+            };
             let addr = stream
                 .peer_addr()
                 .map_or_else(|_| "?".to_string(), |a| a.to_string());
-            h.log_refusal(&format!("replication connection from {addr} refused: {e}"));
+            if let Some(h) = host.upgrade() {
+                h.log_refusal(&format!(
+                    "replication connection from {addr} refused: {why}"
+                ));
+            }
             return;
         }
     };
-    drop(h);
     let mut buf: Vec<u8> = Vec::with_capacity(64 << 10);
     let mut chunk = vec![0u8; 64 << 10];
     loop {
@@ -1223,10 +1238,14 @@ async fn run_reader(host: Weak<Inner>, mut stream: TcpStream, max: usize) {
             at += len;
             match decode_frame(&frame, max) {
                 Ok(Some((msgs, _))) => {
-                    if let Some(m) = msgs.iter().find(|m| m.message.from != from) {
+                    if let Some(m) = msgs
+                        .iter()
+                        .find(|m| m.message.from != from || m.message.to != me)
+                    {
                         tracing::warn!(
-                            "replication peer {from} sent a message from node {}; closing",
-                            m.message.from
+                            "replication peer {from} sent a message from node {} to node {}; closing",
+                            m.message.from,
+                            m.message.to
                         );
                         return;
                     }
@@ -1252,7 +1271,7 @@ async fn run_reader(host: Weak<Inner>, mut stream: TcpStream, max: usize) {
 }
 
 /// The listener's side of the [`handshake`](crate::handshake): the peer
-/// on the other end, once it proved itself.
+/// on the other end, once it proved itself and was told it was taken.
 async fn accept_peer(
     stream: &mut TcpStream,
     key: &PeerKey,
@@ -1269,7 +1288,13 @@ async fn accept_peer(
         .read_exact(&mut proof)
         .await
         .map_err(|e| format!("no handshake: {e}"))?;
-    handshake::check_proof(key, &nonce, me, is_peer, &proof).map_err(|e| e.to_string())
+    let from =
+        handshake::check_proof(key, &nonce, me, is_peer, &proof).map_err(|e| e.to_string())?;
+    stream
+        .write_all(&handshake::accept(key, &nonce, from, me))
+        .await
+        .map_err(|e| format!("sending the acceptance: {e}"))?;
+    Ok(from)
 }
 
 /// Where and as whom a link dials.
@@ -1282,8 +1307,9 @@ struct Dial {
 }
 
 impl Dial {
-    /// Connect and prove this host to the peer. An error says why, and
-    /// whether it is worth a warning (not for a peer that is down).
+    /// Connect, prove this host to the peer and check its acceptance. An
+    /// error says why, and whether it is worth a warning (not for a peer
+    /// that is down or busy, which is not a configuration to fix).
     async fn connect(&self) -> Result<TcpStream, (String, bool)> {
         let mut s = TcpStream::connect_timeout(self.addr, self.io_timeout)
             .await
@@ -1299,6 +1325,20 @@ impl Dial {
         s.write_all(&handshake::prove(&self.key, &nonce, self.me, self.peer))
             .await
             .map_err(|e| (format!("sending the proof: {e}"), false))?;
+        let mut accept = [0u8; ACCEPT_BYTES];
+        s.read_exact(&mut accept).await.map_err(|e| {
+            let why = match e.kind() {
+                std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset => {
+                    "it refused this node's proof (another cluster.secret_file, or it does not \
+                     list this node? its log says which)"
+                        .to_string()
+                }
+                _ => format!("waiting for its answer to the proof: {e}"),
+            };
+            (why, true)
+        })?;
+        handshake::check_accept(&self.key, &nonce, self.me, self.peer, &accept)
+            .map_err(|e| (e.to_string(), true))?;
         Ok(s)
     }
 }

@@ -304,8 +304,9 @@ fn heartbeat_frame(from: u64, to: u64, term: u64) -> Vec<u8> {
     out
 }
 
-/// Connect to a host's replication port and prove to be `from` with `key`.
-async fn dial_as(addr: SocketAddr, key: &PeerKey, from: u64, to: u64) -> TcpStream {
+/// Connect to a host's replication port and prove to be `from` with `key`;
+/// returns the connection and the nonce it was challenged with.
+async fn dial_as(addr: SocketAddr, key: &PeerKey, from: u64, to: u64) -> (TcpStream, [u8; 32]) {
     let mut s = TcpStream::connect(addr).await.unwrap();
     let mut c = [0u8; handshake::CHALLENGE_BYTES];
     s.read_exact(&mut c).await.unwrap();
@@ -313,13 +314,24 @@ async fn dial_as(addr: SocketAddr, key: &PeerKey, from: u64, to: u64) -> TcpStre
     s.write_all(&handshake::prove(key, &nonce, from, to))
         .await
         .unwrap();
+    (s, nonce)
+}
+
+/// Dial as `from` and check the host's acceptance, proved with `key`.
+async fn accepted_as(addr: SocketAddr, key: &PeerKey, from: u64, to: u64) -> TcpStream {
+    let (mut s, nonce) = dial_as(addr, key, from, to).await;
+    let mut a = [0u8; handshake::ACCEPT_BYTES];
+    s.read_exact(&mut a).await.unwrap();
+    handshake::check_accept(key, &nonce, from, to, &a).unwrap();
     s
 }
 
-/// Whether the host closed `s` within a second: a read sees the end, or
-/// a reset (a socket closed with bytes unread resets the connection).
+/// Whether the host closed `s` within four seconds (more than the
+/// handshake's two, less than the ten a silent connection may idle): a
+/// read sees the end, or a reset (a socket closed with bytes unread
+/// resets the connection).
 async fn closed(s: &mut TcpStream) -> bool {
-    s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(4))).unwrap();
     let mut b = [0u8; 64];
     match s.read(&mut b).await {
         Ok(0) => true,
@@ -386,22 +398,34 @@ fn a_connection_speaks_only_for_the_peer_it_proved_to_be() {
             assert!(handshake::read_challenge(&c).is_ok());
             assert!(closed(&mut s).await, "no proof, no hearing");
             // The wrong secret, and a proof meant for another node.
-            let mut s = dial_as(addrs[f], &PeerKey::from_secret(b"guess"), oid, fid).await;
+            let (mut s, _) = dial_as(addrs[f], &PeerKey::from_secret(b"guess"), oid, fid).await;
             assert!(closed(&mut s).await, "the wrong secret");
-            let mut s = dial_as(addrs[f], &key, oid, lid).await;
+            let (mut s, _) = dial_as(addrs[f], &key, oid, lid).await;
             assert!(closed(&mut s).await, "a proof for another node");
-            // Proved as one peer, a message claiming to be from another.
-            let mut s = dial_as(addrs[f], &key, lid, fid).await;
+            // A connection that says nothing is closed when the handshake's
+            // time is up, well before a silent peer's idle timeout.
+            let mut s = TcpStream::connect(addrs[f]).await.unwrap();
+            let mut c = [0u8; handshake::CHALLENGE_BYTES];
+            s.read_exact(&mut c).await.unwrap();
+            assert!(closed(&mut s).await, "a handshake never finished");
+            // Proved as one peer, a message claiming to be from another,
+            // or meant for another node.
+            let mut s = accepted_as(addrs[f], &key, lid, fid).await;
             s.write_all(&heartbeat_frame(oid, fid, term + 10))
                 .await
                 .unwrap();
             assert!(closed(&mut s).await, "a message from another node");
-            assert_eq!(hosts[f].term(GROUP), Some(term), "and it was not taken");
+            let mut s = accepted_as(addrs[f], &key, lid, fid).await;
+            s.write_all(&heartbeat_frame(lid, oid, term + 10))
+                .await
+                .unwrap();
+            assert!(closed(&mut s).await, "a message to another node");
+            assert_eq!(hosts[f].term(GROUP), Some(term), "and none was taken");
 
             // The same message from the peer it proved to be is taken (a
             // heartbeat of a later term: the follower moves to it), so the
             // refusal above was the connection's identity, nothing else.
-            let mut s = dial_as(addrs[f], &key, oid, fid).await;
+            let mut s = accepted_as(addrs[f], &key, oid, fid).await;
             s.write_all(&heartbeat_frame(oid, fid, term + 10))
                 .await
                 .unwrap();

@@ -2,14 +2,15 @@
 //!
 //! Every broker dials every other through a relay of its own: broker `x`
 //! is told that broker `y`'s replication address is the relay `x → y`,
-//! which forwards to `y`'s real address (brokers name their peers inside
-//! each frame, not by address, so each may be given its own view). A
-//! relay copies bytes in both directions until the test *isolates* one
-//! end; from then on it holds whatever it has read (and reads no more)
-//! until the test heals it, when the held bytes go on in order. To every
-//! broker that looks like a network that stopped delivering, with no
-//! connection closed and nothing corrupted: the same as a cable pulled
-//! and put back within TCP's patience.
+//! which forwards to `y`'s real address (brokers name their peers in
+//! their handshake and frames, not by address, so each may be given its
+//! own view). A relay copies bytes in both directions until the test
+//! *isolates* one end; from then on it holds whatever it has read (and
+//! reads no more) until the test heals it, when the held bytes go on in
+//! order, and it closes any new connection at once. To every broker that
+//! looks like a network that stopped delivering: connections open before
+//! the cut stall with nothing lost or corrupted, the same as a cable
+//! pulled and put back within TCP's patience, and new ones fail.
 //!
 //! The relays run on their own thread's runtime, so a test that blocks
 //! its own (starting or killing a broker) does not stall the network.
@@ -98,14 +99,16 @@ where
 {
     loop {
         let Ok((a, _)) = listener.accept().await else {
+            tokio::time::sleep(Duration::from_millis(5)).await;
             continue;
         };
+        if cut() {
+            // A dial across the cut fails.
+            drop(a);
+            continue;
+        }
         let cut = cut.clone();
         tokio::spawn(async move {
-            // A dial while cut off waits, as a SYN into a dead link would.
-            while cut() {
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
             let Ok(b) = TcpStream::connect(to).await else {
                 return;
             };

@@ -60,6 +60,11 @@ fn start_cluster_on(env: &[(&str, &str)], cuttable: bool) -> Cluster {
     let secret = tempfile::tempdir().unwrap();
     let secret_file = secret.path().join("cluster.secret");
     std::fs::write(&secret_file, "a secret for the cluster tests\n").unwrap();
+    std::fs::set_permissions(
+        &secret_file,
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .unwrap();
     // Broker `x`'s view: its own replication address, and a relay (or the
     // real address) for each other broker.
     let nodes = |x: usize| {
@@ -1450,5 +1455,110 @@ fn a_cut_off_leader_acknowledges_nothing_and_rejoins_without_it() {
                 }
             }
         }
+    });
+}
+
+/// A group's acknowledgement sent to a leader cut off from the others is
+/// not acknowledged (group writes commit on a majority), and the new
+/// leader owes that record again: an ack the cluster did not take never
+/// finishes a record.
+#[test]
+fn an_ack_to_a_cut_off_leader_is_refused_and_the_record_is_owed() {
+    let cluster = start_cluster_on(&[], true);
+    let net = cluster.net.as_ref().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let cc = ClusterClient::connect(&cluster.addrs, ClientConfig::default())
+            .await
+            .unwrap();
+        cc.create_stream(T, NS, S, 1, StreamOptions::default())
+            .await
+            .unwrap();
+        let g = "workers";
+        let batch: Vec<RecordIn> = (0..5).map(|k| record(0, k)).collect();
+        cc.publish_batch(T, NS, S, 0, batch).await.unwrap();
+        let got = cc
+            .group_poll_wait(T, NS, S, 0, g, 100, Duration::from_secs(1))
+            .await
+            .unwrap();
+        assert_eq!(got.len(), 5);
+        let offsets: Vec<u64> = got.iter().map(|r| r.offset).collect();
+        // The first is finished while the cluster is whole.
+        cc.group_ack(T, NS, S, 0, g, offsets[0]).await.unwrap();
+
+        let leader = cc.leader_of(T, NS, S, 0).unwrap();
+        let li = cluster.addrs.iter().position(|a| *a == leader).unwrap();
+        let to_old = Client::connect(leader.as_str(), ClientConfig::default())
+            .await
+            .unwrap();
+        net.isolate(li);
+        let acks = {
+            let c = to_old.clone();
+            let o = offsets.clone();
+            tokio::spawn(async move {
+                let mut out = Vec::new();
+                for off in &o[1..3] {
+                    out.push(c.group_ack(T, NS, S, 0, g, *off).await);
+                }
+                out
+            })
+        };
+
+        let others: Vec<String> = cluster
+            .addrs
+            .iter()
+            .filter(|a| **a != leader)
+            .cloned()
+            .collect();
+        let config = ClientConfig {
+            connect_timeout: Duration::from_millis(500),
+            request_timeout: Duration::from_secs(2),
+            ..ClientConfig::default()
+        };
+        let rest = ClusterClient::connect(&others, config).await.unwrap();
+        // The new leader owes every record but the first: the acks the
+        // cut-off leader took never committed.
+        // (Until then a poll may reach the old leader, which still has
+        // every record claimed: a describe needs a majority's word.)
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            assert!(Instant::now() < deadline, "the others elect a leader");
+            if rest.group_describe(T, NS, S, 0, g).await.is_ok()
+                && rest.leader_of(T, NS, S, 0).is_some_and(|l| l != leader)
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let again = rest.group_poll(T, NS, S, 0, g, 100).await.unwrap();
+        let again: Vec<u64> = again.iter().map(|r| r.offset).collect();
+        assert_eq!(again, offsets[1..].to_vec());
+
+        net.heal(li);
+        let acks = tokio::time::timeout(Duration::from_secs(40), acks)
+            .await
+            .expect("the acks to the cut-off leader are answered")
+            .unwrap();
+        for a in &acks {
+            assert!(
+                a.is_err(),
+                "an ack without a majority was acknowledged: {acks:?}"
+            );
+        }
+        for o in &again {
+            rest.group_ack(T, NS, S, 0, g, *o).await.unwrap();
+        }
+        // (A poll settles the new leader's generation start.)
+        assert!(rest
+            .group_poll(T, NS, S, 0, g, 10)
+            .await
+            .unwrap()
+            .is_empty());
+        let info = rest.group_describe(T, NS, S, 0, g).await.unwrap();
+        assert_eq!(info.lag(), 0, "{info:?}");
     });
 }

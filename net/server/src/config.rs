@@ -566,8 +566,21 @@ impl Config {
                 let secret_file = get("cluster", "secret_file").value.trim().to_string();
                 let secret_file = (!secret_file.is_empty()).then(|| PathBuf::from(secret_file));
                 let peer_key = match &secret_file {
-                    Some(f) => read_secret(f)
-                        .map_err(|e| ConfigError(format!("cluster.secret_file: {e}")))?,
+                    Some(f) => {
+                        use std::os::unix::fs::PermissionsExt;
+                        let key = read_secret(f)
+                            .map_err(|e| ConfigError(format!("cluster.secret_file: {e}")))?;
+                        let mode = std::fs::metadata(f).map_or(0, |m| m.permissions().mode());
+                        if mode & 0o077 != 0 {
+                            warnings.push(format!(
+                                "cluster.secret_file {} may be read by other users (mode {:o}): \
+                                 `chmod 600` it",
+                                f.display(),
+                                mode & 0o777
+                            ));
+                        }
+                        key
+                    }
                     None => {
                         warnings.push(
                             "cluster.secret_file is not set: brokers are not authenticated, \
@@ -813,7 +826,9 @@ mod tests {
             let f = dir.path().join("secret");
             let _ = std::fs::remove_file(&f);
             if let Some(b) = secret {
+                use std::os::unix::fs::PermissionsExt;
                 std::fs::write(&f, b).unwrap();
+                std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o600)).unwrap();
             }
             let f = f.display().to_string();
             with_env(
@@ -839,6 +854,28 @@ mod tests {
                 .peer_key,
             PeerKey::from_secret(b"0123456789abcdef")
         );
+        // A secret others may read is taken, with a warning.
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let f = dir.path().join("open-secret");
+            std::fs::write(&f, "0123456789abcdef").unwrap();
+            std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o644)).unwrap();
+            let f = f.display().to_string();
+            let c = with_env(
+                &[
+                    ("FELIX_NODE_ID", "1"),
+                    ("FELIX_CLUSTER_NODES", nodes),
+                    ("FELIX_CLUSTER_SECRET_FILE", &f),
+                ],
+                &Overrides::default(),
+            )
+            .unwrap();
+            assert!(
+                c.warnings.iter().any(|w| w.contains("mode 644")),
+                "{:?}",
+                c.warnings
+            );
+        }
         for (secret, why) in [
             (Some(&b"short\n"[..]), "at least 16"),
             (Some(&b"\n"[..]), "the secret is 0 bytes"),
