@@ -6,6 +6,7 @@
 //! and the criterion benches can reach it.
 
 pub mod cli;
+pub mod cpu;
 pub mod embedded;
 pub mod harness;
 pub mod report;

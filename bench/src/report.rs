@@ -152,10 +152,17 @@ pub struct Machine {
     pub cpus: usize,
     pub client_threads: usize,
     pub kernel: String,
+    /// Share of the machine's CPU time busy while the run measured
+    /// (client, broker and everything else), from `/proc/stat`.
+    pub cpu_busy: Option<f64>,
+    /// Share of the machine's CPU time the hypervisor gave to other guests
+    /// while the run measured (`steal`): a busy host, whose figures are
+    /// not comparable with a quiet one's.
+    pub cpu_steal: Option<f64>,
 }
 
 impl Machine {
-    pub fn here(client_threads: usize) -> Machine {
+    pub fn here(client_threads: usize, cpu: Option<crate::cpu::CpuUse>) -> Machine {
         let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
             .map(|s| s.trim().to_string())
             .unwrap_or_default();
@@ -163,6 +170,8 @@ impl Machine {
             cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
             client_threads,
             kernel,
+            cpu_busy: cpu.map(|c| c.busy),
+            cpu_steal: cpu.map(|c| c.steal),
         }
     }
 }
@@ -296,6 +305,19 @@ impl Report {
                 fmt_us(l.max_us)
             )?;
         }
+        if let (Some(busy), Some(steal)) = (self.machine.cpu_busy, self.machine.cpu_steal) {
+            writeln!(
+                out,
+                "  cpus      {:.0}% busy, {:.0}% stolen by the hypervisor{}",
+                busy * 100.0,
+                steal * 100.0,
+                if steal >= STEAL_WARNING {
+                    " (other guests took CPU time: figures from this run are not comparable)"
+                } else {
+                    ""
+                }
+            )?;
+        }
         let tot = &self.totals;
         let mut parts = Vec::new();
         for (name, v) in [
@@ -331,6 +353,10 @@ impl Report {
         Ok(())
     }
 }
+
+/// Share of stolen CPU time from which the summary says a run's figures
+/// are not comparable with a quiet machine's.
+pub const STEAL_WARNING: f64 = 0.03;
 
 /// Microseconds in a readable unit.
 pub fn fmt_us(us: f64) -> String {

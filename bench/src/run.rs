@@ -158,24 +158,29 @@ pub fn run(plan: &Plan) -> Result<Report, String> {
         // Ctrl-C or SIGTERM stops the run and goes on to the clean-up below
         // (the benchmark stream, the embedded broker and its directory),
         // which the default signal action would skip.
+        let sampler = crate::cpu::Sampler::start();
         let outcome = tokio::select! {
             o = run => o,
             why = interrupted() => Err(format!("{why}: the run was stopped and cleaned up")),
         };
+        // The CPUs over the measured window (which ended just now).
+        let cpu = outcome.as_ref().ok().and_then(|o| {
+            sampler.last(std::time::Duration::from_secs_f64(o.measured_secs.max(0.1)))
+        });
         // Leave an external broker as we found it.
         if embedded.is_none() {
             if let Err(e) = target.delete().await {
                 eprintln!("felix-bench: could not delete the benchmark stream: {e}");
             }
         }
-        outcome.map(|o| (info, o))
+        outcome.map(|o| (info, o, cpu))
     });
     runtime.shutdown_timeout(std::time::Duration::from_secs(2));
     let stopped = match embedded.as_mut() {
         Some(b) => b.stop(),
         None => Ok(()),
     };
-    let (info, outcome) = result?;
+    let (info, outcome, cpu) = result?;
     if let Err(e) = stopped {
         eprintln!("felix-bench: {e}");
     }
@@ -187,7 +192,7 @@ pub fn run(plan: &Plan) -> Result<Report, String> {
         started_unix_ms,
         c.warmup.as_secs_f64(),
         outcome,
-        Machine::here(c.client_threads),
+        Machine::here(c.client_threads, cpu),
     ))
 }
 

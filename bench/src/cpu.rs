@@ -1,0 +1,158 @@
+//! How busy the machine's CPUs were while a run measured, and how much of
+//! their time the hypervisor gave to other guests (`steal` in
+//! `/proc/stat`). On a shared virtual machine a run that lost a tenth of
+//! its CPU time to other guests measures the host as much as the broker:
+//! the report says so instead of leaving it to be guessed from the
+//! figures.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// The machine-wide CPU counters of `/proc/stat`'s first line, in ticks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CpuTimes {
+    /// Ticks spent doing anything (user, nice, system, irq, softirq).
+    pub busy: u64,
+    /// Ticks idle or waiting for I/O.
+    pub idle: u64,
+    /// Ticks the hypervisor ran something else while this guest wanted to run.
+    pub steal: u64,
+}
+
+impl CpuTimes {
+    /// Parse the `cpu ` line of `/proc/stat`.
+    pub fn parse(stat: &str) -> Option<CpuTimes> {
+        let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+        let v: Vec<u64> = line
+            .split_whitespace()
+            .skip(1)
+            .map(|f| f.parse().ok())
+            .collect::<Option<_>>()?;
+        // user nice system idle iowait irq softirq steal [guest guest_nice]
+        // (guest time is already counted in user and nice).
+        let at = |i: usize| v.get(i).copied().unwrap_or(0);
+        if v.len() < 4 {
+            return None;
+        }
+        Some(CpuTimes {
+            busy: at(0) + at(1) + at(2) + at(5) + at(6),
+            idle: at(3) + at(4),
+            steal: at(7),
+        })
+    }
+
+    fn now() -> Option<CpuTimes> {
+        CpuTimes::parse(&std::fs::read_to_string("/proc/stat").ok()?)
+    }
+}
+
+/// What the CPUs did over a window.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CpuUse {
+    /// Share of the CPUs' time spent busy (0 to 1).
+    pub busy: f64,
+    /// Share of the CPUs' time taken by the hypervisor for other guests.
+    pub steal: f64,
+}
+
+impl CpuUse {
+    /// From counters at the start and the end of a window.
+    pub fn between(a: CpuTimes, b: CpuTimes) -> Option<CpuUse> {
+        let busy = b.busy.checked_sub(a.busy)?;
+        let idle = b.idle.checked_sub(a.idle)?;
+        let steal = b.steal.checked_sub(a.steal)?;
+        let total = busy + idle + steal;
+        (total > 0).then(|| CpuUse {
+            busy: busy as f64 / total as f64,
+            steal: steal as f64 / total as f64,
+        })
+    }
+}
+
+/// Samples the counters every 100 ms on a thread of its own until dropped.
+pub struct Sampler {
+    samples: Arc<Mutex<Vec<(Instant, CpuTimes)>>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Sampler {
+    pub fn start() -> Sampler {
+        let samples = Arc::new(Mutex::new(Vec::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (s, st) = (samples.clone(), stop.clone());
+        let _ = std::thread::Builder::new()
+            .name("felix-bench-cpu".into())
+            .spawn(move || {
+                while !st.load(Ordering::Relaxed) {
+                    if let Some(t) = CpuTimes::now() {
+                        s.lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner)
+                            .push((Instant::now(), t));
+                    }
+                    // A sampling thread of its own, not an executor.
+                    #[allow(clippy::disallowed_methods)]
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            });
+        Sampler { samples, stop }
+    }
+
+    /// Use over the last `window` before now (from the first sample in
+    /// it to a reading taken now); `None` without `/proc/stat` or samples.
+    pub fn last(&self, window: Duration) -> Option<CpuUse> {
+        let end = CpuTimes::now()?;
+        let since = Instant::now().checked_sub(window)?;
+        let samples = self
+            .samples
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (_, start) = samples.iter().find(|(t, _)| *t >= since)?;
+        CpuUse::between(*start, end)
+    }
+}
+
+impl Drop for Sampler {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proc_stat_is_read_and_shares_add_up() {
+        let a = CpuTimes::parse("cpu  100 0 50 800 50 0 0 0 0 0\ncpu0 1 2 3 4\n").unwrap();
+        assert_eq!(
+            a,
+            CpuTimes {
+                busy: 150,
+                idle: 850,
+                steal: 0
+            }
+        );
+        let b = CpuTimes::parse("cpu  200 10 90 900 60 5 5 80 0 0\n").unwrap();
+        let u = CpuUse::between(a, b).unwrap();
+        // 110 busy, 110 idle, 80 stolen of 300.
+        assert!((u.busy - 110.0 / 300.0).abs() < 1e-9, "{u:?}");
+        assert!((u.steal - 80.0 / 300.0).abs() < 1e-9, "{u:?}");
+        assert_eq!(CpuUse::between(b, a), None, "counters never go back");
+        assert_eq!(CpuTimes::parse("cpu  1 2\n"), None);
+        assert_eq!(CpuTimes::parse("intr 5\n"), None);
+        // An older kernel without the steal column.
+        assert_eq!(CpuTimes::parse("cpu  1 2 3 4\n").unwrap().steal, 0);
+    }
+
+    #[test]
+    fn the_sampler_reads_this_machine() {
+        let s = Sampler::start();
+        #[allow(clippy::disallowed_methods)]
+        std::thread::sleep(Duration::from_millis(350));
+        if std::path::Path::new("/proc/stat").exists() {
+            let u = s.last(Duration::from_millis(300)).expect("a window");
+            assert!((0.0..=1.0).contains(&u.busy) && (0.0..=1.0).contains(&u.steal));
+        }
+    }
+}
