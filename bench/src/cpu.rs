@@ -135,9 +135,9 @@ mod tests {
         );
         let b = CpuTimes::parse("cpu  200 10 90 900 60 5 5 80 0 0\n").unwrap();
         let u = CpuUse::between(a, b).unwrap();
-        // 110 busy, 110 idle, 80 stolen of 300.
-        assert!((u.busy - 110.0 / 300.0).abs() < 1e-9, "{u:?}");
-        assert!((u.steal - 80.0 / 300.0).abs() < 1e-9, "{u:?}");
+        // 160 busy (100 + 10 + 40 + 5 + 5), 110 idle, 80 stolen of 350.
+        assert!((u.busy - 160.0 / 350.0).abs() < 1e-9, "{u:?}");
+        assert!((u.steal - 80.0 / 350.0).abs() < 1e-9, "{u:?}");
         assert_eq!(CpuUse::between(b, a), None, "counters never go back");
         assert_eq!(CpuTimes::parse("cpu  1 2\n"), None);
         assert_eq!(CpuTimes::parse("intr 5\n"), None);
