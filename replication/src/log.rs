@@ -227,12 +227,17 @@ impl ReplicaLog {
         Some(base)
     }
 
-    pub fn set_hard_state(&mut self, hard: HardState) {
+    /// Store a hard state. Its commit index is never taken below the
+    /// compaction point: a hard state made before a compaction and stored
+    /// after it (persistence is asynchronous) would otherwise say less was
+    /// committed than the log dropped, which raft-rs refuses on open.
+    pub fn set_hard_state(&mut self, mut hard: HardState) {
+        hard.commit = hard.commit.max(self.base.index);
         self.hard = hard;
     }
 
     pub fn set_commit(&mut self, commit: u64) {
-        self.hard.commit = commit;
+        self.hard.commit = commit.max(self.base.index);
     }
 }
 
@@ -423,6 +428,14 @@ mod tests {
             3,
             "what is compacted was committed"
         );
+        // A hard state made before the compaction and stored after it
+        // (persistence is asynchronous) keeps the commit at the point.
+        let mut older = log.hard_state().clone();
+        older.commit = 2;
+        log.set_hard_state(older);
+        assert_eq!(log.hard_state().commit, 3);
+        log.set_commit(1);
+        assert_eq!(log.hard_state().commit, 3);
         assert_eq!((log.first(), log.last(), log.end()), (4, 4, 7));
         assert_eq!(log.first_index().unwrap(), 4);
         assert_eq!(log.term(3).unwrap(), 2, "the point keeps its term");

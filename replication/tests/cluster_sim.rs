@@ -82,7 +82,44 @@ struct Applier {
     index: u64,
 }
 
+/// What an applier had applied at a compaction point: the model of the
+/// shard's own durable state (its log), which a replica whose Raft log was
+/// compacted restarts from (the tracker is rebuilt from the entries).
+#[derive(Clone)]
+struct AppliedState {
+    control: BTreeSet<u64>,
+    records: BTreeMap<u64, u64>,
+    group_entries: Vec<GroupEntry>,
+    checked_to: u64,
+    index: u64,
+}
+
 impl Applier {
+    fn state(&self) -> AppliedState {
+        AppliedState {
+            control: self.control.clone(),
+            records: self.records.clone(),
+            group_entries: self.group_entries.clone(),
+            checked_to: self.checked_to,
+            index: self.index,
+        }
+    }
+
+    fn from_state(s: &AppliedState) -> Applier {
+        let mut mirror = GroupTracker::new(GROUP, group_config());
+        for e in &s.group_entries {
+            mirror.apply_entry(e);
+        }
+        Applier {
+            control: s.control.clone(),
+            records: s.records.clone(),
+            group_entries: s.group_entries.clone(),
+            mirror,
+            checked_to: s.checked_to,
+            index: s.index,
+        }
+    }
+
     fn new() -> Applier {
         Applier {
             control: BTreeSet::new(),
@@ -100,6 +137,9 @@ struct Node {
     replica: Option<Replica>,
     /// The log of a crashed replica, kept for its restart.
     down_log: Option<ReplicaLog>,
+    /// What was applied at the replica's last compaction point (kept
+    /// across crashes, as the shard's log is).
+    compacted: Option<AppliedState>,
     up_at: u64,
     applier: Applier,
     /// The group tracker serving requests while this replica serves as
@@ -196,6 +236,8 @@ struct Stats {
     crashes: u64,
     dead_confirmed: u64,
     acks: u64,
+    compactions: u64,
+    restarts_compacted: u64,
 }
 
 impl Sim {
@@ -207,6 +249,7 @@ impl Sim {
                 id,
                 replica: Some(Replica::open(replica_config(id), ReplicaLog::new(&voters)).unwrap()),
                 down_log: None,
+                compacted: None,
                 disk: VecDeque::new(),
                 up_at: 0,
                 applier: Applier::new(),
@@ -273,7 +316,15 @@ impl Sim {
             if n.replica.is_none() && self.now >= n.up_at {
                 let log = n.down_log.take().expect("a down replica keeps its log");
                 n.replica = Some(Replica::open(replica_config(n.id), log).unwrap());
-                n.applier = Applier::new();
+                // From the compaction point, if the log was compacted:
+                // the entries after it are applied again.
+                n.applier = n
+                    .compacted
+                    .as_ref()
+                    .map_or_else(Applier::new, Applier::from_state);
+                if n.compacted.is_some() {
+                    self.stats.restarts_compacted += 1;
+                }
             }
         }
         // Deliver what is due.
@@ -291,15 +342,22 @@ impl Sim {
             let PeerMessage {
                 group,
                 message: msg,
-                ..
+                held_by_all,
             } = msgs.pop().unwrap();
             assert_eq!(group, SHARD_GROUP);
             if let Some(r) = self.nodes[m.to as usize - 1].replica.as_mut() {
-                if let Err(e) = r.step(msg) {
-                    assert!(
+                let (from, term) = (msg.from, msg.term);
+                match r.step(msg) {
+                    // As the broker's host: only the current leader is
+                    // heard on what every replica holds.
+                    Ok(()) if r.term() == term && r.leader() == Some(from) => {
+                        r.note_compact_hint(held_by_all)
+                    }
+                    Ok(()) => {}
+                    Err(e) => assert!(
                         !matches!(e, ReplicationError::Refused(ref why) if why.starts_with("entry")),
                         "a replica sent an entry its peer refused: {e}"
-                    );
+                    ),
                 }
             }
         }
@@ -317,7 +375,29 @@ impl Sim {
         for i in 0..self.nodes.len() {
             self.finish_writes(i);
             self.drain(i);
+            if self.rng.gen_ratio(1, 40) {
+                self.compact(i);
+            }
         }
+    }
+
+    /// Compact replica `i`'s log to what its applier has applied, when
+    /// every replica holds that much: the applier's state there is kept as
+    /// the shard's durable state (the broker flushes the shard log first).
+    fn compact(&mut self, i: usize) {
+        let n = &mut self.nodes[i];
+        let Some(r) = n.replica.as_mut() else {
+            return;
+        };
+        let to = n.applier.index;
+        let can = r.log().compacted().index + r.compactable();
+        if r.compactable() == 0 || can != to {
+            return;
+        }
+        let done = r.compact(to).expect("something to compact");
+        assert_eq!(done.index, to);
+        n.compacted = Some(n.applier.state());
+        self.stats.compactions += 1;
     }
 
     fn faults(&mut self) {
@@ -519,6 +599,11 @@ impl Sim {
     }
 
     fn route(&mut self, i: usize, out: Vec<Message>, events: Vec<Event>) {
+        let hint = self.nodes[i]
+            .replica
+            .as_mut()
+            .expect("a live replica")
+            .compact_hint();
         let r = self.nodes[i].replica.as_ref().expect("a live replica");
         let from = r.id();
         let (term, leads) = (r.term(), r.is_leader());
@@ -537,9 +622,7 @@ impl Sim {
             encode_frame(
                 &[PeerMessage {
                     group: SHARD_GROUP,
-                    // The simulation's applier rebuilds its state from the
-                    // entries applied since the first: it never compacts.
-                    held_by_all: 0,
+                    held_by_all: hint,
                     message: msg,
                 }],
                 FRAME_MAX,
@@ -841,6 +924,8 @@ fn replicated_shard_keeps_its_promises_under_crashes_and_partitions() {
         total.acks += s.acks;
         total.reads_at_deposed += s.reads_at_deposed;
         total.writes += s.writes;
+        total.compactions += s.compactions;
+        total.restarts_compacted += s.restarts_compacted;
     }
     eprintln!("{total:?}");
     // The schedules must have exercised what they claim to.
@@ -850,4 +935,6 @@ fn replicated_shard_keeps_its_promises_under_crashes_and_partitions() {
     // Reads did reach leaders that had been deposed without knowing it
     // (and none of them was answered: checked where each settled).
     assert!(total.reads_at_deposed > 0);
+    // Logs were compacted, and replicas restarted from compacted logs.
+    assert!(total.compactions > 0 && total.restarts_compacted > 0);
 }
