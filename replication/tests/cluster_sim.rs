@@ -928,6 +928,11 @@ fn replicated_shard_keeps_its_promises_under_crashes_and_partitions() {
         total.restarts_compacted += s.restarts_compacted;
     }
     eprintln!("{total:?}");
+    if std::env::var("FELIX_SIM_SEED").is_ok() {
+        // A replay of one schedule: its checks ran as it went; one
+        // schedule need not exercise everything the whole set does.
+        return;
+    }
     // The schedules must have exercised what they claim to.
     assert!(total.crashes > 0 && total.leader_changes > 0);
     assert!(total.published > 0 && total.acks > 0 && total.dead_confirmed > 0);
