@@ -141,11 +141,16 @@ fn three_hosts_replicate_over_tcp_and_a_new_leader_carries_on() {
 
 /// Three hosts with `configure` applied to each config.
 fn three_hosts(configure: impl Fn(&mut HostConfig)) -> Vec<Host> {
+    three_hosts_at(configure).0
+}
+
+/// [`three_hosts`], with their replication addresses.
+fn three_hosts_at(configure: impl Fn(&mut HostConfig)) -> (Vec<Host>, Vec<SocketAddr>) {
     let listeners: Vec<TcpListener> = (0..3)
         .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
         .collect();
     let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
-    listeners
+    let hosts = listeners
         .into_iter()
         .enumerate()
         .map(|(i, listener)| {
@@ -164,7 +169,8 @@ fn three_hosts(configure: impl Fn(&mut HostConfig)) -> Vec<Host> {
             )
             .unwrap()
         })
-        .collect()
+        .collect();
+    (hosts, addrs)
 }
 
 #[test]
@@ -253,36 +259,6 @@ fn a_host_dropped_without_close_stops_its_tasks_and_a_bad_config_is_refused() {
         .unwrap();
 }
 
-/// Hosts 1..=3 on one group, each with the key `key(id)`; returns them and
-/// their replication addresses.
-fn keyed_hosts(key: impl Fn(u64) -> PeerKey) -> (Vec<Host>, Vec<SocketAddr>) {
-    let listeners: Vec<TcpListener> = (0..3)
-        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
-        .collect();
-    let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
-    let hosts = listeners
-        .into_iter()
-        .enumerate()
-        .map(|(i, listener)| {
-            let peers = (0..3)
-                .filter(|&j| j != i)
-                .map(|j| (j as u64 + 1, addrs[j]))
-                .collect();
-            let mut config = HostConfig::new(i as u64 + 1, peers);
-            config.tick = Duration::from_millis(5);
-            config.peer_key = key(i as u64 + 1);
-            Host::start(
-                config,
-                listener,
-                &[(GROUP, vec![1, 2, 3])],
-                Box::new(|_, _| {}),
-            )
-            .unwrap()
-        })
-        .collect();
-    (hosts, addrs)
-}
-
 /// A heartbeat for `GROUP` from `from` to `to` in `term`, framed.
 fn heartbeat_frame(from: u64, to: u64, term: u64) -> Vec<u8> {
     let mut hb = Message::default();
@@ -345,9 +321,11 @@ fn a_host_without_the_clusters_secret_is_not_heard_and_hears_nothing() {
     LocalExecutorBuilder::new(Placement::Unbound)
         .spawn(|| async move {
             let secret = PeerKey::from_secret(b"the cluster's secret");
-            let (hosts, _) = keyed_hosts(|id| match id {
-                3 => PeerKey::from_secret(b"another secret"),
-                _ => secret.clone(),
+            let hosts = three_hosts(|c| {
+                c.peer_key = match c.id {
+                    3 => PeerKey::from_secret(b"another secret"),
+                    _ => secret.clone(),
+                }
             });
             let leader = until("a leader", || {
                 hosts[..2].iter().position(|h| h.serving(GROUP))
@@ -377,7 +355,7 @@ fn a_connection_speaks_only_for_the_peer_it_proved_to_be() {
     LocalExecutorBuilder::new(Placement::Unbound)
         .spawn(|| async move {
             let key = PeerKey::from_secret(b"the cluster's secret");
-            let (hosts, addrs) = keyed_hosts(|_| key.clone());
+            let (hosts, addrs) = three_hosts_at(|c| c.peer_key = key.clone());
             let leader = until("a leader", || hosts.iter().position(|h| h.serving(GROUP))).await;
             let f = (leader + 1) % 3;
             let other = 3 - leader - f;

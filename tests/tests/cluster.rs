@@ -1210,6 +1210,19 @@ fn a_new_leaders_generation_start_is_counted_in_skipped_before() {
     });
 }
 
+/// A cluster client that knows every broker but `leader` (which is cut
+/// off or stopped: short timeouts, so a call that reaches it gives up
+/// soon and tries the others).
+async fn without(cluster: &Cluster, leader: &str) -> ClusterClient {
+    let others: Vec<&String> = cluster.addrs.iter().filter(|a| *a != leader).collect();
+    let config = ClientConfig {
+        connect_timeout: Duration::from_millis(500),
+        request_timeout: Duration::from_secs(2),
+        ..ClientConfig::default()
+    };
+    ClusterClient::connect(&others, config).await.unwrap()
+}
+
 /// Send `sig` to a broker this test started.
 fn signal(b: &Broker, sig: libc::c_int) {
     // SAFETY: kill(2) on a child process of this test.
@@ -1267,18 +1280,7 @@ fn a_deposed_leader_refuses_to_describe_a_group() {
 
         // The other two elect a leader; there the group finishes every
         // record and its dead letter is redriven and finished too.
-        let others: Vec<String> = cluster
-            .addrs
-            .iter()
-            .filter(|a| **a != leader)
-            .cloned()
-            .collect();
-        let config = ClientConfig {
-            connect_timeout: Duration::from_millis(500),
-            request_timeout: Duration::from_secs(2),
-            ..ClientConfig::default()
-        };
-        let rest = ClusterClient::connect(&others, config).await.unwrap();
+        let rest = without(&cluster, &leader).await;
         let deadline = Instant::now() + Duration::from_secs(30);
         let moved = loop {
             assert!(Instant::now() < deadline, "the others elect a leader");
@@ -1392,18 +1394,7 @@ fn a_cut_off_leader_acknowledges_nothing_and_rejoins_without_it() {
         };
 
         // The other two carry on (through a client that knows only them).
-        let others: Vec<String> = cluster
-            .addrs
-            .iter()
-            .filter(|a| **a != leader)
-            .cloned()
-            .collect();
-        let config = ClientConfig {
-            connect_timeout: Duration::from_millis(500),
-            request_timeout: Duration::from_secs(2),
-            ..ClientConfig::default()
-        };
-        let rest = ClusterClient::connect(&others, config).await.unwrap();
+        let rest = without(&cluster, &leader).await;
         publish_some(&rest, 4, 4, &mut acked).await;
 
         // Nothing it took alone is acknowledged, before the network heals
@@ -1508,18 +1499,7 @@ fn an_ack_to_a_cut_off_leader_is_refused_and_the_record_is_owed() {
             })
         };
 
-        let others: Vec<String> = cluster
-            .addrs
-            .iter()
-            .filter(|a| **a != leader)
-            .cloned()
-            .collect();
-        let config = ClientConfig {
-            connect_timeout: Duration::from_millis(500),
-            request_timeout: Duration::from_secs(2),
-            ..ClientConfig::default()
-        };
-        let rest = ClusterClient::connect(&others, config).await.unwrap();
+        let rest = without(&cluster, &leader).await;
         // The new leader owes every record but the first: the acks the
         // cut-off leader took never committed.
         // (Until then a poll may reach the old leader, which still has
