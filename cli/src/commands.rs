@@ -9,7 +9,7 @@ use felix_client::{
     Client, ClientConfig, ClientError, ClusterClient, GroupInfo, GroupMember, GroupPollOptions,
     RecordIn, ShardedGroup, ShardedRecord, StartPosition, StreamOptions, StreamRef, FEATURE_GROUPS,
     FEATURE_GROUP_ADMIN, FEATURE_GROUP_CLAIM_CONTROL, FEATURE_GROUP_DEAD_LETTER_PAGES,
-    FEATURE_GROUP_SKIPPED, FEATURE_PUBLISH_ACK_MODE,
+    FEATURE_GROUP_SKIPPED, FEATURE_PUBLISH_ACK_MODE, FEATURE_REPLICA_INFO,
 };
 use futures_lite::future::poll_once;
 use tokio::io::AsyncBufReadExt;
@@ -24,8 +24,9 @@ use crate::CliError;
 /// Run a client command. `--broker` may list several brokers of a cluster
 /// (`A,B,C`): a stream is then created or deleted on each; any other
 /// command goes to the first that can be reached, and a `not_leader`
-/// answer is followed to the broker it names (except a publish reading
-/// stdin, whose lines the first attempt consumed).
+/// answer is followed to the broker it names, or, naming none (an
+/// election), asked again for up to [`ELECTION_WAIT`] (except a publish
+/// reading stdin, whose lines the first attempt consumed).
 pub async fn run(global: &GlobalArgs, command: Command) -> Result<(), CliError> {
     let brokers: Vec<String> = global
         .broker
@@ -58,8 +59,26 @@ pub async fn run(global: &GlobalArgs, command: Command) -> Result<(), CliError> 
     let mut target = 0;
     let mut follows = 0;
     let mut current = brokers[0].clone();
+    let electing_since = std::time::Instant::now();
+    let mut backoff = Duration::from_millis(50);
     loop {
         match run_on(&on(&current), command.clone()).await {
+            // No leader known (an election, just after a start or a
+            // failover): ask again, the next broker listed first, for a
+            // while. Nothing was applied.
+            Err(CliError::Client(ClientError::NotLeader { leader: None, .. }))
+                if rerunnable && electing_since.elapsed() < ELECTION_WAIT =>
+            {
+                if backoff == Duration::from_millis(50) {
+                    eprintln!(
+                        "felix: no leader of that shard is known yet (an election?); waiting"
+                    );
+                }
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_millis(500));
+                target = (target + 1) % brokers.len();
+                current = brokers[target].clone();
+            }
             Err(CliError::Client(ClientError::NotLeader {
                 leader: Some(leader),
                 ..
@@ -79,10 +98,17 @@ pub async fn run(global: &GlobalArgs, command: Command) -> Result<(), CliError> 
     }
 }
 
+/// How long a command waits for a shard's leader to be elected before it
+/// gives up (an election takes well under a second; a cluster without a
+/// majority has none).
+const ELECTION_WAIT: Duration = Duration::from_secs(10);
+
 /// A command that works on every shard of a stream: on a cluster its
 /// shards can lead on different brokers.
 fn spans_shards(command: &Command) -> bool {
     match command {
+        // Every broker's replica of the shard.
+        Command::Shard(ShardCmd::Describe { .. }) => true,
         Command::Consume(args) => args.all_shards,
         Command::Group(
             GroupCmd::Describe { all_shards, .. }
@@ -136,6 +162,9 @@ async fn on_cluster(
             cluster.group_delete_stream(t, n, s, &g.group).await?;
             println(&deleted(&g, true))
         }
+        Command::Shard(ShardCmd::Describe { stream, shard }) => {
+            describe_on_cluster(global, &cluster, &stream, shard).await
+        }
         _ => unreachable!("only commands `spans_shards` picks come here"),
     }
 }
@@ -147,10 +176,15 @@ async fn run_on(global: &GlobalArgs, command: Command) -> Result<(), CliError> {
         Command::Serve(_) => unreachable!("serve runs without a client"),
         Command::Stream(cmd) => stream(&client, cmd).await,
         Command::Shard(ShardCmd::Describe { stream, shard }) => {
-            let info = client
-                .describe_shard(&stream.tenant, &stream.namespace, &stream.stream, shard)
-                .await?;
-            print(&output::shard_details(&info))
+            let (t, n, s) = parts(&stream);
+            let info = client.describe_shard(t, n, s, shard).await?;
+            let mut out = output::shard_details(&info);
+            if client.has_feature(FEATURE_REPLICA_INFO) {
+                out.push_str(&output::replica_details(
+                    &client.describe_replica(t, n, s, shard).await?,
+                ));
+            }
+            print(&out)
         }
         Command::Publish(args) => publish(&client, args).await,
         Command::Read(args) => read(&client, args).await,
@@ -245,24 +279,67 @@ async fn stream(client: &Client, cmd: StreamCmd) -> Result<(), CliError> {
 }
 
 /// A stream's description followed by one row per shard (offsets, size,
-/// whether it stopped), one describe call per shard.
+/// whether it stopped, and on a cluster the leader this broker knows of),
+/// one describe call per shard.
 async fn with_shards(
     client: &Client,
     info: &felix_client::felix_wire::StreamInfo,
 ) -> Result<String, CliError> {
-    let s = &info.stream;
+    let (t, n, s) = parts(&info.stream);
+    let replicated = client.has_feature(FEATURE_REPLICA_INFO);
     let mut shards = Vec::with_capacity(info.shards as usize);
+    let mut leaders = Vec::new();
     for shard in 0..info.shards {
-        shards.push(
-            client
-                .describe_shard(&s.tenant, &s.namespace, &s.stream, shard)
-                .await?,
-        );
+        shards.push(client.describe_shard(t, n, s, shard).await?);
+        if replicated {
+            leaders.push(match client.describe_replica(t, n, s, shard).await {
+                Ok(r) => output::leader(&r),
+                Err(e) => format!("unknown ({e})"),
+            });
+        }
     }
     Ok(format!(
         "{}\n{}",
         output::stream_details(info),
-        output::shard_table(&shards)
+        output::shard_table(&shards, replicated.then_some(leaders.as_slice()))
+    ))
+}
+
+/// `shard describe` on several brokers: the shard as its leader (or,
+/// without one, the first broker that answers) has it, then every
+/// broker's replica of it.
+async fn describe_on_cluster(
+    global: &GlobalArgs,
+    cluster: &ClusterClient,
+    stream: &StreamRef,
+    shard: u32,
+) -> Result<(), CliError> {
+    let (t, n, s) = parts(stream);
+    let answers = cluster.describe_replicas(t, n, s, shard).await;
+    let leader = answers
+        .iter()
+        .filter(|(_, r)| {
+            r.as_ref()
+                .is_ok_and(|i| i.role == felix_client::ReplicaRole::Leader)
+        })
+        .chain(answers.iter().filter(|(_, r)| r.is_ok()))
+        .map(|(b, _)| b.clone())
+        .next();
+    let Some(broker) = leader else {
+        // Nobody answered: the first broker's error says why.
+        let (_, first) = answers.into_iter().next().expect("--broker names one");
+        return Err(first.expect_err("no broker answered").into());
+    };
+    let client = Client::connect(&broker, client_config(global, false)).await?;
+    let info = client.describe_shard(t, n, s, shard).await?;
+    let table: Vec<(String, Result<_, String>)> = answers
+        .into_iter()
+        .map(|(b, r)| (b, r.map_err(|e| e.to_string())))
+        .collect();
+    print(&format!(
+        "{}\n{}",
+        output::shard_details(&info),
+        output::replica_table(&table)
     ))
 }
 
@@ -305,6 +382,8 @@ fn refused_whole(e: &ClientError) -> bool {
                 | felix_client::ErrorCode::Unauthorized
                 | felix_client::ErrorCode::Unsupported
                 | felix_client::ErrorCode::WrongCore
+                // A follower, or a leader not yet serving: nothing proposed.
+                | felix_client::ErrorCode::NotLeader
         )
     )
 }
@@ -494,7 +573,8 @@ async fn publish(client: &Client, args: PublishArgs) -> Result<(), CliError> {
         max_records: args.batch_records.max(1),
         max_bytes: args.batch_bytes.max(1),
     };
-    let result = if args.messages.is_empty() {
+    let stdin = args.messages.is_empty();
+    let result = if stdin {
         publish_stdin(&mut pipe, &mut batch).await
     } else {
         publish_messages(&mut pipe, &mut batch, args.messages).await
@@ -511,6 +591,15 @@ async fn publish(client: &Client, args: PublishArgs) -> Result<(), CliError> {
         }
         Err(e) => {
             pipe.settle_all().await;
+            let rerun = !stdin
+                && pipe.published == 0
+                && pipe.unknown.iter().all(|u| u.3)
+                && matches!(e, CliError::Client(ClientError::NotLeader { .. }));
+            if rerun {
+                // Nothing stored, and `run` sends the messages again to the
+                // leader (or says why not): no report of this attempt.
+                return Err(e);
+            }
             eprintln!("published {} before the error", records(pipe.published));
             for (first, last, why, refused) in &pipe.unknown {
                 let which = if first == last {
@@ -1200,6 +1289,7 @@ async fn ping(client: &Client) -> Result<(), CliError> {
         (FEATURE_GROUP_ADMIN, "group_admin"),
         (FEATURE_PUBLISH_ACK_MODE, "publish_ack_mode"),
         (FEATURE_GROUP_DEAD_LETTER_PAGES, "group_dead_letter_pages"),
+        (FEATURE_REPLICA_INFO, "replica_info"),
     ];
     let features: Vec<&str> = names
         .iter()

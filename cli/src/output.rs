@@ -2,7 +2,9 @@
 
 use std::io::Write;
 
-use felix_client::{DeadLetterInfo, GroupInfo, GroupRecord, Record, ShardInfo, StreamInfo};
+use felix_client::{
+    DeadLetterInfo, GroupInfo, GroupRecord, Record, ReplicaInfo, ShardInfo, StreamInfo,
+};
 use serde::Serialize;
 use serde_json::json;
 
@@ -262,32 +264,39 @@ fn aligned(header: &[&str], rows: &[Vec<String>]) -> String {
     out
 }
 
-/// One row per shard, aligned, under a header.
-pub fn shard_table(shards: &[ShardInfo]) -> String {
+/// One row per shard, aligned, under a header; on a cluster, with the
+/// leader the broker asked knows of for each (`leaders`, by shard).
+pub fn shard_table(shards: &[ShardInfo], leaders: Option<&[String]>) -> String {
     let rows: Vec<Vec<String>> = shards
         .iter()
-        .map(|s| {
-            vec![
+        .enumerate()
+        .map(|(i, s)| {
+            let mut row = vec![
                 s.shard.to_string(),
                 s.core.to_string(),
                 s.start_offset.to_string(),
                 s.end_offset.to_string(),
                 s.bytes.to_string(),
                 s.stopped.clone().unwrap_or_else(|| "no".into()),
-            ]
+            ];
+            if let Some(l) = leaders {
+                row.push(l.get(i).cloned().unwrap_or_else(|| "-".into()));
+            }
+            row
         })
         .collect();
-    aligned(
-        &[
-            "shard",
-            "core",
-            "start_offset",
-            "end_offset",
-            "bytes",
-            "stopped",
-        ],
-        &rows,
-    )
+    let mut header = vec![
+        "shard",
+        "core",
+        "start_offset",
+        "end_offset",
+        "bytes",
+        "stopped",
+    ];
+    if leaders.is_some() {
+        header.push("leader");
+    }
+    aligned(&header, &rows)
 }
 
 pub fn shard_details(s: &ShardInfo) -> String {
@@ -303,6 +312,90 @@ pub fn shard_details(s: &ShardInfo) -> String {
         s.segments,
         s.stopped.as_deref().unwrap_or("no")
     )
+}
+
+/// A broker's replica of a shard, as it sees it: lines to follow
+/// [`shard_details`].
+pub fn replica_details(r: &ReplicaInfo) -> String {
+    let mut out = format!(
+        "replica       node {}, {} in term {}\nleader        {}\ncommit        {}\napplied       {}\nlast_index    {}\ncompacted     {}\n",
+        r.node,
+        r.role.name(),
+        r.term,
+        leader(r),
+        r.commit,
+        r.applied,
+        r.last_index,
+        r.compacted,
+    );
+    for p in &r.peers {
+        out.push_str(&format!(
+            "peer {:<8} holds up to {} ({} behind)\n",
+            p.node,
+            p.matched,
+            r.last_index.saturating_sub(p.matched)
+        ));
+    }
+    if let Some(why) = &r.stopped {
+        out.push_str(&format!("stopped_why   {why}\n"));
+    }
+    out
+}
+
+/// Who leads, as a replica knows: `node 2 at 127.0.0.1:7410`, or `none
+/// known`.
+pub fn leader(r: &ReplicaInfo) -> String {
+    match (r.leader, &r.leader_addr) {
+        (Some(id), Some(addr)) => format!("node {id} at {addr}"),
+        (Some(id), None) => format!("node {id}"),
+        (None, _) => "none known".to_string(),
+    }
+}
+
+/// Every broker's replica of a shard, one row each: a broker that did not
+/// answer has its error in place of the figures.
+pub fn replica_table(answers: &[(String, Result<ReplicaInfo, String>)]) -> String {
+    let rows: Vec<Vec<String>> = answers
+        .iter()
+        .map(|(broker, r)| match r {
+            Ok(r) => vec![
+                broker.clone(),
+                r.node.to_string(),
+                r.role.name().to_string(),
+                r.term.to_string(),
+                r.leader.map_or_else(|| "-".to_string(), |l| l.to_string()),
+                r.commit.to_string(),
+                r.applied.to_string(),
+                r.last_index.to_string(),
+                r.compacted.to_string(),
+            ],
+            Err(_) => {
+                let mut row = vec!["-".to_string(); 9];
+                row[0] = broker.clone();
+                row[2] = "no answer".into();
+                row
+            }
+        })
+        .collect();
+    let why: String = answers
+        .iter()
+        .filter_map(|(broker, r)| r.as_ref().err().map(|e| format!("{broker}: {e}\n")))
+        .collect();
+    let table = aligned(
+        &[
+            "broker",
+            "node",
+            "role",
+            "term",
+            "leader",
+            "commit",
+            "applied",
+            "last_index",
+            "compacted",
+        ],
+        &rows,
+    );
+    format!("{table}{why}")
 }
 
 pub fn group_details(g: &GroupInfo) -> String {

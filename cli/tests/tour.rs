@@ -1787,14 +1787,14 @@ fn group_commands_take_all_shards() {
 /// them.
 #[test]
 fn the_readme_cluster_works() {
-    let ports: Vec<u16> = {
-        let held: Vec<std::net::TcpListener> = (0..6)
-            .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
-            .collect();
-        held.iter()
-            .map(|l| l.local_addr().unwrap().port())
-            .collect()
-    };
+    // Below the ephemeral range (32768 and up): no connection of the CLI
+    // runs below takes one of them before the brokers bind it.
+    let base = 10_000 + (std::process::id() % 2_000) * 10;
+    let ports: Vec<u16> = (base..base + 200)
+        .map(|p| p as u16)
+        .filter(|p| std::net::TcpListener::bind(("127.0.0.1", *p)).is_ok())
+        .take(6)
+        .collect();
     let addrs: Vec<String> = (0..3).map(|i| format!("127.0.0.1:{}", ports[i])).collect();
     let peers = (0..3)
         .map(|i| format!("{}={}/127.0.0.1:{}", i + 1, addrs[i], ports[3 + i]))
@@ -1851,33 +1851,59 @@ fn the_readme_cluster_works() {
         let described = ok(n, &["stream", "describe", "demo/ha/jobs"], None);
         assert!(described.contains("demo/ha/jobs"), "{described}");
     }
-    // Published through whichever broker leads (elections take a moment:
-    // the CLI retries nothing else, so wait for one by trying).
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    loop {
-        let out = run_at(
-            &all,
-            &[
-                "publish",
-                "demo/ha/jobs",
-                "--shard",
-                "0",
-                "one",
-                "two",
-                "three",
-            ],
-            None,
-        );
-        if out.status.success() {
-            break;
+    // Published through whichever broker leads: the stream was created a
+    // moment ago, so its election may still be on, which the CLI waits out.
+    ok_at(
+        &all,
+        &[
+            "publish",
+            "demo/ha/jobs",
+            "--shard",
+            "0",
+            "one",
+            "two",
+            "three",
+        ],
+        None,
+    );
+    // Every broker's replica of the shard: one leads, the others follow it.
+    // (A follower the leader has not reached yet knows of none for a moment.)
+    let roles = |described: &str| -> Vec<String> {
+        described
+            .lines()
+            .filter(|l| addrs.iter().any(|a| l.starts_with(a.as_str())))
+            .map(|l| l.split_whitespace().nth(2).unwrap().to_string())
+            .collect()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let leader = loop {
+        let described = ok_at(&all, &["shard", "describe", "demo/ha/jobs"], None);
+        let roles = roles(&described);
+        let mut sorted = roles.clone();
+        sorted.sort_unstable();
+        if sorted == ["follower", "follower", "leader"] {
+            break roles.iter().position(|r| r == "leader").unwrap();
         }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "publish kept failing: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        std::thread::park_timeout(std::time::Duration::from_millis(100));
-    }
+        assert!(std::time::Instant::now() < deadline, "{described}");
+        std::thread::park_timeout(std::time::Duration::from_millis(50));
+    };
+    // One broker's own view names the leader and its address.
+    let follower = &nodes[(leader + 1) % 3];
+    let own = ok(follower, &["shard", "describe", "demo/ha/jobs"], None);
+    assert!(
+        own.contains(&format!(
+            "leader        node {} at {}",
+            leader + 1,
+            addrs[leader]
+        )),
+        "{own}"
+    );
+    assert!(own.contains("follower in term"), "{own}");
+    let stream = ok(follower, &["stream", "describe", "demo/ha/jobs"], None);
+    assert!(
+        stream.contains(&format!("node {} at {}", leader + 1, addrs[leader])),
+        "{stream}"
+    );
     // Every broker holds them (a follower can be a moment behind).
     for n in &nodes {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
@@ -1932,30 +1958,18 @@ fn the_readme_cluster_works() {
         None,
     );
     for (shard, words) in [("0", ["a", "b"]), ("1", ["c", "d"])] {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-        loop {
-            let out = run_at(
-                &all,
-                &[
-                    "publish",
-                    "demo/ha/wide",
-                    "--shard",
-                    shard,
-                    words[0],
-                    words[1],
-                ],
-                None,
-            );
-            if out.status.success() {
-                break;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "publish to shard {shard} kept failing: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            std::thread::park_timeout(std::time::Duration::from_millis(100));
-        }
+        ok_at(
+            &all,
+            &[
+                "publish",
+                "demo/ha/wide",
+                "--shard",
+                shard,
+                words[0],
+                words[1],
+            ],
+            None,
+        );
     }
     ok_at(
         &all,

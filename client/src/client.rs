@@ -11,9 +11,10 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use felix_wire::{
     AckMode, DeadLetterInfo, ErrorCode, GroupInfo, GroupKey, GroupMemberRef, GroupRecord,
-    PublishTarget, RecordIn, Request, Response, ShardInfo, StartPosition, StreamInfo, StreamRef,
-    FEATURE_GROUPS, FEATURE_GROUP_ADMIN, FEATURE_GROUP_CLAIM_CONTROL,
+    PublishTarget, RecordIn, ReplicaInfo, Request, Response, ShardInfo, StartPosition, StreamInfo,
+    StreamRef, FEATURE_GROUPS, FEATURE_GROUP_ADMIN, FEATURE_GROUP_CLAIM_CONTROL,
     FEATURE_GROUP_DEAD_LETTER_PAGES, FEATURE_GROUP_SKIPPED, FEATURE_PUBLISH_ACK_MODE,
+    FEATURE_REPLICA_INFO,
 };
 use tokio::net::ToSocketAddrs;
 
@@ -207,6 +208,7 @@ fn feature_name(bit: u64) -> &'static str {
         FEATURE_GROUP_ADMIN => "FEATURE_GROUP_ADMIN",
         FEATURE_PUBLISH_ACK_MODE => "FEATURE_PUBLISH_ACK_MODE",
         FEATURE_GROUP_DEAD_LETTER_PAGES => "FEATURE_GROUP_DEAD_LETTER_PAGES",
+        FEATURE_REPLICA_INFO => "FEATURE_REPLICA_INFO",
         _ => "an unknown feature",
     }
 }
@@ -671,6 +673,45 @@ impl Client {
         {
             Response::Shard(info) => Ok(info),
             other => Err(unexpected(other, "describe_shard")),
+        }
+    }
+
+    /// This broker's replica of one shard, as it sees it: its role, term,
+    /// the leader it knows (with its client address) and its replication
+    /// indices; on the leader, every other broker's progress. Any broker of
+    /// a cluster answers, leader or not. Needs
+    /// [`FEATURE_REPLICA_INFO`](felix_wire::FEATURE_REPLICA_INFO), which
+    /// only a broker in a cluster advertises.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: felix_client::Client) -> felix_client::Result<()> {
+    /// let replica = client.describe_replica("t1", "default", "orders", 0).await?;
+    /// match &replica.leader_addr {
+    ///     Some(addr) => println!("shard 0 is led by {addr} (term {})", replica.term),
+    ///     None => println!("shard 0 has no leader this broker knows of"),
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn describe_replica(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+    ) -> Result<ReplicaInfo> {
+        self.require(FEATURE_REPLICA_INFO, "describe_replica")?;
+        let stream = StreamRef::new(tenant, namespace, stream);
+        let req = Request::DescribeReplica {
+            stream: stream.clone(),
+            shard,
+        };
+        match self
+            .call_shard(&stream, shard, &req, Duration::ZERO)
+            .await?
+        {
+            Response::Replica(info) => Ok(*info),
+            other => Err(unexpected(other, "describe_replica")),
         }
     }
 

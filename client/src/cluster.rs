@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use felix_wire::{
-    DeadLetterInfo, ErrorCode, GroupInfo, GroupKey, GroupRecord, RecordIn, StartPosition,
-    StreamInfo, StreamRef,
+    DeadLetterInfo, ErrorCode, GroupInfo, GroupKey, GroupRecord, RecordIn, ReplicaInfo,
+    StartPosition, StreamInfo, StreamRef,
 };
 
 use crate::{
@@ -405,6 +405,68 @@ impl ClusterClient {
             }
         }
         Err(last.unwrap_or(ClientError::Timeout))
+    }
+
+    /// Every broker's replica of `shard`, as each sees it, in the order
+    /// the brokers were given: a broker that could not be reached, or
+    /// refused, has its error in its place. A broker that says it leads is
+    /// remembered as the shard's leader, so the next call goes there
+    /// first. See [`Client::describe_replica`].
+    pub async fn describe_replicas(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+    ) -> Vec<(String, Result<ReplicaInfo>)> {
+        // Asked all at once: a broker that does not answer holds up only
+        // its own place.
+        let mut asks = tokio::task::JoinSet::new();
+        for (i, b) in self.brokers.iter().enumerate() {
+            let (me, b) = (self.clone(), b.clone());
+            let (t, n, s) = (
+                tenant.to_string(),
+                namespace.to_string(),
+                stream.to_string(),
+            );
+            asks.spawn(async move {
+                let info = match me.client(&b).await {
+                    Ok(c) => c.describe_replica(&t, &n, &s, shard).await,
+                    Err(e) => Err(e),
+                };
+                if matches!(&info, Err(ClientError::Io(_) | ClientError::Disconnected)) {
+                    me.drop_client(&b).await;
+                }
+                (i, b, info)
+            });
+        }
+        let mut answers: Vec<Option<(String, Result<ReplicaInfo>)>> =
+            (0..self.brokers.len()).map(|_| None).collect();
+        while let Some(done) = asks.join_next().await {
+            // A task panics only if the client does; keep its place empty.
+            if let Ok((i, b, info)) = done {
+                answers[i] = Some((b, info));
+            }
+        }
+        let answers: Vec<(String, Result<ReplicaInfo>)> = answers
+            .into_iter()
+            .zip(self.brokers.iter())
+            .map(|(a, b)| a.unwrap_or_else(|| (b.clone(), Err(ClientError::Disconnected))))
+            .collect();
+        // The newest term's leader, as its own broker reports it.
+        let leader = answers
+            .iter()
+            .filter_map(|(b, r)| r.as_ref().ok().map(|i| (b, i)))
+            .filter(|(_, i)| i.role == felix_wire::ReplicaRole::Leader)
+            .max_by_key(|(_, i)| i.term)
+            .map(|(b, _)| b.clone());
+        if let Some(b) = leader {
+            self.leaders
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .insert((StreamRef::new(tenant, namespace, stream), shard), b);
+        }
+        answers
     }
 
     /// Publish one record to `shard` through its leader; returns its offset.

@@ -169,8 +169,9 @@ pub use types::{
 pub use bytes::Bytes;
 pub use felix_wire;
 pub use felix_wire::{
-    shard_for_key, AckMode, DeadLetterInfo, ErrorCode, GroupInfo, GroupRecord, Record, RecordIn,
-    ShardInfo, StartPosition, StreamInfo, StreamRef, FEATURES_ALL, FEATURE_GROUPS,
-    FEATURE_GROUP_ADMIN, FEATURE_GROUP_CLAIM_CONTROL, FEATURE_GROUP_DEAD_LETTER_PAGES,
-    FEATURE_GROUP_SKIPPED, FEATURE_PUBLISH_ACK_MODE,
+    shard_for_key, AckMode, DeadLetterInfo, ErrorCode, GroupInfo, GroupRecord, PeerProgress,
+    Record, RecordIn, ReplicaInfo, ReplicaRole, ShardInfo, StartPosition, StreamInfo, StreamRef,
+    FEATURES_ALL, FEATURE_GROUPS, FEATURE_GROUP_ADMIN, FEATURE_GROUP_CLAIM_CONTROL,
+    FEATURE_GROUP_DEAD_LETTER_PAGES, FEATURE_GROUP_SKIPPED, FEATURE_PUBLISH_ACK_MODE,
+    FEATURE_REPLICA_INFO,
 };

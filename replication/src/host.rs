@@ -571,6 +571,19 @@ impl Host {
             .map(str::to_string)
     }
 
+    /// What `group`'s replica here knows of its group (`None` after
+    /// `close` or for a group not here).
+    pub fn status(&self, group: u64) -> Option<crate::ReplicaStatus> {
+        if self.inner.closed.get() {
+            return None;
+        }
+        self.inner
+            .replicas
+            .borrow()
+            .get(&group)
+            .map(Replica::status)
+    }
+
     /// Index of the last entry `group`'s replica applied here.
     pub fn applied(&self, group: u64) -> Option<u64> {
         self.inner

@@ -31,4 +31,6 @@ pub mod wire;
 pub use entry::{EntryError, EntryInfo, EntryKind};
 pub use log::{Compacted, ReplicaLog};
 pub use raft::eraftpb::Message;
-pub use replica::{Applied, Event, Landed, Replica, ReplicaConfig, ReplicationError};
+pub use replica::{
+    Applied, Event, Landed, Replica, ReplicaConfig, ReplicaStatus, ReplicationError, Role,
+};

@@ -41,6 +41,42 @@ pub const NUMBER_LIMIT: u64 = 1 << 62;
 /// A peer's term more than this past a replica's own is refused.
 pub const TERM_JUMP_LIMIT: u64 = 1 << 32;
 
+/// A replica's part in its group, as [`Replica::status`] reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Leads, with its generation start applied: takes proposals and reads.
+    Leader,
+    /// Elected, still applying its generation start: refuses for now.
+    Elected,
+    /// Follows the leader it names.
+    Follower,
+    /// Knows of no leader: an election is on, or no majority is reachable.
+    Electing,
+    /// Stopped after an error it cannot go past.
+    Stopped,
+}
+
+/// What a replica knows of its group, for operators (`felix shard
+/// describe` on a cluster).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaStatus {
+    pub role: Role,
+    pub term: u64,
+    /// Who leads, as far as this replica knows.
+    pub leader: Option<u64>,
+    /// Highest index this replica knows committed.
+    pub commit: u64,
+    /// Highest index applied here (written to the shard's log).
+    pub applied: u64,
+    /// Last index in this replica's log.
+    pub last_index: u64,
+    /// The log's compaction point: entries up to it are gone.
+    pub compacted: u64,
+    /// On a leader, every other voter with the highest index it is known
+    /// to hold; empty elsewhere.
+    pub peers: Vec<(u64, u64)>,
+}
+
 /// How a replica runs. Ticks are the owner's clock: one call to
 /// [`Replica::tick`] each.
 #[derive(Clone, Debug)]
@@ -312,6 +348,46 @@ impl Replica {
         match self.node.raft.leader_id {
             0 => None,
             id => Some(id),
+        }
+    }
+
+    /// What this replica knows of its group, for an operator: see
+    /// [`ReplicaStatus`].
+    pub fn status(&self) -> ReplicaStatus {
+        let raft = &self.node.raft;
+        let role = if self.stopped.is_some() {
+            Role::Stopped
+        } else if self.is_leader() {
+            if self.serving() {
+                Role::Leader
+            } else {
+                Role::Elected
+            }
+        } else if self.leader().is_some() {
+            Role::Follower
+        } else {
+            Role::Electing
+        };
+        let peers = if self.is_leader() {
+            self.node
+                .store()
+                .voters()
+                .iter()
+                .filter(|id| **id != self.config.id)
+                .map(|id| (*id, raft.prs().get(*id).map_or(0, |p| p.matched)))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        ReplicaStatus {
+            role,
+            term: self.term(),
+            leader: self.leader(),
+            commit: raft.raft_log.committed,
+            applied: self.applied,
+            last_index: raft.raft_log.last_index(),
+            compacted: self.log().compacted().index,
+            peers,
         }
     }
 

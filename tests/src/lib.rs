@@ -325,6 +325,36 @@ impl Drop for Broker {
 #[derive(Debug)]
 pub struct TimedOut;
 
+/// `n` loopback ports for brokers whose addresses must be known before
+/// they start (a cluster's client and replication ports), free when
+/// chosen. They come from below the kernel's ephemeral range, so no
+/// outgoing connection of this or any other process takes one between
+/// now and the broker's bind (ports from `bind(0)` are ephemeral, and a
+/// test's own client connections could take one first), and from a
+/// per-process cursor, so tests running side by side do not choose the
+/// same ones.
+pub fn free_ports(n: usize) -> Vec<u16> {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const LOW: u32 = 10_000;
+    // Below the ephemeral range (32768 on Linux unless changed).
+    let high = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32_768)
+        .clamp(LOW + 1_000, 65_535);
+    static CURSOR: AtomicU32 = AtomicU32::new(0);
+    let span = high - LOW;
+    let start = (std::process::id() * 7_919) % span;
+    let mut out = Vec::with_capacity(n);
+    while out.len() < n {
+        let at = LOW + (start + CURSOR.fetch_add(1, Ordering::Relaxed)) % span;
+        if std::net::TcpListener::bind(("127.0.0.1", at as u16)).is_ok() {
+            out.push(at as u16);
+        }
+    }
+    out
+}
+
 /// Poll `cond` until it holds or `deadline` passes.
 pub fn wait_until(deadline: Duration, mut cond: impl FnMut() -> bool) -> Result<(), TimedOut> {
     let end = Instant::now() + deadline;

@@ -13,22 +13,12 @@ use felix_client::{
     StreamOptions,
 };
 use felix_tests::partition::Partition;
-use felix_tests::{start_broker, Broker, BrokerOptions};
+use felix_tests::{free_ports, start_broker, Broker, BrokerOptions};
 
 const T: &str = "t1";
 const NS: &str = "ha";
 const S: &str = "events";
 const SHARDS: u32 = 2;
-
-fn free_ports(n: usize) -> Vec<u16> {
-    // Held together so no two are the same, then let go for the brokers.
-    let held: Vec<std::net::TcpListener> = (0..n)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
-        .collect();
-    held.iter()
-        .map(|l| l.local_addr().unwrap().port())
-        .collect()
-}
 
 struct Cluster {
     brokers: Vec<Broker>,
@@ -289,6 +279,104 @@ fn a_cluster_keeps_every_acknowledged_record_through_the_loss_of_its_leader() {
                 >= 30.0
         })
         .expect("the restarted broker compacts");
+    });
+}
+
+/// Every broker describes its own replica of a shard: one leader, in the
+/// term the others follow, named by them with its client address; every
+/// commit and applied index reaches the leader's last entry; the leader
+/// reports each follower holding it. After the leader is killed the two
+/// left agree on a new one in a later term, and the dead one's place says
+/// it did not answer.
+#[test]
+fn every_broker_describes_its_replica_and_names_the_leader() {
+    use felix_client::ReplicaRole;
+    let mut cluster = start_cluster();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let cc = ClusterClient::connect(&cluster.addrs, ClientConfig::default())
+            .await
+            .unwrap();
+        cc.create_stream(T, NS, S, SHARDS, StreamOptions::default())
+            .await
+            .unwrap();
+        let mut acked = BTreeMap::new();
+        publish_some(&cc, 0, 6, &mut acked).await;
+        let leader = cc.leader_of(T, NS, S, 0).expect("a leader is known");
+        let leader_node = cluster.addrs.iter().position(|a| *a == leader).unwrap() as u64 + 1;
+
+        // Settled: followers learn the commit with the next heartbeat.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let answers = loop {
+            let answers = cc.describe_replicas(T, NS, S, 0).await;
+            let infos: Vec<_> = answers.iter().map(|(_, r)| r.as_ref().unwrap()).collect();
+            let last = infos.iter().map(|i| i.last_index).max().unwrap();
+            let held = |i: &&felix_client::ReplicaInfo| {
+                i.commit == last && i.applied == last && i.peers.iter().all(|p| p.matched == last)
+            };
+            if infos.iter().all(held) {
+                break answers;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "replicas never settled: {infos:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        let term = answers[0].1.as_ref().unwrap().term;
+        for (i, (broker, r)) in answers.iter().enumerate() {
+            let r = r.as_ref().unwrap();
+            assert_eq!(*broker, cluster.addrs[i], "in the order given");
+            assert_eq!(r.node, i as u64 + 1, "{broker} is node {}", i + 1);
+            assert_eq!((r.stream.stream.as_str(), r.shard), (S, 0));
+            assert_eq!(r.term, term, "{broker}: one term");
+            assert_eq!(r.leader, Some(leader_node), "{broker} names the leader");
+            assert_eq!(r.leader_addr.as_deref(), Some(leader.as_str()));
+            assert_eq!(r.stopped, None);
+            // Six batches and the leader's generation start, at least.
+            assert!(r.last_index >= 7, "{broker}: {r:?}");
+            if r.node == leader_node {
+                assert_eq!(r.role, ReplicaRole::Leader);
+                let mut peers: Vec<u64> = r.peers.iter().map(|p| p.node).collect();
+                peers.sort_unstable();
+                let others: Vec<u64> = (1..=3).filter(|n| *n != leader_node).collect();
+                assert_eq!(peers, others, "the leader reports each follower");
+                for p in &r.peers {
+                    assert_eq!(p.matched, r.last_index, "node {} holds everything", p.node);
+                }
+            } else {
+                assert_eq!(r.role, ReplicaRole::Follower, "{broker}");
+                assert!(r.peers.is_empty(), "only the leader reports peers");
+            }
+        }
+
+        // kill -9 the leader: the others elect one of themselves, later.
+        let dead = leader_node as usize - 1;
+        cluster.brokers[dead].kill9();
+        publish_some(&cc, 6, 2, &mut acked).await;
+        let new_leader = cc.leader_of(T, NS, S, 0).unwrap();
+        assert_ne!(new_leader, leader);
+        let new_node = cluster.addrs.iter().position(|a| *a == new_leader).unwrap() as u64 + 1;
+        let answers = cc.describe_replicas(T, NS, S, 0).await;
+        assert!(
+            answers[dead].1.is_err(),
+            "the killed broker answers nothing"
+        );
+        for (broker, r) in answers.iter().filter(|(b, _)| *b != leader) {
+            let r = r.as_ref().unwrap();
+            assert!(r.term > term, "{broker}: a later term");
+            assert_eq!(r.leader, Some(new_node), "{broker}");
+            assert_eq!(r.leader_addr.as_deref(), Some(new_leader.as_str()));
+            let role = if r.node == new_node {
+                ReplicaRole::Leader
+            } else {
+                ReplicaRole::Follower
+            };
+            assert_eq!(r.role, role, "{broker}");
+        }
     });
 }
 

@@ -2110,3 +2110,49 @@ async fn clients_follow_a_broker_restarted_with_fewer_cores() {
         assert_eq!(got.len(), 16, "shard {shard}: 8 before and 8 after");
     }
 }
+
+/// A broker outside a cluster does not advertise `FEATURE_REPLICA_INFO`:
+/// the client refuses `describe_replica` without sending it, and the
+/// broker refuses one sent anyway with `unsupported`, then serves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_broker_describes_no_replica() {
+    use felix_wire::{Request, Response, StreamRef};
+    let broker = felix_tests::start_broker!(BrokerOptions::default().cores(1));
+    let c = client(&broker).await;
+    c.create_stream("t", "ns", "alone", 1, StreamOptions::default())
+        .await
+        .unwrap();
+    assert!(!c.has_feature(felix_wire::FEATURE_REPLICA_INFO));
+    match c.describe_replica("t", "ns", "alone", 0).await {
+        Err(ClientError::Unsupported(why)) => {
+            assert!(why.contains("FEATURE_REPLICA_INFO"), "{why}")
+        }
+        other => panic!("describe_replica on a single broker: {other:?}"),
+    }
+    let mut s = tokio::net::TcpStream::connect(&broker.addr).await.unwrap();
+    match raw_call(&mut s, 1, &hello(None, felix_wire::PROTOCOL_VERSION)).await {
+        Response::HelloOk { features, .. } => {
+            assert_eq!(features & felix_wire::FEATURE_REPLICA_INFO, 0)
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    let req = Request::DescribeReplica {
+        stream: StreamRef::new("t", "ns", "alone"),
+        shard: 0,
+    };
+    match raw_call(&mut s, 2, &req).await {
+        Response::Error(e) => {
+            assert_eq!(e.code, ErrorCode::Unsupported, "{e}");
+            assert!(e.message.contains("FEATURE_REPLICA_INFO"), "{e}");
+        }
+        other => panic!("an unnegotiated describe_replica: {other:?}"),
+    }
+    let req = Request::DescribeShard {
+        stream: StreamRef::new("t", "ns", "alone"),
+        shard: 0,
+    };
+    assert!(matches!(
+        raw_call(&mut s, 3, &req).await,
+        Response::Shard(_)
+    ));
+}

@@ -308,9 +308,9 @@ fn needs(req: &Request) -> Option<Need<'_>> {
         Request::CreateStream { stream, .. } | Request::DeleteStream { stream } => {
             Need::Perm(StreamManage, stream, None)
         }
-        Request::DescribeStream { stream } | Request::DescribeShard { stream, .. } => {
-            Need::Sees(stream)
-        }
+        Request::DescribeStream { stream }
+        | Request::DescribeShard { stream, .. }
+        | Request::DescribeReplica { stream, .. } => Need::Sees(stream),
         Request::ListGroups { stream, .. } => Need::Sees(stream),
         Request::Publish { stream, .. } => Need::Perm(StreamPublish, stream, None),
         Request::Read { stream, .. } => Need::Perm(StreamSubscribe, stream, None),
@@ -590,6 +590,10 @@ admin    *                 *
         for req in [
             Request::DescribeStream { stream: st.clone() },
             Request::DescribeShard {
+                stream: st.clone(),
+                shard: 0,
+            },
+            Request::DescribeReplica {
                 stream: st.clone(),
                 shard: 0,
             },

@@ -107,6 +107,9 @@ impl Shared {
                 | felix_wire::FEATURE_GROUP_ADMIN
                 | felix_wire::FEATURE_GROUP_DEAD_LETTER_PAGES;
         }
+        if self.config.cluster.is_some() {
+            f |= felix_wire::FEATURE_REPLICA_INFO;
+        }
         f
     }
 }

@@ -35,7 +35,9 @@
 //! replica holds and this one applied, once its shard log has them
 //! durably, leave memory and, a journal segment at a time, the disk.
 //!
-//! Not yet: the shard's leader in its metadata.
+//! Any replica describes itself (`DescribeReplica`): its role, term, the
+//! leader it knows and its indices, and on the leader each follower's
+//! progress.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -48,8 +50,10 @@ use felix_engine::format::{self, RecordIn};
 use felix_engine::storage::Storage;
 use felix_engine::StreamName;
 use felix_replication::host::{Host, HostConfig};
-use felix_replication::{Applied, EntryKind, ReplicationError};
-use felix_wire::{ErrorCode, Response, WireError};
+use felix_replication::{Applied, EntryKind, ReplicationError, Role};
+use felix_wire::{
+    ErrorCode, PeerProgress, ReplicaInfo, ReplicaRole, Response, StreamRef, WireError,
+};
 use sha2::{Digest, Sha256};
 
 use crate::broker::{wire_err, Core};
@@ -472,6 +476,51 @@ impl<S: Storage> Replication<S> {
             base_offset: landed.base.0,
             count: (landed.end.0 - landed.base.0) as u32,
         }
+    }
+
+    /// This broker's replica of `shard`, as it sees it (`DescribeReplica`):
+    /// any replica answers, leader or not, from what it knows now.
+    pub fn describe(&self, shard: &Shard<S>, stream: StreamRef) -> Response {
+        let group = group_id(&shard.stream, shard.index);
+        let Some(st) = self.host.status(group) else {
+            return wire_err(
+                ErrorCode::Unavailable,
+                format!(
+                    "shard {}: this broker holds no replica of it (a stream written before \
+                     the broker joined the cluster, or one being deleted)",
+                    shard.name()
+                ),
+            );
+        };
+        let role = match st.role {
+            Role::Leader => ReplicaRole::Leader,
+            Role::Elected => ReplicaRole::Elected,
+            Role::Follower => ReplicaRole::Follower,
+            Role::Electing => ReplicaRole::Electing,
+            Role::Stopped => ReplicaRole::Stopped,
+        };
+        Response::Replica(Box::new(ReplicaInfo {
+            stream,
+            shard: shard.index,
+            node: self.cluster.node_id,
+            role,
+            term: st.term,
+            leader: st.leader,
+            leader_addr: st
+                .leader
+                .and_then(|id| self.cluster.node(id))
+                .map(|n| n.client.clone()),
+            commit: st.commit,
+            applied: st.applied,
+            last_index: st.last_index,
+            compacted: st.compacted,
+            stopped: self.host.stopped(group),
+            peers: st
+                .peers
+                .iter()
+                .map(|&(node, matched)| PeerProgress { node, matched })
+                .collect(),
+        }))
     }
 
     /// The answer for a replication error on `shard`.

@@ -954,6 +954,16 @@ async fn handle<S: Storage>(
             }
             Err(e) => e,
         },
+        Request::DescribeReplica { stream, shard } => match core.shard(&stream, shard) {
+            Ok(s) => match core.replication.get() {
+                Some(r) => r.describe(&s, stream),
+                None => wire_err(
+                    ErrorCode::Unsupported,
+                    "describe_replica: this broker is not in a cluster",
+                ),
+            },
+            Err(e) => e,
+        },
         Request::Publish {
             stream,
             target,

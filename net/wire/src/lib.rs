@@ -33,8 +33,8 @@ pub use frame::{
 pub use message::{opcodes, Request, Response};
 pub use types::{
     shard_for_key, AckMode, DeadLetterInfo, GroupInfo, GroupKey, GroupMemberRef, GroupRecord,
-    ParseStreamRefError, PublishTarget, Record, RecordIn, ShardInfo, StartPosition, StreamInfo,
-    StreamRef,
+    ParseStreamRefError, PeerProgress, PublishTarget, Record, RecordIn, ReplicaInfo, ReplicaRole,
+    ShardInfo, StartPosition, StreamInfo, StreamRef,
 };
 
 /// Version of the message layouts described in `wire-protocol.md`.
@@ -78,6 +78,9 @@ pub const FEATURE_PUBLISH_ACK_MODE: u64 = 1 << 4;
 /// `DeadLetterPage` answer, for lists too long for one frame (the
 /// whole-list `GroupDeadLetters` is then refused with `too_large`).
 pub const FEATURE_GROUP_DEAD_LETTER_PAGES: u64 = 1 << 5;
+/// The broker is in a cluster and answers `DescribeReplica`: its own
+/// replica of a shard (role, term, leader, indices).
+pub const FEATURE_REPLICA_INFO: u64 = 1 << 6;
 
 /// Every feature bit this version of the crate knows about.
 pub const FEATURES_ALL: u64 = FEATURE_GROUPS
@@ -85,12 +88,13 @@ pub const FEATURES_ALL: u64 = FEATURE_GROUPS
     | FEATURE_GROUP_CLAIM_CONTROL
     | FEATURE_GROUP_ADMIN
     | FEATURE_PUBLISH_ACK_MODE
-    | FEATURE_GROUP_DEAD_LETTER_PAGES;
+    | FEATURE_GROUP_DEAD_LETTER_PAGES
+    | FEATURE_REPLICA_INFO;
 
 /// The names of the feature bits set in `bits` (unknown bits as hex), for
 /// messages: `"FEATURE_GROUPS | FEATURE_GROUP_ADMIN"`.
 pub fn feature_names(bits: u64) -> String {
-    const NAMES: [(u64, &str); 6] = [
+    const NAMES: [(u64, &str); 7] = [
         (FEATURE_GROUPS, "FEATURE_GROUPS"),
         (FEATURE_GROUP_SKIPPED, "FEATURE_GROUP_SKIPPED"),
         (FEATURE_GROUP_CLAIM_CONTROL, "FEATURE_GROUP_CLAIM_CONTROL"),
@@ -100,6 +104,7 @@ pub fn feature_names(bits: u64) -> String {
             FEATURE_GROUP_DEAD_LETTER_PAGES,
             "FEATURE_GROUP_DEAD_LETTER_PAGES",
         ),
+        (FEATURE_REPLICA_INFO, "FEATURE_REPLICA_INFO"),
     ];
     let mut out: Vec<String> = NAMES
         .iter()

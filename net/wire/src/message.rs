@@ -9,8 +9,8 @@ use crate::codec::{
 use crate::error::{DecodeError, WireError};
 use crate::types::{
     get_strings, get_u64s, put_strings, put_u64s, AckMode, DeadLetterInfo, GroupInfo, GroupKey,
-    GroupMemberRef, GroupRecord, PublishTarget, Record, RecordIn, ShardInfo, StartPosition,
-    StreamInfo, StreamRef,
+    GroupMemberRef, GroupRecord, PublishTarget, Record, RecordIn, ReplicaInfo, ShardInfo,
+    StartPosition, StreamInfo, StreamRef,
 };
 
 type Result<T> = std::result::Result<T, DecodeError>;
@@ -29,6 +29,7 @@ pub mod opcodes {
         pub const LIST_STREAMS: u8 = 0x12;
         pub const DELETE_STREAM: u8 = 0x13;
         pub const DESCRIBE_SHARD: u8 = 0x14;
+        pub const DESCRIBE_REPLICA: u8 = 0x15;
 
         pub const PUBLISH: u8 = 0x20;
         pub const READ: u8 = 0x21;
@@ -60,6 +61,7 @@ pub mod opcodes {
         pub const STREAM: u8 = 0x10;
         pub const STREAMS: u8 = 0x11;
         pub const SHARD: u8 = 0x12;
+        pub const REPLICA: u8 = 0x13;
 
         pub const PUBLISHED: u8 = 0x20;
         pub const RECORDS: u8 = 0x21;
@@ -110,6 +112,14 @@ pub enum Request {
         stream: StreamRef,
     },
     DescribeShard {
+        stream: StreamRef,
+        shard: u32,
+    },
+    /// The answering broker's replica of a shard: its role, term, leader
+    /// and indices. Needs
+    /// [`FEATURE_REPLICA_INFO`](crate::FEATURE_REPLICA_INFO) (a broker in a
+    /// cluster).
+    DescribeReplica {
         stream: StreamRef,
         shard: u32,
     },
@@ -203,7 +213,7 @@ pub enum Request {
 }
 
 /// Every request opcode with its name, in opcode order.
-const REQUEST_NAMES: [(u8, &str); 23] = [
+const REQUEST_NAMES: [(u8, &str); 24] = [
     (rq::HELLO, "hello"),
     (rq::PING, "ping"),
     (rq::CREATE_STREAM, "create_stream"),
@@ -211,6 +221,7 @@ const REQUEST_NAMES: [(u8, &str); 23] = [
     (rq::LIST_STREAMS, "list_streams"),
     (rq::DELETE_STREAM, "delete_stream"),
     (rq::DESCRIBE_SHARD, "describe_shard"),
+    (rq::DESCRIBE_REPLICA, "describe_replica"),
     (rq::PUBLISH, "publish"),
     (rq::READ, "read"),
     (rq::GROUP_POLL, "group_poll"),
@@ -252,6 +263,7 @@ impl Request {
             Request::ListStreams { .. } => rq::LIST_STREAMS,
             Request::DeleteStream { .. } => rq::DELETE_STREAM,
             Request::DescribeShard { .. } => rq::DESCRIBE_SHARD,
+            Request::DescribeReplica { .. } => rq::DESCRIBE_REPLICA,
             Request::Publish { .. } => rq::PUBLISH,
             Request::Read { .. } => rq::READ,
             Request::GroupPoll { .. } => rq::GROUP_POLL,
@@ -280,9 +292,11 @@ impl Request {
         use crate::{
             FEATURE_GROUPS as G, FEATURE_GROUP_ADMIN as ADMIN, FEATURE_GROUP_CLAIM_CONTROL as CC,
             FEATURE_GROUP_DEAD_LETTER_PAGES as PAGES, FEATURE_PUBLISH_ACK_MODE as ACK,
+            FEATURE_REPLICA_INFO as REPLICA,
         };
         match self {
             Request::Publish { ack, .. } if *ack != AckMode::Default => ACK,
+            Request::DescribeReplica { .. } => REPLICA,
             Request::GroupPoll { visibility_ms, .. } => {
                 G | if visibility_ms.is_some() { CC } else { 0 }
             }
@@ -399,7 +413,9 @@ impl Request {
                 stream.put(out);
             }
             Request::ListStreams { tenant } => put_opt_str(out, tenant.as_ref()),
-            Request::DescribeShard { stream, shard } | Request::ListGroups { stream, shard } => {
+            Request::DescribeShard { stream, shard }
+            | Request::DescribeReplica { stream, shard }
+            | Request::ListGroups { stream, shard } => {
                 stream.put(out);
                 out.put_u32_le(*shard);
             }
@@ -530,6 +546,10 @@ impl Request {
                 stream: StreamRef::get(r)?,
                 shard: r.u32("shard")?,
             },
+            rq::DESCRIBE_REPLICA => Request::DescribeReplica {
+                stream: StreamRef::get(r)?,
+                shard: r.u32("shard")?,
+            },
             rq::PUBLISH => Request::Publish {
                 stream: StreamRef::get(r)?,
                 target: PublishTarget::get(r)?,
@@ -636,6 +656,8 @@ pub enum Response {
     Stream(StreamInfo),
     Streams(Vec<StreamInfo>),
     Shard(ShardInfo),
+    /// Answer to `DescribeReplica`.
+    Replica(Box<ReplicaInfo>),
     /// Records `base_offset .. base_offset + count` were written to `shard`.
     Published {
         shard: u32,
@@ -679,6 +701,7 @@ impl Response {
             Response::Stream(_) => rs::STREAM,
             Response::Streams(_) => rs::STREAMS,
             Response::Shard(_) => rs::SHARD,
+            Response::Replica(_) => rs::REPLICA,
             Response::Published { .. } => rs::PUBLISHED,
             Response::Records { .. } => rs::RECORDS,
             Response::GroupRecords { .. } => rs::GROUP_RECORDS,
@@ -700,6 +723,7 @@ impl Response {
             Response::Stream(_) => "stream",
             Response::Streams(_) => "streams",
             Response::Shard(_) => "shard",
+            Response::Replica(_) => "replica",
             Response::Published { .. } => "published",
             Response::Records { .. } => "records",
             Response::GroupRecords { .. } => "group_records",
@@ -734,6 +758,7 @@ impl Response {
             Response::Stream(info) => info.put(out),
             Response::Streams(infos) => put_wire_vec(out, infos),
             Response::Shard(info) => info.put(out),
+            Response::Replica(info) => info.put(out),
             Response::Published {
                 shard,
                 base_offset,
@@ -782,6 +807,7 @@ impl Response {
             rs::STREAM => Response::Stream(StreamInfo::get(r)?),
             rs::STREAMS => Response::Streams(r.wire_vec("streams")?),
             rs::SHARD => Response::Shard(ShardInfo::get(r)?),
+            rs::REPLICA => Response::Replica(Box::new(ReplicaInfo::get(r)?)),
             rs::PUBLISHED => Response::Published {
                 shard: r.u32("shard")?,
                 base_offset: r.u64("base_offset")?,
@@ -885,6 +911,14 @@ mod tests {
             }
             .required_features(),
             G | PAGES
+        );
+        assert_eq!(
+            Request::DescribeReplica {
+                stream: key.stream.clone(),
+                shard: 0
+            }
+            .required_features(),
+            crate::FEATURE_REPLICA_INFO
         );
     }
 

@@ -6,8 +6,8 @@ use std::str::FromStr;
 use bytes::{BufMut, Bytes, BytesMut};
 
 use crate::codec::{
-    put_blob, put_bool, put_opt, put_opt_blob, put_opt_str, put_opt_u64, put_str, put_vec, Reader,
-    Wire, BLOB, OPT, STR, U16, U32, U64, U8, VEC,
+    put_blob, put_bool, put_opt, put_opt_blob, put_opt_str, put_opt_u64, put_str, put_vec,
+    put_wire_vec, Reader, Wire, BLOB, OPT, STR, U16, U32, U64, U8, VEC,
 };
 use crate::error::{DecodeError, ErrorCode, WireError};
 
@@ -439,6 +439,147 @@ impl Wire for ShardInfo {
             bytes: r.u64("bytes")?,
             segments: r.u32("segments")?,
             stopped: r.opt_string("stopped")?,
+        })
+    }
+}
+
+/// A replica's part in its shard's replica group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum ReplicaRole {
+    /// Leads the shard and serves it.
+    Leader = 0,
+    /// Elected, still writing its generation start: refuses with
+    /// `not_leader` for a moment.
+    Elected = 1,
+    /// Follows the leader it names: serves reads, refuses the rest.
+    Follower = 2,
+    /// Knows of no leader: an election is on, or it reaches no majority.
+    Electing = 3,
+    /// Stopped after an error it cannot go past (`stopped` says which).
+    Stopped = 4,
+}
+
+impl ReplicaRole {
+    pub fn from_u8(v: u8) -> Option<ReplicaRole> {
+        match v {
+            0 => Some(ReplicaRole::Leader),
+            1 => Some(ReplicaRole::Elected),
+            2 => Some(ReplicaRole::Follower),
+            3 => Some(ReplicaRole::Electing),
+            4 => Some(ReplicaRole::Stopped),
+            _ => None,
+        }
+    }
+
+    /// snake_case, as the CLI prints it.
+    pub fn name(self) -> &'static str {
+        match self {
+            ReplicaRole::Leader => "leader",
+            ReplicaRole::Elected => "elected",
+            ReplicaRole::Follower => "follower",
+            ReplicaRole::Electing => "electing",
+            ReplicaRole::Stopped => "stopped",
+        }
+    }
+}
+
+impl Wire for ReplicaRole {
+    const MIN_BYTES: usize = U8;
+    fn put(&self, out: &mut BytesMut) {
+        out.put_u8(*self as u8);
+    }
+    fn get(r: &mut Reader) -> Result<Self> {
+        ReplicaRole::from_u8(r.u8("replica role")?).ok_or(DecodeError::BadValue {
+            what: "replica role",
+        })
+    }
+}
+
+/// How far another broker's replica has got, as the leader knows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PeerProgress {
+    pub node: u64,
+    /// Highest replication index that broker is known to hold.
+    pub matched: u64,
+}
+
+impl Wire for PeerProgress {
+    const MIN_BYTES: usize = U64 + U64;
+    fn put(&self, out: &mut BytesMut) {
+        out.put_u64_le(self.node);
+        out.put_u64_le(self.matched);
+    }
+    fn get(r: &mut Reader) -> Result<Self> {
+        Ok(PeerProgress {
+            node: r.u64("peer node")?,
+            matched: r.u64("peer matched")?,
+        })
+    }
+}
+
+/// One broker's replica of a shard, as that broker sees it: the answer to
+/// `DescribeReplica`, from a broker in a cluster. Indices count
+/// replication entries (a publish batch is one), not offsets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaInfo {
+    pub stream: StreamRef,
+    pub shard: u32,
+    /// The answering broker's node id.
+    pub node: u64,
+    pub role: ReplicaRole,
+    pub term: u64,
+    /// The leader's node id, as far as this broker knows.
+    pub leader: Option<u64>,
+    /// The leader's client address (where publishes go).
+    pub leader_addr: Option<String>,
+    /// Highest index this broker knows committed.
+    pub commit: u64,
+    /// Highest index this broker applied to its shard log.
+    pub applied: u64,
+    /// Last index in this broker's replication log.
+    pub last_index: u64,
+    /// Entries up to this index were compacted away here.
+    pub compacted: u64,
+    /// Why the replica stopped, if it did.
+    pub stopped: Option<String>,
+    /// On the leader, each other broker's progress; empty elsewhere.
+    pub peers: Vec<PeerProgress>,
+}
+
+impl Wire for ReplicaInfo {
+    const MIN_BYTES: usize =
+        StreamRef::MIN_BYTES + U32 + U64 + U8 + U64 + OPT + OPT + U64 * 4 + OPT + VEC;
+    fn put(&self, out: &mut BytesMut) {
+        self.stream.put(out);
+        out.put_u32_le(self.shard);
+        out.put_u64_le(self.node);
+        self.role.put(out);
+        out.put_u64_le(self.term);
+        put_opt_u64(out, self.leader);
+        put_opt_str(out, self.leader_addr.as_ref());
+        out.put_u64_le(self.commit);
+        out.put_u64_le(self.applied);
+        out.put_u64_le(self.last_index);
+        out.put_u64_le(self.compacted);
+        put_opt_str(out, self.stopped.as_ref());
+        put_wire_vec(out, &self.peers);
+    }
+    fn get(r: &mut Reader) -> Result<Self> {
+        Ok(ReplicaInfo {
+            stream: StreamRef::get(r)?,
+            shard: r.u32("shard")?,
+            node: r.u64("node")?,
+            role: ReplicaRole::get(r)?,
+            term: r.u64("term")?,
+            leader: r.opt_u64("leader")?,
+            leader_addr: r.opt_string("leader_addr")?,
+            commit: r.u64("commit")?,
+            applied: r.u64("applied")?,
+            last_index: r.u64("last_index")?,
+            compacted: r.u64("compacted")?,
+            stopped: r.opt_string("stopped")?,
+            peers: r.wire_vec("peers")?,
         })
     }
 }

@@ -405,7 +405,7 @@ fn small_helpers() {
     assert_eq!(Request::Ping.name(), "ping");
     assert_eq!(Response::Pong.name(), "pong");
     assert_eq!(Request::name_of(0xEE), None);
-    assert_eq!(Request::all_opcodes().count(), 23);
+    assert_eq!(Request::all_opcodes().count(), 24);
     let page = Request::GroupDeadLettersPage {
         key: key(),
         from: 0,

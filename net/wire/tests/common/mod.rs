@@ -183,6 +183,48 @@ pub fn shard_info() -> impl Strategy<Value = ShardInfo> {
         )
 }
 
+pub fn replica_info() -> impl Strategy<Value = ReplicaInfo> {
+    let role = prop_oneof![
+        Just(ReplicaRole::Leader),
+        Just(ReplicaRole::Elected),
+        Just(ReplicaRole::Follower),
+        Just(ReplicaRole::Electing),
+        Just(ReplicaRole::Stopped),
+    ];
+    let peer =
+        (any::<u64>(), any::<u64>()).prop_map(|(node, matched)| PeerProgress { node, matched });
+    (
+        (stream_ref(), any::<u32>(), any::<u64>(), role, any::<u64>()),
+        (option::of(any::<u64>()), option::of(text())),
+        any::<[u64; 4]>(),
+        option::of(text()),
+        vec(peer, 0..4),
+    )
+        .prop_map(
+            |(
+                (stream, shard, node, role, term),
+                (leader, leader_addr),
+                [commit, applied, last_index, compacted],
+                stopped,
+                peers,
+            )| ReplicaInfo {
+                stream,
+                shard,
+                node,
+                role,
+                term,
+                leader,
+                leader_addr,
+                commit,
+                applied,
+                last_index,
+                compacted,
+                stopped,
+                peers,
+            },
+        )
+}
+
 pub fn dead_letter() -> impl Strategy<Value = DeadLetterInfo> {
     (
         any::<u64>(),
@@ -268,6 +310,9 @@ pub fn request() -> impl Strategy<Value = Request> {
             .boxed(),
         (stream_ref(), any::<u32>())
             .prop_map(|(stream, shard)| Request::DescribeShard { stream, shard })
+            .boxed(),
+        (stream_ref(), any::<u32>())
+            .prop_map(|(stream, shard)| Request::DescribeReplica { stream, shard })
             .boxed(),
         (
             stream_ref(),
@@ -397,6 +442,9 @@ pub fn response() -> impl Strategy<Value = Response> {
         stream_info().prop_map(Response::Stream).boxed(),
         vec(stream_info(), 0..3).prop_map(Response::Streams).boxed(),
         shard_info().prop_map(Response::Shard).boxed(),
+        replica_info()
+            .prop_map(|i| Response::Replica(Box::new(i)))
+            .boxed(),
         (any::<u32>(), any::<u64>(), any::<u32>())
             .prop_map(|(shard, base_offset, count)| Response::Published {
                 shard,
