@@ -290,7 +290,19 @@ async fn with_shards(
     let mut shards = Vec::with_capacity(info.shards as usize);
     let mut leaders = Vec::new();
     for shard in 0..info.shards {
-        shards.push(client.describe_shard(t, n, s, shard).await?);
+        // A shard that cannot serve (it failed to open, its disk is gone)
+        // is a row saying why, not the end of the description.
+        shards.push(match client.describe_shard(t, n, s, shard).await {
+            Ok(i) => output::ShardRow::Described(i),
+            Err(e) if e.code() == Some(felix_client::ErrorCode::Unavailable) => {
+                output::ShardRow::Refused {
+                    shard,
+                    core: info.placement.get(shard as usize).copied(),
+                    why: e.to_string(),
+                }
+            }
+            Err(e) => return Err(e.into()),
+        });
         if replicated {
             leaders.push(match client.describe_replica(t, n, s, shard).await {
                 Ok(r) => output::leader(&r),
@@ -619,7 +631,11 @@ async fn publish(client: &Client, args: PublishArgs) -> Result<(), CliError> {
                     );
                 }
             }
-            eprintln!("no input record after record {} was sent", pipe.sent);
+            if pipe.sent == 0 {
+                eprintln!("no input record was sent");
+            } else {
+                eprintln!("no input record after record {} was sent", pipe.sent);
+            }
             Err(e)
         }
     }

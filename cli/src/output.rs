@@ -264,21 +264,42 @@ fn aligned(header: &[&str], rows: &[Vec<String>]) -> String {
     out
 }
 
+/// A shard's row in `stream describe`: described, or refused (a shard
+/// that could not be opened is still shown, with the reason).
+pub enum ShardRow {
+    Described(ShardInfo),
+    Refused {
+        shard: u32,
+        core: Option<u32>,
+        why: String,
+    },
+}
+
 /// One row per shard, aligned, under a header; on a cluster, with the
 /// leader the broker asked knows of for each (`leaders`, by shard).
-pub fn shard_table(shards: &[ShardInfo], leaders: Option<&[String]>) -> String {
+pub fn shard_table(shards: &[ShardRow], leaders: Option<&[String]>) -> String {
     let rows: Vec<Vec<String>> = shards
         .iter()
         .enumerate()
         .map(|(i, s)| {
-            let mut row = vec![
-                s.shard.to_string(),
-                s.core.to_string(),
-                s.start_offset.to_string(),
-                s.end_offset.to_string(),
-                s.bytes.to_string(),
-                s.stopped.clone().unwrap_or_else(|| "no".into()),
-            ];
+            let mut row = match s {
+                ShardRow::Described(s) => vec![
+                    s.shard.to_string(),
+                    s.core.to_string(),
+                    s.start_offset.to_string(),
+                    s.end_offset.to_string(),
+                    s.bytes.to_string(),
+                    s.stopped.clone().unwrap_or_else(|| "no".into()),
+                ],
+                ShardRow::Refused { shard, core, why } => vec![
+                    shard.to_string(),
+                    core.map_or_else(|| "-".into(), |c| c.to_string()),
+                    "-".into(),
+                    "-".into(),
+                    "-".into(),
+                    why.clone(),
+                ],
+            };
             if let Some(l) = leaders {
                 row.push(l.get(i).cloned().unwrap_or_else(|| "-".into()));
             }

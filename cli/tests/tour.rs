@@ -28,7 +28,11 @@ fn serve() -> Serve {
 
 /// `felix serve` with extra settings as `FELIX_*` environment variables.
 fn serve_with(env: &[(&str, &str)]) -> Serve {
-    let dir = tempfile::tempdir().unwrap();
+    serve_in(tempfile::tempdir().unwrap(), env)
+}
+
+/// `felix serve` on `dir` (a broker's data directory, new or not).
+fn serve_in(dir: tempfile::TempDir, env: &[(&str, &str)]) -> Serve {
     let mut cmd = felix();
     cmd.args([
         "serve",
@@ -2018,4 +2022,51 @@ fn the_readme_cluster_works() {
         "{described}"
     );
     drop(nodes);
+}
+
+/// A shard that cannot be opened (here its directory is gone) does not
+/// take `stream describe` down with it: the other shards are described,
+/// and its row says why it refuses.
+#[test]
+fn stream_describe_shows_a_shard_that_cannot_open() {
+    let mut s = serve();
+    ok(
+        &s,
+        &["stream", "create", "t/ns/broken", "--shards", "2"],
+        None,
+    );
+    ok(
+        &s,
+        &["publish", "t/ns/broken", "--shard", "0", "kept"],
+        None,
+    );
+    ok(
+        &s,
+        &["publish", "t/ns/broken", "--shard", "1", "lost"],
+        None,
+    );
+    let dir = std::mem::replace(&mut s._dir, tempfile::tempdir().unwrap());
+    drop(s);
+    std::fs::remove_dir_all(dir.path().join("t/ns/broken/1")).unwrap();
+    let s = serve_in(dir, &[]);
+    let out = ok(&s, &["stream", "describe", "t/ns/broken"], None);
+    let row = |n: &str| {
+        out.lines()
+            .find(|l| l.split_whitespace().next() == Some(n))
+            .unwrap_or_else(|| panic!("no row for shard {n}: {out}"))
+            .to_string()
+    };
+    let fine: Vec<String> = row("0").split_whitespace().map(String::from).collect();
+    assert_eq!(fine[2..], ["0", "1", fine[4].as_str(), "no"], "{out}");
+    assert!(row("1").contains("unavailable"), "{out}");
+    assert!(row("1").contains("missing"), "{out}");
+    // The shard that opened still serves.
+    assert_eq!(
+        ok(
+            &s,
+            &["read", "t/ns/broken", "--shard", "0", "--count", "1"],
+            None
+        ),
+        "kept\n"
+    );
 }

@@ -552,8 +552,14 @@ impl Client {
             .filter(|b| missing & b != 0)
             .map(feature_name)
             .collect();
+        // The usual reason, named: groups need the broker's durable storage.
+        let why = if missing & FEATURE_GROUPS != 0 {
+            " (a broker without durable storage offers no consumer groups)"
+        } else {
+            ""
+        };
         Err(ClientError::Unsupported(format!(
-            "{what} needs {}, which the broker does not advertise",
+            "{what} needs {}, which the broker does not advertise{why}",
             names.join(" and ")
         )))
     }

@@ -256,7 +256,17 @@ impl Conn {
                     }
                 }
                 Err(e) => {
-                    return Err(ClientError::Protocol(format!("bad answer to HELLO: {e}")));
+                    // The likeliest mistake named: the metrics port (HTTP).
+                    let peer = socket
+                        .peer_addr()
+                        .map_or_else(|_| "that address".to_string(), |a| a.to_string());
+                    return Err(ClientError::Protocol(if buf.starts_with(b"HTTP") {
+                        format!(
+                            "not a Felix broker at {peer} (it answered HTTP: the metrics port?)"
+                        )
+                    } else {
+                        format!("not a Felix broker at {peer}? bad answer to HELLO: {e}")
+                    }));
                 }
             }
         };
@@ -383,11 +393,20 @@ impl Conn {
                 )
             });
             if bytes > self.hello.max_frame_bytes as u64 {
-                return Err(ClientError::InvalidArgument(format!(
-                    "publish of {} records holds {bytes} bytes, over the broker's frame limit of {} bytes; split it",
-                    records.len(),
-                    self.hello.max_frame_bytes
-                )));
+                return Err(ClientError::InvalidArgument(if records.len() == 1 {
+                    format!(
+                        "a record of {bytes} bytes is over the broker's frame limit of {} bytes \
+                         (server.max_frame_bytes), so no publish can carry it",
+                        self.hello.max_frame_bytes
+                    )
+                } else {
+                    format!(
+                        "publish of {} records holds {bytes} bytes, over the broker's frame \
+                         limit of {} bytes; send them in smaller batches",
+                        records.len(),
+                        self.hello.max_frame_bytes
+                    )
+                }));
             }
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);

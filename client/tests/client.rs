@@ -1123,3 +1123,28 @@ async fn connections_dropped_before_any_answer_back_off() {
         "{hellos} connections in a second ({calls} calls)"
     );
 }
+
+/// Pointed at something that answers HTTP (the broker's metrics port, the
+/// likeliest mix-up), `connect` says so instead of quoting a frame length.
+#[tokio::test]
+async fn connecting_to_an_http_port_says_so() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut buf = [0u8; 256];
+        let _ = s.read(&mut buf).await;
+        let _ = s
+            .write_all(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n")
+            .await;
+        // Held open: the client decides from what it got.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+    });
+    let err = Client::connect(addr, ClientConfig::default())
+        .await
+        .expect_err("an HTTP server is no broker");
+    let msg = err.to_string();
+    assert!(msg.contains("not a Felix broker"), "{msg}");
+    assert!(msg.contains("metrics port"), "{msg}");
+}

@@ -96,7 +96,19 @@ pub async fn load<S: Storage>(storage: &S, data_dir: &Path) -> Result<Vec<Stream
                 let meta_path = sp.join(META_FILE);
                 let bytes = match storage.read_file(&meta_path).await {
                     Ok(Some(b)) => b,
-                    Ok(None) => continue,
+                    Ok(None) => {
+                        // Not a stream, but its files take space: say so
+                        // once per directory (never removed unasked).
+                        if storage.list_dir(&sp).await.is_ok_and(|v| !v.is_empty()) {
+                            tracing::warn!(
+                                "{}: files of a stream without its {META_FILE} (a deletion or \
+                                 creation cut short, or the file was removed): not a stream; \
+                                 creating {t}/{n}/{s} again clears them, or remove the directory",
+                                sp.display()
+                            );
+                        }
+                        continue;
+                    }
                     Err(e) if e.kind() == std::io::ErrorKind::NotADirectory => continue,
                     Err(e) => return Err(format!("{}: {e}", meta_path.display())),
                 };

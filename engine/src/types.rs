@@ -113,6 +113,13 @@ pub struct StreamName {
 impl StreamName {
     pub fn new(tenant: &str, namespace: &str, stream: &str) -> Result<Self, NameError> {
         validate_name("tenant", tenant)?;
+        // Tenants are directories of the data directory, beside its lock.
+        if tenant == crate::catalog::LOCK_FILE {
+            return Err(NameError::Reserved {
+                what: "tenant",
+                name: tenant.to_string(),
+            });
+        }
         validate_name("namespace", namespace)?;
         validate_name("stream", stream)?;
         Ok(StreamName {
@@ -170,6 +177,9 @@ mod tests {
         assert!(StreamName::parse("t1/default/jobs").is_ok());
         assert!(StreamName::parse("t1/default").is_err());
         assert!(StreamName::parse("t1/default/jobs/x").is_err());
+        // The data directory's lock file is where such a tenant would go.
+        assert!(StreamName::parse("felix.lock/default/jobs").is_err());
+        assert!(StreamName::parse("t1/felix.lock/jobs").is_ok());
         assert!(StreamName::parse("t1//jobs").is_err());
         assert!(StreamName::parse("t1/de fault/jobs").is_err());
         assert!(StreamName::parse("t1/../jobs").is_err());

@@ -1247,6 +1247,39 @@ async fn a_reserved_record_whose_claim_lapses_goes_to_the_whole_group() {
         felix_tests::raw_call(&mut raw, 4, &poll_as("y".repeat(128))).await,
         felix_wire::Response::GroupRecords { .. }
     ));
+    // A claim for no time at all is refused too: it would lapse as it was
+    // made and spend an attempt a poll.
+    let mut zero = poll_as("z".into());
+    if let felix_wire::Request::GroupPoll { visibility_ms, .. } = &mut zero {
+        *visibility_ms = Some(0);
+    }
+    match felix_tests::raw_call(&mut raw, 5, &zero).await {
+        felix_wire::Response::Error(e) => {
+            assert_eq!(e.code, ErrorCode::InvalidRequest, "{e:?}");
+            assert!(e.message.contains("visibility"), "{e:?}");
+        }
+        other => panic!("a poll with visibility 0 was served: {other:?}"),
+    }
+    let extend = felix_wire::Request::GroupExtend {
+        key: felix_wire::GroupKey {
+            stream: felix_wire::StreamRef {
+                tenant: T.into(),
+                namespace: NS.into(),
+                stream: JOBS.into(),
+            },
+            shard: 0,
+            group: "workers".into(),
+        },
+        offset: 1,
+        attempts: 2,
+        extend_ms: 0,
+    };
+    match felix_tests::raw_call(&mut raw, 6, &extend).await {
+        felix_wire::Response::Error(e) => {
+            assert_eq!(e.code, ErrorCode::InvalidRequest, "{e:?}")
+        }
+        other => panic!("an extension of 0 was served: {other:?}"),
+    }
 }
 
 /// On a broker that acks publishes when queued (FELIX_ACK_ON_COMMIT=0), a

@@ -242,6 +242,22 @@ async fn bad_requests_get_typed_errors_and_lose_nothing() {
     assert_eq!(recs.len(), 1);
     let list = c.list_streams(None).await.unwrap();
     assert_eq!(list.len(), 1);
+    // A tenant no stream can have is a mistake, not an empty list; one
+    // that merely has no streams is an empty list.
+    assert_eq!(
+        code(c.list_streams(Some("a/b")).await.map(|_| ())),
+        Some(ErrorCode::InvalidRequest)
+    );
+    assert!(c.list_streams(Some("nobody")).await.unwrap().is_empty());
+    // The data directory's lock file is no tenant.
+    assert_eq!(
+        code(
+            c.create_stream("felix.lock", "ns", "x", 1, StreamOptions::default())
+                .await
+                .map(|_| ())
+        ),
+        Some(ErrorCode::InvalidRequest)
+    );
     c.delete_stream("t", "ns", "s").await.unwrap();
     assert_eq!(
         code(
@@ -1502,7 +1518,10 @@ async fn extreme_numbers_get_typed_errors_or_clamps_and_the_broker_still_restart
         .env("FELIX_GROUP_MAX_WAIT_MS", 200));
     let mut s = tokio::net::TcpStream::connect(&broker.addr).await.unwrap();
     match raw_call(&mut s, 1, &hello(None, felix_wire::PROTOCOL_VERSION)).await {
-        Response::HelloOk { features, .. } => assert_eq!(features, FEATURES_ALL),
+        // Everything but what only a broker in a cluster offers.
+        Response::HelloOk { features, .. } => {
+            assert_eq!(features, FEATURES_ALL & !felix_wire::FEATURE_REPLICA_INFO)
+        }
         other => panic!("unexpected {other:?}"),
     }
     let stream = StreamRef::new("t", "ns", "max");
@@ -2155,4 +2174,74 @@ async fn a_single_broker_describes_no_replica() {
         raw_call(&mut s, 3, &req).await,
         Response::Shard(_)
     ));
+}
+
+/// A stream whose shards cannot all be opened (here: the broker runs out
+/// of file descriptors) is not created at all: the answer is one short
+/// `unavailable` saying so, the stream is not listed, its name can be
+/// used again, and the broker restarts and serves what it had (a stream
+/// left half-open would refuse requests, and stop the next start short of
+/// descriptors too).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_whose_shards_cannot_open_is_not_created() {
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let start = || {
+        let mut cmd = felix_tests::broker_command!(Some(data.as_path()), "127.0.0.1:0");
+        // SAFETY: setrlimit(2) only, between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                let lim = libc::rlimit {
+                    rlim_cur: 300,
+                    rlim_max: 300,
+                };
+                if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        felix_tests::spawn_announcing(cmd)
+    };
+    let (mut child, addr) = start();
+    let c = Client::connect(addr.as_str(), ClientConfig::default())
+        .await
+        .unwrap();
+    c.create_stream("t", "ns", "kept", 2, StreamOptions::default())
+        .await
+        .unwrap();
+    c.publish("t", "ns", "kept", 0, "still here").await.unwrap();
+    let err = c
+        .create_stream("t", "ns", "wide", 600, StreamOptions::default())
+        .await
+        .expect_err("600 shards on 300 descriptors");
+    assert_eq!(err.code(), Some(ErrorCode::Unavailable), "{err}");
+    let msg = err.to_string();
+    assert!(msg.contains("was not created"), "{msg}");
+    assert!(
+        msg.len() < 1_000,
+        "one short line, not one per shard: {msg}"
+    );
+    let listed = c.list_streams(None).await.unwrap();
+    let names: Vec<&str> = listed.iter().map(|s| s.stream.stream.as_str()).collect();
+    assert_eq!(names, ["kept"]);
+    // The name is free, and a stream that fits is created under it.
+    c.create_stream("t", "ns", "wide", 4, StreamOptions::default())
+        .await
+        .unwrap();
+    c.publish("t", "ns", "wide", 3, "fits").await.unwrap();
+    drop(c);
+    let _ = child.kill();
+    let _ = child.wait();
+
+    let (mut child, addr) = start();
+    let c = Client::connect(addr.as_str(), ClientConfig::default())
+        .await
+        .unwrap();
+    let got = read_shard(&c, "kept", 0).await;
+    assert_eq!(got, [(0, Bytes::from_static(b"still here"))]);
+    assert_eq!(read_shard(&c, "wide", 3).await.len(), 1);
+    let _ = child.kill();
+    let _ = child.wait();
 }

@@ -1662,7 +1662,8 @@ fn deadline_at(now_ms: u64, span_ms: u64) -> u64 {
 
 fn past_tail(o: Offset, log: LogView) -> GroupError {
     GroupError::InvalidRequest(format!(
-        "offset {o} is at or past the tail {}; acknowledging a record that does not exist yet would skip it",
+        "offset {o} is at or past the tail {}: no record there has been handed out (settling \
+         one that does not exist yet would skip it when it is written)",
         log.end
     ))
 }

@@ -68,6 +68,18 @@ pub(crate) enum CoreMsg {
     Shutdown,
 }
 
+/// Failures for an answer: the first two and how many more (every one is
+/// in the broker's log), so a thousand shards that could not open make one
+/// line, not a thousand.
+fn summarize(failures: &[String]) -> String {
+    match failures {
+        [] => String::new(),
+        [one] => one.clone(),
+        [a, b] => format!("{a}; {b}"),
+        [a, b, rest @ ..] => format!("{a}; {b}; and {} more (see the broker's log)", rest.len()),
+    }
+}
+
 /// State shared by all cores: admin-only.
 pub(crate) struct Shared {
     pub config: Config,
@@ -385,7 +397,7 @@ impl<S: Storage> Core<S> {
         if failures.is_empty() {
             Ok(())
         } else {
-            Err(failures.join("; "))
+            Err(summarize(&failures))
         }
     }
 
@@ -666,7 +678,21 @@ impl<S: Storage> Core<S> {
             }
         }
         if let Err(e) = self.broadcast_open(&meta).await {
-            return wire_err(ErrorCode::Unavailable, e);
+            // Not half a stream: one whose shards do not all open (out of
+            // file descriptors, a full disk) is removed again, so it neither
+            // lingers refusing requests nor stops the next start.
+            tracing::error!(stream = %name, "stream not created: its shards did not all open: {e}");
+            self.shared.catalog.lock().unwrap().remove(&name);
+            let why = match self.remove_stream(meta).await {
+                Ok(p) if p.is_empty() => "it was removed again".to_string(),
+                Ok(p) => format!("removing it again: {}", p.join("; ")),
+                Err(Response::Error(e)) => e.message,
+                Err(_) => "removing it again failed".to_string(),
+            };
+            return wire_err(
+                ErrorCode::Unavailable,
+                format!("stream {name} was not created: {e}; {why}"),
+            );
         }
         tracing::info!(stream = %name, shards, "stream created");
         Response::Stream(self.stream_info(&meta))
@@ -705,7 +731,7 @@ impl<S: Storage> Core<S> {
         if errors.is_empty() {
             Ok(())
         } else {
-            Err(errors.join("; "))
+            Err(summarize(&errors))
         }
     }
 
@@ -724,6 +750,28 @@ impl<S: Storage> Core<S> {
         let Some(meta) = meta else {
             return wire_err(ErrorCode::NotFound, format!("no stream {name}"));
         };
+        match self.remove_stream(meta).await {
+            Err(answer) => answer,
+            Ok(problems) if problems.is_empty() => {
+                tracing::info!(stream = %name, "stream deleted");
+                Response::Ok
+            }
+            Ok(problems) => wire_err(
+                ErrorCode::Internal,
+                format!(
+                    "stream {name} is deleted, but not cleanly: {}",
+                    problems.join("; ")
+                ),
+            ),
+        }
+    }
+
+    /// Remove a stream already out of the catalog (under its claim): its
+    /// metadata first, then every core's shards, then its files. `Err` (the
+    /// answer) if its metadata could not go, in which case it is put back
+    /// whole; otherwise what went wrong on the way, if anything.
+    async fn remove_stream(&self, meta: StreamMeta) -> Result<Vec<String>, Response> {
+        let name = meta.name.clone();
         let mut problems = Vec::new();
         let mut keep_files = false;
         if self.shared.durable {
@@ -745,13 +793,13 @@ impl<S: Storage> Core<S> {
                         .lock()
                         .unwrap()
                         .insert(name.clone(), meta);
-                    return wire_err(
+                    return Err(wire_err(
                         ErrorCode::Internal,
                         format!(
                             "cannot delete {name}: removing {}: {e}; the stream is unchanged",
                             meta_file.display()
                         ),
-                    );
+                    ));
                 }
             }
             if let Err(e) = self.storage.sync_dir(&dir).await {
@@ -800,18 +848,7 @@ impl<S: Storage> Core<S> {
                 problems.push(format!("removing {}: {e}", dir.display()));
             }
         }
-        if problems.is_empty() {
-            tracing::info!(stream = %name, "stream deleted");
-            Response::Ok
-        } else {
-            wire_err(
-                ErrorCode::Internal,
-                format!(
-                    "stream {name} is deleted, but not cleanly: {}",
-                    problems.join("; ")
-                ),
-            )
-        }
+        Ok(problems)
     }
 
     /// Metrics of this core, as plain numbers another core can merge.

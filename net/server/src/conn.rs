@@ -107,7 +107,9 @@ impl Outbox {
                         ErrorCode::TooLarge,
                         format!(
                             "the answer is {n} bytes, over this broker's {}-byte frame cap \
-                             (server.max_frame_bytes); ask for fewer records or bytes",
+                             (server.max_frame_bytes); ask for fewer records or bytes (a record \
+                             written before the cap was lowered may fit no answer: raise it \
+                             again to read it)",
                             self.max_frame
                         ),
                     ),
@@ -915,6 +917,13 @@ async fn handle<S: Storage>(
             }
         }
         Request::ListStreams { tenant } => {
+            // A name no stream can have is a mistake, not an empty list.
+            if let Some(Err(e)) = tenant
+                .as_deref()
+                .map(|t| felix_engine::types::validate_name("tenant", t))
+            {
+                return wire_err(ErrorCode::InvalidRequest, e.to_string());
+            }
             let metas: Vec<_> = core
                 .shared
                 .catalog

@@ -214,6 +214,10 @@ pub(crate) async fn handle<S: Storage>(
             })
             .await
         }
+        Request::GroupExtend { extend_ms: 0, .. } => wire_err(
+            ErrorCode::InvalidRequest,
+            "an extension must be more than zero (group_nack hands a record back now)",
+        ),
         Request::GroupExtend {
             offset,
             attempts,
@@ -587,6 +591,14 @@ async fn poll<S: Storage>(
                 ),
             );
         }
+    }
+    if visibility_ms == Some(0) {
+        // A claim that lapses as it is made would spend an attempt a poll.
+        return wire_err(
+            ErrorCode::InvalidRequest,
+            "a poll's visibility must be more than zero (leave it out for the group's \
+             visibility timeout)",
+        );
     }
     let caller = Caller {
         principal: info.principal.borrow().clone(),
