@@ -176,7 +176,9 @@ pub enum StreamCmd {
 
 #[derive(Debug, Clone, Subcommand)]
 pub enum ShardCmd {
-    /// Show a shard's offsets, size and owning core.
+    /// Show a shard's offsets, size and owning core; on a cluster, the
+    /// broker's replica of it too (role, term, leader, replication
+    /// indices), and with several --broker, every broker's, a row each.
     Describe {
         /// TENANT/NAMESPACE/STREAM
         #[arg(value_parser = parse_stream)]

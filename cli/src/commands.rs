@@ -59,15 +59,21 @@ pub async fn run(global: &GlobalArgs, command: Command) -> Result<(), CliError> 
     let mut target = 0;
     let mut follows = 0;
     let mut current = brokers[0].clone();
-    let electing_since = std::time::Instant::now();
+    let mut electing_since = None;
     let mut backoff = Duration::from_millis(50);
     loop {
+        // Only an error before the command did anything (`Client`, not
+        // `Partial`) runs it again.
         match run_on(&on(&current), command.clone()).await {
             // No leader known (an election, just after a start or a
             // failover): ask again, the next broker listed first, for a
             // while. Nothing was applied.
             Err(CliError::Client(ClientError::NotLeader { leader: None, .. }))
-                if rerunnable && electing_since.elapsed() < ELECTION_WAIT =>
+                if rerunnable
+                    && electing_since
+                        .get_or_insert_with(std::time::Instant::now)
+                        .elapsed()
+                        < ELECTION_WAIT =>
             {
                 if backoff == Duration::from_millis(50) {
                     eprintln!(
@@ -180,9 +186,13 @@ async fn run_on(global: &GlobalArgs, command: Command) -> Result<(), CliError> {
             let info = client.describe_shard(t, n, s, shard).await?;
             let mut out = output::shard_details(&info);
             if client.has_feature(FEATURE_REPLICA_INFO) {
-                out.push_str(&output::replica_details(
-                    &client.describe_replica(t, n, s, shard).await?,
-                ));
+                // The shard as this broker has it is worth showing even
+                // when its replica is not (a stream from before the
+                // cluster, a replica being removed).
+                match client.describe_replica(t, n, s, shard).await {
+                    Ok(r) => out.push_str(&output::replica_details(&r)),
+                    Err(e) => out.push_str(&format!("replica       none here: {e}\n")),
+                }
             }
             print(&out)
         }
@@ -328,15 +338,16 @@ async fn describe_on_cluster(
 ) -> Result<(), CliError> {
     let (t, n, s) = parts(stream);
     let answers = cluster.describe_replicas(t, n, s, shard).await;
+    // The leader of the newest term (a deposed one may not know yet), or
+    // any broker that answered.
     let leader = answers
         .iter()
-        .filter(|(_, r)| {
-            r.as_ref()
-                .is_ok_and(|i| i.role == felix_client::ReplicaRole::Leader)
-        })
-        .chain(answers.iter().filter(|(_, r)| r.is_ok()))
-        .map(|(b, _)| b.clone())
-        .next();
+        .filter_map(|(b, r)| r.as_ref().ok().map(|i| (b, i)))
+        .filter(|(_, i)| i.role == felix_client::ReplicaRole::Leader)
+        .max_by_key(|(_, i)| i.term)
+        .map(|(b, _)| b)
+        .or_else(|| answers.iter().find(|(_, r)| r.is_ok()).map(|(b, _)| b))
+        .cloned();
     let Some(broker) = leader else {
         // Nobody answered: the first broker's error says why.
         let (_, first) = answers.into_iter().next().expect("--broker names one");
@@ -344,9 +355,20 @@ async fn describe_on_cluster(
     };
     let client = Client::connect(&broker, client_config(global, false)).await?;
     let info = client.describe_shard(t, n, s, shard).await?;
-    let table: Vec<(String, Result<_, String>)> = answers
+    let table: Vec<(String, Result<_, (&str, String)>)> = answers
         .into_iter()
-        .map(|(b, r)| (b, r.map_err(|e| e.to_string())))
+        .map(|(b, r)| {
+            let r = r.map_err(|e| {
+                let what = match e {
+                    ClientError::Io(_) | ClientError::Timeout | ClientError::Disconnected => {
+                        "unreachable"
+                    }
+                    _ => "refused",
+                };
+                (what, e.to_string())
+            });
+            (b, r)
+        })
         .collect();
     print(&format!(
         "{}\n{}",
@@ -612,6 +634,10 @@ async fn publish(client: &Client, args: PublishArgs) -> Result<(), CliError> {
                 // leader (or says why not): no report of this attempt.
                 return Err(e);
             }
+            let e = match e {
+                CliError::Client(c) => CliError::Partial(c),
+                other => other,
+            };
             eprintln!("published {} before the error", records(pipe.published));
             for (first, last, why, refused) in &pipe.unknown {
                 let which = if first == last {
@@ -1055,12 +1081,20 @@ async fn consume_with(mut consumer: Consumer<'_>, args: &ConsumeArgs) -> Result<
     if let Err(e) = consumer.finish().await {
         eprintln!("felix: handing back records claimed ahead: {e}; they return to the group when their claims lapse");
     }
-    match &result {
-        Ok(()) => eprintln!("consumed {}", records(done)),
-        Err(_) if done > 0 => eprintln!("consumed {} before the error", records(done)),
-        Err(_) => {}
+    match result {
+        Ok(()) => {
+            eprintln!("consumed {}", records(done));
+            Ok(())
+        }
+        Err(e) if done > 0 => {
+            eprintln!("consumed {} before the error", records(done));
+            Err(match e {
+                CliError::Client(c) => CliError::Partial(c),
+                other => other,
+            })
+        }
+        Err(e) => Err(e),
     }
-    result
 }
 
 /// What `felix consume` polls: one shard's group, or the group on every

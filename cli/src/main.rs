@@ -17,6 +17,9 @@ use felix_client::ClientError;
 pub enum CliError {
     /// A call to the broker failed.
     Client(ClientError),
+    /// A call failed after the command had done part of its work (stored
+    /// or printed records, and said how many): never run again whole.
+    Partial(ClientError),
     /// The arguments were fine for clap but make no sense together.
     Usage(String),
     /// Reading stdin or writing stdout failed.
@@ -41,7 +44,7 @@ impl CliError {
     /// `error: <code>: <message>` on stderr; the exit code (2 for usage).
     fn report(&self) -> ExitCode {
         let (code, message, exit) = match self {
-            CliError::Client(e) => (e.kind(), e.message(), 1),
+            CliError::Client(e) | CliError::Partial(e) => (e.kind(), e.message(), 1),
             CliError::Usage(m) => ("usage", m.clone(), 2),
             CliError::Io(e) => ("io", e.to_string(), 1),
             CliError::Serve(m) => ("serve", m.clone(), 1),

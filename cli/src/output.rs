@@ -374,8 +374,9 @@ pub fn leader(r: &ReplicaInfo) -> String {
 }
 
 /// Every broker's replica of a shard, one row each: a broker that did not
-/// answer has its error in place of the figures.
-pub fn replica_table(answers: &[(String, Result<ReplicaInfo, String>)]) -> String {
+/// answer has `unreachable` or `refused` for its role (the error follows
+/// the table) in place of the figures.
+pub fn replica_table(answers: &[(String, Result<ReplicaInfo, (&str, String)>)]) -> String {
     let rows: Vec<Vec<String>> = answers
         .iter()
         .map(|(broker, r)| match r {
@@ -390,17 +391,17 @@ pub fn replica_table(answers: &[(String, Result<ReplicaInfo, String>)]) -> Strin
                 r.last_index.to_string(),
                 r.compacted.to_string(),
             ],
-            Err(_) => {
+            Err(e) => {
                 let mut row = vec!["-".to_string(); 9];
                 row[0] = broker.clone();
-                row[2] = "no answer".into();
+                row[2] = e.0.to_string();
                 row
             }
         })
         .collect();
     let why: String = answers
         .iter()
-        .filter_map(|(broker, r)| r.as_ref().err().map(|e| format!("{broker}: {e}\n")))
+        .filter_map(|(broker, r)| r.as_ref().err().map(|e| format!("{broker}: {}\n", e.1)))
         .collect();
     let table = aligned(
         &[

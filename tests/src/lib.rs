@@ -332,7 +332,9 @@ pub struct TimedOut;
 /// now and the broker's bind (ports from `bind(0)` are ephemeral, and a
 /// test's own client connections could take one first), and from a
 /// per-process cursor, so tests running side by side do not choose the
-/// same ones.
+/// same ones. They are often consecutive: a broker of several cores also
+/// takes the ports above its replication port (one per core), so ask for
+/// that many more and space them out.
 pub fn free_ports(n: usize) -> Vec<u16> {
     use std::sync::atomic::{AtomicU32, Ordering};
     const LOW: u32 = 10_000;
@@ -344,7 +346,7 @@ pub fn free_ports(n: usize) -> Vec<u16> {
         .clamp(LOW + 1_000, 65_535);
     static CURSOR: AtomicU32 = AtomicU32::new(0);
     let span = high - LOW;
-    let start = (std::process::id() * 7_919) % span;
+    let start = (u64::from(std::process::id()) * 7_919 % u64::from(span)) as u32;
     let mut out = Vec::with_capacity(n);
     while out.len() < n {
         let at = LOW + (start + CURSOR.fetch_add(1, Ordering::Relaxed)) % span;

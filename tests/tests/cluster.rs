@@ -305,28 +305,45 @@ fn every_broker_describes_its_replica_and_names_the_leader() {
             .unwrap();
         let mut acked = BTreeMap::new();
         publish_some(&cc, 0, 6, &mut acked).await;
-        let leader = cc.leader_of(T, NS, S, 0).expect("a leader is known");
-        let leader_node = cluster.addrs.iter().position(|a| *a == leader).unwrap() as u64 + 1;
-
-        // Settled: followers learn the commit with the next heartbeat.
-        let deadline = Instant::now() + Duration::from_secs(10);
+        // Settled: every broker answers, in one term, naming one leader
+        // that says it leads; followers learn the commit with the next
+        // heartbeat, and the leader hears what each holds. (A busy machine
+        // can hold up heartbeats long enough for another election: then
+        // it settles again, in the new term.)
+        let deadline = Instant::now() + Duration::from_secs(20);
         let answers = loop {
             let answers = cc.describe_replicas(T, NS, S, 0).await;
-            let infos: Vec<_> = answers.iter().map(|(_, r)| r.as_ref().unwrap()).collect();
-            let last = infos.iter().map(|i| i.last_index).max().unwrap();
-            let held = |i: &&felix_client::ReplicaInfo| {
-                i.commit == last && i.applied == last && i.peers.iter().all(|p| p.matched == last)
+            let infos: Vec<_> = answers
+                .iter()
+                .filter_map(|(_, r)| r.as_ref().ok())
+                .collect();
+            let settled = infos.len() == 3 && {
+                let last = infos.iter().map(|i| i.last_index).max().unwrap();
+                let leaders = infos
+                    .iter()
+                    .filter(|i| i.role == ReplicaRole::Leader)
+                    .count();
+                leaders == 1
+                    && infos.iter().all(|i| {
+                        i.term == infos[0].term
+                            && i.leader == infos[0].leader
+                            && i.commit == last
+                            && i.applied == last
+                            && i.peers.iter().all(|p| p.matched == last)
+                    })
             };
-            if infos.iter().all(held) {
+            if settled {
                 break answers;
             }
             assert!(
                 Instant::now() < deadline,
-                "replicas never settled: {infos:?}"
+                "replicas never settled: {answers:?}"
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
         let term = answers[0].1.as_ref().unwrap().term;
+        let leader_node = answers[0].1.as_ref().unwrap().leader.unwrap();
+        let leader = cluster.addrs[leader_node as usize - 1].clone();
         for (i, (broker, r)) in answers.iter().enumerate() {
             let r = r.as_ref().unwrap();
             assert_eq!(*broker, cluster.addrs[i], "in the order given");

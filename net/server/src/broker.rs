@@ -307,13 +307,22 @@ impl<S: Storage> Core<S> {
         }
     }
 
-    /// Open this core's shards of a stream (creating their directories). A
-    /// shard that fails to open is kept as failed (its requests get
-    /// `unavailable` with the reason) and reported in the error.
-    /// Share the read-cache budget again after the stream opens (see
-    /// [`Self::open_stream_only`]).
+    /// Open this core's shards of a stream being created (making their
+    /// directories), and share the read-cache budget again (see
+    /// [`Self::open_stream_only`]). All or nothing on a single broker: if a
+    /// shard fails to open, those this core opened are closed and removed
+    /// again at once (the create is being undone, and they hold the
+    /// descriptors the undoing needs). In a cluster, where their replicas
+    /// may already have voted, they stay (failed shards refusing requests)
+    /// until the stream is deleted on every broker.
     pub async fn open_stream(self: &Rc<Self>, meta: StreamMeta) -> Result<(), String> {
+        let name = meta.name.clone();
         let r = self.open_stream_only(meta).await;
+        if r.is_err() && self.replication.get().is_none() {
+            if let Err(e) = self.delete_local_stream(&name).await {
+                tracing::error!(stream = %name, "undoing a create that failed: {e}");
+            }
+        }
         self.share_caches();
         r
     }
@@ -473,7 +482,7 @@ impl<S: Storage> Core<S> {
         if problems.is_empty() {
             Ok(())
         } else {
-            Err(problems.join("; "))
+            Err(summarize(&problems))
         }
     }
 
@@ -678,21 +687,45 @@ impl<S: Storage> Core<S> {
             }
         }
         if let Err(e) = self.broadcast_open(&meta).await {
+            tracing::error!(stream = %name, "creating: its shards did not all open: {e}");
+            if self.replication.get().is_some() {
+                // Its replicas may have voted already: removing them here
+                // alone would let them vote again when it is created anew.
+                return wire_err(
+                    ErrorCode::Unavailable,
+                    format!(
+                        "stream {name} was created, but its shards here did not all open: {e}; \
+                         those refuse requests: delete the stream on every broker and create \
+                         it again once the cause is fixed"
+                    ),
+                );
+            }
             // Not half a stream: one whose shards do not all open (out of
-            // file descriptors, a full disk) is removed again, so it neither
-            // lingers refusing requests nor stops the next start.
-            tracing::error!(stream = %name, "stream not created: its shards did not all open: {e}");
+            // file descriptors, a full disk) is removed again (each core
+            // already closed its part), so it neither lingers refusing
+            // requests nor stops the next start.
             self.shared.catalog.lock().unwrap().remove(&name);
-            let why = match self.remove_stream(meta).await {
-                Ok(p) if p.is_empty() => "it was removed again".to_string(),
-                Ok(p) => format!("removing it again: {}", p.join("; ")),
-                Err(Response::Error(e)) => e.message,
-                Err(_) => "removing it again failed".to_string(),
+            return match self.remove_stream(meta).await {
+                Ok(p) if p.is_empty() => wire_err(
+                    ErrorCode::Unavailable,
+                    format!("stream {name} was not created: {e}"),
+                ),
+                Ok(p) => wire_err(
+                    ErrorCode::Unavailable,
+                    format!(
+                        "stream {name} was not created: {e}; and removing what was made: {}",
+                        summarize(&p)
+                    ),
+                ),
+                // Its metadata stayed, so it is back in the catalog.
+                Err(_) => wire_err(
+                    ErrorCode::Unavailable,
+                    format!(
+                        "stream {name} was made, but its shards did not all open: {e}; and it \
+                         could not be removed again: delete it once the cause is fixed"
+                    ),
+                ),
             };
-            return wire_err(
-                ErrorCode::Unavailable,
-                format!("stream {name} was not created: {e}; {why}"),
-            );
         }
         tracing::info!(stream = %name, shards, "stream created");
         Response::Stream(self.stream_info(&meta))
