@@ -355,7 +355,7 @@ async fn describe_on_cluster(
     };
     let client = Client::connect(&broker, client_config(global, false)).await?;
     let info = client.describe_shard(t, n, s, shard).await?;
-    let table: Vec<(String, Result<_, (&str, String)>)> = answers
+    let table: Vec<(String, output::ReplicaAnswer)> = answers
         .into_iter()
         .map(|(b, r)| {
             let r = r.map_err(|e| {

@@ -373,10 +373,14 @@ pub fn leader(r: &ReplicaInfo) -> String {
     }
 }
 
+/// One broker's answer for [`replica_table`]: its replica, or why not
+/// (`unreachable` or `refused`, and the error).
+pub type ReplicaAnswer = Result<ReplicaInfo, (&'static str, String)>;
+
 /// Every broker's replica of a shard, one row each: a broker that did not
 /// answer has `unreachable` or `refused` for its role (the error follows
 /// the table) in place of the figures.
-pub fn replica_table(answers: &[(String, Result<ReplicaInfo, (&str, String)>)]) -> String {
+pub fn replica_table(answers: &[(String, ReplicaAnswer)]) -> String {
     let rows: Vec<Vec<String>> = answers
         .iter()
         .map(|(broker, r)| match r {
