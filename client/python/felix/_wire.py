@@ -19,6 +19,9 @@ from .types import (
     Header,
     Record,
     RecordIn,
+    REPLICA_ROLES,
+    PeerProgress,
+    ReplicaInfo,
     ShardInfo,
     StartKind,
     StartPosition,
@@ -256,6 +259,27 @@ class Reader:
             stopped=self.opt("stopped", self.string),
         )
 
+    def replica_info(self) -> ReplicaInfo:
+        stream, shard, node = self.stream(), self.u32("shard"), self.u64("node")
+        role = self.u8("replica role")
+        if role >= len(REPLICA_ROLES):
+            raise ProtocolError(f"unknown replica role {role}")
+        return ReplicaInfo(
+            stream=stream,
+            shard=shard,
+            node=node,
+            role=REPLICA_ROLES[role],
+            term=self.u64("term"),
+            leader=self.opt("leader", self.u64),
+            leader_addr=self.opt("leader_addr", self.string),
+            commit=self.u64("commit"),
+            applied=self.u64("applied"),
+            last_index=self.u64("last_index"),
+            compacted=self.u64("compacted"),
+            stopped=self.opt("stopped", self.string),
+            peers=tuple(self.vec("peers", 16, lambda: PeerProgress(self.u64("peer node"), self.u64("peer matched")))),
+        )
+
     def dead_letter(self) -> DeadLetterInfo:
         return DeadLetterInfo(
             offset=self.u64("dead letter offset"),
@@ -363,6 +387,10 @@ def delete_stream(stream: StreamRef) -> WireRequest:
 
 def describe_shard(stream: StreamRef, shard: int) -> WireRequest:
     return _req("describe_shard", 0x14, _w().stream(stream).u32(shard))
+
+
+def describe_replica(stream: StreamRef, shard: int) -> WireRequest:
+    return _req("describe_replica", 0x15, _w().stream(stream).u32(shard), Feature.REPLICA_INFO)
 
 
 def publish(stream: StreamRef, shard: Optional[int], key: Optional[bytes], ack: int, records: Sequence[RecordIn]) -> WireRequest:
@@ -530,6 +558,7 @@ _DECODERS: Dict[int, Tuple[str, Callable[[Reader], Any]]] = {
     0x10: ("stream", lambda r: r.stream_info()),
     0x11: ("streams", lambda r: r.vec("streams", _MIN_STREAM_INFO, r.stream_info)),
     0x12: ("shard", lambda r: r.shard_info()),
+    0x13: ("replica", lambda r: r.replica_info()),
     0x20: ("published", lambda r: (r.u32("shard"), r.u64("base_offset"), r.u32("count"))),
     0x21: ("records", _records),
     0x30: ("group_records", lambda r: r.vec("records", _MIN_GROUP_RECORD, r.group_record)),

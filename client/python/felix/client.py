@@ -41,6 +41,7 @@ from .types import (
     Published,
     ReadBatch,
     RecordIn,
+    ReplicaInfo,
     ShardInfo,
     Start,
     StartPosition,
@@ -667,6 +668,17 @@ class Client:
         ref = StreamRef.parse(stream)
         response = self._call_shard(ref, _check_shard(shard), _wire.describe_shard(ref, shard))
         return _expect(response, "describe_shard", "shard").value
+
+    def describe_replica(self, stream: StreamLike, shard: int) -> ReplicaInfo:
+        """This broker's replica of one shard, as it sees it: role, term,
+        the leader it knows (with its client address) and replication
+        indices; on the leader, every other broker's progress. Only a broker
+        in a cluster answers (``Feature.REPLICA_INFO``); any of them does,
+        leader or not."""
+        self._require(Feature.REPLICA_INFO, "describe_replica")
+        ref = StreamRef.parse(stream)
+        response = self._call_shard(ref, _check_shard(shard), _wire.describe_replica(ref, shard))
+        return _expect(response, "describe_replica", "replica").value
 
     # --- publishing --------------------------------------------------------
 

@@ -17,6 +17,8 @@ __all__ = [
     "GroupRecord",
     "StreamInfo",
     "ShardInfo",
+    "PeerProgress",
+    "ReplicaInfo",
     "Published",
     "ReadBatch",
     "DeadLetterInfo",
@@ -52,6 +54,8 @@ class Feature(enum.IntFlag):
     PUBLISH_ACK_MODE = 1 << 4
     #: ``group_dead_letters_page``.
     GROUP_DEAD_LETTER_PAGES = 1 << 5
+    #: ``describe_replica`` (a broker in a cluster).
+    REPLICA_INFO = 1 << 6
 
 
 def check_utf8(what: str, text: str) -> bytes:
@@ -335,6 +339,45 @@ class ShardInfo:
     segments: int
     #: Why the shard stopped taking writes, if it did.
     stopped: Optional[str]
+
+
+@dataclass(frozen=True)
+class PeerProgress:
+    """How far another broker's replica has got, as the leader knows it."""
+
+    node: int
+    #: Highest replication index that broker is known to hold.
+    matched: int
+
+
+#: A replica's part in its shard's group, by its wire number.
+REPLICA_ROLES = ("leader", "elected", "follower", "electing", "stopped")
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """One broker's replica of a shard, as that broker sees it (a broker in
+    a cluster). Indices count replication entries, not offsets."""
+
+    stream: StreamRef
+    shard: int
+    #: The answering broker's node id.
+    node: int
+    #: ``leader``, ``elected`` (writing its generation start), ``follower``,
+    #: ``electing`` (knows no leader) or ``stopped``.
+    role: str
+    term: int
+    #: The leader's node id and client address, as this broker knows them.
+    leader: Optional[int]
+    leader_addr: Optional[str]
+    commit: int
+    applied: int
+    last_index: int
+    compacted: int
+    #: Why the replica stopped, if it did.
+    stopped: Optional[str]
+    #: On the leader, every other broker's progress; empty elsewhere.
+    peers: Tuple[PeerProgress, ...]
 
 
 @dataclass(frozen=True)

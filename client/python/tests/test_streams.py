@@ -27,6 +27,11 @@ class StreamAdminTest(BrokerTestCase):
         self.assertIn(path, [str(s.stream) for s in self.client.list_streams("pytest")])
         shard = self.client.describe_shard(path, 2)
         self.assertEqual((shard.shard, shard.core, shard.start_offset, shard.end_offset), (2, info.placement[2], 0, 0))
+        # A single broker is in no cluster: it has no replica to describe,
+        # and the client does not ask.
+        self.assertFalse(self.client.features & felix.Feature.REPLICA_INFO)
+        with self.assertRaises(felix.Unsupported):
+            self.client.describe_replica(path, 0)
         self.client.delete_stream(path)
         with self.assertRaises(felix.NotFound):
             self.client.describe_stream(path)

@@ -46,6 +46,27 @@ class EncodingTest(unittest.TestCase):
         self.assertEqual(_wire.publish(ref, 0, None, _wire.ACK_DEFAULT, []).required, F(0))
         self.assertEqual(_wire.group_describe(ref, 0, "g").required, F.GROUPS | F.GROUP_ADMIN)
 
+    def test_describe_replica_needs_its_feature_and_its_answer_decodes(self) -> None:
+        ref = felix.StreamRef("t", "n", "s")
+        request = _wire.describe_replica(ref, 3)
+        self.assertEqual(request.required, felix.Feature.REPLICA_INFO)
+        s = lambda v: struct.pack("<H", len(v)) + v.encode()
+        body = (
+            s("t") + s("n") + s("s") + struct.pack("<IQBQ", 3, 2, 2, 7)
+            + b"\x01" + struct.pack("<Q", 1) + b"\x01" + s("127.0.0.1:7400")
+            + struct.pack("<QQQQ", 40, 40, 41, 32) + b"\x00"
+            + struct.pack("<I", 1) + struct.pack("<QQ", 3, 39)
+        )
+        header = _wire.FrameHeader(12 + len(body), 2, 0x13, 0, 1)
+        info = _wire.decode_response(header, body).value
+        self.assertEqual((info.stream, info.shard, info.node, info.role, info.term), (ref, 3, 2, "follower", 7))
+        self.assertEqual((info.leader, info.leader_addr), (1, "127.0.0.1:7400"))
+        self.assertEqual((info.commit, info.applied, info.last_index, info.compacted), (40, 40, 41, 32))
+        self.assertEqual((info.stopped, info.peers), (None, (felix.PeerProgress(3, 39),)))
+        bad_role = body.replace(struct.pack("<IQBQ", 3, 2, 2, 7), struct.pack("<IQBQ", 3, 2, 9, 7))
+        with self.assertRaises(felix.ProtocolError):
+            _wire.decode_response(header, bad_role)
+
     def test_unknown_error_codes_map_to_internal_keeping_the_number(self) -> None:
         error = error_from_wire(99, "from the future")
         self.assertIsInstance(error, felix.Internal)
