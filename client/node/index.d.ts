@@ -66,6 +66,27 @@ export interface ShardInfo {
   stopped?: string;
 }
 
+/** One broker's replica of a shard, as that broker sees it (a broker in a cluster). Indices count replication entries, not offsets. */
+export interface ReplicaInfo {
+  stream: StreamRef;
+  shard: number;
+  /** The answering broker's node id. */
+  node: bigint;
+  role: 'leader' | 'elected' | 'follower' | 'electing' | 'stopped';
+  term: bigint;
+  /** The leader's node id and client address, as this broker knows them. */
+  leader?: bigint;
+  leaderAddr?: string;
+  commit: bigint;
+  applied: bigint;
+  lastIndex: bigint;
+  compacted: bigint;
+  /** Why the replica stopped, if it did. */
+  stopped?: string;
+  /** On the leader, every other broker's progress; empty elsewhere. */
+  peers: { node: bigint; matched: bigint }[];
+}
+
 export interface Published {
   shard: number;
   baseOffset: bigint;
@@ -236,6 +257,8 @@ export class Client {
   listStreams(tenant?: string): Promise<StreamInfo[]>;
   deleteStream(stream: StreamArg): Promise<void>;
   describeShard(stream: StreamArg, shard: number): Promise<ShardInfo>;
+  /** This broker's replica of a shard (a broker in a cluster, `FEATURES.REPLICA_INFO`). */
+  describeReplica(stream: StreamArg, shard: number): Promise<ReplicaInfo>;
 
   publish(stream: StreamArg, shard: number, record: RecordArg): Promise<bigint>;
   publishBatch(stream: StreamArg, shard: number, records: RecordArg[]): Promise<Published>;
@@ -279,6 +302,7 @@ export declare const FEATURES: {
   readonly GROUP_ADMIN: 0x08;
   readonly PUBLISH_ACK_MODE: 0x10;
   readonly GROUP_DEAD_LETTER_PAGES: 0x20;
+  readonly REPLICA_INFO: 0x40;
 };
 export declare const FEATURES_ALL: number;
 export declare const PROTOCOL_VERSION: number;

@@ -591,6 +591,23 @@ class Client {
   }
 
   /**
+   * This broker's replica of one shard, as it sees it: role, term, the
+   * leader it knows (with its client address) and replication indices; on
+   * the leader, every other broker's progress. Only a broker in a cluster
+   * answers (`FEATURES.REPLICA_INFO`); any of them does, leader or not.
+   * @param {import('../index').StreamArg} stream
+   * @param {number} shard
+   * @returns {Promise<import('../index').ReplicaInfo>}
+   */
+  async describeReplica(stream, shard) {
+    this.requireFeatures(FEATURES.REPLICA_INFO, 'describeReplica');
+    const ref = args.streamRef(stream);
+    args.u32(shard, 'shard');
+    const req = requests.shardOnly('describe_replica', OP.DESCRIBE_REPLICA, ref, shard, FEATURES.REPLICA_INFO);
+    return expect(await this.callShard(ref, shard, req), 'replica', 'describe_replica').info;
+  }
+
+  /**
    * Round trip to the home connection.
    * @returns {Promise<number>} milliseconds
    */

@@ -25,6 +25,7 @@ const FEATURES = Object.freeze({
   GROUP_ADMIN: 0x08,
   PUBLISH_ACK_MODE: 0x10,
   GROUP_DEAD_LETTER_PAGES: 0x20,
+  REPLICA_INFO: 0x40,
 });
 /** Every feature bit this client understands (what it offers in HELLO). */
 const FEATURES_ALL = Object.values(FEATURES).reduce((a, b) => a | b, 0);
@@ -38,6 +39,7 @@ const OP = Object.freeze({
   LIST_STREAMS: 0x12,
   DELETE_STREAM: 0x13,
   DESCRIBE_SHARD: 0x14,
+  DESCRIBE_REPLICA: 0x15,
   PUBLISH: 0x20,
   READ: 0x21,
   GROUP_POLL: 0x30,
@@ -361,6 +363,33 @@ function getShardInfo(r) {
   };
 }
 
+/** A replica's role by its wire number. */
+const REPLICA_ROLES = ['leader', 'elected', 'follower', 'electing', 'stopped'];
+
+function getReplicaInfo(r) {
+  const stream = getStreamRef(r);
+  const shard = r.u32('shard');
+  const node = r.u64('node');
+  const roleNumber = r.u8('replica role');
+  const role = REPLICA_ROLES[roleNumber];
+  if (role === undefined) throw new DecodeError(`unknown replica role ${roleNumber}`);
+  return {
+    stream,
+    shard,
+    node,
+    role,
+    term: r.u64('term'),
+    leader: r.opt('leader', r.u64),
+    leaderAddr: r.opt('leader_addr', r.str),
+    commit: r.u64('commit'),
+    applied: r.u64('applied'),
+    lastIndex: r.u64('last_index'),
+    compacted: r.u64('compacted'),
+    stopped: r.opt('stopped', r.str),
+    peers: r.vec('peers', 16, (p) => ({ node: p.u64('peer node'), matched: p.u64('peer matched') })),
+  };
+}
+
 function getRecord(r) {
   return {
     offset: r.u64('record offset'),
@@ -427,6 +456,7 @@ const RESPONSES = new Map([
   [0x10, (r) => ({ type: 'stream', info: getStreamInfo(r) })],
   [0x11, (r) => ({ type: 'streams', infos: r.vec('streams', MIN_STREAM_INFO, getStreamInfo) })],
   [0x12, (r) => ({ type: 'shard', info: getShardInfo(r) })],
+  [0x13, (r) => ({ type: 'replica', info: getReplicaInfo(r) })],
   [0x20, (r) => ({
     type: 'published',
     shard: r.u32('shard'),

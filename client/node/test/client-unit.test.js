@@ -295,3 +295,24 @@ test('unknown option keys are refused', async () => {
   assert.equal(felix.errorFromWire(5, 'no').wireCode, 5, 'the broker\'s unsupported keeps its wire code');
 });
 
+
+test('a Replica answer decodes, and an unknown role is refused', () => {
+  const s = (v) => Buffer.concat([Buffer.from([v.length, 0]), Buffer.from(v)]);
+  const u32 = (v) => { const b = Buffer.alloc(4); b.writeUInt32LE(v); return b; };
+  const u64 = (v) => { const b = Buffer.alloc(8); b.writeBigUInt64LE(BigInt(v)); return b; };
+  const body = (role) => Buffer.concat([
+    s('t'), s('n'), s('s'), u32(3), u64(2), Buffer.from([role]), u64(7),
+    Buffer.from([1]), u64(1), Buffer.from([1]), s('127.0.0.1:7400'),
+    u64(40), u64(40), u64(41), u64(32), Buffer.from([0]),
+    u32(1), u64(3), u64(39),
+  ]);
+  const msg = wire.decodeResponse(0x13, body(2));
+  assert.equal(msg.type, 'replica');
+  const r = msg.info;
+  assert.deepEqual([r.shard, r.node, r.role, r.term], [3, 2n, 'follower', 7n]);
+  assert.deepEqual([r.leader, r.leaderAddr], [1n, '127.0.0.1:7400']);
+  assert.deepEqual([r.commit, r.applied, r.lastIndex, r.compacted], [40n, 40n, 41n, 32n]);
+  assert.equal(r.stopped, undefined);
+  assert.deepEqual(r.peers, [{ node: 3n, matched: 39n }]);
+  assert.throws(() => wire.decodeResponse(0x13, body(9)), /unknown replica role/);
+});

@@ -30,6 +30,9 @@ test('publish and read round trip on every shard, in offset order, over both cor
     assert.equal(batch.endOffset, 3n);
     const from1 = await client.read(stream, shard, 1, { maxRecords: 1 });
     assert.deepEqual(from1.records.map((r) => r.offset), [1n]);
+    // A single broker is in no cluster: the client does not ask it.
+    assert.equal(client.hasFeature(felix.FEATURES.REPLICA_INFO), false);
+    await assert.rejects(client.describeReplica(stream, shard), felix.UnsupportedError);
     const shardInfo = await client.describeShard(stream, shard);
     assert.equal(shardInfo.core, info.placement[shard]);
     assert.equal(shardInfo.endOffset, 3n);
