@@ -113,8 +113,9 @@ pub struct StreamName {
 impl StreamName {
     pub fn new(tenant: &str, namespace: &str, stream: &str) -> Result<Self, NameError> {
         validate_name("tenant", tenant)?;
-        // Tenants are directories of the data directory, beside its lock.
-        if tenant == crate::catalog::LOCK_FILE {
+        // Tenants are directories of the data directory, beside its lock
+        // and its cluster membership.
+        if tenant == crate::catalog::LOCK_FILE || tenant == "felix.cluster" {
             return Err(NameError::Reserved {
                 what: "tenant",
                 name: tenant.to_string(),

@@ -1647,3 +1647,79 @@ fn an_ack_to_a_cut_off_leader_is_refused_and_the_record_is_owed() {
         assert_eq!(info.lag(), 0, "{info:?}");
     });
 }
+
+/// A broker's data directory records which node of which cluster it holds
+/// (`felix.cluster`, at its first start in one). Started again with
+/// another set of nodes (here: only itself, which would make it its own
+/// majority and let it acknowledge what the cluster never committed), or
+/// as another node, or outside a cluster, it refuses to start and says
+/// why; with the same nodes at new addresses it starts.
+#[test]
+fn a_broker_started_with_other_nodes_than_its_data_directory_refuses() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let ports = free_ports(8);
+    let addr = format!("127.0.0.1:{}", ports[0]);
+    let nodes = |p: &[u16], ids: &[u64]| {
+        ids.iter()
+            .map(|id| {
+                let i = *id as usize - 1;
+                format!("{id}=127.0.0.1:{}/127.0.0.1:{}", p[2 * i], p[2 * i + 1])
+            })
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let start = |id: Option<u64>, peers: Option<String>| {
+        let mut cmd = felix_tests::broker_command!(Some(data.as_path()), &addr);
+        if let (Some(id), Some(peers)) = (id, peers) {
+            cmd.env("FELIX_NODE_ID", id.to_string())
+                .env("FELIX_CLUSTER_NODES", peers);
+        }
+        cmd
+    };
+    // Node 1 of nodes 1, 2, 3 (the others need not run for it to start).
+    let (mut child, _) =
+        felix_tests::spawn_announcing(start(Some(1), Some(nodes(&ports, &[1, 2, 3]))));
+    let _ = child.kill();
+    let _ = child.wait();
+    let recorded = std::fs::read_to_string(data.join("felix.cluster")).unwrap();
+    assert!(recorded.contains("node_id = 1"), "{recorded}");
+    assert!(recorded.contains("nodes = [1, 2, 3]"), "{recorded}");
+
+    let refused = |cmd: std::process::Command, why: &str| {
+        let mut cmd = cmd;
+        let out = cmd
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = out.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "it started: {err}");
+        assert!(err.contains(why), "{err}");
+    };
+    // Only itself: it would be its own majority.
+    refused(
+        start(Some(1), Some(nodes(&ports, &[1]))),
+        "membership changes are not supported",
+    );
+    // Another node's identity on this node's state.
+    refused(
+        start(Some(2), Some(nodes(&ports, &[1, 2, 3]))),
+        "holds node 1 of a cluster of nodes 1, 2, 3",
+    );
+    // Outside a cluster.
+    refused(start(None, None), "does not leave a cluster");
+    // The same nodes at other addresses: taken.
+    let moved: Vec<u16> = free_ports(6);
+    let mut moved_nodes = nodes(&moved, &[1, 2, 3]);
+    // Node 1 keeps the client address the test listens on.
+    moved_nodes = moved_nodes.replacen(
+        &format!("1=127.0.0.1:{}", moved[0]),
+        &format!("1={addr}"),
+        1,
+    );
+    let (mut child, _) = felix_tests::spawn_announcing(start(Some(1), Some(moved_nodes)));
+    let _ = child.kill();
+    let _ = child.wait();
+}

@@ -1089,6 +1089,7 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
                 .map_err(|e| format!("cannot create data directory {}: {e}", d.display()))?;
             // Held until this function returns, after every core has exited.
             let lock = catalog::DirLock::acquire(d)?;
+            crate::cluster::check_membership(d, config.cluster.as_ref())?;
             (load_catalog(d)?, Some(lock))
         }
         None => (Vec::new(), None),

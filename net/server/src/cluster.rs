@@ -235,6 +235,130 @@ pub(crate) struct Replication<S: Storage> {
     shards: Registry<S>,
 }
 
+/// The file in a data directory that says which cluster member it holds
+/// the state of: `node_id` and the ids of every node, written the first
+/// time a broker starts on it in a cluster.
+pub(crate) const MEMBERSHIP_FILE: &str = "felix.cluster";
+
+/// Check (or, on the first start in a cluster, record) that `data_dir`
+/// holds the state of this node of this cluster. Raft's safety rests on
+/// every replica counting the same voters: a broker started once with
+/// another peer list (only itself, say) would make its own majority,
+/// acknowledge what the cluster never committed, and later win elections
+/// with a log the others do not hold. Ids are compared, not addresses
+/// (brokers may move). A data directory of a cluster is not started
+/// outside one either, nor one of a single broker inside one after it
+/// was recorded (that case is the shards' own check: a stream written
+/// before the broker joined is refused).
+pub(crate) fn check_membership(
+    data_dir: &std::path::Path,
+    cluster: Option<&ClusterConfig>,
+) -> Result<(), String> {
+    use std::io::Write;
+    let path = data_dir.join(MEMBERSHIP_FILE);
+    let recorded = match std::fs::read_to_string(&path) {
+        Ok(text) => Some(parse_membership(&text).map_err(|e| format!("{}: {e}", path.display()))?),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(format!("{}: {e}", path.display())),
+    };
+    let wanted = cluster.map(|c| {
+        let mut ids = c.voters();
+        ids.sort_unstable();
+        (c.node_id, ids)
+    });
+    let show = |ids: &[u64]| {
+        ids.iter()
+            .map(u64::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    match (recorded, wanted) {
+        (None, None) => Ok(()),
+        (Some((id, ids)), None) => Err(format!(
+            "data directory {} holds node {id} of a cluster of nodes {}: start it with \
+             --node-id {id} and --peers naming those nodes (a broker does not leave a cluster)",
+            data_dir.display(),
+            show(&ids)
+        )),
+        (Some(r), Some(w)) if r == w => Ok(()),
+        (Some((id, ids)), Some((wid, wids))) => Err(format!(
+            "data directory {} holds node {id} of a cluster of nodes {}, but this start names \
+             node {wid} of nodes {}: membership changes are not supported (a broker counting \
+             other voters could acknowledge what the cluster never committed); start it with \
+             --node-id {id} and --peers naming nodes {} (their addresses may change)",
+            data_dir.display(),
+            show(&ids),
+            show(&wids),
+            show(&ids)
+        )),
+        (None, Some((id, ids))) => {
+            let text = format!(
+                "# Written by felix on this data directory's first start in a cluster:\n\
+                 # the node it holds the state of, and every node of its cluster.\n\
+                 node_id = {id}\nnodes = [{}]\n",
+                show(&ids)
+            );
+            let tmp = data_dir.join(format!("{MEMBERSHIP_FILE}.tmp"));
+            let write = || -> std::io::Result<()> {
+                let mut f = std::fs::File::create(&tmp)?;
+                f.write_all(text.as_bytes())?;
+                f.sync_all()?;
+                std::fs::rename(&tmp, &path)?;
+                std::fs::File::open(data_dir)?.sync_all()
+            };
+            write().map_err(|e| {
+                format!(
+                    "cannot record cluster membership in {}: {e}",
+                    path.display()
+                )
+            })
+        }
+    }
+}
+
+/// `node_id` and `nodes` of a membership file.
+fn parse_membership(text: &str) -> Result<(u64, Vec<u64>), String> {
+    let mut id = None;
+    let mut nodes = None;
+    for line in text.lines().map(str::trim) {
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let (k, v) = line
+            .split_once('=')
+            .ok_or_else(|| format!("not `key = value`: {line:?}"))?;
+        match k.trim() {
+            "node_id" => {
+                id = Some(
+                    v.trim()
+                        .parse::<u64>()
+                        .map_err(|e| format!("node_id: {e}"))?,
+                )
+            }
+            "nodes" => {
+                let list = v
+                    .trim()
+                    .strip_prefix('[')
+                    .and_then(|l| l.strip_suffix(']'))
+                    .ok_or_else(|| format!("nodes is not a list: {v:?}"))?;
+                let mut ids = list
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|s| !s.is_empty())
+                    .map(|s| s.parse::<u64>().map_err(|e| format!("nodes: {s:?}: {e}")))
+                    .collect::<Result<Vec<_>, _>>()?;
+                ids.sort_unstable();
+                nodes = Some(ids);
+            }
+            other => return Err(format!("unknown key {other:?}")),
+        }
+    }
+    match (id, nodes) {
+        (Some(id), Some(nodes)) => Ok((id, nodes)),
+        _ => Err("needs node_id and nodes".to_string()),
+    }
+}
+
 /// How long a replicated publish may wait for its commit before the broker
 /// answers `unavailable` (the outcome is then unknown: it may still be
 /// committed).
