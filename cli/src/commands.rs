@@ -88,15 +88,44 @@ pub async fn run(global: &GlobalArgs, command: Command) -> Result<(), CliError> 
             Err(CliError::Client(ClientError::NotLeader {
                 leader: Some(leader),
                 ..
-            })) if rerunnable && follows < 3 && leader != current => {
+            })) if rerunnable
+                && leader != current
+                && (follows < 3
+                    || electing_since
+                        .get_or_insert_with(std::time::Instant::now)
+                        .elapsed()
+                        < ELECTION_WAIT) =>
+            {
+                // Brokers naming a leader that has just died, or each
+                // other, until an election settles: followed, backing off
+                // after the first few.
                 eprintln!("felix: {current} does not lead that shard; asking the leader, {leader}");
                 follows += 1;
+                if follows > 3 {
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_millis(500));
+                }
                 current = leader;
             }
-            // Not reached: the next broker listed, if any.
-            Err(CliError::Client(ClientError::Io(e))) if target + 1 < brokers.len() => {
+            // Not reached (nothing was sent): the next broker listed. On a
+            // cluster, round the list again for as long as an election may
+            // take: the broker reached may have named a leader that has
+            // just died.
+            Err(CliError::Client(ClientError::Io(e)))
+                if target + 1 < brokers.len()
+                    || (rerunnable
+                        && brokers.len() > 1
+                        && electing_since
+                            .get_or_insert_with(std::time::Instant::now)
+                            .elapsed()
+                            < ELECTION_WAIT) =>
+            {
                 eprintln!("felix: {current}: {e}; trying the next broker");
-                target += 1;
+                if target + 1 >= brokers.len() {
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_millis(500));
+                }
+                target = (target + 1) % brokers.len();
                 current = brokers[target].clone();
             }
             other => return other,
