@@ -59,8 +59,8 @@ pub async fn run(global: &GlobalArgs, command: Command) -> Result<(), CliError> 
     let mut target = 0;
     let mut follows = 0;
     let mut current = brokers[0].clone();
-    let mut electing_since = None;
-    let mut backoff = Duration::from_millis(50);
+    let mut patience = Patience::default();
+    let mut said_waiting = false;
     loop {
         // Only an error before the command did anything (`Client`, not
         // `Partial`) runs it again.
@@ -69,41 +69,29 @@ pub async fn run(global: &GlobalArgs, command: Command) -> Result<(), CliError> 
             // failover): ask again, the next broker listed first, for a
             // while. Nothing was applied.
             Err(CliError::Client(ClientError::NotLeader { leader: None, .. }))
-                if rerunnable
-                    && electing_since
-                        .get_or_insert_with(std::time::Instant::now)
-                        .elapsed()
-                        < ELECTION_WAIT =>
+                if rerunnable && patience.lasts() =>
             {
-                if backoff == Duration::from_millis(50) {
+                if !said_waiting {
                     eprintln!(
                         "felix: no leader of that shard is known yet (an election?); waiting"
                     );
+                    said_waiting = true;
                 }
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_millis(500));
+                patience.pause().await;
                 target = (target + 1) % brokers.len();
                 current = brokers[target].clone();
             }
+            // Brokers naming a leader that has just died, or each other,
+            // until an election settles: followed, backing off after the
+            // first few.
             Err(CliError::Client(ClientError::NotLeader {
                 leader: Some(leader),
                 ..
-            })) if rerunnable
-                && leader != current
-                && (follows < 3
-                    || electing_since
-                        .get_or_insert_with(std::time::Instant::now)
-                        .elapsed()
-                        < ELECTION_WAIT) =>
-            {
-                // Brokers naming a leader that has just died, or each
-                // other, until an election settles: followed, backing off
-                // after the first few.
+            })) if rerunnable && leader != current && (follows < 3 || patience.lasts()) => {
                 eprintln!("felix: {current} does not lead that shard; asking the leader, {leader}");
                 follows += 1;
                 if follows > 3 {
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_millis(500));
+                    patience.pause().await;
                 }
                 current = leader;
             }
@@ -113,17 +101,11 @@ pub async fn run(global: &GlobalArgs, command: Command) -> Result<(), CliError> 
             // just died.
             Err(CliError::Client(ClientError::Io(e)))
                 if target + 1 < brokers.len()
-                    || (rerunnable
-                        && brokers.len() > 1
-                        && electing_since
-                            .get_or_insert_with(std::time::Instant::now)
-                            .elapsed()
-                            < ELECTION_WAIT) =>
+                    || (rerunnable && brokers.len() > 1 && patience.lasts()) =>
             {
                 eprintln!("felix: {current}: {e}; trying the next broker");
                 if target + 1 >= brokers.len() {
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_millis(500));
+                    patience.pause().await;
                 }
                 target = (target + 1) % brokers.len();
                 current = brokers[target].clone();
@@ -137,6 +119,38 @@ pub async fn run(global: &GlobalArgs, command: Command) -> Result<(), CliError> 
 /// gives up (an election takes well under a second; a cluster without a
 /// majority has none).
 const ELECTION_WAIT: Duration = Duration::from_secs(10);
+
+/// How long `run` keeps asking through a failover ([`ELECTION_WAIT`] from
+/// the first answer that needs it) and how long it pauses between asks.
+struct Patience {
+    since: Option<std::time::Instant>,
+    backoff: Duration,
+}
+
+impl Default for Patience {
+    fn default() -> Self {
+        Patience {
+            since: None,
+            backoff: Duration::from_millis(50),
+        }
+    }
+}
+
+impl Patience {
+    /// Still within the wait (which starts at the first call).
+    fn lasts(&mut self) -> bool {
+        self.since
+            .get_or_insert_with(std::time::Instant::now)
+            .elapsed()
+            < ELECTION_WAIT
+    }
+
+    /// Pause, twice as long each time up to half a second.
+    async fn pause(&mut self) {
+        tokio::time::sleep(self.backoff).await;
+        self.backoff = (self.backoff * 2).min(Duration::from_millis(500));
+    }
+}
 
 /// A command that works on every shard of a stream: on a cluster its
 /// shards can lead on different brokers.
@@ -367,16 +381,14 @@ async fn describe_on_cluster(
 ) -> Result<(), CliError> {
     let (t, n, s) = parts(stream);
     let answers = cluster.describe_replicas(t, n, s, shard).await;
-    // The leader of the newest term (a deposed one may not know yet), or
-    // any broker that answered.
-    let leader = answers
-        .iter()
-        .filter_map(|(b, r)| r.as_ref().ok().map(|i| (b, i)))
-        .filter(|(_, i)| i.role == felix_client::ReplicaRole::Leader)
-        .max_by_key(|(_, i)| i.term)
-        .map(|(b, _)| b)
-        .or_else(|| answers.iter().find(|(_, r)| r.is_ok()).map(|(b, _)| b))
-        .cloned();
+    // The leader the answers named (the cluster client keeps the newest
+    // term's), or any broker that answered.
+    let leader = cluster.leader_of(t, n, s, shard).or_else(|| {
+        answers
+            .iter()
+            .find(|(_, r)| r.is_ok())
+            .map(|(b, _)| b.clone())
+    });
     let Some(broker) = leader else {
         // Nobody answered: the first broker's error says why.
         let (_, first) = answers.into_iter().next().expect("--broker names one");

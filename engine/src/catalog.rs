@@ -155,6 +155,11 @@ async fn subdirs<S: Storage>(storage: &S, p: &Path) -> Result<Vec<(String, PathB
 /// The file in the data directory that a running broker holds locked.
 pub const LOCK_FILE: &str = "felix.lock";
 
+/// `<data_dir>/felix.cluster`: in a cluster, the node whose state the
+/// directory holds and every node of its cluster (the broker writes and
+/// checks it).
+pub const CLUSTER_FILE: &str = "felix.cluster";
+
 /// Exclusive use of a data directory for the life of a broker process.
 ///
 /// Two brokers writing the same segments would corrupt each other's logs, so

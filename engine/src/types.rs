@@ -115,7 +115,7 @@ impl StreamName {
         validate_name("tenant", tenant)?;
         // Tenants are directories of the data directory, beside its lock
         // and its cluster membership.
-        if tenant == crate::catalog::LOCK_FILE || tenant == "felix.cluster" {
+        if [crate::catalog::LOCK_FILE, crate::catalog::CLUSTER_FILE].contains(&tenant) {
             return Err(NameError::Reserved {
                 what: "tenant",
                 name: tenant.to_string(),

@@ -72,6 +72,8 @@ pub struct ReplicaStatus {
     pub last_index: u64,
     /// The log's compaction point: entries up to it are gone.
     pub compacted: u64,
+    /// Why it stopped, if it did ([`Role::Stopped`]).
+    pub stopped: Option<String>,
     /// On a leader, every other voter with the highest index it is known
     /// to hold; empty elsewhere.
     pub peers: Vec<(u64, u64)>,
@@ -387,6 +389,7 @@ impl Replica {
             applied: self.applied,
             last_index: raft.raft_log.last_index(),
             compacted: self.log().compacted().index,
+            stopped: self.stopped.clone(),
             peers,
         }
     }

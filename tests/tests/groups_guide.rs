@@ -1217,16 +1217,17 @@ async fn a_reserved_record_whose_claim_lapses_goes_to_the_whole_group() {
         felix_tests::raw_call(&mut raw, 1, &hello).await,
         felix_wire::Response::HelloOk { .. }
     ));
-    let poll_as = |name: String| felix_wire::Request::GroupPoll {
-        key: felix_wire::GroupKey {
-            stream: felix_wire::StreamRef {
-                tenant: T.into(),
-                namespace: NS.into(),
-                stream: JOBS.into(),
-            },
-            shard: 0,
-            group: "workers".into(),
+    let key = felix_wire::GroupKey {
+        stream: felix_wire::StreamRef {
+            tenant: T.into(),
+            namespace: NS.into(),
+            stream: JOBS.into(),
         },
+        shard: 0,
+        group: "workers".into(),
+    };
+    let poll_as = |name: String| felix_wire::Request::GroupPoll {
+        key: key.clone(),
         max_records: 1,
         wait_ms: 0,
         member: Some(felix_wire::GroupMemberRef {
@@ -1261,15 +1262,7 @@ async fn a_reserved_record_whose_claim_lapses_goes_to_the_whole_group() {
         other => panic!("a poll with visibility 0 was served: {other:?}"),
     }
     let extend = felix_wire::Request::GroupExtend {
-        key: felix_wire::GroupKey {
-            stream: felix_wire::StreamRef {
-                tenant: T.into(),
-                namespace: NS.into(),
-                stream: JOBS.into(),
-            },
-            shard: 0,
-            group: "workers".into(),
-        },
+        key: key.clone(),
         offset: 1,
         attempts: 2,
         extend_ms: 0,

@@ -793,7 +793,7 @@ impl<S: Storage> Core<S> {
                 ErrorCode::Internal,
                 format!(
                     "stream {name} is deleted, but not cleanly: {}",
-                    problems.join("; ")
+                    summarize(&problems)
                 ),
             ),
         }

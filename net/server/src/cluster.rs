@@ -46,6 +46,7 @@ use std::path::PathBuf;
 use std::rc::{Rc, Weak};
 use std::time::Duration;
 
+use felix_engine::catalog::CLUSTER_FILE;
 use felix_engine::format::{self, RecordIn};
 use felix_engine::storage::Storage;
 use felix_engine::StreamName;
@@ -235,12 +236,8 @@ pub(crate) struct Replication<S: Storage> {
     shards: Registry<S>,
 }
 
-/// The file in a data directory that says which cluster member it holds
-/// the state of: `node_id` and the ids of every node, written the first
-/// time a broker starts on it in a cluster.
-pub(crate) const MEMBERSHIP_FILE: &str = "felix.cluster";
-
-/// Check (or, on the first start in a cluster, record) that `data_dir`
+/// Check (or, on the first start in a cluster, record in its
+/// [`CLUSTER_FILE`]) that `data_dir`
 /// holds the state of this node of this cluster. Raft's safety rests on
 /// every replica counting the same voters: a broker started once with
 /// another peer list (only itself, say) would make its own majority,
@@ -255,7 +252,7 @@ pub(crate) fn check_membership(
     cluster: Option<&ClusterConfig>,
 ) -> Result<(), String> {
     use std::io::Write;
-    let path = data_dir.join(MEMBERSHIP_FILE);
+    let path = data_dir.join(CLUSTER_FILE);
     let recorded = match std::fs::read_to_string(&path) {
         Ok(text) => Some(parse_membership(&text).map_err(|e| format!("{}: {e}", path.display()))?),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
@@ -298,7 +295,7 @@ pub(crate) fn check_membership(
                  node_id = {id}\nnodes = [{}]\n",
                 show(&ids)
             );
-            let tmp = data_dir.join(format!("{MEMBERSHIP_FILE}.tmp"));
+            let tmp = data_dir.join(format!("{CLUSTER_FILE}.tmp"));
             let write = || -> std::io::Result<()> {
                 let mut f = std::fs::File::create(&tmp)?;
                 f.write_all(text.as_bytes())?;
@@ -638,7 +635,7 @@ impl<S: Storage> Replication<S> {
             applied: st.applied,
             last_index: st.last_index,
             compacted: st.compacted,
-            stopped: self.host.stopped(group),
+            stopped: st.stopped,
             peers: st
                 .peers
                 .iter()
