@@ -333,8 +333,9 @@ pub enum GroupCmd {
     DeadLetters {
         #[command(flatten)]
         target: GroupTarget,
-        /// Output format (json: one object per line).
-        #[arg(long, value_enum, default_value_t = Format::Text)]
+        /// Output format: text (a line per dead letter: offset, attempts,
+        /// when, by whom, why) or json (an object per line).
+        #[arg(long, value_enum, default_value_t = Format::Text, hide_possible_values = true)]
         format: Format,
         /// List only the dead letters at this offset and above.
         #[arg(long, value_name = "OFFSET", default_value_t = 0)]

@@ -10,6 +10,7 @@ use felix_client::{
     RecordIn, ShardedGroup, ShardedRecord, StartPosition, StreamOptions, StreamRef, FEATURE_GROUPS,
     FEATURE_GROUP_ADMIN, FEATURE_GROUP_CLAIM_CONTROL, FEATURE_GROUP_DEAD_LETTER_PAGES,
     FEATURE_GROUP_SKIPPED, FEATURE_PUBLISH_ACK_MODE, FEATURE_REPLICA_INFO,
+    FEATURE_STREAM_INCARNATION,
 };
 use futures_lite::future::poll_once;
 use tokio::io::AsyncBufReadExt;
@@ -45,11 +46,12 @@ pub async fn run(global: &GlobalArgs, command: Command) -> Result<(), CliError> 
     if brokers.len() > 1 && spans_shards(&command) {
         return on_cluster(global, &brokers, command).await;
     }
-    let everywhere = matches!(
-        &command,
-        Command::Stream(StreamCmd::Create { .. } | StreamCmd::Delete { .. })
-    );
-    if brokers.len() > 1 && everywhere {
+    if let (true, Command::Stream(create @ StreamCmd::Create { .. })) =
+        (brokers.len() > 1, &command)
+    {
+        return create_everywhere(global, &brokers, create.clone()).await;
+    }
+    if brokers.len() > 1 && matches!(&command, Command::Stream(StreamCmd::Delete { .. })) {
         for b in &brokers {
             run_on(&on(b), command.clone()).await?;
         }
@@ -113,6 +115,89 @@ pub async fn run(global: &GlobalArgs, command: Command) -> Result<(), CliError> 
             other => return other,
         }
     }
+}
+
+/// `stream create` on several brokers: the same incarnation on each
+/// (`felix_client::incarnation_to_create`), so the brokers that hold the
+/// stream already (an earlier run cut short, a broker that was down for
+/// it) are left as they are and the others join them. A broker that
+/// cannot be reached is passed over and named at the end (exit 1): run the
+/// command again once it is back.
+async fn create_everywhere(
+    global: &GlobalArgs,
+    brokers: &[String],
+    cmd: StreamCmd,
+) -> Result<(), CliError> {
+    let StreamCmd::Create {
+        stream: s,
+        shards,
+        retention_bytes,
+        retention_ms,
+    } = cmd
+    else {
+        unreachable!("called for stream create");
+    };
+    let name = s.to_string();
+    let mut held = Vec::new();
+    let mut missing = Vec::new();
+    let mut unreachable = Vec::new();
+    for b in brokers {
+        let on = GlobalArgs {
+            broker: b.clone(),
+            ..global.clone()
+        };
+        let client = match connect(&on, false).await {
+            Ok(c) => c,
+            Err(CliError::Client(ClientError::Io(e))) => {
+                eprintln!("felix: {b}: {e}; passing it over");
+                unreachable.push(format!("{b} ({e})"));
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        match client
+            .describe_stream(&s.tenant, &s.namespace, &s.stream)
+            .await
+        {
+            Ok(info) => held.push((b.clone(), info)),
+            Err(e) if e.code() == Some(felix_client::ErrorCode::NotFound) => {
+                missing.push((b.clone(), client))
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let incarnation = felix_client::incarnation_to_create(&name, shards, &held)?;
+    for (b, _) in &held {
+        eprintln!("felix: {b} holds {name} already; left as it is");
+    }
+    let mut text = String::new();
+    for (b, client) in &missing {
+        let options = StreamOptions {
+            retention_bytes,
+            retention_ms,
+            incarnation: incarnation.filter(|_| client.has_feature(FEATURE_STREAM_INCARNATION)),
+        };
+        let info = client
+            .create_stream(&s.tenant, &s.namespace, &s.stream, shards, options)
+            .await?;
+        text.push_str(&format!("on {b}:\n"));
+        text.push_str(&with_shards(client, &info).await?);
+    }
+    print(&text)?;
+    if unreachable.is_empty() {
+        return Ok(());
+    }
+    Err(CliError::Client(ClientError::Io(std::io::Error::other(
+        format!(
+            "{name} is not on {}: run the same command again once {} back",
+            unreachable.join(", "),
+            if unreachable.len() == 1 {
+                "it is"
+            } else {
+                "they are"
+            }
+        ),
+    ))))
 }
 
 /// How long a command waits for a shard's leader to be elected before it
@@ -301,6 +386,7 @@ async fn stream(client: &Client, cmd: StreamCmd) -> Result<(), CliError> {
                     StreamOptions {
                         retention_bytes,
                         retention_ms,
+                        ..StreamOptions::default()
                     },
                 )
                 .await?;

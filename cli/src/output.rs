@@ -226,14 +226,19 @@ pub fn stream_line(s: &StreamInfo) -> String {
 
 pub fn stream_details(s: &StreamInfo) -> String {
     let placement: Vec<String> = s.placement.iter().map(|c| c.to_string()).collect();
-    format!(
+    let mut text = format!(
         "stream           {}\nshards           {}\nretention_bytes  {}\nretention_ms     {}\nplacement        {}\n",
         s.stream,
         s.shards,
         opt(s.retention_bytes, "default"),
         opt(s.retention_ms, "default"),
         placement.join(" ")
-    )
+    );
+    // In a cluster: the same on every broker that holds this stream.
+    if let Some(i) = s.incarnation {
+        text.push_str(&format!("incarnation      {i:#018x}\n"));
+    }
+    text
 }
 
 /// Rows of cells, each column as wide as its widest cell, under a header.

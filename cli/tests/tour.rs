@@ -18,6 +18,12 @@ impl Drop for Serve {
     }
 }
 
+/// A loopback address nothing listens on (a port bound and let go).
+fn free_port_addr() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().to_string()
+}
+
 fn felix() -> Command {
     Command::new(env!("CARGO_BIN_EXE_felix"))
 }
@@ -1872,9 +1878,81 @@ fn the_readme_cluster_works() {
         &["stream", "create", "demo/ha/jobs", "--shards", "1"],
         None,
     );
+    // One incarnation everywhere; a second create leaves it as it is.
+    let incarnation = |described: &str| {
+        described
+            .lines()
+            .find(|l| l.starts_with("incarnation "))
+            .unwrap_or_else(|| panic!("{described}"))
+            .to_string()
+    };
+    let first = incarnation(&ok(
+        &nodes[0],
+        &["stream", "describe", "demo/ha/jobs"],
+        None,
+    ));
     for n in &nodes {
         let described = ok(n, &["stream", "describe", "demo/ha/jobs"], None);
         assert!(described.contains("demo/ha/jobs"), "{described}");
+        assert_eq!(incarnation(&described), first, "{}", n.addr);
+    }
+    let again = felix()
+        .args([
+            "--broker",
+            &all,
+            "stream",
+            "create",
+            "demo/ha/jobs",
+            "--shards",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&again.stderr);
+    assert!(again.status.success(), "{stderr}");
+    assert_eq!(
+        stderr.matches("holds demo/ha/jobs already").count(),
+        3,
+        "{stderr}"
+    );
+    let wrong = felix()
+        .args([
+            "--broker",
+            &all,
+            "stream",
+            "create",
+            "demo/ha/jobs",
+            "--shards",
+            "2",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&wrong.stderr);
+    assert!(!wrong.status.success());
+    assert!(stderr.contains("error: already_exists:"), "{stderr}");
+    assert!(stderr.contains("with 1 shards, not 2"), "{stderr}");
+    // A broker that cannot be reached is passed over and named.
+    let gone = free_port_addr();
+    let partly = felix()
+        .args([
+            "--broker",
+            &format!("{all},{gone}"),
+            "stream",
+            "create",
+            "demo/ha/late",
+        ])
+        .args(["--shards", "1"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&partly.stderr);
+    assert!(!partly.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!("demo/ha/late is not on {gone}")),
+        "{stderr}"
+    );
+    assert!(stderr.contains("run the same command again"), "{stderr}");
+    for n in &nodes {
+        ok(n, &["stream", "describe", "demo/ha/late"], None);
     }
     // Published through whichever broker leads: the stream was created a
     // moment ago, so its election may still be on, which the CLI waits out

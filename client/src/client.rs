@@ -586,6 +586,7 @@ impl Client {
             shards,
             retention_bytes: options.retention_bytes,
             retention_ms: options.retention_ms,
+            incarnation: options.incarnation,
         };
         lock(&self.inner.placement).remove(&stream);
         match self.call_any(&req).await? {
@@ -1345,8 +1346,9 @@ impl Client {
         self.group_ok(&key, &req, "group_nack").await
     }
 
-    /// Extend the claim on a record this consumer holds by `by`. Returns
-    /// how long the claim now stands from now (the broker caps it at
+    /// Let the claim on a record this consumer holds stand for `by` from
+    /// now (a `by` shorter than what is left shortens it). Returns how long
+    /// the claim now stands from now (the broker caps it at
     /// FELIX_GROUP_MAX_VISIBILITY_MS). Refused with `stale_claim` once the claim has
     /// lapsed and the record went out again. Needs
     /// [`FEATURE_GROUP_CLAIM_CONTROL`](crate::FEATURE_GROUP_CLAIM_CONTROL).

@@ -95,6 +95,58 @@ enum Retry {
     Read,
 }
 
+/// The incarnation a stream `name` of `shards` shards is created with on
+/// the brokers that lack it, given `held`: the brokers that hold it and
+/// their description of it. Theirs, when they agree (`None` for a stream
+/// created without one); a new one when no broker holds it. Every broker
+/// must hold the same incarnation: the shards' replicas are found by it,
+/// and a broker holding an older stream of the same name (down while it
+/// was deleted and created again) must not vote in the new one's
+/// elections. `already_exists` when a broker holds it with another shard
+/// count or the brokers disagree, naming them.
+pub fn incarnation_to_create(
+    name: &str,
+    shards: u32,
+    held: &[(String, StreamInfo)],
+) -> Result<Option<u64>> {
+    let exists = |message: String| ClientError::Server {
+        code: ErrorCode::AlreadyExists,
+        message,
+    };
+    if let Some((b, info)) = held.iter().find(|(_, i)| i.shards != shards) {
+        return Err(exists(format!(
+            "{name} exists on {b} with {} shards, not {shards}",
+            info.shards
+        )));
+    }
+    let Some((first, info)) = held.first() else {
+        return Ok(Some(new_incarnation()));
+    };
+    if let Some((other, o)) = held.iter().find(|(_, i)| i.incarnation != info.incarnation) {
+        let show = |i: Option<u64>| i.map_or("none".to_string(), |i| format!("{i:#x}"));
+        return Err(exists(format!(
+            "{name} is not the same stream everywhere: {first} holds incarnation {} and \
+             {other} {} (one was deleted and created again while a broker was down); \
+             delete it on the brokers whose copy should go, then create it again",
+            show(info.incarnation),
+            show(o.incarnation)
+        )));
+    }
+    Ok(info.incarnation)
+}
+
+/// A new stream incarnation: nonzero, at most `i64::MAX`, and in practice
+/// never the same twice (the standard library's per-process random hash
+/// keys over the time and the process id).
+fn new_incarnation() -> u64 {
+    use std::hash::BuildHasher;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let h = std::collections::hash_map::RandomState::new().hash_one((now, std::process::id()));
+    (h & i64::MAX as u64).max(1)
+}
+
 /// Worth trying another broker (or the same one again) for.
 fn retryable(e: &ClientError, retry: Retry) -> bool {
     match e {
@@ -330,9 +382,12 @@ impl ClusterClient {
         Ok(())
     }
 
-    /// Create a stream on every broker (one already there with the same
-    /// shard count is left as it is, so a create interrupted part way can
-    /// be run again).
+    /// Create a stream on every broker, as one incarnation (see
+    /// [`incarnation_to_create`]): where some brokers hold it already
+    /// (a create interrupted part way, or a broker that was down for it),
+    /// the others get theirs, and those that hold it are left as they are.
+    /// Refused (`already_exists`) where a broker holds it with another
+    /// shard count, or brokers hold different incarnations of it.
     pub async fn create_stream(
         &self,
         tenant: &str,
@@ -341,34 +396,38 @@ impl ClusterClient {
         shards: u32,
         options: StreamOptions,
     ) -> Result<()> {
-        self.on_every(|c| async move {
+        let name = format!("{tenant}/{namespace}/{stream}");
+        let mut held = Vec::new();
+        let mut clients = Vec::new();
+        for b in self.brokers.iter() {
+            let c = self.client(b).await?;
+            match c.describe_stream(tenant, namespace, stream).await {
+                Ok(info) => held.push((b.clone(), info)),
+                Err(e) if e.code() == Some(ErrorCode::NotFound) => clients.push(c),
+                Err(e) => return Err(e),
+            }
+        }
+        let incarnation = incarnation_to_create(&name, shards, &held)?;
+        for c in clients {
+            let options = StreamOptions {
+                incarnation: incarnation
+                    .filter(|_| c.has_feature(felix_wire::FEATURE_STREAM_INCARNATION)),
+                ..options
+            };
             match c
                 .create_stream(tenant, namespace, stream, shards, options)
                 .await
             {
-                Ok(_) => Ok(()),
+                Ok(_) => {}
+                // Created by someone else meanwhile: the next run checks it.
                 Err(ClientError::Server {
                     code: ErrorCode::AlreadyExists,
                     ..
-                }) => {
-                    let info = c.describe_stream(tenant, namespace, stream).await?;
-                    if info.shards == shards {
-                        Ok(())
-                    } else {
-                        Err(ClientError::Server {
-                            code: ErrorCode::AlreadyExists,
-                            message: format!(
-                                "{tenant}/{namespace}/{stream} exists on {} with {} shards, not {shards}",
-                                c.broker(),
-                                info.shards
-                            ),
-                        })
-                    }
-                }
-                Err(e) => Err(e),
+                }) => {}
+                Err(e) => return Err(e),
             }
-        })
-        .await
+        }
+        Ok(())
     }
 
     /// Delete a stream on every broker (one already gone is fine).

@@ -157,7 +157,7 @@ mod subscribe;
 mod types;
 
 pub use client::{Client, Pending, PendingAck, PendingPublish};
-pub use cluster::ClusterClient;
+pub use cluster::{incarnation_to_create, ClusterClient};
 pub use config::ClientConfig;
 pub use error::{ClientError, Result};
 pub use sharded::{ShardedGroup, ShardedRecord};
@@ -173,5 +173,5 @@ pub use felix_wire::{
     Record, RecordIn, ReplicaInfo, ReplicaRole, ShardInfo, StartPosition, StreamInfo, StreamRef,
     FEATURES_ALL, FEATURE_GROUPS, FEATURE_GROUP_ADMIN, FEATURE_GROUP_CLAIM_CONTROL,
     FEATURE_GROUP_DEAD_LETTER_PAGES, FEATURE_GROUP_SKIPPED, FEATURE_PUBLISH_ACK_MODE,
-    FEATURE_REPLICA_INFO,
+    FEATURE_REPLICA_INFO, FEATURE_STREAM_INCARNATION,
 };

@@ -544,7 +544,8 @@ impl ShardedGroup {
         }
     }
 
-    /// Extend the claim on a record by `by`; returns how long it now stands.
+    /// Let the claim on a record stand for `by` from now (which can
+    /// shorten it); returns how long it now stands.
     pub async fn extend(&self, record: &ShardedRecord, by: Duration) -> Result<Duration> {
         let (t, n, s, g) = self.names();
         let r = &record.record;

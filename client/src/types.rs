@@ -12,6 +12,11 @@ pub struct StreamOptions {
     pub retention_bytes: Option<u64>,
     /// Keep records for about this many milliseconds.
     pub retention_ms: Option<u64>,
+    /// In a cluster: the stream's incarnation, which must be the same on
+    /// every broker (nonzero, at most `i64::MAX`; needs
+    /// `FEATURE_STREAM_INCARNATION`). [`ClusterClient::create_stream`]
+    /// (crate::ClusterClient::create_stream) chooses it: leave it `None`.
+    pub incarnation: Option<u64>,
 }
 
 /// Where a batch of records was written: offsets

@@ -33,6 +33,7 @@ fn stream_info(stream: &StreamRef, placement: Vec<u32>) -> StreamInfo {
         shards: placement.len() as u32,
         retention_bytes: None,
         retention_ms: None,
+        incarnation: None,
         placement,
     }
 }

@@ -22,6 +22,11 @@ pub struct StreamMeta {
     pub retention_bytes: Option<u64>,
     pub retention_ms: Option<u64>,
     pub created_ms: u64,
+    /// In a cluster: the number every broker holds for this stream, telling
+    /// its replicas from those of an earlier stream of the same name (0:
+    /// none, a stream created outside a cluster or by a client that did not
+    /// send one). At most `i64::MAX` (the file is TOML).
+    pub incarnation: u64,
 }
 
 impl StreamMeta {
@@ -30,13 +35,17 @@ impl StreamMeta {
     }
 
     pub fn encode(&self) -> String {
-        format!(
+        let mut text = format!(
             "# Felix stream metadata. Do not edit while the broker runs.\nversion = {META_VERSION}\nshards = {}\nretention_bytes = {}\nretention_ms = {}\ncreated_ms = {}\n",
             self.shards,
             self.retention_bytes.unwrap_or(0),
             self.retention_ms.unwrap_or(0),
             self.created_ms
-        )
+        );
+        if self.incarnation != 0 {
+            text.push_str(&format!("incarnation = {}\n", self.incarnation));
+        }
+        text
     }
 
     pub fn decode(name: StreamName, text: &str) -> Result<StreamMeta, String> {
@@ -63,6 +72,11 @@ impl StreamMeta {
             retention_bytes: opt(int("retention_bytes")?),
             retention_ms: opt(int("retention_ms")?),
             created_ms: int("created_ms")?,
+            incarnation: if t.contains_key("incarnation") {
+                int("incarnation")?
+            } else {
+                0
+            },
         })
     }
 }
@@ -250,8 +264,17 @@ mod tests {
             retention_bytes: Some(10),
             retention_ms: None,
             created_ms: 5,
+            incarnation: 0,
         };
         assert_eq!(StreamMeta::decode(name.clone(), &m.encode()).unwrap(), m);
+        assert!(!m.encode().contains("incarnation"), "{}", m.encode());
+        let m = StreamMeta {
+            incarnation: i64::MAX as u64,
+            ..m
+        };
+        assert_eq!(StreamMeta::decode(name.clone(), &m.encode()).unwrap(), m);
+        let text = m.encode().replace(&i64::MAX.to_string(), "-1");
+        assert!(StreamMeta::decode(name.clone(), &text).is_err());
         assert!(StreamMeta::decode(name.clone(), "version = 1\nshards = 0\n").is_err());
         assert!(StreamMeta::decode(name.clone(), "garbage ===").is_err());
         assert!(StreamMeta::decode(name, "version = 9\nshards = 1\n").is_err());
@@ -273,6 +296,7 @@ mod tests {
                 retention_bytes: None,
                 retention_ms: Some(60_000),
                 created_ms: 1,
+                incarnation: 0,
             };
             assert!(
                 load(&disk, root).await.unwrap().is_empty(),

@@ -169,6 +169,7 @@ async fn hello_then_create(
         shards: 1,
         retention_bytes: None,
         retention_ms: None,
+        incarnation: None,
     };
     felix_wire::encode_request(2, &create, &mut out);
     s.write_all(&out).await.unwrap();

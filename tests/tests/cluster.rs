@@ -1723,3 +1723,125 @@ fn a_broker_started_with_other_nodes_than_its_data_directory_refuses() {
     let _ = child.kill();
     let _ = child.wait();
 }
+
+/// A broker down while a stream was deleted and created again comes back
+/// holding the old stream, whose log is longer and no older than the new
+/// one's. Its shards are not the new stream's replicas (each creation has
+/// its own incarnation): it neither wins an election nor votes in the new
+/// stream's, which keeps every record it acknowledged. Creating the stream
+/// across all three brokers is then refused, naming the disagreement; once
+/// the old copy is deleted on that broker, the same create gives it the
+/// new stream's incarnation and it catches up.
+#[test]
+fn a_broker_down_while_its_stream_was_created_again_keeps_out_of_it() {
+    let mut cluster = start_cluster();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let cc = ClusterClient::connect(&cluster.addrs, ClientConfig::default())
+            .await
+            .unwrap();
+        cc.create_stream(T, NS, S, SHARDS, StreamOptions::default())
+            .await
+            .unwrap();
+        let mut old = BTreeMap::new();
+        publish_some(&cc, 0, 20, &mut old).await;
+        // Later terms for the old stream: every broker killed and started
+        // again, each time electing anew.
+        for round in 0..3 {
+            for b in cluster.brokers.iter_mut() {
+                b.kill9();
+            }
+            for b in cluster.brokers.iter_mut() {
+                b.restart();
+            }
+            publish_some(&cc, 20 + round, 1, &mut old).await;
+        }
+
+        // Node 3 misses the deletion and the new stream.
+        cluster.brokers[2].kill9();
+        let two = without(&cluster, &cluster.addrs[2]).await;
+        two.delete_stream(T, NS, S).await.unwrap();
+        two.create_stream(T, NS, S, SHARDS, StreamOptions::default())
+            .await
+            .unwrap();
+        let mut new = BTreeMap::new();
+        publish_some(&two, 1000, 2, &mut new).await;
+
+        // Back with its old copy, it campaigns with that log: several
+        // election timeouts (the cluster's are well under a second) to
+        // win the new stream's shards, if it could.
+        cluster.brokers[2].restart();
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        publish_some(&two, 1002, 2, &mut new).await;
+        let leaders = |c: &ClusterClient| {
+            (0..SHARDS)
+                .map(|s| c.leader_of(T, NS, S, s).unwrap())
+                .collect::<Vec<_>>()
+        };
+        for (shard, leader) in leaders(&two).into_iter().enumerate() {
+            assert_ne!(leader, cluster.addrs[2], "shard {shard}");
+            let c = Client::connect(&leader, ClientConfig::default())
+                .await
+                .unwrap();
+            let want: BTreeMap<u64, String> = new
+                .iter()
+                .filter(|((s, _), _)| *s == shard as u32)
+                .map(|((_, o), p)| (*o, p.clone()))
+                .collect();
+            let got = read_all(&c, shard as u32).await;
+            let got: BTreeMap<u64, String> = got
+                .into_iter()
+                .filter(|(o, _)| want.contains_key(o))
+                .collect();
+            assert_eq!(got, want, "shard {shard}: the new stream's records");
+        }
+
+        // Not the same stream everywhere: said, and nothing is created.
+        let err = cc
+            .create_stream(T, NS, S, SHARDS, StreamOptions::default())
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Some(felix_client::ErrorCode::AlreadyExists));
+        assert!(
+            err.to_string().contains("not the same stream everywhere"),
+            "{err}"
+        );
+        // The old copy deleted there, the same create joins it in.
+        let third = Client::connect(&cluster.addrs[2], ClientConfig::default())
+            .await
+            .unwrap();
+        third.delete_stream(T, NS, S).await.unwrap();
+        cc.create_stream(T, NS, S, SHARDS, StreamOptions::default())
+            .await
+            .unwrap();
+        let a = two.describe_stream(T, NS, S).await.unwrap();
+        let b = third.describe_stream(T, NS, S).await.unwrap();
+        assert!(a.incarnation.is_some());
+        assert_eq!(a.incarnation, b.incarnation, "one incarnation");
+        publish_some(&cc, 1004, 2, &mut new).await;
+        for shard in 0..SHARDS {
+            let leader = cc.leader_of(T, NS, S, shard).unwrap();
+            let l = Client::connect(&leader, ClientConfig::default())
+                .await
+                .unwrap();
+            let want = read_all(&l, shard).await;
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                let got = read_all(&third, shard).await;
+                if got == want {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "shard {shard}: node 3 never caught up: {} of {} records",
+                    got.len(),
+                    want.len()
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    });
+}

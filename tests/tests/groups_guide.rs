@@ -1413,7 +1413,7 @@ async fn retention_broker() -> (ConfigFile, felix_tests::Broker, Client) {
     let c = client(&b.addr).await;
     let retention = felix_client::StreamOptions {
         retention_bytes: Some(128 << 10),
-        retention_ms: None,
+        ..Default::default()
     };
     c.create_stream(T, NS, JOBS, 1, retention).await.unwrap();
     (cfg, b, c)

@@ -162,6 +162,7 @@ fn corpus() -> Vec<Request> {
             shards: 2,
             retention_bytes: Some(1 << 20),
             retention_ms: Some(60_000),
+            incarnation: None,
         },
         Request::DeleteStream {
             stream: StreamRef {

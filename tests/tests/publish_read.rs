@@ -317,7 +317,7 @@ async fn sigterm_shuts_down_cleanly_and_streams_survive() {
         3,
         StreamOptions {
             retention_bytes: Some(1 << 30),
-            retention_ms: None,
+            ..StreamOptions::default()
         },
     )
     .await
@@ -1520,7 +1520,9 @@ async fn extreme_numbers_get_typed_errors_or_clamps_and_the_broker_still_restart
     match raw_call(&mut s, 1, &hello(None, felix_wire::PROTOCOL_VERSION)).await {
         // Everything but what only a broker in a cluster offers.
         Response::HelloOk { features, .. } => {
-            assert_eq!(features, FEATURES_ALL & !felix_wire::FEATURE_REPLICA_INFO)
+            let cluster_only =
+                felix_wire::FEATURE_REPLICA_INFO | felix_wire::FEATURE_STREAM_INCARNATION;
+            assert_eq!(features, FEATURES_ALL & !cluster_only)
         }
         other => panic!("unexpected {other:?}"),
     }
@@ -1538,6 +1540,7 @@ async fn extreme_numbers_get_typed_errors_or_clamps_and_the_broker_still_restart
             shards: 1,
             retention_bytes: bytes,
             retention_ms: ms,
+            incarnation: None,
         };
         match raw_call(&mut s, 2, &create).await {
             Response::Error(e) => {
@@ -1553,6 +1556,7 @@ async fn extreme_numbers_get_typed_errors_or_clamps_and_the_broker_still_restart
         shards: 1,
         retention_bytes: Some(i64::MAX as u64),
         retention_ms: Some(i64::MAX as u64),
+        incarnation: None,
     };
     match raw_call(&mut s, 3, &create).await {
         Response::Stream(info) => {

@@ -887,7 +887,8 @@ class Client {
   }
 
   /**
-   * Extend the claim on a record this consumer holds by `byMs`. Needs
+   * Let the claim on a record this consumer holds stand for `byMs` from now
+   * (a `byMs` shorter than what is left shortens it). Needs
    * `FEATURES.GROUP_CLAIM_CONTROL`. Refused with `StaleClaimError` once the
    * claim lapsed and the record went out again.
    * @param {import('../index').StreamArg} stream

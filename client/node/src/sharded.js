@@ -527,7 +527,8 @@ class ShardedGroup {
   }
 
   /**
-   * Extend the claim on a record by `byMs`.
+   * Let the claim on a record stand for `byMs` from now (which can shorten
+   * it).
    * @param {import('../index').ShardedRecord} record
    * @param {number} byMs
    * @returns {Promise<number>} how long the claim now stands, in ms

@@ -436,7 +436,9 @@ function getGroupInfo(r) {
     oldestOwedAgeMs: r.opt('oldest_owed_age_ms', r.u64n),
     lastActiveMs: r.opt('last_active_ms', r.u64n),
   };
-  info.lag = info.endOffset > info.position ? info.endOffset - info.position : 0n;
+  // Retention settles what it removed, unread: not counted.
+  const from = info.position > info.startOffset ? info.position : info.startOffset;
+  info.lag = info.endOffset > from ? info.endOffset - from : 0n;
   return info;
 }
 

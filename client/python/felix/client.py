@@ -937,8 +937,9 @@ class Client:
         return record.offset, record.attempts
 
     def group_extend(self, stream: StreamLike, shard: int, group: str, record: GroupRecord, by: Seconds) -> float:
-        """Extend the claim on a record this consumer holds by ``by``. Returns
-        how long the claim now stands from now, in seconds (the broker caps
+        """Let the claim on a record this consumer holds stand for ``by`` from
+        now (a ``by`` shorter than what is left shortens it). Returns how
+        long the claim now stands from now, in seconds (the broker caps
         it at ``FELIX_GROUP_MAX_VISIBILITY_MS``). Raises
         :class:`~felix.errors.StaleClaim` once the claim lapsed and the record
         went out again. Needs :attr:`Feature.GROUP_CLAIM_CONTROL`."""

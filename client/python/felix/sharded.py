@@ -544,8 +544,8 @@ class ShardedGroup:
         )
 
     def extend(self, record: ShardedRecord, by: Seconds) -> float:
-        """Extend the claim on a record by ``by``; returns how long it now
-        stands, in seconds."""
+        """Let the claim on a record stand for ``by`` from now (which can
+        shorten it); returns how long it now stands, in seconds."""
         self._check(record)
         return self._client.group_extend(self._stream, record.shard, self._group, record.record, by)
 

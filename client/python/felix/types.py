@@ -453,5 +453,6 @@ class GroupInfo:
 
     @property
     def lag(self) -> int:
-        """Records published but not yet finished by the group: ``end_offset - position``."""
-        return max(self.end_offset - self.position, 0)
+        """Records the group has yet to finish: ``end_offset - max(position,
+        start_offset)`` (retention settles what it removed, unread)."""
+        return max(self.end_offset - max(self.position, self.start_offset), 0)

@@ -329,9 +329,12 @@ pub struct GroupStatus {
 }
 
 impl GroupStatus {
-    /// Records between the position and the tail.
+    /// Records between the position and the tail, leaving out those
+    /// retention removed (settled, never delivered).
     pub fn lag(&self) -> u64 {
-        self.log_end.0.saturating_sub(self.position.0)
+        self.log_end
+            .0
+            .saturating_sub(self.position.0.max(self.log_start.0))
     }
 }
 

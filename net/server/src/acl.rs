@@ -444,6 +444,7 @@ admin    *                 *
                     shards: 1,
                     retention_bytes: None,
                     retention_ms: None,
+                    incarnation: None,
                 },
                 Some(Perm::StreamManage),
             ),

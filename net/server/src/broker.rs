@@ -120,7 +120,7 @@ impl Shared {
                 | felix_wire::FEATURE_GROUP_DEAD_LETTER_PAGES;
         }
         if self.config.cluster.is_some() {
-            f |= felix_wire::FEATURE_REPLICA_INFO;
+            f |= felix_wire::FEATURE_REPLICA_INFO | felix_wire::FEATURE_STREAM_INCARNATION;
         }
         f
     }
@@ -304,6 +304,7 @@ impl<S: Storage> Core<S> {
             placement: (0..meta.shards)
                 .map(|s| placement(&meta.name, ShardId(s), self.shared.cores).0)
                 .collect(),
+            incarnation: Some(meta.incarnation).filter(|i| *i != 0),
         }
     }
 
@@ -553,6 +554,7 @@ impl<S: Storage> Core<S> {
         shards: u32,
         retention_bytes: Option<u64>,
         retention_ms: Option<u64>,
+        incarnation: Option<u64>,
     ) -> Response {
         let name = match to_name(stream) {
             Ok(n) => n,
@@ -577,7 +579,14 @@ impl<S: Storage> Core<S> {
             retention_bytes: retention_bytes.or(c.retention_bytes).filter(|b| *b > 0),
             retention_ms: retention_ms.or(c.retention_ms).filter(|b| *b > 0),
             created_ms: now_ms(),
+            incarnation: incarnation.unwrap_or(0),
         };
+        if meta.incarnation > i64::MAX as u64 {
+            return wire_err(
+                ErrorCode::InvalidRequest,
+                format!("incarnation {} is over {}", meta.incarnation, i64::MAX),
+            );
+        }
         // `stream.meta` is TOML, whose integers are i64: a larger limit
         // would be written but refused when the broker next starts.
         for (what, v) in [
@@ -1793,7 +1802,7 @@ mod tests {
                     let storage = SimStorage::new();
                     let core = core_on(storage.clone());
                     let stream = stream_ref();
-                    let created = core.create_stream(&stream, 1, None, None).await;
+                    let created = core.create_stream(&stream, 1, None, None, None).await;
                     assert!(matches!(created, Response::Stream(_)), "{created:?}");
                     let shard = core.shard(&stream, 0).unwrap();
                     shard.log.append(std::slice::from_ref(&old)).unwrap();
@@ -1806,7 +1815,8 @@ mod tests {
                     let seg = PathBuf::from("/data/t/n/s/0/00000000000000000000.log");
                     assert!(storage.file_len(&seg).unwrap() > 0);
                     storage.set_yielding(true);
-                    let mut create = std::pin::pin!(core.create_stream(&stream, 1, None, None));
+                    let mut create =
+                        std::pin::pin!(core.create_stream(&stream, 1, None, None, None));
                     let mut done = false;
                     for _ in 0..k {
                         if futures_lite::future::poll_once(&mut create).await.is_some() {
@@ -1862,7 +1872,7 @@ mod tests {
                     stream: "s".into(),
                 };
                 let name = to_name(&stream).unwrap();
-                let created = core.create_stream(&stream, 2, None, None).await;
+                let created = core.create_stream(&stream, 2, None, None, None).await;
                 assert!(matches!(created, Response::Stream(_)), "{created:?}");
 
                 // The metadata file cannot be removed.
@@ -1895,7 +1905,7 @@ mod tests {
                 assert_eq!(error_of(deleted).code, ErrorCode::NotFound);
 
                 // The stream directory cannot be removed: deleted, not cleanly.
-                let created = core.create_stream(&stream, 1, None, None).await;
+                let created = core.create_stream(&stream, 1, None, None, None).await;
                 assert!(matches!(created, Response::Stream(_)), "{created:?}");
                 storage.fail_remove_after(3);
                 let e = error_of(core.delete_stream(&stream).await);

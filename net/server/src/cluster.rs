@@ -362,12 +362,20 @@ fn parse_membership(text: &str) -> Result<(u64, Vec<u64>), String> {
 pub(crate) const COMMIT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The replica group of a shard: the same on every node (a hash of the
-/// stream's name and the shard), below 2^62 as replica numbers must be.
-pub(crate) fn group_id(name: &StreamName, shard: u32) -> u64 {
+/// stream's name, its incarnation and the shard), below 2^62 as replica
+/// numbers must be. The incarnation keeps a stream apart from an earlier
+/// one of the same name that a broker down for its deletion still holds:
+/// their replicas are different groups, and never vote for each other.
+/// (0, a stream created without one, hashes as before incarnations.)
+pub(crate) fn group_id(name: &StreamName, shard: u32, incarnation: u64) -> u64 {
     let mut h = Sha256::new();
     h.update(name.to_string().as_bytes());
     h.update(b"#");
     h.update(shard.to_le_bytes());
+    if incarnation != 0 {
+        h.update(b"@");
+        h.update(incarnation.to_le_bytes());
+    }
     let d = h.finalize();
     let v = u64::from_le_bytes(d[..8].try_into().expect("eight bytes")) & ((1 << 62) - 1);
     v.max(1)
@@ -512,7 +520,7 @@ impl<S: Storage> Replication<S> {
     /// Replicate `shard` (just opened from `dir`): its replica joins the
     /// host, with its journal in the shard's directory.
     pub async fn add(&self, shard: &Rc<Shard<S>>, dir: PathBuf) -> Result<(), String> {
-        let group = group_id(&shard.stream, shard.index);
+        let group = shard.replica_group();
         // A shard written by a single broker has records no replica's
         // journal holds: its offsets would clash with the entries the
         // cluster commits. It is refused rather than quietly diverge.
@@ -542,7 +550,7 @@ impl<S: Storage> Replication<S> {
 
     /// Stop replicating `shard` and delete its replica's files.
     pub async fn remove(&self, shard: &Shard<S>) {
-        let group = group_id(&shard.stream, shard.index);
+        let group = shard.replica_group();
         self.shards.borrow_mut().remove(&group);
         if let Err(e) = self.host.remove_group(group).await {
             tracing::warn!("removing the replica of {}: {e}", shard.name());
@@ -552,7 +560,7 @@ impl<S: Storage> Replication<S> {
     /// Publish `records` to `shard` through its replica; the answer once a
     /// majority holds them and this shard log has them durably.
     pub async fn publish(&self, shard: &Shard<S>, records: &[RecordIn]) -> Response {
-        let group = group_id(&shard.stream, shard.index);
+        let group = shard.replica_group();
         let landed = match glommio::timer::timeout(COMMIT_TIMEOUT, async {
             Ok(self.host.publish(group, records).await)
         })
@@ -602,7 +610,7 @@ impl<S: Storage> Replication<S> {
     /// This broker's replica of `shard`, as it sees it (`DescribeReplica`):
     /// any replica answers, leader or not, from what it knows now.
     pub fn describe(&self, shard: &Shard<S>, stream: StreamRef) -> Response {
-        let group = group_id(&shard.stream, shard.index);
+        let group = shard.replica_group();
         let Some(st) = self.host.status(group) else {
             return wire_err(
                 ErrorCode::Unavailable,

@@ -486,6 +486,13 @@ impl Config {
         )?;
         let mut max_visibility_ms = num("groups", "max_visibility_ms")?;
         let mut raised_cap = None;
+        // Checked before it can raise the cap, so the error names it.
+        if visibility_timeout_ms > felix_engine::group::MAX_VISIBILITY_LIMIT_MS {
+            return Err(ConfigError(format!(
+                "`groups.visibility_timeout_ms` is {visibility_timeout_ms}; it can be at most {}",
+                felix_engine::group::MAX_VISIBILITY_LIMIT_MS
+            )));
+        }
         let mut warnings = Vec::new();
         if max_visibility_ms < visibility_timeout_ms {
             // The cap is never below the timeout: a longer timeout raises
@@ -1086,6 +1093,19 @@ mod tests {
             .contains("env FELIX_GROUP_MAX_VISIBILITY_MS, raised to groups.visibility_timeout_ms"));
         assert_eq!(c.warnings.len(), 1);
         assert!(c.warnings[0].contains("is below groups.visibility_timeout_ms"));
+        // A timeout past what a claim can hold is named, not the cap it
+        // would have raised.
+        let mut env = BTreeMap::new();
+        env.insert(
+            "FELIX_GROUP_VISIBILITY_TIMEOUT_MS".to_string(),
+            "4294967296".to_string(),
+        );
+        let e = Config::load_with_env(None, &Overrides::default(), &env).unwrap_err();
+        assert!(
+            e.to_string().contains("groups.visibility_timeout_ms"),
+            "{e}"
+        );
+        assert!(!e.to_string().contains("max_visibility_ms"), "{e}");
         // Past what a claim can hold: refused, not lowered.
         let mut env = BTreeMap::new();
         env.insert("FELIX_GROUP_MAX_ATTEMPTS".to_string(), "70000".to_string());

@@ -14,7 +14,7 @@ use felix_engine::storage::Storage;
 use felix_engine::Offset;
 use felix_wire::{
     AckMode, ErrorCode, PublishTarget, Record, Request, Response, ShardInfo, StartPosition,
-    StreamRef, WireError,
+    StreamInfo, StreamRef, WireError,
 };
 use futures_lite::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use glommio::net::TcpStream;
@@ -848,6 +848,17 @@ thread_local! {
 
 /// Log at info at most once a second per core (per `last`), saying how
 /// many lines were left out since.
+/// A `Stream` answer carries the stream's incarnation only to a client
+/// that negotiated it (it is a trailing field others would not expect).
+fn with_incarnation(info: &ConnInfo, mut resp: Response) -> Response {
+    if info.features.get() & felix_wire::FEATURE_STREAM_INCARNATION == 0 {
+        if let Response::Stream(s) = &mut resp {
+            s.incarnation = None;
+        }
+    }
+    resp
+}
+
 fn log_rate_limited(
     last: &'static std::thread::LocalKey<Cell<Option<(std::time::Instant, u64)>>>,
     line: impl FnOnce() -> String,
@@ -901,10 +912,12 @@ async fn handle<S: Storage>(
             shards,
             retention_bytes,
             retention_ms,
-        } => {
-            core.create_stream(&stream, shards, retention_bytes, retention_ms)
-                .await
-        }
+            incarnation,
+        } => with_incarnation(
+            info,
+            core.create_stream(&stream, shards, retention_bytes, retention_ms, incarnation)
+                .await,
+        ),
         Request::DescribeStream { stream } => {
             let name = match to_name(&stream) {
                 Ok(n) => n,
@@ -912,7 +925,7 @@ async fn handle<S: Storage>(
             };
             let meta = core.shared.catalog.lock().unwrap().get(&name).cloned();
             match meta {
-                Some(m) => Response::Stream(core.stream_info(&m)),
+                Some(m) => with_incarnation(info, Response::Stream(core.stream_info(&m))),
                 None => wire_err(ErrorCode::NotFound, format!("no stream {name}")),
             }
         }
@@ -944,7 +957,15 @@ async fn handle<S: Storage>(
                         .collect()
                 }
             });
-            Response::Streams(metas.iter().map(|m| core.stream_info(m)).collect())
+            Response::Streams(
+                metas
+                    .iter()
+                    .map(|m| StreamInfo {
+                        incarnation: None,
+                        ..core.stream_info(m)
+                    })
+                    .collect(),
+            )
         }
         Request::DeleteStream { stream } => core.delete_stream(&stream).await,
         Request::DescribeShard { stream, shard } => match core.shard(&stream, shard) {

@@ -75,6 +75,8 @@ impl Deadlines {
 pub(crate) struct Shard<S: Storage> {
     pub stream: StreamName,
     pub index: u32,
+    /// Its stream's incarnation (`StreamMeta::incarnation`; 0: none).
+    pub incarnation: u64,
     pub log: ShardLog<S>,
     pub groups: Groups,
     pub group_config: GroupConfig,
@@ -207,6 +209,7 @@ impl<S: Storage> Shard<S> {
         let shard = Rc::new(Shard {
             stream: meta.name.clone(),
             index,
+            incarnation: meta.incarnation,
             log,
             groups,
             group_config,
@@ -230,6 +233,12 @@ impl<S: Storage> Shard<S> {
 
     pub fn name(&self) -> String {
         format!("{}/{}", self.stream, self.index)
+    }
+
+    /// In a cluster: the replica group this shard is, the same on every
+    /// broker that holds this incarnation of its stream.
+    pub fn replica_group(&self) -> u64 {
+        crate::cluster::group_id(&self.stream, self.index, self.incarnation)
     }
 
     /// The answer to a request that finds this shard's log closed: its

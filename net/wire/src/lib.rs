@@ -81,6 +81,12 @@ pub const FEATURE_GROUP_DEAD_LETTER_PAGES: u64 = 1 << 5;
 /// The broker is in a cluster and answers `DescribeReplica`: its own
 /// replica of a shard (role, term, leader, indices).
 pub const FEATURE_REPLICA_INFO: u64 = 1 << 6;
+/// The broker is in a cluster and keeps a stream's incarnation: the
+/// number, the same on every broker, that tells this stream's replicas
+/// from those of an earlier stream of the same name
+/// (`CreateStream.incarnation`, `StreamInfo.incarnation` in a `Stream`
+/// answer).
+pub const FEATURE_STREAM_INCARNATION: u64 = 1 << 7;
 
 /// Every feature bit this version of the crate knows about.
 pub const FEATURES_ALL: u64 = FEATURE_GROUPS
@@ -89,12 +95,13 @@ pub const FEATURES_ALL: u64 = FEATURE_GROUPS
     | FEATURE_GROUP_ADMIN
     | FEATURE_PUBLISH_ACK_MODE
     | FEATURE_GROUP_DEAD_LETTER_PAGES
-    | FEATURE_REPLICA_INFO;
+    | FEATURE_REPLICA_INFO
+    | FEATURE_STREAM_INCARNATION;
 
 /// The names of the feature bits set in `bits` (unknown bits as hex), for
 /// messages: `"FEATURE_GROUPS | FEATURE_GROUP_ADMIN"`.
 pub fn feature_names(bits: u64) -> String {
-    const NAMES: [(u64, &str); 7] = [
+    const NAMES: [(u64, &str); 8] = [
         (FEATURE_GROUPS, "FEATURE_GROUPS"),
         (FEATURE_GROUP_SKIPPED, "FEATURE_GROUP_SKIPPED"),
         (FEATURE_GROUP_CLAIM_CONTROL, "FEATURE_GROUP_CLAIM_CONTROL"),
@@ -105,6 +112,7 @@ pub fn feature_names(bits: u64) -> String {
             "FEATURE_GROUP_DEAD_LETTER_PAGES",
         ),
         (FEATURE_REPLICA_INFO, "FEATURE_REPLICA_INFO"),
+        (FEATURE_STREAM_INCARNATION, "FEATURE_STREAM_INCARNATION"),
     ];
     let mut out: Vec<String> = NAMES
         .iter()

@@ -15,6 +15,18 @@ use crate::types::{
 
 type Result<T> = std::result::Result<T, DecodeError>;
 
+/// A field added at the end of a message after it first shipped: absent
+/// when nothing is left, else a `u64` that is never 0.
+fn trailing_u64(r: &mut Reader, what: &'static str) -> Result<Option<u64>> {
+    if r.remaining() == 0 {
+        return Ok(None);
+    }
+    match r.u64(what)? {
+        0 => Err(DecodeError::BadValue { what }),
+        v => Ok(Some(v)),
+    }
+}
+
 /// Stable opcode numbers. Request and response opcodes are separate
 /// namespaces (the frame kind says which applies). Never renumber; new
 /// messages take new numbers.
@@ -100,6 +112,10 @@ pub enum Request {
         shards: u32,
         retention_bytes: Option<u64>,
         retention_ms: Option<u64>,
+        /// In a cluster: the stream's incarnation, the same on every broker
+        /// (never 0). A trailing field, sent only when set, which needs
+        /// [`FEATURE_STREAM_INCARNATION`](crate::FEATURE_STREAM_INCARNATION).
+        incarnation: Option<u64>,
     },
     DescribeStream {
         stream: StreamRef,
@@ -292,11 +308,15 @@ impl Request {
         use crate::{
             FEATURE_GROUPS as G, FEATURE_GROUP_ADMIN as ADMIN, FEATURE_GROUP_CLAIM_CONTROL as CC,
             FEATURE_GROUP_DEAD_LETTER_PAGES as PAGES, FEATURE_PUBLISH_ACK_MODE as ACK,
-            FEATURE_REPLICA_INFO as REPLICA,
+            FEATURE_REPLICA_INFO as REPLICA, FEATURE_STREAM_INCARNATION as INCARNATION,
         };
         match self {
             Request::Publish { ack, .. } if *ack != AckMode::Default => ACK,
             Request::DescribeReplica { .. } => REPLICA,
+            Request::CreateStream {
+                incarnation: Some(_),
+                ..
+            } => INCARNATION,
             Request::GroupPoll { visibility_ms, .. } => {
                 G | if visibility_ms.is_some() { CC } else { 0 }
             }
@@ -403,11 +423,15 @@ impl Request {
                 shards,
                 retention_bytes,
                 retention_ms,
+                incarnation,
             } => {
                 stream.put(out);
                 out.put_u32_le(*shards);
                 put_opt_u64(out, *retention_bytes);
                 put_opt_u64(out, *retention_ms);
+                if let Some(i) = incarnation {
+                    out.put_u64_le(*i);
+                }
             }
             Request::DescribeStream { stream } | Request::DeleteStream { stream } => {
                 stream.put(out);
@@ -532,6 +556,7 @@ impl Request {
                 shards: r.u32("shards")?,
                 retention_bytes: r.opt_u64("retention_bytes")?,
                 retention_ms: r.opt_u64("retention_ms")?,
+                incarnation: trailing_u64(r, "incarnation")?,
             },
             rq::DESCRIBE_STREAM => Request::DescribeStream {
                 stream: StreamRef::get(r)?,
@@ -755,7 +780,14 @@ impl Response {
                 put_str(out, broker);
             }
             Response::Ok | Response::Pong => {}
-            Response::Stream(info) => info.put(out),
+            Response::Stream(info) => {
+                info.put(out);
+                // Trailing, so a `Stream` without it reads as before; a
+                // list's entries never carry it.
+                if let Some(i) = info.incarnation {
+                    out.put_u64_le(i);
+                }
+            }
             Response::Streams(infos) => put_wire_vec(out, infos),
             Response::Shard(info) => info.put(out),
             Response::Replica(info) => info.put(out),
@@ -804,7 +836,11 @@ impl Response {
                 broker: r.string("broker")?,
             },
             rs::OK => Response::Ok,
-            rs::STREAM => Response::Stream(StreamInfo::get(r)?),
+            rs::STREAM => {
+                let mut info = StreamInfo::get(r)?;
+                info.incarnation = trailing_u64(r, "incarnation")?;
+                Response::Stream(info)
+            }
             rs::STREAMS => Response::Streams(r.wire_vec("streams")?),
             rs::SHARD => Response::Shard(ShardInfo::get(r)?),
             rs::REPLICA => Response::Replica(Box::new(ReplicaInfo::get(r)?)),
@@ -855,6 +891,73 @@ mod tests {
             feature_names(FEATURE_GROUPS | 1 << 40),
             "FEATURE_GROUPS | 0x10000000000"
         );
+    }
+
+    /// The stream incarnation is a trailing field: a message without it
+    /// reads as it always did, one with it needs the feature, 0 is not
+    /// one, and a list's entries never carry it.
+    #[test]
+    fn an_incarnation_trails_and_is_never_zero() {
+        use crate::{decode_request, decode_response, encode_request, encode_response};
+        let stream = StreamRef {
+            tenant: "t".into(),
+            namespace: "n".into(),
+            stream: "s".into(),
+        };
+        let create = |incarnation| Request::CreateStream {
+            stream: stream.clone(),
+            shards: 1,
+            retention_bytes: None,
+            retention_ms: None,
+            incarnation,
+        };
+        let frame = |req: &Request| {
+            let mut out = BytesMut::new();
+            encode_request(7, req, &mut out);
+            out
+        };
+        let (plain, with) = (frame(&create(None)), frame(&create(Some(9))));
+        assert_eq!(with.len(), plain.len() + 8);
+        for (mut f, want) in [(plain.clone(), create(None)), (with, create(Some(9)))] {
+            assert_eq!(decode_request(&mut f, 1 << 20).unwrap(), Some((7, want)));
+        }
+        assert_eq!(create(None).required_features(), 0);
+        assert_eq!(
+            create(Some(9)).required_features(),
+            crate::FEATURE_STREAM_INCARNATION
+        );
+        // A zero written where the field goes.
+        let mut zero = plain.clone();
+        zero.extend_from_slice(&0u64.to_le_bytes());
+        let len = (zero.len() - 4) as u32;
+        zero[..4].copy_from_slice(&len.to_le_bytes());
+        assert!(decode_request(&mut zero, 1 << 20).is_err());
+        // Half a field is cut short.
+        let mut half = plain;
+        half.extend_from_slice(&[1, 2, 3]);
+        let len = (half.len() - 4) as u32;
+        half[..4].copy_from_slice(&len.to_le_bytes());
+        assert!(decode_request(&mut half, 1 << 20).is_err());
+
+        let info = StreamInfo {
+            stream: stream.clone(),
+            shards: 1,
+            retention_bytes: None,
+            retention_ms: None,
+            placement: vec![0],
+            incarnation: Some(5),
+        };
+        let mut out = BytesMut::new();
+        encode_response(3, &Response::Stream(info.clone()), &mut out);
+        let (_, got) = decode_response(&mut out, 1 << 20).unwrap().unwrap();
+        assert_eq!(got, Response::Stream(info.clone()));
+        encode_response(3, &Response::Streams(vec![info.clone()]), &mut out);
+        let (_, got) = decode_response(&mut out, 1 << 20).unwrap().unwrap();
+        let listed = StreamInfo {
+            incarnation: None,
+            ..info
+        };
+        assert_eq!(got, Response::Streams(vec![listed]));
     }
 
     #[test]

@@ -380,6 +380,11 @@ pub struct StreamInfo {
     pub retention_ms: Option<u64>,
     /// The core that owns each shard, indexed by shard.
     pub placement: Vec<u32>,
+    /// In a cluster, to a client that negotiated
+    /// [`FEATURE_STREAM_INCARNATION`](crate::FEATURE_STREAM_INCARNATION):
+    /// the stream's incarnation (see `CreateStream`). Only a `Stream`
+    /// answer carries it, as a trailing field; a list's entries never do.
+    pub incarnation: Option<u64>,
 }
 
 impl Wire for StreamInfo {
@@ -398,6 +403,7 @@ impl Wire for StreamInfo {
             retention_bytes: r.opt_u64("retention_bytes")?,
             retention_ms: r.opt_u64("retention_ms")?,
             placement: r.vec("placement", U32, |r| r.u32("placement"))?,
+            incarnation: None,
         })
     }
 }
@@ -649,9 +655,12 @@ pub struct GroupInfo {
 
 impl GroupInfo {
     /// Records published and not yet finished by the group (acked or dead
-    /// lettered): the shard's end minus the group's position.
+    /// lettered): the shard's end minus the group's position, or minus the
+    /// shard's start if retention removed records above the position (the
+    /// broker settles those, never delivered).
     pub fn lag(&self) -> u64 {
-        self.end_offset.saturating_sub(self.position)
+        self.end_offset
+            .saturating_sub(self.position.max(self.start_offset))
     }
 }
 
@@ -743,4 +752,33 @@ pub(crate) fn put_strings(out: &mut BytesMut, v: &[String]) {
 
 pub(crate) fn get_strings(r: &mut Reader, what: &'static str) -> Result<Vec<String>> {
     r.vec(what, STR, |r| r.string(what))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Lag counts what the group has yet to finish: not the records
+    /// retention removed above its position (settled, never delivered).
+    #[test]
+    fn lag_leaves_out_what_retention_removed() {
+        let info = |position, start_offset, end_offset| GroupInfo {
+            group: "g".into(),
+            position,
+            end_offset,
+            start_offset,
+            in_flight: 0,
+            owed: 0,
+            delayed: 0,
+            dead_letters: 0,
+            oldest_in_flight_age_ms: None,
+            oldest_owed_age_ms: None,
+            last_active_ms: None,
+        };
+        assert_eq!(info(0, 0, 500).lag(), 500);
+        assert_eq!(info(0, 400, 500).lag(), 100);
+        assert_eq!(info(450, 400, 500).lag(), 50);
+        assert_eq!(info(500, 400, 500).lag(), 0);
+        assert_eq!(info(600, 0, 500).lag(), 0, "never negative");
+    }
 }

@@ -154,8 +154,14 @@ pub fn stream_info() -> impl Strategy<Value = StreamInfo> {
                 retention_bytes,
                 retention_ms,
                 placement,
+                incarnation: None,
             },
         )
+}
+
+/// A nonzero incarnation, or none (a trailing field).
+fn incarnation() -> impl Strategy<Value = Option<u64>> {
+    option::of(1..=u64::MAX)
 }
 
 pub fn shard_info() -> impl Strategy<Value = ShardInfo> {
@@ -289,13 +295,16 @@ pub fn request() -> impl Strategy<Value = Request> {
                 },
             )
             .boxed(),
-        (stream_ref(), any::<u32>(), o64(), o64())
+        (stream_ref(), any::<u32>(), o64(), o64(), incarnation())
             .prop_map(
-                |(stream, shards, retention_bytes, retention_ms)| Request::CreateStream {
-                    stream,
-                    shards,
-                    retention_bytes,
-                    retention_ms,
+                |(stream, shards, retention_bytes, retention_ms, incarnation)| {
+                    Request::CreateStream {
+                        stream,
+                        shards,
+                        retention_bytes,
+                        retention_ms,
+                        incarnation,
+                    }
                 },
             )
             .boxed(),
@@ -439,7 +448,12 @@ pub fn response() -> impl Strategy<Value = Response> {
             )
             .boxed(),
         Just(Response::Ok).boxed(),
-        stream_info().prop_map(Response::Stream).boxed(),
+        (stream_info(), incarnation())
+            .prop_map(|(mut info, incarnation)| {
+                info.incarnation = incarnation;
+                Response::Stream(info)
+            })
+            .boxed(),
         vec(stream_info(), 0..3).prop_map(Response::Streams).boxed(),
         shard_info().prop_map(Response::Shard).boxed(),
         replica_info()
