@@ -51,11 +51,8 @@ pub async fn run(global: &GlobalArgs, command: Command) -> Result<(), CliError> 
     {
         return create_everywhere(global, &brokers, create.clone()).await;
     }
-    if brokers.len() > 1 && matches!(&command, Command::Stream(StreamCmd::Delete { .. })) {
-        for b in &brokers {
-            run_on(&on(b), command.clone()).await?;
-        }
-        return Ok(());
+    if let (true, Command::Stream(StreamCmd::Delete { stream })) = (brokers.len() > 1, &command) {
+        return delete_everywhere(global, &brokers, stream).await;
     }
     let rerunnable = !matches!(&command, Command::Publish(p) if p.messages.is_empty());
     let mut target = 0;
@@ -146,42 +143,55 @@ async fn create_everywhere(
             broker: b.clone(),
             ..global.clone()
         };
-        let client = match connect(&on, false).await {
-            Ok(c) => c,
-            Err(CliError::Client(ClientError::Io(e))) => {
+        let described = match connect(&on, false).await {
+            Ok(client) => client
+                .describe_stream(&s.tenant, &s.namespace, &s.stream)
+                .await
+                .map(|info| (client.clone(), Some(info)))
+                .or_else(|e| match e.code() {
+                    Some(felix_client::ErrorCode::NotFound) => Ok((client, None)),
+                    _ => Err(CliError::Client(e)),
+                }),
+            Err(e) => Err(e),
+        };
+        match described {
+            Ok((_, Some(info))) => held.push((b.clone(), info)),
+            Ok((client, None)) => missing.push((b.clone(), client)),
+            Err(CliError::Client(e)) if unreached(&e) => {
                 eprintln!("felix: {b}: {e}; passing it over");
                 unreachable.push(format!("{b} ({e})"));
-                continue;
             }
             Err(e) => return Err(e),
-        };
-        match client
-            .describe_stream(&s.tenant, &s.namespace, &s.stream)
-            .await
-        {
-            Ok(info) => held.push((b.clone(), info)),
-            Err(e) if e.code() == Some(felix_client::ErrorCode::NotFound) => {
-                missing.push((b.clone(), client))
-            }
-            Err(e) => return Err(e.into()),
         }
     }
-    let incarnation = felix_client::incarnation_to_create(&name, shards, &held)?;
+    let incarnation = felix_client::incarnation_to_create(&name, shards, brokers.len(), &held)?;
+    for (b, client) in &missing {
+        felix_client::keeps_incarnations(client, b, incarnation)?;
+    }
     for (b, _) in &held {
         eprintln!("felix: {b} holds {name} already; left as it is");
     }
+    let options = StreamOptions {
+        retention_bytes,
+        retention_ms,
+        ..StreamOptions::default()
+    };
     let mut text = String::new();
     for (b, client) in &missing {
-        let options = StreamOptions {
-            retention_bytes,
-            retention_ms,
-            incarnation: incarnation.filter(|_| client.has_feature(FEATURE_STREAM_INCARNATION)),
-        };
-        let info = client
-            .create_stream(&s.tenant, &s.namespace, &s.stream, shards, options)
-            .await?;
-        text.push_str(&format!("on {b}:\n"));
-        text.push_str(&with_shards(client, &info).await?);
+        let made =
+            felix_client::create_on_broker(client, b, &s, shards, options, incarnation).await;
+        match made {
+            Ok(Some(info)) => {
+                text.push_str(&format!("on {b}:\n"));
+                text.push_str(&with_shards(client, &info).await?);
+            }
+            Ok(None) => eprintln!("felix: {b} holds {name} already; left as it is"),
+            Err(e) => {
+                // What was made is said before why the rest was not.
+                print(&text)?;
+                return Err(e.into());
+            }
+        }
     }
     print(&text)?;
     if unreachable.is_empty() {
@@ -190,6 +200,73 @@ async fn create_everywhere(
     Err(CliError::Client(ClientError::Io(std::io::Error::other(
         format!(
             "{name} is not on {}: run the same command again once {} back",
+            unreachable.join(", "),
+            if unreachable.len() == 1 {
+                "it is"
+            } else {
+                "they are"
+            }
+        ),
+    ))))
+}
+
+/// An error that says the broker was not reached (or stopped answering):
+/// passed over by the commands run on every broker.
+fn unreached(e: &ClientError) -> bool {
+    matches!(
+        e,
+        ClientError::Io(_) | ClientError::Timeout | ClientError::Disconnected
+    )
+}
+
+/// `stream delete` on several brokers: deleted on each that holds it (one
+/// that does not is said and passed over, so a delete cut short can be run
+/// again); a broker that cannot be reached is passed over too and named at
+/// the end (exit 1).
+async fn delete_everywhere(
+    global: &GlobalArgs,
+    brokers: &[String],
+    s: &StreamRef,
+) -> Result<(), CliError> {
+    let name = s.to_string();
+    let mut unreachable = Vec::new();
+    let mut text = String::new();
+    for b in brokers {
+        let on = GlobalArgs {
+            broker: b.clone(),
+            ..global.clone()
+        };
+        let deleted = match connect(&on, false).await {
+            Ok(client) => client
+                .delete_stream(&s.tenant, &s.namespace, &s.stream)
+                .await
+                .map_err(CliError::Client),
+            Err(e) => Err(e),
+        };
+        match deleted {
+            Ok(()) => text.push_str(&format!("deleted {name} on {b}\n")),
+            Err(CliError::Client(e)) if e.code() == Some(felix_client::ErrorCode::NotFound) => {
+                eprintln!("felix: {b} does not hold {name}; nothing to delete there")
+            }
+            Err(CliError::Client(e)) if unreached(&e) => {
+                eprintln!("felix: {b}: {e}; passing it over");
+                unreachable.push(format!("{b} ({e})"));
+            }
+            Err(e) => {
+                print(&text)?;
+                return Err(e);
+            }
+        }
+    }
+    print(&text)?;
+    if unreachable.is_empty() {
+        return Ok(());
+    }
+    Err(CliError::Client(ClientError::Io(std::io::Error::other(
+        format!(
+            "{name} is still on {}, which could not be reached: run the same command \
+             again once {} back (creating {name} again meanwhile is safe: its replicas \
+             are apart from the old ones)",
             unreachable.join(", "),
             if unreachable.len() == 1 {
                 "it is"
@@ -377,6 +454,13 @@ async fn stream(client: &Client, cmd: StreamCmd) -> Result<(), CliError> {
             retention_bytes,
             retention_ms,
         } => {
+            if client.has_feature(FEATURE_STREAM_INCARNATION) {
+                eprintln!(
+                    "felix: this broker is in a cluster: create streams with every broker \
+                     named (--broker A,B,C), so that they share one incarnation; this one \
+                     is created here alone, without one"
+                );
+            }
             let info = client
                 .create_stream(
                     &s.tenant,
@@ -1467,6 +1551,7 @@ async fn ping(client: &Client) -> Result<(), CliError> {
         (FEATURE_PUBLISH_ACK_MODE, "publish_ack_mode"),
         (FEATURE_GROUP_DEAD_LETTER_PAGES, "group_dead_letter_pages"),
         (FEATURE_REPLICA_INFO, "replica_info"),
+        (FEATURE_STREAM_INCARNATION, "stream_incarnation"),
     ];
     let features: Vec<&str> = names
         .iter()

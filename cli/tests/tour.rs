@@ -1954,6 +1954,40 @@ fn the_readme_cluster_works() {
     for n in &nodes {
         ok(n, &["stream", "describe", "demo/ha/late"], None);
     }
+    // Deleted where it can be; run again, the brokers without it say so.
+    let partly = felix()
+        .args([
+            "--broker",
+            &format!("{all},{gone}"),
+            "stream",
+            "delete",
+            "demo/ha/late",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&partly.stderr);
+    assert!(!partly.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!("demo/ha/late is still on {gone}")),
+        "{stderr}"
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&partly.stdout)
+            .matches("deleted demo/ha/late on")
+            .count(),
+        3
+    );
+    let again = felix()
+        .args(["--broker", &all, "stream", "delete", "demo/ha/late"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&again.stderr);
+    assert!(again.status.success(), "{stderr}");
+    assert_eq!(
+        stderr.matches("does not hold demo/ha/late").count(),
+        3,
+        "{stderr}"
+    );
     // Published through whichever broker leads: the stream was created a
     // moment ago, so its election may still be on, which the CLI waits out
     // (a leader deposed as it took the publish answers `unavailable`: not

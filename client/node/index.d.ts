@@ -146,7 +146,7 @@ export interface GroupInfo {
   position: bigint;
   endOffset: bigint;
   startOffset: bigint;
-  /** endOffset - position. */
+  /** endOffset - max(position, startOffset): records the group has yet to finish. */
   lag: bigint;
   inFlight: number;
   owed: number;

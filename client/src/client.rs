@@ -580,6 +580,15 @@ impl Client {
                 "a stream needs at least one shard".into(),
             ));
         }
+        if let Some(i) = options
+            .incarnation
+            .filter(|i| *i == 0 || *i > i64::MAX as u64)
+        {
+            return Err(ClientError::InvalidArgument(format!(
+                "a stream incarnation is 1..={}, not {i}",
+                i64::MAX
+            )));
+        }
         let stream = StreamRef::new(tenant, namespace, stream);
         let req = Request::CreateStream {
             stream: stream.clone(),

@@ -96,17 +96,24 @@ enum Retry {
 }
 
 /// The incarnation a stream `name` of `shards` shards is created with on
-/// the brokers that lack it, given `held`: the brokers that hold it and
-/// their description of it. Theirs, when they agree (`None` for a stream
-/// created without one); a new one when no broker holds it. Every broker
-/// must hold the same incarnation: the shards' replicas are found by it,
-/// and a broker holding an older stream of the same name (down while it
-/// was deleted and created again) must not vote in the new one's
-/// elections. `already_exists` when a broker holds it with another shard
-/// count or the brokers disagree, naming them.
+/// the brokers that lack it, given `held`: those of the `brokers` brokers
+/// asked (reachable or not) that hold it, and their description of it.
+/// Theirs, when more than half of the brokers hold it and they agree (`None`
+/// for a stream created without one); a new one when no broker holds it.
+///
+/// Every broker must hold the same incarnation: a shard's replicas are
+/// found by it, and a broker holding an older stream of the same name (down
+/// while it was deleted and created again) must not vote in the new one's
+/// elections. Nor may a copy that only a minority holds be spread to the
+/// others: it may be a stream the others deleted while those brokers were
+/// down, whose log would win the elections. `already_exists`, naming the
+/// brokers, when one holds it with another shard count, the holders
+/// disagree, or too few hold it: delete it on the brokers named, then
+/// create it again.
 pub fn incarnation_to_create(
     name: &str,
     shards: u32,
+    brokers: usize,
     held: &[(String, StreamInfo)],
 ) -> Result<Option<u64>> {
     let exists = |message: String| ClientError::Server {
@@ -123,16 +130,92 @@ pub fn incarnation_to_create(
         return Ok(Some(new_incarnation()));
     };
     if let Some((other, o)) = held.iter().find(|(_, i)| i.incarnation != info.incarnation) {
-        let show = |i: Option<u64>| i.map_or("none".to_string(), |i| format!("{i:#x}"));
         return Err(exists(format!(
             "{name} is not the same stream everywhere: {first} holds incarnation {} and \
              {other} {} (one was deleted and created again while a broker was down); \
              delete it on the brokers whose copy should go, then create it again",
-            show(info.incarnation),
-            show(o.incarnation)
+            show_incarnation(info.incarnation),
+            show_incarnation(o.incarnation)
+        )));
+    }
+    if held.len() * 2 <= brokers {
+        let names: Vec<&str> = held.iter().map(|(b, _)| b.as_str()).collect();
+        return Err(exists(format!(
+            "{name} is held by only {} of the {brokers} brokers ({}): a create cut short, or \
+             a stream the others deleted while these were down; delete it on {}, then create \
+             it again",
+            held.len(),
+            names.join(", "),
+            if held.len() == 1 {
+                "that broker"
+            } else {
+                "those brokers"
+            }
         )));
     }
     Ok(info.incarnation)
+}
+
+/// An incarnation as `felix stream describe` shows it.
+pub fn show_incarnation(i: Option<u64>) -> String {
+    i.map_or("none".to_string(), |i| format!("{i:#018x}"))
+}
+
+/// `unsupported` unless the broker `c` can create a stream as
+/// `incarnation`: a broker that does not keep incarnations (an older build)
+/// would put its replicas in a group of their own.
+pub fn keeps_incarnations(c: &Client, broker: &str, incarnation: Option<u64>) -> Result<()> {
+    if incarnation.is_some() && !c.has_feature(felix_wire::FEATURE_STREAM_INCARNATION) {
+        return Err(ClientError::Unsupported(format!(
+            "{broker} does not keep stream incarnations (FEATURE_STREAM_INCARNATION): an \
+             older build? Upgrade every broker of the cluster first"
+        )));
+    }
+    Ok(())
+}
+
+/// Create a stream on one broker of a cluster as `incarnation` (see
+/// [`incarnation_to_create`]): `Some(info)` once created, `None` when it
+/// was there already as the same stream (created meanwhile by another
+/// run). Refused (`unsupported`) when `incarnation` is set and the broker
+/// does not keep incarnations (an older build: its replicas would not be
+/// the others'), and `already_exists` when what it holds is another stream.
+pub async fn create_on_broker(
+    c: &Client,
+    broker: &str,
+    stream: &StreamRef,
+    shards: u32,
+    options: StreamOptions,
+    incarnation: Option<u64>,
+) -> Result<Option<StreamInfo>> {
+    keeps_incarnations(c, broker, incarnation)?;
+    let options = StreamOptions {
+        incarnation,
+        ..options
+    };
+    let (t, n, s) = (&stream.tenant, &stream.namespace, &stream.stream);
+    match c.create_stream(t, n, s, shards, options).await {
+        Ok(info) => Ok(Some(info)),
+        Err(ClientError::Server {
+            code: ErrorCode::AlreadyExists,
+            ..
+        }) => {
+            let info = c.describe_stream(t, n, s).await?;
+            if info.shards == shards && info.incarnation == incarnation {
+                return Ok(None);
+            }
+            Err(ClientError::Server {
+                code: ErrorCode::AlreadyExists,
+                message: format!(
+                    "{stream} was created on {broker} meanwhile as another stream ({} shards, \
+                     incarnation {}); delete it there, then create it again",
+                    info.shards,
+                    show_incarnation(info.incarnation)
+                ),
+            })
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// A new stream incarnation: nonzero, at most `i64::MAX`, and in practice
@@ -369,19 +452,6 @@ impl ClusterClient {
         Err(last.unwrap_or(ClientError::Timeout))
     }
 
-    /// Run `call` on every broker: streams are created and deleted on each.
-    async fn on_every<F, Fut>(&self, call: F) -> Result<()>
-    where
-        F: Fn(Client) -> Fut,
-        Fut: std::future::Future<Output = Result<()>>,
-    {
-        for b in self.brokers.iter() {
-            let c = self.client(b).await?;
-            call(c).await?;
-        }
-        Ok(())
-    }
-
     /// Create a stream on every broker, as one incarnation (see
     /// [`incarnation_to_create`]): where some brokers hold it already
     /// (a create interrupted part way, or a broker that was down for it),
@@ -396,53 +466,48 @@ impl ClusterClient {
         shards: u32,
         options: StreamOptions,
     ) -> Result<()> {
-        let name = format!("{tenant}/{namespace}/{stream}");
+        let name = StreamRef::new(tenant, namespace, stream);
         let mut held = Vec::new();
         let mut clients = Vec::new();
         for b in self.brokers.iter() {
             let c = self.client(b).await?;
             match c.describe_stream(tenant, namespace, stream).await {
                 Ok(info) => held.push((b.clone(), info)),
-                Err(e) if e.code() == Some(ErrorCode::NotFound) => clients.push(c),
+                Err(e) if e.code() == Some(ErrorCode::NotFound) => clients.push((b, c)),
                 Err(e) => return Err(e),
             }
         }
-        let incarnation = incarnation_to_create(&name, shards, &held)?;
-        for c in clients {
-            let options = StreamOptions {
-                incarnation: incarnation
-                    .filter(|_| c.has_feature(felix_wire::FEATURE_STREAM_INCARNATION)),
-                ..options
-            };
-            match c
-                .create_stream(tenant, namespace, stream, shards, options)
-                .await
-            {
-                Ok(_) => {}
-                // Created by someone else meanwhile: the next run checks it.
-                Err(ClientError::Server {
-                    code: ErrorCode::AlreadyExists,
-                    ..
-                }) => {}
-                Err(e) => return Err(e),
-            }
+        let incarnation =
+            incarnation_to_create(&name.to_string(), shards, self.brokers.len(), &held)?;
+        for (b, c) in &clients {
+            keeps_incarnations(c, b, incarnation)?;
+        }
+        for (b, c) in clients {
+            create_on_broker(&c, b, &name, shards, options, incarnation).await?;
         }
         Ok(())
     }
 
-    /// Delete a stream on every broker (one already gone is fine).
+    /// Delete a stream on every broker (one already gone is fine). Every
+    /// broker is tried, one that cannot be reached or refuses included;
+    /// the first such error is returned after the others were done, so the
+    /// call can be run again once that broker is back.
     pub async fn delete_stream(&self, tenant: &str, namespace: &str, stream: &str) -> Result<()> {
-        self.on_every(|c| async move {
-            match c.delete_stream(tenant, namespace, stream).await {
-                Ok(()) => Ok(()),
-                Err(ClientError::Server {
-                    code: ErrorCode::NotFound,
-                    ..
-                }) => Ok(()),
+        let mut first = None;
+        for b in self.brokers.iter() {
+            let done = match self.client(b).await {
+                Ok(c) => c.delete_stream(tenant, namespace, stream).await,
                 Err(e) => Err(e),
+            };
+            match done {
+                Ok(()) => {}
+                Err(e) if e.code() == Some(ErrorCode::NotFound) => {}
+                Err(e) => {
+                    first.get_or_insert(e);
+                }
             }
-        })
-        .await
+        }
+        first.map_or(Ok(()), Err)
     }
 
     /// Describe a stream (as the first broker that answers has it).
@@ -1128,5 +1193,81 @@ impl ClusterClient {
                 .await?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(shards: u32, incarnation: Option<u64>) -> StreamInfo {
+        StreamInfo {
+            stream: StreamRef::new("t", "n", "s"),
+            shards,
+            retention_bytes: None,
+            retention_ms: None,
+            placement: vec![0; shards as usize],
+            incarnation,
+        }
+    }
+
+    fn held(v: &[(&str, StreamInfo)]) -> Vec<(String, StreamInfo)> {
+        v.iter().map(|(b, i)| (b.to_string(), i.clone())).collect()
+    }
+
+    fn refused(r: Result<Option<u64>>, says: &str) {
+        match r {
+            Err(ClientError::Server {
+                code: ErrorCode::AlreadyExists,
+                message,
+            }) => assert!(message.contains(says), "{message}"),
+            other => panic!("expected already_exists ({says}), got {other:?}"),
+        }
+    }
+
+    /// Which incarnation a create uses, and when it refuses.
+    #[test]
+    fn a_create_takes_the_majoritys_incarnation_or_refuses() {
+        // Nobody holds it: a new one, within the range a broker stores.
+        let fresh = incarnation_to_create("t/n/s", 2, 3, &[]).unwrap().unwrap();
+        assert!((1..=i64::MAX as u64).contains(&fresh));
+        assert_ne!(
+            incarnation_to_create("t/n/s", 2, 3, &[]).unwrap(),
+            Some(fresh),
+            "a new one each time"
+        );
+        // A majority agree: theirs, a stream without one included.
+        let two = held(&[("a", info(2, Some(7))), ("b", info(2, Some(7)))]);
+        assert_eq!(incarnation_to_create("t/n/s", 2, 3, &two).unwrap(), Some(7));
+        let legacy = held(&[("a", info(2, None)), ("b", info(2, None))]);
+        assert_eq!(incarnation_to_create("t/n/s", 2, 3, &legacy).unwrap(), None);
+        // Disagreeing holders, a None among them included.
+        let split = held(&[("a", info(2, Some(7))), ("b", info(2, Some(8)))]);
+        refused(
+            incarnation_to_create("t/n/s", 2, 3, &split),
+            "not the same stream everywhere",
+        );
+        let mixed = held(&[("a", info(2, Some(7))), ("b", info(2, None))]);
+        refused(
+            incarnation_to_create("t/n/s", 2, 3, &mixed),
+            "holds incarnation 0x0000000000000007 and b none",
+        );
+        // Too few hold it: perhaps a stream the others deleted.
+        let one = held(&[("c", info(2, Some(7)))]);
+        refused(
+            incarnation_to_create("t/n/s", 2, 3, &one),
+            "held by only 1 of the 3 brokers (c)",
+        );
+        let half = held(&[("a", info(2, Some(7))), ("b", info(2, Some(7)))]);
+        refused(
+            incarnation_to_create("t/n/s", 2, 4, &half),
+            "only 2 of the 4",
+        );
+        // Another shard count is said first.
+        let other = held(&[("a", info(3, Some(7))), ("b", info(2, Some(8)))]);
+        refused(
+            incarnation_to_create("t/n/s", 2, 3, &other),
+            "exists on a with 3 shards, not 2",
+        );
     }
 }

@@ -157,7 +157,9 @@ mod subscribe;
 mod types;
 
 pub use client::{Client, Pending, PendingAck, PendingPublish};
-pub use cluster::{incarnation_to_create, ClusterClient};
+pub use cluster::{
+    create_on_broker, incarnation_to_create, keeps_incarnations, show_incarnation, ClusterClient,
+};
 pub use config::ClientConfig;
 pub use error::{ClientError, Result};
 pub use sharded::{ShardedGroup, ShardedRecord};

@@ -14,8 +14,10 @@ pub struct StreamOptions {
     pub retention_ms: Option<u64>,
     /// In a cluster: the stream's incarnation, which must be the same on
     /// every broker (nonzero, at most `i64::MAX`; needs
-    /// `FEATURE_STREAM_INCARNATION`). [`ClusterClient::create_stream`]
-    /// (crate::ClusterClient::create_stream) chooses it: leave it `None`.
+    /// `FEATURE_STREAM_INCARNATION`).
+    /// [`ClusterClient::create_stream`](crate::ClusterClient::create_stream)
+    /// chooses it (see [`incarnation_to_create`](crate::incarnation_to_create)):
+    /// leave it `None`.
     pub incarnation: Option<u64>,
 }
 

@@ -1843,5 +1843,32 @@ fn a_broker_down_while_its_stream_was_created_again_keeps_out_of_it() {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
+
+        // Node 3 misses only a deletion: back, its copy is the stream's
+        // only one, and a create does not spread it to the others (it
+        // would bring the deleted stream back).
+        cluster.brokers[2].kill9();
+        two.delete_stream(T, NS, S).await.unwrap();
+        cluster.brokers[2].restart();
+        let err = cc
+            .create_stream(T, NS, S, SHARDS, StreamOptions::default())
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Some(felix_client::ErrorCode::AlreadyExists));
+        assert!(
+            err.to_string().contains("held by only 1 of the 3 brokers"),
+            "{err}"
+        );
+        let others = two.describe_stream(T, NS, S).await;
+        assert!(others.is_err(), "not created on the others: {others:?}");
+        let third = Client::connect(&cluster.addrs[2], ClientConfig::default())
+            .await
+            .unwrap();
+        third.delete_stream(T, NS, S).await.unwrap();
+        cc.create_stream(T, NS, S, SHARDS, StreamOptions::default())
+            .await
+            .unwrap();
+        let fresh = third.describe_stream(T, NS, S).await.unwrap();
+        assert_ne!(fresh.incarnation, a.incarnation, "a new incarnation");
     });
 }

@@ -846,8 +846,6 @@ thread_local! {
     static REFUSED_HELLO_LOG: Cell<Option<(std::time::Instant, u64)>> = const { Cell::new(None) };
 }
 
-/// Log at info at most once a second per core (per `last`), saying how
-/// many lines were left out since.
 /// A `Stream` answer carries the stream's incarnation only to a client
 /// that negotiated it (it is a trailing field others would not expect).
 fn with_incarnation(info: &ConnInfo, mut resp: Response) -> Response {
@@ -859,6 +857,8 @@ fn with_incarnation(info: &ConnInfo, mut resp: Response) -> Response {
     resp
 }
 
+/// Log at info at most once a second per core (per `last`), saying how
+/// many lines were left out since.
 fn log_rate_limited(
     last: &'static std::thread::LocalKey<Cell<Option<(std::time::Instant, u64)>>>,
     line: impl FnOnce() -> String,

@@ -420,7 +420,7 @@ impl MetricsSnapshot {
         );
         let series: [Series<GroupSnapshot, String>; 12] = [
             ("felix_group_position", "gauge", "A group's saved position on a shard: every offset below it is finished.", |g| g.status.position.0.to_string()),
-            ("felix_group_lag", "gauge", "Records between a group's position and the shard's durable end.", |g| g.status.lag().to_string()),
+            ("felix_group_lag", "gauge", "Records a group has yet to finish: from its position (or the shard's start, if retention removed records above it) to the shard's durable end.", |g| g.status.lag().to_string()),
             ("felix_group_in_flight", "gauge", "Records a group has handed out and not settled (standing claims and delayed nacks).", |g| g.status.in_flight.to_string()),
             ("felix_group_delayed", "gauge", "Of a group's in-flight records, those handed back with a delay.", |g| g.status.delayed.to_string()),
             ("felix_group_owed", "gauge", "Records a group handed out before that wait for the next poll (lapsed claims, nacks, redrives).", |g| g.status.owed.to_string()),
