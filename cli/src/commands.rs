@@ -29,11 +29,13 @@ use crate::CliError;
 /// election), asked again for up to [`ELECTION_WAIT`] (except a publish
 /// reading stdin, whose lines the first attempt consumed).
 pub async fn run(global: &GlobalArgs, command: Command) -> Result<(), CliError> {
+    // Each broker once: `stream create` counts the brokers holding a stream.
+    let mut seen = std::collections::HashSet::new();
     let brokers: Vec<String> = global
         .broker
         .split(',')
         .map(str::trim)
-        .filter(|b| !b.is_empty())
+        .filter(|b| !b.is_empty() && seen.insert(*b))
         .map(str::to_string)
         .collect();
     if brokers.is_empty() {
@@ -114,12 +116,15 @@ pub async fn run(global: &GlobalArgs, command: Command) -> Result<(), CliError> 
     }
 }
 
-/// `stream create` on several brokers: the same incarnation on each
+/// `stream create` on several brokers (every broker of the cluster, each
+/// named once): the same incarnation on each
 /// (`felix_client::incarnation_to_create`), so the brokers that hold the
-/// stream already (an earlier run cut short, a broker that was down for
-/// it) are left as they are and the others join them. A broker that
-/// cannot be reached is passed over and named at the end (exit 1): run the
-/// command again once it is back.
+/// stream already (a majority: an earlier run cut short, a broker that was
+/// down for it) are left as they are and the others join them. A broker
+/// that cannot be reached is passed over and named at the end (exit 1):
+/// run the command again once it is back. Nothing is created when fewer
+/// than a majority answer, or when whether the holders are a majority
+/// turns on the brokers that did not.
 async fn create_everywhere(
     global: &GlobalArgs,
     brokers: &[String],
@@ -164,7 +169,34 @@ async fn create_everywhere(
             Err(e) => return Err(e),
         }
     }
-    let incarnation = felix_client::incarnation_to_create(&name, shards, brokers.len(), &held)?;
+    let total = brokers.len();
+    let said = |what: String| {
+        CliError::Client(ClientError::Server {
+            code: felix_client::ErrorCode::Unavailable,
+            message: what,
+        })
+    };
+    if !unreachable.is_empty() {
+        let answered = held.len() + missing.len();
+        // A stream on fewer than a majority could elect no leader.
+        if answered * 2 <= total {
+            return Err(said(format!(
+                "only {answered} of the {total} brokers answered ({} did not): nothing \
+                 created; run the same command again once more of them are back",
+                unreachable.join(", ")
+            )));
+        }
+        // Whether the holders are a majority turns on brokers not asked.
+        if held.len() * 2 <= total && !held.is_empty() {
+            return Err(said(format!(
+                "{name} is on {} of the {total} brokers, and {} did not answer: nothing \
+                 created; run the same command again once they are back",
+                held.len(),
+                unreachable.join(", ")
+            )));
+        }
+    }
+    let incarnation = felix_client::incarnation_to_create(&name, shards, total, &held)?;
     for (b, client) in &missing {
         felix_client::keeps_incarnations(client, b, incarnation)?;
     }
@@ -183,7 +215,13 @@ async fn create_everywhere(
         match made {
             Ok(Some(info)) => {
                 text.push_str(&format!("on {b}:\n"));
-                text.push_str(&with_shards(client, &info).await?);
+                match with_shards(client, &info).await {
+                    Ok(t) => text.push_str(&t),
+                    Err(e) => {
+                        print(&text)?;
+                        return Err(e);
+                    }
+                }
             }
             Ok(None) => eprintln!("felix: {b} holds {name} already; left as it is"),
             Err(e) => {
@@ -221,8 +259,9 @@ fn unreached(e: &ClientError) -> bool {
 
 /// `stream delete` on several brokers: deleted on each that holds it (one
 /// that does not is said and passed over, so a delete cut short can be run
-/// again); a broker that cannot be reached is passed over too and named at
-/// the end (exit 1).
+/// again). Every broker is tried; those that could not be reached, or
+/// refused, are named at the end (exit 1). `not_found` when no broker held
+/// it and every one answered.
 async fn delete_everywhere(
     global: &GlobalArgs,
     brokers: &[String],
@@ -230,50 +269,83 @@ async fn delete_everywhere(
 ) -> Result<(), CliError> {
     let name = s.to_string();
     let mut unreachable = Vec::new();
+    let mut unsure = Vec::new();
+    let mut failed = Vec::new();
+    let mut deleted = 0;
     let mut text = String::new();
     for b in brokers {
         let on = GlobalArgs {
             broker: b.clone(),
             ..global.clone()
         };
-        let deleted = match connect(&on, false).await {
+        let done = match connect(&on, false).await {
             Ok(client) => client
                 .delete_stream(&s.tenant, &s.namespace, &s.stream)
                 .await
-                .map_err(CliError::Client),
-            Err(e) => Err(e),
+                .map_err(|e| (true, CliError::Client(e))),
+            Err(e) => Err((false, e)),
         };
-        match deleted {
-            Ok(()) => text.push_str(&format!("deleted {name} on {b}\n")),
-            Err(CliError::Client(e)) if e.code() == Some(felix_client::ErrorCode::NotFound) => {
+        match done {
+            Ok(()) => {
+                deleted += 1;
+                text.push_str(&format!("deleted {name} on {b}\n"));
+            }
+            Err((_, CliError::Client(e)))
+                if e.code() == Some(felix_client::ErrorCode::NotFound) =>
+            {
                 eprintln!("felix: {b} does not hold {name}; nothing to delete there")
             }
-            Err(CliError::Client(e)) if unreached(&e) => {
+            // Not reached: it still holds what it held.
+            Err((false, CliError::Client(e))) if unreached(&e) => {
                 eprintln!("felix: {b}: {e}; passing it over");
-                unreachable.push(format!("{b} ({e})"));
+                unreachable.push(b.clone());
             }
-            Err(e) => {
-                print(&text)?;
-                return Err(e);
+            // Sent, and the answer lost: deleted or not.
+            Err((true, CliError::Client(e))) if unreached(&e) => {
+                eprintln!("felix: {b}: {e}");
+                unsure.push(b.clone());
             }
+            Err((_, CliError::Client(e))) => {
+                failed.push(format!("{b}: {}: {}", e.kind(), e.message()))
+            }
+            Err((_, e)) => return Err(e),
         }
     }
     print(&text)?;
-    if unreachable.is_empty() {
+    let again: Vec<String> = unreachable.iter().chain(&unsure).cloned().collect();
+    if again.is_empty() && failed.is_empty() {
+        if deleted == 0 {
+            return Err(CliError::Client(ClientError::Server {
+                code: felix_client::ErrorCode::NotFound,
+                message: format!("no stream {name} on any of the brokers"),
+            }));
+        }
         return Ok(());
     }
-    Err(CliError::Client(ClientError::Io(std::io::Error::other(
-        format!(
-            "{name} is still on {}, which could not be reached: run the same command \
-             again once {} back (creating {name} again meanwhile is safe: its replicas \
-             are apart from the old ones)",
-            unreachable.join(", "),
-            if unreachable.len() == 1 {
+    let mut why = Vec::new();
+    if !again.is_empty() {
+        why.push(format!(
+            "{name} may still be on {}: once {} back, run `felix --broker {} stream delete \
+             {name}` (naming only {}) before creating {name} again",
+            again.join(", "),
+            if again.len() == 1 {
                 "it is"
             } else {
                 "they are"
-            }
-        ),
+            },
+            again.join(","),
+            if again.len() == 1 {
+                "that broker"
+            } else {
+                "those brokers"
+            },
+        ));
+    }
+    if !failed.is_empty() {
+        why.push(format!("refused by {}", failed.join("; ")));
+    }
+    Err(CliError::Client(ClientError::Io(std::io::Error::other(
+        why.join("; "),
     ))))
 }
 

@@ -1954,6 +1954,23 @@ fn the_readme_cluster_works() {
     for n in &nodes {
         ok(n, &["stream", "describe", "demo/ha/late"], None);
     }
+    // Half of the brokers or fewer answering: nothing is made.
+    let few = felix()
+        .args(["--broker", &format!("{},{gone},127.0.0.1:9", addrs[0])])
+        .args(["stream", "create", "demo/ha/few", "--shards", "1"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&few.stderr);
+    assert!(!few.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("only 1 of the 3 brokers answered"),
+        "{stderr}"
+    );
+    let gone_too = felix()
+        .args(["--broker", &addrs[0], "stream", "describe", "demo/ha/few"])
+        .output()
+        .unwrap();
+    assert!(!gone_too.status.success(), "nothing created");
     // Deleted where it can be; run again, the brokers without it say so.
     let partly = felix()
         .args([
@@ -1968,7 +1985,10 @@ fn the_readme_cluster_works() {
     let stderr = String::from_utf8_lossy(&partly.stderr);
     assert!(!partly.status.success(), "{stderr}");
     assert!(
-        stderr.contains(&format!("demo/ha/late is still on {gone}")),
+        stderr.contains(&format!(
+            "demo/ha/late may still be on {gone}: once it is back, run \
+             `felix --broker {gone} stream delete demo/ha/late`"
+        )),
         "{stderr}"
     );
     assert_eq!(
@@ -1982,7 +2002,11 @@ fn the_readme_cluster_works() {
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&again.stderr);
-    assert!(again.status.success(), "{stderr}");
+    assert!(!again.status.success(), "held by none: {stderr}");
+    assert!(
+        stderr.contains("error: not_found: no stream demo/ha/late on any"),
+        "{stderr}"
+    );
     assert_eq!(
         stderr.matches("does not hold demo/ha/late").count(),
         3,

@@ -251,7 +251,14 @@ impl ClusterClient {
         brokers: &[impl AsRef<str>],
         config: ClientConfig,
     ) -> Result<ClusterClient> {
-        let brokers: Arc<[String]> = brokers.iter().map(|b| b.as_ref().to_string()).collect();
+        // Each once: a broker listed twice must not count twice (a
+        // create counts the brokers holding a stream).
+        let mut seen = std::collections::HashSet::new();
+        let brokers: Arc<[String]> = brokers
+            .iter()
+            .map(|b| b.as_ref().trim().to_string())
+            .filter(|b| seen.insert(b.clone()))
+            .collect();
         if brokers.is_empty() {
             return Err(ClientError::InvalidArgument(
                 "a cluster client needs at least one broker address".into(),
@@ -453,11 +460,16 @@ impl ClusterClient {
     }
 
     /// Create a stream on every broker, as one incarnation (see
-    /// [`incarnation_to_create`]): where some brokers hold it already
-    /// (a create interrupted part way, or a broker that was down for it),
-    /// the others get theirs, and those that hold it are left as they are.
-    /// Refused (`already_exists`) where a broker holds it with another
-    /// shard count, or brokers hold different incarnations of it.
+    /// [`incarnation_to_create`], which chooses it: `options.incarnation`
+    /// is not used). Give the client every broker of the cluster: where
+    /// more than half of them hold the stream already (a create interrupted
+    /// part way, or a broker that was down for it), the others get its
+    /// incarnation, and those that hold it are left as they are. Refused
+    /// (`already_exists`) where a broker holds it with another shard count,
+    /// brokers hold different incarnations of it, or half of them or fewer
+    /// hold it; `unsupported` where a broker does not keep incarnations.
+    /// Nothing is created unless every broker answered; a create that fails
+    /// part way can be run again.
     pub async fn create_stream(
         &self,
         tenant: &str,
