@@ -326,7 +326,8 @@ async fn delete_everywhere(
     if !again.is_empty() {
         why.push(format!(
             "{name} may still be on {}: once {} back, run `felix --broker {} stream delete \
-             {name}` (naming only {}) before creating {name} again",
+             {name}` naming only {}: a delete naming every broker would also delete a \
+             {name} created again meanwhile",
             again.join(", "),
             if again.len() == 1 {
                 "it is"
