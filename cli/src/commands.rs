@@ -41,10 +41,7 @@ pub async fn run(global: &GlobalArgs, command: Command) -> Result<(), CliError> 
     if brokers.is_empty() {
         return Err(CliError::Usage("--broker names no broker".into()));
     }
-    let on = |broker: &str| GlobalArgs {
-        broker: broker.to_string(),
-        ..global.clone()
-    };
+    let on = |broker: &str| for_broker(global, broker);
     if brokers.len() > 1 && spans_shards(&command) {
         return on_cluster(global, &brokers, command).await;
     }
@@ -144,11 +141,7 @@ async fn create_everywhere(
     let mut missing = Vec::new();
     let mut unreachable = Vec::new();
     for b in brokers {
-        let on = GlobalArgs {
-            broker: b.clone(),
-            ..global.clone()
-        };
-        let described = match connect(&on, false).await {
+        let described = match connect(&for_broker(global, b), false).await {
             Ok(client) => client
                 .describe_stream(&s.tenant, &s.namespace, &s.stream)
                 .await
@@ -248,6 +241,14 @@ async fn create_everywhere(
     ))))
 }
 
+/// `global` with `--broker` naming `broker` alone.
+fn for_broker(global: &GlobalArgs, broker: &str) -> GlobalArgs {
+    GlobalArgs {
+        broker: broker.to_string(),
+        ..global.clone()
+    }
+}
+
 /// An error that says the broker was not reached (or stopped answering):
 /// passed over by the commands run on every broker.
 fn unreached(e: &ClientError) -> bool {
@@ -274,11 +275,7 @@ async fn delete_everywhere(
     let mut deleted = 0;
     let mut text = String::new();
     for b in brokers {
-        let on = GlobalArgs {
-            broker: b.clone(),
-            ..global.clone()
-        };
-        let done = match connect(&on, false).await {
+        let done = match connect(&for_broker(global, b), false).await {
             Ok(client) => client
                 .delete_stream(&s.tenant, &s.namespace, &s.stream)
                 .await

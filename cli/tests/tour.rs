@@ -1896,56 +1896,32 @@ fn the_readme_cluster_works() {
         assert!(described.contains("demo/ha/jobs"), "{described}");
         assert_eq!(incarnation(&described), first, "{}", n.addr);
     }
-    let again = felix()
-        .args([
-            "--broker",
-            &all,
-            "stream",
-            "create",
-            "demo/ha/jobs",
-            "--shards",
-            "1",
-        ])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&again.stderr);
-    assert!(again.status.success(), "{stderr}");
+    // What a command run on several brokers said: (exit ok, stdout, stderr).
+    let said = |addr: &str, args: &[&str]| {
+        let out = run_at(addr, args, None);
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).to_string(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    let (ok_again, _, stderr) = said(&all, &["stream", "create", "demo/ha/jobs", "--shards", "1"]);
+    assert!(ok_again, "{stderr}");
     assert_eq!(
         stderr.matches("holds demo/ha/jobs already").count(),
         3,
         "{stderr}"
     );
-    let wrong = felix()
-        .args([
-            "--broker",
-            &all,
-            "stream",
-            "create",
-            "demo/ha/jobs",
-            "--shards",
-            "2",
-        ])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&wrong.stderr);
-    assert!(!wrong.status.success());
+    let (ok_wrong, _, stderr) = said(&all, &["stream", "create", "demo/ha/jobs", "--shards", "2"]);
+    assert!(!ok_wrong);
     assert!(stderr.contains("error: already_exists:"), "{stderr}");
     assert!(stderr.contains("with 1 shards, not 2"), "{stderr}");
     // A broker that cannot be reached is passed over and named.
     let gone = free_port_addr();
-    let partly = felix()
-        .args([
-            "--broker",
-            &format!("{all},{gone}"),
-            "stream",
-            "create",
-            "demo/ha/late",
-        ])
-        .args(["--shards", "1"])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&partly.stderr);
-    assert!(!partly.status.success(), "{stderr}");
+    let with_gone = format!("{all},{gone}");
+    let late = ["stream", "create", "demo/ha/late", "--shards", "1"];
+    let (ok_late, _, stderr) = said(&with_gone, &late);
+    assert!(!ok_late, "{stderr}");
     assert!(
         stderr.contains(&format!("demo/ha/late is not on {gone}")),
         "{stderr}"
@@ -1955,35 +1931,18 @@ fn the_readme_cluster_works() {
         ok(n, &["stream", "describe", "demo/ha/late"], None);
     }
     // Half of the brokers or fewer answering: nothing is made.
-    let few = felix()
-        .args(["--broker", &format!("{},{gone},127.0.0.1:9", addrs[0])])
-        .args(["stream", "create", "demo/ha/few", "--shards", "1"])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&few.stderr);
-    assert!(!few.status.success(), "{stderr}");
+    let few = format!("{},{gone},127.0.0.1:9", addrs[0]);
+    let (ok_few, _, stderr) = said(&few, &["stream", "create", "demo/ha/few", "--shards", "1"]);
+    assert!(!ok_few, "{stderr}");
     assert!(
         stderr.contains("only 1 of the 3 brokers answered"),
         "{stderr}"
     );
-    let gone_too = felix()
-        .args(["--broker", &addrs[0], "stream", "describe", "demo/ha/few"])
-        .output()
-        .unwrap();
-    assert!(!gone_too.status.success(), "nothing created");
+    let (made, _, _) = said(&addrs[0], &["stream", "describe", "demo/ha/few"]);
+    assert!(!made, "nothing created");
     // Deleted where it can be; run again, the brokers without it say so.
-    let partly = felix()
-        .args([
-            "--broker",
-            &format!("{all},{gone}"),
-            "stream",
-            "delete",
-            "demo/ha/late",
-        ])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&partly.stderr);
-    assert!(!partly.status.success(), "{stderr}");
+    let (ok_del, stdout, stderr) = said(&with_gone, &["stream", "delete", "demo/ha/late"]);
+    assert!(!ok_del, "{stderr}");
     assert!(
         stderr.contains(&format!(
             "demo/ha/late may still be on {gone}: once it is back, run \
@@ -1991,18 +1950,9 @@ fn the_readme_cluster_works() {
         )),
         "{stderr}"
     );
-    assert_eq!(
-        String::from_utf8_lossy(&partly.stdout)
-            .matches("deleted demo/ha/late on")
-            .count(),
-        3
-    );
-    let again = felix()
-        .args(["--broker", &all, "stream", "delete", "demo/ha/late"])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&again.stderr);
-    assert!(!again.status.success(), "held by none: {stderr}");
+    assert_eq!(stdout.matches("deleted demo/ha/late on").count(), 3);
+    let (ok_del, _, stderr) = said(&all, &["stream", "delete", "demo/ha/late"]);
+    assert!(!ok_del, "held by none: {stderr}");
     assert!(
         stderr.contains("error: not_found: no stream demo/ha/late on any"),
         "{stderr}"

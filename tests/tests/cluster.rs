@@ -115,6 +115,26 @@ async fn read_all(c: &Client, shard: u32) -> BTreeMap<u64, String> {
     }
 }
 
+/// Wait (up to 20 s) until `back`, a broker that was down, holds every
+/// record of `shard` that `leader` holds (as `leader` has them now).
+async fn catches_up(back: &Client, leader: &Client, shard: u32) {
+    let want = read_all(leader, shard).await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let got = read_all(back, shard).await;
+        if got == want {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "shard {shard}: the broker that was down holds {} records, the leader {}",
+            got.len(),
+            want.len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Publish `n` batches of 5 to each shard through the cluster client;
 /// returns what was acknowledged: (shard, offset) → payload.
 async fn publish_some(
@@ -254,21 +274,7 @@ fn a_cluster_keeps_every_acknowledged_record_through_the_loss_of_its_leader() {
             .await
             .unwrap();
         for shard in 0..SHARDS {
-            let want = read_all(&nl, shard).await;
-            let deadline = Instant::now() + Duration::from_secs(20);
-            loop {
-                let got = read_all(&back, shard).await;
-                if got == want {
-                    break;
-                }
-                assert!(
-                    Instant::now() < deadline,
-                    "shard {shard}: the restarted broker holds {} records, the leader {}",
-                    got.len(),
-                    want.len()
-                );
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+            catches_up(&back, &nl, shard).await;
         }
         // Having caught up, it compacts past where it was killed.
         publish_some(&cc, 40, 4, &mut acked).await;
@@ -1829,21 +1835,7 @@ fn a_broker_down_while_its_stream_was_created_again_keeps_out_of_it() {
             let l = Client::connect(&leader, ClientConfig::default())
                 .await
                 .unwrap();
-            let want = read_all(&l, shard).await;
-            let deadline = Instant::now() + Duration::from_secs(20);
-            loop {
-                let got = read_all(&third, shard).await;
-                if got == want {
-                    break;
-                }
-                assert!(
-                    Instant::now() < deadline,
-                    "shard {shard}: node 3 never caught up: {} of {} records",
-                    got.len(),
-                    want.len()
-                );
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+            catches_up(&third, &l, shard).await;
         }
 
         // Node 3 misses only a deletion: back, its copy is the stream's

@@ -1463,6 +1463,16 @@ async fn records_retention_removed_are_skipped_and_counted() {
     );
     late.create(StartPosition::Earliest).await.unwrap();
     assert_eq!(late.position().await, start);
+    // Lag counts what the group can still be handed: not what retention
+    // removed above its position (settled, never delivered).
+    let info = g.describe().await.unwrap();
+    assert_eq!((info.position, info.end_offset), (2, 50));
+    assert_eq!(info.lag(), 50 - start);
+    assert_eq!(
+        b.metric_series("felix_group_lag", &[("group", "workers")]),
+        Some((50 - start) as f64),
+        "the broker's own figure"
+    );
     let got = g.drain().await;
     assert_eq!(got[0].offset, start);
     assert_eq!(

@@ -520,7 +520,7 @@ impl<S: Storage> Replication<S> {
     /// Replicate `shard` (just opened from `dir`): its replica joins the
     /// host, with its journal in the shard's directory.
     pub async fn add(&self, shard: &Rc<Shard<S>>, dir: PathBuf) -> Result<(), String> {
-        let group = shard.replica_group();
+        let group = shard.replica_group;
         // A shard written by a single broker has records no replica's
         // journal holds: its offsets would clash with the entries the
         // cluster commits. It is refused rather than quietly diverge.
@@ -550,7 +550,7 @@ impl<S: Storage> Replication<S> {
 
     /// Stop replicating `shard` and delete its replica's files.
     pub async fn remove(&self, shard: &Shard<S>) {
-        let group = shard.replica_group();
+        let group = shard.replica_group;
         self.shards.borrow_mut().remove(&group);
         if let Err(e) = self.host.remove_group(group).await {
             tracing::warn!("removing the replica of {}: {e}", shard.name());
@@ -560,7 +560,7 @@ impl<S: Storage> Replication<S> {
     /// Publish `records` to `shard` through its replica; the answer once a
     /// majority holds them and this shard log has them durably.
     pub async fn publish(&self, shard: &Shard<S>, records: &[RecordIn]) -> Response {
-        let group = shard.replica_group();
+        let group = shard.replica_group;
         let landed = match glommio::timer::timeout(COMMIT_TIMEOUT, async {
             Ok(self.host.publish(group, records).await)
         })
@@ -610,7 +610,7 @@ impl<S: Storage> Replication<S> {
     /// This broker's replica of `shard`, as it sees it (`DescribeReplica`):
     /// any replica answers, leader or not, from what it knows now.
     pub fn describe(&self, shard: &Shard<S>, stream: StreamRef) -> Response {
-        let group = shard.replica_group();
+        let group = shard.replica_group;
         let Some(st) = self.host.status(group) else {
             return wire_err(
                 ErrorCode::Unavailable,

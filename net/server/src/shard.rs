@@ -75,8 +75,10 @@ impl Deadlines {
 pub(crate) struct Shard<S: Storage> {
     pub stream: StreamName,
     pub index: u32,
-    /// Its stream's incarnation (`StreamMeta::incarnation`; 0: none).
-    pub incarnation: u64,
+    /// In a cluster: the replica group this shard is, the same on every
+    /// broker that holds this incarnation of its stream (worked out once:
+    /// every replicated publish names it).
+    pub replica_group: u64,
     pub log: ShardLog<S>,
     pub groups: Groups,
     pub group_config: GroupConfig,
@@ -209,7 +211,7 @@ impl<S: Storage> Shard<S> {
         let shard = Rc::new(Shard {
             stream: meta.name.clone(),
             index,
-            incarnation: meta.incarnation,
+            replica_group: crate::cluster::group_id(&meta.name, index, meta.incarnation),
             log,
             groups,
             group_config,
@@ -233,12 +235,6 @@ impl<S: Storage> Shard<S> {
 
     pub fn name(&self) -> String {
         format!("{}/{}", self.stream, self.index)
-    }
-
-    /// In a cluster: the replica group this shard is, the same on every
-    /// broker that holds this incarnation of its stream.
-    pub fn replica_group(&self) -> u64 {
-        crate::cluster::group_id(&self.stream, self.index, self.incarnation)
     }
 
     /// The answer to a request that finds this shard's log closed: its
