@@ -359,6 +359,28 @@ async fn metrics_count_publishes_and_shard_offsets() {
     assert_eq!(broker.metric("felix_publish_records_total"), 10.0);
     assert_eq!(broker.metric("felix_shard_end_offset"), 10.0);
     assert!(broker.metric("felix_fsync_seconds_count") >= 1.0);
+    // Every publish waited for its fdatasync (the default), and is counted
+    // once in the durable series of the broker-side publish histogram.
+    let series = |m: &str, ack: &str| broker.metric_series(m, &[("ack", ack)]);
+    assert_eq!(series("felix_publish_seconds_count", "durable"), Some(10.0));
+    assert_eq!(series("felix_publish_seconds_count", "queued"), Some(0.0));
+    assert_eq!(
+        series("felix_publish_seconds_count", "replicated"),
+        Some(0.0)
+    );
+    assert!(series("felix_publish_seconds_sum", "durable").unwrap() > 0.0);
+    let text = broker.metrics();
+    let buckets: Vec<f64> = text
+        .lines()
+        .filter(|l| l.starts_with("felix_publish_seconds_bucket{ack=\"durable\""))
+        .map(|l| l.rsplit(' ').next().unwrap().parse().unwrap())
+        .collect();
+    assert!(buckets.len() > 2, "{text}");
+    assert!(
+        buckets.windows(2).all(|w| w[0] <= w[1]),
+        "buckets are cumulative: {buckets:?}"
+    );
+    assert_eq!(*buckets.last().unwrap(), 10.0, "+Inf holds every publish");
     // Counters never go backwards: deleting the stream keeps what its
     // shards did in the broker's totals.
     let counters = [

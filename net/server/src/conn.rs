@@ -5,6 +5,7 @@
 
 use crate::broker::{now_ms, to_name, wire_err, Core, CoreMsg, Handoff};
 use crate::memory::Budget;
+use crate::metrics::AckWait;
 use crate::shard::Shard;
 use bytes::BytesMut;
 use felix_engine::format::RecordIn as LogRecordIn;
@@ -1031,6 +1032,7 @@ async fn publish<S: Storage>(
     ack: AckMode,
     records: Vec<felix_wire::RecordIn>,
 ) -> Response {
+    let taken = std::time::Instant::now();
     let shard_no = match &target {
         PublishTarget::Shard(s) => *s,
         PublishTarget::Key(k) => match core.shard_count(&stream) {
@@ -1135,6 +1137,9 @@ async fn publish<S: Storage>(
             m.publish_records
                 .set(m.publish_records.get() + u64::from(*count));
             m.publish_bytes.set(m.publish_bytes.get() + bytes);
+            m.publish_latency
+                .borrow_mut()
+                .record(AckWait::Replicated, taken.elapsed());
         }
         return answer;
     }
@@ -1146,11 +1151,13 @@ async fn publish<S: Storage>(
     // before waiting for the flush.
     drop(recs);
     core.disk.note_appended(bytes);
-    let frontier = match ack {
-        AckMode::Queued => Frontier::Queued,
-        AckMode::Durable => Frontier::Durable,
-        AckMode::Default if core.shared.config.ack_on_commit => Frontier::Durable,
-        AckMode::Default => Frontier::Queued,
+    let (frontier, waited) = match ack {
+        AckMode::Queued => (Frontier::Queued, AckWait::Queued),
+        AckMode::Durable => (Frontier::Durable, AckWait::Durable),
+        AckMode::Default if core.shared.config.ack_on_commit => {
+            (Frontier::Durable, AckWait::Durable)
+        }
+        AckMode::Default => (Frontier::Queued, AckWait::Queued),
     };
     if let Err(e) = shard.log.wait(appended.lsn, frontier).await {
         return log_err(&shard.name(), e);
@@ -1159,6 +1166,9 @@ async fn publish<S: Storage>(
     m.publish_records
         .set(m.publish_records.get() + appended.count as u64);
     m.publish_bytes.set(m.publish_bytes.get() + bytes);
+    m.publish_latency
+        .borrow_mut()
+        .record(waited, taken.elapsed());
     Response::Published {
         shard: shard_no,
         base_offset: appended.base.0,

@@ -31,6 +31,114 @@ pub(crate) struct CoreMetrics {
     pub connections_accepted: Cell<u64>,
     pub connections_refused: Cell<u64>,
     pub handoffs: Cell<u64>,
+    /// Publish time in the broker, by what the acknowledgement waited for.
+    pub publish_latency: RefCell<PublishLatency>,
+}
+
+/// Bucket bounds (µs) of `felix_publish_seconds`: finer than the fsync
+/// histogram's around the milliseconds a durable acknowledgement takes.
+pub(crate) const PUBLISH_BUCKETS_US: [u64; 14] = [
+    100, 250, 500, 750, 1000, 1500, 2000, 3000, 5000, 10_000, 25_000, 100_000, 1_000_000,
+    10_000_000,
+];
+
+/// A fixed-bucket latency histogram (cumulative counts are worked out when
+/// it is rendered).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct LatencyBuckets {
+    pub count: u64,
+    pub sum_us: u64,
+    /// Count per bucket of [`PUBLISH_BUCKETS_US`]; the last slot is "over".
+    pub buckets: [u64; PUBLISH_BUCKETS_US.len() + 1],
+}
+
+impl LatencyBuckets {
+    pub fn record(&mut self, us: u64) {
+        self.count += 1;
+        self.sum_us = self.sum_us.saturating_add(us);
+        let i = PUBLISH_BUCKETS_US.partition_point(|b| *b < us);
+        self.buckets[i] += 1;
+    }
+
+    fn merge(&mut self, o: &LatencyBuckets) {
+        self.count += o.count;
+        self.sum_us = self.sum_us.saturating_add(o.sum_us);
+        for (a, b) in self.buckets.iter_mut().zip(o.buckets.iter()) {
+            *a += b;
+        }
+    }
+}
+
+/// What a publish's acknowledgement waited for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum AckWait {
+    /// The records' fdatasync.
+    Durable,
+    /// The records queued for the next flush (`FELIX_ACK_ON_COMMIT=0` or
+    /// the publish's `ack: queued`).
+    Queued,
+    /// Commit by a majority of the shard's replicas (a cluster).
+    Replicated,
+}
+
+impl AckWait {
+    const ALL: [AckWait; 3] = [AckWait::Durable, AckWait::Queued, AckWait::Replicated];
+
+    fn label(self) -> &'static str {
+        match self {
+            AckWait::Durable => "durable",
+            AckWait::Queued => "queued",
+            AckWait::Replicated => "replicated",
+        }
+    }
+}
+
+/// `felix_publish_seconds`, one histogram per [`AckWait`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct PublishLatency([LatencyBuckets; 3]);
+
+impl PublishLatency {
+    pub fn record(&mut self, wait: AckWait, took: Duration) {
+        let us = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
+        self.0[wait as usize].record(us);
+    }
+
+    fn merge(&mut self, o: &PublishLatency) {
+        for (a, b) in self.0.iter_mut().zip(o.0.iter()) {
+            a.merge(b);
+        }
+    }
+
+    fn render(&self, s: &mut String) {
+        let _ = writeln!(
+            s,
+            "# HELP felix_publish_seconds Time a successful publish spent in the broker, from its \
+             records being decoded to its acknowledgement, by what the acknowledgement waited for.\n\
+             # TYPE felix_publish_seconds histogram"
+        );
+        for wait in AckWait::ALL {
+            let h = &self.0[wait as usize];
+            let ack = wait.label();
+            let mut cum = 0;
+            for (i, le) in PUBLISH_BUCKETS_US.iter().enumerate() {
+                cum += h.buckets[i];
+                let _ = writeln!(
+                    s,
+                    "felix_publish_seconds_bucket{{ack=\"{ack}\",le=\"{}\"}} {cum}",
+                    *le as f64 / 1e6
+                );
+            }
+            let _ = writeln!(
+                s,
+                "felix_publish_seconds_bucket{{ack=\"{ack}\",le=\"+Inf\"}} {}\n\
+                 felix_publish_seconds_sum{{ack=\"{ack}\"}} {}\n\
+                 felix_publish_seconds_count{{ack=\"{ack}\"}} {}",
+                h.count,
+                h.sum_us as f64 / 1e6,
+                h.count
+            );
+        }
+    }
 }
 
 impl CoreMetrics {
@@ -79,6 +187,7 @@ impl CoreMetrics {
                 ("felix_connection_handoffs_total", self.handoffs.get()),
             ],
             connections_open: self.connections_open.get(),
+            publish_latency: *self.publish_latency.borrow(),
             group_polls_waiting: self.group_polls_waiting.get(),
             buffered: Vec::new(),
             shards: Vec::new(),
@@ -182,6 +291,7 @@ pub(crate) struct MetricsSnapshot {
     pub errors: BTreeMap<String, u64>,
     pub counters: Vec<(&'static str, u64)>,
     pub connections_open: u64,
+    pub publish_latency: PublishLatency,
     pub group_polls_waiting: u64,
     /// One entry per core (labelled, not summed).
     pub buffered: Vec<BufferedSnapshot>,
@@ -216,6 +326,7 @@ impl MetricsSnapshot {
             }
         }
         self.connections_open += o.connections_open;
+        self.publish_latency.merge(&o.publish_latency);
         self.group_polls_waiting += o.group_polls_waiting;
         self.buffered.extend(o.buffered);
         self.shards.extend(o.shards);
@@ -244,6 +355,7 @@ impl MetricsSnapshot {
             "# TYPE felix_connections_open gauge\nfelix_connections_open {}",
             self.connections_open
         );
+        self.publish_latency.render(&mut s);
         let _ = writeln!(
             s,
             "# HELP felix_group_polls_waiting Group polls parked until records arrive, room frees or their wait ends.\n# TYPE felix_group_polls_waiting gauge\nfelix_group_polls_waiting {}",
