@@ -150,6 +150,32 @@ const ZERO_AHEAD_LOW: u64 = 64 << 10;
 /// its bandwidth makes rounds larger than this (more data gathers while each
 /// one is written), so zeros never take bandwidth the data needs.
 const ZERO_AHEAD_ROUND: usize = 64 << 10;
+
+thread_local! {
+    /// A piece of zeros this thread's logs write ahead of small rounds,
+    /// kept between writes so that it is not filled again each time (a
+    /// DMA write only reads it). One a thread (a core), not one a shard:
+    /// a core may own thousands of shards.
+    static ZEROS: std::cell::RefCell<Option<PageBuf>> = const { std::cell::RefCell::new(None) };
+}
+
+/// At least `len` zero bytes to write from (`len` a multiple of [`ALIGN`]).
+fn take_zeros(len: usize) -> PageBuf {
+    match ZEROS.with(|z| z.borrow_mut().take()) {
+        Some(b) if b.writable() >= len => b,
+        _ => PageBuf::zeroed(len.max(ZERO_AHEAD_PIECE)),
+    }
+}
+
+/// Keep a written piece of zeros for the next [`take_zeros`].
+fn give_back_zeros(buf: PageBuf) {
+    ZEROS.with(|z| {
+        let mut z = z.borrow_mut();
+        if z.as_ref().is_none_or(|k| k.writable() < buf.writable()) {
+            *z = Some(buf);
+        }
+    });
+}
 /// Smallest reservation step. A segment's reservation grows to the next
 /// power of two past its writes (at least this) until that reaches
 /// `preallocate_step`, then a step at a time: a shard that is barely written
@@ -1648,7 +1674,7 @@ impl<S: Storage> ShardLog<S> {
         }
         // The zeros go last, so they are the last write of the last group.
         if let Some((pos, len)) = zeros {
-            writes.push((None, PageBuf::zeroed(len), len, pos));
+            writes.push((None, take_zeros(len), len, pos));
         }
         let mut written_bytes = 0u64;
         let mut zeros_written = zeros.is_some();
@@ -1666,7 +1692,7 @@ impl<S: Storage> ShardLog<S> {
             for (k, r) in futures_util::future::join_all(futs).await {
                 match (k, r) {
                     (Some(k), Ok(buf)) => kept[k] = Some(buf),
-                    (None, Ok(_)) => {}
+                    (None, Ok(buf)) => give_back_zeros(buf),
                     // Zeros are an optimisation inside reserved blocks that
                     // read as zeros anyway: a failure costs nothing but the
                     // speed-up, never the shard.

@@ -26,6 +26,10 @@ pub struct PageBuf {
     ptr: *mut u8,
     cap: usize,
     len: usize,
+    /// The most bytes a write may take from the front: the capacity, until
+    /// a write of fewer bytes trims glommio's buffer to what it wrote
+    /// (glommio cannot grow it back).
+    writable: usize,
 }
 
 // SAFETY: the buffer is a global heap allocation owned by this value alone
@@ -48,6 +52,7 @@ impl PageBuf {
             ptr,
             cap,
             len: 0,
+            writable: cap,
         }
     }
 
@@ -60,6 +65,12 @@ impl PageBuf {
 
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// The most bytes a write can take from this buffer (see
+    /// [`PageBuf::into_dma`]).
+    pub fn writable(&self) -> usize {
+        self.writable.min(self.len)
     }
 
     pub fn is_empty(&self) -> bool {
@@ -135,18 +146,33 @@ impl PageBuf {
     }
 
     /// The glommio buffer to write the first `len` bytes from (`len` a
-    /// multiple of [`ALIGN`], at most the filled length), and what
-    /// [`PageBuf::from_written`] needs to rebuild this value after.
+    /// multiple of [`ALIGN`], at most [`PageBuf::writable`]), and what
+    /// [`PageBuf::from_written`] needs to rebuild this value after. Once
+    /// written, at most `len` bytes of it can be written again.
     pub(crate) fn into_dma(self, len: usize) -> (DmaBuffer, Parts) {
-        assert!(len.is_multiple_of(ALIGN) && len <= self.len && len > 0);
+        assert!(
+            len.is_multiple_of(ALIGN) && len <= self.writable() && len > 0,
+            "a write of {len} bytes from a buffer of {} ({} writable)",
+            self.len,
+            self.writable
+        );
         let PageBuf {
             mut buf,
             ptr,
             cap,
             len: filled,
+            writable: _,
         } = self;
         buf.trim_to_size(len);
-        (buf, Parts { ptr, cap, filled })
+        (
+            buf,
+            Parts {
+                ptr,
+                cap,
+                filled,
+                written: len,
+            },
+        )
     }
 
     /// Undo [`PageBuf::into_dma`] once the write is done.
@@ -161,6 +187,7 @@ impl PageBuf {
             ptr: parts.ptr,
             cap: parts.cap,
             len: parts.filled,
+            writable: parts.written,
         }
     }
 
@@ -180,6 +207,15 @@ impl PageBuf {
         copy
     }
 
+    /// What a write of `len` bytes from this buffer leaves of it, for
+    /// storage that does not go through [`PageBuf::into_dma`] (the
+    /// simulation), so that it refuses what the real one would.
+    pub(crate) fn written(mut self, len: usize) -> PageBuf {
+        assert!(len <= self.writable(), "a write past what is writable");
+        self.writable = len;
+        self
+    }
+
     /// The filled bytes as shared memory, without a copy.
     pub fn into_bytes(self) -> Bytes {
         Bytes::from_owner(self)
@@ -191,6 +227,8 @@ pub(crate) struct Parts {
     ptr: *mut u8,
     cap: usize,
     filled: usize,
+    /// Bytes handed to the write (glommio's buffer is trimmed to them).
+    written: usize,
 }
 
 impl AsRef<[u8]> for PageBuf {
@@ -266,5 +304,21 @@ mod tests {
         assert_eq!(copy.capacity(), b.capacity());
         assert_eq!(b.capacity(), 3 * ALIGN);
         assert!(b.filled().iter().all(|&x| x == 7));
+        // glommio trimmed its buffer to what was written: the same bytes
+        // can be written again, no more.
+        assert_eq!(b.writable(), 2 * ALIGN);
+        let (dma, parts) = b.into_dma(ALIGN);
+        let b = PageBuf::from_written(dma, parts);
+        assert_eq!(b.writable(), ALIGN);
+        assert_eq!(PageBuf::zeroed(ALIGN).written(ALIGN).writable(), ALIGN);
+    }
+
+    #[test]
+    #[should_panic(expected = "a write of 8192 bytes from a buffer of 8192 (4096 writable)")]
+    fn writing_more_than_a_written_buffer_kept_panics() {
+        let b = PageBuf::zeroed(2 * ALIGN);
+        let (dma, parts) = b.into_dma(ALIGN);
+        let b = PageBuf::from_written(dma, parts);
+        let _ = b.into_dma(2 * ALIGN);
     }
 }

@@ -645,9 +645,10 @@ impl StorageFile for SimFile {
         assert_eq!(pos % ALIGN as u64, 0, "unaligned write position {pos}");
         assert_eq!(len % ALIGN, 0, "unaligned write length");
         assert!(
-            len <= buf.len(),
-            "write of {len} bytes from a buffer holding {}",
-            buf.len()
+            len <= buf.writable(),
+            "write of {len} bytes from a buffer holding {} ({} writable)",
+            buf.len(),
+            buf.writable()
         );
         {
             let mut d = self.disk.borrow_mut();
@@ -663,7 +664,7 @@ impl StorageFile for SimFile {
             apply(&mut f.current, &op);
             f.unsynced.push(op);
         })?;
-        Ok(buf)
+        Ok(buf.written(len))
     }
 
     async fn read_at(&self, pos: u64, len: usize) -> io::Result<Bytes> {
