@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use hdrhistogram::Histogram;
+use tokio::io::unix::AsyncFd;
 use tokio::sync::{mpsc, Semaphore};
 
 use crate::cli::{Amount, Common, E2eArgs, PublishArgs, QueueArgs, ReadArgs, Via, STAMP_BYTES};
@@ -162,43 +163,77 @@ pub async fn prefill(
 
 // ------------------------------------------------------------------ pacing
 
-/// Sends "batches due so far" to a paced producer from an OS thread that
-/// sleeps with a 1 ns timer slack: tokio's timer has 1 ms granularity, which
-/// would add up to a millisecond of the bench's own lateness to every
-/// latency counted from the intended send time.
-fn pacer(run: Arc<Run>, base: Instant, interval: Duration, tx: mpsc::UnboundedSender<u64>) {
-    std::thread::Builder::new()
-        .name("felix-bench-pacer".into())
-        .spawn(move || {
-            // SAFETY: PR_SET_TIMERSLACK only changes this thread's timer slack.
-            unsafe {
-                libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong, 0, 0, 0);
+/// A timer with the kernel's resolution that wakes a task on the client's
+/// own runtime: a `timerfd` its reactor watches. tokio's timer has 1 ms
+/// granularity, which would add up to a millisecond of the bench's own
+/// lateness to every latency counted from the intended send time; a thread
+/// sleeping for each batch and handing it over costs two wake-ups a batch
+/// (its own and the runtime's), on CPUs the client shares with the broker.
+struct Pacer {
+    fd: AsyncFd<std::os::fd::OwnedFd>,
+}
+
+impl Pacer {
+    fn new() -> std::io::Result<Pacer> {
+        use std::os::fd::FromRawFd;
+        // SAFETY: plain syscall; the descriptor it returns is owned below.
+        let fd = unsafe {
+            libc::timerfd_create(
+                libc::CLOCK_MONOTONIC,
+                libc::TFD_NONBLOCK | libc::TFD_CLOEXEC,
+            )
+        };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: a fresh descriptor no one else owns.
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+        // SAFETY: the descriptor is open and owned by the `OwnedFd` the
+        // AsyncFd keeps until it is dropped; it always returns that one.
+        let fd = unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }
+            .map_err(std::io::Error::from)?;
+        Ok(Pacer { fd })
+    }
+
+    /// Return at `at` (at once if it has passed).
+    async fn until(&self, at: Instant) -> std::io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let now = Instant::now();
+        if at <= now {
+            return Ok(());
+        }
+        let d = at - now;
+        let spec = libc::itimerspec {
+            it_interval: libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            },
+            it_value: libc::timespec {
+                tv_sec: d.as_secs() as libc::time_t,
+                // Never 0 with 0 seconds: that would disarm the timer.
+                tv_nsec: d.subsec_nanos().max(1) as libc::c_long,
+            },
+        };
+        let fd = self.fd.get_ref().as_raw_fd();
+        // SAFETY: arming our own timer with a valid itimerspec.
+        if unsafe { libc::timerfd_settime(fd, 0, &spec, std::ptr::null_mut()) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        loop {
+            let mut ready = self.fd.readable().await?;
+            let mut expirations = 0u64;
+            // SAFETY: reading the 8-byte expiration count into a u64.
+            let n = unsafe { libc::read(fd, (&raw mut expirations).cast(), 8) };
+            if n == 8 {
+                return Ok(());
             }
-            let iv = interval.as_nanos().max(1);
-            let mut sent = 0u64;
-            loop {
-                if run.stopping() || tx.is_closed() {
-                    return;
-                }
-                let next = base
-                    + Duration::from_nanos((iv * u128::from(sent)).min(u64::MAX as u128) as u64);
-                let now = Instant::now();
-                if next > now {
-                    // This is the pacer's own OS thread, not an executor.
-                    #[allow(clippy::disallowed_methods)]
-                    std::thread::sleep((next - now).min(Duration::from_millis(50)));
-                    continue;
-                }
-                let due = (now.duration_since(base).as_nanos() / iv) as u64 + 1;
-                if due > sent {
-                    if tx.send(due).is_err() {
-                        return;
-                    }
-                    sent = due;
-                }
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::WouldBlock {
+                return Err(e);
             }
-        })
-        .expect("spawn pacer thread");
+            ready.clear_ready();
+        }
+    }
 }
 
 /// What a producer sends and how.
@@ -253,34 +288,40 @@ async fn producer(
         acked
     });
     let fixed = payload(plan.record_size);
-    let mut due_rx = plan.pace.map(|(base, iv)| {
-        let (t, r) = mpsc::unbounded_channel();
-        pacer(run.clone(), base, iv, t);
-        r
-    });
+    let pacer = match plan.pace.map(|_| Pacer::new()).transpose() {
+        Ok(p) => p,
+        Err(e) => {
+            run.error(format!("cannot make the pacing timer: {e}"));
+            run.request_stop(StopReason::Error);
+            None
+        }
+    };
     let mut k = 0u64;
-    let mut due = 0u64;
     let mut seq = 0u64;
-    'send: loop {
+    loop {
         let Ok(permit) = sem.clone().acquire_owned().await else {
             break;
         };
-        let intended = match (&mut due_rx, plan.pace) {
-            (Some(r), Some((base, iv))) => {
-                while due <= k {
-                    if run.stopping() {
-                        break 'send;
-                    }
-                    // The pacer checks for the end of the run at least every
-                    // 50 ms and then hangs up (no timer here: one a batch
-                    // costs the client CPU the broker shares).
-                    match r.recv().await {
-                        Some(d) => due = d,
-                        None => break 'send,
+        let intended = match (&pacer, plan.pace) {
+            (Some(p), Some((base, iv))) => {
+                let at = base + iv.mul_f64(k as f64);
+                // A long wait (a slow rate) wakes to see the run's end.
+                while at > Instant::now() + Duration::from_millis(50) && !run.stopping() {
+                    if let Err(e) = p.until(Instant::now() + Duration::from_millis(50)).await {
+                        run.error(format!("pacing timer: {e}"));
+                        run.request_stop(StopReason::Error);
                     }
                 }
-                base + iv.mul_f64(k as f64)
+                if let Err(e) = p.until(at).await {
+                    run.error(format!("pacing timer: {e}"));
+                    run.request_stop(StopReason::Error);
+                }
+                if run.stopping() {
+                    break;
+                }
+                at
             }
+            (None, Some(_)) => break,
             _ => Instant::now(),
         };
         let Some(n) = run.admit(intended, plan.batch as u64) else {

@@ -181,6 +181,33 @@ fn embedded_runs_count_every_record() {
     );
     assert_eq!(doc["stop_reason"], "count");
 
+    // Paced at 1,000 records/s for 1 s by two producers (batches of 10,
+    // one every 20 ms each): never ahead of the rate, whatever the machine.
+    let doc = run_json_status(
+        dir.path(),
+        "publish-paced",
+        &[
+            "publish",
+            "--rate",
+            "1000",
+            "--batch",
+            "10",
+            "--producers",
+            "2",
+            "--duration",
+            "1",
+            "--warmup",
+            "0",
+        ],
+        false,
+    );
+    assert_eq!(num(&doc, "params.rate"), 1000.0);
+    let published = num(&doc, "records");
+    assert!(
+        published > 0.0 && published <= 1000.0 + 2.0 * 10.0,
+        "{published} records in 1 s at 1,000/s: {doc:#}"
+    );
+
     // Publish 2,000 and read them all back.
     let doc = run_json(
         dir.path(),
