@@ -149,6 +149,13 @@ pub struct CommonArgs {
     )]
     pub token: Option<String>,
 
+    /// The Prometheus endpoint (host:port) of the Felix broker given with
+    /// --broker, to report the broker's own publish latency
+    /// (felix_publish_seconds) over the measured window beside the
+    /// client's. The embedded broker's is used without asking.
+    #[arg(long, value_name = "ADDR")]
+    pub broker_metrics: Option<String>,
+
     /// Executors of the embedded Felix broker: a count (the first N CPUs) or
     /// a CPU list like 0,1. Ignored with --broker.
     #[arg(long, value_name = "N|LIST", default_value = "1")]
@@ -398,6 +405,8 @@ pub struct Common {
     pub broker: Option<String>,
     /// Sent only to a Felix broker given with --broker.
     pub token: Option<String>,
+    /// A Felix broker's metrics endpoint, given with --broker.
+    pub broker_metrics: Option<String>,
     pub broker_cores: String,
     pub broker_core_count: usize,
     pub data_dir: Option<PathBuf>,
@@ -551,6 +560,16 @@ impl CommonArgs {
                 return err("a list of brokers (a cluster) is for --target felix only");
             }
         }
+        if let Some(m) = &self.broker_metrics {
+            if self.broker.is_none() || self.target != TargetKind::Felix {
+                return err("--broker-metrics is for a Felix broker given with --broker (the embedded broker's are read without it)");
+            }
+            if m.parse::<std::net::SocketAddr>().is_err() {
+                return err(format!(
+                    "--broker-metrics must be IP:PORT of the broker's metrics_listen, not {m:?}"
+                ));
+            }
+        }
         let client_threads = match self.client_threads {
             Some(0) => return err("--client-threads must be at least 1"),
             Some(n) if n > 256 => return err("--client-threads must be at most 256"),
@@ -584,6 +603,7 @@ impl CommonArgs {
             target: self.target,
             broker: self.broker.clone(),
             token: self.broker.as_ref().and(self.token.clone()),
+            broker_metrics: self.broker_metrics.clone(),
             broker_cores: self.broker_cores.trim().to_string(),
             broker_core_count,
             data_dir: self.data_dir.clone(),
@@ -783,6 +803,14 @@ mod tests {
                 "--ack",
             ),
             (&["publish", "--peer-mode", "durable"], "--peer-mode"),
+            (
+                &["publish", "--broker-metrics", "127.0.0.1:9100"],
+                "--broker-metrics",
+            ),
+            (
+                &["publish", "--broker", "a:1", "--broker-metrics", "nope"],
+                "--broker-metrics",
+            ),
             (&["read", "--prefill", "0"], "--prefill"),
             (&["read", "--max-records", "0"], "--max-records"),
             (&["queue", "--per-poll", "0"], "--per-poll"),

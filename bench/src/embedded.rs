@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use crate::cli::ServeArgs;
 
 const LISTENING: &str = "felix: listening on ";
+const METRICS: &str = "felix: metrics on http://";
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 const STOP_TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -25,6 +26,8 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(20);
 pub struct EmbeddedBroker {
     child: Option<Child>,
     addr: String,
+    /// host:port of its Prometheus endpoint.
+    metrics: Option<String>,
     dir: Option<tempfile::TempDir>,
 }
 
@@ -71,7 +74,9 @@ impl EmbeddedBroker {
             .arg(opts.cores)
             // No felix.toml from wherever the bench was started.
             .current_dir(dir.path())
-            .env("FELIX_METRICS_LISTEN", "")
+            // Metrics on a free port: the bench reads the broker's own
+            // publish latency from them.
+            .env("FELIX_METRICS_LISTEN", "127.0.0.1:0")
             .env(
                 "FELIX_ACK_ON_COMMIT",
                 if opts.ack_on_commit { "1" } else { "0" },
@@ -95,29 +100,47 @@ impl EmbeddedBroker {
             .name("felix-broker-stdout".into())
             .spawn(move || {
                 let mut tx = Some(tx);
+                // The broker prints its metrics address right after its
+                // address: the two are handed over together.
+                let mut addr: Option<String> = None;
                 for line in BufReader::new(stdout).lines() {
                     let Ok(line) = line else { break };
-                    if let Some(addr) = line.strip_prefix(LISTENING) {
+                    let metrics = line
+                        .strip_prefix(METRICS)
+                        .and_then(|m| m.trim().strip_suffix("/metrics"))
+                        .map(str::to_string);
+                    if let Some(a) = addr.take() {
                         if let Some(tx) = tx.take() {
-                            let _ = tx.send(addr.trim().to_string());
+                            let _ = tx.send((a, metrics.clone()));
                         }
-                    } else {
+                        if metrics.is_some() {
+                            continue;
+                        }
+                    }
+                    if let Some(a) = line.strip_prefix(LISTENING) {
+                        addr = Some(a.trim().to_string());
+                    } else if metrics.is_none() {
                         // Anything else the broker prints goes to our stderr.
                         eprintln!("broker: {line}");
                     }
+                }
+                if let (Some(a), Some(tx)) = (addr, tx) {
+                    let _ = tx.send((a, None));
                 }
             })
             .map_err(|e| format!("cannot start a thread: {e}"))?;
         let mut broker = EmbeddedBroker {
             child: Some(child),
             addr: String::new(),
+            metrics: None,
             dir: Some(dir),
         };
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
             match rx.recv_timeout(Duration::from_millis(50)) {
-                Ok(addr) => {
+                Ok((addr, metrics)) => {
                     broker.addr = addr;
+                    broker.metrics = metrics;
                     return Ok(broker);
                 }
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
@@ -142,6 +165,11 @@ impl EmbeddedBroker {
 
     pub fn addr(&self) -> &str {
         &self.addr
+    }
+
+    /// host:port of the broker's Prometheus endpoint.
+    pub fn metrics_addr(&self) -> Option<&str> {
+        self.metrics.as_deref()
     }
 
     pub fn data_dir(&self) -> Option<&Path> {

@@ -5,6 +5,7 @@
 //! The binary is `src/main.rs`; everything is in this library so the tests
 //! and the criterion benches can reach it.
 
+pub mod broker_metrics;
 pub mod cli;
 pub mod cpu;
 pub mod embedded;

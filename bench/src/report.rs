@@ -122,6 +122,9 @@ pub struct Outcome {
     pub bytes: u64,
     pub latency: LatencyReport,
     pub publish_latency: Option<LatencyReport>,
+    /// The broker's own account (felix_publish_seconds), where its metrics
+    /// could be read.
+    pub broker_publish_latency: Option<crate::broker_metrics::BrokerLatency>,
     pub offered_rate: Option<f64>,
     pub totals: Totals,
     pub checks: Vec<Check>,
@@ -138,6 +141,7 @@ impl Outcome {
             bytes: run.measured_bytes.load(Ordering::Relaxed),
             latency: LatencyReport::from_hist(&h, what),
             publish_latency: None,
+            broker_publish_latency: None,
             offered_rate: None,
             totals: Totals::default(),
             checks: Vec::new(),
@@ -200,6 +204,9 @@ pub struct Report {
     pub offered_rate: Option<f64>,
     pub latency: LatencyReport,
     pub publish_latency: Option<LatencyReport>,
+    /// Felix: the broker's publish latency over the measured window, from
+    /// its `felix_publish_seconds` (bucket bounds: at most).
+    pub broker_publish_latency: Option<crate::broker_metrics::BrokerLatency>,
     pub totals: Totals,
     pub checks: Vec<Check>,
     pub errors: u64,
@@ -257,6 +264,7 @@ impl Report {
             offered_rate: o.offered_rate,
             latency: o.latency,
             publish_latency: o.publish_latency,
+            broker_publish_latency: o.broker_publish_latency,
             totals: o.totals,
             checks: o.checks,
             errors: o.errors,
@@ -303,6 +311,26 @@ impl Report {
                 fmt_us(l.p99_us),
                 fmt_us(l.p999_us),
                 fmt_us(l.max_us)
+            )?;
+        }
+        if let Some(b) = &self.broker_publish_latency {
+            let at_most = |us: Option<f64>| match us {
+                Some(us) => format!("<={}", fmt_us(us)),
+                None => "over 10s".to_string(),
+            };
+            writeln!(
+                out,
+                "  broker    publish in the broker, {} acks (felix_publish_seconds, n={})",
+                b.ack,
+                fmt_int(b.count)
+            )?;
+            writeln!(
+                out,
+                "            p50 {}  p90 {}  p99 {}  p99.9 {}",
+                at_most(b.p50_at_most_us),
+                at_most(b.p90_at_most_us),
+                at_most(b.p99_at_most_us),
+                at_most(b.p999_at_most_us)
             )?;
         }
         if let (Some(busy), Some(steal)) = (self.machine.cpu_busy, self.machine.cpu_steal) {

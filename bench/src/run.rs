@@ -159,14 +159,25 @@ pub fn run(plan: &Plan) -> Result<Report, String> {
         // (the benchmark stream, the embedded broker and its directory),
         // which the default signal action would skip.
         let sampler = crate::cpu::Sampler::start();
+        let scraper = match (&target, embedded.as_ref()) {
+            (Target::Felix(_), Some(b)) => b.metrics_addr().map(str::to_string),
+            (Target::Felix(_), None) => c.broker_metrics.clone(),
+            _ => None,
+        }
+        .map(|a| crate::broker_metrics::Sampler::start(&a));
         let outcome = tokio::select! {
             o = run => o,
             why = interrupted() => Err(format!("{why}: the run was stopped and cleaned up")),
         };
         // The CPUs over the measured window (which ended just now).
-        let cpu = outcome.as_ref().ok().and_then(|o| {
-            sampler.last(std::time::Duration::from_secs_f64(o.measured_secs.max(0.1)))
-        });
+        let window = |o: &crate::report::Outcome| {
+            std::time::Duration::from_secs_f64(o.measured_secs.max(0.1))
+        };
+        let cpu = outcome.as_ref().ok().and_then(|o| sampler.last(window(o)));
+        let mut outcome = outcome;
+        if let (Ok(o), Some(s)) = (outcome.as_mut(), scraper.as_ref()) {
+            o.broker_publish_latency = s.last(window(o));
+        }
         // Leave an external broker as we found it.
         if embedded.is_none() {
             if let Err(e) = target.delete().await {

@@ -180,6 +180,9 @@ fn embedded_runs_count_every_record() {
         "one sample per batch of 100"
     );
     assert_eq!(doc["stop_reason"], "count");
+    // The broker's own account of the same publishes, from its metrics.
+    assert_eq!(doc["broker_publish_latency"]["ack"], "durable", "{doc:#}");
+    assert_eq!(num(&doc, "broker_publish_latency.count"), 20.0);
 
     // Paced at 1,000 records/s for 1 s by two producers (batches of 10,
     // one every 20 ms each): never ahead of the rate, whatever the machine.

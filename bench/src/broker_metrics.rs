@@ -1,0 +1,257 @@
+//! The broker's own account of a publish's time: `felix_publish_seconds`
+//! from its Prometheus endpoint, over the measured window.
+//!
+//! Set beside the client's acknowledgement latency it tells the broker's
+//! share (taking the request, the commit) from the client's and the
+//! network's: on a machine where the client shares the broker's CPUs, a
+//! tail the broker does not see is the client's or the scheduler's.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+const METRIC: &str = "felix_publish_seconds_bucket{";
+const EVERY: Duration = Duration::from_millis(250);
+const TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Cumulative bucket counts of one series: (upper bound in µs, None for
+/// +Inf; count at or below it), in the order the broker gives them.
+type Buckets = Vec<(Option<f64>, u64)>;
+
+/// `felix_publish_seconds` by its `ack` label.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PublishHistogram(BTreeMap<String, Buckets>);
+
+impl PublishHistogram {
+    /// The histogram's buckets from a Prometheus text exposition.
+    pub fn parse(text: &str) -> PublishHistogram {
+        let mut out: BTreeMap<String, Buckets> = BTreeMap::new();
+        for line in text.lines() {
+            let Some(rest) = line.strip_prefix(METRIC) else {
+                continue;
+            };
+            let Some((labels, value)) = rest.rsplit_once("} ") else {
+                continue;
+            };
+            let (Some(ack), Some(le), Ok(count)) = (
+                label(labels, "ack"),
+                label(labels, "le"),
+                value.trim().parse::<f64>(),
+            ) else {
+                continue;
+            };
+            let bound = match le {
+                "+Inf" => None,
+                s => match s.parse::<f64>() {
+                    Ok(secs) => Some(secs * 1e6),
+                    Err(_) => continue,
+                },
+            };
+            out.entry(ack.to_string())
+                .or_default()
+                .push((bound, count as u64));
+        }
+        PublishHistogram(out)
+    }
+
+    /// What was counted since `earlier`, for the series counted most in
+    /// that time (the run's own kind of acknowledgement).
+    pub fn since(&self, earlier: &PublishHistogram) -> Option<BrokerLatency> {
+        let mut best: Option<BrokerLatency> = None;
+        for (ack, now) in &self.0 {
+            let before = earlier.0.get(ack);
+            let delta: Buckets = now
+                .iter()
+                .enumerate()
+                .map(|(i, (le, n))| {
+                    let was = before
+                        .and_then(|b| b.get(i))
+                        .filter(|(l, _)| l == le)
+                        .map_or(0, |(_, c)| *c);
+                    (*le, n.saturating_sub(was))
+                })
+                .collect();
+            let count = delta.last().map_or(0, |(_, n)| *n);
+            if count == 0 || best.as_ref().is_some_and(|b| b.count >= count) {
+                continue;
+            }
+            let at = |q: f64| quantile_bound(&delta, count, q);
+            best = Some(BrokerLatency {
+                ack: ack.clone(),
+                count,
+                p50_at_most_us: at(0.50),
+                p90_at_most_us: at(0.90),
+                p99_at_most_us: at(0.99),
+                p999_at_most_us: at(0.999),
+            });
+        }
+        best
+    }
+}
+
+/// The value of `name="..."` in a label set.
+fn label<'a>(labels: &'a str, name: &str) -> Option<&'a str> {
+    labels.split(',').find_map(|kv| {
+        let (k, v) = kv.split_once('=')?;
+        (k.trim() == name).then(|| v.trim().trim_matches('"'))
+    })
+}
+
+/// The upper bound of the bucket holding quantile `q`: the quantile is at
+/// most this (None: past the last finite bucket).
+fn quantile_bound(delta: &Buckets, count: u64, q: f64) -> Option<f64> {
+    let rank = (q * count as f64).ceil().max(1.0) as u64;
+    delta
+        .iter()
+        .find(|(_, n)| *n >= rank)
+        .and_then(|(le, _)| *le)
+}
+
+/// The broker's publish latency over the measured window, as bucket
+/// bounds: each quantile is at most the figure given.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct BrokerLatency {
+    /// What the acknowledgements waited for: durable, queued, replicated.
+    pub ack: String,
+    /// Publishes the broker answered in the window.
+    pub count: u64,
+    pub p50_at_most_us: Option<f64>,
+    pub p90_at_most_us: Option<f64>,
+    pub p99_at_most_us: Option<f64>,
+    pub p999_at_most_us: Option<f64>,
+}
+
+/// One scrape of `http://addr/metrics`.
+pub fn scrape(addr: &str) -> std::io::Result<PublishHistogram> {
+    let sock = addr
+        .parse::<std::net::SocketAddr>()
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    let mut s = TcpStream::connect_timeout(&sock, TIMEOUT)?;
+    s.set_read_timeout(Some(TIMEOUT))?;
+    s.set_write_timeout(Some(TIMEOUT))?;
+    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n")?;
+    let mut text = String::new();
+    s.read_to_string(&mut text)?;
+    Ok(PublishHistogram::parse(&text))
+}
+
+/// Scrapes the broker every 250 ms on a thread of its own until dropped.
+pub struct Sampler {
+    addr: String,
+    samples: Arc<Mutex<Vec<(Instant, PublishHistogram)>>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Sampler {
+    pub fn start(addr: &str) -> Sampler {
+        // The first scrape before anything runs: a window with no scrape
+        // before it starts from here.
+        let first = scrape(addr).ok().map(|h| (Instant::now(), h));
+        let samples = Arc::new(Mutex::new(first.into_iter().collect::<Vec<_>>()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (s, st, a) = (samples.clone(), stop.clone(), addr.to_string());
+        let _ = std::thread::Builder::new()
+            .name("felix-bench-scrape".into())
+            .spawn(move || {
+                while !st.load(Ordering::Relaxed) {
+                    // A scraping thread of its own, not an executor.
+                    #[allow(clippy::disallowed_methods)]
+                    std::thread::sleep(EVERY);
+                    if let Ok(h) = scrape(&a) {
+                        s.lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner)
+                            .push((Instant::now(), h));
+                    }
+                }
+            });
+        Sampler {
+            addr: addr.to_string(),
+            samples,
+            stop,
+        }
+    }
+
+    /// The broker's publish latency over the last `window` before now:
+    /// from the last scrape taken before the window began (up to 250 ms of
+    /// what preceded it) to one taken now.
+    pub fn last(&self, window: Duration) -> Option<BrokerLatency> {
+        let end = scrape(&self.addr).ok()?;
+        let since = Instant::now().checked_sub(window);
+        let samples = self
+            .samples
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let start = samples
+            .iter()
+            .rev()
+            .find(|(t, _)| since.is_some_and(|s| *t <= s))
+            .or_else(|| samples.first())
+            .map(|(_, h)| h.clone())
+            .unwrap_or_default();
+        end.since(&start)
+    }
+}
+
+impl Drop for Sampler {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text(durable: &[u64], queued: &[u64]) -> String {
+        let les = ["0.0005", "0.001", "0.002", "+Inf"];
+        let mut s = String::from("# TYPE felix_publish_seconds histogram\n");
+        for (ack, counts) in [("durable", durable), ("queued", queued)] {
+            for (le, n) in les.iter().zip(counts) {
+                s.push_str(&format!(
+                    "felix_publish_seconds_bucket{{ack=\"{ack}\",le=\"{le}\"}} {n}\n"
+                ));
+            }
+            s.push_str(&format!(
+                "felix_publish_seconds_count{{ack=\"{ack}\"}} {}\n",
+                counts[3]
+            ));
+        }
+        s.push_str("felix_fsync_seconds_bucket{le=\"0.001\"} 7\n");
+        s
+    }
+
+    #[test]
+    fn the_window_is_the_difference_of_two_scrapes() {
+        let a = PublishHistogram::parse(&text(&[10, 20, 30, 30], &[0, 0, 0, 0]));
+        // 100 more publishes: 50 under 0.5 ms, 40 more under 1 ms, 9 more
+        // under 2 ms and one over.
+        let b = PublishHistogram::parse(&text(&[60, 110, 129, 130], &[0, 0, 0, 0]));
+        let l = b.since(&a).unwrap();
+        assert_eq!(l.ack, "durable");
+        assert_eq!(l.count, 100);
+        assert_eq!(l.p50_at_most_us, Some(500.0));
+        assert_eq!(l.p90_at_most_us, Some(1000.0));
+        assert_eq!(l.p99_at_most_us, Some(2000.0));
+        assert_eq!(l.p999_at_most_us, None, "past the last finite bucket");
+        // From nothing: everything counted.
+        assert_eq!(b.since(&PublishHistogram::default()).unwrap().count, 130);
+    }
+
+    #[test]
+    fn the_series_counted_most_in_the_window_is_reported() {
+        let a = PublishHistogram::parse(&text(&[5, 5, 5, 5], &[0, 0, 0, 0]));
+        let b = PublishHistogram::parse(&text(&[5, 5, 5, 5], &[3, 3, 4, 4]));
+        let l = b.since(&a).unwrap();
+        assert_eq!((l.ack.as_str(), l.count), ("queued", 4));
+        assert_eq!(a.since(&a), None, "nothing in the window");
+        assert_eq!(
+            PublishHistogram::parse("garbage\n{}} x"),
+            Default::default()
+        );
+    }
+}
