@@ -149,7 +149,7 @@ pub struct CommonArgs {
     )]
     pub token: Option<String>,
 
-    /// The Prometheus endpoint (host:port) of the Felix broker given with
+    /// The Prometheus endpoint (IP:PORT) of the Felix broker given with
     /// --broker, to report the broker's own publish latency
     /// (felix_publish_seconds) over the measured window beside the
     /// client's. The embedded broker's is used without asking.

@@ -18,6 +18,15 @@ use crate::cli::ServeArgs;
 
 const LISTENING: &str = "felix: listening on ";
 const METRICS: &str = "felix: metrics on http://";
+/// How long to wait for the metrics address after the broker's address.
+const METRICS_GRACE: Duration = Duration::from_secs(2);
+
+/// A line the broker printed that the bench looks for.
+enum Announced {
+    Listening(String),
+    /// host:port of its Prometheus endpoint.
+    Metrics(String),
+}
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 const STOP_TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -99,33 +108,19 @@ impl EmbeddedBroker {
         std::thread::Builder::new()
             .name("felix-broker-stdout".into())
             .spawn(move || {
-                let mut tx = Some(tx);
-                // The broker prints its metrics address right after its
-                // address: the two are handed over together.
-                let mut addr: Option<String> = None;
                 for line in BufReader::new(stdout).lines() {
                     let Ok(line) = line else { break };
-                    let metrics = line
+                    if let Some(a) = line.strip_prefix(LISTENING) {
+                        let _ = tx.send(Announced::Listening(a.trim().to_string()));
+                    } else if let Some(m) = line
                         .strip_prefix(METRICS)
                         .and_then(|m| m.trim().strip_suffix("/metrics"))
-                        .map(str::to_string);
-                    if let Some(a) = addr.take() {
-                        if let Some(tx) = tx.take() {
-                            let _ = tx.send((a, metrics.clone()));
-                        }
-                        if metrics.is_some() {
-                            continue;
-                        }
-                    }
-                    if let Some(a) = line.strip_prefix(LISTENING) {
-                        addr = Some(a.trim().to_string());
-                    } else if metrics.is_none() {
+                    {
+                        let _ = tx.send(Announced::Metrics(m.to_string()));
+                    } else {
                         // Anything else the broker prints goes to our stderr.
                         eprintln!("broker: {line}");
                     }
-                }
-                if let (Some(a), Some(tx)) = (addr, tx) {
-                    let _ = tx.send((a, None));
                 }
             })
             .map_err(|e| format!("cannot start a thread: {e}"))?;
@@ -138,11 +133,16 @@ impl EmbeddedBroker {
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
             match rx.recv_timeout(Duration::from_millis(50)) {
-                Ok((addr, metrics)) => {
+                Ok(Announced::Listening(addr)) => {
                     broker.addr = addr;
-                    broker.metrics = metrics;
+                    // The metrics address is printed right after; a broker
+                    // that does not print it is served without it.
+                    if let Ok(Announced::Metrics(m)) = rx.recv_timeout(METRICS_GRACE) {
+                        broker.metrics = Some(m);
+                    }
                     return Ok(broker);
                 }
+                Ok(Announced::Metrics(_)) => {}
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
                 Err(mpsc::RecvTimeoutError::Disconnected) => {}
             }

@@ -116,6 +116,10 @@ pub struct Totals {
 /// What a workload hands back.
 #[derive(Debug, Clone)]
 pub struct Outcome {
+    /// The measured window, as instants (the broker's metrics are read
+    /// over the same one).
+    pub measure_from: std::time::Instant,
+    pub measure_to: std::time::Instant,
     pub measured_secs: f64,
     pub stop_reason: StopReason,
     pub records: u64,
@@ -135,6 +139,8 @@ pub struct Outcome {
 impl Outcome {
     pub fn new(run: &Run, h: Histogram<u64>, what: &str) -> Outcome {
         Outcome {
+            measure_from: run.measure_at(),
+            measure_to: run.measure_at() + run.measured_elapsed(),
             measured_secs: run.measured_elapsed().as_secs_f64(),
             stop_reason: run.stop_reason(),
             records: run.measured_records.load(Ordering::Relaxed),

@@ -79,6 +79,7 @@ pub fn run(plan: &Plan) -> Result<Report, String> {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64);
     crate::harness::epoch();
+    raise_open_file_limit();
 
     let mut embedded = None;
     let addr = match (&c.broker, c.target) {
@@ -159,9 +160,12 @@ pub fn run(plan: &Plan) -> Result<Report, String> {
         // (the benchmark stream, the embedded broker and its directory),
         // which the default signal action would skip.
         let sampler = crate::cpu::Sampler::start();
-        let scraper = match (&target, embedded.as_ref()) {
-            (Target::Felix(_), Some(b)) => b.metrics_addr().map(str::to_string),
-            (Target::Felix(_), None) => c.broker_metrics.clone(),
+        // The broker's own publish latency, where publishing is what is
+        // measured (read and queue runs publish only to fill the stream).
+        let scraper = match (&target, embedded.as_ref(), plan) {
+            (_, _, Plan::Read(..) | Plan::Queue(..)) => None,
+            (Target::Felix(_), Some(b), _) => b.metrics_addr().map(str::to_string),
+            (Target::Felix(_), None, _) => c.broker_metrics.clone(),
             _ => None,
         }
         .map(|a| crate::broker_metrics::Sampler::start(&a));
@@ -170,13 +174,18 @@ pub fn run(plan: &Plan) -> Result<Report, String> {
             why = interrupted() => Err(format!("{why}: the run was stopped and cleaned up")),
         };
         // The CPUs over the measured window (which ended just now).
-        let window = |o: &crate::report::Outcome| {
-            std::time::Duration::from_secs_f64(o.measured_secs.max(0.1))
-        };
-        let cpu = outcome.as_ref().ok().and_then(|o| sampler.last(window(o)));
+        let cpu = outcome.as_ref().ok().and_then(|o| {
+            sampler.last(std::time::Duration::from_secs_f64(o.measured_secs.max(0.1)))
+        });
         let mut outcome = outcome;
         if let (Ok(o), Some(s)) = (outcome.as_mut(), scraper.as_ref()) {
-            o.broker_publish_latency = s.last(window(o));
+            o.broker_publish_latency = s.window(o.measure_from, o.measure_to);
+            if o.broker_publish_latency.is_none() && embedded.is_none() {
+                eprintln!(
+                    "felix-bench: no felix_publish_seconds from --broker-metrics {} for the measured window (is it the broker's metrics_listen, and is the broker this version?)",
+                    c.broker_metrics.as_deref().unwrap_or_default()
+                );
+            }
         }
         // Leave an external broker as we found it.
         if embedded.is_none() {
@@ -205,6 +214,20 @@ pub fn run(plan: &Plan) -> Result<Report, String> {
         outcome,
         Machine::here(c.client_threads, cpu),
     ))
+}
+
+/// A paced producer holds a timer descriptor and every Redis/NATS worker a
+/// socket: raise the soft limit on open files to the hard limit, so that
+/// thousands of producers do not fail at the usual 1,024.
+fn raise_open_file_limit() {
+    // SAFETY: getrlimit/setrlimit on a struct we own.
+    unsafe {
+        let mut lim: libc::rlimit = std::mem::zeroed();
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+            lim.rlim_cur = lim.rlim_max;
+            let _ = libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+    }
 }
 
 /// Resolves on SIGINT or SIGTERM, naming it.

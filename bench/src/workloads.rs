@@ -38,13 +38,26 @@ pub fn split(n: u64, shards: u32) -> Vec<u64> {
     (0..s).map(|i| n / s + u64::from(i < n % s)).collect()
 }
 
-/// A fixed payload of `size` bytes. Static (one small leak a producer), so
+/// A fixed payload of `size` bytes. Static (one small leak a size), so
 /// that the `Bytes` a batch repeats it as are plain copies: clones of a
 /// shared `Bytes` each touch its reference count atomically, a hundred a
 /// batch, which cost the client CPU it shares with the broker.
 fn payload(size: usize) -> Bytes {
-    let bytes: Vec<u8> = (0..size).map(|i| b'a' + (i % 26) as u8).collect();
-    Bytes::from_static(Box::leak(bytes.into_boxed_slice()))
+    static MADE: std::sync::Mutex<Vec<&'static [u8]>> = std::sync::Mutex::new(Vec::new());
+    let mut made = MADE
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    // One per size for the whole process, not one a producer.
+    let bytes = match made.iter().find(|b| b.len() == size) {
+        Some(b) => *b,
+        None => {
+            let b: Vec<u8> = (0..size).map(|i| b'a' + (i % 26) as u8).collect();
+            let b: &'static [u8] = Box::leak(b.into_boxed_slice());
+            made.push(b);
+            b
+        }
+    };
+    Bytes::from_static(bytes)
 }
 
 /// `n` payloads of `size` bytes, each carrying the batch's intended send
@@ -173,6 +186,9 @@ struct Pacer {
     fd: AsyncFd<std::os::fd::OwnedFd>,
 }
 
+/// The longest a paced producer waits without looking at the run's state.
+const PACER_STEP: Duration = Duration::from_millis(50);
+
 impl Pacer {
     fn new() -> std::io::Result<Pacer> {
         use std::os::fd::FromRawFd;
@@ -225,6 +241,8 @@ impl Pacer {
             // SAFETY: reading the 8-byte expiration count into a u64.
             let n = unsafe { libc::read(fd, (&raw mut expirations).cast(), 8) };
             if n == 8 {
+                // One-shot: nothing more to read until it is armed again.
+                ready.clear_ready();
                 return Ok(());
             }
             let e = std::io::Error::last_os_error();
@@ -305,16 +323,20 @@ async fn producer(
         let intended = match (&pacer, plan.pace) {
             (Some(p), Some((base, iv))) => {
                 let at = base + iv.mul_f64(k as f64);
-                // A long wait (a slow rate) wakes to see the run's end.
-                while at > Instant::now() + Duration::from_millis(50) && !run.stopping() {
-                    if let Err(e) = p.until(Instant::now() + Duration::from_millis(50)).await {
+                // In steps of at most 50 ms, so that a slow rate still sees
+                // the run's end (or an error) promptly.
+                loop {
+                    if run.stopping() {
+                        break;
+                    }
+                    let now = Instant::now();
+                    if at <= now {
+                        break;
+                    }
+                    if let Err(e) = p.until(at.min(now + PACER_STEP)).await {
                         run.error(format!("pacing timer: {e}"));
                         run.request_stop(StopReason::Error);
                     }
-                }
-                if let Err(e) = p.until(at).await {
-                    run.error(format!("pacing timer: {e}"));
-                    run.request_stop(StopReason::Error);
                 }
                 if run.stopping() {
                     break;
@@ -1003,6 +1025,24 @@ pub async fn e2e(target: &Target, c: &Common, a: &E2eArgs) -> Result<Outcome, St
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn the_pacer_never_wakes_before_its_time() {
+        let p = Pacer::new().unwrap();
+        for us in [1u64, 50, 200, 900, 1_500, 20_000] {
+            let at = Instant::now() + Duration::from_micros(us);
+            p.until(at).await.unwrap();
+            assert!(Instant::now() >= at, "woke before a wait of {us} us");
+        }
+        // A time already past returns without arming the timer, and the
+        // timer still works after it.
+        p.until(Instant::now() - Duration::from_millis(5))
+            .await
+            .unwrap();
+        let at = Instant::now() + Duration::from_millis(2);
+        p.until(at).await.unwrap();
+        assert!(Instant::now() >= at);
+    }
 
     #[test]
     fn workers_cover_every_shard() {

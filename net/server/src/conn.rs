@@ -755,6 +755,22 @@ fn spawn_request<S: Storage>(
     req: Request,
     frame_len: usize,
 ) {
+    // felix_publish_seconds runs from here (the request just decoded) to
+    // its answer queued for the socket.
+    let decoded = std::time::Instant::now();
+    let publish_wait = match &req {
+        Request::Publish { ack, .. } => Some(if core.replication.get().is_some() {
+            AckWait::Replicated
+        } else {
+            match ack {
+                AckMode::Queued => AckWait::Queued,
+                AckMode::Durable => AckWait::Durable,
+                AckMode::Default if core.shared.config.ack_on_commit => AckWait::Durable,
+                AckMode::Default => AckWait::Queued,
+            }
+        }),
+        _ => None,
+    };
     let core = core.clone();
     let info = info.clone();
     let outbox = outbox.clone();
@@ -789,8 +805,15 @@ fn spawn_request<S: Storage>(
         while outbox.buf.borrow().len() >= max_pending && !outbox.closed.get() {
             outbox.drained.wait().await;
         }
+        let published = matches!(resp, Response::Published { .. });
         outbox.push(id, &resp);
         drop(resp);
+        if let (Some(wait), true) = (publish_wait, published) {
+            core.metrics
+                .publish_latency
+                .borrow_mut()
+                .record(wait, decoded.elapsed());
+        }
         room.give_back();
         core.in_flight.set(core.in_flight.get() - 1);
         info.in_flight.set(info.in_flight.get() - 1);
@@ -1032,7 +1055,6 @@ async fn publish<S: Storage>(
     ack: AckMode,
     records: Vec<felix_wire::RecordIn>,
 ) -> Response {
-    let taken = std::time::Instant::now();
     let shard_no = match &target {
         PublishTarget::Shard(s) => *s,
         PublishTarget::Key(k) => match core.shard_count(&stream) {
@@ -1137,9 +1159,6 @@ async fn publish<S: Storage>(
             m.publish_records
                 .set(m.publish_records.get() + u64::from(*count));
             m.publish_bytes.set(m.publish_bytes.get() + bytes);
-            m.publish_latency
-                .borrow_mut()
-                .record(AckWait::Replicated, taken.elapsed());
         }
         return answer;
     }
@@ -1151,13 +1170,11 @@ async fn publish<S: Storage>(
     // before waiting for the flush.
     drop(recs);
     core.disk.note_appended(bytes);
-    let (frontier, waited) = match ack {
-        AckMode::Queued => (Frontier::Queued, AckWait::Queued),
-        AckMode::Durable => (Frontier::Durable, AckWait::Durable),
-        AckMode::Default if core.shared.config.ack_on_commit => {
-            (Frontier::Durable, AckWait::Durable)
-        }
-        AckMode::Default => (Frontier::Queued, AckWait::Queued),
+    let frontier = match ack {
+        AckMode::Queued => Frontier::Queued,
+        AckMode::Durable => Frontier::Durable,
+        AckMode::Default if core.shared.config.ack_on_commit => Frontier::Durable,
+        AckMode::Default => Frontier::Queued,
     };
     if let Err(e) = shard.log.wait(appended.lsn, frontier).await {
         return log_err(&shard.name(), e);
@@ -1166,9 +1183,6 @@ async fn publish<S: Storage>(
     m.publish_records
         .set(m.publish_records.get() + appended.count as u64);
     m.publish_bytes.set(m.publish_bytes.get() + bytes);
-    m.publish_latency
-        .borrow_mut()
-        .record(waited, taken.elapsed());
     Response::Published {
         shard: shard_no,
         base_offset: appended.base.0,

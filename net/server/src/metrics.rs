@@ -113,7 +113,8 @@ impl PublishLatency {
         let _ = writeln!(
             s,
             "# HELP felix_publish_seconds Time a successful publish spent in the broker, from its \
-             records being decoded to its acknowledgement, by what the acknowledgement waited for.\n\
+             request being decoded to its acknowledgement queued for the socket, by what the \
+             acknowledgement waited for.\n\
              # TYPE felix_publish_seconds histogram"
         );
         for wait in AckWait::ALL {
@@ -666,5 +667,41 @@ pub(crate) async fn serve_http<S: Storage>(core: Rc<Core<S>>, listener: std::net
             open.set(open.get() - 1);
         })
         .detach();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_publish_lands_in_the_first_bucket_at_least_its_time() {
+        let mut h = PublishLatency::default();
+        for us in [0, 100, 101, 2000, 2001, 10_000_000, 10_000_001] {
+            h.record(AckWait::Durable, Duration::from_micros(us));
+        }
+        h.record(AckWait::Queued, Duration::from_micros(5));
+        let mut text = String::new();
+        h.render(&mut text);
+        let bucket = |ack: &str, le: &str| -> u64 {
+            let line = format!("felix_publish_seconds_bucket{{ack=\"{ack}\",le=\"{le}\"}} ");
+            let l = text.lines().find(|l| l.starts_with(&line)).unwrap();
+            l[line.len()..].parse().unwrap()
+        };
+        // le is inclusive: 100 µs is in the first bucket, 101 µs is not.
+        assert_eq!(bucket("durable", "0.0001"), 2);
+        assert_eq!(bucket("durable", "0.00025"), 3);
+        assert_eq!(bucket("durable", "0.002"), 4);
+        assert_eq!(bucket("durable", "0.003"), 5);
+        assert_eq!(bucket("durable", "10"), 6);
+        assert_eq!(bucket("durable", "+Inf"), 7, "past 10 s: only +Inf");
+        assert_eq!(bucket("queued", "0.0001"), 1);
+        assert_eq!(bucket("replicated", "+Inf"), 0);
+        assert!(text.contains("felix_publish_seconds_count{ack=\"durable\"} 7\n"));
+        assert_eq!(
+            text.matches("# TYPE felix_publish_seconds histogram")
+                .count(),
+            1
+        );
     }
 }
