@@ -64,17 +64,23 @@ impl PublishHistogram {
     pub fn since(&self, earlier: &PublishHistogram) -> Option<BrokerLatency> {
         let mut best: Option<BrokerLatency> = None;
         for (ack, now) in &self.0 {
-            let before = earlier.0.get(ack);
+            let before = earlier.0.get(ack).map_or(&[][..], |b| b.as_slice());
+            // The same buckets counting up, or no figure: a broker that
+            // restarted (counts went down) or changed its buckets between
+            // the scrapes would give a wrong one.
+            if !before.is_empty()
+                && (before.len() != now.len()
+                    || before
+                        .iter()
+                        .zip(now)
+                        .any(|((l0, n0), (l1, n1))| l0 != l1 || n0 > n1))
+            {
+                return None;
+            }
             let delta: Buckets = now
                 .iter()
                 .enumerate()
-                .map(|(i, (le, n))| {
-                    let was = before
-                        .and_then(|b| b.get(i))
-                        .filter(|(l, _)| l == le)
-                        .map_or(0, |(_, c)| *c);
-                    (*le, n.saturating_sub(was))
-                })
+                .map(|(i, (le, n))| (*le, n - before.get(i).map_or(0, |(_, c)| *c)))
                 .collect();
             let count = delta.last().map_or(0, |(_, n)| *n);
             if count == 0 || best.as_ref().is_some_and(|b| b.count >= count) {
@@ -140,12 +146,45 @@ pub fn scrape(addr: &str) -> std::io::Result<PublishHistogram> {
     Ok(PublishHistogram::parse(&text))
 }
 
+/// One scrape: when it was asked for and answered, and what it held. The
+/// broker's numbers are from some time in between.
+#[derive(Debug, Clone)]
+pub struct Scrape {
+    pub sent: Instant,
+    pub received: Instant,
+    pub histogram: PublishHistogram,
+}
+
+fn scrape_at(addr: &str) -> Option<Scrape> {
+    let sent = Instant::now();
+    let histogram = scrape(addr).ok()?;
+    Some(Scrape {
+        sent,
+        received: Instant::now(),
+        histogram,
+    })
+}
+
+/// The scrapes that bound `[from, to]`: the last answered at or before
+/// `from` (nothing after it is in it), and the first asked for at or after
+/// `to` (everything before it is).
+pub fn bounding(
+    samples: &[Scrape],
+    from: Instant,
+    to: Instant,
+) -> (Option<&Scrape>, Option<&Scrape>) {
+    (
+        samples.iter().rev().find(|s| s.received <= from),
+        samples.iter().find(|s| s.sent >= to),
+    )
+}
+
 /// Scrapes the broker every 100 ms on a thread of its own until dropped
 /// (one scrape asks each broker core for its numbers and renders them: a
 /// few hundred microseconds of core 0's time a second).
 pub struct Sampler {
     addr: String,
-    samples: Arc<Mutex<Vec<(Instant, PublishHistogram)>>>,
+    samples: Arc<Mutex<Vec<Scrape>>>,
     stop: Arc<AtomicBool>,
 }
 
@@ -153,8 +192,7 @@ impl Sampler {
     pub fn start(addr: &str) -> Sampler {
         // The first scrape before anything runs: a window with no scrape
         // before it starts from here.
-        let first = scrape(addr).ok().map(|h| (Instant::now(), h));
-        let samples = Arc::new(Mutex::new(first.into_iter().collect::<Vec<_>>()));
+        let samples = Arc::new(Mutex::new(scrape_at(addr).into_iter().collect::<Vec<_>>()));
         let stop = Arc::new(AtomicBool::new(false));
         let (s, st, a) = (samples.clone(), stop.clone(), addr.to_string());
         let _ = std::thread::Builder::new()
@@ -164,10 +202,10 @@ impl Sampler {
                     // A scraping thread of its own, not an executor.
                     #[allow(clippy::disallowed_methods)]
                     std::thread::sleep(EVERY);
-                    if let Ok(h) = scrape(&a) {
+                    if let Some(x) = scrape_at(&a) {
                         s.lock()
                             .unwrap_or_else(std::sync::PoisonError::into_inner)
-                            .push((Instant::now(), h));
+                            .push(x);
                     }
                 }
             });
@@ -178,26 +216,22 @@ impl Sampler {
         }
     }
 
-    /// The broker's publish latency between `from` and `to`: from the
-    /// last scrape at or before `from` to the first at or after `to` (one
-    /// taken now if none is yet), so within 100 ms of the window at each
-    /// end. `None` if no scrape came before `from` or none after `to`.
+    /// The broker's publish latency between `from` and `to`, from the
+    /// scrapes that bound it ([`bounding`]; one taken now if none came
+    /// after `to`): the window and about 100 ms more at each end. `None`
+    /// if no scrape came before `from` or the two do not compare.
     pub fn window(&self, from: Instant, to: Instant) -> Option<BrokerLatency> {
         let (start, end) = {
             let samples = self
                 .samples
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let start = samples.iter().rev().find(|(t, _)| *t <= from)?.1.clone();
-            let end = samples
-                .iter()
-                .find(|(t, _)| *t >= to)
-                .map(|(_, h)| h.clone());
-            (start, end)
+            let (start, end) = bounding(&samples, from, to);
+            (start?.histogram.clone(), end.map(|e| e.histogram.clone()))
         };
         let end = match end {
             Some(e) => e,
-            None => scrape(&self.addr).ok()?,
+            None => scrape_at(&self.addr)?.histogram,
         };
         end.since(&start)
     }
@@ -246,6 +280,36 @@ mod tests {
         assert_eq!(l.p999_at_most_us, None, "past the last finite bucket");
         // From nothing: everything counted.
         assert_eq!(b.since(&PublishHistogram::default()).unwrap().count, 130);
+    }
+
+    #[test]
+    fn the_scrapes_that_bound_a_window_are_chosen() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let s = |sent: u64, received: u64| Scrape {
+            sent: at(sent),
+            received: at(received),
+            histogram: PublishHistogram::default(),
+        };
+        let samples = [s(0, 5), s(100, 104), s(200, 230), s(300, 301)];
+        let (a, b) = bounding(&samples, at(103), at(210));
+        // Answered at 104 is after 103: it may hold publishes from the window.
+        assert_eq!(a.unwrap().sent, at(0));
+        // Asked at 200, before 210: it may miss some; the next one does not.
+        assert_eq!(b.unwrap().sent, at(300));
+        let (a, b) = bounding(&samples, at(4), at(350));
+        assert!(a.is_none() && b.is_none());
+    }
+
+    #[test]
+    fn a_restart_or_other_buckets_between_scrapes_give_no_figure() {
+        let a = PublishHistogram::parse(&text(&[10, 20, 30, 30], &[0, 0, 0, 0]));
+        let restarted = PublishHistogram::parse(&text(&[1, 2, 3, 3], &[0, 0, 0, 0]));
+        assert_eq!(restarted.since(&a), None);
+        let fewer = PublishHistogram::parse(
+            "felix_publish_seconds_bucket{ack=\"durable\",le=\"+Inf\"} 40\n",
+        );
+        assert_eq!(fewer.since(&a), None);
     }
 
     #[test]

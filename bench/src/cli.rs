@@ -561,6 +561,11 @@ impl CommonArgs {
             }
         }
         if let Some(m) = &self.broker_metrics {
+            if !matches!(workload, "publish" | "e2e") {
+                return err(
+                    "--broker-metrics is for publish and e2e runs (the broker's publish latency)",
+                );
+            }
             if self.broker.is_none() || self.target != TargetKind::Felix {
                 return err("--broker-metrics is for a Felix broker given with --broker (the embedded broker's are read without it)");
             }
@@ -809,6 +814,16 @@ mod tests {
             ),
             (
                 &["publish", "--broker", "a:1", "--broker-metrics", "nope"],
+                "--broker-metrics",
+            ),
+            (
+                &[
+                    "queue",
+                    "--broker",
+                    "a:1",
+                    "--broker-metrics",
+                    "127.0.0.1:1",
+                ],
                 "--broker-metrics",
             ),
             (&["read", "--prefill", "0"], "--prefill"),

@@ -326,7 +326,9 @@ async fn producer(
                 // In steps of at most 50 ms, so that a slow rate still sees
                 // the run's end (or an error) promptly.
                 loop {
-                    if run.stopping() {
+                    // A batch due at or after the end is never sent: the
+                    // run is over for this producer (admit says so below).
+                    if run.stopping() || run.stop_at().is_some_and(|s| at >= s) {
                         break;
                     }
                     let now = Instant::now();
@@ -338,7 +340,7 @@ async fn producer(
                         run.request_stop(StopReason::Error);
                     }
                 }
-                if run.stopping() {
+                if run.stopping() && run.stop_at().is_none_or(|s| at < s) {
                     break;
                 }
                 at

@@ -757,18 +757,15 @@ fn spawn_request<S: Storage>(
 ) {
     // felix_publish_seconds runs from here (the request just decoded) to
     // its answer queued for the socket.
-    let decoded = std::time::Instant::now();
     let publish_wait = match &req {
-        Request::Publish { ack, .. } => Some(if core.replication.get().is_some() {
-            AckWait::Replicated
-        } else {
-            match ack {
-                AckMode::Queued => AckWait::Queued,
-                AckMode::Durable => AckWait::Durable,
-                AckMode::Default if core.shared.config.ack_on_commit => AckWait::Durable,
-                AckMode::Default => AckWait::Queued,
-            }
-        }),
+        Request::Publish { ack, .. } => Some((
+            std::time::Instant::now(),
+            if core.replication.get().is_some() {
+                AckWait::Replicated
+            } else {
+                AckWait::of(*ack, core.shared.config.ack_on_commit)
+            },
+        )),
         _ => None,
     };
     let core = core.clone();
@@ -808,7 +805,7 @@ fn spawn_request<S: Storage>(
         let published = matches!(resp, Response::Published { .. });
         outbox.push(id, &resp);
         drop(resp);
-        if let (Some(wait), true) = (publish_wait, published) {
+        if let (Some((decoded, wait)), true) = (publish_wait, published) {
             core.metrics
                 .publish_latency
                 .borrow_mut()
@@ -1170,11 +1167,9 @@ async fn publish<S: Storage>(
     // before waiting for the flush.
     drop(recs);
     core.disk.note_appended(bytes);
-    let frontier = match ack {
-        AckMode::Queued => Frontier::Queued,
-        AckMode::Durable => Frontier::Durable,
-        AckMode::Default if core.shared.config.ack_on_commit => Frontier::Durable,
-        AckMode::Default => Frontier::Queued,
+    let frontier = match AckWait::of(ack, core.shared.config.ack_on_commit) {
+        AckWait::Durable => Frontier::Durable,
+        _ => Frontier::Queued,
     };
     if let Err(e) = shard.log.wait(appended.lsn, frontier).await {
         return log_err(&shard.name(), e);

@@ -93,13 +93,28 @@ impl AckWait {
     }
 }
 
+impl AckWait {
+    /// What a publish with `ack` waits for on a broker that acknowledges on
+    /// commit by default (`ack_on_commit`) or not, outside a cluster.
+    pub fn of(ack: felix_wire::AckMode, ack_on_commit: bool) -> AckWait {
+        use felix_wire::AckMode;
+        match ack {
+            AckMode::Queued => AckWait::Queued,
+            AckMode::Durable => AckWait::Durable,
+            AckMode::Default if ack_on_commit => AckWait::Durable,
+            AckMode::Default => AckWait::Queued,
+        }
+    }
+}
+
 /// `felix_publish_seconds`, one histogram per [`AckWait`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct PublishLatency([LatencyBuckets; 3]);
 
 impl PublishLatency {
     pub fn record(&mut self, wait: AckWait, took: Duration) {
-        let us = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
+        // Rounded up, so that a bucket's bound is never below what it holds.
+        let us = u64::try_from(took.as_nanos().div_ceil(1000)).unwrap_or(u64::MAX);
         self.0[wait as usize].record(us);
     }
 
@@ -680,6 +695,8 @@ mod tests {
         for us in [0, 100, 101, 2000, 2001, 10_000_000, 10_000_001] {
             h.record(AckWait::Durable, Duration::from_micros(us));
         }
+        // A part of a microsecond over a bound is over it.
+        h.record(AckWait::Durable, Duration::from_nanos(100_001));
         h.record(AckWait::Queued, Duration::from_micros(5));
         let mut text = String::new();
         h.render(&mut text);
@@ -690,14 +707,14 @@ mod tests {
         };
         // le is inclusive: 100 µs is in the first bucket, 101 µs is not.
         assert_eq!(bucket("durable", "0.0001"), 2);
-        assert_eq!(bucket("durable", "0.00025"), 3);
-        assert_eq!(bucket("durable", "0.002"), 4);
-        assert_eq!(bucket("durable", "0.003"), 5);
-        assert_eq!(bucket("durable", "10"), 6);
-        assert_eq!(bucket("durable", "+Inf"), 7, "past 10 s: only +Inf");
+        assert_eq!(bucket("durable", "0.00025"), 4);
+        assert_eq!(bucket("durable", "0.002"), 5);
+        assert_eq!(bucket("durable", "0.003"), 6);
+        assert_eq!(bucket("durable", "10"), 7);
+        assert_eq!(bucket("durable", "+Inf"), 8, "past 10 s: only +Inf");
         assert_eq!(bucket("queued", "0.0001"), 1);
         assert_eq!(bucket("replicated", "+Inf"), 0);
-        assert!(text.contains("felix_publish_seconds_count{ack=\"durable\"} 7\n"));
+        assert!(text.contains("felix_publish_seconds_count{ack=\"durable\"} 8\n"));
         assert_eq!(
             text.matches("# TYPE felix_publish_seconds histogram")
                 .count(),
