@@ -134,27 +134,49 @@ impl PublishLatency {
         );
         for wait in AckWait::ALL {
             let h = &self.0[wait as usize];
-            let ack = wait.label();
-            let mut cum = 0;
-            for (i, le) in PUBLISH_BUCKETS_US.iter().enumerate() {
-                cum += h.buckets[i];
-                let _ = writeln!(
-                    s,
-                    "felix_publish_seconds_bucket{{ack=\"{ack}\",le=\"{}\"}} {cum}",
-                    *le as f64 / 1e6
-                );
-            }
-            let _ = writeln!(
+            write_histogram(
                 s,
-                "felix_publish_seconds_bucket{{ack=\"{ack}\",le=\"+Inf\"}} {}\n\
-                 felix_publish_seconds_sum{{ack=\"{ack}\"}} {}\n\
-                 felix_publish_seconds_count{{ack=\"{ack}\"}} {}",
+                "felix_publish_seconds",
+                &format!("ack=\"{}\"", wait.label()),
+                &PUBLISH_BUCKETS_US,
+                &h.buckets,
                 h.count,
-                h.sum_us as f64 / 1e6,
-                h.count
+                h.sum_us,
             );
         }
     }
+}
+
+/// The sample lines of one histogram series: cumulative `_bucket`s (bounds
+/// in µs, rendered in seconds), `+Inf`, `_sum` and `_count`. `labels` is
+/// `k="v",...` or empty; `per_bucket` holds one count a bound.
+fn write_histogram(
+    s: &mut String,
+    name: &str,
+    labels: &str,
+    bounds_us: &[u64],
+    per_bucket: &[u64],
+    count: u64,
+    sum_us: u64,
+) {
+    let sep = if labels.is_empty() { "" } else { "," };
+    let mut cum = 0;
+    for (le, n) in bounds_us.iter().zip(per_bucket) {
+        cum += n;
+        let _ = writeln!(
+            s,
+            "{name}_bucket{{{labels}{sep}le=\"{}\"}} {cum}",
+            *le as f64 / 1e6
+        );
+    }
+    let _ = writeln!(s, "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {count}");
+    let braced = if labels.is_empty() {
+        String::new()
+    } else {
+        format!("{{{labels}}}")
+    };
+    let _ = writeln!(s, "{name}_sum{braced} {}", sum_us as f64 / 1e6);
+    let _ = writeln!(s, "{name}_count{braced} {count}");
 }
 
 impl CoreMetrics {
@@ -510,22 +532,15 @@ impl MetricsSnapshot {
             s,
             "# HELP felix_fsync_seconds fdatasync latency.\n# TYPE felix_fsync_seconds histogram"
         );
-        let mut cum = 0;
-        for (i, le) in SYNC_BUCKETS_US.iter().enumerate() {
-            cum += sync.buckets[i];
-            let _ = writeln!(
-                s,
-                "felix_fsync_seconds_bucket{{le=\"{}\"}} {cum}",
-                *le as f64 / 1e6
-            );
-        }
-        let _ = writeln!(
-            s,
-            "felix_fsync_seconds_bucket{{le=\"+Inf\"}} {}",
-            sync.count
+        write_histogram(
+            &mut s,
+            "felix_fsync_seconds",
+            "",
+            &SYNC_BUCKETS_US,
+            &sync.buckets,
+            sync.count,
+            sync.sum_us,
         );
-        let _ = writeln!(s, "felix_fsync_seconds_sum {}", sync.sum_us as f64 / 1e6);
-        let _ = writeln!(s, "felix_fsync_seconds_count {}", sync.count);
         s
     }
 }
@@ -719,6 +734,20 @@ mod tests {
             text.matches("# TYPE felix_publish_seconds histogram")
                 .count(),
             1
+        );
+    }
+
+    #[test]
+    fn a_histogram_without_labels_renders_bare_sum_and_count() {
+        let mut s = String::new();
+        write_histogram(&mut s, "x_seconds", "", &[50, 1000], &[2, 3, 1], 6, 2_500);
+        assert_eq!(
+            s,
+            "x_seconds_bucket{le=\"0.00005\"} 2\n\
+             x_seconds_bucket{le=\"0.001\"} 5\n\
+             x_seconds_bucket{le=\"+Inf\"} 6\n\
+             x_seconds_sum 0.0025\n\
+             x_seconds_count 6\n"
         );
     }
 }
