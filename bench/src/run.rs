@@ -173,10 +173,12 @@ pub fn run(plan: &Plan) -> Result<Report, String> {
             o = run => o,
             why = interrupted() => Err(format!("{why}: the run was stopped and cleaned up")),
         };
-        // The CPUs over the measured window (which ended just now).
-        let cpu = outcome.as_ref().ok().and_then(|o| {
-            sampler.last(std::time::Duration::from_secs_f64(o.measured_secs.max(0.1)))
-        });
+        // The CPUs over the measured window (the samples around it, as for
+        // the broker's latency below: the checks after a run are not in it).
+        let cpu = outcome
+            .as_ref()
+            .ok()
+            .and_then(|o| sampler.window(o.measure_from, o.measure_to));
         let mut outcome = outcome;
         if let (Ok(o), Some(s)) = (outcome.as_mut(), scraper.as_ref()) {
             o.broker_publish_latency = s.window(o.measure_from, o.measure_to);
