@@ -819,8 +819,9 @@ class Client:
             consumer: poll as this named member (1 to 128 bytes) so a
                 restarted process can take back what it held.
             reclaim: with ``consumer``, take back the records this member
-                still holds from older connections (only the first poll on a
-                connection does; leaving it set is harmless).
+                still holds from older connections (only the first poll
+                with ``reclaim`` on a connection does; leaving it set is
+                harmless).
             visibility: how long these claims stand instead of the broker's
                 visibility timeout. Needs :attr:`Feature.GROUP_CLAIM_CONTROL`.
         """

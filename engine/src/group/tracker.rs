@@ -1129,7 +1129,9 @@ impl GroupTracker {
         };
         if maybe_handed_out {
             GroupError::StaleClaim(format!(
-                "offset {o} was handed out before a seek or restart; the group owes it again from position {}",
+                "offset {o} may have been handed out before a seek or a restart (which voids \
+                 every claim; what went out before a restart is not remembered), so it is \
+                 refused as a stale claim; the group owes it again from position {}",
                 self.position()
             ))
         } else {
