@@ -382,22 +382,32 @@ impl Conn {
                     felix_wire::MAX_ITEMS_PER_VEC
                 )));
             }
-            let bytes = records.iter().fold(0u64, |n, r| {
-                n.saturating_add(
-                    r.payload.len() as u64
-                        + r.key.as_ref().map_or(0, |k| k.len() as u64)
-                        + r.headers
-                            .iter()
-                            .map(|(k, v)| (k.len() + v.len()) as u64)
-                            .sum::<u64>(),
-                )
-            });
-            if bytes > self.hello.max_frame_bytes as u64 {
-                return Err(ClientError::InvalidArgument(if records.len() == 1 {
+            let size = |r: &felix_wire::RecordIn| {
+                r.payload.len() as u64
+                    + r.key.as_ref().map_or(0, |k| k.len() as u64)
+                    + r.headers
+                        .iter()
+                        .map(|(k, v)| (k.len() + v.len()) as u64)
+                        .sum::<u64>()
+            };
+            let bytes = records.iter().fold(0u64, |n, r| n.saturating_add(size(r)));
+            let limit = self.hello.max_frame_bytes as u64;
+            // The first record too large on its own: no batching helps it.
+            let alone = records
+                .iter()
+                .enumerate()
+                .map(|(i, r)| (i, size(r)))
+                .find(|(_, n)| *n > limit);
+            if bytes > limit {
+                return Err(ClientError::InvalidArgument(if let Some((i, n)) = alone {
+                    let which = if records.len() == 1 {
+                        String::new()
+                    } else {
+                        format!(" (record {i} of the {} in this publish)", records.len())
+                    };
                     format!(
-                        "a record of {bytes} bytes is over the broker's frame limit of {} bytes \
-                         (server.max_frame_bytes), so no publish can carry it",
-                        self.hello.max_frame_bytes
+                        "a record of {n} bytes{which} is over the broker's frame limit of \
+                         {limit} bytes (server.max_frame_bytes), so no publish can carry it"
                     )
                 } else {
                     format!(

@@ -1094,8 +1094,17 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
     wait_for_port_to_free(&config.listen)?;
     let (metas, _dir_lock) = match &config.data_dir {
         Some(d) => {
-            std::fs::create_dir_all(d)
-                .map_err(|e| format!("cannot create data directory {}: {e}", d.display()))?;
+            std::fs::create_dir_all(d).map_err(|e| {
+                // "File exists" alone for a file or a dangling link in the way.
+                let why = match std::fs::symlink_metadata(d) {
+                    Ok(m) if m.file_type().is_symlink() => {
+                        "it is a symbolic link to nothing (its target is missing)".to_string()
+                    }
+                    Ok(m) if !m.is_dir() => "it exists and is not a directory".to_string(),
+                    _ => e.to_string(),
+                };
+                format!("cannot create data directory {}: {why}", d.display())
+            })?;
             // Held until this function returns, after every core has exited.
             let lock = catalog::DirLock::acquire(d)?;
             crate::cluster::check_membership(d, config.cluster.as_ref())?;
@@ -1279,6 +1288,16 @@ fn wait_for_port_to_free(addr: &str) -> Result<(), String> {
     let Some(sa) = addr.to_socket_addrs().ok().and_then(|mut a| a.next()) else {
         return Ok(()); // reserve_port reports a bad address
     };
+    // Only an address of this machine can be listened on; probing one that
+    // is not would connect to whatever answers for it elsewhere.
+    if !sa.ip().is_unspecified() {
+        if let Err(e) = std::net::UdpSocket::bind(std::net::SocketAddr::new(sa.ip(), 0)) {
+            return Err(format!(
+                "cannot listen on {addr}: {} is not an address of this machine ({e})",
+                sa.ip()
+            ));
+        }
+    }
     if sa.port() == 0 {
         return Ok(());
     }
@@ -1614,6 +1633,30 @@ async fn run_retention<S: Storage>(core: Rc<Core<S>>) {
     }
 }
 
+/// A stop signal this soon after the first is taken as the same request,
+/// not as the second that exits at once.
+const SIGNAL_REPEAT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// What a SIGTERM or SIGINT does.
+#[derive(Debug, PartialEq, Eq)]
+enum StopSignal {
+    /// The first: stop gracefully.
+    Begin,
+    /// Within [`SIGNAL_REPEAT`] of the first: the same request (tools such
+    /// as `timeout` signal the process and then its whole group).
+    Repeat,
+    /// A second request: exit at once.
+    Exit,
+}
+
+fn on_stop_signal(first: Option<std::time::Instant>, now: std::time::Instant) -> StopSignal {
+    match first {
+        None => StopSignal::Begin,
+        Some(t) if now.saturating_duration_since(t) < SIGNAL_REPEAT => StopSignal::Repeat,
+        Some(_) => StopSignal::Exit,
+    }
+}
+
 /// SIGTERM/SIGINT: tell every core to stop; SIGHUP: read the tokens and
 /// permissions files again. The signals are blocked in every thread (the
 /// mask is inherited by the executors) and taken here with `sigwait`, so no
@@ -1640,7 +1683,7 @@ fn install_signal_thread(shared: Arc<Shared>) {
         std::thread::Builder::new()
             .name("felix-signals".into())
             .spawn(move || {
-                let mut stopping = false;
+                let mut first_stop: Option<std::time::Instant> = None;
                 loop {
                     let mut sig: libc::c_int = 0;
                     if libc::sigwait(&set, &mut sig) != 0 {
@@ -1650,17 +1693,26 @@ fn install_signal_thread(shared: Arc<Shared>) {
                         // Full: a reload is pending and will see the files
                         // as they are now.
                         let _ = reload.try_send(());
-                    } else if !stopping {
-                        stopping = true;
-                        tracing::info!(signal = sig, "shutting down: finishing in-flight requests");
-                        shared.shutting_down.store(true, Ordering::SeqCst);
-                        for tx in &shared.senders {
-                            let _ = tx.send(CoreMsg::Shutdown);
+                        continue;
+                    }
+                    let now = std::time::Instant::now();
+                    match on_stop_signal(first_stop, now) {
+                        StopSignal::Begin => {
+                            first_stop = Some(now);
+                            tracing::info!(
+                                signal = sig,
+                                "shutting down: finishing in-flight requests"
+                            );
+                            shared.shutting_down.store(true, Ordering::SeqCst);
+                            for tx in &shared.senders {
+                                let _ = tx.send(CoreMsg::Shutdown);
+                            }
                         }
-                    } else {
-                        // A second signal exits at once.
-                        eprintln!("felix: second signal, exiting now");
-                        std::process::exit(130);
+                        StopSignal::Repeat => {}
+                        StopSignal::Exit => {
+                            eprintln!("felix: second signal, exiting now");
+                            std::process::exit(130);
+                        }
                     }
                 }
             })
@@ -1736,6 +1788,17 @@ fn describe_group<S: Storage>(
 mod tests {
     use super::*;
     use felix_engine::storage::sim::SimStorage;
+
+    #[test]
+    fn a_stop_signal_repeated_within_a_second_is_the_same_request() {
+        let t = std::time::Instant::now();
+        let at = |ms: u64| t + Duration::from_millis(ms);
+        assert_eq!(on_stop_signal(None, t), StopSignal::Begin);
+        assert_eq!(on_stop_signal(Some(t), at(0)), StopSignal::Repeat);
+        assert_eq!(on_stop_signal(Some(t), at(999)), StopSignal::Repeat);
+        assert_eq!(on_stop_signal(Some(t), at(1000)), StopSignal::Exit);
+        assert_eq!(on_stop_signal(Some(t), at(60_000)), StopSignal::Exit);
+    }
     use felix_engine::CoreId;
     use std::path::Path;
 

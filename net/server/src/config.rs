@@ -297,6 +297,57 @@ fn parse_bool(s: &str) -> Option<bool> {
     }
 }
 
+/// `FELIX_*` variables read by the `felix` CLI and the test tools rather
+/// than by a broker: set in a broker's environment they are not mistakes.
+const OTHER_FELIX_VARS: &[&str] = &[
+    "FELIX_BROKER",
+    "FELIX_TOKEN",
+    "FELIX_LOG",
+    "FELIX_REQUIRE_CLIENTS",
+    "FELIX_TEST_CONFIG",
+    "FELIX_TEST_LOG",
+];
+
+/// A warning for each `FELIX_*` variable in `env` that no setting reads (a
+/// misspelt one would otherwise be ignored without a word).
+fn unknown_env(env: &BTreeMap<String, String>) -> Vec<String> {
+    env.keys()
+        .filter(|k| k.starts_with("FELIX_") && !OTHER_FELIX_VARS.contains(&k.as_str()))
+        .filter(|k| !SETTINGS.iter().any(|s| s.env == Some(k.as_str())))
+        .map(|k| {
+            let name = k["FELIX_".len()..].to_ascii_lowercase();
+            match SETTINGS.iter().find(|s| s.name == name) {
+                Some(s) => format!(
+                    "{k} is ignored: {}.{} has no environment variable; set it in the \
+                     configuration file",
+                    s.section, s.name
+                ),
+                None => format!(
+                    "{k} is ignored: no setting reads it (`felix serve --print-config` \
+                     lists the settings; felix.example.toml names their variables)"
+                ),
+            }
+        })
+        .collect()
+}
+
+/// Refuse an address a listener could not bind: it must be `IP:PORT` or
+/// `HOST:PORT` that resolves.
+fn check_address(r: &Resolved, what: &str) -> Result<(), ConfigError> {
+    use std::net::ToSocketAddrs;
+    match r.value.trim().to_socket_addrs().map(|mut a| a.next()) {
+        Ok(Some(_)) => Ok(()),
+        Ok(None) => Err(ConfigError(format!(
+            "{what} = {:?} (from {}) resolves to no address",
+            r.value, r.source
+        ))),
+        Err(e) => Err(ConfigError(format!(
+            "{what} = {:?} (from {}) is not an address (IP:PORT, e.g. 127.0.0.1:7400): {e}",
+            r.value, r.source
+        ))),
+    }
+}
+
 impl Config {
     /// Defaults, then the file (if any), then the environment, then flags.
     pub fn load(file: Option<&Path>, overrides: &Overrides) -> Result<Config, ConfigError> {
@@ -440,7 +491,9 @@ impl Config {
                 },
             );
         }
-        Self::build(values)
+        let mut cfg = Self::build(values)?;
+        cfg.warnings.extend(unknown_env(env));
+        Ok(cfg)
     }
 
     fn build(
@@ -480,6 +533,20 @@ impl Config {
         let tokens_file = get("security", "tokens_file").value.trim().to_string();
         let acl_file = get("security", "acl_file").value.trim().to_string();
         let metrics = get("server", "metrics_listen").value.trim().to_string();
+        check_address(get("server", "listen"), "server.listen")?;
+        if !metrics.is_empty() {
+            check_address(get("server", "metrics_listen"), "server.metrics_listen")?;
+        }
+        {
+            let r = get("server", "log");
+            if let Err(e) = tracing_subscriber::EnvFilter::try_new(&r.value) {
+                return Err(ConfigError(format!(
+                    "server.log = {:?} (from {}) is not a log filter: {e} \
+                     (examples: `info`, `warn,felix_server=debug`)",
+                    r.value, r.source
+                )));
+            }
+        }
         let visibility_timeout_ms = nonzero(
             num("groups", "visibility_timeout_ms")?,
             "groups.visibility_timeout_ms",
@@ -614,7 +681,7 @@ impl Config {
         };
         let cfg = Config {
             cluster,
-            listen: get("server", "listen").value.clone(),
+            listen: get("server", "listen").value.trim().to_string(),
             cores: get("server", "cores").value.clone(),
             max_connections: nonzero(num("server", "max_connections")?, "server.max_connections")?,
             idle_timeout_ms: nonzero(num("server", "idle_timeout_ms")?, "server.idle_timeout_ms")?,
@@ -1064,6 +1131,65 @@ mod tests {
             e.to_string()
                 .contains("server.max_frame_bytes must be at least 4096"),
             "{e}"
+        );
+    }
+
+    #[test]
+    fn addresses_and_the_log_filter_are_checked_before_start() {
+        let env_of = |k: &str, v: &str| BTreeMap::from([(k.to_string(), v.to_string())]);
+        let load = |env: BTreeMap<String, String>| {
+            Config::load_with_env(None, &Overrides::default(), &env).map_err(|e| e.to_string())
+        };
+        let e = load(env_of("FELIX_LISTEN", "notanaddr")).unwrap_err();
+        assert!(
+            e.contains("server.listen = \"notanaddr\" (from env FELIX_LISTEN) is not an address"),
+            "{e}"
+        );
+        // A bare number in the file is a string setting's text, and no address.
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("felix.toml");
+        std::fs::write(&file, "[server]\nlisten = 5\n").unwrap();
+        let e = Config::load_with_env(Some(&file), &Overrides::default(), &BTreeMap::new())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("server.listen = \"5\""), "{e}");
+        let e = load(env_of("FELIX_METRICS_LISTEN", "127.0.0.1")).unwrap_err();
+        assert!(e.contains("server.metrics_listen"), "{e}");
+        // Empty turns metrics off: not an address, and not an error.
+        assert!(load(env_of("FELIX_METRICS_LISTEN", "")).is_ok());
+        let e = load(env_of("RUST_LOG", "garbage===")).unwrap_err();
+        assert!(
+            e.contains("server.log = \"garbage===\" (from env RUST_LOG) is not a log filter"),
+            "{e}"
+        );
+        assert!(load(env_of("RUST_LOG", "warn,felix_server=debug")).is_ok());
+    }
+
+    #[test]
+    fn unknown_felix_variables_are_named_in_a_warning() {
+        let env = BTreeMap::from(
+            [
+                ("FELIX_LISTENN", "127.0.0.1:1"),
+                ("FELIX_SEGMENT_BYTES", "1"),
+                ("FELIX_BROKER", "127.0.0.1:7400"),
+                ("FELIX_LISTEN", "127.0.0.1:7400"),
+                ("PATH", "/bin"),
+            ]
+            .map(|(k, v)| (k.to_string(), v.to_string())),
+        );
+        let c = Config::load_with_env(None, &Overrides::default(), &env).unwrap();
+        assert_eq!(c.warnings.len(), 2, "{:?}", c.warnings);
+        assert!(
+            c.warnings[0].contains("FELIX_LISTENN is ignored: no setting reads it"),
+            "{:?}",
+            c.warnings
+        );
+        assert!(
+            c.warnings[1].contains(
+                "FELIX_SEGMENT_BYTES is ignored: storage.segment_bytes has no environment variable"
+            ),
+            "{:?}",
+            c.warnings
         );
     }
 

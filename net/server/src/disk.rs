@@ -32,6 +32,8 @@ pub(crate) struct DiskGuard {
     /// Bytes this core appended since the last look.
     since: Cell<u64>,
     low: Cell<bool>,
+    /// The last look failed (said once, not every 100 ms).
+    unreadable: Cell<bool>,
 }
 
 impl DiskGuard {
@@ -45,6 +47,7 @@ impl DiskGuard {
             reserve: Cell::new(0),
             since: Cell::new(0),
             low: Cell::new(false),
+            unreadable: Cell::new(false),
         }
     }
 
@@ -55,10 +58,17 @@ impl DiskGuard {
         let (avail, total) = match statvfs(dir) {
             Ok(v) => v,
             Err(e) => {
-                tracing::warn!("cannot read the data disk's free space: {e}");
+                if !self.unreadable.replace(true) {
+                    tracing::warn!(
+                        "cannot read the data disk's free space: {e} (said once until it reads again)"
+                    );
+                }
                 return None;
             }
         };
+        if self.unreadable.replace(false) {
+            tracing::info!("the data disk's free space reads again");
+        }
         let reserve = if self.configured > 0 {
             self.configured
         } else {
