@@ -392,18 +392,21 @@ impl Conn {
             };
             let bytes = records.iter().fold(0u64, |n, r| n.saturating_add(size(r)));
             let limit = self.hello.max_frame_bytes as u64;
-            // The first record too large on its own: no batching helps it.
-            let alone = records
-                .iter()
-                .enumerate()
-                .map(|(i, r)| (i, size(r)))
-                .find(|(_, n)| *n > limit);
             if bytes > limit {
+                // The first record too large on its own: no batching helps it.
+                let alone = records
+                    .iter()
+                    .enumerate()
+                    .map(|(i, r)| (i, size(r)))
+                    .find(|(_, n)| *n > limit);
                 return Err(ClientError::InvalidArgument(if let Some((i, n)) = alone {
                     let which = if records.len() == 1 {
                         String::new()
                     } else {
-                        format!(" (record {i} of the {} in this publish)", records.len())
+                        format!(
+                            " (the record at index {i} of the {} in this publish)",
+                            records.len()
+                        )
                     };
                     format!(
                         "a record of {n} bytes{which} is over the broker's frame limit of \

@@ -100,8 +100,8 @@ impl GroupMember {
     }
 
     /// Take back the records this member still holds from older
-    /// connections (only the first poll with `reclaim` set on a connection
-    /// does so; leaving it set is harmless).
+    /// connections (only the first poll with `reclaim` set on a connection,
+    /// for each shard, does so; leaving it set is harmless).
     pub fn reclaim(mut self, reclaim: bool) -> GroupMember {
         self.reclaim = reclaim;
         self

@@ -861,7 +861,7 @@ async fn oversized_frames_and_publishes_get_too_large() {
     assert!(
         matches!(e, ClientError::InvalidArgument(_))
             && e.to_string().contains(&format!(
-                "a record of {} bytes (record 1 of the 3 in this publish)",
+                "a record of {} bytes (the record at index 1 of the 3 in this publish)",
                 frame + 1
             ))
             && e.to_string().contains("so no publish can carry it"),
@@ -1274,7 +1274,7 @@ async fn a_stop_signal_repeated_at_once_still_shuts_down_gracefully() {
         acked.push((i % 2, off, payload));
     }
     drop(c);
-    let pid = broker.pid() as i32;
+    let pid = broker.pid() as libc::pid_t;
     // SAFETY: signalling our own child process.
     unsafe { libc::kill(pid, libc::SIGTERM) };
     // Long enough for the broker to have taken the first (an idle broker

@@ -820,8 +820,8 @@ class Client:
                 restarted process can take back what it held.
             reclaim: with ``consumer``, take back the records this member
                 still holds from older connections (only the first poll
-                with ``reclaim`` on a connection does; leaving it set is
-                harmless).
+                with ``reclaim`` on a connection, for each shard, does;
+                leaving it set is harmless).
             visibility: how long these claims stand instead of the broker's
                 visibility timeout. Needs :attr:`Feature.GROUP_CLAIM_CONTROL`.
         """

@@ -1096,9 +1096,13 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
         Some(d) => {
             std::fs::create_dir_all(d).map_err(|e| {
                 // "File exists" alone for a file or a dangling link in the way.
-                let why = match std::fs::symlink_metadata(d) {
-                    Ok(m) if m.file_type().is_symlink() => {
+                let link = std::fs::symlink_metadata(d).is_ok_and(|m| m.file_type().is_symlink());
+                let why = match std::fs::metadata(d) {
+                    Err(t) if link && t.kind() == std::io::ErrorKind::NotFound => {
                         "it is a symbolic link to nothing (its target is missing)".to_string()
+                    }
+                    Ok(m) if !m.is_dir() && link => {
+                        "it is a symbolic link to something that is not a directory".to_string()
                     }
                     Ok(m) if !m.is_dir() => "it exists and is not a directory".to_string(),
                     _ => e.to_string(),
@@ -1708,7 +1712,11 @@ fn install_signal_thread(shared: Arc<Shared>) {
                                 let _ = tx.send(CoreMsg::Shutdown);
                             }
                         }
-                        StopSignal::Repeat => {}
+                        StopSignal::Repeat => tracing::info!(
+                            signal = sig,
+                            "stop signal repeated within {SIGNAL_REPEAT:?}: the same request \
+                             (signal again later to exit at once)"
+                        ),
                         StopSignal::Exit => {
                             eprintln!("felix: second signal, exiting now");
                             std::process::exit(130);
@@ -1788,6 +1796,8 @@ fn describe_group<S: Storage>(
 mod tests {
     use super::*;
     use felix_engine::storage::sim::SimStorage;
+    use felix_engine::CoreId;
+    use std::path::Path;
 
     #[test]
     fn a_stop_signal_repeated_within_a_second_is_the_same_request() {
@@ -1799,8 +1809,6 @@ mod tests {
         assert_eq!(on_stop_signal(Some(t), at(1000)), StopSignal::Exit);
         assert_eq!(on_stop_signal(Some(t), at(60_000)), StopSignal::Exit);
     }
-    use felix_engine::CoreId;
-    use std::path::Path;
 
     /// One durable core on the simulated disk, its mailbox served.
     fn core_on(storage: SimStorage) -> Rc<Core<SimStorage>> {

@@ -298,7 +298,8 @@ fn parse_bool(s: &str) -> Option<bool> {
 }
 
 /// `FELIX_*` variables read by the `felix` CLI and the test tools rather
-/// than by a broker: set in a broker's environment they are not mistakes.
+/// than by a broker: set in a broker's environment (brokers started by the
+/// tests inherit theirs) they are not mistakes.
 const OTHER_FELIX_VARS: &[&str] = &[
     "FELIX_BROKER",
     "FELIX_TOKEN",
@@ -306,22 +307,59 @@ const OTHER_FELIX_VARS: &[&str] = &[
     "FELIX_REQUIRE_CLIENTS",
     "FELIX_TEST_CONFIG",
     "FELIX_TEST_LOG",
+    "FELIX_ADDR",
+    "FELIX_AUTH_ADDR",
+    "FELIX_AUTH_TOKEN",
+    "FELIX_AUTH_PRINCIPAL",
+    "FELIX_SIM_SEED",
+    "FELIX_SIM_CASES",
+    "FELIX_SIM_STEPS",
+    "FELIX_SIM_SCHEDULES",
+    "FELIX_WIRE_SEED",
+    "FELIX_JOURNAL_SEED",
+    "FELIX_JOURNAL_ROUNDS",
+    "FELIX_FORGE_SEED",
+    "FELIX_FORGE_ROUNDS",
+    "FELIX_FUZZ_SEED",
+    "FELIX_CLUSTER_SOAK_ROUNDS",
+    "FELIX_REPLICATE_DIR",
+    "FELIX_WRITE_EXAMPLE",
 ];
 
+/// Is `k` a variable some setting reads?
+fn is_setting_var(k: &str) -> bool {
+    SETTINGS.iter().any(|s| s.env == Some(k))
+}
+
 /// A warning for each `FELIX_*` variable in `env` that no setting reads (a
-/// misspelt one would otherwise be ignored without a word).
+/// misspelt one would otherwise be ignored without a word), naming the
+/// setting it looks meant for and that setting's variable, if it has one.
 fn unknown_env(env: &BTreeMap<String, String>) -> Vec<String> {
     env.keys()
         .filter(|k| k.starts_with("FELIX_") && !OTHER_FELIX_VARS.contains(&k.as_str()))
-        .filter(|k| !SETTINGS.iter().any(|s| s.env == Some(k.as_str())))
+        .filter(|k| !is_setting_var(k))
         .map(|k| {
             let name = k["FELIX_".len()..].to_ascii_lowercase();
-            match SETTINGS.iter().find(|s| s.name == name) {
-                Some(s) => format!(
-                    "{k} is ignored: {}.{} has no environment variable; set it in the \
-                     configuration file",
-                    s.section, s.name
-                ),
+            // `FELIX_DATA_DIR`, or with its section: `FELIX_STORAGE_DATA_DIR`.
+            let meant = SETTINGS.iter().find(|s| {
+                name == s.name
+                    || name
+                        .strip_prefix(s.section)
+                        .and_then(|n| n.strip_prefix('_'))
+                        == Some(s.name)
+            });
+            match meant {
+                Some(s) => match s.env {
+                    Some(var) => format!(
+                        "{k} is ignored: no setting reads it; {}.{} is set with {var}",
+                        s.section, s.name
+                    ),
+                    None => format!(
+                        "{k} is ignored: {}.{} has no environment variable; set it in the \
+                         configuration file",
+                        s.section, s.name
+                    ),
+                },
                 None => format!(
                     "{k} is ignored: no setting reads it (`felix serve --print-config` \
                      lists the settings; felix.example.toml names their variables)"
@@ -333,9 +371,13 @@ fn unknown_env(env: &BTreeMap<String, String>) -> Vec<String> {
 
 /// Refuse an address a listener could not bind: it must be `IP:PORT` or
 /// `HOST:PORT` that resolves.
-fn check_address(r: &Resolved, what: &str) -> Result<(), ConfigError> {
+fn check_address(r: &Resolved, what: &str, ipv4_only: bool) -> Result<(), ConfigError> {
     use std::net::ToSocketAddrs;
     match r.value.trim().to_socket_addrs().map(|mut a| a.next()) {
+        Ok(Some(a)) if ipv4_only && !a.is_ipv4() => Err(ConfigError(format!(
+            "{what} = {:?} (from {}) is the IPv6 address {a}; only IPv4 is supported for now",
+            r.value, r.source
+        ))),
         Ok(Some(_)) => Ok(()),
         Ok(None) => Err(ConfigError(format!(
             "{what} = {:?} (from {}) resolves to no address",
@@ -361,7 +403,7 @@ impl Config {
                 Ok(v) => {
                     env.insert(k.to_string(), v);
                 }
-                Err(_) if k.starts_with("FELIX_") => {
+                Err(_) if is_setting_var(k) => {
                     return Err(ConfigError(format!(
                         "environment variable {k} is not valid UTF-8"
                     )));
@@ -533,9 +575,13 @@ impl Config {
         let tokens_file = get("security", "tokens_file").value.trim().to_string();
         let acl_file = get("security", "acl_file").value.trim().to_string();
         let metrics = get("server", "metrics_listen").value.trim().to_string();
-        check_address(get("server", "listen"), "server.listen")?;
+        check_address(get("server", "listen"), "server.listen", true)?;
         if !metrics.is_empty() {
-            check_address(get("server", "metrics_listen"), "server.metrics_listen")?;
+            check_address(
+                get("server", "metrics_listen"),
+                "server.metrics_listen",
+                false,
+            )?;
         }
         {
             let r = get("server", "log");
@@ -1163,6 +1209,8 @@ mod tests {
             "{e}"
         );
         assert!(load(env_of("RUST_LOG", "warn,felix_server=debug")).is_ok());
+        let e = load(env_of("FELIX_LISTEN", "[::1]:7400")).unwrap_err();
+        assert!(e.contains("only IPv4 is supported"), "{e}");
     }
 
     #[test]
@@ -1171,6 +1219,9 @@ mod tests {
             [
                 ("FELIX_LISTENN", "127.0.0.1:1"),
                 ("FELIX_SEGMENT_BYTES", "1"),
+                ("FELIX_DATA_DIR", "/d"),
+                ("FELIX_GROUPS_MAX_ATTEMPTS", "3"),
+                ("FELIX_SIM_SEED", "7"),
                 ("FELIX_BROKER", "127.0.0.1:7400"),
                 ("FELIX_LISTEN", "127.0.0.1:7400"),
                 ("PATH", "/bin"),
@@ -1178,19 +1229,19 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v.to_string())),
         );
         let c = Config::load_with_env(None, &Overrides::default(), &env).unwrap();
-        assert_eq!(c.warnings.len(), 2, "{:?}", c.warnings);
-        assert!(
-            c.warnings[0].contains("FELIX_LISTENN is ignored: no setting reads it"),
-            "{:?}",
-            c.warnings
-        );
-        assert!(
-            c.warnings[1].contains(
-                "FELIX_SEGMENT_BYTES is ignored: storage.segment_bytes has no environment variable"
-            ),
-            "{:?}",
-            c.warnings
-        );
+        // In the variables' order (a map's).
+        let want = [
+            "FELIX_DATA_DIR is ignored: no setting reads it; storage.data_dir is set with \
+             FELIX_DURABLE_STORAGE_DIR",
+            "FELIX_GROUPS_MAX_ATTEMPTS is ignored: no setting reads it; groups.max_attempts is \
+             set with FELIX_GROUP_MAX_ATTEMPTS",
+            "FELIX_LISTENN is ignored: no setting reads it (",
+            "FELIX_SEGMENT_BYTES is ignored: storage.segment_bytes has no environment variable",
+        ];
+        assert_eq!(c.warnings.len(), want.len(), "{:?}", c.warnings);
+        for (w, want) in c.warnings.iter().zip(want) {
+            assert!(w.starts_with(want), "{w:?} should start {want:?}");
+        }
     }
 
     #[test]

@@ -98,8 +98,15 @@ pub fn serve(opts: ServeOptions) -> Result<(), ServeError> {
             peers: opts.peers.clone(),
         },
     )?;
+    // Checked before --print-config returns, so that it refuses what
+    // serving would.
+    let cores = CoreSet::parse(&config.cores)
+        .map_err(|e| ServeError::Config(ConfigError(format!("server.cores: {e}"))))?;
     if opts.print_config {
         print!("{}", config.render());
+        for w in &config.warnings {
+            println!("# warning: {w}");
+        }
         return Ok(());
     }
     init_logging(&config.log);
@@ -107,8 +114,6 @@ pub fn serve(opts: ServeOptions) -> Result<(), ServeError> {
         tracing::warn!("{w}");
     }
     raise_open_file_limit();
-    let cores = CoreSet::parse(&config.cores)
-        .map_err(|e| ServeError::Config(ConfigError(format!("server.cores: {e}"))))?;
     let cpus = cores.cpus();
     match &config.data_dir {
         Some(d) => tracing::info!(data_dir = %d.display(), "durable storage"),
