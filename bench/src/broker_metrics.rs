@@ -9,14 +9,11 @@
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
 const METRIC: &str = "felix_publish_seconds_bucket{";
-const EVERY: Duration = Duration::from_millis(100);
 const TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Cumulative bucket counts of one series: (upper bound in µs, None for
@@ -165,81 +162,36 @@ fn scrape_at(addr: &str) -> Option<Scrape> {
     })
 }
 
-/// The scrapes that bound `[from, to]`: the last answered at or before
-/// `from` (nothing after it is in it), and the first asked for at or after
-/// `to` (everything before it is).
-pub fn bounding(
-    samples: &[Scrape],
-    from: Instant,
-    to: Instant,
-) -> (Option<&Scrape>, Option<&Scrape>) {
-    (
-        samples.iter().rev().find(|s| s.received <= from),
-        samples.iter().find(|s| s.sent >= to),
-    )
+impl crate::sampler::Reading for Scrape {
+    fn asked(&self) -> Instant {
+        self.sent
+    }
+    fn answered(&self) -> Instant {
+        self.received
+    }
 }
 
 /// Scrapes the broker every 100 ms on a thread of its own until dropped
 /// (one scrape asks each broker core for its numbers and renders them: a
 /// few hundred microseconds of core 0's time a second).
-pub struct Sampler {
-    addr: String,
-    samples: Arc<Mutex<Vec<Scrape>>>,
-    stop: Arc<AtomicBool>,
-}
+pub struct Sampler(crate::sampler::Sampler<Scrape>);
 
 impl Sampler {
     pub fn start(addr: &str) -> Sampler {
-        // The first scrape before anything runs: a window with no scrape
-        // before it starts from here.
-        let samples = Arc::new(Mutex::new(scrape_at(addr).into_iter().collect::<Vec<_>>()));
-        let stop = Arc::new(AtomicBool::new(false));
-        let (s, st, a) = (samples.clone(), stop.clone(), addr.to_string());
-        let _ = std::thread::Builder::new()
-            .name("felix-bench-scrape".into())
-            .spawn(move || {
-                while !st.load(Ordering::Relaxed) {
-                    // A scraping thread of its own, not an executor.
-                    #[allow(clippy::disallowed_methods)]
-                    std::thread::sleep(EVERY);
-                    if let Some(x) = scrape_at(&a) {
-                        s.lock()
-                            .unwrap_or_else(std::sync::PoisonError::into_inner)
-                            .push(x);
-                    }
-                }
-            });
-        Sampler {
-            addr: addr.to_string(),
-            samples,
-            stop,
-        }
+        let addr = addr.to_string();
+        Sampler(crate::sampler::Sampler::start(
+            "felix-bench-scrape",
+            move || scrape_at(&addr),
+        ))
     }
 
     /// The broker's publish latency between `from` and `to`, from the
-    /// scrapes that bound it ([`bounding`]; one taken now if none came
-    /// after `to`): the window and about 100 ms more at each end. `None`
-    /// if no scrape came before `from` or the two do not compare.
+    /// scrapes that bound it ([`crate::sampler::Sampler::window`]): the
+    /// window and about 100 ms more at each end. `None` if no scrape came
+    /// before `from` or the two do not compare.
     pub fn window(&self, from: Instant, to: Instant) -> Option<BrokerLatency> {
-        let (start, end) = {
-            let samples = self
-                .samples
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let (start, end) = bounding(&samples, from, to);
-            (start?.histogram.clone(), end.map(|e| e.histogram.clone()))
-        };
-        let end = match end {
-            Some(e) => e,
-            None => scrape_at(&self.addr)?.histogram,
-        };
-        end.since(&start)
-    }
-}
-
-impl Drop for Sampler {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        let (start, end) = self.0.window(from, to)?;
+        end.histogram.since(&start.histogram)
     }
 }
 
@@ -280,25 +232,6 @@ mod tests {
         assert_eq!(l.p999_at_most_us, None, "past the last finite bucket");
         // From nothing: everything counted.
         assert_eq!(b.since(&PublishHistogram::default()).unwrap().count, 130);
-    }
-
-    #[test]
-    fn the_scrapes_that_bound_a_window_are_chosen() {
-        let t0 = Instant::now();
-        let at = |ms: u64| t0 + Duration::from_millis(ms);
-        let s = |sent: u64, received: u64| Scrape {
-            sent: at(sent),
-            received: at(received),
-            histogram: PublishHistogram::default(),
-        };
-        let samples = [s(0, 5), s(100, 104), s(200, 230), s(300, 301)];
-        let (a, b) = bounding(&samples, at(103), at(210));
-        // Answered at 104 is after 103: it may hold publishes from the window.
-        assert_eq!(a.unwrap().sent, at(0));
-        // Asked at 200, before 210: it may miss some; the next one does not.
-        assert_eq!(b.unwrap().sent, at(300));
-        let (a, b) = bounding(&samples, at(4), at(350));
-        assert!(a.is_none() && b.is_none());
     }
 
     #[test]

@@ -5,9 +5,7 @@
 //! the report says so instead of leaving it to be guessed from the
 //! figures.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// The machine-wide CPU counters of `/proc/stat`'s first line, in ticks.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -70,75 +68,41 @@ impl CpuUse {
     }
 }
 
-/// Samples the counters every 100 ms on a thread of its own until dropped.
-pub struct Sampler {
-    samples: Arc<Mutex<Vec<(Instant, CpuTimes)>>>,
-    stop: Arc<AtomicBool>,
+/// A reading of the counters and when it was taken.
+#[derive(Debug, Clone, Copy)]
+pub struct Counters {
+    at: Instant,
+    times: CpuTimes,
 }
+
+impl crate::sampler::Reading for Counters {
+    fn asked(&self) -> Instant {
+        self.at
+    }
+    fn answered(&self) -> Instant {
+        self.at
+    }
+}
+
+/// Reads the counters every 100 ms on a thread of its own until dropped.
+pub struct Sampler(crate::sampler::Sampler<Counters>);
 
 impl Sampler {
     pub fn start() -> Sampler {
-        // The first reading before anything runs: a window starting at
-        // once still has a sample at or before its start.
-        let first = CpuTimes::now().map(|t| (Instant::now(), t));
-        let samples = Arc::new(Mutex::new(first.into_iter().collect::<Vec<_>>()));
-        let stop = Arc::new(AtomicBool::new(false));
-        let (s, st) = (samples.clone(), stop.clone());
-        let _ = std::thread::Builder::new()
-            .name("felix-bench-cpu".into())
-            .spawn(move || {
-                while !st.load(Ordering::Relaxed) {
-                    if let Some(t) = CpuTimes::now() {
-                        s.lock()
-                            .unwrap_or_else(std::sync::PoisonError::into_inner)
-                            .push((Instant::now(), t));
-                    }
-                    // A sampling thread of its own, not an executor.
-                    #[allow(clippy::disallowed_methods)]
-                    std::thread::sleep(Duration::from_millis(100));
-                }
-            });
-        Sampler { samples, stop }
+        Sampler(crate::sampler::Sampler::start("felix-bench-cpu", || {
+            CpuTimes::now().map(|times| Counters {
+                at: Instant::now(),
+                times,
+            })
+        }))
     }
 
-    /// Use over the window from `from` to `to`: from the last sample at or
-    /// before `from` to the first at or after `to` (a reading taken now if
-    /// none came yet), so the window and at most ~100 ms more at each end.
-    /// `None` without `/proc/stat` or without a sample before `from`.
+    /// Use over the window from `from` to `to`, from the readings that bound
+    /// it ([`crate::sampler::Sampler::window`]). `None` without
+    /// `/proc/stat` or without a reading before `from`.
     pub fn window(&self, from: Instant, to: Instant) -> Option<CpuUse> {
-        let (start, end) = {
-            let samples = self
-                .samples
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let (start, end) = bounding(&samples, from, to);
-            (start?, end)
-        };
-        let end = match end {
-            Some(e) => e,
-            None => CpuTimes::now()?,
-        };
-        CpuUse::between(start, end)
-    }
-}
-
-/// The counters that bound the window from `from` to `to` among samples in
-/// the order taken: the last taken at or before `from` and the first at or
-/// after `to`.
-fn bounding(
-    samples: &[(Instant, CpuTimes)],
-    from: Instant,
-    to: Instant,
-) -> (Option<CpuTimes>, Option<CpuTimes>) {
-    (
-        samples.iter().rev().find(|(t, _)| *t <= from).map(|s| s.1),
-        samples.iter().find(|(t, _)| *t >= to).map(|s| s.1),
-    )
-}
-
-impl Drop for Sampler {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        let (start, end) = self.0.window(from, to)?;
+        CpuUse::between(start.times, end.times)
     }
 }
 
@@ -170,33 +134,6 @@ mod tests {
     }
 
     #[test]
-    fn the_window_is_bounded_by_the_samples_around_it() {
-        let base = Instant::now();
-        let at = |ms: u64| base + Duration::from_millis(ms);
-        let times = |n: u64| CpuTimes {
-            busy: n,
-            idle: 10 * n,
-            steal: 0,
-        };
-        let samples: Vec<_> = [0, 100, 200, 300].map(|ms| (at(ms), times(ms))).into();
-        // The last sample at or before the start, the first at or after the end.
-        assert_eq!(
-            bounding(&samples, at(150), at(250)),
-            (Some(times(100)), Some(times(300)))
-        );
-        assert_eq!(
-            bounding(&samples, at(100), at(200)),
-            (Some(times(100)), Some(times(200))),
-            "both ends inclusive"
-        );
-        // No sample after the end yet: the caller reads the counters now.
-        assert_eq!(bounding(&samples, at(0), at(301)), (Some(times(0)), None));
-        // Nothing before the start: no figure rather than a shorter window.
-        let late = &samples[1..];
-        assert_eq!(bounding(late, at(50), at(250)).0, None);
-    }
-
-    #[test]
     fn the_sampler_reads_this_machine() {
         if !std::path::Path::new("/proc/stat").exists() {
             return;
@@ -205,7 +142,7 @@ mod tests {
         // `start` took the first reading, at or before this instant.
         let from = Instant::now();
         // Wait until the counters move (ticks are 10 ms), with a deadline.
-        let deadline = from + Duration::from_secs(10);
+        let deadline = from + std::time::Duration::from_secs(10);
         let u = loop {
             if let Some(u) = s.window(from, Instant::now()) {
                 break u;

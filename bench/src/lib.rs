@@ -12,5 +12,6 @@ pub mod embedded;
 pub mod harness;
 pub mod report;
 pub mod run;
+pub mod sampler;
 pub mod targets;
 pub mod workloads;
