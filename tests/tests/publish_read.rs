@@ -33,6 +33,34 @@ async fn read_shard(c: &Client, stream: &str, shard: u32) -> Vec<(u64, Bytes)> {
     }
 }
 
+/// Publish `n` records `r0, r1, ...` over `shards` in turn; each one's
+/// (shard, offset, payload) as acknowledged, sorted.
+async fn publish_in_turn(c: &Client, stream: &str, shards: u32, n: u32) -> Vec<(u32, u64, Bytes)> {
+    let mut acked = Vec::new();
+    for i in 0..n {
+        let payload = Bytes::from(format!("r{i}"));
+        let off = c
+            .publish("t", "ns", stream, i % shards, payload.clone())
+            .await
+            .unwrap();
+        acked.push((i % shards, off, payload));
+    }
+    acked.sort();
+    acked
+}
+
+/// Every record of shards `0..shards` as (shard, offset, payload), sorted.
+async fn read_shards(c: &Client, stream: &str, shards: u32) -> Vec<(u32, u64, Bytes)> {
+    let mut got = Vec::new();
+    for shard in 0..shards {
+        for (off, payload) in read_shard(c, stream, shard).await {
+            got.push((shard, off, payload));
+        }
+    }
+    got.sort();
+    got
+}
+
 /// N records from several concurrent clients to several shards on several
 /// cores come back exactly once per shard, in offset order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1198,15 +1226,7 @@ async fn sigint_shuts_down_gracefully_like_sigterm() {
     c.create_stream("t", "ns", "ctrl_c", 3, StreamOptions::default())
         .await
         .unwrap();
-    let mut acked = Vec::new();
-    for i in 0..30u32 {
-        let payload = format!("r{i}");
-        let off = c
-            .publish("t", "ns", "ctrl_c", i % 3, payload.clone())
-            .await
-            .unwrap();
-        acked.push((i % 3, off, Bytes::from(payload)));
-    }
+    let acked = publish_in_turn(&c, "ctrl_c", 3, 30).await;
     // A long poll at the tail of shard 0, which nothing publishes to now.
     let c1 = c.clone();
     let read_poll = tokio::spawn(async move {
@@ -1242,64 +1262,67 @@ async fn sigint_shuts_down_gracefully_like_sigterm() {
 
     broker.restart();
     let c = client(&broker).await;
-    let mut got = Vec::new();
-    for shard in 0..3 {
-        for (off, payload) in read_shard(&c, "ctrl_c", shard).await {
-            got.push((shard, off, payload));
-        }
-    }
-    got.sort();
-    acked.sort();
-    assert_eq!(got, acked);
+    assert_eq!(read_shards(&c, "ctrl_c", 3).await, acked);
 }
 
 /// `timeout` and process supervisors signal the broker and then its whole
-/// process group: two SIGTERMs at once are one request to stop, and the
-/// broker still shuts down gracefully (exit 0, nothing lost) rather than
-/// taking the second as "exit now" (130).
+/// process group: a second SIGTERM that lands while the broker is already
+/// shutting down, a moment after the first, is the same request to stop.
+/// The broker still drains and exits 0 with nothing lost, rather than taking
+/// it as "exit now" (130).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_signal_repeated_at_once_still_shuts_down_gracefully() {
-    let broker = felix_tests::start_broker!(BrokerOptions::default().cores(2));
-    let c = client(&broker).await;
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = felix_tests::broker_command!(Some(dir.path()), "127.0.0.1:0");
+    cmd.env("RUST_LOG", "info")
+        .stderr(std::process::Stdio::piped());
+    let (mut child, addr) = felix_tests::spawn_announcing(cmd);
+    // Told when the broker has taken the first signal.
+    let stderr = child.stderr.take().unwrap();
+    let (stopping, stopping_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if line.contains("shutting down") {
+                let _ = stopping.send(());
+            }
+        }
+    });
+    let c = Client::connect(addr.as_str(), ClientConfig::default())
+        .await
+        .unwrap();
     c.create_stream("t", "ns", "twice", 2, StreamOptions::default())
         .await
         .unwrap();
-    let mut acked = Vec::new();
-    for i in 0..20u32 {
-        let payload = Bytes::from(format!("r{i}"));
-        let off = c
-            .publish("t", "ns", "twice", i % 2, payload.clone())
-            .await
-            .unwrap();
-        acked.push((i % 2, off, payload));
-    }
+    let acked = publish_in_turn(&c, "twice", 2, 20).await;
     drop(c);
-    let pid = broker.pid() as libc::pid_t;
-    // SAFETY: signalling our own child process.
-    unsafe { libc::kill(pid, libc::SIGTERM) };
-    // Long enough for the broker to have taken the first (an idle broker
-    // may also have exited by then: the decision itself is unit-tested in
-    // felix-server), well inside the second in which a repeat is the same
-    // request.
-    tokio::time::sleep(Duration::from_millis(5)).await;
-    let (mut broker, status) = tokio::task::spawn_blocking(move || {
-        let mut broker = broker;
-        let status = broker.terminate();
-        (broker, status)
+    let pid = child.id() as libc::pid_t;
+    let status = tokio::task::spawn_blocking(move || {
+        // SAFETY: signalling our own child process (not yet waited for).
+        unsafe { libc::kill(pid, libc::SIGTERM) };
+        stopping_rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the broker took the first signal");
+        // SAFETY: as above.
+        unsafe { libc::kill(pid, libc::SIGTERM) };
+        child.wait().unwrap()
     })
     .await
     .unwrap();
     assert_eq!(status.code(), Some(0), "exit status {status:?}");
-    broker.restart();
-    let c = client(&broker).await;
-    let mut got = Vec::new();
-    for shard in 0..2 {
-        for (off, payload) in read_shard(&c, "twice", shard).await {
-            got.push((shard, off, payload));
-        }
-    }
-    got.sort();
-    acked.sort();
+    let (mut child, addr) = felix_tests::spawn_announcing(felix_tests::broker_command!(
+        Some(dir.path()),
+        "127.0.0.1:0"
+    ));
+    let c = Client::connect(addr.as_str(), ClientConfig::default())
+        .await
+        .unwrap();
+    let got = read_shards(&c, "twice", 2).await;
+    let _ = child.kill();
+    let _ = child.wait();
     assert_eq!(got, acked);
 }
 
