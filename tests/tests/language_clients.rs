@@ -1,7 +1,10 @@
 //! The Python and Node clients' own test suites, run against real brokers:
 //! one plain, one that requires a token. Each suite reads the addresses from
 //! `FELIX_ADDR` and `FELIX_AUTH_ADDR` (with `FELIX_AUTH_TOKEN` and
-//! `FELIX_AUTH_PRINCIPAL`).
+//! `FELIX_AUTH_PRINCIPAL`). Their cluster tests start, `kill -9` and restart
+//! brokers of their own: `FELIX_TEST_BROKER` names the binary
+//! (`felix-test-broker DATA_DIR LISTEN CORES`, configured by `FELIX_*`
+//! variables).
 //!
 //! A machine without `python3` or `node` skips that suite with a note on
 //! stderr, unless `FELIX_REQUIRE_CLIENTS=1` (CI sets it) makes a missing
@@ -74,6 +77,7 @@ fn run_suite(mut cmd: Command, name: &str) {
         .env("FELIX_AUTH_ADDR", &b.auth.addr)
         .env("FELIX_AUTH_TOKEN", ALICE_TOKEN)
         .env("FELIX_AUTH_PRINCIPAL", "alice")
+        .env("FELIX_TEST_BROKER", env!("CARGO_BIN_EXE_felix-test-broker"))
         .output()
         .unwrap_or_else(|e| panic!("run the {name} suite: {e}"));
     let text = format!(
