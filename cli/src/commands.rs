@@ -13,7 +13,7 @@ use felix_client::{
     FEATURE_STREAM_INCARNATION,
 };
 use futures_lite::future::poll_once;
-use tokio::io::AsyncBufReadExt;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt};
 
 use crate::args::{
     Command, ConsumeArgs, Format, GlobalArgs, GroupCmd, GroupTarget, PublishArgs, ReadArgs,
@@ -968,14 +968,31 @@ async fn publish_stdin(pipe: &mut Pipeline<'_>, batch: &mut Batch) -> Result<(),
     // Persists across cancelled reads: read_until appends what it got.
     let mut line = Vec::new();
     let mut flush_at = None;
+    // A line is read up to one byte past the broker's frame limit: one
+    // longer can never be published, and reading it whole (a stream of
+    // bytes with no newline) would only exhaust memory.
+    let limit = u64::from(pipe.client.max_frame_bytes());
     loop {
+        let room = (limit + 1).saturating_sub(line.len() as u64);
+        let mut bounded = (&mut stdin).take(room);
         let read = match flush_at {
-            None => Some(stdin.read_until(b'\n', &mut line).await?),
+            None => Some(bounded.read_until(b'\n', &mut line).await?),
             Some(at) => tokio::select! {
-                r = stdin.read_until(b'\n', &mut line) => Some(r?),
+                r = bounded.read_until(b'\n', &mut line) => Some(r?),
                 _ = tokio::time::sleep_until(at) => None,
             },
         };
+        if line.len() as u64 > limit && line.last() != Some(&b'\n') {
+            // Send the lines before it, then stop: `publish` reports what
+            // was stored.
+            let number = pipe.sent + batch.records.len() as u64 + 1;
+            pipe.send(batch.take()).await?;
+            return Err(CliError::Client(ClientError::InvalidArgument(format!(
+                "input line {number} is longer than the broker's frame limit of {limit} \
+                 bytes (server.max_frame_bytes), so no publish can carry it; it was not \
+                 read to its end"
+            ))));
+        }
         match read {
             // The linger passed with the batch part full: send it.
             None => {

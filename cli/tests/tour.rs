@@ -98,12 +98,10 @@ fn run_at(addr: &str, args: &[&str], stdin: Option<&str>) -> Output {
     .stderr(Stdio::piped());
     let mut child = cmd.spawn().unwrap();
     if let Some(input) = stdin {
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(input.as_bytes())
-            .unwrap();
+        // A command that stops reading early (and exits) closes the pipe.
+        if let Err(e) = child.stdin.take().unwrap().write_all(input.as_bytes()) {
+            assert_eq!(e.kind(), std::io::ErrorKind::BrokenPipe, "{e}");
+        }
     }
     child.wait_with_output().unwrap()
 }
@@ -1503,6 +1501,10 @@ fn a_failed_publish_counts_every_record_acknowledged_before_the_error() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
+        err.contains("input line 3001 is longer than the broker's frame limit of 1048576 bytes"),
+        "{err}"
+    );
+    assert!(
         err.contains("published 3000 records before the error"),
         "{err}"
     );
@@ -1517,6 +1519,60 @@ fn a_failed_publish_counts_every_record_acknowledged_before_the_error() {
     );
     let want: String = (1..=3000).map(|i| format!("{i}\n")).collect();
     assert_eq!(stored, want);
+}
+
+/// A line with no end in sight (bytes and no newline) is refused once it
+/// outgrows the broker's frame limit, without reading it whole: the
+/// command stops reading and exits, and its writer finds the pipe closed
+/// long before it has written everything.
+#[test]
+fn an_endless_line_on_stdin_is_refused_without_being_read_whole() {
+    let s = serve_with(&[("FELIX_MAX_FRAME_BYTES", "1048576")]);
+    ok(
+        &s,
+        &["stream", "create", "t/n/endless", "--shards", "1"],
+        None,
+    );
+    let mut child = felix()
+        .args(["--broker", &s.addr, "publish", "t/n/endless"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let writer = std::thread::spawn(move || {
+        let chunk = vec![b'x'; 1 << 20];
+        let mut written = 0u64;
+        // Up to 256 MiB: all of it would be read by a command that buffers
+        // the whole line before looking at its size.
+        while written < 256 << 20 {
+            if stdin.write_all(&chunk).is_err() {
+                break;
+            }
+            written += chunk.len() as u64;
+        }
+        written
+    });
+    let out = child.wait_with_output().unwrap();
+    let written = writer.join().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("input line 1 is longer than the broker's frame limit"),
+        "{err}"
+    );
+    assert!(err.contains("no input record was sent"), "{err}");
+    assert!(
+        written < 64 << 20,
+        "the command read {written} bytes of one line"
+    );
+    let stored = ok(
+        &s,
+        &["read", "t/n/endless", "--shard", "0", "--from", "earliest"],
+        None,
+    );
+    assert_eq!(stored, "", "nothing was published");
 }
 
 /// A `FELIX_*` variable that is not valid UTF-8 is a clear configuration

@@ -62,6 +62,8 @@ struct Inner {
     /// Features of the most recent HELLO: what every check uses.
     features: AtomicU64,
     cores: AtomicU32,
+    /// The broker's frame limit, from the most recent HELLO.
+    max_frame_bytes: AtomicU32,
     broker: Mutex<String>,
     /// Core of the first connection; carries requests not about a shard.
     /// The core `call_any` uses: where the first connection landed, moved
@@ -249,6 +251,7 @@ impl Client {
                 addrs,
                 features: AtomicU64::new(hello.features),
                 cores: AtomicU32::new(hello.cores),
+                max_frame_bytes: AtomicU32::new(hello.max_frame_bytes),
                 broker: Mutex::new(hello.broker),
                 home_core: AtomicU32::new(hello.core),
                 slots: Mutex::new(HashMap::from([(hello.core, slot)])),
@@ -276,6 +279,14 @@ impl Client {
     /// How many cores (shard owners) the broker runs.
     pub fn cores(&self) -> u32 {
         self.inner.cores.load(Ordering::Relaxed)
+    }
+
+    /// The largest frame the broker takes (its `server.max_frame_bytes`),
+    /// from the most recent HELLO. A publish whose records hold more bytes
+    /// than this is refused before it is sent; a record that alone holds
+    /// more can never be published.
+    pub fn max_frame_bytes(&self) -> u32 {
+        self.inner.max_frame_bytes.load(Ordering::Relaxed)
     }
 
     /// The broker's name and version, as it gave them in HELLO.
@@ -342,6 +353,9 @@ impl Client {
             Ok(conn) => {
                 let hello = &conn.hello;
                 self.inner.features.store(hello.features, Ordering::Relaxed);
+                self.inner
+                    .max_frame_bytes
+                    .store(hello.max_frame_bytes, Ordering::Relaxed);
                 let was = self.inner.cores.swap(hello.cores, Ordering::Relaxed);
                 if was != hello.cores {
                     // Restarted with another core count: placements moved.
@@ -405,6 +419,9 @@ impl Client {
         };
         let hello = &conn.hello;
         self.inner.features.store(hello.features, Ordering::Relaxed);
+        self.inner
+            .max_frame_bytes
+            .store(hello.max_frame_bytes, Ordering::Relaxed);
         if self.inner.cores.swap(hello.cores, Ordering::Relaxed) != hello.cores {
             lock(&self.inner.placement).clear();
         }
