@@ -52,6 +52,25 @@ export interface StreamInfo {
   retentionMs?: bigint;
   /** Owning core, one per shard. */
   placement: number[];
+  /**
+   * On a broker of a cluster (FEATURES.STREAM_INCARNATION): which creation
+   * of the stream this is, the same on every broker; absent for a stream
+   * created without one. Only `describeStream` and `createStream` report it.
+   */
+  incarnation?: bigint;
+}
+
+export interface CreateStreamOptions {
+  /** Absent = the broker's default (no limit). */
+  retentionBytes?: OffsetArg;
+  /** Absent = the broker's default (no limit). */
+  retentionMs?: OffsetArg;
+  /**
+   * 1 to 2^63-1: create the stream on this broker of a cluster as this
+   * incarnation (needs FEATURES.STREAM_INCARNATION, refused locally
+   * without it). ClusterClient.createStream chooses it; it takes none.
+   */
+  incarnation?: OffsetArg;
 }
 
 export interface ShardInfo {
@@ -189,7 +208,8 @@ export interface ShardedPollOptions {
 }
 
 /**
- * One consumer of a group on every shard of a stream (`client.shardedGroup`).
+ * One consumer of a group on every shard of a stream (`client.shardedGroup`,
+ * or `cluster.shardedGroup` on a ClusterClient: each shard's calls on its leader).
  * Records leave it only as the value of a poll() that resolves with them (or
  * as close()'s nacks): everything its shard polls claim is held first. One
  * poll at a time: a new poll() or close() ends one still running, which
@@ -252,7 +272,8 @@ export class Client {
   close(): void;
   ping(): Promise<number>;
 
-  createStream(stream: StreamArg, shards: number, options?: { retentionBytes?: OffsetArg; retentionMs?: OffsetArg }): Promise<StreamInfo>;
+  /** `incarnation` needs FEATURES.STREAM_INCARNATION (refused locally without it). */
+  createStream(stream: StreamArg, shards: number, options?: CreateStreamOptions): Promise<StreamInfo>;
   describeStream(stream: StreamArg): Promise<StreamInfo>;
   listStreams(tenant?: string): Promise<StreamInfo[]>;
   deleteStream(stream: StreamArg): Promise<void>;
@@ -295,6 +316,89 @@ export class Client {
   shardedGroup(stream: StreamArg, group: string, options?: ShardedGroupOptions): Promise<ShardedGroup>;
 }
 
+/** One broker's answer in `ClusterClient.describeReplicas`: its replica, or why it gave none. */
+export type ReplicaAnswer =
+  | { broker: string; replica: ReplicaInfo; error?: undefined }
+  | { broker: string; replica?: undefined; error: FelixError };
+
+/**
+ * A client for a cluster of brokers, every shard replicated on each and
+ * served by its elected leader: each per-shard call goes to the shard's
+ * leader, following `not_leader` answers and trying the other brokers
+ * (backing off, 40 attempts, about ten seconds) while none is known. The
+ * per-shard calls take the same arguments as Client's.
+ *
+ * Sent again after a lost answer (a dropped connection, a timeout) or an
+ * `unavailable`: publishes (at least once: a record can be written twice
+ * across a failover), reads, polls, acks, group creates, describes and
+ * dead-letter lists. Every other group call (nack, extend, dead-letter,
+ * redrive, discard, seek, delete, and `withLeader`) is tried again only
+ * where nothing was applied (`not_leader`, a broker not reached); a lost
+ * answer rejects with its error.
+ */
+export class ClusterClient {
+  /** Each address counts once (trimmed); at least one broker must answer now. */
+  static connect(brokers: string[], options?: ClientOptions): Promise<ClusterClient>;
+  /** The brokers given at connect, each once, in order. */
+  readonly brokers: readonly string[];
+  /** The broker that last led the shard, if one is known. */
+  leaderOf(stream: StreamArg, shard: number): string | undefined;
+  /** Closes every broker's client; calls in flight or backing off reject with DisconnectedError. */
+  close(): void;
+  /** Any per-shard call of the leader's Client, tried again only where nothing was applied. */
+  withLeader<T>(stream: StreamArg, shard: number, call: (client: Client) => Promise<T>): Promise<T>;
+
+  /**
+   * On every broker, as one incarnation (the one more than half of the
+   * brokers already hold, or a new one); resolves to the first broker's
+   * view. Refused with AlreadyExistsError, naming the brokers, where a
+   * broker holds another shard count, the holders disagree, or half of
+   * the brokers or fewer hold it.
+   */
+  createStream(stream: StreamArg, shards: number, options?: { retentionBytes?: OffsetArg; retentionMs?: OffsetArg }): Promise<StreamInfo>;
+  /** As the first broker that answers has it. */
+  describeStream(stream: StreamArg): Promise<StreamInfo>;
+  /** As the first broker that answers has them. */
+  listStreams(tenant?: string): Promise<StreamInfo[]>;
+  /** On every broker (one already gone is fine); the first other error is thrown once all were tried. */
+  deleteStream(stream: StreamArg): Promise<void>;
+  /** Every broker's view in broker order, asked all at once; remembers the leader of the newest term. */
+  describeReplicas(stream: StreamArg, shard: number): Promise<ReplicaAnswer[]>;
+  describeShard(stream: StreamArg, shard: number): Promise<ShardInfo>;
+
+  publish(stream: StreamArg, shard: number, record: RecordArg): Promise<bigint>;
+  publishBatch(stream: StreamArg, shard: number, records: RecordArg[]): Promise<Published>;
+  publishKeyed(stream: StreamArg, key: Buffer | Uint8Array | string, record: RecordArg): Promise<Published>;
+  publishKeyedBatch(stream: StreamArg, key: Buffer | Uint8Array | string, records: RecordArg[]): Promise<Published>;
+
+  /** From the broker that last led the shard (any replica answers a read). */
+  read(stream: StreamArg, shard: number, from: StartPosition, options?: ReadOptions): Promise<ReadBatch>;
+  subscribe(stream: StreamArg, shard: number, from: StartPosition, options?: ReadOptions): Subscription;
+
+  groupPoll(stream: StreamArg, shard: number, group: string, options?: GroupPollOptions): Promise<GroupRecord[]>;
+  groupAck(stream: StreamArg, shard: number, group: string, offsets: OffsetArg | OffsetArg[]): Promise<void>;
+  groupNack(stream: StreamArg, shard: number, group: string, record: Claim, options?: { delayMs?: number; reason?: string }): Promise<void>;
+  groupNackAfter(stream: StreamArg, shard: number, group: string, record: Claim, delayMs: number, options?: { reason?: string }): Promise<void>;
+  groupExtend(stream: StreamArg, shard: number, group: string, record: Claim, byMs: number): Promise<number>;
+  groupDeadLetter(stream: StreamArg, shard: number, group: string, record: Claim, reason?: string): Promise<void>;
+  groupDeadLetters(stream: StreamArg, shard: number, group: string): Promise<bigint[]>;
+  groupDeadLettersDetailed(stream: StreamArg, shard: number, group: string): Promise<DeadLetterInfo[]>;
+  groupDeadLettersPage(stream: StreamArg, shard: number, group: string, from: OffsetArg, max: number): Promise<DeadLetterPage>;
+  groupRedrive(stream: StreamArg, shard: number, group: string, offset: OffsetArg): Promise<void>;
+  groupDiscard(stream: StreamArg, shard: number, group: string, offset: OffsetArg): Promise<void>;
+  groupCreate(stream: StreamArg, shard: number, group: string, start: StartPosition): Promise<void>;
+  groupSeek(stream: StreamArg, shard: number, group: string, start: StartPosition): Promise<void>;
+  groupDescribe(stream: StreamArg, shard: number, group: string): Promise<GroupInfo>;
+  groupDelete(stream: StreamArg, shard: number, group: string): Promise<void>;
+  listGroups(stream: StreamArg, shard: number): Promise<string[]>;
+  groupCreateStream(stream: StreamArg, group: string, start: StartPosition): Promise<void>;
+  groupSeekStream(stream: StreamArg, group: string, start: StartPosition): Promise<void>;
+  groupDescribeStream(stream: StreamArg, group: string): Promise<GroupInfo[]>;
+  groupDeleteStream(stream: StreamArg, group: string): Promise<void>;
+  /** One consumer of `group` on every shard, each shard's calls on its leader. */
+  shardedGroup(stream: StreamArg, group: string, options?: ShardedGroupOptions): Promise<ShardedGroup>;
+}
+
 export declare const FEATURES: {
   readonly GROUPS: 0x01;
   readonly GROUP_SKIPPED: 0x02;
@@ -303,6 +407,7 @@ export declare const FEATURES: {
   readonly PUBLISH_ACK_MODE: 0x10;
   readonly GROUP_DEAD_LETTER_PAGES: 0x20;
   readonly REPLICA_INFO: 0x40;
+  readonly STREAM_INCARNATION: 0x80;
 };
 export declare const FEATURES_ALL: number;
 export declare const PROTOCOL_VERSION: number;
@@ -330,7 +435,10 @@ export class TooLargeError extends ServerError {}
 export class UnavailableError extends ServerError {}
 export class UnauthorizedError extends ServerError {}
 export class StaleClaimError extends ServerError {}
-export class NotLeaderError extends ServerError {}
+export class NotLeaderError extends ServerError {
+  /** The client address of the broker that leads the shard, when the answering broker knows it. */
+  readonly leader?: string;
+}
 export class InternalError extends ServerError {}
 export class BusyError extends ServerError {}
 export class InvalidArgumentError extends FelixError {}
@@ -338,4 +446,4 @@ export class TimeoutError extends FelixError {}
 export class DisconnectedError extends FelixError {}
 export class ProtocolError extends FelixError {}
 export class ConnectionError extends FelixError {}
-export function errorFromWire(code: number, message: string, core?: number): ServerError;
+export function errorFromWire(code: number, message: string, core?: number, leader?: string): ServerError;

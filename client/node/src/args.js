@@ -9,7 +9,7 @@
  */
 
 const { InvalidArgumentError } = require('./errors');
-const { U64_MAX } = require('./wire');
+const { MAX_INCARNATION, U64_MAX } = require('./wire');
 
 const U32_MAX = 0xffffffff;
 /** Longest group member name, in bytes. */
@@ -79,6 +79,15 @@ function u64(v, what) {
     throw new InvalidArgumentError(`${what} must be a bigint from 0 to 2^64-1 or a non-negative integer, not ${describe(v)}`);
   }
   return v;
+}
+
+/** A stream incarnation: 1 to 2^63-1 (what a broker stores), as a bigint. */
+function incarnation(v, what = 'incarnation') {
+  const i = u64(v, what);
+  if (i === 0n || i > MAX_INCARNATION) {
+    throw new InvalidArgumentError(`${what} must be from 1 to 2^63-1, not ${describe(v)}`);
+  }
+  return i;
 }
 
 /** An offset (u64) as a bigint. */
@@ -199,6 +208,7 @@ module.exports = {
   streamRef,
   u32,
   u64,
+  incarnation,
   offset,
   millis,
   millisU32,

@@ -74,14 +74,17 @@ const pathOf = (ref) => `${ref.tenant}/${ref.namespace}/${ref.stream}`;
 
 /** Every request a client sends, built from checked arguments. */
 const requests = {
-  createStream: (ref, shards, retentionBytes, retentionMs) => ({
+  createStream: (ref, shards, retentionBytes, retentionMs, incarnation) => ({
     name: 'create_stream',
     opcode: OP.CREATE_STREAM,
+    features: incarnation === undefined ? 0 : FEATURES.STREAM_INCARNATION,
     body: (w) => {
       wire.putStreamRef(w, ref);
       w.u32(shards);
       w.opt(retentionBytes, w.u64);
       w.opt(retentionMs, w.u64);
+      // A trailing field: written only when set.
+      if (incarnation !== undefined) w.u64(incarnation);
     },
   }),
   streamOnly: (name, opcode, ref) => ({ name, opcode, body: (w) => wire.putStreamRef(w, ref) }),
@@ -230,10 +233,7 @@ class Client {
    * @returns {Promise<Client>}
    */
   static async connect(addr, options) {
-    const where = parseAddr(addr);
-    const o = clientOptions(options);
-    const first = await Connection.open({ ...where, ...connectOptions(o), wantCore: undefined });
-    return new Client(where, o, first);
+    return connectClient(addr, clientOptions(options));
   }
 
   /** Feature bits negotiated with the broker (`FEATURES.*`), from the latest HELLO. @returns {number} */
@@ -509,19 +509,30 @@ class Client {
   // ----- streams -----------------------------------------------------------
 
   /**
-   * Create a stream of `shards` shards.
+   * Create a stream of `shards` shards on this broker.
+   *
+   * `incarnation` (1 to 2^63-1), for a broker of a cluster, names this
+   * creation of the stream: every broker must hold the stream as the same
+   * one, and `ClusterClient.createStream` chooses it and creates the stream
+   * on every broker. Give it here only to create the stream on one broker
+   * as the others hold it (their `describeStream().incarnation`). It needs
+   * `FEATURES.STREAM_INCARNATION`, refused locally (`UnsupportedError`)
+   * without it. Without one, a broker of a cluster keeps the stream as
+   * one found by its name alone, as streams were before incarnations.
    * @param {import('../index').StreamArg} stream
    * @param {number} shards at least 1
-   * @param {{retentionBytes?: number|bigint, retentionMs?: number|bigint}} [options] absent = the broker's default (no limit)
+   * @param {import('../index').CreateStreamOptions} [options] retention absent = the broker's default (no limit)
    * @returns {Promise<import('../index').StreamInfo>}
    */
   async createStream(stream, shards, options = {}) {
     const ref = args.streamRef(stream);
     args.u32(shards, 'shards', 1);
     const retention = (v, what) => (v === undefined ? undefined : args.u64(v, what));
-    const req = requests.createStream(
-      ref, shards, retention(options.retentionBytes, 'retentionBytes'), retention(options.retentionMs, 'retentionMs'),
-    );
+    const retentionBytes = retention(options.retentionBytes, 'retentionBytes');
+    const retentionMs = retention(options.retentionMs, 'retentionMs');
+    const incarnation = options.incarnation === undefined ? undefined : args.incarnation(options.incarnation);
+    if (incarnation !== undefined) this.requireFeatures(FEATURES.STREAM_INCARNATION, 'a stream incarnation');
+    const req = requests.createStream(ref, shards, retentionBytes, retentionMs, incarnation);
     this.placements.delete(pathOf(ref));
     const msg = await this.callAny(req);
     // A broker may answer `ok`: the stream's info is then asked for.
@@ -742,12 +753,7 @@ class Client {
    * @returns {Subscription}
    */
   subscribe(stream, shard, from, options = {}) {
-    const ref = args.streamRef(stream);
-    args.u32(shard, 'shard');
-    return new Subscription(this, ref, shard, args.startPosition(from, 'from'), {
-      maxRecords: args.u32(options.maxRecords ?? 500, 'maxRecords', 1),
-      waitMs: args.millisU32(options.waitMs ?? 10_000, 'waitMs'),
-    });
+    return Subscription.follow(this, stream, shard, from, options);
   }
 
   // ----- consumer groups: consuming ------------------------------------------
@@ -1131,13 +1137,7 @@ class Client {
    * than one.
    */
   async streamShards(stream, start) {
-    const { shards } = await this.describeStream(stream);
-    if (shards > 1 && typeof start === 'bigint') {
-      throw new InvalidArgumentError(
-        `${pathOf(args.streamRef(stream))} has ${shards} shards and offsets are per shard; use 'earliest' or 'latest', or the per-shard call`,
-      );
-    }
-    return shards;
+    return checkStreamStart(stream, (await this.describeStream(stream)).shards, start);
   }
 
   /**
@@ -1192,6 +1192,37 @@ class Client {
   }
 }
 
+/**
+ * `shards`, unless `start` is an offset and the stream has more than one
+ * shard: a call on every shard refuses it, since an offset is per shard.
+ * @param {import('../index').StreamArg} stream
+ * @param {number} shards
+ * @param {'earliest'|'latest'|bigint|undefined} start checked
+ * @returns {number}
+ */
+function checkStreamStart(stream, shards, start) {
+  if (shards > 1 && typeof start === 'bigint') {
+    throw new InvalidArgumentError(
+      `${pathOf(args.streamRef(stream))} has ${shards} shards and offsets are per shard; use 'earliest' or 'latest', or the per-shard call`,
+    );
+  }
+  return shards;
+}
+
+/**
+ * `Client.connect` with options already checked; aborting `signal` ends
+ * the attempt (`DisconnectedError`).
+ * @param {string} addr
+ * @param {object} options from `clientOptions`
+ * @param {AbortSignal} [signal]
+ * @returns {Promise<Client>}
+ */
+async function connectClient(addr, options, signal) {
+  const where = parseAddr(addr);
+  const first = await Connection.open({ ...where, ...connectOptions(options), wantCore: undefined, signal });
+  return new Client(where, options, first);
+}
+
 /** What `Connection.open` needs from the client options. */
 function connectOptions(o) {
   return {
@@ -1202,4 +1233,4 @@ function connectOptions(o) {
   };
 }
 
-module.exports = { Client, parseAddr };
+module.exports = { Client, parseAddr, clientOptions, connectClient, checkStreamStart, pathOf };

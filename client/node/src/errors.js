@@ -78,8 +78,24 @@ const UnavailableError = serverErrorClass('UnavailableError', 'unavailable', 7);
 const UnauthorizedError = serverErrorClass('UnauthorizedError', 'unauthorized', 8);
 /** `stale_claim` (9): the named group claim is no longer held by this delivery. */
 const StaleClaimError = serverErrorClass('StaleClaimError', 'stale_claim', 9);
-/** `not_leader` (10): this broker does not lead the shard. */
-const NotLeaderError = serverErrorClass('NotLeaderError', 'not_leader', 10);
+/**
+ * `not_leader` (10): this broker (in a cluster) does not lead the shard.
+ * `leader` is the client address of the broker that does, when the
+ * answering broker knows it (none while a leader is being elected).
+ * Nothing was applied. `ClusterClient` follows it.
+ */
+class NotLeaderError extends ServerError {
+  /**
+   * @param {string} message
+   * @param {string} [leader] the leader's client address, `host:port`
+   */
+  constructor(message, leader) {
+    super('not_leader', NotLeaderError.WIRE_CODE, message, undefined);
+    /** @type {string|undefined} */
+    this.leader = leader;
+  }
+}
+NotLeaderError.WIRE_CODE = 10;
 /** `internal` (11): broker bug or I/O failure; also every code this client does not know. */
 const InternalError = serverErrorClass('InternalError', 'internal', 11);
 /** `busy` (12): overloaded; back off and retry. */
@@ -171,11 +187,13 @@ const BY_WIRE_CODE = new Map(
  * @param {number} code
  * @param {string} message
  * @param {number|undefined} core
+ * @param {string} [leader] a `not_leader` answer's leader address
  * @returns {ServerError}
  */
-function errorFromWire(code, message, core) {
+function errorFromWire(code, message, core, leader) {
   const cls = BY_WIRE_CODE.get(code);
   if (cls === UnsupportedError) return new UnsupportedError(message, { wireCode: UnsupportedError.WIRE_CODE });
+  if (cls === NotLeaderError) return new NotLeaderError(message, leader);
   if (cls) return new cls(message, core);
   return new InternalError(`unknown error code ${code}: ${message}`, core, code);
 }

@@ -6,6 +6,7 @@
  */
 
 const { Client } = require('./client');
+const { ClusterClient } = require('./cluster');
 const { Subscription } = require('./subscription');
 const { ShardedGroup } = require('./sharded');
 const { shardForKey, crc32c } = require('./crc32c');
@@ -14,6 +15,7 @@ const errors = require('./errors');
 
 module.exports = {
   Client,
+  ClusterClient,
   Subscription,
   ShardedGroup,
   shardForKey,

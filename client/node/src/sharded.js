@@ -42,6 +42,15 @@ function knownKeys(options, known, what) {
   }
 }
 
+/**
+ * Where a `ShardedGroup` sends each shard's calls: a `Client` (to the core
+ * that owns the shard) or a `ClusterClient` (to the broker that leads it,
+ * as the Rust client's `ShardedGroup::on_cluster`). Both have these
+ * methods, with the same arguments.
+ * @typedef {Pick<import('./client').Client,
+ *   'describeStream'|'groupPoll'|'groupAck'|'groupNack'|'groupNackAfter'|'groupExtend'|'groupDeadLetter'|'groupDescribe'>} ShardTarget
+ */
+
 /** An AbortSignal's reason as an error to reject with. */
 function abortReason(signal) {
   return signal.reason ?? new DOMException('The operation was aborted', 'AbortError');
@@ -49,7 +58,9 @@ function abortReason(signal) {
 
 /**
  * One consumer of a group on every shard of a stream. Made by
- * `client.shardedGroup(stream, group, options)`.
+ * `client.shardedGroup(stream, group, options)`, or by
+ * `cluster.shardedGroup(...)` on a `ClusterClient`, which sends each
+ * shard's calls to the broker that leads it.
  *
  * A group lives on one shard; `ShardedGroup` polls all of a stream's
  * shards as one queue. It assigns nothing: every `ShardedGroup` of a group
@@ -90,11 +101,16 @@ function abortReason(signal) {
  * gets it at once, with the attempt counted. It does not close the client.
  */
 class ShardedGroup {
+  /** @type {ShardTarget} */
   #client;
   #ref;
   #group;
   #shards;
-  /** The broker core of each shard, when the polls began: shards on one core share a connection. */
+  /**
+   * The broker core of each shard, when the polls began: shards on one core
+   * share a connection. Empty over a cluster: each shard is on its own
+   * leader's connection, and no placement says which shards share one.
+   */
   #placement;
   #pollOptions;
   #waitSliceMs;
@@ -122,10 +138,10 @@ class ShardedGroup {
 
   /**
    * Use `client.shardedGroup(...)`, which asks the broker for the shard count.
-   * @param {import('./client').Client} client
+   * @param {ShardTarget} client
    * @param {{tenant: string, namespace: string, stream: string}} ref
    * @param {string} group
-   * @param {import('../index').StreamInfo} info the stream's shards and placement
+   * @param {{shards: number, placement: number[]}} info the stream's shards, and the core of each when shards on one core share a connection
    * @param {import('../index').ShardedGroupOptions} options checked
    * @private
    */
@@ -134,7 +150,7 @@ class ShardedGroup {
     this.#ref = ref;
     this.#group = group;
     this.#shards = info.shards;
-    this.#placement = info.placement ?? [];
+    this.#placement = info.placement;
     this.#pollOptions = {
       consumer: options.consumer,
       reclaim: options.reclaim,
@@ -146,14 +162,16 @@ class ShardedGroup {
   }
 
   /**
-   * @param {import('./client').Client} client
+   * @param {ShardTarget} client where each shard's calls go
    * @param {import('../index').StreamArg} stream
    * @param {string} group
    * @param {import('../index').ShardedGroupOptions} [options]
+   * @param {{byCore?: boolean}} [target] `byCore: false` when shards do not
+   *   share connections by their core (a cluster's: each on its leader's)
    * @returns {Promise<ShardedGroup>}
    * @private
    */
-  static async open(client, stream, group, options = {}) {
+  static async open(client, stream, group, options = {}, { byCore = true } = {}) {
     const ref = args.streamRef(stream);
     args.name(group, 'group');
     knownKeys(options, OPTION_KEYS, 'shardedGroup option');
@@ -178,7 +196,8 @@ class ShardedGroup {
     }
     const info = await client.describeStream(ref);
     if (info.shards === 0) throw new InvalidArgumentError(`${ref.tenant}/${ref.namespace}/${ref.stream} has no shards`);
-    return new ShardedGroup(client, ref, group, info, o);
+    const placement = byCore ? (info.placement ?? []) : [];
+    return new ShardedGroup(client, ref, group, { shards: info.shards, placement }, o);
   }
 
   /** The stream's shard count. @returns {number} */
@@ -386,6 +405,7 @@ class ShardedGroup {
         // new connection, what the old one held, so records held here from
         // that core's shards would come out twice: let the reclaim hand
         // them out. Not once closing: close() hands back what is held.
+        // (Over a cluster, with no placement: the shard's own.)
         const lost = this.#placement[shard];
         this.#ready = this.#ready.filter((r) => !(r.shard === shard || (lost !== undefined && this.#placement[r.shard] === lost)));
       }

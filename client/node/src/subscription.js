@@ -5,6 +5,7 @@
  * @module felix-client/subscription
  */
 
+const args = require('./args');
 const { ProtocolError } = require('./errors');
 const { timerDelay } = require('./connection');
 
@@ -35,7 +36,8 @@ function checkBatch(from, batch) {
 
 /**
  * Follows one shard from a starting position, yielding every record in
- * offset order and long-polling at the tail. Made by `Client.subscribe`;
+ * offset order and long-polling at the tail. Made by `subscribe` (of a
+ * `Client`, or of a `ClusterClient`, which reads from the shard's leader);
  * use it with `for await`. It never ends by itself: `close()` it, or
  * `break` out of the loop.
  *
@@ -51,7 +53,27 @@ function checkBatch(from, batch) {
  */
 class Subscription {
   /**
-   * @param {import('./client').Client} client
+   * A subscription reading through `client` (a `Client`, or a
+   * `ClusterClient`), its arguments checked: what `subscribe` returns.
+   * @param {import('./client').Client|import('./cluster').ClusterClient} client
+   * @param {import('../index').StreamArg} stream
+   * @param {number} shard
+   * @param {import('../index').StartPosition} from
+   * @param {{maxRecords?: number, waitMs?: number}} [options] defaults: 500 records a read, 10 s wait
+   * @returns {Subscription}
+   * @private
+   */
+  static follow(client, stream, shard, from, options = {}) {
+    const ref = args.streamRef(stream);
+    args.u32(shard, 'shard');
+    return new Subscription(client, ref, shard, args.startPosition(from, 'from'), {
+      maxRecords: args.u32(options.maxRecords ?? 500, 'maxRecords', 1),
+      waitMs: args.millisU32(options.waitMs ?? 10_000, 'waitMs'),
+    });
+  }
+
+  /**
+   * @param {import('./client').Client|import('./cluster').ClusterClient} client its `read` and `options.reconnectBackoffMs` are used
    * @param {{tenant: string, namespace: string, stream: string}} ref
    * @param {number} shard
    * @param {'earliest'|'latest'|bigint} from

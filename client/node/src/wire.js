@@ -26,6 +26,7 @@ const FEATURES = Object.freeze({
   PUBLISH_ACK_MODE: 0x10,
   GROUP_DEAD_LETTER_PAGES: 0x20,
   REPLICA_INFO: 0x40,
+  STREAM_INCARNATION: 0x80,
 });
 /** Every feature bit this client understands (what it offers in HELLO). */
 const FEATURES_ALL = Object.values(FEATURES).reduce((a, b) => a | b, 0);
@@ -60,6 +61,9 @@ const OP = Object.freeze({
 
 /** AckMode values of a publish. */
 const ACK = Object.freeze({ DEFAULT: 0, QUEUED: 1, DURABLE: 2 });
+
+/** Largest stream incarnation a broker stores (2^63-1); the smallest is 1. */
+const MAX_INCARNATION = (1n << 63n) - 1n;
 
 /** A decode failure: the bytes from the broker are not a valid message. */
 class DecodeError extends Error {}
@@ -301,6 +305,17 @@ class Reader {
   }
 
   /**
+   * A trailing `u64` (a field added after the message first shipped):
+   * undefined when the body ends before it, else a value that is never 0.
+   */
+  trailingU64(what) {
+    if (this.remaining() === 0) return undefined;
+    const v = this.u64(what);
+    if (v === 0n) throw new DecodeError(`invalid ${what} 0`);
+    return v;
+  }
+
+  /**
    * `vec<T>`: the count is checked against the bytes left (each element
    * takes at least `minItemBytes`, which must be a true lower bound and at
    * least 1) and the item cap before anything is allocated, so a frame
@@ -455,7 +470,13 @@ const RESPONSES = new Map([
   })],
   [0x02, () => ({ type: 'pong' })],
   [0x03, () => ({ type: 'ok' })],
-  [0x10, (r) => ({ type: 'stream', info: getStreamInfo(r) })],
+  [0x10, (r) => {
+    // A `Stream` answer (not a `Streams` entry) may end with the stream's
+    // incarnation (STREAM_INCARNATION); absent, the stream has none.
+    const info = getStreamInfo(r);
+    info.incarnation = r.trailingU64('incarnation');
+    return { type: 'stream', info };
+  }],
   [0x11, (r) => ({ type: 'streams', infos: r.vec('streams', MIN_STREAM_INFO, getStreamInfo) })],
   [0x12, (r) => ({ type: 'shard', info: getShardInfo(r) })],
   [0x13, (r) => ({ type: 'replica', info: getReplicaInfo(r) })],
@@ -578,6 +599,7 @@ module.exports = {
   KIND_RESPONSE,
   MAX_ITEMS_PER_VEC,
   U64_MAX,
+  MAX_INCARNATION,
   FEATURES,
   FEATURES_ALL,
   OP,

@@ -11,7 +11,7 @@ if (!ADDR) {
     'FELIX_ADDR is not set: these tests need a running broker with durable storage and 2 cores, started with ' +
       'FELIX_GROUP_MAX_ATTEMPTS=3 (e.g. FELIX_GROUP_MAX_ATTEMPTS=3 ./target/release/felix serve --data-dir DIR ' +
       '--listen 127.0.0.1:7400 --cores 2); then export FELIX_ADDR=127.0.0.1:7400. ' +
-      'The broker-free tests: node --test test/client-fake.test.js test/client-unit.test.js test/sharded-unit.test.js',
+      'The broker-free tests: node --test test/client-fake.test.js test/*-unit.test.js',
   );
 }
 

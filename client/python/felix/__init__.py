@@ -10,11 +10,15 @@ Quick start::
         batch = client.read("t1/default/events", 0, offset)
         assert batch.records[0].payload == b"hello"
 
-See the README for consumer groups, errors and the threading model.
+For a cluster of brokers, :class:`ClusterClient` takes every broker's address
+and sends each shard's calls to the broker that leads it.
+
+See the README for consumer groups, clusters, errors and the threading model.
 """
 
 from ._version import __version__
 from .client import Client, ClientConfig, RecordLike, Seconds
+from .cluster import ClusterClient
 from .errors import (
     AlreadyExists,
     Busy,
@@ -61,6 +65,7 @@ __all__ = [
     "__version__",
     "Client",
     "ClientConfig",
+    "ClusterClient",
     "RecordLike",
     "Seconds",
     "Subscription",

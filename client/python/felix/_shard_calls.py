@@ -1,20 +1,24 @@
 """Requests about one shard sent without waiting for their answers
 (:class:`ShardCall`), and :class:`ShardPort`, the small interface a
-:class:`~felix.ShardedGroup` has to its :class:`~felix.Client`."""
+:class:`~felix.ShardedGroup` has to what it sends through: one broker's
+:class:`~felix.Client` (:class:`BrokerPort`) or the leaders of a cluster
+(``felix.cluster._ClusterPort``)."""
 
+import abc
 import itertools
 import math
 import threading
-from typing import TYPE_CHECKING, Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple, Union
 
 from . import _wire
 from ._connection import Connection, Pending
 from ._durations import Seconds
 from .errors import Disconnected, FelixError, Timeout, WrongCore
-from .types import Feature, GroupRecord, StreamInfo, StreamRef
+from .types import GroupRecord, StreamInfo, StreamRef
 
 if TYPE_CHECKING:
     from .client import Client
+    from .cluster import ClusterClient
 
 #: Numbers the answers of every call in the order they land (``next`` on an
 #: ``itertools.count`` is atomic).
@@ -26,6 +30,12 @@ class NotSent(FelixError):
     nothing to take in."""
 
     code = "not_sent"
+
+
+def _raise_error(response: _wire.Response) -> _wire.Response:
+    if response.name == "error":
+        raise response.value
+    return response
 
 
 class ShardCall:
@@ -41,14 +51,20 @@ class ShardCall:
     both). Once the answer (or a failure) is in, :attr:`landed` numbers it
     (answers of every call, in the order they landed) and ``notify(call)`` is
     called, from the connection's reader thread or the thread that failed.
+
+    A call that landed with an answer it may still follow (:meth:`follow`)
+    is sent again with :meth:`connection` and :meth:`send` (or
+    :meth:`start`). A subclass that picks the client for each attempt
+    (``felix.cluster._LeaderCall``) gives ``client`` and ``request`` as
+    ``None`` and sets them in :meth:`connection`.
     """
 
     def __init__(
         self,
-        client: "Client",
+        client: Optional["Client"],
         stream: StreamRef,
         shard: int,
-        request: _wire.WireRequest,
+        request: Optional[_wire.WireRequest],
         wait: float,
         notify: Optional[Callable[["ShardCall"], None]],
     ) -> None:
@@ -67,13 +83,19 @@ class ShardCall:
         #: Set once the answer is in: the order it landed in.
         self.landed: Optional[int] = None
 
+    @property
+    def client(self) -> "Client":
+        """The client the call was (last) sent through."""
+        assert self._client is not None, "the call was not routed yet"
+        return self._client
+
     # --- sending -------------------------------------------------------------
 
     def connection(self) -> Connection:
         """The connection to send on: the shard's core's or, after a
-        ``wrong_core`` answer (:meth:`wrong_core`), the core it names. May
+        ``wrong_core`` answer (:meth:`follow`), the core it names. May
         block (a placement refresh, a connect); raises what they raise."""
-        client = self._client
+        client = self.client
         if self._redirect is not None:
             error, self._redirect = self._redirect, None
             self._redirected = True
@@ -84,11 +106,12 @@ class ShardCall:
     def send(self, conn: Connection) -> None:
         """Send the request on ``conn`` without waiting; a failure to send is
         the answer. Quick: it only writes a small frame."""
+        assert self._request is not None, "the call was not routed yet"
         self.landed = None
         self._landed_event.clear()
         self._pending, self._error = None, None
         try:
-            self._pending = conn.start(self._request, self._client._timeout(self._wait), self._answered)
+            self._pending = conn.start(self._request, self.client._timeout(self._wait), self._answered)
         except FelixError as error:
             self.fail(error)
         except BaseException:
@@ -137,7 +160,8 @@ class ShardCall:
         in or landing."""
         if self.landed is not None or self._pending is None or not self._pending.cancel():
             return False
-        self.fail(Timeout(f"no answer to {self._request.name} within {self._client._timeout(self._wait):.3g} s"))
+        assert self._request is not None  # It was sent.
+        self.fail(Timeout(f"no answer to {self._request.name} within {self.client._timeout(self._wait):.3g} s"))
         return True
 
     def cancel(self) -> bool:
@@ -149,26 +173,37 @@ class ShardCall:
             return True
         return self._pending.cancel()
 
-    def wrong_core(self) -> bool:
-        """Whether the call landed with a ``wrong_core`` answer it may still
-        follow; if so, the next :meth:`connection` is the right core's."""
+    def follow(self) -> bool:
+        """Whether the call landed with an answer it may still follow: here a
+        ``wrong_core`` answer, once; if so, the next :meth:`connection` is
+        the right core's. Asked once for each landing."""
         if self.landed is None or self._error is not None or self._redirected or self._pending is None:
             return False
-        try:
-            response = self._pending.outcome()
-        except FelixError:
-            return False
-        if response.name == "error" and isinstance(response.value, WrongCore):
-            self._redirect = response.value
+        error = self.error()
+        if isinstance(error, WrongCore):
+            self._redirect = error
             return True
         return False
+
+    def error(self) -> Optional[FelixError]:
+        """The error a landed call failed or was answered with; ``None`` for
+        an answer that is not an error."""
+        if self._error is not None:
+            return self._error
+        if self._pending is None:
+            return None
+        try:
+            response = self._pending.outcome()
+        except FelixError as error:
+            return error
+        return response.value if response.name == "error" else None
 
     def answer(self) -> _wire.Response:
         """The answer of a call that landed; an error (``wrong_core`` included) raised."""
         if self._error is not None:
             raise self._error
         assert self._pending is not None
-        return self._client._raise_error(self._pending.outcome())
+        return _raise_error(self._pending.outcome())
 
     def result(self) -> _wire.Response:
         """Block for the answer, following a ``wrong_core`` redirect; an error raised."""
@@ -180,31 +215,42 @@ class ShardCall:
                     pass  # Timeout: the expire below lands it.
                 if not self.expire():
                     self.wait_landed()
-            if self.wrong_core():
+            if self.follow():
                 self.start()
                 continue
             return self.answer()
 
 
-class ShardPort:
-    """What a :class:`~felix.ShardedGroup` needs of its :class:`~felix.Client`,
-    for one stream: checked request builders, per-shard calls that do not
-    wait (:class:`ShardCall`), and the client itself for the public calls."""
+class ShardPort(abc.ABC):
+    """What a :class:`~felix.ShardedGroup` needs of what it sends through, for
+    one stream: the calls it makes per shard without waiting
+    (:class:`ShardCall`, not sent yet), and :attr:`client`, whose public
+    group calls (``group_ack``, ``group_nack``, ``group_describe_stream``,
+    ...) it makes as they are."""
 
-    def __init__(self, client: "Client", stream: StreamRef) -> None:
-        self.client = client
-        self.stream = stream
+    #: A :class:`~felix.Client` or a :class:`~felix.ClusterClient`.
+    client: Union["Client", "ClusterClient"]
+    stream: StreamRef
 
+    @abc.abstractmethod
     def member(self, consumer: Optional[str], reclaim: bool) -> Optional[_wire.GroupMember]:
-        return self.client._member(consumer, reclaim)
+        """The poll member named by ``consumer`` (checked)."""
 
+    @abc.abstractmethod
     def visibility_ms(self, visibility: Optional[Seconds]) -> Optional[int]:
-        return self.client._visibility_ms(visibility)
+        """A poll visibility, checked, in milliseconds."""
 
+    @abc.abstractmethod
     def describe(self) -> StreamInfo:
-        return self.client.describe_stream(self.stream)
+        """The stream, as :meth:`~felix.Client.describe_stream` has it."""
 
-    def poll_request(
+    @abc.abstractmethod
+    def cores(self, info: StreamInfo) -> Tuple[int, ...]:
+        """Which shards share a connection: the core of each shard, by shard
+        (empty when that is not known)."""
+
+    @abc.abstractmethod
+    def poll_call(
         self,
         shard: int,
         group: str,
@@ -212,30 +258,69 @@ class ShardPort:
         wait_ms: int,
         member: Optional[_wire.GroupMember],
         visibility_ms: Optional[int],
-    ) -> _wire.WireRequest:
-        return self.client._group_poll_request(self.stream, shard, group, max_records, wait_ms, member, visibility_ms)
+        notify: Callable[[ShardCall], None],
+    ) -> ShardCall:
+        """A group poll of ``shard``, not sent yet."""
 
-    def records(self, response: _wire.Response) -> List[GroupRecord]:
-        """The records of a poll's answer."""
-        return self.client._group_records(response)
+    @abc.abstractmethod
+    def ack_call(self, shard: int, group: str, offsets: List[int]) -> ShardCall:
+        """An ack of ``offsets`` of ``shard``, not sent yet."""
 
-    def nack_request(self, shard: int, group: str, record: GroupRecord) -> _wire.WireRequest:
-        return self.client._group_nack_request(self.stream, shard, group, record, 0, None)
+    @abc.abstractmethod
+    def nack_call(self, shard: int, group: str, record: GroupRecord) -> ShardCall:
+        """A nack (now, no reason) of ``record`` of ``shard``, not sent yet."""
 
-    def ack_request(self, shard: int, group: str, offsets: List[int]) -> _wire.WireRequest:
-        self.client._require(Feature.GROUPS, "group_ack")
-        return _wire.group_ack(self.stream, shard, group, offsets)
+    def records(self, call: ShardCall) -> List[GroupRecord]:
+        """The records of a landed poll's answer (an error raised)."""
+        response = call.answer()  # First: a call that never reached a broker has no client.
+        return call.client._group_records(response)
 
-    def call(
+
+class BrokerPort(ShardPort):
+    """A :class:`ShardPort` for one broker's :class:`~felix.Client`: each
+    shard's calls go to the core that owns it. Requests are built (and the
+    features they need checked) when the call is made."""
+
+    def __init__(self, client: "Client", stream: StreamRef) -> None:
+        self.client = self._client = client
+        self.stream = stream
+
+    def member(self, consumer: Optional[str], reclaim: bool) -> Optional[_wire.GroupMember]:
+        return self._client._member(consumer, reclaim)
+
+    def visibility_ms(self, visibility: Optional[Seconds]) -> Optional[int]:
+        return self._client._visibility_ms(visibility)
+
+    def describe(self) -> StreamInfo:
+        return self._client.describe_stream(self.stream)
+
+    def cores(self, info: StreamInfo) -> Tuple[int, ...]:
+        return info.placement
+
+    def poll_call(
+        self,
+        shard: int,
+        group: str,
+        max_records: int,
+        wait_ms: int,
+        member: Optional[_wire.GroupMember],
+        visibility_ms: Optional[int],
+        notify: Callable[[ShardCall], None],
+    ) -> ShardCall:
+        request = self._client._group_poll_request(self.stream, shard, group, max_records, wait_ms, member, visibility_ms)
+        return self._call(shard, request, wait_ms / 1000, notify)
+
+    def ack_call(self, shard: int, group: str, offsets: List[int]) -> ShardCall:
+        return self._call(shard, self._client._group_ack_request(self.stream, shard, group, offsets))
+
+    def nack_call(self, shard: int, group: str, record: GroupRecord) -> ShardCall:
+        return self._call(shard, self._client._group_nack_request(self.stream, shard, group, record, 0, None))
+
+    def _call(
         self,
         shard: int,
         request: _wire.WireRequest,
         wait: float = 0.0,
         notify: Optional[Callable[[ShardCall], None]] = None,
     ) -> ShardCall:
-        """A call about ``shard``, not sent yet."""
-        return ShardCall(self.client, self.stream, shard, request, wait, notify)
-
-    def start(self, shard: int, request: _wire.WireRequest) -> ShardCall:
-        """A call about ``shard``, sent (routing may block)."""
-        return self.call(shard, request).start()
+        return ShardCall(self._client, self.stream, shard, request, wait, notify)

@@ -238,14 +238,26 @@ class Reader:
             skipped_before=self.opt("skipped_before", self.u64),
         )
 
-    def stream_info(self) -> StreamInfo:
+    def stream_info(self, trailing: bool = False) -> StreamInfo:
+        """A ``StreamInfo``; with ``trailing`` (a ``Stream`` answer, not a
+        list's entry), the trailing ``incarnation`` that may follow it."""
         return StreamInfo(
             stream=self.stream(),
             shards=self.u32("shards"),
             retention_bytes=self.opt("retention_bytes", self.u64),
             retention_ms=self.opt("retention_ms", self.u64),
             placement=tuple(self.vec("placement", 4, lambda: self.u32("placement"))),
+            incarnation=self.trailing_u64("incarnation") if trailing else None,
         )
+
+    def trailing_u64(self, what: str) -> Optional[int]:
+        """A trailing field: absent when the body ends here, never 0 when present."""
+        if not self.remaining():
+            return None
+        value = self.u64(what)
+        if value == 0:
+            raise ProtocolError(f"invalid {what}: a trailing field is never 0")
+        return value
 
     def shard_info(self) -> ShardInfo:
         return ShardInfo(
@@ -366,10 +378,21 @@ def ping() -> WireRequest:
     return _req("ping", 0x02, _w())
 
 
-def create_stream(stream: StreamRef, shards: int, retention_bytes: Optional[int], retention_ms: Optional[int]) -> WireRequest:
+def create_stream(
+    stream: StreamRef,
+    shards: int,
+    retention_bytes: Optional[int],
+    retention_ms: Optional[int],
+    incarnation: Optional[int] = None,
+) -> WireRequest:
+    """A stream create; ``incarnation`` is the trailing field, sent only when
+    given (and then needing :attr:`Feature.STREAM_INCARNATION`)."""
     w = _w().stream(stream).u32(shards)
     w.opt(retention_bytes, w.u64).opt(retention_ms, w.u64)
-    return _req("create_stream", 0x10, w)
+    if incarnation is None:
+        return _req("create_stream", 0x10, w)
+    w.u64(incarnation)
+    return _req("create_stream", 0x10, w, Feature.STREAM_INCARNATION)
 
 
 def describe_stream(stream: StreamRef) -> WireRequest:
@@ -544,18 +567,17 @@ def _error(r: Reader) -> FelixError:
     core = r.opt("error core", r.u32)
     # A not_leader error (from a broker in a cluster) names the leader's
     # client address after the core.
-    if number == 10:
-        leader = r.opt("error leader", r.string)
-        if leader is not None:
-            message = f"{message} (leader {leader})"
-    return error_from_wire(number, message, core)
+    leader = r.opt("error leader", r.string) if number == 10 else None
+    if leader is not None:
+        message = f"{message} (leader {leader})"
+    return error_from_wire(number, message, core, leader)
 
 
 _DECODERS: Dict[int, Tuple[str, Callable[[Reader], Any]]] = {
     0x01: ("hello_ok", _hello_ok),
     0x02: ("pong", lambda r: None),
     0x03: ("ok", lambda r: None),
-    0x10: ("stream", lambda r: r.stream_info()),
+    0x10: ("stream", lambda r: r.stream_info(trailing=True)),
     0x11: ("streams", lambda r: r.vec("streams", _MIN_STREAM_INFO, r.stream_info)),
     0x12: ("shard", lambda r: r.shard_info()),
     0x13: ("replica", lambda r: r.replica_info()),

@@ -14,7 +14,7 @@ from ._durations import Seconds
 from ._durations import ms_u32 as _ms_u32
 from ._durations import ms_u64 as _ms_u64
 from ._durations import seconds as _seconds
-from ._shard_calls import ShardPort
+from ._shard_calls import BrokerPort
 from ._version import __version__
 from .errors import (
     AlreadyExists,
@@ -140,8 +140,8 @@ class _Slot:
 
 def _copy_error(error: FelixError) -> FelixError:
     """A fresh instance of ``error`` (one exception object is never raised in
-    two threads), keeping its code, number, core and cause."""
-    copy = type(error)(error.message, number=error.number, core=error.core)
+    two threads), keeping its code, number, core, leader and cause."""
+    copy = type(error)(error.message, number=error.number, core=error.core, leader=error.leader)
     copy.__cause__ = error.__cause__
     return copy
 
@@ -154,6 +154,18 @@ def _expect(response: _wire.Response, call: str, *names: str) -> _wire.Response:
     if response.name not in names:
         raise _unexpected(response, call)
     return response
+
+
+def client_config(config: Optional[ClientConfig], **options: object) -> ClientConfig:
+    """``config`` (a :class:`ClientConfig`; its defaults if ``None``) with the
+    fields named in ``options`` that are not ``None`` replaced: what
+    :meth:`Client.connect` and :meth:`~felix.ClusterClient.connect` take."""
+    if config is None:
+        config = ClientConfig()
+    elif not isinstance(config, ClientConfig):
+        raise InvalidArgument(f"config must be a ClientConfig, not {type(config).__name__}")
+    given = {k: v for k, v in options.items() if v is not None}
+    return replace(config, **given) if given else config
 
 
 def _parse_addr(addr: Union[str, Tuple[str, int]]) -> Tuple[str, int]:
@@ -218,7 +230,7 @@ def _check_record(item: RecordLike) -> RecordIn:
     return RecordIn.of(item)
 
 
-def _check_records(records: Iterable[RecordLike], key: Optional[bytes] = None) -> List[RecordIn]:
+def check_records(records: Iterable[RecordLike], key: Optional[bytes] = None) -> List[RecordIn]:
     """Records to publish, checked; ``key`` is given to those without one."""
     if isinstance(records, (bytes, bytearray, memoryview, str, RecordIn)):
         raise InvalidArgument("publish_batch takes a list of records, not a single record")
@@ -234,9 +246,17 @@ def _check_records(records: Iterable[RecordLike], key: Optional[bytes] = None) -
     return out
 
 
-def _check_offsets(offsets: Union[int, GroupRecord, Iterable[Union[int, GroupRecord]]]) -> List[int]:
+#: What an ack takes: an offset, a :class:`GroupRecord`, or an iterable of either.
+Offsets = Union[int, GroupRecord, Iterable[Union[int, GroupRecord]]]
+
+
+def check_ack_offsets(offsets: Offsets) -> List[int]:
+    """The offsets of an ack, checked: at most a request's worth."""
     items = [offsets] if isinstance(offsets, (int, GroupRecord)) else list(offsets)
-    return [check_u64("offset", o.offset if isinstance(o, GroupRecord) else o) for o in items]
+    batch = [check_u64("offset", o.offset if isinstance(o, GroupRecord) else o) for o in items]
+    if len(batch) > _wire.MAX_ITEMS_PER_VEC:
+        raise InvalidArgument(f"an ack carries at most {_wire.MAX_ITEMS_PER_VEC} offsets, not {len(batch)}")
+    return batch
 
 
 def _check_dead_letter_page(from_offset: int, page: DeadLetterPage) -> None:
@@ -319,23 +339,17 @@ class Client:
         :class:`~felix.errors.ConnectionFailed` or
         :class:`~felix.errors.Timeout` when the broker cannot be reached.
         """
-        if config is None:
-            config = ClientConfig()
-        elif not isinstance(config, ClientConfig):
-            raise InvalidArgument(f"config must be a ClientConfig, not {type(config).__name__}")
-        options = {
-            "token": token,
-            "ack_on_commit": ack_on_commit,
-            "request_timeout": request_timeout,
-            "connect_timeout": connect_timeout,
-            "client_name": client_name,
-            "max_frame_bytes": max_frame_bytes,
-            "reconnect_backoff_initial": reconnect_backoff_initial,
-            "reconnect_backoff_max": reconnect_backoff_max,
-        }
-        given = {k: v for k, v in options.items() if v is not None}
-        if given:
-            config = replace(config, **given)
+        config = client_config(
+            config,
+            token=token,
+            ack_on_commit=ack_on_commit,
+            request_timeout=request_timeout,
+            connect_timeout=connect_timeout,
+            client_name=client_name,
+            max_frame_bytes=max_frame_bytes,
+            reconnect_backoff_initial=reconnect_backoff_initial,
+            reconnect_backoff_max=reconnect_backoff_max,
+        )
         host, port = _parse_addr(addr)
         addrs = _resolve(host, port)
         name = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -610,9 +624,18 @@ class Client:
         *,
         retention_bytes: Optional[int] = None,
         retention_ms: Optional[int] = None,
+        incarnation: Optional[int] = None,
     ) -> StreamInfo:
         """Create a stream of ``shards`` shards. ``retention_bytes`` (per shard)
         and ``retention_ms`` bound what is kept; ``None`` leaves it unlimited.
+
+        ``incarnation`` (1 to 2**63 - 1) names this creation of the stream on
+        a broker in a cluster; every broker must hold the same one, which
+        :meth:`felix.ClusterClient.create_stream` sees to. Needs
+        :attr:`Feature.STREAM_INCARNATION`: without it the create raises
+        :class:`~felix.errors.Unsupported` and sends nothing. Created on one
+        broker of a cluster without one, the stream is that broker's alone
+        (``docs/operations.md``, "A cluster").
 
         Raises :class:`~felix.errors.AlreadyExists` if the stream exists.
         """
@@ -621,9 +644,12 @@ class Client:
         for what, value in (("retention_bytes", retention_bytes), ("retention_ms", retention_ms)):
             if value is not None:
                 check_int(what, value, _MAX_U63)
+        if incarnation is not None:
+            check_int("incarnation", incarnation, _MAX_U63, minimum=1)
+            self._require(Feature.STREAM_INCARNATION, "a stream incarnation")
         with self._lock:
             self._placements.pop(ref, None)
-        response = self._call_any(_wire.create_stream(ref, shards, retention_bytes, retention_ms))
+        response = self._call_any(_wire.create_stream(ref, shards, retention_bytes, retention_ms, incarnation))
         if response.name == "ok":
             return self._describe_stream(ref)
         info: StreamInfo = _expect(response, "create_stream", "stream").value
@@ -707,7 +733,7 @@ class Client:
         """Publish records (:class:`RecordIn` or bare payloads) to ``shard`` in
         one request; they get consecutive offsets."""
         ref = StreamRef.parse(stream)
-        batch = self._check_batch_size(_check_records(records))
+        batch = self._check_batch_size(check_records(records))
         request = _wire.publish(ref, _check_shard(shard), None, self._ack_mode(), batch)
         return self._published(self._call_shard(ref, shard, request))
 
@@ -731,7 +757,7 @@ class Client:
         record without a key of its own is stored with ``key``."""
         ref = StreamRef.parse(stream)
         routing = to_bytes("key", key)
-        batch = self._check_batch_size(_check_records(records, routing))
+        batch = self._check_batch_size(check_records(records, routing))
         shard = shard_for_key(routing, self._placement(ref).shards)
         request = _wire.publish(ref, None, routing, self._ack_mode(), batch)
         return self._published(self._call_shard(ref, shard, request))
@@ -883,18 +909,21 @@ class Client:
         stream: StreamLike,
         shard: int,
         group: str,
-        offsets: Union[int, GroupRecord, Iterable[Union[int, GroupRecord]]],
+        offsets: Offsets,
     ) -> None:
         """Finish records: the group will not hand them out again. ``offsets``
         is an offset, a :class:`GroupRecord`, or an iterable of either (one
         request for all of them; an empty one sends nothing)."""
         self._require(Feature.GROUPS, "group_ack")
         ref = StreamRef.parse(stream)
-        batch = _check_offsets(offsets)
-        if len(batch) > _wire.MAX_ITEMS_PER_VEC:
-            raise InvalidArgument(f"an ack carries at most {_wire.MAX_ITEMS_PER_VEC} offsets, not {len(batch)}")
+        batch = check_ack_offsets(offsets)
         if batch:
-            self._group_ok(ref, shard, _wire.group_ack(ref, _check_shard(shard), _check_group(group), batch))
+            self._group_ok(ref, shard, self._group_ack_request(ref, _check_shard(shard), _check_group(group), batch))
+
+    def _group_ack_request(self, ref: StreamRef, shard: int, group: str, offsets: List[int]) -> _wire.WireRequest:
+        """An ack of checked ``offsets`` (the feature it needs is required now)."""
+        self._require(Feature.GROUPS, "group_ack")
+        return _wire.group_ack(ref, shard, group, offsets)
 
     def _group_nack_request(
         self, ref: StreamRef, shard: int, group: str, record: GroupRecord, delay: Seconds, reason: Optional[str]
@@ -1121,7 +1150,7 @@ class Client:
                 the stream is idle; shorter makes ``close()`` quicker.
         """
         return ShardedGroup(
-            ShardPort(self, StreamRef.parse(stream)),
+            BrokerPort(self, StreamRef.parse(stream)),
             group,
             consumer=consumer,
             reclaim=reclaim,

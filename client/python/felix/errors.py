@@ -5,8 +5,8 @@ and a human :attr:`~FelixError.message`. Errors the broker answered carry the
 wire code's name (``not_found``, ``stale_claim``, ...) and its number in
 :attr:`~FelixError.number`; each wire code has its own subclass. Errors raised
 on the client side (``invalid_argument``, ``timeout``, ``disconnected``,
-``connection_failed``, ``protocol``, and a local ``unsupported``) have
-``number`` ``None``.
+``connection_failed``, ``protocol``, and a local ``unsupported`` or
+``already_exists``) have ``number`` ``None``.
 """
 
 from typing import Dict, Optional, Type
@@ -44,15 +44,26 @@ class FelixError(Exception):
         number: the wire error code's number when the broker answered with
             it, ``None`` for errors raised by the client itself.
         core: for ``wrong_core``, the core the broker says owns the shard.
+        leader: for ``not_leader``, the client address of the broker that
+            leads the shard, when the answering broker knows it (``None``
+            while an election is on, or a new leader is catching up).
     """
 
     code: str = "felix_error"
 
-    def __init__(self, message: str, *, number: Optional[int] = None, core: Optional[int] = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        number: Optional[int] = None,
+        core: Optional[int] = None,
+        leader: Optional[str] = None,
+    ):
         super().__init__(message)
         self.message = message
         self.number = number
         self.core = core
+        self.leader = leader
 
     @property
     def from_broker(self) -> bool:
@@ -81,7 +92,10 @@ class NotFound(FelixError):
 
 
 class AlreadyExists(FelixError):
-    """Wire code 3: the stream or group already exists."""
+    """Wire code 3: the stream or group already exists. Also raised locally
+    (``number`` ``None``) by :meth:`felix.ClusterClient.create_stream` when
+    the brokers of a cluster hold the stream in a way a create must not
+    paper over (another shard count, different incarnations, too few)."""
 
     code = "already_exists"
 
@@ -136,7 +150,10 @@ class StaleClaim(FelixError):
 
 
 class NotLeader(FelixError):
-    """Wire code 10: this broker does not lead the shard."""
+    """Wire code 10: this broker (in a cluster) does not lead the shard;
+    :attr:`leader` names the broker that does, when it is known. Nothing was
+    written: the request can be sent again (to the leader).
+    :class:`felix.ClusterClient` follows it itself."""
 
     code = "not_leader"
 
@@ -207,10 +224,12 @@ _BY_NUMBER: Dict[int, Type[FelixError]] = {
 }
 
 
-def error_from_wire(number: int, message: str, core: Optional[int] = None) -> FelixError:
+def error_from_wire(
+    number: int, message: str, core: Optional[int] = None, leader: Optional[str] = None
+) -> FelixError:
     """The exception for a broker ``Error`` answer. An unknown code becomes
     :class:`Internal`, keeping its number and naming it in the message."""
     cls = _BY_NUMBER.get(number)
     if cls is None:
-        return Internal(f"unknown error code {number}: {message}", number=number, core=core)
-    return cls(message, number=number, core=core)
+        return Internal(f"unknown error code {number}: {message}", number=number, core=core, leader=leader)
+    return cls(message, number=number, core=core, leader=leader)

@@ -15,6 +15,13 @@ that landed, in the order they landed. A wake-up lost to an interrupt is
 harmless, so a poll can be interrupted at any point without losing what its
 requests claim, and nothing is left running once
 :meth:`ShardedGroup.close` returns.
+
+Over a cluster (:meth:`felix.ClusterClient.sharded_group`, the Rust client's
+``ShardedGroup::on_cluster``) each shard's calls go to the broker that leads
+it: a call that lands with ``not_leader``, or fails in a way the cluster
+client tries again, is sent again from the group's own thread (the next
+look at the calls out), to the leader named or the next broker, after the
+cluster client's backoff.
 """
 
 import itertools
@@ -96,8 +103,9 @@ class ShardedRecord:
 
 class ShardedGroup:
     """One consumer of a consumer group on every shard of a stream. Make one
-    with :meth:`Client.sharded_group`; use it as a context manager or call
-    :meth:`close`.
+    with :meth:`Client.sharded_group`, or :meth:`ClusterClient.sharded_group`
+    for a cluster (each shard's calls then go to the broker that leads it);
+    use it as a context manager or call :meth:`close`.
 
     :meth:`poll` first claims what is available on the shards without
     waiting, starting from a different shard each time so that none is served
@@ -148,7 +156,7 @@ class ShardedGroup:
         visibility: Optional[Seconds] = None,
         wait_slice: Seconds = DEFAULT_WAIT_SLICE,
     ) -> None:
-        """Use :meth:`Client.sharded_group`."""
+        """Use :meth:`Client.sharded_group` or :meth:`ClusterClient.sharded_group`."""
         self._port = port
         self._client = port.client
         self._stream = port.stream
@@ -161,7 +169,7 @@ class ShardedGroup:
             raise InvalidArgument(f"{self._stream} has no shards")
         self._shards = info.shards
         #: The broker core of each shard: shards on one core share a connection.
-        self._placement = info.placement
+        self._placement = port.cores(info)
         #: Polls take turns under it, for as long as they last.
         self._turn = threading.Lock()
         #: Closes take turns under it.
@@ -335,10 +343,10 @@ class ShardedGroup:
     def _spawn(self, shard: int, max_records: int, wait: float) -> bool:
         """Send a poll to ``shard``; False (nothing sent) once closed."""
         wait_ms = ms_u32("wait", wait)
-        request = self._port.poll_request(
-            shard, self._group, max_records, wait_ms, self._member, self._visibility_ms
+        call = self._port.poll_call(
+            shard, self._group, max_records, wait_ms, self._member, self._visibility_ms, self._notify
         )
-        return self._send(self._port.call(shard, request, wait_ms / 1000, self._notify))
+        return self._send(call)
 
     def _send(self, call: ShardCall) -> bool:
         """Route ``call`` (which may block: a connect, a placement refresh)
@@ -394,7 +402,7 @@ class ShardedGroup:
                     call.expire()
             landed = sorted((c for c in self._out.values() if c.landed is not None), key=lambda c: c.landed or 0)
             for call in landed:
-                if call.wrong_core():
+                if call.follow():
                     if self._out.get(call.shard) is call:
                         del self._out[call.shard]
                         if not closing:
@@ -416,7 +424,7 @@ class ShardedGroup:
         if self._out.get(shard) is not call:
             return None  # Taken in or given up on already.
         try:
-            records = self._port.records(call.answer())
+            records = self._port.records(call)
         except NotSent:
             del self._out[shard]
             return None
@@ -500,19 +508,19 @@ class ShardedGroup:
         by_shard: Dict[int, List[int]] = {}
         for record in records:
             by_shard.setdefault(self._check(record).shard, []).append(record.offset)
-        requests = []
+        calls = []
         step = _wire.MAX_ITEMS_PER_VEC
         for shard in sorted(by_shard):
             offsets = by_shard[shard]
             for at in range(0, len(offsets), step):
-                requests.append((shard, self._port.ack_request(shard, self._group, offsets[at : at + step])))
-        self._run_all(requests, "group_ack")
+                calls.append(self._port.ack_call(shard, self._group, offsets[at : at + step]))
+        self._run_all(calls, "group_ack")
 
-    def _run_all(self, requests: List[Tuple[int, _wire.WireRequest]], call: str, ignore_stale: bool = False) -> None:
-        """Send every request, then await every answer (each must be ``ok``);
+    def _run_all(self, calls: List[ShardCall], call: str, ignore_stale: bool = False) -> None:
+        """Send every call, then await every answer (each must be ``ok``);
         the first error is raised."""
         first: Optional[FelixError] = None
-        pending = [self._port.start(shard, request) for shard, request in requests]
+        pending = [c.start() for c in calls]
         for started in pending:
             try:
                 response = started.result()
@@ -634,14 +642,14 @@ class ShardedGroup:
             if self._deferred is not None:
                 errors.append(self._deferred)
             self._deferred = None
-        requests = []
+        calls = []
         for record in held:
             try:
-                requests.append((record.shard, self._port.nack_request(record.shard, self._group, record.record)))
+                calls.append(self._port.nack_call(record.shard, self._group, record.record))
             except FelixError as error:
                 errors.append(error)
         try:
-            self._run_all(requests, "group_nack", ignore_stale=True)
+            self._run_all(calls, "group_nack", ignore_stale=True)
         except FelixError as error:
             errors.append(error)
         with self._lock:

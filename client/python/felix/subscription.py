@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from datetime import timedelta
 
     from .client import Client
+    from .cluster import ClusterClient
 
 __all__ = ["Subscription"]
 
@@ -48,7 +49,8 @@ def check_batch(from_offset: Optional[int], batch: ReadBatch) -> ReadBatch:
 
 class Subscription(Iterator[Record]):
     """An endless iterator over one shard's records in offset order,
-    long-polling the broker at the tail. Made by :meth:`Client.subscribe`.
+    long-polling the broker at the tail. Made by :meth:`Client.subscribe`
+    (or :meth:`ClusterClient.subscribe`).
 
     ``next()`` blocks until a record is available. A failed read raises its
     error from ``next()``; calling ``next()`` again retries from the same
@@ -60,14 +62,14 @@ class Subscription(Iterator[Record]):
 
     def __init__(
         self,
-        client: "Client",
+        client: Union["Client", "ClusterClient"],
         stream: StreamRef,
         shard: int,
         start: StartPosition,
         max_records: int,
         wait: Union[float, "timedelta"],
     ) -> None:
-        """Use :meth:`Client.subscribe`."""
+        """Use :meth:`Client.subscribe` or :meth:`ClusterClient.subscribe`."""
         self._client = client
         self._stream = stream
         self._shard = shard

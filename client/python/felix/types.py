@@ -56,6 +56,10 @@ class Feature(enum.IntFlag):
     GROUP_DEAD_LETTER_PAGES = 1 << 5
     #: ``describe_replica`` (a broker in a cluster).
     REPLICA_INFO = 1 << 6
+    #: Stream incarnations (a broker in a cluster that keeps them): a
+    #: ``create_stream`` with ``incarnation=``, and
+    #: :attr:`StreamInfo.incarnation` in its answers.
+    STREAM_INCARNATION = 1 << 7
 
 
 def check_utf8(what: str, text: str) -> bytes:
@@ -322,6 +326,11 @@ class StreamInfo:
     retention_ms: Optional[int]
     #: The core that owns each shard, indexed by shard.
     placement: Tuple[int, ...]
+    #: In a cluster: this creation of the stream, the same on every broker
+    #: (see :meth:`felix.ClusterClient.create_stream`). ``None`` for a stream
+    #: created without one, from a broker without
+    #: :attr:`Feature.STREAM_INCARNATION`, and in :meth:`~felix.Client.list_streams`.
+    incarnation: Optional[int] = None
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,18 @@
-"""Shared helpers: the broker under test and fresh names."""
+"""Shared helpers: the broker under test, clusters of brokers started here,
+and fresh names."""
 
+import atexit
 import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
 import threading
+import time
 import unittest
 import uuid
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import felix
 
@@ -21,7 +29,8 @@ def broker_addr() -> str:
             "FELIX_ADDR is not set: start a broker with durable storage and 2 cores, with "
             "FELIX_GROUP_MAX_ATTEMPTS=3 (FELIX_GROUP_MAX_ATTEMPTS=3 ./target/release/felix serve --data-dir DIR "
             "--listen 127.0.0.1:7611 --cores 2) and export FELIX_ADDR=127.0.0.1:7611; "
-            "the broker-free tests: cd client/python && python3 -m unittest tests.test_wire tests.test_sharded_fake"
+            "the broker-free tests: cd client/python && python3 -m unittest tests.test_wire tests.test_sharded_fake "
+            "tests.test_cluster_unit"
         )
     return addr
 
@@ -70,3 +79,168 @@ class BrokerTestCase(unittest.TestCase):
         path = fresh_stream(prefix or self._testMethodName[:40])
         self.client.create_stream(path, shards)
         return path
+
+
+def broker_binary() -> str:
+    """The broker binary the cluster tests start three of, from
+    ``FELIX_TEST_BROKER`` (``felix-test-broker DATA_DIR LISTEN CORES``).
+
+    Fails loudly when it is unset, as :func:`broker_addr` does.
+    """
+    binary = os.environ.get("FELIX_TEST_BROKER")
+    if not binary:
+        raise RuntimeError(
+            "FELIX_TEST_BROKER is not set: the cluster tests start brokers of their own. Build the test "
+            "broker (cargo build -p felix-tests --bin felix-test-broker) and export "
+            "FELIX_TEST_BROKER=$PWD/target/debug/felix-test-broker; cargo test runs this suite with it set"
+        )
+    if not os.access(binary, os.X_OK):
+        raise RuntimeError(f"FELIX_TEST_BROKER={binary} is not an executable file")
+    return binary
+
+
+def free_ports(count: int) -> List[int]:
+    """``count`` distinct ports the OS had free a moment ago."""
+    socks = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            socks.append(sock)
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+#: How long a broker may take to say it listens.
+_START_DEADLINE = 20.0
+
+
+class _Node:
+    """One broker process of a :class:`Cluster`: its stdout is read to the end
+    by a thread of its own (so the broker never blocks writing to it), which
+    notes the address it says it listens on."""
+
+    def __init__(self, args: List[str], env: Dict[str, str], log_path: str) -> None:
+        self.listening = threading.Event()
+        self.output: List[str] = []
+        self.log_path = log_path
+        with open(log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                args,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=log,
+            )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for raw in self.process.stdout:
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            self.output.append(line)
+            if line.startswith("felix: listening on "):
+                self.listening.set()
+        self.process.stdout.close()
+
+    def wait_listening(self, deadline: float) -> None:
+        while not self.listening.wait(min(0.05, max(deadline - time.monotonic(), 0))):
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the broker exited with {self.process.returncode} before listening{self._said()}")
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"the broker did not say it listens within {_START_DEADLINE:.0f} s{self._said()}")
+
+    def _said(self) -> str:
+        """What the broker printed, for an error: its stdout and its log's end."""
+        try:
+            with open(self.log_path, "rb") as log:
+                tail = log.read()[-2000:].decode("utf-8", "replace")
+        except OSError as e:
+            tail = f"(its log {self.log_path} cannot be read: {e})"
+        return f"; stdout: {self.output}; log: {tail}"
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+        self.process.wait(10)
+        self._reader.join(10)
+
+
+class Cluster:
+    """Three brokers forming a cluster of their own (``$FELIX_TEST_BROKER``, one
+    core each, ``FELIX_GROUP_MAX_ATTEMPTS=3``), on ports the OS picked, with
+    data in a temporary directory removed by :meth:`stop`. Nodes are
+    numbered 1 to 3; ``addrs[n - 1]`` is node ``n``'s client address. Each
+    broker's log (stderr) is ``<dir>/n<N>.log``."""
+
+    def __init__(self) -> None:
+        self._binary = broker_binary()
+        self.dir = tempfile.mkdtemp(prefix="felix-py-cluster-")
+        ports = free_ports(6)
+        #: The brokers' client addresses, node 1 first.
+        self.addrs = [f"127.0.0.1:{p}" for p in ports[:3]]
+        replication = [f"127.0.0.1:{p}" for p in ports[3:]]
+        self._secret = os.path.join(self.dir, "cluster.secret")
+        fd = os.open(self._secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("a secret for the python cluster tests\n")
+        self._nodes_setting = ",".join(f"{i + 1}={self.addrs[i]}/{replication[i]}" for i in range(3))
+        self._nodes: Dict[int, _Node] = {}
+        # Whatever ends the tests (an interrupt that skips the cleanups
+        # included), no broker outlives them.
+        atexit.register(self.stop)
+        try:
+            for node in (1, 2, 3):
+                self._spawn(node)
+            deadline = time.monotonic() + _START_DEADLINE
+            for node in (1, 2, 3):
+                self._nodes[node].wait_listening(deadline)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _spawn(self, node: int) -> None:
+        # The brokers' settings only: none of this process's FELIX_* variables.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FELIX_")}
+        env.update(
+            FELIX_NODE_ID=str(node),
+            FELIX_CLUSTER_NODES=self._nodes_setting,
+            FELIX_CLUSTER_SECRET_FILE=self._secret,
+            FELIX_METRICS_LISTEN="",
+            FELIX_GROUP_MAX_ATTEMPTS="3",
+            RUST_LOG="warn",
+        )
+        data = os.path.join(self.dir, f"n{node}")
+        args = [self._binary, data, self.addrs[node - 1], "1"]
+        self._nodes[node] = _Node(args, env, os.path.join(self.dir, f"n{node}.log"))
+
+    def node_of(self, addr: str) -> int:
+        """The node whose client address is ``addr``."""
+        return self.addrs.index(addr) + 1
+
+    def running(self, node: int) -> bool:
+        n = self._nodes.get(node)
+        return n is not None and n.process.poll() is None
+
+    def kill9(self, node: int) -> None:
+        """``kill -9`` the broker of ``node``, and wait for it to be gone."""
+        self._nodes[node].kill()
+
+    def restart(self, node: int) -> None:
+        """Start the broker of ``node`` again, on its data directory and ports;
+        returns once it listens."""
+        if self.running(node):
+            raise RuntimeError(f"node {node} is running")
+        self._spawn(node)
+        self._nodes[node].wait_listening(time.monotonic() + _START_DEADLINE)
+
+    def stop(self) -> None:
+        """Kill every broker and remove the data (again: nothing more)."""
+        for node in list(self._nodes.values()):
+            node.kill()
+        self._nodes.clear()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        atexit.unregister(self.stop)

@@ -1,0 +1,340 @@
+'use strict';
+
+// ClusterClient without a cluster: the incarnation a create chooses, the
+// wire's incarnation and not_leader fields, and the retry rules against
+// scripted fake brokers (a not_leader followed, a lost answer sent again
+// or not, a close during a backoff).
+
+const test = require('node:test');
+const assert = require('node:assert/strict');
+const net = require('node:net');
+const felix = require('../src');
+const wire = require('../src/wire');
+const { incarnationToCreate, showIncarnation, keepsIncarnations } = require('../src/cluster');
+const { fakeBroker, answer, errorFrame, streamRefOf } = require('../test-support/fake-broker');
+
+const {
+  AlreadyExistsError, Client, ClusterClient, ConnectionError, DisconnectedError, InvalidArgumentError,
+  NotLeaderError, UnavailableError, UnsupportedError,
+} = felix;
+const { FEATURES } = wire;
+
+const info = (shards, incarnation) => ({
+  stream: { tenant: 't', namespace: 'n', stream: 's' },
+  shards,
+  placement: new Array(shards).fill(0),
+  incarnation,
+});
+const held = (...pairs) => pairs.map(([broker, i]) => ({ broker, info: i }));
+
+/** Expect `f()` to throw AlreadyExistsError saying `says`. */
+function refused(f, says) {
+  assert.throws(f, (err) => err instanceof AlreadyExistsError && err.message.includes(says), says);
+}
+
+test('a create takes the incarnation a majority holds, or a new one, or refuses', () => {
+  // Nobody holds it: a new one, within what a broker stores, new each time.
+  const fresh = incarnationToCreate('t/n/s', 2, 3, []);
+  assert.equal(typeof fresh, 'bigint');
+  assert.ok(fresh >= 1n && fresh <= wire.MAX_INCARNATION);
+  assert.notEqual(incarnationToCreate('t/n/s', 2, 3, []), fresh, 'a new one each time');
+  // A majority agree: theirs, a stream without one included.
+  assert.equal(incarnationToCreate('t/n/s', 2, 3, held(['a', info(2, 7n)], ['b', info(2, 7n)])), 7n);
+  assert.equal(incarnationToCreate('t/n/s', 2, 3, held(['a', info(2, 7n)], ['b', info(2, 7n)], ['c', info(2, 7n)])), 7n);
+  assert.equal(incarnationToCreate('t/n/s', 2, 3, held(['a', info(2)], ['b', info(2)])), undefined);
+  // Holders that disagree, one without an incarnation included.
+  refused(() => incarnationToCreate('t/n/s', 2, 3, held(['a', info(2, 7n)], ['b', info(2, 8n)])), 'not the same stream everywhere');
+  refused(
+    () => incarnationToCreate('t/n/s', 2, 3, held(['a', info(2, 7n)], ['b', info(2)])),
+    'a holds incarnation 0x0000000000000007 and b none',
+  );
+  // Too few hold it: perhaps a stream the others deleted.
+  refused(() => incarnationToCreate('t/n/s', 2, 3, held(['c', info(2, 7n)])), 'held by only 1 of the 3 brokers (c)');
+  refused(() => incarnationToCreate('t/n/s', 2, 3, held(['c', info(2, 7n)])), 'delete it on that broker');
+  refused(() => incarnationToCreate('t/n/s', 2, 4, held(['a', info(2, 7n)], ['b', info(2, 7n)])), 'only 2 of the 4 brokers (a, b)');
+  refused(() => incarnationToCreate('t/n/s', 2, 4, held(['a', info(2, 7n)], ['b', info(2, 7n)])), 'delete it on those brokers');
+  // Another shard count is said first.
+  refused(
+    () => incarnationToCreate('t/n/s', 2, 3, held(['a', info(3, 7n)], ['b', info(2, 8n)])),
+    't/n/s exists on a with 3 shards, not 2',
+  );
+});
+
+test('incarnations show as felix stream describe shows them', () => {
+  assert.equal(showIncarnation(7n), '0x0000000000000007');
+  assert.equal(showIncarnation(wire.MAX_INCARNATION), '0x7fffffffffffffff');
+  assert.equal(showIncarnation(undefined), 'none');
+});
+
+test('a broker that does not keep incarnations is refused one, locally', () => {
+  const old = { hasFeature: (bits) => (FEATURES.GROUPS & bits) === bits };
+  assert.throws(() => keepsIncarnations(old, 'b:1', 7n), (err) => err instanceof UnsupportedError && err.local && /b:1 does not keep stream incarnations/.test(err.message));
+  keepsIncarnations(old, 'b:1', undefined);
+  keepsIncarnations({ hasFeature: () => true }, 'b:1', 7n);
+});
+
+/** A StreamInfo body, with the trailing incarnation when given. */
+function streamInfo(w, path, shards, incarnation) {
+  const [tenant, namespace, stream] = path.split('/');
+  wire.putStreamRef(w, { tenant, namespace, stream });
+  w.u32(shards);
+  w.opt(undefined, w.u64);
+  w.opt(undefined, w.u64);
+  w.u32(shards);
+  for (let i = 0; i < shards; i++) w.u32(0);
+  if (incarnation !== undefined) w.u64(incarnation);
+}
+
+const body = (write) => {
+  const w = new wire.Writer();
+  write(w);
+  return Buffer.from(w.finish());
+};
+
+test('a Stream answer carries the incarnation as a trailing field', () => {
+  assert.equal(wire.decodeResponse(0x10, body((w) => streamInfo(w, 't/n/s', 2, 0x1234n))).info.incarnation, 0x1234n);
+  assert.equal(wire.decodeResponse(0x10, body((w) => streamInfo(w, 't/n/s', 2))).info.incarnation, undefined);
+  assert.throws(() => wire.decodeResponse(0x10, body((w) => streamInfo(w, 't/n/s', 2, 0n))), /invalid incarnation/);
+  const cut = body((w) => streamInfo(w, 't/n/s', 2, 5n)).subarray(0, -3);
+  assert.throws(() => wire.decodeResponse(0x10, cut), /truncated incarnation/);
+});
+
+/** A not_leader answer, naming `leader` when given. */
+const notLeader = (id, leader) => answer(id, 0xff, (w) => {
+  w.u16(10);
+  w.str(leader ? `led by ${leader}` : 'electing');
+  w.opt(undefined, w.u32);
+  w.opt(leader, w.str);
+});
+const published = (id, base) => answer(id, 0x20, (w) => {
+  w.u32(0);
+  w.u64(base);
+  w.u32(1);
+});
+const ok = (id) => answer(id, 0x03);
+const ops = (fake, opcode) => fake.state.requests.filter((r) => r.opcode === opcode).length;
+
+/** A fake broker started for the test and closed after it. */
+async function fake(t, options) {
+  const f = await fakeBroker(options);
+  t.after(() => f.close());
+  return f;
+}
+
+/** A cluster client of `fakes`, closed after the test. */
+async function cluster(t, fakes, options) {
+  const c = await ClusterClient.connect(fakes.map((f) => f.addr), options);
+  t.after(() => c.close());
+  return c;
+}
+
+/** A port nothing listens on. */
+async function deadAddr() {
+  const server = net.createServer();
+  await new Promise((resolve) => server.listen(0, '127.0.0.1', resolve));
+  const { port } = server.address();
+  await new Promise((resolve) => server.close(resolve));
+  return `127.0.0.1:${port}`;
+}
+
+test('the not_leader error carries the leader the broker names', async (t) => {
+  const e = felix.errorFromWire(10, 'not me', undefined, '10.0.0.2:7400');
+  assert.ok(e instanceof NotLeaderError);
+  assert.equal(e.leader, '10.0.0.2:7400');
+  assert.equal(e.code, 'not_leader');
+  const f = await fake(t, { onRequest: (frame, socket) => socket.write(notLeader(frame.requestId, '10.0.0.9:1')) });
+  const c = await Client.connect(f.addr);
+  t.after(() => c.close());
+  await assert.rejects(c.publish('t/n/s', 0, 'x'), (err) => err instanceof NotLeaderError && err.leader === '10.0.0.9:1');
+});
+
+test('connect: addresses checked, each once, trimmed; at least one must answer', async (t) => {
+  await assert.rejects(ClusterClient.connect([]), (err) => err instanceof InvalidArgumentError && /at least one broker/.test(err.message));
+  await assert.rejects(ClusterClient.connect(' a:1 '), InvalidArgumentError);
+  await assert.rejects(ClusterClient.connect(['nope']), InvalidArgumentError);
+  await assert.rejects(ClusterClient.connect(['a:1'], { requestTimeout: 1 }), InvalidArgumentError);
+  const a = await fake(t, {});
+  const dead = await deadAddr();
+  const c = await ClusterClient.connect([dead, ` ${a.addr} `, a.addr, `${dead} `]);
+  t.after(() => c.close());
+  assert.deepEqual(c.brokers, [dead, a.addr]);
+  await assert.rejects(ClusterClient.connect([dead]), ConnectionError, 'none answers: the last error');
+});
+
+test('a not_leader answer naming another broker is followed, and the leader remembered', async (t) => {
+  const b = await fake(t, { onRequest: (frame, socket) => socket.write(published(frame.requestId, 5n)) });
+  const a = await fake(t, { onRequest: (frame, socket) => socket.write(notLeader(frame.requestId, b.addr)) });
+  // Only `a` is given: `b` is reached by following.
+  const c = await cluster(t, [a]);
+  assert.equal(await c.publish('t/n/s', 0, 'x'), 5n);
+  assert.equal(c.leaderOf('t/n/s', 0), b.addr);
+  assert.equal(await c.publish('t/n/s', 0, 'y'), 5n);
+  assert.deepEqual([ops(a, 0x20), ops(b, 0x20)], [1, 2], 'the second publish went to the leader at once');
+  assert.equal(c.leaderOf('t/n/s', 1), undefined, 'per shard');
+});
+
+test('calls that need a broker at once share one connection attempt', async (t) => {
+  const b = await fake(t, { onRequest: (frame, socket) => socket.write(published(frame.requestId, 1n)) });
+  // Five shards' publishes, answered together: all five follow to `b` at once.
+  const asked = [];
+  const a = await fake(t, {
+    onRequest: (frame, socket) => {
+      asked.push(frame.requestId);
+      if (asked.length === 5) socket.write(Buffer.concat(asked.map((id) => notLeader(id, b.addr))));
+    },
+  });
+  const c = await cluster(t, [a]);
+  const offsets = await Promise.all([0, 1, 2, 3, 4].map((shard) => c.publish('t/n/s', shard, 'x')));
+  assert.deepEqual(offsets, [1n, 1n, 1n, 1n, 1n]);
+  assert.equal(ops(b, 0x20), 5);
+  assert.equal(b.state.connections, 1, 'one connection to the broker followed');
+});
+
+test('while no leader is known the next broker is tried, backing off', async (t) => {
+  let electing = 2;
+  const b = await fake(t, {
+    onRequest: (frame, socket) => socket.write(electing-- > 0 ? notLeader(frame.requestId) : published(frame.requestId, 1n)),
+  });
+  const a = await fake(t, { onRequest: (frame, socket) => socket.write(notLeader(frame.requestId)) });
+  const c = await cluster(t, [a, b]);
+  const start = Date.now();
+  assert.equal(await c.publish('t/n/s', 0, 'x'), 1n);
+  // a, b, a, b, a, b: five backoffs of 25, 50, 100, 200 and 400 ms.
+  assert.deepEqual([ops(a, 0x20), ops(b, 0x20)], [3, 3]);
+  assert.ok(Date.now() - start >= 700, `backed off (${Date.now() - start} ms)`);
+  assert.equal(c.leaderOf('t/n/s', 0), b.addr);
+});
+
+test('a publish whose answer was lost is sent again; a nack is not', async (t) => {
+  const dropped = new Set();
+  const a = await fake(t, {
+    onRequest: (frame, socket) => {
+      // The first of each kind: the connection drops with it unanswered.
+      if (!dropped.has(frame.opcode)) {
+        dropped.add(frame.opcode);
+        socket.destroy();
+        return;
+      }
+      socket.write(frame.opcode === 0x20 ? published(frame.requestId, 3n) : ok(frame.requestId));
+    },
+  });
+  const c = await cluster(t, [a]);
+  assert.equal(await c.publish('t/n/s', 0, 'x'), 3n, 'at least once');
+  assert.equal(ops(a, 0x20), 2);
+  assert.equal(c.leaderOf('t/n/s', 0), a.addr);
+  await assert.rejects(c.groupNack('t/n/s', 0, 'g', { offset: 3n, attempts: 1 }), DisconnectedError);
+  assert.equal(ops(a, 0x32), 1, 'a nack whose answer was lost is not sent again');
+  assert.equal(c.leaderOf('t/n/s', 0), undefined, 'the leader is forgotten');
+  // The next call connects anew.
+  await c.groupNack('t/n/s', 0, 'g', { offset: 3n, attempts: 1 });
+  assert.equal(ops(a, 0x32), 2);
+});
+
+test('unavailable: a publish is sent again, a seek is not', async (t) => {
+  const unavailable = new Set();
+  const a = await fake(t, {
+    onRequest: (frame, socket) => {
+      if (!unavailable.has(frame.opcode)) {
+        unavailable.add(frame.opcode);
+        socket.write(errorFrame(frame.requestId, 7, 'not committed within 10 s'));
+        return;
+      }
+      socket.write(frame.opcode === 0x20 ? published(frame.requestId, 9n) : ok(frame.requestId));
+    },
+  });
+  const c = await cluster(t, [a]);
+  assert.equal(await c.publish('t/n/s', 0, 'x'), 9n);
+  assert.equal(ops(a, 0x20), 2);
+  await assert.rejects(c.groupSeek('t/n/s', 0, 'g', 'latest'), UnavailableError);
+  assert.equal(ops(a, 0x41), 1);
+});
+
+test('a read is answered by any broker, which is not remembered as the leader', async (t) => {
+  const a = await fake(t, {
+    onRequest: (frame, socket) => socket.write(answer(frame.requestId, 0x21, (w) => {
+      w.u64(0n);
+      w.u64(0n);
+      w.u64(0n);
+      w.u32(0);
+    })),
+  });
+  const c = await cluster(t, [a]);
+  assert.deepEqual((await c.read('t/n/s', 0, 'earliest')).records, []);
+  assert.equal(c.leaderOf('t/n/s', 0), undefined);
+});
+
+test('close() ends a call that is backing off', async (t) => {
+  const a = await fake(t, { onRequest: (frame, socket) => socket.write(notLeader(frame.requestId)) });
+  const c = await cluster(t, [a]);
+  const call = c.publish('t/n/s', 0, 'x');
+  await new Promise((resolve) => setTimeout(resolve, 100));
+  const start = Date.now();
+  c.close();
+  await assert.rejects(call, DisconnectedError);
+  assert.ok(Date.now() - start < 100, 'at once');
+  await assert.rejects(c.publish('t/n/s', 0, 'x'), DisconnectedError, 'closed');
+});
+
+/** A fake broker of a cluster for creates: holds `holds` (an incarnation, `null` for one without, or nothing). */
+async function streamBroker(t, features, holds) {
+  const state = { holds, creates: [] };
+  const f = await fake(t, {
+    features,
+    onRequest: (frame, socket) => {
+      const { path, rest } = streamRefOf(frame.body);
+      if (frame.opcode === 0x11) {
+        if (state.holds === undefined) socket.write(errorFrame(frame.requestId, 2, `${path} not found`));
+        else socket.write(answer(frame.requestId, 0x10, (w) => streamInfo(w, path, 2, state.holds ?? undefined)));
+      } else if (frame.opcode === 0x10) {
+        // shards u32, two opt<u64> (absent here), then the trailing incarnation.
+        const trailing = frame.body.length - (rest + 6);
+        const incarnation = trailing === 8 ? frame.body.readBigUInt64LE(rest + 6) : undefined;
+        state.creates.push(incarnation);
+        state.holds = incarnation ?? null;
+        socket.write(answer(frame.requestId, 0x10, (w) => streamInfo(w, path, 2, incarnation)));
+      } else {
+        assert.fail(`unexpected opcode ${frame.opcode}`);
+      }
+    },
+  });
+  return Object.assign(f, { stream: state });
+}
+
+const ALL = 0xff;
+
+test('createStream: one new incarnation on every broker, sent as the trailing field', async (t) => {
+  const brokers = [await streamBroker(t, ALL), await streamBroker(t, ALL), await streamBroker(t, ALL)];
+  const c = await cluster(t, brokers);
+  const made = await c.createStream('t/n/s', 2);
+  const [i] = brokers[0].stream.creates;
+  assert.equal(typeof i, 'bigint');
+  assert.deepEqual(brokers.map((b) => b.stream.creates), [[i], [i], [i]]);
+  assert.equal(made.incarnation, i);
+  // Run again: every broker holds it; nothing is created.
+  await c.createStream('t/n/s', 2);
+  assert.deepEqual(brokers.map((b) => b.stream.creates.length), [1, 1, 1]);
+});
+
+test('createStream: the brokers that lack it get the majority\'s incarnation', async (t) => {
+  const brokers = [await streamBroker(t, ALL, 42n), await streamBroker(t, ALL), await streamBroker(t, ALL, 42n)];
+  const c = await cluster(t, brokers);
+  await c.createStream('t/n/s', 2);
+  assert.deepEqual(brokers.map((b) => b.stream.creates), [[], [42n], []]);
+});
+
+test('createStream: nothing is created where a broker does not keep incarnations', async (t) => {
+  const brokers = [await streamBroker(t, ALL), await streamBroker(t, ALL & ~FEATURES.STREAM_INCARNATION)];
+  const c = await cluster(t, brokers);
+  await assert.rejects(c.createStream('t/n/s', 2), (err) => err instanceof UnsupportedError
+    && err.local && err.message.includes(`${brokers[1].addr} does not keep stream incarnations`));
+  assert.deepEqual(brokers.map((b) => b.stream.creates), [[], []]);
+  // A plain client refuses to send one, too.
+  const plain = await Client.connect(brokers[1].addr);
+  t.after(() => plain.close());
+  await assert.rejects(plain.createStream('t/n/s', 2, { incarnation: 7n }), (err) => err instanceof UnsupportedError && err.local);
+  await assert.rejects(plain.createStream('t/n/s', 2, { incarnation: 1n << 63n }), InvalidArgumentError);
+  assert.deepEqual(brokers[1].stream.creates, []);
+  // Without one, as before incarnations.
+  await plain.createStream('t/n/s', 2);
+  assert.deepEqual(brokers[1].stream.creates, [undefined]);
+});

@@ -1,0 +1,263 @@
+"""ClusterClient without a cluster: which incarnation a create uses, the wire
+fields a cluster adds, and, against scripted fake brokers, which failures
+each kind of call is sent again after. No real broker needed."""
+
+import struct
+import unittest
+from typing import List, Optional
+
+import felix
+from felix import _wire
+from felix.cluster import incarnation_to_create, show_incarnation
+
+from .fake_broker import FakeBroker, FakeBrokerCase, error_frame, response_frame
+
+STREAM = "t/n/s"
+REF = felix.StreamRef("t", "n", "s")
+F = felix.Feature
+
+
+def info(shards: int, incarnation: Optional[int]) -> felix.StreamInfo:
+    return felix.StreamInfo(REF, shards, None, None, (0,) * shards, incarnation)
+
+
+def stream_answer(request_id: int, shards: int = 1, incarnation: Optional[int] = None) -> bytes:
+    """A ``Stream`` answer for STREAM, with the trailing incarnation if given."""
+    w = _wire.Writer().stream(REF).u32(shards).u8(0).u8(0).u32(shards)
+    for _ in range(shards):
+        w.u32(0)
+    if incarnation is not None:
+        w.u64(incarnation)
+    return response_frame(request_id, 0x10, bytes(w.buf))
+
+
+def not_leader(request_id: int, leader: Optional[str]) -> bytes:
+    """A ``not_leader`` answer naming ``leader`` (the client address)."""
+    w = _wire.Writer().u16(10).string("this broker does not lead the shard").u8(0)
+    w.opt(leader, lambda a: w.string(a))
+    return response_frame(request_id, 0xFF, bytes(w.buf))
+
+
+def published(request_id: int, base: int, count: int = 1) -> bytes:
+    return response_frame(request_id, 0x20, struct.pack("<IQI", 0, base, count))
+
+
+def ok(request_id: int) -> bytes:
+    return response_frame(request_id, 0x03, b"")
+
+
+def group_records(request_id: int, offsets: List[int]) -> bytes:
+    w = _wire.Writer().u32(len(offsets))
+    for offset in offsets:
+        w.u64(offset).u32(1).u64(0).u8(0).u32(0).blob(b"r%d" % offset).u8(0)
+    return response_frame(request_id, 0x30, bytes(w.buf))
+
+
+def addr(fake: FakeBroker) -> str:
+    host, port = fake.addr
+    return f"{host}:{port}"
+
+
+def record(offset: int) -> felix.GroupRecord:
+    return felix.GroupRecord(offset, 1, 0, None, (), b"", None)
+
+
+class IncarnationTest(unittest.TestCase):
+    def refused(self, held: List, brokers: int, says: str) -> None:  # type: ignore[type-arg]
+        with self.assertRaises(felix.AlreadyExists) as caught:
+            incarnation_to_create("t/n/s", 2, brokers, held)
+        self.assertIn(says, caught.exception.message)
+        self.assertFalse(caught.exception.from_broker)
+
+    def test_a_create_takes_the_majoritys_incarnation_or_refuses(self) -> None:
+        # Nobody holds it: a new one, within the range a broker stores.
+        fresh = incarnation_to_create("t/n/s", 2, 3, [])
+        assert fresh is not None
+        self.assertTrue(1 <= fresh <= (1 << 63) - 1)
+        self.assertNotEqual(incarnation_to_create("t/n/s", 2, 3, []), fresh, "a new one each time")
+        # A majority agree: theirs, a stream without one included.
+        self.assertEqual(incarnation_to_create("t/n/s", 2, 3, [("a", info(2, 7)), ("b", info(2, 7))]), 7)
+        self.assertIsNone(incarnation_to_create("t/n/s", 2, 3, [("a", info(2, None)), ("b", info(2, None))]))
+        # Disagreeing holders, a None among them included.
+        self.refused([("a", info(2, 7)), ("b", info(2, 8))], 3, "not the same stream everywhere")
+        self.refused([("a", info(2, 7)), ("b", info(2, None))], 3, "holds incarnation 0x0000000000000007 and b none")
+        # Too few hold it: perhaps a stream the others deleted.
+        self.refused([("c", info(2, 7))], 3, "held by only 1 of the 3 brokers (c)")
+        self.refused([("a", info(2, 7)), ("b", info(2, 7))], 4, "only 2 of the 4")
+        # Another shard count is said first.
+        self.refused([("a", info(3, 7)), ("b", info(2, 8))], 3, "exists on a with 3 shards, not 2")
+
+    def test_an_incarnation_shows_as_felix_stream_describe_shows_it(self) -> None:
+        self.assertEqual(show_incarnation(None), "none")
+        self.assertEqual(show_incarnation(0xABC), "0x0000000000000abc")
+
+
+class ClusterWireTest(unittest.TestCase):
+    def decode(self, opcode: int, frame: bytes) -> _wire.Response:
+        body = frame[16:]
+        return _wire.decode_response(_wire.FrameHeader(12 + len(body), 2, opcode, 0, 1), body)
+
+    def test_a_stream_answer_may_carry_a_trailing_incarnation(self) -> None:
+        self.assertIsNone(self.decode(0x10, stream_answer(1)).value.incarnation)
+        self.assertEqual(self.decode(0x10, stream_answer(1, incarnation=99)).value.incarnation, 99)
+        with self.assertRaises(felix.ProtocolError):
+            self.decode(0x10, stream_answer(1, incarnation=0))  # Never 0.
+        with self.assertRaises(felix.ProtocolError):
+            self.decode(0x10, stream_answer(1) + b"\x01")  # Cut short.
+        # A list's entries never carry it.
+        entry = stream_answer(1)[16:]
+        self.assertEqual(self.decode(0x11, b"\x00" * 16 + struct.pack("<I", 1) + entry).value[0].incarnation, None)
+        with self.assertRaises(felix.ProtocolError):
+            self.decode(0x11, b"\x00" * 16 + struct.pack("<I", 1) + entry + struct.pack("<Q", 5))
+
+    def test_a_create_carries_the_incarnation_only_when_given(self) -> None:
+        plain = _wire.create_stream(REF, 2, None, None)
+        given = _wire.create_stream(REF, 2, None, None, 0x0102030405060708)
+        self.assertEqual(plain.required, F(0))
+        self.assertEqual(given.required, F.STREAM_INCARNATION)
+        self.assertEqual(given.body, plain.body + struct.pack("<Q", 0x0102030405060708))
+
+    def test_a_not_leader_answer_names_the_leader(self) -> None:
+        error = self.decode(0xFF, not_leader(1, "10.0.0.2:7400")).value
+        self.assertIsInstance(error, felix.NotLeader)
+        self.assertEqual((error.code, error.leader, error.core), ("not_leader", "10.0.0.2:7400", None))
+        self.assertIsNone(self.decode(0xFF, not_leader(1, None)).value.leader)
+
+
+class FakeClusterTest(FakeBrokerCase):
+    def cluster(self, *fakes: FakeBroker) -> felix.ClusterClient:
+        cc = felix.ClusterClient.connect([addr(f) for f in fakes], request_timeout=5.0)
+        self.addCleanup(cc.close)
+        return cc
+
+    def test_connect_counts_each_broker_once_and_needs_one(self) -> None:
+        fake = self.serve(lambda h, b, c: ok(h.request_id))
+        a = addr(fake)
+        with self.assertRaises(felix.InvalidArgument):
+            felix.ClusterClient.connect([])
+        with self.assertRaises(felix.InvalidArgument):
+            felix.ClusterClient.connect(" , ")
+        with self.assertRaises(felix.InvalidArgument):
+            felix.ClusterClient.connect([a, "no-port"])
+        cc = self.cluster(fake)
+        self.assertEqual(cc.brokers, (a,))
+        with felix.ClusterClient.connect(f" {a} ,{a}") as same:
+            self.assertEqual(same.brokers, (a,))
+        # One down is passed over; all down is the last one's error.
+        gone = self.serve(lambda h, b, c: None)
+        down = addr(gone)
+        gone.close()
+        with felix.ClusterClient.connect([down, a]) as one:
+            self.assertEqual(one.brokers, (down, a))
+        with self.assertRaises(felix.ConnectionFailed):
+            felix.ClusterClient.connect([down])
+
+    def test_an_incarnation_is_never_sent_to_a_broker_that_does_not_keep_them(self) -> None:
+        fake = self.serve(lambda h, b, c: stream_answer(h.request_id))
+        client = self.connect(fake)
+        with self.assertRaises(felix.Unsupported):
+            client.create_stream(STREAM, 1, incarnation=5)
+        with self.assertRaises(felix.InvalidArgument):
+            client.create_stream(STREAM, 1, incarnation=0)
+        self.assertEqual(fake.received, [])
+
+    def test_a_create_gives_the_others_the_majoritys_incarnation(self) -> None:
+        created: List[bytes] = []
+
+        def holder(header, body, core):  # type: ignore[no-untyped-def]
+            return stream_answer(header.request_id, 2, incarnation=77)
+
+        def lacking(header, body, core):  # type: ignore[no-untyped-def]
+            if header.opcode == 0x11:
+                return error_frame(header.request_id, 2, "no such stream")
+            created.append(body)
+            return stream_answer(header.request_id, 2, incarnation=77)
+
+        full = int(F.STREAM_INCARNATION)
+        a, b, c = self.serve(holder, full), self.serve(holder, full), self.serve(lacking, full)
+        made = self.cluster(a, b, c).create_stream(STREAM, 2)
+        self.assertEqual(made.incarnation, 77)
+        self.assertEqual(len(created), 1)
+        self.assertEqual(created[0][-8:], struct.pack("<Q", 77), "created as the holders' incarnation")
+        # A broker that does not keep incarnations: refused before any create.
+        old = self.serve(lacking, 0)
+        with self.assertRaises(felix.Unsupported):
+            self.cluster(a, b, old).create_stream(STREAM, 2)
+        self.assertEqual(old.received, [0x11])
+
+    def test_a_not_leader_answer_naming_another_broker_is_followed(self) -> None:
+        b = self.serve(lambda h, body, c: published(h.request_id, 41))
+        a = self.serve(lambda h, body, c: not_leader(h.request_id, addr(b)))
+        cc = self.cluster(a, b)
+        self.assertIsNone(cc.leader_of(STREAM, 0))
+        self.assertEqual(cc.publish(STREAM, 0, b"x"), 41)
+        self.assertEqual(cc.leader_of(STREAM, 0), addr(b))
+        self.assertEqual(cc.publish(STREAM, 0, b"y"), 41)
+        self.assertEqual((a.received, b.received), ([0x20], [0x20, 0x20]), "the second went to the leader")
+
+    def test_a_lost_answer_is_sent_again_for_a_publish_and_not_for_a_nack(self) -> None:
+        # `a` takes acks and drops the connection on anything else; `b` leads
+        # once `a` is gone.
+        a = self.serve(lambda h, body, c: ok(h.request_id) if h.opcode == 0x31 else None, int(F.GROUPS))
+        b = self.serve(lambda h, body, c: published(h.request_id, 7) if h.opcode == 0x20 else ok(h.request_id), int(F.GROUPS))
+        cc = self.cluster(a, b)
+        cc.group_ack(STREAM, 0, "g", [1, 2])
+        self.assertEqual(cc.leader_of(STREAM, 0), addr(a))
+        # A nack may have been applied: not sent again, and the leader is forgotten.
+        with self.assertRaises(felix.Disconnected):
+            cc.group_nack(STREAM, 0, "g", record(1))
+        self.assertIsNone(cc.leader_of(STREAM, 0))
+        self.assertEqual((a.received, b.received), ([0x31, 0x32], []))
+        # A publish is sent again (at least once): on the next broker.
+        self.assertEqual(cc.publish(STREAM, 0, b"x"), 7)
+        self.assertEqual((a.received, b.received), ([0x31, 0x32, 0x20], [0x20]))
+        self.assertEqual(cc.leader_of(STREAM, 0), addr(b))
+
+    def test_unavailable_is_tried_again_only_where_twice_is_harmless(self) -> None:
+        features = int(F.GROUPS | F.GROUP_ADMIN)
+        a = self.serve(lambda h, body, c: error_frame(h.request_id, 7, "commit timed out"), features)
+        b = self.serve(lambda h, body, c: published(h.request_id, 3) if h.opcode == 0x20 else ok(h.request_id), features)
+        cc = self.cluster(a, b)
+        with self.assertRaises(felix.Unavailable):
+            cc.group_seek(STREAM, 0, "g", felix.StartPosition.LATEST)
+        self.assertEqual(cc.publish(STREAM, 0, b"x"), 3)
+        self.assertEqual((a.received, b.received), ([0x41, 0x20], [0x20]))
+
+    def test_a_sharded_group_follows_each_shards_leader(self) -> None:
+        given = {0: [3, 4]}
+
+        def leader(header, body, core):  # type: ignore[no-untyped-def]
+            if header.opcode == 0x30:
+                return group_records(header.request_id, given.pop(0, []))
+            return ok(header.request_id)
+
+        b = self.serve(leader, int(F.GROUPS))
+
+        def follower(header, body, core):  # type: ignore[no-untyped-def]
+            if header.opcode == 0x11:
+                return stream_answer(header.request_id, 1)
+            return not_leader(header.request_id, addr(b))
+
+        a = self.serve(follower, int(F.GROUPS))
+        cc = self.cluster(a, b)
+        with cc.sharded_group(STREAM, "g") as group:
+            got = group.poll(4)
+            self.assertEqual([(r.shard, r.offset) for r in got], [(0, 3), (0, 4)])
+            self.assertEqual(cc.leader_of(STREAM, 0), addr(b))
+            group.ack_many(got)
+        self.assertEqual(a.received, [0x11, 0x30], "only the first poll went to the follower")
+        self.assertEqual(b.received, [0x30, 0x31])
+
+    def test_a_sharded_group_on_a_closed_cluster_client_raises_disconnected(self) -> None:
+        fake = self.serve(lambda h, body, c: stream_answer(h.request_id, 2), int(F.GROUPS))
+        cc = self.cluster(fake)
+        group = cc.sharded_group(STREAM, "g")
+        cc.close()
+        with self.assertRaises(felix.Disconnected):
+            group.poll(4, wait=1)
+        group.close()
+        self.assertEqual(fake.received, [0x11], "nothing sent once closed")
+
+
+if __name__ == "__main__":
+    unittest.main()
