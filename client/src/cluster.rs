@@ -37,9 +37,8 @@ const BACKOFF_MAX: Duration = Duration::from_millis(500);
 /// broker died, the connection dropped, the request timed out) is sent
 /// again, so a record can be written twice: at least once, as the guide
 /// says of failovers; so are polls, acks, group creates and describes and
-/// dead-letter lists,
-/// also after an `unavailable` answer (its outcome may be unknown). The
-/// other group calls are tried again only where nothing was applied
+/// dead-letter lists, also after an `unavailable` answer (its outcome may
+/// be unknown). The other group calls are tried again only where nothing was applied
 /// (`not_leader`, a broker not reached); a lost answer or an
 /// `unavailable` is returned as the error it is, since a seek to `Latest`
 /// or a redrive made twice is not the same as once. Stream creation and
