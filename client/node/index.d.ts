@@ -325,7 +325,7 @@ export type ReplicaAnswer =
  * A client for a cluster of brokers, every shard replicated on each and
  * served by its elected leader: each per-shard call goes to the shard's
  * leader, following `not_leader` answers and trying the other brokers
- * (backing off, 40 attempts, about ten seconds) while none is known. The
+ * (backing off, 40 attempts, about 18 seconds) while none is known. The
  * per-shard calls take the same arguments as Client's.
  *
  * Sent again after a lost answer (a dropped connection, a timeout) or an

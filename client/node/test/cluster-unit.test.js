@@ -3,7 +3,7 @@
 // ClusterClient without a cluster: the incarnation a create chooses, the
 // wire's incarnation and not_leader fields, and the retry rules against
 // scripted fake brokers (a not_leader followed, a lost answer sent again
-// or not, a close during a backoff).
+// or not, a close during a backoff or with a request out).
 
 const test = require('node:test');
 const assert = require('node:assert/strict');
@@ -273,6 +273,37 @@ test('close() ends a call that is backing off', async (t) => {
   await assert.rejects(call, DisconnectedError);
   assert.ok(Date.now() - start < 100, 'at once');
   await assert.rejects(c.publish('t/n/s', 0, 'x'), DisconnectedError, 'closed');
+});
+
+test('close() ends a call whose request is out at once, leaving no timer behind', async (t) => {
+  // Five "no leader" answers (backoffs of 25 to 400 ms: the next would be
+  // 500 ms), then the publish is left unanswered: close() lands while it is out.
+  let sent;
+  const out = new Promise((resolve) => { sent = resolve; });
+  let electing = 5;
+  const a = await fake(t, {
+    onRequest: (frame, socket) => {
+      if (electing-- > 0) socket.write(notLeader(frame.requestId));
+      else sent();
+    },
+  });
+  const c = await cluster(t, [a]);
+  const call = c.publish('t/n/s', 0, 'x');
+  // Its failure is awaited below, not unhandled meanwhile.
+  call.catch(() => {});
+  await out;
+  assert.equal(ops(a, 0x20), 6);
+  const start = Date.now();
+  c.close();
+  // Once what close() set off has run, nothing waits on a timer (a
+  // backoff started after close() would, keeping the process alive).
+  await new Promise((resolve) => setImmediate(resolve));
+  const timers = process.getActiveResourcesInfo().filter((k) => k === 'Timeout');
+  assert.deepEqual(timers, [], 'no timer left to keep the process alive');
+  await assert.rejects(call, (err) => err instanceof DisconnectedError && /closed/.test(err.message));
+  const took = Date.now() - start;
+  assert.ok(took < 200, `rejected ${took} ms after close()`);
+  assert.equal(ops(a, 0x20), 6, 'not sent again');
 });
 
 /** A fake broker of a cluster for creates: holds `holds` (an incarnation, `null` for one without, or nothing). */
