@@ -9,7 +9,7 @@ answer naming another broker is followed. A failure worth trying again (which
 depends on the call, :class:`_Retry`) moves to the next broker after a pause
 that starts at 25 ms and doubles up to 500 ms; a connection that failed is
 dropped, so the next attempt connects anew. A call gives up after 40 attempts
-(about ten seconds of elections and dead brokers).
+(about 18 seconds of elections and dead brokers).
 """
 
 import enum
@@ -268,6 +268,11 @@ class _Pursuit:
         except Timeout as e:
             # Not connected: nothing was sent, so any call may try another broker.
             raise ConnectionFailed(f"connecting to {self.target} timed out: {e.message}") from e
+        except InvalidArgument as e:
+            # An address a not_leader answer named that cannot be connected
+            # to (a malformed one): nothing was sent, so the call moves on
+            # to the next broker, as the Rust and Node clients do.
+            raise ConnectionFailed(f"cannot connect to {self.target!r}: {e.message}") from e
         return self._client
 
     def succeeded(self) -> None:
@@ -474,7 +479,7 @@ class ClusterClient:
     lead the shard answers ``not_leader`` naming the one that does, and the
     call follows it. While no leader is known (an election after a leader
     was lost), or a broker cannot be reached, the call tries the others in
-    turn, backing off, for about ten seconds.
+    turn, backing off, for about 18 seconds.
 
     A publish (or a read) that was sent and whose answer was lost (the broker
     died, the connection dropped, the request timed out) is sent again, so a

@@ -21,7 +21,9 @@ Over a cluster (:meth:`felix.ClusterClient.sharded_group`, the Rust client's
 it: a call that lands with ``not_leader``, or fails in a way the cluster
 client tries again, is sent again from the group's own thread (the next
 look at the calls out), to the leader named or the next broker, after the
-cluster client's backoff.
+cluster client's backoff. The requests of :meth:`ShardedGroup.ack_many` and
+the nacks of :meth:`ShardedGroup.close` run in short-lived threads, one per
+request, so that their retries proceed alongside each other.
 """
 
 import itertools
@@ -58,6 +60,10 @@ _MAX_WAIT = 365 * 86400.0
 #: How long :meth:`ShardedGroup.close` waits for an answer already being
 #: handed over when it gives up on a poll.
 _LANDING = 1.0
+
+#: The most threads :meth:`ShardedGroup.ack_many` and :meth:`ShardedGroup.close`
+#: run their requests in (one per request, up to this many).
+_MAX_CALL_THREADS = 128
 
 #: Answers that say the connection of the shard's core is gone.
 _CONNECTION_LOST = (Disconnected, ConnectionFailed)
@@ -502,9 +508,9 @@ class ShardedGroup:
         self._client.group_ack(self._stream, record.shard, self._group, record.record)
 
     def ack_many(self, records: Iterable[ShardedRecord]) -> None:
-        """Finish several records: one request per shard, all sent before any
-        answer is awaited. On an error every request is still awaited and the
-        first error raised."""
+        """Finish several records: one request per shard, all sent at once
+        (over a cluster, each retried alongside the others). On an error every
+        request is still awaited and the first error raised."""
         by_shard: Dict[int, List[int]] = {}
         for record in records:
             by_shard.setdefault(self._check(record).shard, []).append(record.offset)
@@ -517,23 +523,49 @@ class ShardedGroup:
         self._run_all(calls, "group_ack")
 
     def _run_all(self, calls: List[ShardCall], call: str, ignore_stale: bool = False) -> None:
-        """Send every call, then await every answer (each must be ``ok``);
-        the first error is raised."""
-        first: Optional[FelixError] = None
-        pending = [c.start() for c in calls]
-        for started in pending:
-            try:
-                response = started.result()
-                if response.name != "ok":
-                    raise ProtocolError(f"broker answered {call} with {response.name}")
-            except StaleClaim as error:
-                if not ignore_stale and first is None:
-                    first = error
-            except FelixError as error:
-                if first is None:
-                    first = error
-        if first is not None:
-            raise first
+        """Run every call at once and await every answer (each must be
+        ``ok``); the first error, in the calls' order, is raised.
+
+        The calls run in short-lived threads, one per call (up to
+        :data:`_MAX_CALL_THREADS`, which then take the rest in turn; a single
+        call runs on the calling thread), so that what may block in a call,
+        a connect, a placement refresh and, over a cluster, the pauses and
+        attempts it is retried with (up to a call's budget, about 18 s),
+        proceeds alongside the other calls': the batch takes about as long
+        as its slowest call, not the sum of them (as the Rust client's
+        hand-back runs a task per nack). Nothing is left running once it
+        returns; interrupted, the calls still out run to their end."""
+        outcomes: List[Optional[BaseException]] = [None] * len(calls)
+        # `next` on an itertools.count is atomic: each call is run once.
+        taken = itertools.count()
+
+        def run() -> None:
+            while True:
+                i = next(taken)
+                if i >= len(calls):
+                    return
+                try:
+                    response = calls[i].start().result()
+                    if response.name != "ok":
+                        raise ProtocolError(f"broker answered {call} with {response.name}")
+                except BaseException as error:  # noqa: B902 - raised by the caller below
+                    outcomes[i] = error
+
+        if len(calls) == 1:
+            run()
+        else:
+            threads = [
+                threading.Thread(target=run, name=f"felix-{call}", daemon=True)
+                for _ in range(min(len(calls), _MAX_CALL_THREADS))
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        for error in outcomes:
+            if error is None or (ignore_stale and isinstance(error, StaleClaim)):
+                continue
+            raise error
 
     def nack(self, record: ShardedRecord, *, reason: Optional[str] = None) -> None:
         """Hand a record back now, owed to the group again. Raises

@@ -2,16 +2,20 @@
 and fresh names."""
 
 import atexit
+import ctypes
+import ctypes.util
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 import unittest
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional, Tuple
 
 import felix
@@ -117,6 +121,55 @@ def free_ports(count: int) -> List[int]:
 _START_DEADLINE = 20.0
 
 
+def _die_with_parent() -> Optional[Callable[[], None]]:
+    """On Linux, a ``preexec_fn`` that has the broker killed (``SIGKILL``) when
+    the thread that started it exits; ``None`` elsewhere (atexit alone then)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    # Looked up and typed here: the forked child only calls it, before exec.
+    prctl = libc.prctl
+    prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
+    prctl.restype = ctypes.c_int
+    pr_set_pdeathsig = 1
+    parent = os.getpid()
+
+    def preexec() -> None:
+        if prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
+            os._exit(126)
+        if os.getppid() != parent:  # The tests died before the prctl took.
+            os._exit(125)
+
+    return preexec
+
+
+#: Brokers must not outlive the tests, however they end. atexit (in
+#: Cluster) covers a normal exit and an uncaught exception, but not SIGTERM
+#: (a CI job cancelled, a test runner's timeout) nor SIGKILL. So each broker
+#: also gets PR_SET_PDEATHSIG=SIGKILL: the kernel kills it when its parent
+#: goes, whatever the signal. The "parent" there is the *thread* that forked
+#: it, so a broker started from a test's helper thread would die when that
+#: thread ends: every broker is started from this one worker thread instead,
+#: which lives until the interpreter shuts down (chosen over a SIGTERM
+#: handler, which only runs once the main thread gets back to Python code
+#: and cannot cover SIGKILL).
+_DIE_WITH_PARENT = _die_with_parent()
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="felix-broker-spawner")
+
+
+def _start_broker(args: List[str], env: Dict[str, str], stderr: object) -> "subprocess.Popen[bytes]":
+    """Start a broker from the spawner thread (see above)."""
+    return _SPAWNER.submit(
+        subprocess.Popen,
+        args,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        preexec_fn=_DIE_WITH_PARENT,
+    ).result()
+
+
 class _Node:
     """One broker process of a :class:`Cluster`: its stdout is read to the end
     by a thread of its own (so the broker never blocks writing to it), which
@@ -127,13 +180,7 @@ class _Node:
         self.output: List[str] = []
         self.log_path = log_path
         with open(log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                args,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=log,
-            )
+            self.process = _start_broker(args, env, log)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -189,8 +236,9 @@ class Cluster:
             f.write("a secret for the python cluster tests\n")
         self._nodes_setting = ",".join(f"{i + 1}={self.addrs[i]}/{replication[i]}" for i in range(3))
         self._nodes: Dict[int, _Node] = {}
-        # Whatever ends the tests (an interrupt that skips the cleanups
-        # included), no broker outlives them.
+        # An exit that skips the cleanups (an interrupt) still stops the
+        # brokers and removes the data; a signal is covered by
+        # _DIE_WITH_PARENT (the data then stays in the temporary directory).
         atexit.register(self.stop)
         try:
             for node in (1, 2, 3):

@@ -80,15 +80,22 @@ class ClusterTestCase(unittest.TestCase):
         return path
 
     def leader(self, stream: str, shard: int) -> str:
-        """The broker that leads ``shard``, once one says it does (remembered by ``self.cc``)."""
+        """The broker that leads ``shard``, once one says it does and every
+        running broker names it (so a follower's ``not_leader`` names it
+        too); remembered by ``self.cc``."""
         found: List[str] = []
 
         def elected() -> bool:
             views = self.cc.describe_replicas(stream, shard)
-            found[:] = [b for b, v in views if isinstance(v, felix.ReplicaInfo) and v.role == "leader"]
-            return bool(found)
+            running = [(b, v) for b, v in views if self.cluster.running(self.cluster.node_of(b))]
+            if not all(isinstance(v, felix.ReplicaInfo) for _, v in running):
+                return False
+            found[:] = [b for b, v in running if isinstance(v, felix.ReplicaInfo) and v.role == "leader"]
+            return len(found) == 1 and all(
+                isinstance(v, felix.ReplicaInfo) and v.leader_addr == found[0] for _, v in running
+            )
 
-        wait_until(f"{stream} shard {shard} elects a leader", elected)
+        wait_until(f"{stream} shard {shard} elects a leader every running broker names", elected)
         self.assertEqual(self.cc.leader_of(stream, shard), found[0])
         return found[0]
 
@@ -256,12 +263,24 @@ class PublishTest(ClusterTestCase):
                 return len(acked)
 
         thread, outcome = in_thread(self, publish)
-        wait_until("publishing starts", lambda: count() >= 60)
+        self.addCleanup(stop.set)  # Runs before in_thread's join.
+
+        def published(at_least: int) -> Callable[[], bool]:
+            def check() -> bool:
+                if "error" in outcome:  # The publisher failed: say why, now.
+                    raise AssertionError(f"a publish failed: {outcome['error']!r}")
+                return count() >= at_least
+
+            return check
+
+        wait_until("publishing starts", published(60))
         dead, node = self.kill_leader(path, 0)
         at_kill = count()
-        wait_until("publishing goes on after the leader was killed", lambda: count() >= at_kill + 150)
+        wait_until("publishing goes on after the leader was killed", published(at_kill + 150))
         stop.set()
         thread.join(30)
+        self.assertFalse(thread.is_alive(), "the publisher did not stop")
+        # The publisher is done: `acked` and `sent` are only read from here on.
         self.assertNotIn("error", outcome, f"a publish failed: {outcome.get('error')!r}")
         new = self.cc.leader_of(path, 0)
         self.assertIsNotNone(new)
@@ -292,7 +311,9 @@ class GroupsTest(ClusterTestCase):
         acked: Set[bytes] = set()
 
         def poll_and_ack(max_records: int, ack: bool = True) -> List[felix.GroupRecord]:
-            got = self.cc.group_poll(path, 0, group, max_records, wait=0.5)
+            # A 2 s visibility: a claim whose answer was lost (the leader
+            # died) or that the new leader handed out is owed again soon.
+            got = self.cc.group_poll(path, 0, group, max_records, wait=0.5, visibility=2)
             for record in got:
                 delivered[record.payload] = delivered.get(record.payload, 0) + 1
             if ack and got:
@@ -300,11 +321,14 @@ class GroupsTest(ClusterTestCase):
                 acked.update(r.payload for r in got)
             return got
 
+        deadline = time.monotonic() + DEADLINE
         while len(acked) < 10:
+            self.assertLess(time.monotonic(), deadline, f"{len(acked)} of the first 10 finished")
             poll_and_ack(10 - len(acked))
         # Five more claimed and left so: the new leader owes them again.
         held: List[felix.GroupRecord] = []
         while len(held) < 5:
+            self.assertLess(time.monotonic(), deadline, f"{len(held)} of 5 claimed")
             held += poll_and_ack(5 - len(held), ack=False)
         dead, node = self.kill_leader(path, 0)
         deadline = time.monotonic() + DEADLINE
@@ -336,7 +360,8 @@ class GroupsTest(ClusterTestCase):
         publish(range(4))
         self.cc.group_create_stream(path, "sharded")
         seen: Dict[Tuple[int, int], bytes] = {}
-        group = self.cc.sharded_group(path, "sharded", wait_slice=0.2)
+        # A 2 s visibility, as in the test above.
+        group = self.cc.sharded_group(path, "sharded", wait_slice=0.2, visibility=2)
         self.addCleanup(group.close)
         self.assertEqual(group.shards, 3)
 

@@ -3,11 +3,14 @@ fields a cluster adds, and, against scripted fake brokers, which failures
 each kind of call is sent again after. No real broker needed."""
 
 import struct
+import threading
+import time
 import unittest
 from typing import List, Optional
+from unittest import mock
 
 import felix
-from felix import _wire
+from felix import _wire, cluster, sharded
 from felix.cluster import incarnation_to_create, show_incarnation
 
 from .fake_broker import FakeBroker, FakeBrokerCase, error_frame, response_frame
@@ -51,6 +54,18 @@ def group_records(request_id: int, offsets: List[int]) -> bytes:
     for offset in offsets:
         w.u64(offset).u32(1).u64(0).u8(0).u32(0).blob(b"r%d" % offset).u8(0)
     return response_frame(request_id, 0x30, bytes(w.buf))
+
+
+def stream_or(answer):  # type: ignore[no-untyped-def]
+    """A script answering a describe with STREAM (one shard) and anything
+    else with ``answer(header, body)``."""
+
+    def script(header, body, core):  # type: ignore[no-untyped-def]
+        if header.opcode == 0x11:
+            return stream_answer(header.request_id, 1)
+        return answer(header, body)
+
+    return script
 
 
 def addr(fake: FakeBroker) -> str:
@@ -126,7 +141,10 @@ class ClusterWireTest(unittest.TestCase):
 
 class FakeClusterTest(FakeBrokerCase):
     def cluster(self, *fakes: FakeBroker) -> felix.ClusterClient:
-        cc = felix.ClusterClient.connect([addr(f) for f in fakes], request_timeout=5.0)
+        return self.cluster_of([addr(f) for f in fakes])
+
+    def cluster_of(self, addrs: List[str]) -> felix.ClusterClient:
+        cc = felix.ClusterClient.connect(addrs, request_timeout=5.0)
         self.addCleanup(cc.close)
         return cc
 
@@ -257,6 +275,143 @@ class FakeClusterTest(FakeBrokerCase):
             group.poll(4, wait=1)
         group.close()
         self.assertEqual(fake.received, [0x11], "nothing sent once closed")
+
+
+    # --- what is tried again, and how long it takes --------------------------
+
+    def test_a_call_that_must_not_run_twice_is_retried_where_nothing_was_applied(self) -> None:
+        features = int(F.GROUPS | F.GROUP_ADMIN)
+        # Not reached (connection refused): the seek goes to the next broker.
+        gone = self.serve(lambda h, body, c: None)
+        down = addr(gone)
+        gone.close()
+        b = self.serve(lambda h, body, c: ok(h.request_id), features)
+        cc = self.cluster_of([down, addr(b)])
+        cc.group_seek(STREAM, 0, "g", felix.StartPosition.LATEST)
+        self.assertEqual(b.received, [0x41])
+        self.assertEqual(cc.leader_of(STREAM, 0), addr(b))
+        # not_leader naming no leader (an election): the next broker.
+        a = self.serve(lambda h, body, c: not_leader(h.request_id, None), features)
+        c = self.serve(lambda h, body, c: ok(h.request_id), features)
+        cc = self.cluster(a, c)
+        cc.group_seek(STREAM, 0, "g", felix.StartPosition.LATEST)
+        self.assertEqual((a.received, c.received), ([0x41], [0x41]))
+        self.assertEqual(cc.leader_of(STREAM, 0), addr(c))
+
+    def test_a_malformed_leader_address_moves_on_to_the_next_broker(self) -> None:
+        features = int(F.GROUPS | F.GROUP_ADMIN)
+        a = self.serve(lambda h, body, c: not_leader(h.request_id, "no-port"), features)
+        b = self.serve(lambda h, body, c: published(h.request_id, 9) if h.opcode == 0x20 else ok(h.request_id), features)
+        cc = self.cluster(a, b)
+        self.assertEqual(cc.publish(STREAM, 0, b"x"), 9)
+        cc.group_seek(STREAM, 0, "g", felix.StartPosition.LATEST)
+        self.assertEqual((a.received, b.received), ([0x20], [0x20, 0x41]))
+        # Named by every broker, it is the error the call ends with, saying which address.
+        only = self.cluster(a)
+        with mock.patch.object(cluster, "ATTEMPTS", 4), self.assertRaises(felix.ConnectionFailed) as caught:
+            only.publish(STREAM, 0, b"x")
+        self.assertIn("'no-port'", caught.exception.message)
+
+    def test_the_nack_of_a_close_is_not_sent_again_after_a_lost_answer(self) -> None:
+        def answer(header, body):  # type: ignore[no-untyped-def]
+            if header.opcode == 0x30:
+                return group_records(header.request_id, [3, 4])
+            return None  # A nack: the connection drops, the answer is lost.
+
+        a = self.serve(stream_or(answer), int(F.GROUPS))
+        b = self.serve(stream_or(lambda h, body: ok(h.request_id)), int(F.GROUPS))
+        group = self.cluster(a, b).sharded_group(STREAM, "g")
+        self.assertEqual([r.offset for r in group.poll(1)], [3])
+        self.assertEqual(group.held, 1)
+        with self.assertRaises(felix.Disconnected):
+            group.close()
+        self.assertEqual(a.received, [0x11, 0x30, 0x32], "one nack")
+        self.assertEqual(b.received, [], "not tried on another broker")
+
+    def test_closing_the_cluster_client_cuts_a_retry_pause_short(self) -> None:
+        fake = self.serve(stream_or(lambda h, body: not_leader(h.request_id, None)), int(F.GROUPS))
+        with mock.patch.object(cluster, "BACKOFF_FIRST", 30.0):
+            cc = self.cluster(fake)
+            group = cc.sharded_group(STREAM, "g")
+            records = [felix.ShardedRecord(0, record(1)), felix.ShardedRecord(0, record(2))]
+            calls = {
+                "publish": lambda: cc.publish(STREAM, 0, b"x"),
+                "ack_many": lambda: group.ack_many(records),
+                "nack": lambda: group.nack(records[0]),
+            }
+            outcomes = {}
+            threads = []
+            for name, call in calls.items():
+
+                def run(name=name, call=call):  # type: ignore[no-untyped-def]
+                    try:
+                        call()
+                    except felix.FelixError as error:
+                        outcomes[name] = error
+
+                threads.append(threading.Thread(target=run))
+                threads[-1].start()
+            # Every call was answered once and is pausing for 30 s.
+            self.assertTrue(fake.wait_for_requests(4))
+            time.sleep(0.1)
+            started = time.monotonic()
+            cc.close()
+            for thread in threads:
+                thread.join(5)
+            self.assertLess(time.monotonic() - started, 2.0)
+        self.assertFalse(any(t.is_alive() for t in threads))
+        self.assertEqual(sorted(fake.received), [0x11, 0x20, 0x31, 0x32], "no second attempt")
+        self.assertEqual({n: type(e) for n, e in outcomes.items()}, dict.fromkeys(calls, felix.Disconnected))
+
+    def test_a_close_retries_its_nacks_together(self) -> None:
+        # A shard whose brokers answer every nack not_leader naming no
+        # leader: each nack is tried its whole budget (shrunk here to 6
+        # attempts, 775 ms of pauses), all at once, not one after another.
+        def answer(header, body):  # type: ignore[no-untyped-def]
+            if header.opcode == 0x30:
+                return group_records(header.request_id, [1, 2, 3, 4, 5, 6])
+            return not_leader(header.request_id, None)
+
+        fake = self.serve(stream_or(answer), int(F.GROUPS))
+        group = self.cluster(fake).sharded_group(STREAM, "g")
+        self.assertEqual(len(group.poll(1)), 1)
+        self.assertEqual(group.held, 5)
+        budget = sum(0.025 * 2**i for i in range(5))
+        with mock.patch.object(cluster, "ATTEMPTS", 6):
+            started = time.monotonic()
+            with self.assertRaises(felix.NotLeader):
+                group.close()
+            took = time.monotonic() - started
+        self.assertEqual(fake.received.count(0x32), 5 * 6, "every nack tried its 6 attempts")
+        self.assertGreaterEqual(took, budget)
+        self.assertLess(took, 2 * budget + 0.5, f"{took:.2f} s: one after another takes {5 * budget:.2f} s")
+        self.assertEqual(group.held, 0)
+
+    def test_ack_many_retries_each_shards_ack_together(self) -> None:
+        def script(header, body, core):  # type: ignore[no-untyped-def]
+            if header.opcode == 0x11:
+                return stream_answer(header.request_id, 4)
+            return not_leader(header.request_id, None)
+
+        fake = self.serve(script, int(F.GROUPS))
+        group = self.cluster(fake).sharded_group(STREAM, "g")
+        records = [felix.ShardedRecord(shard, record(7)) for shard in range(4)]
+        budget = sum(0.025 * 2**i for i in range(5))
+        with mock.patch.object(cluster, "ATTEMPTS", 6):
+            started = time.monotonic()
+            with self.assertRaises(felix.NotLeader):
+                group.ack_many(records)
+            took = time.monotonic() - started
+        self.assertEqual(fake.received.count(0x31), 4 * 6)
+        self.assertLess(took, 2 * budget + 0.5, f"{took:.2f} s: one after another takes {4 * budget:.2f} s")
+        # Capped at 2 threads, they take turns: two calls at a time.
+        with mock.patch.object(cluster, "ATTEMPTS", 6), mock.patch.object(sharded, "_MAX_CALL_THREADS", 2):
+            started = time.monotonic()
+            with self.assertRaises(felix.NotLeader):
+                group.ack_many(records)
+            took = time.monotonic() - started
+        self.assertEqual(fake.received.count(0x31), 2 * 4 * 6)
+        self.assertGreaterEqual(took, 2 * budget)
 
 
 if __name__ == "__main__":
