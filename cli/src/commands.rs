@@ -45,10 +45,22 @@ pub async fn run(global: &GlobalArgs, command: Command) -> Result<(), CliError> 
     if brokers.len() > 1 && spans_shards(&command) {
         return on_cluster(global, &brokers, command).await;
     }
-    if let (true, Command::Stream(create @ StreamCmd::Create { .. })) =
-        (brokers.len() > 1, &command)
-    {
-        return create_everywhere(global, &brokers, create.clone()).await;
+    if let Command::Stream(create @ StreamCmd::Create { stream, .. }) = &command {
+        // On a cluster, on every broker of it, however many were named.
+        if let Some(members) = cluster_members(global, &brokers).await? {
+            let named: std::collections::BTreeSet<&String> = brokers.iter().collect();
+            if members.iter().collect::<std::collections::BTreeSet<_>>() != named {
+                eprintln!(
+                    "felix: the cluster has {} brokers ({}): creating {stream} on each",
+                    members.len(),
+                    members.join(", ")
+                );
+            }
+            return create_everywhere(global, &members, create.clone()).await;
+        }
+        if brokers.len() > 1 {
+            return create_everywhere(global, &brokers, create.clone()).await;
+        }
     }
     if let (true, Command::Stream(StreamCmd::Delete { stream })) = (brokers.len() > 1, &command) {
         return delete_everywhere(global, &brokers, stream).await;
@@ -239,6 +251,34 @@ async fn create_everywhere(
             }
         ),
     ))))
+}
+
+/// The client addresses of every broker of the cluster, as the first of
+/// `brokers` that answers names them (`describe_cluster`); `None` when it
+/// is not in a cluster or too old to say. Brokers not reached are passed
+/// over (said on stderr); the error of the last when none is.
+async fn cluster_members(
+    global: &GlobalArgs,
+    brokers: &[String],
+) -> Result<Option<Vec<String>>, CliError> {
+    let mut last = None;
+    for b in brokers {
+        match connect(&for_broker(global, b), false).await {
+            Ok(client) if client.has_feature(felix_client::FEATURE_CLUSTER_INFO) => {
+                let info = client.describe_cluster().await?;
+                return Ok(Some(info.members.into_iter().map(|m| m.addr).collect()));
+            }
+            Ok(_) => return Ok(None),
+            Err(CliError::Client(e)) if unreached(&e) => {
+                if Some(b) != brokers.last() {
+                    eprintln!("felix: {b}: {e}; trying the next broker");
+                }
+                last = Some(CliError::Client(e));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last.expect("at least one broker"))
 }
 
 /// `global` with `--broker` naming `broker` alone.

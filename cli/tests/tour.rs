@@ -1972,30 +1972,34 @@ fn the_readme_cluster_works() {
     assert!(!ok_wrong);
     assert!(stderr.contains("error: already_exists:"), "{stderr}");
     assert!(stderr.contains("with 1 shards, not 2"), "{stderr}");
-    // A broker that cannot be reached is passed over and named.
+    // Naming one broker is enough: it names the others, and the stream
+    // is made on each with one incarnation.
+    let (ok_one, _, stderr) = said(
+        &addrs[1],
+        &["stream", "create", "demo/ha/one", "--shards", "1"],
+    );
+    assert!(ok_one, "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "the cluster has 3 brokers ({}): creating demo/ha/one on each",
+            addrs.join(", ")
+        )),
+        "{stderr}"
+    );
+    let one = incarnation(&ok(&nodes[0], &["stream", "describe", "demo/ha/one"], None));
+    for n in &nodes {
+        let described = ok(n, &["stream", "describe", "demo/ha/one"], None);
+        assert_eq!(incarnation(&described), one, "{}", n.addr);
+    }
+    ok_at(
+        &all,
+        &["stream", "create", "demo/ha/late", "--shards", "1"],
+        None,
+    );
+    // A delete goes to the brokers named (the way to delete a stale copy
+    // on one broker), one that cannot be reached among them.
     let gone = free_port_addr();
     let with_gone = format!("{all},{gone}");
-    let late = ["stream", "create", "demo/ha/late", "--shards", "1"];
-    let (ok_late, _, stderr) = said(&with_gone, &late);
-    assert!(!ok_late, "{stderr}");
-    assert!(
-        stderr.contains(&format!("demo/ha/late is not on {gone}")),
-        "{stderr}"
-    );
-    assert!(stderr.contains("run the same command again"), "{stderr}");
-    for n in &nodes {
-        ok(n, &["stream", "describe", "demo/ha/late"], None);
-    }
-    // Half of the brokers or fewer answering: nothing is made.
-    let few = format!("{},{gone},127.0.0.1:9", addrs[0]);
-    let (ok_few, _, stderr) = said(&few, &["stream", "create", "demo/ha/few", "--shards", "1"]);
-    assert!(!ok_few, "{stderr}");
-    assert!(
-        stderr.contains("only 1 of the 3 brokers answered"),
-        "{stderr}"
-    );
-    let (made, _, _) = said(&addrs[0], &["stream", "describe", "demo/ha/few"]);
-    assert!(!made, "nothing created");
     // Deleted where it can be; run again, the brokers without it say so.
     let (ok_del, stdout, stderr) = said(&with_gone, &["stream", "delete", "demo/ha/late"]);
     assert!(!ok_del, "{stderr}");
@@ -2172,6 +2176,37 @@ fn the_readme_cluster_works() {
         described.lines().any(|l| l.starts_with("all")),
         "{described}"
     );
+
+    // A broker of the cluster down: the stream is made on the others, and
+    // the one it is not on is named, to run the command again for.
+    let mut nodes = nodes;
+    let _ = nodes[2].child.kill();
+    let _ = nodes[2].child.wait();
+    let down = ["stream", "create", "demo/ha/down", "--shards", "1"];
+    let (ok_down, _, stderr) = said(&all, &down);
+    assert!(!ok_down, "{stderr}");
+    assert!(
+        stderr.contains(&format!("demo/ha/down is not on {}", addrs[2])),
+        "{stderr}"
+    );
+    assert!(stderr.contains("run the same command again"), "{stderr}");
+    for n in &nodes[..2] {
+        ok(n, &["stream", "describe", "demo/ha/down"], None);
+    }
+    // Two of three down: no majority answers, and nothing is made.
+    let _ = nodes[1].child.kill();
+    let _ = nodes[1].child.wait();
+    let (ok_few, _, stderr) = said(
+        &addrs[0],
+        &["stream", "create", "demo/ha/few", "--shards", "1"],
+    );
+    assert!(!ok_few, "{stderr}");
+    assert!(
+        stderr.contains("only 1 of the 3 brokers answered"),
+        "{stderr}"
+    );
+    let (made, _, _) = said(&addrs[0], &["stream", "describe", "demo/ha/few"]);
+    assert!(!made, "nothing created");
     drop(nodes);
 }
 

@@ -10,11 +10,11 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use felix_wire::{
-    AckMode, DeadLetterInfo, ErrorCode, GroupInfo, GroupKey, GroupMemberRef, GroupRecord,
-    PublishTarget, RecordIn, ReplicaInfo, Request, Response, ShardInfo, StartPosition, StreamInfo,
-    StreamRef, FEATURE_GROUPS, FEATURE_GROUP_ADMIN, FEATURE_GROUP_CLAIM_CONTROL,
-    FEATURE_GROUP_DEAD_LETTER_PAGES, FEATURE_GROUP_SKIPPED, FEATURE_PUBLISH_ACK_MODE,
-    FEATURE_REPLICA_INFO,
+    AckMode, ClusterInfo, DeadLetterInfo, ErrorCode, GroupInfo, GroupKey, GroupMemberRef,
+    GroupRecord, PublishTarget, RecordIn, ReplicaInfo, Request, Response, ShardInfo, StartPosition,
+    StreamInfo, StreamRef, FEATURE_CLUSTER_INFO, FEATURE_GROUPS, FEATURE_GROUP_ADMIN,
+    FEATURE_GROUP_CLAIM_CONTROL, FEATURE_GROUP_DEAD_LETTER_PAGES, FEATURE_GROUP_SKIPPED,
+    FEATURE_PUBLISH_ACK_MODE, FEATURE_REPLICA_INFO, FEATURE_STREAM_INCARNATION,
 };
 use tokio::net::ToSocketAddrs;
 
@@ -211,6 +211,8 @@ fn feature_name(bit: u64) -> &'static str {
         FEATURE_PUBLISH_ACK_MODE => "FEATURE_PUBLISH_ACK_MODE",
         FEATURE_GROUP_DEAD_LETTER_PAGES => "FEATURE_GROUP_DEAD_LETTER_PAGES",
         FEATURE_REPLICA_INFO => "FEATURE_REPLICA_INFO",
+        FEATURE_STREAM_INCARNATION => "FEATURE_STREAM_INCARNATION",
+        FEATURE_CLUSTER_INFO => "FEATURE_CLUSTER_INFO",
         _ => "an unknown feature",
     }
 }
@@ -745,6 +747,30 @@ impl Client {
         {
             Response::Replica(info) => Ok(*info),
             other => Err(unexpected(other, "describe_replica")),
+        }
+    }
+
+    /// Every broker of the cluster this broker belongs to, with the address
+    /// clients reach it at (its `server.listen`), in node order. Needs
+    /// [`FEATURE_CLUSTER_INFO`](felix_wire::FEATURE_CLUSTER_INFO), which
+    /// only a broker in a cluster advertises: from one broker's address a
+    /// client learns the others ([`ClusterClient`](crate::ClusterClient)
+    /// does, at connect).
+    ///
+    /// ```no_run
+    /// # async fn demo(client: felix_client::Client) -> felix_client::Result<()> {
+    /// let cluster = client.describe_cluster().await?;
+    /// for m in &cluster.members {
+    ///     println!("node {} at {}", m.node, m.addr);
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn describe_cluster(&self) -> Result<ClusterInfo> {
+        self.require(FEATURE_CLUSTER_INFO, "describe_cluster")?;
+        match self.call_any(&Request::DescribeCluster).await? {
+            Response::Cluster(info) => Ok(info),
+            other => Err(unexpected(other, "describe_cluster")),
         }
     }
 

@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use felix_wire::{
     DeadLetterInfo, ErrorCode, GroupInfo, GroupKey, GroupRecord, RecordIn, ReplicaInfo,
-    StartPosition, StreamInfo, StreamRef,
+    StartPosition, StreamInfo, StreamRef, FEATURE_CLUSTER_INFO,
 };
 
 use crate::{
@@ -67,7 +67,13 @@ const BACKOFF_MAX: Duration = Duration::from_millis(500);
 /// ```
 #[derive(Clone)]
 pub struct ClusterClient {
+    /// The brokers given at connect, then those of the cluster not among
+    /// them: where a call looks for a shard's leader.
     brokers: Arc<[String]>,
+    /// The cluster's brokers as the first broker reached named them
+    /// (`describe_cluster`), when it could: those a stream is created on,
+    /// deleted from and described by. Else the brokers given.
+    members: Arc<[String]>,
     config: ClientConfig,
     clients: Arc<tokio::sync::Mutex<HashMap<String, Client>>>,
     /// The broker that last led each shard.
@@ -249,7 +255,13 @@ fn retryable(e: &ClientError, retry: Retry) -> bool {
 
 impl ClusterClient {
     /// Connect to the cluster's brokers (their client addresses). At least
-    /// one must answer now; the others are connected to when needed.
+    /// one must answer now; the others are connected to when needed. The
+    /// first that answers names every broker of its cluster
+    /// ([`Client::describe_cluster`], on brokers that advertise
+    /// [`FEATURE_CLUSTER_INFO`](felix_wire::FEATURE_CLUSTER_INFO)), so one
+    /// address is enough: the client finds the others, and creates,
+    /// deletes and describes streams on every broker of the cluster,
+    /// however many of them were given.
     pub async fn connect(
         brokers: &[impl AsRef<str>],
         config: ClientConfig,
@@ -267,25 +279,53 @@ impl ClusterClient {
                 "a cluster client needs at least one broker address".into(),
             ));
         }
-        let c = ClusterClient {
-            brokers: brokers.clone(),
-            config,
-            clients: Arc::default(),
-            leaders: Arc::default(),
-        };
         let mut last = None;
         for b in brokers.iter() {
-            match c.client(b).await {
-                Ok(_) => return Ok(c),
-                Err(e) => last = Some(e),
-            }
+            let first = match Client::connect(b.as_str(), config.clone()).await {
+                Ok(c) => c,
+                Err(e) => {
+                    last = Some(e);
+                    continue;
+                }
+            };
+            let members: Arc<[String]> = if first.has_feature(FEATURE_CLUSTER_INFO) {
+                match first.describe_cluster().await {
+                    Ok(info) => info.members.into_iter().map(|m| m.addr).collect(),
+                    Err(e) => {
+                        last = Some(e);
+                        continue;
+                    }
+                }
+            } else {
+                brokers.clone()
+            };
+            let known: Arc<[String]> = brokers
+                .iter()
+                .chain(members.iter().filter(|m| !brokers.contains(m)))
+                .cloned()
+                .collect();
+            return Ok(ClusterClient {
+                brokers: known,
+                members,
+                config,
+                clients: Arc::new(tokio::sync::Mutex::new(HashMap::from([(b.clone(), first)]))),
+                leaders: Arc::default(),
+            });
         }
         Err(last.expect("at least one broker"))
     }
 
-    /// The brokers given at connect.
+    /// The brokers given at connect, then those of the cluster the client
+    /// learned of and was not given.
     pub fn brokers(&self) -> &[String] {
         &self.brokers
+    }
+
+    /// The cluster's brokers, as the first broker reached at connect named
+    /// them (their client addresses, in node order); the brokers given, on
+    /// a broker too old to say. Streams are created and deleted on these.
+    pub fn members(&self) -> &[String] {
+        &self.members
     }
 
     /// The broker that last led `shard` of the stream, if one is known.
@@ -462,10 +502,10 @@ impl ClusterClient {
         Err(last.unwrap_or(ClientError::Timeout))
     }
 
-    /// Create a stream on every broker, as one incarnation (see
+    /// Create a stream on every broker of the cluster
+    /// ([`ClusterClient::members`]), as one incarnation (see
     /// [`incarnation_to_create`], which chooses it: `options.incarnation`
-    /// is not used). Give the client every broker of the cluster: where
-    /// more than half of them hold the stream already (a create interrupted
+    /// is not used). Where more than half of them hold the stream already (a create interrupted
     /// part way, or a broker that was down for it), the others get its
     /// incarnation, and those that hold it are left as they are. Refused
     /// (`already_exists`) where a broker holds it with another shard count,
@@ -484,7 +524,7 @@ impl ClusterClient {
         let name = StreamRef::new(tenant, namespace, stream);
         let mut held = Vec::new();
         let mut clients = Vec::new();
-        for b in self.brokers.iter() {
+        for b in self.members.iter() {
             let c = self.client(b).await?;
             match c.describe_stream(tenant, namespace, stream).await {
                 Ok(info) => held.push((b.clone(), info)),
@@ -493,7 +533,7 @@ impl ClusterClient {
             }
         }
         let incarnation =
-            incarnation_to_create(&name.to_string(), shards, self.brokers.len(), &held)?;
+            incarnation_to_create(&name.to_string(), shards, self.members.len(), &held)?;
         for (b, c) in &clients {
             keeps_incarnations(c, b, incarnation)?;
         }
@@ -503,13 +543,14 @@ impl ClusterClient {
         Ok(())
     }
 
-    /// Delete a stream on every broker (one already gone is fine). Every
+    /// Delete a stream on every broker of the cluster
+    /// ([`ClusterClient::members`]; one already gone is fine). Every
     /// broker is tried, one that cannot be reached or refuses included;
     /// the first such error is returned after the others were done, so the
     /// call can be run again once that broker is back.
     pub async fn delete_stream(&self, tenant: &str, namespace: &str, stream: &str) -> Result<()> {
         let mut first = None;
-        for b in self.brokers.iter() {
+        for b in self.members.iter() {
             let done = match self.client(b).await {
                 Ok(c) => c.delete_stream(tenant, namespace, stream).await,
                 Err(e) => Err(e),
@@ -533,7 +574,7 @@ impl ClusterClient {
         stream: &str,
     ) -> Result<StreamInfo> {
         let mut last = None;
-        for b in self.brokers.iter() {
+        for b in self.members.iter() {
             match self.client(b).await {
                 Ok(c) => match c.describe_stream(tenant, namespace, stream).await {
                     Ok(i) => return Ok(i),
@@ -546,8 +587,8 @@ impl ClusterClient {
         Err(last.unwrap_or(ClientError::Timeout))
     }
 
-    /// Every broker's replica of `shard`, as each sees it, in the order
-    /// the brokers were given: a broker that could not be reached, or
+    /// Every broker's replica of `shard`, as each sees it, in the order of
+    /// [`ClusterClient::members`]: a broker that could not be reached, or
     /// refused, has its error in its place. A broker that says it leads is
     /// remembered as the shard's leader, so the next call goes there
     /// first. See [`Client::describe_replica`].
@@ -561,7 +602,7 @@ impl ClusterClient {
         // Asked all at once: a broker that does not answer holds up only
         // its own place.
         let mut asks = tokio::task::JoinSet::new();
-        for (i, b) in self.brokers.iter().enumerate() {
+        for (i, b) in self.members.iter().enumerate() {
             let (me, b) = (self.clone(), b.clone());
             let (t, n, s) = (
                 tenant.to_string(),
@@ -580,7 +621,7 @@ impl ClusterClient {
             });
         }
         let mut answers: Vec<Option<(String, Result<ReplicaInfo>)>> =
-            (0..self.brokers.len()).map(|_| None).collect();
+            (0..self.members.len()).map(|_| None).collect();
         while let Some(done) = asks.join_next().await {
             // A task panics only if the client does; keep its place empty.
             if let Ok((i, b, info)) = done {
@@ -589,7 +630,7 @@ impl ClusterClient {
         }
         let answers: Vec<(String, Result<ReplicaInfo>)> = answers
             .into_iter()
-            .zip(self.brokers.iter())
+            .zip(self.members.iter())
             .map(|(a, b)| a.unwrap_or_else(|| (b.clone(), Err(ClientError::Disconnected))))
             .collect();
         // The newest term's leader, as its own broker reports it.

@@ -1869,3 +1869,85 @@ fn a_broker_down_while_its_stream_was_created_again_keeps_out_of_it() {
         assert_ne!(fresh.incarnation, a.incarnation, "a new incarnation");
     });
 }
+
+/// A broker names every broker of its cluster (`describe_cluster`), so a
+/// cluster client given one address finds the others: it creates a stream
+/// on all three with one incarnation, and keeps publishing when the broker
+/// it was given is killed. A broker outside a cluster does not advertise
+/// the call, and the client refuses it without asking.
+#[test]
+fn a_cluster_client_given_one_broker_finds_the_others() {
+    let mut cluster = start_cluster();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let seed = cluster.addrs[1].clone();
+        let plain = Client::connect(&seed, ClientConfig::default())
+            .await
+            .unwrap();
+        let info = plain.describe_cluster().await.unwrap();
+        assert_eq!(info.node, 2, "the answering broker's own id");
+        let named: Vec<(u64, String)> =
+            info.members.into_iter().map(|m| (m.node, m.addr)).collect();
+        let want: Vec<(u64, String)> = (0..3)
+            .map(|i| (i as u64 + 1, cluster.addrs[i].clone()))
+            .collect();
+        assert_eq!(named, want);
+
+        let cc = ClusterClient::connect(&[&seed], ClientConfig::default())
+            .await
+            .unwrap();
+        assert_eq!(cc.members(), &cluster.addrs[..]);
+        assert_eq!(cc.brokers()[0], seed, "the broker given comes first");
+        assert_eq!(cc.brokers().len(), 3, "{:?}", cc.brokers());
+        cc.create_stream(T, NS, S, SHARDS, StreamOptions::default())
+            .await
+            .unwrap();
+        let mut incarnations = Vec::new();
+        for a in &cluster.addrs {
+            let c = Client::connect(a, ClientConfig::default()).await.unwrap();
+            incarnations.push(c.describe_stream(T, NS, S).await.unwrap().incarnation);
+        }
+        assert!(incarnations[0].is_some(), "{incarnations:?}");
+        assert!(
+            incarnations.iter().all(|i| *i == incarnations[0]),
+            "one incarnation on every broker: {incarnations:?}"
+        );
+
+        let mut acked = BTreeMap::new();
+        publish_some(&cc, 0, 4, &mut acked).await;
+        // The broker it was given dies: the others carry on, and every
+        // acknowledged record is on each shard's leader.
+        cluster.brokers[1].kill9();
+        publish_some(&cc, 4, 4, &mut acked).await;
+        for shard in 0..SHARDS {
+            let leader = cc.leader_of(T, NS, S, shard).expect("a leader is known");
+            assert_ne!(leader, seed, "shard {shard}");
+            let l = Client::connect(&leader, ClientConfig::default())
+                .await
+                .unwrap();
+            let got = read_all(&l, shard).await;
+            for ((_, offset), payload) in acked.iter().filter(|((s, _), _)| *s == shard) {
+                assert_eq!(
+                    got.get(offset),
+                    Some(payload),
+                    "shard {shard} offset {offset}"
+                );
+            }
+        }
+        cluster.brokers[1].restart();
+
+        let single = start_broker!(BrokerOptions::default().cores(1));
+        let alone = Client::connect(&single.addr, ClientConfig::default())
+            .await
+            .unwrap();
+        match alone.describe_cluster().await {
+            Err(ClientError::Unsupported(why)) => {
+                assert!(why.contains("FEATURE_CLUSTER_INFO"), "{why}")
+            }
+            other => panic!("a broker outside a cluster: {other:?}"),
+        }
+    });
+}

@@ -304,7 +304,12 @@ enum Need<'a> {
 fn needs(req: &Request) -> Option<Need<'_>> {
     use Perm::*;
     Some(match req {
-        Request::Hello { .. } | Request::Ping | Request::ListStreams { .. } => return None,
+        // Which brokers make up the cluster is no secret: a `not_leader`
+        // answer names the leader's address to anyone.
+        Request::Hello { .. }
+        | Request::Ping
+        | Request::DescribeCluster
+        | Request::ListStreams { .. } => return None,
         Request::CreateStream { stream, .. } | Request::DeleteStream { stream } => {
             Need::Perm(StreamManage, stream, None)
         }
@@ -437,6 +442,7 @@ admin    *                 *
         let k = || key(st.clone(), "g");
         let cases: Vec<(Request, Option<Perm>)> = vec![
             (Request::Ping, None),
+            (Request::DescribeCluster, None),
             (Request::ListStreams { tenant: None }, None),
             (
                 Request::CreateStream {

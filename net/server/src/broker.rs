@@ -120,7 +120,9 @@ impl Shared {
                 | felix_wire::FEATURE_GROUP_DEAD_LETTER_PAGES;
         }
         if self.config.cluster.is_some() {
-            f |= felix_wire::FEATURE_REPLICA_INFO | felix_wire::FEATURE_STREAM_INCARNATION;
+            f |= felix_wire::FEATURE_REPLICA_INFO
+                | felix_wire::FEATURE_STREAM_INCARNATION
+                | felix_wire::FEATURE_CLUSTER_INFO;
         }
         f
     }

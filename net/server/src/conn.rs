@@ -928,6 +928,23 @@ async fn handle<S: Storage>(
             "HELLO was already sent on this connection",
         ),
         Request::Ping => Response::Pong,
+        Request::DescribeCluster => match &core.shared.config.cluster {
+            Some(c) => Response::Cluster(felix_wire::ClusterInfo {
+                node: c.node_id,
+                members: c
+                    .nodes
+                    .iter()
+                    .map(|n| felix_wire::ClusterMember {
+                        node: n.id,
+                        addr: n.client.clone(),
+                    })
+                    .collect(),
+            }),
+            None => wire_err(
+                ErrorCode::Unsupported,
+                "describe_cluster: this broker is not in a cluster",
+            ),
+        },
         Request::CreateStream {
             stream,
             shards,

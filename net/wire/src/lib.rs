@@ -32,9 +32,9 @@ pub use frame::{
 };
 pub use message::{opcodes, Request, Response};
 pub use types::{
-    shard_for_key, AckMode, DeadLetterInfo, GroupInfo, GroupKey, GroupMemberRef, GroupRecord,
-    ParseStreamRefError, PeerProgress, PublishTarget, Record, RecordIn, ReplicaInfo, ReplicaRole,
-    ShardInfo, StartPosition, StreamInfo, StreamRef,
+    shard_for_key, AckMode, ClusterInfo, ClusterMember, DeadLetterInfo, GroupInfo, GroupKey,
+    GroupMemberRef, GroupRecord, ParseStreamRefError, PeerProgress, PublishTarget, Record,
+    RecordIn, ReplicaInfo, ReplicaRole, ShardInfo, StartPosition, StreamInfo, StreamRef,
 };
 
 /// Version of the message layouts described in `wire-protocol.md`.
@@ -87,6 +87,10 @@ pub const FEATURE_REPLICA_INFO: u64 = 1 << 6;
 /// (`CreateStream.incarnation`, `StreamInfo.incarnation` in a `Stream`
 /// answer).
 pub const FEATURE_STREAM_INCARNATION: u64 = 1 << 7;
+/// The broker is in a cluster and answers `DescribeCluster`: every broker
+/// of the cluster with the address clients reach it at, so a client given
+/// one of them finds the others.
+pub const FEATURE_CLUSTER_INFO: u64 = 1 << 8;
 
 /// Every feature bit this version of the crate knows about.
 pub const FEATURES_ALL: u64 = FEATURE_GROUPS
@@ -96,12 +100,13 @@ pub const FEATURES_ALL: u64 = FEATURE_GROUPS
     | FEATURE_PUBLISH_ACK_MODE
     | FEATURE_GROUP_DEAD_LETTER_PAGES
     | FEATURE_REPLICA_INFO
-    | FEATURE_STREAM_INCARNATION;
+    | FEATURE_STREAM_INCARNATION
+    | FEATURE_CLUSTER_INFO;
 
 /// The names of the feature bits set in `bits` (unknown bits as hex), for
 /// messages: `"FEATURE_GROUPS | FEATURE_GROUP_ADMIN"`.
 pub fn feature_names(bits: u64) -> String {
-    const NAMES: [(u64, &str); 8] = [
+    const NAMES: [(u64, &str); 9] = [
         (FEATURE_GROUPS, "FEATURE_GROUPS"),
         (FEATURE_GROUP_SKIPPED, "FEATURE_GROUP_SKIPPED"),
         (FEATURE_GROUP_CLAIM_CONTROL, "FEATURE_GROUP_CLAIM_CONTROL"),
@@ -113,6 +118,7 @@ pub fn feature_names(bits: u64) -> String {
         ),
         (FEATURE_REPLICA_INFO, "FEATURE_REPLICA_INFO"),
         (FEATURE_STREAM_INCARNATION, "FEATURE_STREAM_INCARNATION"),
+        (FEATURE_CLUSTER_INFO, "FEATURE_CLUSTER_INFO"),
     ];
     let mut out: Vec<String> = NAMES
         .iter()

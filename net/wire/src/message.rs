@@ -8,8 +8,8 @@ use crate::codec::{
 };
 use crate::error::{DecodeError, WireError};
 use crate::types::{
-    get_strings, get_u64s, put_strings, put_u64s, AckMode, DeadLetterInfo, GroupInfo, GroupKey,
-    GroupMemberRef, GroupRecord, PublishTarget, Record, RecordIn, ReplicaInfo, ShardInfo,
+    get_strings, get_u64s, put_strings, put_u64s, AckMode, ClusterInfo, DeadLetterInfo, GroupInfo,
+    GroupKey, GroupMemberRef, GroupRecord, PublishTarget, Record, RecordIn, ReplicaInfo, ShardInfo,
     StartPosition, StreamInfo, StreamRef,
 };
 
@@ -42,6 +42,7 @@ pub mod opcodes {
         pub const DELETE_STREAM: u8 = 0x13;
         pub const DESCRIBE_SHARD: u8 = 0x14;
         pub const DESCRIBE_REPLICA: u8 = 0x15;
+        pub const DESCRIBE_CLUSTER: u8 = 0x16;
 
         pub const PUBLISH: u8 = 0x20;
         pub const READ: u8 = 0x21;
@@ -74,6 +75,7 @@ pub mod opcodes {
         pub const STREAMS: u8 = 0x11;
         pub const SHARD: u8 = 0x12;
         pub const REPLICA: u8 = 0x13;
+        pub const CLUSTER: u8 = 0x14;
 
         pub const PUBLISHED: u8 = 0x20;
         pub const RECORDS: u8 = 0x21;
@@ -225,11 +227,16 @@ pub enum Request {
         stream: StreamRef,
         shard: u32,
     },
+    /// Every broker of the answering broker's cluster, with the address
+    /// clients reach it at. Needs
+    /// [`FEATURE_CLUSTER_INFO`](crate::FEATURE_CLUSTER_INFO) (a broker in a
+    /// cluster).
+    DescribeCluster,
     Ping,
 }
 
 /// Every request opcode with its name, in opcode order.
-const REQUEST_NAMES: [(u8, &str); 24] = [
+const REQUEST_NAMES: [(u8, &str); 25] = [
     (rq::HELLO, "hello"),
     (rq::PING, "ping"),
     (rq::CREATE_STREAM, "create_stream"),
@@ -238,6 +245,7 @@ const REQUEST_NAMES: [(u8, &str); 24] = [
     (rq::DELETE_STREAM, "delete_stream"),
     (rq::DESCRIBE_SHARD, "describe_shard"),
     (rq::DESCRIBE_REPLICA, "describe_replica"),
+    (rq::DESCRIBE_CLUSTER, "describe_cluster"),
     (rq::PUBLISH, "publish"),
     (rq::READ, "read"),
     (rq::GROUP_POLL, "group_poll"),
@@ -280,6 +288,7 @@ impl Request {
             Request::DeleteStream { .. } => rq::DELETE_STREAM,
             Request::DescribeShard { .. } => rq::DESCRIBE_SHARD,
             Request::DescribeReplica { .. } => rq::DESCRIBE_REPLICA,
+            Request::DescribeCluster => rq::DESCRIBE_CLUSTER,
             Request::Publish { .. } => rq::PUBLISH,
             Request::Read { .. } => rq::READ,
             Request::GroupPoll { .. } => rq::GROUP_POLL,
@@ -306,13 +315,15 @@ impl Request {
     /// a field the broker did not advertise.
     pub fn required_features(&self) -> u64 {
         use crate::{
-            FEATURE_GROUPS as G, FEATURE_GROUP_ADMIN as ADMIN, FEATURE_GROUP_CLAIM_CONTROL as CC,
-            FEATURE_GROUP_DEAD_LETTER_PAGES as PAGES, FEATURE_PUBLISH_ACK_MODE as ACK,
-            FEATURE_REPLICA_INFO as REPLICA, FEATURE_STREAM_INCARNATION as INCARNATION,
+            FEATURE_CLUSTER_INFO as CLUSTER, FEATURE_GROUPS as G, FEATURE_GROUP_ADMIN as ADMIN,
+            FEATURE_GROUP_CLAIM_CONTROL as CC, FEATURE_GROUP_DEAD_LETTER_PAGES as PAGES,
+            FEATURE_PUBLISH_ACK_MODE as ACK, FEATURE_REPLICA_INFO as REPLICA,
+            FEATURE_STREAM_INCARNATION as INCARNATION,
         };
         match self {
             Request::Publish { ack, .. } if *ack != AckMode::Default => ACK,
             Request::DescribeReplica { .. } => REPLICA,
+            Request::DescribeCluster => CLUSTER,
             Request::CreateStream {
                 incarnation: Some(_),
                 ..
@@ -537,7 +548,7 @@ impl Request {
                 key.put(out);
                 start.put(out);
             }
-            Request::Ping => {}
+            Request::Ping | Request::DescribeCluster => {}
         }
     }
 
@@ -654,6 +665,7 @@ impl Request {
                 shard: r.u32("shard")?,
             },
             rq::PING => Request::Ping,
+            rq::DESCRIBE_CLUSTER => Request::DescribeCluster,
             other => return Err(DecodeError::UnknownOpcode(other)),
         })
     }
@@ -683,6 +695,8 @@ pub enum Response {
     Shard(ShardInfo),
     /// Answer to `DescribeReplica`.
     Replica(Box<ReplicaInfo>),
+    /// Answer to `DescribeCluster`.
+    Cluster(ClusterInfo),
     /// Records `base_offset .. base_offset + count` were written to `shard`.
     Published {
         shard: u32,
@@ -727,6 +741,7 @@ impl Response {
             Response::Streams(_) => rs::STREAMS,
             Response::Shard(_) => rs::SHARD,
             Response::Replica(_) => rs::REPLICA,
+            Response::Cluster(_) => rs::CLUSTER,
             Response::Published { .. } => rs::PUBLISHED,
             Response::Records { .. } => rs::RECORDS,
             Response::GroupRecords { .. } => rs::GROUP_RECORDS,
@@ -749,6 +764,7 @@ impl Response {
             Response::Streams(_) => "streams",
             Response::Shard(_) => "shard",
             Response::Replica(_) => "replica",
+            Response::Cluster(_) => "cluster",
             Response::Published { .. } => "published",
             Response::Records { .. } => "records",
             Response::GroupRecords { .. } => "group_records",
@@ -791,6 +807,7 @@ impl Response {
             Response::Streams(infos) => put_wire_vec(out, infos),
             Response::Shard(info) => info.put(out),
             Response::Replica(info) => info.put(out),
+            Response::Cluster(info) => info.put(out),
             Response::Published {
                 shard,
                 base_offset,
@@ -844,6 +861,7 @@ impl Response {
             rs::STREAMS => Response::Streams(r.wire_vec("streams")?),
             rs::SHARD => Response::Shard(ShardInfo::get(r)?),
             rs::REPLICA => Response::Replica(Box::new(ReplicaInfo::get(r)?)),
+            rs::CLUSTER => Response::Cluster(ClusterInfo::get(r)?),
             rs::PUBLISHED => Response::Published {
                 shard: r.u32("shard")?,
                 base_offset: r.u64("base_offset")?,
@@ -1022,6 +1040,10 @@ mod tests {
             }
             .required_features(),
             crate::FEATURE_REPLICA_INFO
+        );
+        assert_eq!(
+            Request::DescribeCluster.required_features(),
+            crate::FEATURE_CLUSTER_INFO
         );
     }
 

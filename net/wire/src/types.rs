@@ -590,6 +590,51 @@ impl Wire for ReplicaInfo {
     }
 }
 
+/// One broker of a cluster, as `DescribeCluster` names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterMember {
+    /// Its node id.
+    pub node: u64,
+    /// Where clients reach it (its `server.listen`).
+    pub addr: String,
+}
+
+impl Wire for ClusterMember {
+    const MIN_BYTES: usize = U64 + STR;
+    fn put(&self, out: &mut BytesMut) {
+        out.put_u64_le(self.node);
+        put_str(out, &self.addr);
+    }
+    fn get(r: &mut Reader) -> Result<Self> {
+        Ok(ClusterMember {
+            node: r.u64("node")?,
+            addr: r.string("addr")?,
+        })
+    }
+}
+
+/// The answer to `DescribeCluster`: the answering broker's node id and
+/// every broker of its cluster (itself included), in node order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterInfo {
+    pub node: u64,
+    pub members: Vec<ClusterMember>,
+}
+
+impl Wire for ClusterInfo {
+    const MIN_BYTES: usize = U64 + VEC;
+    fn put(&self, out: &mut BytesMut) {
+        out.put_u64_le(self.node);
+        put_wire_vec(out, &self.members);
+    }
+    fn get(r: &mut Reader) -> Result<Self> {
+        Ok(ClusterInfo {
+            node: r.u64("node")?,
+            members: r.wire_vec("members")?,
+        })
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeadLetterInfo {
     pub offset: u64,

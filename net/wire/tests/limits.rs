@@ -404,8 +404,9 @@ fn small_helpers() {
     assert_eq!(req.name(), "group_poll");
     assert_eq!(Request::Ping.name(), "ping");
     assert_eq!(Response::Pong.name(), "pong");
+    assert_eq!(Request::DescribeCluster.name(), "describe_cluster");
     assert_eq!(Request::name_of(0xEE), None);
-    assert_eq!(Request::all_opcodes().count(), 24);
+    assert_eq!(Request::all_opcodes().count(), 25);
     let page = Request::GroupDeadLettersPage {
         key: key(),
         from: 0,

@@ -429,6 +429,7 @@ pub fn request() -> impl Strategy<Value = Request> {
             .prop_map(|(stream, shard)| Request::ListGroups { stream, shard })
             .boxed(),
         Just(Request::Ping).boxed(),
+        Just(Request::DescribeCluster).boxed(),
     ])
 }
 
@@ -458,6 +459,15 @@ pub fn response() -> impl Strategy<Value = Response> {
         shard_info().prop_map(Response::Shard).boxed(),
         replica_info()
             .prop_map(|i| Response::Replica(Box::new(i)))
+            .boxed(),
+        (
+            any::<u64>(),
+            vec(
+                (any::<u64>(), text()).prop_map(|(node, addr)| ClusterMember { node, addr }),
+                0..4,
+            ),
+        )
+            .prop_map(|(node, members)| Response::Cluster(ClusterInfo { node, members }))
             .boxed(),
         (any::<u32>(), any::<u64>(), any::<u32>())
             .prop_map(|(shard, base_offset, count)| Response::Published {
