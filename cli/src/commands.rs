@@ -175,32 +175,13 @@ async fn create_everywhere(
         }
     }
     let total = brokers.len();
-    let said = |what: String| {
-        CliError::Client(ClientError::Server {
-            code: felix_client::ErrorCode::Unavailable,
-            message: what,
-        })
-    };
-    if !unreachable.is_empty() {
-        let answered = held.len() + missing.len();
-        // A stream on fewer than a majority could elect no leader.
-        if answered * 2 <= total {
-            return Err(said(format!(
-                "only {answered} of the {total} brokers answered ({} did not): nothing \
-                 created; run the same command again once more of them are back",
-                unreachable.join(", ")
-            )));
-        }
-        // Whether the holders are a majority turns on brokers not asked.
-        if held.len() * 2 <= total && !held.is_empty() {
-            return Err(said(format!(
-                "{name} is on {} of the {total} brokers, and {} did not answer: nothing \
-                 created; run the same command again once they are back",
-                held.len(),
-                unreachable.join(", ")
-            )));
-        }
-    }
+    felix_client::enough_answered(
+        &name,
+        total,
+        held.len() + missing.len(),
+        held.len(),
+        &unreachable,
+    )?;
     let incarnation = felix_client::incarnation_to_create(&name, shards, total, &held)?;
     for (b, client) in &missing {
         felix_client::keeps_incarnations(client, b, incarnation)?;

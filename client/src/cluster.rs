@@ -166,6 +166,47 @@ pub fn incarnation_to_create(
 }
 
 /// An incarnation as `felix stream describe` shows it.
+/// Whether a create of `name` may go ahead with some of the cluster's
+/// `total` brokers not reached (`unreached`, named for the message): only
+/// when more than half answered (`answered`, of which `held` hold the
+/// stream already), and when whether the holders are a majority does not
+/// turn on the brokers that did not answer. `unavailable` saying why, and
+/// that nothing was created, otherwise.
+pub fn enough_answered(
+    name: &str,
+    total: usize,
+    answered: usize,
+    held: usize,
+    unreached: &[String],
+) -> Result<()> {
+    if unreached.is_empty() {
+        return Ok(());
+    }
+    let refuse = |message: String| {
+        Err(ClientError::Server {
+            code: ErrorCode::Unavailable,
+            message,
+        })
+    };
+    // A stream on fewer than a majority could elect no leader.
+    if answered * 2 <= total {
+        return refuse(format!(
+            "only {answered} of the {total} brokers answered ({} did not): nothing created; \
+             run the same create again once more of them are back",
+            unreached.join(", ")
+        ));
+    }
+    // Whether the holders are a majority turns on brokers not asked.
+    if held * 2 <= total && held > 0 {
+        return refuse(format!(
+            "{name} is on {held} of the {total} brokers, and {} did not answer: nothing \
+             created; run the same create again once they are back",
+            unreached.join(", ")
+        ));
+    }
+    Ok(())
+}
+
 pub fn show_incarnation(i: Option<u64>) -> String {
     i.map_or("none".to_string(), |i| format!("{i:#018x}"))
 }
@@ -349,7 +390,16 @@ impl ClusterClient {
         }
         // Connected without the map locked: a broker that does not answer
         // must not hold up calls to the others.
-        let c = Client::connect(addr, self.config.clone()).await?;
+        let c = Client::connect(addr, self.config.clone())
+            .await
+            .map_err(|e| match e {
+                // Which broker, since a cluster call may try several.
+                ClientError::Io(io) => ClientError::Io(std::io::Error::new(
+                    io.kind(),
+                    format!("cannot connect to {addr}: {io}"),
+                )),
+                other => other,
+            })?;
         Ok(self
             .clients
             .lock()
@@ -505,14 +555,21 @@ impl ClusterClient {
     /// Create a stream on every broker of the cluster
     /// ([`ClusterClient::members`]), as one incarnation (see
     /// [`incarnation_to_create`], which chooses it: `options.incarnation`
-    /// is not used). Where more than half of them hold the stream already (a create interrupted
-    /// part way, or a broker that was down for it), the others get its
-    /// incarnation, and those that hold it are left as they are. Refused
-    /// (`already_exists`) where a broker holds it with another shard count,
-    /// brokers hold different incarnations of it, or half of them or fewer
-    /// hold it; `unsupported` where a broker does not keep incarnations.
-    /// Nothing is created unless every broker answered; a create that fails
-    /// part way can be run again.
+    /// is not used). Where more than half of them hold the stream already
+    /// (a create interrupted part way, or a broker that was down for it),
+    /// the others get its incarnation, and those that hold it are left as
+    /// they are. Refused (`already_exists`) where a broker holds it with
+    /// another shard count, brokers hold different incarnations of it, or
+    /// half of them or fewer hold it; `unsupported` where a broker does not
+    /// keep incarnations.
+    ///
+    /// A broker that cannot be reached is passed over: the stream is made
+    /// on the others, and the call returns `unavailable` naming it, to be
+    /// run again once it is back (until then that broker takes no part in
+    /// the stream). Nothing is made ([`enough_answered`]) when half of the
+    /// brokers or fewer answer, or when whether the brokers holding the
+    /// stream are a majority turns on those that did not. A create that
+    /// fails part way can be run again.
     pub async fn create_stream(
         &self,
         tenant: &str,
@@ -524,23 +581,63 @@ impl ClusterClient {
         let name = StreamRef::new(tenant, namespace, stream);
         let mut held = Vec::new();
         let mut clients = Vec::new();
+        let mut unreached = Vec::new();
         for b in self.members.iter() {
-            let c = self.client(b).await?;
-            match c.describe_stream(tenant, namespace, stream).await {
-                Ok(info) => held.push((b.clone(), info)),
-                Err(e) if e.code() == Some(ErrorCode::NotFound) => clients.push((b, c)),
+            let described = match self.client(b).await {
+                Ok(c) => match c.describe_stream(tenant, namespace, stream).await {
+                    Ok(info) => Ok(Some(info)),
+                    Err(e) if e.code() == Some(ErrorCode::NotFound) => {
+                        clients.push((b, c));
+                        Ok(None)
+                    }
+                    Err(e) => Err(e),
+                },
+                Err(e) => Err(e),
+            };
+            match described {
+                Ok(Some(info)) => held.push((b.clone(), info)),
+                Ok(None) => {}
+                Err(
+                    e @ (ClientError::Io(_) | ClientError::Timeout | ClientError::Disconnected),
+                ) => {
+                    self.drop_client(b).await;
+                    unreached.push(format!("{b} ({e})"));
+                }
                 Err(e) => return Err(e),
             }
         }
-        let incarnation =
-            incarnation_to_create(&name.to_string(), shards, self.members.len(), &held)?;
+        let total = self.members.len();
+        let text = name.to_string();
+        enough_answered(
+            &text,
+            total,
+            held.len() + clients.len(),
+            held.len(),
+            &unreached,
+        )?;
+        let incarnation = incarnation_to_create(&text, shards, total, &held)?;
         for (b, c) in &clients {
             keeps_incarnations(c, b, incarnation)?;
         }
         for (b, c) in clients {
             create_on_broker(&c, b, &name, shards, options, incarnation).await?;
         }
-        Ok(())
+        if unreached.is_empty() {
+            return Ok(());
+        }
+        Err(ClientError::Server {
+            code: ErrorCode::Unavailable,
+            message: format!(
+                "{text} was created on the other brokers, not on {}: run the same create \
+                 again once {} back",
+                unreached.join(", "),
+                if unreached.len() == 1 {
+                    "it is"
+                } else {
+                    "they are"
+                }
+            ),
+        })
     }
 
     /// Delete a stream on every broker of the cluster
@@ -1324,6 +1421,33 @@ mod tests {
         refused(
             incarnation_to_create("t/n/s", 2, 3, &other),
             "exists on a with 3 shards, not 2",
+        );
+    }
+
+    /// A create goes ahead without the brokers not reached only when a
+    /// majority answered and the holders' majority does not turn on them.
+    #[test]
+    fn a_create_passes_over_unreached_brokers_only_with_a_sure_majority() {
+        let gone = |n: usize| (0..n).map(|i| format!("b{i}")).collect::<Vec<_>>();
+        let ok =
+            |total, answered, holding, n| enough_answered("s", total, answered, holding, &gone(n));
+        assert!(ok(3, 3, 0, 0).is_ok(), "everyone answered");
+        assert!(ok(3, 2, 0, 1).is_ok(), "a new stream, two of three");
+        assert!(ok(3, 2, 2, 1).is_ok(), "held by a majority already");
+        let unavailable = |r: Result<()>, says: &str| match r {
+            Err(ClientError::Server {
+                code: ErrorCode::Unavailable,
+                message,
+            }) => assert!(message.contains(says), "{message}"),
+            other => panic!("expected unavailable ({says}), got {other:?}"),
+        };
+        unavailable(ok(3, 1, 0, 2), "only 1 of the 3 brokers answered");
+        unavailable(ok(4, 2, 0, 2), "only 2 of the 4 brokers answered");
+        // One of three holds it, one did not answer: that one may hold it
+        // too (a majority: spread it) or not (a copy to keep out).
+        unavailable(
+            ok(3, 2, 1, 1),
+            "is on 1 of the 3 brokers, and b0 did not answer",
         );
     }
 }

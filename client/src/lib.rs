@@ -158,7 +158,8 @@ mod types;
 
 pub use client::{Client, Pending, PendingAck, PendingPublish};
 pub use cluster::{
-    create_on_broker, incarnation_to_create, keeps_incarnations, show_incarnation, ClusterClient,
+    create_on_broker, enough_answered, incarnation_to_create, keeps_incarnations, show_incarnation,
+    ClusterClient,
 };
 pub use config::ClientConfig;
 pub use error::{ClientError, Result};

@@ -1771,10 +1771,29 @@ fn a_broker_down_while_its_stream_was_created_again_keeps_out_of_it() {
         // Node 3 misses the deletion and the new stream.
         cluster.brokers[2].kill9();
         let two = without(&cluster, &cluster.addrs[2]).await;
-        two.delete_stream(T, NS, S).await.unwrap();
-        two.create_stream(T, NS, S, SHARDS, StreamOptions::default())
+        // The client knows node 3 too (the others name it): the delete
+        // and the create are made on the other two, and each says it could
+        // not reach node 3, to be run again once it is back.
+        let not_on_three = |what: &str, e: ClientError| {
+            assert!(e.to_string().contains(&cluster.addrs[2]), "{what}: {e}");
+        };
+        not_on_three("delete", two.delete_stream(T, NS, S).await.unwrap_err());
+        let created = two
+            .create_stream(T, NS, S, SHARDS, StreamOptions::default())
             .await
-            .unwrap();
+            .unwrap_err();
+        assert_eq!(
+            created.code(),
+            Some(felix_client::ErrorCode::Unavailable),
+            "{created}"
+        );
+        assert!(
+            created
+                .to_string()
+                .contains("was created on the other brokers"),
+            "{created}"
+        );
+        not_on_three("create", created);
         let mut new = BTreeMap::new();
         publish_some(&two, 1000, 2, &mut new).await;
 
@@ -1842,7 +1861,7 @@ fn a_broker_down_while_its_stream_was_created_again_keeps_out_of_it() {
         // only one, and a create does not spread it to the others (it
         // would bring the deleted stream back).
         cluster.brokers[2].kill9();
-        two.delete_stream(T, NS, S).await.unwrap();
+        not_on_three("delete", two.delete_stream(T, NS, S).await.unwrap_err());
         cluster.brokers[2].restart();
         let err = cc
             .create_stream(T, NS, S, SHARDS, StreamOptions::default())
