@@ -10,8 +10,9 @@ Quick start::
         batch = client.read("t1/default/events", 0, offset)
         assert batch.records[0].payload == b"hello"
 
-For a cluster of brokers, :class:`ClusterClient` takes every broker's address
-and sends each shard's calls to the broker that leads it.
+For a cluster of brokers, :class:`ClusterClient` takes one broker's address
+or more (it learns the others from the first that answers) and sends each
+shard's calls to the broker that leads it.
 
 See the README for consumer groups, clusters, errors and the threading model.
 """
@@ -43,6 +44,8 @@ from .routing import crc32c, shard_for_key
 from .sharded import ShardedGroup, ShardedRecord
 from .subscription import Subscription
 from .types import (
+    ClusterInfo,
+    ClusterMember,
     DeadLetterInfo,
     DeadLetterPage,
     Feature,
@@ -73,6 +76,8 @@ __all__ = [
     "ShardedRecord",
     "crc32c",
     "shard_for_key",
+    "ClusterInfo",
+    "ClusterMember",
     "DeadLetterInfo",
     "DeadLetterPage",
     "Feature",

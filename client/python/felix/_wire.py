@@ -12,6 +12,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 from .errors import FelixError, ProtocolError, error_from_wire
 from .types import (
+    ClusterInfo,
+    ClusterMember,
     DeadLetterInfo,
     Feature,
     GroupInfo,
@@ -56,6 +58,7 @@ _MIN_RECORD = 8 + 8 + 1 + 4 + 4
 _MIN_GROUP_RECORD = 8 + 4 + 8 + 1 + 4 + 4 + 1
 _MIN_STREAM_INFO = 3 * 2 + 4 + 1 + 1 + 4
 _MIN_DEAD_LETTER = 8 + 4 + 8 + 1 + 1
+_MIN_CLUSTER_MEMBER = 8 + 2
 _EMPTY = b""
 
 
@@ -292,6 +295,18 @@ class Reader:
             peers=tuple(self.vec("peers", 16, lambda: PeerProgress(self.u64("peer node"), self.u64("peer matched")))),
         )
 
+    def cluster_info(self) -> ClusterInfo:
+        return ClusterInfo(
+            node=self.u64("node"),
+            members=tuple(
+                self.vec(
+                    "members",
+                    _MIN_CLUSTER_MEMBER,
+                    lambda: ClusterMember(self.u64("member node"), self.string("member addr")),
+                )
+            ),
+        )
+
     def dead_letter(self) -> DeadLetterInfo:
         return DeadLetterInfo(
             offset=self.u64("dead letter offset"),
@@ -414,6 +429,11 @@ def describe_shard(stream: StreamRef, shard: int) -> WireRequest:
 
 def describe_replica(stream: StreamRef, shard: int) -> WireRequest:
     return _req("describe_replica", 0x15, _w().stream(stream).u32(shard), Feature.REPLICA_INFO)
+
+
+def describe_cluster() -> WireRequest:
+    """Every broker of the answering broker's cluster (an empty body)."""
+    return _req("describe_cluster", 0x16, _w(), Feature.CLUSTER_INFO)
 
 
 def publish(stream: StreamRef, shard: Optional[int], key: Optional[bytes], ack: int, records: Sequence[RecordIn]) -> WireRequest:
@@ -581,6 +601,7 @@ _DECODERS: Dict[int, Tuple[str, Callable[[Reader], Any]]] = {
     0x11: ("streams", lambda r: r.vec("streams", _MIN_STREAM_INFO, r.stream_info)),
     0x12: ("shard", lambda r: r.shard_info()),
     0x13: ("replica", lambda r: r.replica_info()),
+    0x14: ("cluster", lambda r: r.cluster_info()),
     0x20: ("published", lambda r: (r.u32("shard"), r.u64("base_offset"), r.u32("count"))),
     0x21: ("records", _records),
     0x30: ("group_records", lambda r: r.vec("records", _MIN_GROUP_RECORD, r.group_record)),

@@ -32,6 +32,7 @@ from .routing import shard_for_key
 from .sharded import ShardedGroup
 from .subscription import Subscription
 from .types import (
+    ClusterInfo,
     DeadLetterInfo,
     DeadLetterPage,
     Feature,
@@ -705,6 +706,22 @@ class Client:
         ref = StreamRef.parse(stream)
         response = self._call_shard(ref, _check_shard(shard), _wire.describe_replica(ref, shard))
         return _expect(response, "describe_replica", "replica").value
+
+    def describe_cluster(self) -> ClusterInfo:
+        """Every broker of the cluster this broker belongs to, with the
+        address clients reach it at (its ``server.listen``), in node order,
+        and this broker's own node id::
+
+            info = client.describe_cluster()
+            for member in info.members:
+                print(member.node, member.addr)
+
+        Needs :attr:`Feature.CLUSTER_INFO`, which only a broker in a cluster
+        advertises: without it this raises :class:`~felix.errors.Unsupported`
+        and sends nothing. From one broker's address a client learns the
+        others (:meth:`felix.ClusterClient.connect` does)."""
+        self._require(Feature.CLUSTER_INFO, "describe_cluster")
+        return _expect(self._call_any(_wire.describe_cluster()), "describe_cluster", "cluster").value
 
     # --- publishing --------------------------------------------------------
 

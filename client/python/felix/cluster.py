@@ -40,6 +40,7 @@ from .errors import (
     InvalidArgument,
     NotFound,
     NotLeader,
+    ProtocolError,
     Timeout,
     Unavailable,
     Unsupported,
@@ -469,6 +470,20 @@ def _broker_list(brokers: Union[str, Iterable[str]]) -> Tuple[str, ...]:
     return tuple(out)
 
 
+def _members_of(client: Client, given: Tuple[str, ...]) -> Tuple[str, ...]:
+    """The client addresses of every broker of the cluster ``client``'s broker
+    is in, as it names them (:meth:`Client.describe_cluster`); ``given`` when
+    that broker cannot say (no :attr:`Feature.CLUSTER_INFO`)."""
+    if not client.has_feature(Feature.CLUSTER_INFO):
+        return given
+    info = client.describe_cluster()
+    members = tuple(m.addr for m in info.members)
+    if not members:
+        # A broker is always a member of its own cluster.
+        raise ProtocolError("describe_cluster: the broker named no broker of its cluster")
+    return members
+
+
 class ClusterClient:
     """A thread-safe client for a cluster of Felix brokers (brokers run with
     ``cluster.nodes``), where every shard is replicated on every broker and
@@ -489,23 +504,32 @@ class ClusterClient:
     discards, seeks, deletes) are tried again only where nothing was applied
     (``not_leader``, a broker not reached); a lost answer or an
     ``unavailable`` is raised as it is, since a seek to ``LATEST`` or a
-    redrive made twice is not the same as once. Stream creation and deletion
-    go to every broker.
+    redrive made twice is not the same as once. Streams are created,
+    deleted and described on every broker of the cluster (:attr:`members`),
+    however many of them were given.
 
     The calls are :class:`Client`'s, with the same names and arguments, so
     code can take either; :meth:`describe_replicas` and :meth:`leader_of`
     are a cluster's own. Make one with :meth:`connect`; use it as a context
     manager or call :meth:`close`. Every method may be called from many
-    threads at once::
+    threads at once. One broker's address is enough: the client learns the
+    others from it (:meth:`connect`)::
 
-        with felix.ClusterClient.connect(["127.0.0.1:7400", "127.0.0.1:7410", "127.0.0.1:7420"]) as cluster:
+        with felix.ClusterClient.connect("127.0.0.1:7400") as cluster:
             cluster.create_stream("t1/default/orders", 2)
             offset = cluster.publish("t1/default/orders", 0, b"hello")
     """
 
-    def __init__(self, brokers: Tuple[str, ...], config: ClientConfig) -> None:
+    def __init__(
+        self, brokers: Tuple[str, ...], config: ClientConfig, members: Optional[Tuple[str, ...]] = None
+    ) -> None:
         """Use :meth:`connect`."""
+        #: The brokers given, then those of the cluster not among them: where
+        #: a call looks for a shard's leader.
         self._brokers = brokers
+        #: The cluster's brokers as the first broker reached named them, or
+        #: the brokers given: where streams are created, deleted and described.
+        self._members = members if members is not None else brokers
         self._config = config
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -534,11 +558,20 @@ class ClusterClient:
         reconnect_backoff_initial: Optional[Seconds] = None,
         reconnect_backoff_max: Optional[Seconds] = None,
     ) -> "ClusterClient":
-        """Connect to the cluster's brokers: their client addresses
-        (``"host:port"``), as a list or as one string separated by commas.
-        Give every broker of the cluster, each once (one listed twice counts
-        once). One must answer now, tried in order; the others are connected
-        to when a call needs them.
+        """Connect to a cluster given one or more of its brokers' client
+        addresses (``"host:port"``), as a list or as one string separated by
+        commas (one listed twice counts once). One must answer now, tried in
+        order; the others are connected to when a call needs them.
+
+        The first broker that answers names every broker of its cluster
+        (:meth:`Client.describe_cluster`, on a broker that advertises
+        :attr:`Feature.CLUSTER_INFO`), so one address is enough: those are
+        :attr:`members`, on which streams are created, deleted and described,
+        and :attr:`brokers` is the brokers given, then the members not among
+        them. Where that broker answers HELLO but not ``describe_cluster``,
+        the next broker given is tried. A broker too old to name its cluster
+        (no :attr:`Feature.CLUSTER_INFO`) leaves :attr:`members` the brokers
+        given: then give every broker of the cluster.
 
         Settings are :meth:`Client.connect`'s, for the client of every broker.
 
@@ -559,14 +592,25 @@ class ClusterClient:
             reconnect_backoff_initial=reconnect_backoff_initial,
             reconnect_backoff_max=reconnect_backoff_max,
         )
-        cluster = cls(_broker_list(brokers), config)
+        given = _broker_list(brokers)
         last: Optional[FelixError] = None
-        for broker in cluster.brokers:
+        for broker in given:
             try:
-                cluster._client(broker)
-                return cluster
+                first = Client.connect(broker, config=config)
             except FelixError as e:
                 last = e
+                continue
+            try:
+                members = _members_of(first, given)
+            except FelixError as e:
+                first.close()
+                last = e
+                continue
+            known = given + tuple(m for m in members if m not in given)
+            cluster = cls(known, config, members)
+            cluster._clients[broker] = first
+            cluster._made.add(first)
+            return cluster
         assert last is not None
         raise last
 
@@ -600,8 +644,18 @@ class ClusterClient:
 
     @property
     def brokers(self) -> Tuple[str, ...]:
-        """The brokers given at connect, each once, in order."""
+        """The brokers given at connect, each once, in order, then those of
+        the cluster (:attr:`members`) not among them: where a call looks for
+        a shard's leader while none is known."""
         return self._brokers
+
+    @property
+    def members(self) -> Tuple[str, ...]:
+        """The cluster's brokers (their client addresses, in node order), as
+        the first broker reached at connect named them; the brokers given,
+        on a broker too old to say (no :attr:`Feature.CLUSTER_INFO`).
+        Streams are created, deleted and described on these."""
+        return self._members
 
     @property
     def config(self) -> ClientConfig:
@@ -699,12 +753,12 @@ class ClusterClient:
         return self._on_leader(stream, shard, _Retry.REFUSED, call)
 
     def _any_broker(self, call: Callable[[Client], T]) -> T:
-        """``call`` on the first broker that answers it, in order: a broker
-        that cannot be connected to, or whose answer a read would try again
-        for, is passed over; any other error is raised at once. When none
-        answers, the last error is raised."""
+        """``call`` on the first of :attr:`members` that answers it, in order:
+        a broker that cannot be connected to, or whose answer a read would try
+        again for, is passed over; any other error is raised at once. When
+        none answers, the last error is raised."""
         last: Optional[FelixError] = None
-        for broker in self._brokers:
+        for broker in self._members:
             try:
                 client = self._client(broker)
             except FelixError as error:
@@ -733,12 +787,12 @@ class ClusterClient:
         retention_bytes: Optional[int] = None,
         retention_ms: Optional[int] = None,
     ) -> StreamInfo:
-        """Create a stream on every broker, as one incarnation (see
-        :func:`incarnation_to_create`, which chooses it). Where more than half
-        of the brokers hold the stream already (a create interrupted part
-        way, or a broker that was down for it), the others get its
-        incarnation and those that hold it are left as they are, so a create
-        that fails part way can be run again; unlike :meth:`Client.create_stream`,
+        """Create a stream on every broker of the cluster (:attr:`members`),
+        as one incarnation (see :func:`incarnation_to_create`, which chooses
+        it). Where more than half of them hold the stream already (a create
+        interrupted part way, or a broker that was down for it), the others
+        get its incarnation and those that hold it are left as they are, so a
+        create that fails part way can be run again; unlike :meth:`Client.create_stream`,
         a stream every broker holds as the same stream is no error. Returns
         the stream as the first broker holds it.
 
@@ -746,19 +800,19 @@ class ClusterClient:
         another shard count, brokers hold different incarnations of it, or
         half of them or fewer hold it; :class:`~felix.errors.Unsupported`
         where a broker does not keep incarnations. Nothing is created unless
-        every broker answered: give every broker of the cluster, each once.
+        every one of :attr:`members` answered.
         """
         ref = StreamRef.parse(stream)
         check_int("shards", shards, (1 << 32) - 1, minimum=1)
         held: List[Tuple[str, StreamInfo]] = []
         missing: List[Tuple[str, Client]] = []
-        for broker in self._brokers:
+        for broker in self._members:
             client = self._client(broker)
             try:
                 held.append((broker, client.describe_stream(ref)))
             except NotFound:
                 missing.append((broker, client))
-        incarnation = incarnation_to_create(str(ref), shards, len(self._brokers), held)
+        incarnation = incarnation_to_create(str(ref), shards, len(self._members), held)
         for broker, client in missing:
             keeps_incarnations(client, broker, incarnation)
         self._forget_stream(ref)
@@ -769,18 +823,18 @@ class ClusterClient:
             )
             if info is not None:
                 infos[broker] = info
-        first = next((infos[b] for b in self._brokers if b in infos), None)
+        first = next((infos[b] for b in self._members if b in infos), None)
         return first if first is not None else self.describe_stream(ref)
 
     def delete_stream(self, stream: StreamLike) -> None:
-        """Delete a stream on every broker (one already gone is fine, so is a
-        stream no broker holds). Every broker is tried, one that cannot be
-        reached or refuses included; the first such error is raised after
-        the others were done, so the call can be run again once that broker
-        is back."""
+        """Delete a stream on every broker of the cluster (:attr:`members`;
+        one already gone is fine, so is a stream no broker holds). Every
+        broker is tried, one that cannot be reached or refuses included; the
+        first such error is raised after the others were done, so the call
+        can be run again once that broker is back."""
         ref = StreamRef.parse(stream)
         first: Optional[FelixError] = None
-        for broker in self._brokers:
+        for broker in self._members:
             client: Optional[Client] = None
             try:
                 client = self._client(broker)
@@ -798,7 +852,7 @@ class ClusterClient:
 
     def describe_stream(self, stream: StreamLike) -> StreamInfo:
         """A stream's shard count, retention, placement and incarnation, as the
-        first broker that answers has it."""
+        first broker of the cluster (:attr:`members`) that answers has it."""
         ref = StreamRef.parse(stream)
         info = self._any_broker(lambda c: c.describe_stream(ref))
         with self._lock:
@@ -806,8 +860,8 @@ class ClusterClient:
         return info
 
     def list_streams(self, tenant: Optional[str] = None) -> List[StreamInfo]:
-        """Every stream, or those of one tenant, as the first broker that
-        answers has them."""
+        """Every stream, or those of one tenant, as the first broker of the
+        cluster (:attr:`members`) that answers has them."""
         return self._any_broker(lambda c: c.list_streams(tenant))
 
     def describe_shard(self, stream: StreamLike, shard: int) -> ShardInfo:
@@ -818,15 +872,15 @@ class ClusterClient:
 
     def describe_replicas(self, stream: StreamLike, shard: int) -> List[ReplicaView]:
         """Every broker's replica of ``shard``, as each sees it
-        (:meth:`Client.describe_replica`), in the order the brokers were
-        given: ``(broker, ReplicaInfo)``, or ``(broker, error)`` for a broker
+        (:meth:`Client.describe_replica`), in the order of :attr:`members`:
+        ``(broker, ReplicaInfo)``, or ``(broker, error)`` for a broker
         that could not be reached or refused. The brokers are asked all at
         once, so one that does not answer holds up only its own place. Of the
         brokers that say they lead, the one in the newest term is remembered
         as the shard's leader, so the next call goes there first."""
         ref = StreamRef.parse(stream)
         check_u32("shard", shard)
-        answers: List[Optional[ReplicaView]] = [None] * len(self._brokers)
+        answers: List[Optional[ReplicaView]] = [None] * len(self._members)
 
         def ask(i: int, broker: str) -> None:
             client: Optional[Client] = None
@@ -840,7 +894,7 @@ class ClusterClient:
 
         asks = [
             threading.Thread(target=ask, args=(i, b), name=f"felix-describe-replica-{b}", daemon=True)
-            for i, b in enumerate(self._brokers)
+            for i, b in enumerate(self._members)
         ]
         for thread in asks:
             thread.start()
@@ -848,7 +902,7 @@ class ClusterClient:
             thread.join()
         views: List[ReplicaView] = [
             answer if answer is not None else (broker, Disconnected(f"{broker} gave no answer"))
-            for answer, broker in zip(answers, self._brokers)
+            for answer, broker in zip(answers, self._members)
         ]
         # The newest term's leader, as its own broker reports it.
         leading = [(info.term, b) for b, info in views if isinstance(info, ReplicaInfo) and info.role == "leader"]

@@ -19,6 +19,8 @@ __all__ = [
     "ShardInfo",
     "PeerProgress",
     "ReplicaInfo",
+    "ClusterMember",
+    "ClusterInfo",
     "Published",
     "ReadBatch",
     "DeadLetterInfo",
@@ -60,6 +62,9 @@ class Feature(enum.IntFlag):
     #: ``create_stream`` with ``incarnation=``, and
     #: :attr:`StreamInfo.incarnation` in its answers.
     STREAM_INCARNATION = 1 << 7
+    #: ``describe_cluster`` (a broker in a cluster): every broker of the
+    #: cluster with its client address.
+    CLUSTER_INFO = 1 << 8
 
 
 def check_utf8(what: str, text: str) -> bytes:
@@ -387,6 +392,27 @@ class ReplicaInfo:
     stopped: Optional[str]
     #: On the leader, every other broker's progress; empty elsewhere.
     peers: Tuple[PeerProgress, ...]
+
+
+@dataclass(frozen=True)
+class ClusterMember:
+    """One broker of a cluster, as :meth:`felix.Client.describe_cluster` names it."""
+
+    #: Its node id.
+    node: int
+    #: Where clients reach it (its ``server.listen``, ``"host:port"``).
+    addr: str
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    """The answer to :meth:`felix.Client.describe_cluster`: the answering
+    broker's node id and every broker of its cluster, itself included, in
+    node order."""
+
+    #: The answering broker's node id.
+    node: int
+    members: Tuple[ClusterMember, ...]
 
 
 @dataclass(frozen=True)

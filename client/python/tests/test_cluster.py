@@ -1,7 +1,8 @@
 """ClusterClient against a cluster of three brokers this module starts
-(``FELIX_TEST_BROKER``): creating and deleting on every broker, replication,
-following the leader, and a leader killed with ``kill -9`` under publishes,
-a group and a sharded group."""
+(``FELIX_TEST_BROKER``): creating and deleting on every broker, a client
+given one broker's address finding the others, replication, following the
+leader, and a leader killed with ``kill -9`` under publishes, a group and a
+sharded group."""
 
 import threading
 import time
@@ -182,6 +183,54 @@ class StreamsTest(ClusterTestCase):
         again = self.cc.create_stream(path, 2)
         self.assertNotEqual(again.incarnation, first)
         self.assertEqual(read_all(self.cc, path, 1), {})
+
+
+class OneAddressTest(ClusterTestCase):
+    def test_a_cluster_client_given_one_broker_finds_the_others(self) -> None:
+        # A broker names every broker of its cluster, with its client address.
+        seed = self.cluster.addrs[1]
+        info = self.broker(seed).describe_cluster()
+        self.assertEqual(info.node, 2, "the answering broker's own id")
+        self.assertEqual(
+            [(m.node, m.addr) for m in info.members], [(n + 1, a) for n, a in enumerate(self.cluster.addrs)]
+        )
+        # So one address is enough: the client learns the others, and creates
+        # the stream on all three as one incarnation.
+        cc = self.connect([seed])
+        self.assertEqual(cc.members, tuple(self.cluster.addrs))
+        self.assertEqual(cc.brokers[0], seed, "the broker given comes first")
+        self.assertEqual(sorted(cc.brokers), sorted(self.cluster.addrs))
+        path = fresh_stream("one-address")
+        made = cc.create_stream(path, 2)
+        self.assertIsNotNone(made.incarnation)
+        self.assertEqual(
+            [self.broker(a).describe_stream(path).incarnation for a in self.cluster.addrs], [made.incarnation] * 3
+        )
+        acked: Dict[Tuple[int, int], bytes] = {}
+
+        def publish(rounds: range) -> None:
+            for n in rounds:
+                for shard in range(2):
+                    payload = f"s{shard}-{n}".encode()
+                    acked[(shard, cc.publish(path, shard, payload))] = payload
+
+        publish(range(4))
+        # The broker it was given dies: the others carry on, and every
+        # acknowledged record is on each shard's leader.
+        node = self.cluster.node_of(seed)
+        self.cluster.kill9(node)
+        self.addCleanup(self.revive, node)
+        publish(range(4, 8))
+        for shard in range(2):
+            leader = cc.leader_of(path, shard)
+            self.assertIsNotNone(leader, f"shard {shard}")
+            self.assertNotEqual(leader, seed, f"shard {shard}")
+            assert leader is not None
+            got = read_all(self.broker(leader), path, shard)
+            for (s, offset), payload in acked.items():
+                if s == shard:
+                    self.assertEqual(got.get(offset), payload, f"shard {shard} offset {offset}")
+        self.cluster.restart(node)
 
 
 class PublishTest(ClusterTestCase):

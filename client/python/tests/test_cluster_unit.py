@@ -41,6 +41,14 @@ def not_leader(request_id: int, leader: Optional[str]) -> bytes:
     return response_frame(request_id, 0xFF, bytes(w.buf))
 
 
+def cluster_answer(request_id: int, node: int, members: List[str]) -> bytes:
+    """A ``Cluster`` answer: ``node`` answering, ``members`` numbered from 1."""
+    w = _wire.Writer().u64(node).u32(len(members))
+    for n, member in enumerate(members, 1):
+        w.u64(n).string(member)
+    return response_frame(request_id, 0x14, bytes(w.buf))
+
+
 def published(request_id: int, base: int, count: int = 1) -> bytes:
     return response_frame(request_id, 0x20, struct.pack("<IQI", 0, base, count))
 
@@ -167,8 +175,79 @@ class FakeClusterTest(FakeBrokerCase):
         gone.close()
         with felix.ClusterClient.connect([down, a]) as one:
             self.assertEqual(one.brokers, (down, a))
+            self.assertEqual(one.members, (down, a), "a broker that cannot name its cluster: those given")
         with self.assertRaises(felix.ConnectionFailed):
             felix.ClusterClient.connect([down])
+        self.assertEqual(fake.received, [], "describe_cluster never sent to a broker without CLUSTER_INFO")
+
+    def test_connect_learns_the_members_and_creates_deletes_and_describes_on_them(self) -> None:
+        full = int(F.STREAM_INCARNATION | F.REPLICA_INFO)
+        addrs: List[str] = []
+        created: List[str] = []
+
+        def member(name: str):  # type: ignore[no-untyped-def]
+            held: List[int] = []
+
+            def script(header, body, core):  # type: ignore[no-untyped-def]
+                if header.opcode == 0x16:
+                    return cluster_answer(header.request_id, 2, addrs)
+                if header.opcode == 0x11:
+                    if not held:
+                        return error_frame(header.request_id, 2, "no such stream")
+                    return stream_answer(header.request_id, 2, incarnation=held[0])
+                if header.opcode == 0x10:
+                    created.append(name)
+                    held.append(struct.unpack("<Q", body[-8:])[0])
+                    return stream_answer(header.request_id, 2, incarnation=held[0])
+                if header.opcode == 0x13:
+                    held.clear()
+                    return ok(header.request_id)
+                return error_frame(header.request_id, 1, "not in this test")
+
+            return script
+
+        # Node 2 is the seed: given alone, it names the cluster as c, a, b.
+        a = self.serve(member("a"), full | int(F.CLUSTER_INFO))
+        b, c = self.serve(member("b"), full), self.serve(member("c"), full)
+        addrs[:] = [addr(c), addr(a), addr(b)]
+        # A broker given that is not a member: never created on.
+        outsider = self.serve(member("outsider"), full)
+        cc = self.cluster_of([addr(a), addr(outsider)])
+        self.assertEqual(a.received, [0x16])
+        self.assertEqual(outsider.accepted, 0, "the first broker answered")
+        self.assertEqual(cc.members, (addr(c), addr(a), addr(b)))
+        self.assertEqual(cc.brokers, (addr(a), addr(outsider), addr(c), addr(b)), "given first, then the others")
+        made = cc.create_stream(STREAM, 2)
+        self.assertEqual(sorted(created), ["a", "b", "c"])
+        self.assertEqual(outsider.received, [])
+        self.assertIsNotNone(made.incarnation)
+        for fake in (a, b, c):
+            self.assertEqual(fake.received[-2:], [0x11, 0x10])
+        self.assertEqual(cc.describe_stream(STREAM).incarnation, made.incarnation)
+        self.assertEqual(c.received[-1], 0x11, "described by the first member")
+        views = cc.describe_replicas(STREAM, 0)
+        self.assertEqual([broker for broker, _ in views], list(cc.members))
+        cc.delete_stream(STREAM)
+        for fake in (a, b, c):
+            self.assertEqual(fake.received[-1], 0x13)
+        self.assertEqual(outsider.received, [], "nothing at all went to the broker outside the cluster")
+        self.assertEqual(a.accepted, 1, "the connection connect made is the one used after")
+
+    def test_a_failed_describe_cluster_moves_on_to_the_next_broker_given(self) -> None:
+        features = int(F.CLUSTER_INFO)
+        others: List[str] = []
+        bad = self.serve(lambda h, body, c: error_frame(h.request_id, 11, "internal trouble"), features)
+        empty = self.serve(lambda h, body, c: cluster_answer(h.request_id, 1, []), features)
+        good = self.serve(lambda h, body, c: cluster_answer(h.request_id, 3, others), features)
+        others[:] = [addr(bad), "10.9.9.9:7400", addr(good)]
+        cc = self.cluster(bad, empty, good)
+        self.assertEqual((bad.received, empty.received, good.received), ([0x16], [0x16], [0x16]))
+        self.assertEqual(cc.members, (addr(bad), "10.9.9.9:7400", addr(good)))
+        self.assertEqual(cc.brokers, (addr(bad), addr(empty), addr(good), "10.9.9.9:7400"))
+        # Every broker failing it: the last one's error.
+        with self.assertRaises(felix.ProtocolError) as caught:
+            felix.ClusterClient.connect([addr(bad), addr(empty)])
+        self.assertIn("named no broker", caught.exception.message)
 
     def test_an_incarnation_is_never_sent_to_a_broker_that_does_not_keep_them(self) -> None:
         fake = self.serve(lambda h, b, c: stream_answer(h.request_id))

@@ -36,6 +36,19 @@ class StreamAdminTest(BrokerTestCase):
         with self.assertRaises(felix.NotFound):
             self.client.describe_stream(path)
 
+    def test_a_single_broker_names_no_cluster_and_is_not_asked(self) -> None:
+        # Not in a cluster: the broker does not advertise CLUSTER_INFO, and
+        # describe_cluster is refused here (no wire number) without sending.
+        self.assertFalse(self.client.has_feature(felix.Feature.CLUSTER_INFO))
+        with self.assertRaises(felix.Unsupported) as caught:
+            self.client.describe_cluster()
+        self.assertIn("FEATURE_CLUSTER_INFO", caught.exception.message)
+        self.assertFalse(caught.exception.from_broker)
+        self.client.ping()  # The connection is as it was.
+        # A cluster client given it keeps to the broker given.
+        with felix.ClusterClient.connect(broker_addr(), request_timeout=10.0) as cc:
+            self.assertEqual((cc.brokers, cc.members), ((broker_addr(),), (broker_addr(),)))
+
     def test_typed_errors_from_the_broker(self) -> None:
         path = self.new_stream(shards=2)
         cases = [

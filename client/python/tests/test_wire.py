@@ -67,6 +67,55 @@ class EncodingTest(unittest.TestCase):
         with self.assertRaises(felix.ProtocolError):
             _wire.decode_response(header, bad_role)
 
+    def test_describe_cluster_is_an_empty_request_needing_its_feature(self) -> None:
+        self.assertEqual(int(felix.Feature.CLUSTER_INFO), 0x100)
+        self.assertTrue(_wire.FEATURES_ALL & felix.Feature.CLUSTER_INFO, "HELLO offers it")
+        request = _wire.describe_cluster()
+        self.assertEqual((request.name, request.opcode, request.required), ("describe_cluster", 0x16, felix.Feature.CLUSTER_INFO))
+        self.assertEqual(request.body, b"")
+        self.assertEqual(_wire.frame(5, request), bytes.fromhex("0c000000" "01" "16" "0000" "0500000000000000"))
+
+    def test_a_cluster_answer_decodes_strictly(self) -> None:
+        s = lambda v: struct.pack("<H", len(v)) + v
+        body = (
+            struct.pack("<Q", 2) + struct.pack("<I", 3)
+            + struct.pack("<Q", 1) + s(b"10.0.0.1:7400")
+            + struct.pack("<Q", 2) + s(b"10.0.0.2:7400")
+            + struct.pack("<Q", 3) + s("h\u00f4te:7400".encode())
+        )
+
+        def decode(data: bytes) -> _wire.Response:
+            return _wire.decode_response(_wire.FrameHeader(12 + len(data), 2, 0x14, 0, 1), data)
+
+        answer = decode(body)
+        self.assertEqual(answer.name, "cluster")
+        self.assertEqual(
+            answer.value,
+            felix.ClusterInfo(
+                2,
+                (
+                    felix.ClusterMember(1, "10.0.0.1:7400"),
+                    felix.ClusterMember(2, "10.0.0.2:7400"),
+                    felix.ClusterMember(3, "h\u00f4te:7400"),
+                ),
+            ),
+        )
+        self.assertEqual(decode(struct.pack("<QI", 7, 0)).value, felix.ClusterInfo(7, ()))
+        # Cut anywhere, the answer is refused.
+        for end in range(len(body)):
+            with self.subTest(cut_at=end), self.assertRaises(felix.ProtocolError):
+                decode(body[:end])
+        # Trailing bytes, a count the body cannot hold, bad UTF-8: refused.
+        bad = [
+            body + b"\x00",
+            struct.pack("<QI", 2, 1_000_000_000) + body[12:],
+            struct.pack("<QI", 2, 4) + body[12:],
+            struct.pack("<QI", 2, 1) + struct.pack("<Q", 1) + s(b"\xff\xfe:7400"),
+        ]
+        for data in bad:
+            with self.subTest(body=data[:16]), self.assertRaises(felix.ProtocolError):
+                decode(data)
+
     def test_unknown_error_codes_map_to_internal_keeping_the_number(self) -> None:
         error = error_from_wire(99, "from the future")
         self.assertIsInstance(error, felix.Internal)
@@ -108,7 +157,7 @@ class DecoderRobustnessTest(unittest.TestCase):
 
     def test_random_bytes_only_ever_raise_protocol_errors(self) -> None:
         rng = random.Random(7)
-        opcodes = [0x01, 0x02, 0x03, 0x10, 0x11, 0x12, 0x20, 0x21, 0x30, 0x31, 0x32, 0x33, 0x40, 0x41, 0xFF]
+        opcodes = [0x01, 0x02, 0x03, 0x10, 0x11, 0x12, 0x13, 0x14, 0x20, 0x21, 0x30, 0x31, 0x32, 0x33, 0x40, 0x41, 0xFF]
         for _ in range(5000):
             body = bytes(rng.randrange(256) for _ in range(rng.randrange(64)))
             try:
@@ -159,6 +208,22 @@ class MisbehavingBrokerTest(FakeBrokerCase):
         self.assertEqual(fake.received, [])
         client.group_ack("t/n/s", 0, "g", [1, 2])
         self.assertEqual(fake.received, [0x31])
+
+    def test_describe_cluster_is_refused_without_its_feature_and_answered_with_it(self) -> None:
+        def cluster_answer(header, body, core):  # type: ignore[no-untyped-def]
+            w = _wire.Writer().u64(1).u32(1).u64(1).string("127.0.0.1:7400")
+            return response_frame(header.request_id, 0x14, bytes(w.buf))
+
+        plain = self.serve(cluster_answer, features=int(felix.Feature.GROUPS))
+        with self.assertRaises(felix.Unsupported) as caught:
+            self.connect(plain).describe_cluster()
+        self.assertIn("FEATURE_CLUSTER_INFO", caught.exception.message)
+        self.assertIsNone(caught.exception.number)
+        self.assertEqual(plain.received, [], "nothing sent")
+        member = self.serve(cluster_answer, features=int(felix.Feature.CLUSTER_INFO))
+        info = self.connect(member).describe_cluster()
+        self.assertEqual(info, felix.ClusterInfo(1, (felix.ClusterMember(1, "127.0.0.1:7400"),)))
+        self.assertEqual(member.received, [0x16])
 
     def test_garbage_from_the_broker_fails_the_call_and_keeps_the_connection(self) -> None:
         fake = self.serve(lambda h, b, c: response_frame(h.request_id, 0x21, b"\x01\x02"))
