@@ -106,6 +106,22 @@ export interface ReplicaInfo {
   peers: { node: bigint; matched: bigint }[];
 }
 
+/** One broker of a cluster, as `describeCluster` names it. */
+export interface ClusterMember {
+  /** Its node id. */
+  node: bigint;
+  /** Where clients reach it (its `server.listen`), `host:port`. */
+  addr: string;
+}
+
+/** A broker's answer to `describeCluster` (a broker in a cluster, FEATURES.CLUSTER_INFO). */
+export interface ClusterInfo {
+  /** The answering broker's node id. */
+  node: bigint;
+  /** Every broker of the cluster, the answering one included, in node order. */
+  members: ClusterMember[];
+}
+
 export interface Published {
   shard: number;
   baseOffset: bigint;
@@ -280,6 +296,12 @@ export class Client {
   describeShard(stream: StreamArg, shard: number): Promise<ShardInfo>;
   /** This broker's replica of a shard (a broker in a cluster, `FEATURES.REPLICA_INFO`). */
   describeReplica(stream: StreamArg, shard: number): Promise<ReplicaInfo>;
+  /**
+   * Every broker of this broker's cluster with its client address, in node
+   * order (a broker in a cluster, `FEATURES.CLUSTER_INFO`; refused locally
+   * with UnsupportedError elsewhere).
+   */
+  describeCluster(): Promise<ClusterInfo>;
 
   publish(stream: StreamArg, shard: number, record: RecordArg): Promise<bigint>;
   publishBatch(stream: StreamArg, shard: number, records: RecordArg[]): Promise<Published>;
@@ -337,10 +359,22 @@ export type ReplicaAnswer =
  * answer rejects with its error.
  */
 export class ClusterClient {
-  /** Each address counts once (trimmed); at least one broker must answer now. */
+  /**
+   * Each address counts once (trimmed); at least one broker must answer
+   * now. The first that answers names every broker of its cluster
+   * (`Client.describeCluster`, FEATURES.CLUSTER_INFO), so one address is
+   * enough; a broker that cannot say leaves the brokers given as the
+   * cluster's. One that fails to name them is passed over for the next.
+   */
   static connect(brokers: string[], options?: ClientOptions): Promise<ClusterClient>;
-  /** The brokers given at connect, each once, in order. */
+  /** The brokers given at connect (each once, in order), then those of the cluster learned at connect and not given. */
   readonly brokers: readonly string[];
+  /**
+   * The cluster's brokers as the first broker reached named them (client
+   * addresses, in node order); the brokers given when it could not say.
+   * Streams are created, deleted and described on these.
+   */
+  readonly members: readonly string[];
   /** The broker that last led the shard, if one is known. */
   leaderOf(stream: StreamArg, shard: number): string | undefined;
   /** Closes every broker's client; calls in flight or backing off reject with DisconnectedError. */
@@ -349,20 +383,20 @@ export class ClusterClient {
   withLeader<T>(stream: StreamArg, shard: number, call: (client: Client) => Promise<T>): Promise<T>;
 
   /**
-   * On every broker, as one incarnation (the one more than half of the
-   * brokers already hold, or a new one); resolves to the first broker's
-   * view. Refused with AlreadyExistsError, naming the brokers, where a
+   * On every broker of the cluster (`members`), as one incarnation (the
+   * one more than half of them already hold, or a new one); resolves to
+   * the first member's view. Refused with AlreadyExistsError, naming the brokers, where a
    * broker holds another shard count, the holders disagree, or half of
    * the brokers or fewer hold it.
    */
   createStream(stream: StreamArg, shards: number, options?: { retentionBytes?: OffsetArg; retentionMs?: OffsetArg }): Promise<StreamInfo>;
-  /** As the first broker that answers has it. */
+  /** As the first of `members` that answers has it. */
   describeStream(stream: StreamArg): Promise<StreamInfo>;
-  /** As the first broker that answers has them. */
+  /** As the first of `members` that answers has them. */
   listStreams(tenant?: string): Promise<StreamInfo[]>;
-  /** On every broker (one already gone is fine); the first other error is thrown once all were tried. */
+  /** On every broker of the cluster (`members`; one already gone is fine); the first other error is thrown once all were tried. */
   deleteStream(stream: StreamArg): Promise<void>;
-  /** Every broker's view in broker order, asked all at once; remembers the leader of the newest term. */
+  /** Every member's view in the order of `members`, asked all at once; remembers the leader of the newest term. */
   describeReplicas(stream: StreamArg, shard: number): Promise<ReplicaAnswer[]>;
   describeShard(stream: StreamArg, shard: number): Promise<ShardInfo>;
 
@@ -408,6 +442,7 @@ export declare const FEATURES: {
   readonly GROUP_DEAD_LETTER_PAGES: 0x20;
   readonly REPLICA_INFO: 0x40;
   readonly STREAM_INCARNATION: 0x80;
+  readonly CLUSTER_INFO: 0x100;
 };
 export declare const FEATURES_ALL: number;
 export declare const PROTOCOL_VERSION: number;

@@ -98,6 +98,8 @@ const requests = {
     },
   }),
   listStreams: (tenant) => ({ name: 'list_streams', opcode: OP.LIST_STREAMS, body: (w) => w.opt(tenant, w.str) }),
+  /** An empty body. */
+  describeCluster: () => ({ name: 'describe_cluster', opcode: OP.DESCRIBE_CLUSTER, features: FEATURES.CLUSTER_INFO, body: () => {} }),
   publish: (ref, target, ack, records) => ({
     name: 'publish',
     opcode: OP.PUBLISH,
@@ -616,6 +618,20 @@ class Client {
     args.u32(shard, 'shard');
     const req = requests.shardOnly('describe_replica', OP.DESCRIBE_REPLICA, ref, shard, FEATURES.REPLICA_INFO);
     return expect(await this.callShard(ref, shard, req), 'replica', 'describe_replica').info;
+  }
+
+  /**
+   * Every broker of the cluster this broker belongs to, with the address
+   * clients reach it at (its `server.listen`), in node order, and this
+   * broker's own node id. Needs `FEATURES.CLUSTER_INFO`, which only a
+   * broker in a cluster advertises (refused locally with
+   * `UnsupportedError` elsewhere): from one broker's address a client
+   * learns the others (`ClusterClient.connect` does).
+   * @returns {Promise<import('../index').ClusterInfo>}
+   */
+  async describeCluster() {
+    this.requireFeatures(FEATURES.CLUSTER_INFO, 'describeCluster');
+    return expect(await this.callAny(requests.describeCluster()), 'cluster', 'describe_cluster').info;
   }
 
   /**

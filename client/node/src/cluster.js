@@ -22,6 +22,7 @@ const {
   InvalidArgumentError,
   NotFoundError,
   NotLeaderError,
+  ProtocolError,
   TimeoutError,
   UnavailableError,
   UnsupportedError,
@@ -186,6 +187,33 @@ async function createOnBroker(client, broker, ref, shards, retention, incarnatio
 }
 
 /**
+ * The brokers of the cluster as the broker of `client` names them
+ * (`Client.describeCluster`: their client addresses, in node order, each
+ * once), or `given` when that broker cannot say (it does not advertise
+ * `FEATURES.CLUSTER_INFO`: an older build, or a broker in no cluster).
+ * An answer naming no broker, or an address that is not `host:port`, is a
+ * `ProtocolError`.
+ * @param {import('./client').Client} client
+ * @param {readonly string[]} given
+ * @returns {Promise<readonly string[]>}
+ */
+async function clusterMembers(client, given) {
+  if (!client.hasFeature(FEATURES.CLUSTER_INFO)) return given;
+  const info = await client.describeCluster();
+  const members = [];
+  for (const m of info.members) {
+    try {
+      parseAddr(m.addr);
+    } catch {
+      throw new ProtocolError(`the broker names node ${m.node} of its cluster at ${JSON.stringify(m.addr)}, not a "host:port" address`);
+    }
+    if (!members.includes(m.addr)) members.push(m.addr);
+  }
+  if (members.length === 0) throw new ProtocolError('the broker named no broker of its cluster');
+  return members;
+}
+
+/**
  * A client of one broker as the cluster client holds it. `calls` counts
  * the calls running on it: a client that failed is retired (the next call
  * connects anew) and closed once the calls still on it are done.
@@ -218,15 +246,28 @@ async function createOnBroker(client, broker, ref, shards, retention, incarnatio
  * discard, seek, delete) are tried again only where nothing was applied
  * (`not_leader`, a broker not reached); a lost answer is thrown as the
  * error it is, since a seek to `'latest'` or a redrive made twice is not
- * the same as once. Stream creation and deletion go to every broker.
+ * the same as once. Stream creation and deletion go to every broker of the
+ * cluster (`members`): the first broker reached at connect names them
+ * (`Client.describeCluster`), so one address is enough.
  *
  * The per-shard calls take the same arguments as `Client`'s of the same
  * name, so code can switch between the two; `shardedGroup` consumes a
  * group on every shard, each shard's calls on its leader.
  */
 class ClusterClient {
-  /** @type {readonly string[]} */
+  /**
+   * The brokers given at connect, then those of the cluster not among
+   * them: where a per-shard call looks for the shard's leader.
+   * @type {readonly string[]}
+   */
   #brokers;
+  /**
+   * The cluster's brokers as the first broker reached named them, or the
+   * brokers given when it could not say: those a stream is created on,
+   * deleted from and described by.
+   * @type {readonly string[]}
+   */
+  #members;
   #options;
   /** @type {Map<string, Held>} The client of each broker, by address (a leader named by a broker included). */
   #clients = new Map();
@@ -250,15 +291,34 @@ class ClusterClient {
    */
   constructor(brokers, options) {
     this.#brokers = Object.freeze(brokers);
+    this.#members = this.#brokers;
     this.#options = options;
   }
 
   /**
-   * Connect to the cluster's brokers (their client addresses, `host:port`;
-   * give every broker of the cluster, as `createStream` counts them). Each
-   * address counts once (trimmed). At least one broker must answer now;
-   * the others are connected to when needed. Rejects with the last
-   * broker's error when none answers.
+   * Take the cluster's brokers, `members`, as named at connect: the
+   * brokers known become the ones given, then the members not among them.
+   * @param {readonly string[]} members
+   */
+  #learn(members) {
+    const given = this.#brokers;
+    this.#members = Object.freeze([...members]);
+    this.#brokers = Object.freeze([...given, ...members.filter((m) => !given.includes(m))]);
+  }
+
+  /**
+   * Connect to a cluster given one or more of its brokers (their client
+   * addresses, `host:port`; each counts once, trimmed). The first broker
+   * that answers names every broker of its cluster
+   * (`Client.describeCluster`, on a broker that advertises
+   * `FEATURES.CLUSTER_INFO`), so one address is enough: the client finds
+   * the others (`brokers`, `members`), and creates, deletes and describes
+   * streams on every broker of the cluster however many were given. A
+   * broker that cannot say (an older build) leaves the brokers given as
+   * the cluster's: then give every broker, as `createStream` counts them.
+   * A broker that answers HELLO but fails to name its cluster is passed
+   * over like one that does not answer. The others are connected to when
+   * needed. Rejects with the last broker's error when none answers.
    * @param {string[]} brokers
    * @param {import('../index').ClientOptions} [options] for every broker's `Client`
    * @returns {Promise<ClusterClient>}
@@ -280,10 +340,19 @@ class ClusterClient {
     const cluster = new ClusterClient(list, clientOptions(options));
     let last;
     for (const addr of list) {
+      let held;
       try {
-        await cluster.#entry(addr);
+        held = await cluster.#entry(addr);
+      } catch (err) {
+        last = err;
+        continue;
+      }
+      try {
+        cluster.#learn(await cluster.#use(held, (c) => clusterMembers(c, list)));
         return cluster;
       } catch (err) {
+        // As a broker that did not answer: its client goes, the next is asked.
+        cluster.#retire(held);
         last = err;
       }
     }
@@ -291,9 +360,23 @@ class ClusterClient {
     throw last;
   }
 
-  /** The brokers given at connect, each once, in order. @returns {readonly string[]} */
+  /**
+   * The brokers given at connect (each once, in order), then those of the
+   * cluster the client learned of and was not given: where a per-shard
+   * call looks for the shard's leader. @returns {readonly string[]}
+   */
   get brokers() {
     return this.#brokers;
+  }
+
+  /**
+   * The cluster's brokers, as the first broker reached at connect named
+   * them (their client addresses, in node order); the brokers given, on a
+   * broker that cannot say (no `FEATURES.CLUSTER_INFO`). Streams are
+   * created, deleted and described on these. @returns {readonly string[]}
+   */
+  get members() {
+    return this.#members;
   }
 
   /** The options every broker's `Client` is made with, checked, defaults filled in. */
@@ -540,12 +623,12 @@ class ClusterClient {
   // ----- streams -----------------------------------------------------------------
 
   /**
-   * Create a stream on every broker, as one incarnation: first asks every
-   * broker whether it holds the stream, then creates it on the others.
-   * Give the client every broker of the cluster: where more than half of
-   * them hold the stream already (a create interrupted part way, or a
-   * broker that was down for it), the others get its incarnation, and
-   * those that hold it are left as they are, so running it again is fine.
+   * Create a stream on every broker of the cluster (`members`), as one
+   * incarnation: first asks every broker whether it holds the stream, then
+   * creates it on the others. Where more than half of them hold the
+   * stream already (a create interrupted part way, or a broker that was
+   * down for it), the others get its incarnation, and those that hold it
+   * are left as they are, so running it again is fine.
    * Refused (`AlreadyExistsError`, naming the brokers) where a broker holds
    * it with another shard count, brokers hold different incarnations of
    * it, or half of them or fewer hold it; `UnsupportedError` where a
@@ -569,7 +652,7 @@ class ClusterClient {
     for (const [what, v] of Object.entries(retention)) if (v !== undefined) args.u64(v, what);
     const held = [];
     const lacking = [];
-    for (const broker of this.#brokers) {
+    for (const broker of this.#members) {
       try {
         held.push({ broker, info: await this.#with(broker, (c) => c.describeStream(ref)) });
       } catch (err) {
@@ -577,7 +660,7 @@ class ClusterClient {
         lacking.push(broker);
       }
     }
-    const incarnation = incarnationToCreate(pathOf(ref), shards, this.#brokers.length, held);
+    const incarnation = incarnationToCreate(pathOf(ref), shards, this.#members.length, held);
     for (const broker of lacking) {
       await this.#with(broker, async (c) => keepsIncarnations(c, broker, incarnation));
     }
@@ -588,21 +671,21 @@ class ClusterClient {
       infos.set(broker, info);
     }
     this.#shardCounts.set(pathOf(ref), shards);
-    return infos.get(this.#brokers[0]);
+    return infos.get(this.#members[0]);
   }
 
   /**
-   * Delete a stream on every broker (one already gone is fine). Every
-   * broker is tried, one that cannot be reached or refuses included; the
-   * first such error is thrown after the others were done, so the call
-   * can be run again once that broker is back.
+   * Delete a stream on every broker of the cluster (`members`; one already
+   * gone is fine). Every broker is tried, one that cannot be reached or
+   * refuses included; the first such error is thrown after the others
+   * were done, so the call can be run again once that broker is back.
    * @param {import('../index').StreamArg} stream
    * @returns {Promise<void>}
    */
   async deleteStream(stream) {
     const ref = args.streamRef(stream);
     let first;
-    for (const broker of this.#brokers) {
+    for (const broker of this.#members) {
       try {
         await this.#with(broker, (c) => c.deleteStream(ref));
       } catch (err) {
@@ -614,14 +697,14 @@ class ClusterClient {
   }
 
   /**
-   * Ask each broker in turn, until one answers `call`; a broker that
-   * cannot be reached, or whose answer is worth asking another for (as a
-   * read's), passes the question on. Throws the last such error when none
-   * answers, and any other error at once.
+   * Ask each broker of the cluster (`members`) in turn, until one answers
+   * `call`; a broker that cannot be reached, or whose answer is worth
+   * asking another for (as a read's), passes the question on. Throws the
+   * last such error when none answers, and any other error at once.
    */
   async #firstAnswer(call) {
     let last;
-    for (const broker of this.#brokers) {
+    for (const broker of this.#members) {
       let held;
       try {
         held = await this.#entry(broker);
@@ -670,12 +753,12 @@ class ClusterClient {
   }
 
   /**
-   * Every broker's replica of `shard`, as each sees it, in the order the
-   * brokers were given: `{broker, replica}`, or `{broker, error}` for a
-   * broker that could not be reached or refused. The brokers are asked all
-   * at once, so one that does not answer holds up only its own place. The
-   * broker that says it leads, in the newest term, is remembered as the
-   * shard's leader, so the next call goes there first. See
+   * Every broker's replica of `shard`, as each sees it, in the order of
+   * `members`: `{broker, replica}`, or `{broker, error}` for a broker that
+   * could not be reached or refused. The brokers are asked all at once,
+   * so one that does not answer holds up only its own place. The broker
+   * that says it leads, in the newest term, is remembered as the shard's
+   * leader, so the next call goes there first. See
    * `Client.describeReplica`.
    * @param {import('../index').StreamArg} stream
    * @param {number} shard
@@ -684,7 +767,7 @@ class ClusterClient {
   async describeReplicas(stream, shard) {
     const ref = args.streamRef(stream);
     args.u32(shard, 'shard');
-    const answers = await Promise.all(this.#brokers.map(async (broker) => {
+    const answers = await Promise.all(this.#members.map(async (broker) => {
       try {
         return { broker, replica: await this.#with(broker, (c) => c.describeReplica(ref, shard)) };
       } catch (error) {

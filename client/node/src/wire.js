@@ -27,6 +27,7 @@ const FEATURES = Object.freeze({
   GROUP_DEAD_LETTER_PAGES: 0x20,
   REPLICA_INFO: 0x40,
   STREAM_INCARNATION: 0x80,
+  CLUSTER_INFO: 0x100,
 });
 /** Every feature bit this client understands (what it offers in HELLO). */
 const FEATURES_ALL = Object.values(FEATURES).reduce((a, b) => a | b, 0);
@@ -41,6 +42,7 @@ const OP = Object.freeze({
   DELETE_STREAM: 0x13,
   DESCRIBE_SHARD: 0x14,
   DESCRIBE_REPLICA: 0x15,
+  DESCRIBE_CLUSTER: 0x16,
   PUBLISH: 0x20,
   READ: 0x21,
   GROUP_POLL: 0x30,
@@ -345,6 +347,7 @@ const MIN_RECORD = 8 + 8 + 1 + 4 + 4;
 const MIN_GROUP_RECORD = 8 + 4 + 8 + 1 + 4 + 4 + 1;
 const MIN_DEAD_LETTER = 8 + 4 + 8 + 1 + 1;
 const MIN_HEADER = 2 + 4;
+const MIN_CLUSTER_MEMBER = 8 + 2;
 
 function getStreamRef(r) {
   return { tenant: r.str('tenant'), namespace: r.str('namespace'), stream: r.str('stream') };
@@ -402,6 +405,14 @@ function getReplicaInfo(r) {
     compacted: r.u64('compacted'),
     stopped: r.opt('stopped', r.str),
     peers: r.vec('peers', 16, (p) => ({ node: p.u64('peer node'), matched: p.u64('peer matched') })),
+  };
+}
+
+/** A `Cluster` answer: the answering broker's node id, then every broker of its cluster in node order. */
+function getClusterInfo(r) {
+  return {
+    node: r.u64('node'),
+    members: r.vec('members', MIN_CLUSTER_MEMBER, (m) => ({ node: m.u64('member node'), addr: m.str('member addr') })),
   };
 }
 
@@ -480,6 +491,7 @@ const RESPONSES = new Map([
   [0x11, (r) => ({ type: 'streams', infos: r.vec('streams', MIN_STREAM_INFO, getStreamInfo) })],
   [0x12, (r) => ({ type: 'shard', info: getShardInfo(r) })],
   [0x13, (r) => ({ type: 'replica', info: getReplicaInfo(r) })],
+  [0x14, (r) => ({ type: 'cluster', info: getClusterInfo(r) })],
   [0x20, (r) => ({
     type: 'published',
     shard: r.u32('shard'),

@@ -64,7 +64,8 @@ function streamRefOf(body) {
  * request after HELLO. HELLO is answered by `onHello(wantCore, state)` when
  * given (it returns `{cores, core}`, or `{error: [code, message]}` to refuse
  * and close), else with `features`, one core, core 0; `hang` leaves it
- * unanswered. Each frame carries `core`: the core its connection is on.
+ * unanswered. Each frame carries `core`: the core its connection is on;
+ * `state.offered` is the feature bits the latest HELLO offered (a bigint).
  * @returns {Promise<{addr: string, state: object, close(): Promise<void>, drop(): void}>}
  */
 async function fakeBroker({ features = 0x3f, onRequest = () => {}, onHello }) {
@@ -85,6 +86,8 @@ async function fakeBroker({ features = 0x3f, onRequest = () => {}, onHello }) {
         if (frame.opcode === 0x01) {
           const want = wantCoreOf(frame.body);
           state.hellos.push(want);
+          // u16 version, then the u64 features the client offers.
+          state.offered = frame.body.readBigUInt64LE(2);
           const h = onHello ? onHello(want, state) : { cores: 1, core: 0 };
           if (h.hang) continue;
           if (h.error) {

@@ -106,6 +106,7 @@ test('a field the broker did not advertise is refused locally with UnsupportedEr
   await assert.rejects(client.groupDescribe('t/n/s', 0, 'g'), local);
   await assert.rejects(client.groupCreate('t/n/s', 0, 'g', 'latest'), local);
   await assert.rejects(client.publish('t/n/s', 0, 'x'), local); // ackOnCommit
+  await assert.rejects(client.describeCluster(), (err) => local(err) && /describeCluster needs FEATURE_CLUSTER_INFO/.test(err.message));
   assert.equal(fake.state.requests.length, 0);
 });
 
@@ -315,4 +316,63 @@ test('a Replica answer decodes, and an unknown role is refused', () => {
   assert.equal(r.stopped, undefined);
   assert.deepEqual(r.peers, [{ node: 3n, matched: 39n }]);
   assert.throws(() => wire.decodeResponse(0x13, body(9)), /unknown replica role/);
+});
+
+/** A Cluster answer body: the answering broker's node, then `[node, addr]` members. */
+function clusterBody(node, members) {
+  const w = new wire.Writer();
+  w.u64(node);
+  w.u32(members.length);
+  for (const [n, addr] of members) {
+    w.u64(n);
+    w.str(addr);
+  }
+  return Buffer.from(w.finish());
+}
+
+test('a Cluster answer decodes; a cut, padded or lying one is refused', () => {
+  const members = [[1n, '127.0.0.1:7400'], [2n, '127.0.0.1:7410'], [(1n << 64n) - 1n, '[::1]:7420']];
+  const full = clusterBody(2n, members);
+  assert.deepEqual(wire.decodeResponse(0x14, full), {
+    type: 'cluster',
+    info: { node: 2n, members: members.map(([node, addr]) => ({ node, addr })) },
+  });
+  assert.deepEqual(wire.decodeResponse(0x14, clusterBody(7n, [])).info, { node: 7n, members: [] });
+  // Cut anywhere: within the node, the count, a member's node or its address.
+  for (let n = 0; n < full.length; n++) {
+    assert.throws(() => wire.decodeResponse(0x14, full.subarray(0, n)), (err) => err instanceof wire.DecodeError && /^truncated (node|members|member node|member addr)$/.test(err.message), `cut at ${n}`);
+  }
+  assert.throws(() => wire.decodeResponse(0x14, Buffer.concat([full, Buffer.alloc(1)])), /trailing bytes/);
+  // A count the bytes left cannot hold (a member takes at least 10).
+  const lying = clusterBody(2n, [[1n, '']]);
+  lying.writeUInt32LE(2, 8);
+  assert.throws(() => wire.decodeResponse(0x14, lying), /truncated members/);
+  const many = Buffer.alloc(12);
+  many.writeUInt32LE(0xffffffff, 8);
+  assert.throws(() => wire.decodeResponse(0x14, many), /truncated members/);
+  const badUtf8 = Buffer.concat([clusterBody(2n, []).subarray(0, 8), Buffer.from([1, 0, 0, 0]), Buffer.alloc(8), Buffer.from([1, 0, 0xff])]);
+  assert.throws(() => wire.decodeResponse(0x14, badUtf8), /member addr is not valid UTF-8/);
+});
+
+test('describeCluster sends DescribeCluster (0x16, an empty body) to a broker with CLUSTER_INFO, offered in HELLO', async (t) => {
+  let wrongType = false;
+  const fake = await fakeBroker({
+    features: 0x1ff,
+    onRequest: (frame, socket) => {
+      if (wrongType) socket.write(responseFrame(frame.requestId, 0x03));
+      else socket.write(responseFrame(frame.requestId, 0x14, clusterBody(3n, [[1n, 'a:1'], [3n, 'c:3']])));
+    },
+  });
+  t.after(() => fake.close());
+  const client = await Client.connect(fake.addr);
+  t.after(() => client.close());
+  assert.equal(wire.FEATURES.CLUSTER_INFO, 0x100);
+  assert.equal(fake.state.offered & 0x100n, 0x100n, 'the client offers CLUSTER_INFO');
+  assert.ok(client.hasFeature(felix.FEATURES.CLUSTER_INFO));
+  assert.deepEqual(await client.describeCluster(), { node: 3n, members: [{ node: 1n, addr: 'a:1' }, { node: 3n, addr: 'c:3' }] });
+  const [sent] = fake.state.requests;
+  assert.equal(sent.opcode, 0x16);
+  assert.equal(sent.body.length, 0, 'an empty body');
+  wrongType = true;
+  await assert.rejects(client.describeCluster(), (err) => err instanceof felix.ProtocolError && /answered describe_cluster with ok/.test(err.message));
 });

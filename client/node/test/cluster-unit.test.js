@@ -158,6 +158,9 @@ test('connect: addresses checked, each once, trimmed; at least one must answer',
   const c = await ClusterClient.connect([dead, ` ${a.addr} `, a.addr, `${dead} `]);
   t.after(() => c.close());
   assert.deepEqual(c.brokers, [dead, a.addr]);
+  // A broker that cannot name its cluster (no CLUSTER_INFO): the brokers given are its members.
+  assert.deepEqual(c.members, [dead, a.addr]);
+  assert.equal(ops(a, 0x16), 0, 'not asked');
   await assert.rejects(ClusterClient.connect([dead]), ConnectionError, 'none answers: the last error');
 });
 
@@ -306,12 +309,20 @@ test('close() ends a call whose request is out at once, leaving no timer behind'
   assert.equal(ops(a, 0x20), 6, 'not sent again');
 });
 
-/** A fake broker of a cluster for creates: holds `holds` (an incarnation, `null` for one without, or nothing). */
+/**
+ * A fake broker of a cluster for creates: holds `holds` (an incarnation,
+ * `null` for one without, or nothing). `stream.cluster(requestId)`, when
+ * set, answers DescribeCluster.
+ */
 async function streamBroker(t, features, holds) {
   const state = { holds, creates: [] };
   const f = await fake(t, {
     features,
     onRequest: (frame, socket) => {
+      if (frame.opcode === 0x16 && state.cluster) {
+        socket.write(state.cluster(frame.requestId));
+        return;
+      }
       const { path, rest } = streamRefOf(frame.body);
       if (frame.opcode === 0x11) {
         if (state.holds === undefined) socket.write(errorFrame(frame.requestId, 2, `${path} not found`));
@@ -368,4 +379,61 @@ test('createStream: nothing is created where a broker does not keep incarnations
   // Without one, as before incarnations.
   await plain.createStream('t/n/s', 2);
   assert.deepEqual(brokers[1].stream.creates, [undefined]);
+});
+
+/** A Cluster answer: the answering broker's `node`, then `[node, addr]` members. */
+const clusterAnswer = (id, node, members) => answer(id, 0x14, (w) => {
+  w.u64(node);
+  w.u32(members.length);
+  for (const [n, addr] of members) {
+    w.u64(n);
+    w.str(addr);
+  }
+});
+const WITH_CLUSTER = ALL | FEATURES.CLUSTER_INFO;
+
+test('connect: the one broker given names the cluster; a create goes to every broker of it', async (t) => {
+  const brokers = [];
+  for (let i = 0; i < 3; i++) brokers.push(await streamBroker(t, WITH_CLUSTER));
+  const members = brokers.map((b, i) => [BigInt(i + 1), b.addr]);
+  for (const [i, b] of brokers.entries()) b.stream.cluster = (id) => clusterAnswer(id, BigInt(i + 1), members);
+  const c = await cluster(t, [brokers[1]]);
+  assert.deepEqual(c.members, brokers.map((b) => b.addr), 'in node order');
+  assert.deepEqual(c.brokers, [brokers[1].addr, brokers[0].addr, brokers[2].addr], 'the one given first');
+  assert.deepEqual(brokers.map((b) => ops(b, 0x16)), [0, 1, 0], 'the first broker reached is asked, once');
+  assert.equal(brokers[1].state.requests[0].body.length, 0);
+
+  const made = await c.createStream('t/n/s', 2);
+  const [i] = brokers[0].stream.creates;
+  assert.equal(typeof i, 'bigint');
+  assert.deepEqual(brokers.map((b) => b.stream.creates), [[i], [i], [i]], 'on all three, as one incarnation');
+  assert.equal(made.incarnation, i);
+  // Two of three hold it, the third lost it: counted over the cluster, not the one given.
+  brokers[2].stream.holds = undefined;
+  await c.createStream('t/n/s', 2);
+  assert.deepEqual(brokers.map((b) => b.stream.creates), [[i], [i], [i, i]]);
+});
+
+test('connect: a broker that fails to name its cluster is passed over for the next one given', async (t) => {
+  const named = await streamBroker(t, WITH_CLUSTER);
+  const failing = await streamBroker(t, WITH_CLUSTER);
+  failing.stream.cluster = (id) => errorFrame(id, 11, 'cannot say');
+  const lying = await streamBroker(t, WITH_CLUSTER);
+  lying.stream.cluster = (id) => clusterAnswer(id, 1n, [[1n, 'nope']]);
+  const empty = await streamBroker(t, WITH_CLUSTER);
+  empty.stream.cluster = (id) => clusterAnswer(id, 1n, []);
+  // It names itself and a broker not given (twice: counted once).
+  named.stream.cluster = (id) => clusterAnswer(id, 2n, [[1n, failing.addr], [2n, named.addr], [3n, '127.0.0.1:1'], [3n, '127.0.0.1:1']]);
+
+  const c = await cluster(t, [failing, lying, empty, named]);
+  assert.deepEqual(c.members, [failing.addr, named.addr, '127.0.0.1:1']);
+  assert.deepEqual(c.brokers, [failing.addr, lying.addr, empty.addr, named.addr, '127.0.0.1:1']);
+  assert.deepEqual([failing, lying, empty, named].map((b) => ops(b, 0x16)), [1, 1, 1, 1]);
+  // The clients of those passed over are closed.
+  await new Promise((resolve) => setTimeout(resolve, 50));
+  assert.deepEqual([failing, lying, empty].map((b) => b.state.sockets.size), [0, 0, 0]);
+
+  await assert.rejects(ClusterClient.connect([lying.addr]), (err) => err instanceof felix.ProtocolError && /node 1 of its cluster at "nope"/.test(err.message));
+  await assert.rejects(ClusterClient.connect([empty.addr]), (err) => err instanceof felix.ProtocolError && /named no broker/.test(err.message));
+  await assert.rejects(ClusterClient.connect([failing.addr]), (err) => err instanceof felix.InternalError && /cannot say/.test(err.message));
 });

@@ -1,7 +1,9 @@
 'use strict';
 
 // ClusterClient against a cluster of three brokers of this file's own
-// (FELIX_TEST_BROKER): creates on every broker as one incarnation,
+// (FELIX_TEST_BROKER): describeCluster, and a cluster client that learns
+// the others from one broker's address (through that broker's death);
+// creates on every broker as one incarnation,
 // publishes and groups that ride out a `kill -9` of a shard's leader,
 // not_leader answers followed, deletes everywhere, and a ShardedGroup over
 // the cluster, also across a `kill -9` of a shard's leader. A test that
@@ -13,7 +15,7 @@ const crypto = require('node:crypto');
 const felix = require('../src');
 const { startCluster } = require('../test-support/cluster');
 
-const { AlreadyExistsError, Client, ClusterClient, InvalidArgumentError, NotFoundError, NotLeaderError, StaleClaimError } = felix;
+const { AlreadyExistsError, Client, ClusterClient, FEATURES, InvalidArgumentError, NotFoundError, NotLeaderError, StaleClaimError } = felix;
 
 /** @type {Awaited<ReturnType<typeof startCluster>>} */
 let cluster;
@@ -81,11 +83,11 @@ async function readAll(reader, stream, shard) {
 const sameMap = (a, b) => a.size === b.size && [...a].every(([k, v]) => b.get(k) === v);
 const show = (m) => JSON.stringify([...m].map(([k, v]) => `${k}:${v}`));
 
-/** Publish `batches` batches of 5 to `shard` through the cluster client; record what was acknowledged. */
-async function publishSome(stream, shard, first, batches, acked) {
+/** Publish `batches` batches of 5 to `shard` through a cluster client (`cc` by default); record what was acknowledged. */
+async function publishSome(stream, shard, first, batches, acked, via = cc) {
   for (let b = first; b < first + batches; b++) {
     const payloads = Array.from({ length: 5 }, (_, k) => `s${shard}-r${b * 5 + k}`);
-    const p = await cc.publishBatch(stream, shard, payloads);
+    const p = await via.publishBatch(stream, shard, payloads);
     assert.equal(p.shard, shard);
     assert.equal(p.count, 5);
     payloads.forEach((payload, k) => acked.set(p.baseOffset + BigInt(k), payload));
@@ -341,6 +343,57 @@ test('a not_leader answer is followed to the leader it names', async (t) => {
   assert.deepEqual(records.map((r) => r.payload.toString()), ['first', 'second']);
   assert.equal(records[1].offset, offset);
   await cc.deleteStream(stream);
+});
+
+test('a broker names every broker of its cluster; a cluster client given one address finds the others and outlives it', async (t) => {
+  // Node 2, a follower of some shards, the leader of others.
+  const seed = cluster.addrs[1];
+  const plain = await direct(t, seed);
+  assert.ok(plain.hasFeature(FEATURES.CLUSTER_INFO), 'a broker in a cluster advertises CLUSTER_INFO');
+  const info = await plain.describeCluster();
+  assert.equal(info.node, 2n, "the answering broker's own id");
+  assert.deepEqual(info.members, cluster.addrs.map((addr, i) => ({ node: BigInt(i + 1), addr })), 'every broker, in node order');
+
+  const one = await ClusterClient.connect([seed]);
+  t.after(() => one.close());
+  assert.deepEqual(one.members, cluster.addrs);
+  assert.equal(one.brokers[0], seed, 'the broker given comes first');
+  assert.deepEqual([...one.brokers].sort(), [...cluster.addrs].sort());
+  assert.equal(one.brokers.length, 3);
+
+  // Created on all three, as one incarnation.
+  const stream = freshStream('one-address');
+  const made = await one.createStream(stream, 2);
+  assert.equal(typeof made.incarnation, 'bigint');
+  const incarnations = await Promise.all(cluster.addrs.map(async (a) => (await (await direct(t, a)).describeStream(stream)).incarnation));
+  assert.deepEqual(incarnations, [made.incarnation, made.incarnation, made.incarnation], 'one incarnation on every broker');
+
+  const acked = [new Map(), new Map()];
+  for (let shard = 0; shard < 2; shard++) await publishSome(stream, shard, 0, 4, acked[shard], one);
+  // A stream whose leader this client has never been told of.
+  const unled = freshStream('one-address-unled');
+  await cc.createStream(unled, 1);
+  // The broker it was given dies: the others carry on, and every
+  // acknowledged record is on each shard's leader.
+  await kill9(t, 2);
+  for (let shard = 0; shard < 2; shard++) await publishSome(stream, shard, 4, 4, acked[shard], one);
+  // Its first try is the dead broker it was given; then those it learned.
+  assert.equal(one.leaderOf(unled, 0), undefined);
+  const offset = await one.publish(unled, 0, 'after the seed died');
+  assert.ok(cluster.addrs.includes(one.leaderOf(unled, 0)) && one.leaderOf(unled, 0) !== seed, `led by ${one.leaderOf(unled, 0)}`);
+  assert.equal((await one.read(unled, 0, offset, { maxRecords: 1 })).records[0].payload.toString(), 'after the seed died');
+  for (let shard = 0; shard < 2; shard++) {
+    const leader = one.leaderOf(stream, shard);
+    assert.ok(leader && leader !== seed, `shard ${shard} is led by a live broker (${leader})`);
+    const got = await readAll(await direct(t, leader), stream, shard);
+    for (const [offset, payload] of acked[shard]) assert.equal(got.get(offset), payload, `shard ${shard} offset ${offset}`);
+  }
+
+  await cluster.restart(2);
+  for (let shard = 0; shard < 2; shard++) await catchesUp(t, seed, stream, shard);
+  await catchesUp(t, seed, unled, 0);
+  await one.deleteStream(stream);
+  await one.deleteStream(unled);
 });
 
 test('deleteStream deletes the stream on every broker', async (t) => {

@@ -5,7 +5,7 @@
 const test = require('node:test');
 const assert = require('node:assert/strict');
 const felix = require('../src');
-const { connect, freshStream, sleep } = require('../test-support/helpers');
+const { ADDR, connect, freshStream, sleep } = require('../test-support/helpers');
 
 test('publish and read round trip on every shard, in offset order, over both cores', async (t) => {
   const client = await connect(t);
@@ -160,4 +160,18 @@ test('ackOnCommit publishes with commit acknowledgements', async (t) => {
   const stream = freshStream();
   await client.createStream(stream, 1);
   assert.equal(await client.publish(stream, 0, 'durable'), 0n);
+});
+
+test('a single broker is in no cluster: describeCluster is refused without asking it', async (t) => {
+  const client = await connect(t);
+  assert.equal(client.hasFeature(felix.FEATURES.CLUSTER_INFO), false, 'only a broker in a cluster advertises CLUSTER_INFO');
+  await assert.rejects(client.describeCluster(), (err) => err instanceof felix.UnsupportedError
+    && err.local && err.wireCode === undefined && /FEATURE_CLUSTER_INFO/.test(err.message));
+  // The connection is fine afterwards: nothing was sent.
+  assert.equal(typeof (await client.ping()), 'number');
+  // A cluster client of it: the broker cannot name a cluster, so its members are the one given.
+  const cluster = await felix.ClusterClient.connect([ADDR]);
+  t.after(() => cluster.close());
+  assert.deepEqual(cluster.members, [ADDR]);
+  assert.deepEqual(cluster.brokers, [ADDR]);
 });
