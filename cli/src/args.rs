@@ -30,11 +30,12 @@ pub struct Cli {
 #[derive(Debug, Clone, Args)]
 pub struct GlobalArgs {
     /// Broker to talk to, as HOST:PORT (ignored by `serve`, which takes
-    /// --listen). For a cluster, several separated by commas: `stream
-    /// create` and `stream delete` then run on each, the --all-shards
-    /// commands send each shard's part to its leader, and other commands go
-    /// to the first that answers, following a `not_leader` answer to the
-    /// shard's leader.
+    /// --listen). For a cluster, one or several separated by commas: `stream
+    /// create` runs on every broker of the cluster (the first broker that
+    /// answers names them), `stream delete` on each broker named, the
+    /// --all-shards commands send each shard's part to its leader, and
+    /// other commands go to the first that answers, following a
+    /// `not_leader` answer to the shard's leader.
     #[arg(
         long,
         global = true,
@@ -137,7 +138,8 @@ pub struct ServeArgs {
 
 #[derive(Debug, Clone, Subcommand)]
 pub enum StreamCmd {
-    /// Create a stream.
+    /// Create a stream (on a cluster: on every broker of it, with one
+    /// incarnation).
     Create {
         /// TENANT/NAMESPACE/STREAM
         #[arg(value_parser = parse_stream)]
