@@ -387,7 +387,11 @@ export class ClusterClient {
    * one more than half of them already hold, or a new one); resolves to
    * the first member's view. Refused with AlreadyExistsError, naming the brokers, where a
    * broker holds another shard count, the holders disagree, or half of
-   * the brokers or fewer hold it.
+   * the brokers or fewer hold it. A broker that cannot be reached is passed
+   * over: made on the others, then UnavailableError naming it (run the
+   * same create again once it is back); nothing is made when half of the
+   * brokers or fewer answer, or when the holders' majority turns on those
+   * that did not.
    */
   createStream(stream: StreamArg, shards: number, options?: { retentionBytes?: OffsetArg; retentionMs?: OffsetArg }): Promise<StreamInfo>;
   /** As the first of `members` that answers has it. */

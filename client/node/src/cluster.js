@@ -73,6 +73,23 @@ function lostConnection(err) {
 const closedError = () => new DisconnectedError('the cluster client is closed');
 
 /**
+ * A failed connection to the broker at `addr`, naming it, since a cluster
+ * call may try several (a refused or unreachable address is named already).
+ */
+function connectError(addr, err) {
+  if (!(err instanceof ConnectionError) || err.message.startsWith('cannot connect to ')) return err;
+  return new ConnectionError(`cannot connect to ${addr}: ${err.message}`, { cause: err });
+}
+
+/**
+ * A broker a cluster create passes over: one not connected to, or whose
+ * answer was lost (dropped connection, timeout).
+ */
+function unreachable(err) {
+  return err instanceof ConnectionError || err instanceof TimeoutError || err instanceof DisconnectedError;
+}
+
+/**
  * An incarnation as `felix stream describe` shows it: `0x` and 16 hex
  * digits, or `none`.
  * @param {bigint|undefined} incarnation
@@ -135,6 +152,39 @@ function incarnationToCreate(name, shards, brokers, held) {
     );
   }
   return first.info.incarnation;
+}
+
+/**
+ * Whether a create of `name` may go ahead with some of the cluster's
+ * `total` brokers not reached (`unreached`, each named for the message):
+ * only when more than half answered (`answered`, of which `held` hold the
+ * stream already), and when whether the holders are a majority does not
+ * turn on the brokers that did not answer. Throws `UnavailableError`
+ * saying why, and that nothing was created, otherwise; returns when every
+ * broker answered.
+ * @param {string} name the stream's path, for messages
+ * @param {number} total how many brokers the cluster has
+ * @param {number} answered how many of them answered
+ * @param {number} held how many of those hold the stream
+ * @param {readonly string[]} unreached the brokers that did not answer
+ * @throws {UnavailableError}
+ */
+function enoughAnswered(name, total, answered, held, unreached) {
+  if (unreached.length === 0) return;
+  // A stream on fewer than a majority could elect no leader.
+  if (answered * 2 <= total) {
+    throw new UnavailableError(
+      `only ${answered} of the ${total} brokers answered (${unreached.join(', ')} did not): nothing created; ` +
+        'run the same create again once more of them are back',
+    );
+  }
+  // Whether the holders are a majority turns on brokers not asked.
+  if (held * 2 <= total && held > 0) {
+    throw new UnavailableError(
+      `${name} is on ${held} of the ${total} brokers, and ${unreached.join(', ')} did not answer: nothing ` +
+        'created; run the same create again once they are back',
+    );
+  }
 }
 
 /**
@@ -439,7 +489,7 @@ class ClusterClient {
       },
       (err) => {
         if (this.#clients.get(addr) === held) this.#clients.delete(addr);
-        throw err;
+        throw connectError(addr, err);
       },
     );
     this.#clients.set(addr, held);
@@ -632,8 +682,16 @@ class ClusterClient {
    * Refused (`AlreadyExistsError`, naming the brokers) where a broker holds
    * it with another shard count, brokers hold different incarnations of
    * it, or half of them or fewer hold it; `UnsupportedError` where a
-   * broker does not keep incarnations. Nothing is created unless every
-   * broker answered; a create that fails part way can be run again.
+   * broker does not keep incarnations.
+   *
+   * A broker that cannot be reached (not connected to, or its answer lost:
+   * `ConnectionError`, `TimeoutError`, `DisconnectedError`) is passed
+   * over: the stream is made on the others, and the call then throws
+   * `UnavailableError` naming it, to be run again once it is back (until
+   * then that broker takes no part in the stream). Nothing is made
+   * (`enoughAnswered`) when half of the brokers or fewer answer, or when
+   * whether the brokers holding the stream are a majority turns on those
+   * that did not. A create that fails part way can be run again.
    * @param {import('../index').StreamArg} stream
    * @param {number} shards at least 1
    * @param {{retentionBytes?: import('../index').OffsetArg, retentionMs?: import('../index').OffsetArg}} [options]
@@ -652,15 +710,25 @@ class ClusterClient {
     for (const [what, v] of Object.entries(retention)) if (v !== undefined) args.u64(v, what);
     const held = [];
     const lacking = [];
+    const unreached = [];
     for (const broker of this.#members) {
       try {
         held.push({ broker, info: await this.#with(broker, (c) => c.describeStream(ref)) });
       } catch (err) {
-        if (!(err instanceof NotFoundError)) throw err;
-        lacking.push(broker);
+        if (err instanceof NotFoundError) {
+          lacking.push(broker);
+        } else if (unreachable(err) && !this.#closed) {
+          // (Its client, if any, has been retired: the next call connects anew.)
+          unreached.push(`${broker} (${err.message})`);
+        } else {
+          throw err;
+        }
       }
     }
-    const incarnation = incarnationToCreate(pathOf(ref), shards, this.#members.length, held);
+    const name = pathOf(ref);
+    const total = this.#members.length;
+    enoughAnswered(name, total, held.length + lacking.length, held.length, unreached);
+    const incarnation = incarnationToCreate(name, shards, total, held);
     for (const broker of lacking) {
       await this.#with(broker, async (c) => keepsIncarnations(c, broker, incarnation));
     }
@@ -670,7 +738,13 @@ class ClusterClient {
       const { info } = await this.#with(broker, (c) => createOnBroker(c, broker, ref, shards, retention, incarnation));
       infos.set(broker, info);
     }
-    this.#shardCounts.set(pathOf(ref), shards);
+    this.#shardCounts.set(name, shards);
+    if (unreached.length > 0) {
+      throw new UnavailableError(
+        `${name} was created on the other brokers, not on ${unreached.join(', ')}: ` +
+          `run the same create again once ${unreached.length === 1 ? 'it is' : 'they are'} back`,
+      );
+    }
     return infos.get(this.#members[0]);
   }
 
@@ -1182,6 +1256,7 @@ class ClusterClient {
 module.exports = {
   ClusterClient,
   incarnationToCreate,
+  enoughAnswered,
   keepsIncarnations,
   createOnBroker,
   showIncarnation,

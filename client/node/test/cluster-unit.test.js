@@ -10,7 +10,7 @@ const assert = require('node:assert/strict');
 const net = require('node:net');
 const felix = require('../src');
 const wire = require('../src/wire');
-const { incarnationToCreate, showIncarnation, keepsIncarnations } = require('../src/cluster');
+const { enoughAnswered, incarnationToCreate, showIncarnation, keepsIncarnations } = require('../src/cluster');
 const { fakeBroker, answer, errorFrame, streamRefOf } = require('../test-support/fake-broker');
 
 const {
@@ -57,6 +57,29 @@ test('a create takes the incarnation a majority holds, or a new one, or refuses'
   refused(
     () => incarnationToCreate('t/n/s', 2, 3, held(['a', info(3, 7n)], ['b', info(2, 8n)])),
     't/n/s exists on a with 3 shards, not 2',
+  );
+});
+
+test('a create passes over unreached brokers only with a sure majority', () => {
+  const gone = (n) => Array.from({ length: n }, (_, i) => `b${i}`);
+  const ok = (total, answered, holding, n) => enoughAnswered('s', total, answered, holding, gone(n));
+  assert.doesNotThrow(() => ok(3, 3, 0, 0), 'everyone answered');
+  assert.doesNotThrow(() => ok(3, 2, 0, 1), 'a new stream, two of three');
+  assert.doesNotThrow(() => ok(3, 2, 2, 1), 'held by a majority already');
+  const unavailable = (f, says) => assert.throws(f, (err) => err instanceof UnavailableError && err.message.includes(says), says);
+  unavailable(() => ok(3, 1, 0, 2), 'only 1 of the 3 brokers answered');
+  unavailable(() => ok(4, 2, 0, 2), 'only 2 of the 4 brokers answered');
+  // One of three holds it, one did not answer: that one may hold it too
+  // (a majority: spread it) or not (a copy to keep out).
+  unavailable(() => ok(3, 2, 1, 1), 'is on 1 of the 3 brokers, and b0 did not answer');
+  // The whole messages, as the Rust client's.
+  unavailable(
+    () => ok(3, 1, 0, 2),
+    'only 1 of the 3 brokers answered (b0, b1 did not): nothing created; run the same create again once more of them are back',
+  );
+  unavailable(
+    () => ok(3, 2, 1, 1),
+    's is on 1 of the 3 brokers, and b0 did not answer: nothing created; run the same create again once they are back',
   );
 });
 
@@ -130,11 +153,16 @@ async function cluster(t, fakes, options) {
 
 /** A port nothing listens on. */
 async function deadAddr() {
-  const server = net.createServer();
-  await new Promise((resolve) => server.listen(0, '127.0.0.1', resolve));
-  const { port } = server.address();
-  await new Promise((resolve) => server.close(resolve));
-  return `127.0.0.1:${port}`;
+  return (await deadAddrs(1))[0];
+}
+
+/** `n` different ports nothing listens on (held open together while chosen). */
+async function deadAddrs(n) {
+  const servers = Array.from({ length: n }, () => net.createServer());
+  await Promise.all(servers.map((server) => new Promise((resolve) => server.listen(0, '127.0.0.1', resolve))));
+  const addrs = servers.map((server) => `127.0.0.1:${server.address().port}`);
+  await Promise.all(servers.map((server) => new Promise((resolve) => server.close(resolve))));
+  return addrs;
 }
 
 test('the not_leader error carries the leader the broker names', async (t) => {
@@ -436,4 +464,64 @@ test('connect: a broker that fails to name its cluster is passed over for the ne
   await assert.rejects(ClusterClient.connect([lying.addr]), (err) => err instanceof felix.ProtocolError && /node 1 of its cluster at "nope"/.test(err.message));
   await assert.rejects(ClusterClient.connect([empty.addr]), (err) => err instanceof felix.ProtocolError && /named no broker/.test(err.message));
   await assert.rejects(ClusterClient.connect([failing.addr]), (err) => err instanceof felix.InternalError && /cannot say/.test(err.message));
+});
+
+/** A broker that accepts connections and closes them before answering HELLO. */
+async function closingAddr(t) {
+  const server = net.createServer((socket) => socket.destroy());
+  await new Promise((resolve) => server.listen(0, '127.0.0.1', resolve));
+  t.after(() => new Promise((resolve) => server.close(resolve)));
+  return `127.0.0.1:${server.address().port}`;
+}
+
+test('createStream: a broker not reached is passed over, and named', async (t) => {
+  const brokers = [await streamBroker(t, ALL), await streamBroker(t, ALL)];
+  const dead = await deadAddr();
+  const c = await ClusterClient.connect([...brokers.map((b) => b.addr), dead]);
+  t.after(() => c.close());
+  assert.deepEqual(c.members, [...brokers.map((b) => b.addr), dead]);
+  await assert.rejects(c.createStream('t/n/s', 2), (err) => err instanceof UnavailableError
+    && err.message.startsWith(`t/n/s was created on the other brokers, not on ${dead} (cannot connect to ${dead}: `)
+    && err.message.endsWith(': run the same create again once it is back'));
+  const [i] = brokers[0].stream.creates;
+  assert.equal(typeof i, 'bigint');
+  assert.deepEqual(brokers.map((b) => b.stream.creates), [[i], [i]], 'on the other two, as one incarnation');
+  // Run again while it is still away: the two hold it, nothing more is made.
+  await assert.rejects(c.createStream('t/n/s', 2), (err) => err instanceof UnavailableError && err.message.includes(dead));
+  assert.deepEqual(brokers.map((b) => b.stream.creates), [[i], [i]]);
+});
+
+test('createStream: a broker that closes the connection during HELLO is named', async (t) => {
+  const brokers = [await streamBroker(t, ALL), await streamBroker(t, ALL)];
+  const closing = await closingAddr(t);
+  const c = await ClusterClient.connect([...brokers.map((b) => b.addr), closing]);
+  t.after(() => c.close());
+  await assert.rejects(c.createStream('t/n/s', 2), (err) => err instanceof UnavailableError
+    && err.message.includes(`not on ${closing} (cannot connect to ${closing}: the broker closed the connection during HELLO)`));
+  assert.deepEqual(brokers.map((b) => b.stream.creates.length), [1, 1]);
+});
+
+test('createStream: nothing is made without a sure majority', async (t) => {
+  // Two of three not reached: nothing sent to the one that answered.
+  const a = await streamBroker(t, ALL);
+  const [dead1, dead2] = await deadAddrs(2);
+  const c = await ClusterClient.connect([a.addr, dead1, dead2]);
+  t.after(() => c.close());
+  await assert.rejects(c.createStream('t/n/s', 2), (err) => err instanceof UnavailableError
+    && err.message.startsWith(`only 1 of the 3 brokers answered (${dead1} (cannot connect to ${dead1}: `)
+    && err.message.includes(`${dead2} (cannot connect to ${dead2}: `)
+    && err.message.endsWith(' did not): nothing created; run the same create again once more of them are back'));
+  assert.deepEqual(a.stream.creates, []);
+  assert.equal(ops(a, 0x10), 0, 'no create sent');
+
+  // One of three holds it, one lacks it, one not reached: whether the
+  // holders are a majority turns on the third.
+  const holds = await streamBroker(t, ALL, 42n);
+  const lacks = await streamBroker(t, ALL);
+  const d = await ClusterClient.connect([holds.addr, lacks.addr, dead1]);
+  t.after(() => d.close());
+  await assert.rejects(d.createStream('t/n/s', 2), (err) => err instanceof UnavailableError
+    && err.message.startsWith(`t/n/s is on 1 of the 3 brokers, and ${dead1} (`)
+    && err.message.endsWith(' did not answer: nothing created; run the same create again once they are back'));
+  assert.deepEqual([holds, lacks].map((b) => ops(b, 0x10)), [0, 0]);
 });

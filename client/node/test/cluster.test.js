@@ -3,7 +3,8 @@
 // ClusterClient against a cluster of three brokers of this file's own
 // (FELIX_TEST_BROKER): describeCluster, and a cluster client that learns
 // the others from one broker's address (through that broker's death);
-// creates on every broker as one incarnation,
+// creates on every broker as one incarnation (a broker down for one passed
+// over, named, and joining when the create is run again),
 // publishes and groups that ride out a `kill -9` of a shard's leader,
 // not_leader answers followed, deletes everywhere, and a ShardedGroup over
 // the cluster, also across a `kill -9` of a shard's leader. A test that
@@ -15,7 +16,10 @@ const crypto = require('node:crypto');
 const felix = require('../src');
 const { startCluster } = require('../test-support/cluster');
 
-const { AlreadyExistsError, Client, ClusterClient, FEATURES, InvalidArgumentError, NotFoundError, NotLeaderError, StaleClaimError } = felix;
+const {
+  AlreadyExistsError, Client, ClusterClient, FEATURES, InvalidArgumentError, NotFoundError, NotLeaderError, StaleClaimError,
+  UnavailableError,
+} = felix;
 
 /** @type {Awaited<ReturnType<typeof startCluster>>} */
 let cluster;
@@ -158,6 +162,25 @@ test('create: every broker holds the stream as one incarnation; again is fine; a
   // The cluster client chooses incarnations; a plain client checks the one it is given.
   await assert.rejects(cc.createStream(stream, 2, { incarnation: 5n }), InvalidArgumentError);
   await assert.rejects(clients[0].createStream(stream, 2, { incarnation: 0 }), InvalidArgumentError);
+  await cc.deleteStream(stream);
+});
+
+test('create with a broker down: made on the other two, the error names it; run again once it is back, it joins', async (t) => {
+  const stream = freshStream('create-down');
+  const [one, two, three] = cluster.addrs;
+  await kill9(t, 3);
+  await assert.rejects(cc.createStream(stream, 2), (err) => err instanceof UnavailableError
+    && err.message.startsWith(`${stream} was created on the other brokers, not on ${three} (`)
+    && err.message.endsWith(': run the same create again once it is back'));
+  const incarnationOn = async (addr) => (await (await direct(t, addr)).describeStream(stream)).incarnation;
+  const [i1, i2] = [await incarnationOn(one), await incarnationOn(two)];
+  assert.equal(typeof i1, 'bigint');
+  assert.equal(i2, i1, 'the other two hold it as one incarnation');
+
+  await cluster.restart(3);
+  const again = await cc.createStream(stream, 2);
+  assert.equal(again.incarnation, i1);
+  assert.equal(await incarnationOn(three), i1, 'the third holds the same incarnation');
   await cc.deleteStream(stream);
 });
 

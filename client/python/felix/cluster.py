@@ -74,6 +74,7 @@ from .types import (
 __all__ = [
     "ClusterClient",
     "incarnation_to_create",
+    "enough_answered",
     "show_incarnation",
     "keeps_incarnations",
     "create_on_broker",
@@ -176,6 +177,31 @@ def incarnation_to_create(
     return info.incarnation
 
 
+def enough_answered(name: str, total: int, answered: int, held: int, unreached: Sequence[str]) -> None:
+    """Whether a create of ``name`` may go ahead with some of the cluster's
+    ``total`` brokers not reached (``unreached``, named for the message):
+    only when more than half answered (``answered``, of which ``held`` hold
+    the stream already), and when whether the holders are a majority does
+    not turn on the brokers that did not answer. Raises
+    :class:`~felix.errors.Unavailable` saying why, and that nothing was
+    created, otherwise."""
+    if not unreached:
+        return
+    gone = ", ".join(unreached)
+    # A stream on fewer than a majority could elect no leader.
+    if answered * 2 <= total:
+        raise Unavailable(
+            f"only {answered} of the {total} brokers answered ({gone} did not): nothing created; "
+            "run the same create again once more of them are back"
+        )
+    # Whether the holders are a majority turns on brokers not asked.
+    if held * 2 <= total and held > 0:
+        raise Unavailable(
+            f"{name} is on {held} of the {total} brokers, and {gone} did not answer: nothing "
+            "created; run the same create again once they are back"
+        )
+
+
 def show_incarnation(incarnation: Optional[int]) -> str:
     """An incarnation as ``felix stream describe`` shows it: ``0x`` and 16 hex
     digits, or ``none``."""
@@ -267,8 +293,9 @@ class _Pursuit:
         try:
             self._client = self._cluster._client(self.target)
         except Timeout as e:
-            # Not connected: nothing was sent, so any call may try another broker.
-            raise ConnectionFailed(f"connecting to {self.target} timed out: {e.message}") from e
+            # Not connected: nothing was sent, so any call may try another
+            # broker. Its message names the broker (_client).
+            raise ConnectionFailed(e.message) from e
         except InvalidArgument as e:
             # An address a not_leader answer named that cannot be connected
             # to (a malformed one): nothing was sent, so the call moves on
@@ -680,7 +707,11 @@ class ClusterClient:
             return client
         # Connected without the lock: a broker that does not answer must not
         # hold up calls to the others.
-        fresh = Client.connect(addr, config=self._config)
+        try:
+            fresh = Client.connect(addr, config=self._config)
+        except (ConnectionFailed, Timeout) as e:
+            # Which broker, since a cluster call may try several.
+            raise type(e)(f"cannot connect to {addr}: {e.message}") from e
         with self._lock:
             closed = self._closed.is_set()
             if not closed:
@@ -799,20 +830,40 @@ class ClusterClient:
         Raises :class:`~felix.errors.AlreadyExists` where a broker holds it with
         another shard count, brokers hold different incarnations of it, or
         half of them or fewer hold it; :class:`~felix.errors.Unsupported`
-        where a broker does not keep incarnations. Nothing is created unless
-        every one of :attr:`members` answered.
+        where a broker does not keep incarnations.
+
+        A broker that cannot be reached (:class:`~felix.errors.ConnectionFailed`,
+        :class:`~felix.errors.Timeout` or :class:`~felix.errors.Disconnected`
+        connecting or asking) is passed over: the stream is made on the
+        others, and :class:`~felix.errors.Unavailable` is raised naming it,
+        to run the same create again once it is back (until then that broker
+        takes no part in the stream). Nothing is made
+        (:func:`enough_answered`) when half of the brokers or fewer answer,
+        or when whether the brokers holding the stream are a majority turns
+        on those that did not. A create that fails part way can be run again.
         """
         ref = StreamRef.parse(stream)
         check_int("shards", shards, (1 << 32) - 1, minimum=1)
         held: List[Tuple[str, StreamInfo]] = []
         missing: List[Tuple[str, Client]] = []
+        unreached: List[str] = []
         for broker in self._members:
-            client = self._client(broker)
+            client: Optional[Client] = None
             try:
+                client = self._client(broker)
                 held.append((broker, client.describe_stream(ref)))
             except NotFound:
+                assert client is not None
                 missing.append((broker, client))
-        incarnation = incarnation_to_create(str(ref), shards, len(self._members), held)
+            except FelixError as error:
+                if self.closed or not _connection_lost(error):
+                    raise
+                self._drop(broker, client)
+                unreached.append(f"{broker} ({error})")
+        text = str(ref)
+        total = len(self._members)
+        enough_answered(text, total, len(held) + len(missing), len(held), unreached)
+        incarnation = incarnation_to_create(text, shards, total, held)
         for broker, client in missing:
             keeps_incarnations(client, broker, incarnation)
         self._forget_stream(ref)
@@ -823,6 +874,12 @@ class ClusterClient:
             )
             if info is not None:
                 infos[broker] = info
+        if unreached:
+            back = "it is" if len(unreached) == 1 else "they are"
+            raise Unavailable(
+                f"{text} was created on the other brokers, not on {', '.join(unreached)}: run the same "
+                f"create again once {back} back"
+            )
         first = next((infos[b] for b in self._members if b in infos), None)
         return first if first is not None else self.describe_stream(ref)
 

@@ -167,6 +167,31 @@ class StreamsTest(ClusterTestCase):
         self.assertTrue(lone.has_feature(felix.Feature.STREAM_INCARNATION))
         self.assertEqual(lone.create_stream(other, 1, incarnation=12345).incarnation, 12345)
 
+    def test_a_create_passes_over_a_broker_that_is_down(self) -> None:
+        # Node 3 is down: the stream is made on the other two as one
+        # incarnation, and the create says it was not made on node 3.
+        path = fresh_stream("one-down")
+        down = self.cluster.addrs[2]
+        node = self.cluster.node_of(down)
+        self.cluster.kill9(node)
+        self.addCleanup(self.revive, node)
+        with self.assertRaises(felix.Unavailable) as caught:
+            self.cc.create_stream(path, 2)
+        message = caught.exception.message
+        self.assertIn(f"{path} was created on the other brokers, not on {down} (", message)
+        self.assertIn(f"cannot connect to {down}: ", message)
+        self.assertTrue(message.endswith("run the same create again once it is back"), message)
+        held = {self.broker(a).describe_stream(path).incarnation for a in self.cluster.addrs[:2]}
+        self.assertEqual(len(held), 1, "one incarnation on the two brokers up")
+        incarnation = held.pop()
+        self.assertIsNotNone(incarnation)
+        # Back, the same create gives it the others' incarnation.
+        self.cluster.restart(node)
+        info = self.cc.create_stream(path, 2)
+        self.assertEqual(info.incarnation, incarnation)
+        self.assertEqual(self.broker(down).describe_stream(path).incarnation, incarnation)
+        self.assertEqual({self.broker(a).describe_stream(path).shards for a in self.cluster.addrs}, {2})
+
     def test_delete_deletes_everywhere(self) -> None:
         path = self.new_stream(2)
         first = self.cc.describe_stream(path).incarnation

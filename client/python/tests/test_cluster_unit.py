@@ -11,7 +11,7 @@ from unittest import mock
 
 import felix
 from felix import _wire, cluster, sharded
-from felix.cluster import incarnation_to_create, show_incarnation
+from felix.cluster import enough_answered, incarnation_to_create, show_incarnation
 
 from .fake_broker import FakeBroker, FakeBrokerCase, error_frame, response_frame
 
@@ -109,6 +109,43 @@ class IncarnationTest(unittest.TestCase):
         self.refused([("a", info(2, 7)), ("b", info(2, 7))], 4, "only 2 of the 4")
         # Another shard count is said first.
         self.refused([("a", info(3, 7)), ("b", info(2, 8))], 3, "exists on a with 3 shards, not 2")
+
+    def test_a_create_passes_over_unreached_brokers_only_with_a_sure_majority(self) -> None:
+        # The Rust client's test of the same name, case for case.
+        def ok(total: int, answered: int, holding: int, gone: int) -> None:
+            enough_answered("s", total, answered, holding, [f"b{i}" for i in range(gone)])
+
+        ok(3, 3, 0, 0)  # Everyone answered.
+        ok(3, 2, 0, 1)  # A new stream, two of three.
+        ok(3, 2, 2, 1)  # Held by a majority already.
+
+        def unavailable(total: int, answered: int, holding: int, gone: int, says: str) -> None:
+            with self.assertRaises(felix.Unavailable) as caught:
+                ok(total, answered, holding, gone)
+            self.assertIn(says, caught.exception.message)
+            self.assertIn("nothing created", caught.exception.message)
+            self.assertFalse(caught.exception.from_broker)
+
+        unavailable(3, 1, 0, 2, "only 1 of the 3 brokers answered")
+        unavailable(4, 2, 0, 2, "only 2 of the 4 brokers answered")
+        # One of three holds it, one did not answer: that one may hold it
+        # too (a majority: spread it) or not (a copy to keep out).
+        unavailable(3, 2, 1, 1, "is on 1 of the 3 brokers, and b0 did not answer")
+        # The exact messages, as the Rust client words them.
+        with self.assertRaises(felix.Unavailable) as caught:
+            enough_answered("t/n/s", 3, 1, 0, ["x:1 (timeout: t)", "y:2 (disconnected: d)"])
+        self.assertEqual(
+            caught.exception.message,
+            "only 1 of the 3 brokers answered (x:1 (timeout: t), y:2 (disconnected: d) did not): nothing created; "
+            "run the same create again once more of them are back",
+        )
+        with self.assertRaises(felix.Unavailable) as caught:
+            enough_answered("t/n/s", 3, 2, 1, ["x:1 (timeout: t)"])
+        self.assertEqual(
+            caught.exception.message,
+            "t/n/s is on 1 of the 3 brokers, and x:1 (timeout: t) did not answer: nothing created; "
+            "run the same create again once they are back",
+        )
 
     def test_an_incarnation_shows_as_felix_stream_describe_shows_it(self) -> None:
         self.assertEqual(show_incarnation(None), "none")
@@ -281,6 +318,74 @@ class FakeClusterTest(FakeBrokerCase):
         with self.assertRaises(felix.Unsupported):
             self.cluster(a, b, old).create_stream(STREAM, 2)
         self.assertEqual(old.received, [0x11])
+
+    def test_a_create_passes_over_a_broker_it_cannot_reach(self) -> None:
+        full = int(F.STREAM_INCARNATION)
+        created: List[bytes] = []
+
+        def lacking(header, body, core):  # type: ignore[no-untyped-def]
+            if header.opcode == 0x11:
+                return error_frame(header.request_id, 2, "no such stream")
+            created.append(body)
+            return stream_answer(header.request_id, 2, incarnation=struct.unpack("<Q", body[-8:])[0])
+
+        def down() -> str:
+            gone = self.serve(lambda h, body, c: None)
+            where = addr(gone)
+            gone.close()
+            return where
+
+        # One of three not reached: made on the other two as one
+        # incarnation, and Unavailable naming the third.
+        a, b = self.serve(lacking, full), self.serve(lacking, full)
+        third = down()
+        cc = self.cluster_of([addr(a), third, addr(b)])
+        self.assertEqual(cc.members, (addr(a), third, addr(b)))
+        with self.assertRaises(felix.Unavailable) as caught:
+            cc.create_stream(STREAM, 2)
+        message = caught.exception.message
+        self.assertTrue(
+            message.startswith(f"{STREAM} was created on the other brokers, not on {third} (connection_failed: "),
+            message,
+        )
+        self.assertIn(f"cannot connect to {third}: ", message, "the connect error names the broker")
+        self.assertTrue(message.endswith(": run the same create again once it is back"), message)
+        self.assertFalse(caught.exception.from_broker)
+        self.assertEqual((a.received, b.received), ([0x11, 0x10], [0x11, 0x10]))
+        self.assertEqual(len(created), 2)
+        self.assertEqual(created[0][-8:], created[1][-8:], "one incarnation on both")
+        self.assertNotEqual(created[0][-8:], bytes(8))
+
+        # A broker that drops the connection when asked counts as not
+        # reached too (Disconnected), and two of them are named, together.
+        created.clear()
+        dropping = self.serve(lambda h, body, c: None, full)
+        c, e = self.serve(lacking, full), self.serve(lacking, full)
+        cc = self.cluster_of([addr(c), addr(dropping), addr(a), addr(e), third])
+        with self.assertRaises(felix.Unavailable) as caught:
+            cc.create_stream(STREAM, 2)
+        message = caught.exception.message
+        self.assertIn(f"not on {addr(dropping)} (disconnected: ", message)
+        self.assertIn(f"{third} (connection_failed: cannot connect to {third}: ", message)
+        self.assertTrue(message.endswith(": run the same create again once they are back"), message)
+        self.assertEqual(len(created), 3, "made on the three of five that answered")
+        self.assertEqual(len({body[-8:] for body in created}), 1)
+
+        # Two of three not reached: nothing is made anywhere.
+        created.clear()
+        d = self.serve(lacking, full)
+        cc = self.cluster_of([addr(d), down(), third])
+        with self.assertRaises(felix.Unavailable) as caught:
+            cc.create_stream(STREAM, 2)
+        self.assertIn("only 1 of the 3 brokers answered", caught.exception.message)
+        self.assertIn("nothing created", caught.exception.message)
+        self.assertEqual(d.received, [0x11], "asked, and nothing created")
+        self.assertEqual(created, [])
+
+        # A closed cluster client is not a broker not reached.
+        cc.close()
+        with self.assertRaises(felix.Disconnected):
+            cc.create_stream(STREAM, 2)
 
     def test_a_not_leader_answer_naming_another_broker_is_followed(self) -> None:
         b = self.serve(lambda h, body, c: published(h.request_id, 41))
