@@ -1649,8 +1649,9 @@ async fn extreme_numbers_get_typed_errors_or_clamps_and_the_broker_still_restart
     match raw_call(&mut s, 1, &hello(None, felix_wire::PROTOCOL_VERSION)).await {
         // Everything but what only a broker in a cluster offers.
         Response::HelloOk { features, .. } => {
-            let cluster_only =
-                felix_wire::FEATURE_REPLICA_INFO | felix_wire::FEATURE_STREAM_INCARNATION;
+            let cluster_only = felix_wire::FEATURE_REPLICA_INFO
+                | felix_wire::FEATURE_STREAM_INCARNATION
+                | felix_wire::FEATURE_CLUSTER_INFO;
             assert_eq!(features, FEATURES_ALL & !cluster_only)
         }
         other => panic!("unexpected {other:?}"),
