@@ -9,6 +9,7 @@ const args = require('./args');
 const wire = require('./wire');
 const { shardForKey } = require('./crc32c');
 const { Connection, timerDelay } = require('./connection');
+const streamGroups = require('./stream_groups');
 const { Subscription } = require('./subscription');
 const { ShardedGroup } = require('./sharded');
 const {
@@ -1148,15 +1149,6 @@ class Client {
   }
 
   /**
-   * The stream's shard count, with `start` checked for a call on every
-   * shard: an offset is per shard, so it is refused for a stream with more
-   * than one.
-   */
-  async streamShards(stream, start) {
-    return checkStreamStart(stream, (await this.describeStream(stream)).shards, start);
-  }
-
-  /**
    * `groupCreate` on every shard of the stream, one call per shard
    * (`'latest'` is each shard's own tail when its call lands).
    * @param {import('../index').StreamArg} stream
@@ -1165,9 +1157,7 @@ class Client {
    * @returns {Promise<void>}
    */
   async groupCreateStream(stream, group, start) {
-    const at = args.startPosition(start);
-    const shards = await this.streamShards(stream, at);
-    for (let shard = 0; shard < shards; shard++) await this.groupCreate(stream, shard, group, at);
+    return streamGroups.groupCreateStream(this, stream, group, start);
   }
 
   /**
@@ -1178,9 +1168,7 @@ class Client {
    * @returns {Promise<void>}
    */
   async groupSeekStream(stream, group, start) {
-    const at = args.startPosition(start);
-    const shards = await this.streamShards(stream, at);
-    for (let shard = 0; shard < shards; shard++) await this.groupSeek(stream, shard, group, at);
+    return streamGroups.groupSeekStream(this, stream, group, start);
   }
 
   /**
@@ -1190,10 +1178,7 @@ class Client {
    * @returns {Promise<import('../index').GroupInfo[]>}
    */
   async groupDescribeStream(stream, group) {
-    const shards = await this.streamShards(stream, undefined);
-    const out = [];
-    for (let shard = 0; shard < shards; shard++) out.push(await this.groupDescribe(stream, shard, group));
-    return out;
+    return streamGroups.groupDescribeStream(this, stream, group);
   }
 
   /**
@@ -1203,26 +1188,8 @@ class Client {
    * @returns {Promise<void>}
    */
   async groupDeleteStream(stream, group) {
-    const shards = await this.streamShards(stream, undefined);
-    for (let shard = 0; shard < shards; shard++) await this.groupDelete(stream, shard, group);
+    return streamGroups.groupDeleteStream(this, stream, group);
   }
-}
-
-/**
- * `shards`, unless `start` is an offset and the stream has more than one
- * shard: a call on every shard refuses it, since an offset is per shard.
- * @param {import('../index').StreamArg} stream
- * @param {number} shards
- * @param {'earliest'|'latest'|bigint|undefined} start checked
- * @returns {number}
- */
-function checkStreamStart(stream, shards, start) {
-  if (shards > 1 && typeof start === 'bigint') {
-    throw new InvalidArgumentError(
-      `${pathOf(args.streamRef(stream))} has ${shards} shards and offsets are per shard; use 'earliest' or 'latest', or the per-shard call`,
-    );
-  }
-  return shards;
 }
 
 /**
@@ -1249,4 +1216,4 @@ function connectOptions(o) {
   };
 }
 
-module.exports = { Client, parseAddr, clientOptions, connectClient, checkStreamStart, pathOf };
+module.exports = { Client, parseAddr, clientOptions, connectClient, pathOf };

@@ -9,10 +9,11 @@
 
 const crypto = require('node:crypto');
 const args = require('./args');
-const { checkStreamStart, clientOptions, connectClient, parseAddr, pathOf } = require('./client');
+const { clientOptions, connectClient, parseAddr, pathOf } = require('./client');
 const { timerDelay } = require('./connection');
 const { shardForKey } = require('./crc32c');
 const { ShardedGroup } = require('./sharded');
+const streamGroups = require('./stream_groups');
 const { Subscription } = require('./subscription');
 const { FEATURES, MAX_INCARNATION } = require('./wire');
 const {
@@ -1173,11 +1174,6 @@ class ClusterClient {
 
   // ----- consumer groups: a whole stream ---------------------------------------------
 
-  /** The stream's shard count, with `start` checked for a call on every shard. */
-  async #streamShards(ref, start) {
-    return checkStreamStart(ref, (await this.describeStream(ref)).shards, start);
-  }
-
   /**
    * `groupCreate` on every shard of the stream, each on its leader
    * (`'latest'` is each shard's own tail when its call lands).
@@ -1187,10 +1183,7 @@ class ClusterClient {
    * @returns {Promise<void>}
    */
   async groupCreateStream(stream, group, start) {
-    const ref = args.streamRef(stream);
-    const at = args.startPosition(start);
-    const shards = await this.#streamShards(ref, at);
-    for (let shard = 0; shard < shards; shard++) await this.groupCreate(ref, shard, group, at);
+    return streamGroups.groupCreateStream(this, stream, group, start);
   }
 
   /**
@@ -1201,10 +1194,7 @@ class ClusterClient {
    * @returns {Promise<void>}
    */
   async groupSeekStream(stream, group, start) {
-    const ref = args.streamRef(stream);
-    const at = args.startPosition(start);
-    const shards = await this.#streamShards(ref, at);
-    for (let shard = 0; shard < shards; shard++) await this.groupSeek(ref, shard, group, at);
+    return streamGroups.groupSeekStream(this, stream, group, start);
   }
 
   /**
@@ -1214,11 +1204,7 @@ class ClusterClient {
    * @returns {Promise<import('../index').GroupInfo[]>}
    */
   async groupDescribeStream(stream, group) {
-    const ref = args.streamRef(stream);
-    const shards = await this.#streamShards(ref, undefined);
-    const out = [];
-    for (let shard = 0; shard < shards; shard++) out.push(await this.groupDescribe(ref, shard, group));
-    return out;
+    return streamGroups.groupDescribeStream(this, stream, group);
   }
 
   /**
@@ -1228,9 +1214,7 @@ class ClusterClient {
    * @returns {Promise<void>}
    */
   async groupDeleteStream(stream, group) {
-    const ref = args.streamRef(stream);
-    const shards = await this.#streamShards(ref, undefined);
-    for (let shard = 0; shard < shards; shard++) await this.groupDelete(ref, shard, group);
+    return streamGroups.groupDeleteStream(this, stream, group);
   }
 
   /**

@@ -15,6 +15,7 @@ from ._durations import ms_u32 as _ms_u32
 from ._durations import ms_u64 as _ms_u64
 from ._durations import seconds as _seconds
 from ._shard_calls import BrokerPort
+from ._stream_groups import StreamGroupCalls
 from ._version import __version__
 from .errors import (
     AlreadyExists,
@@ -50,7 +51,6 @@ from .types import (
     StreamLike,
     StreamRef,
     NAME_MAX_BYTES,
-    StartKind,
     check_int,
     check_name,
     check_u32,
@@ -274,7 +274,7 @@ def _check_dead_letter_page(from_offset: int, page: DeadLetterPage) -> None:
         raise ProtocolError(f"dead-letter page from {from_offset} ends at {previous} but says next {page.next}")
 
 
-class Client:
+class Client(StreamGroupCalls):
     """A thread-safe connection to one Felix broker.
 
     Make one with :meth:`connect`; use it as a context manager or call
@@ -1109,37 +1109,8 @@ class Client:
         return _expect(self._call_shard(ref, shard, _wire.list_groups(ref, _check_shard(shard))), "list_groups", "groups").value
 
     # --- consumer groups: a whole stream ----------------------------------------
-
-    def _stream_shards(self, stream: StreamLike, start: Optional[Start] = None) -> int:
-        """The shard count; an offset ``start`` is refused for a stream of more
-        than one shard, since offsets are per shard."""
-        info = self.describe_stream(stream)
-        if info.shards > 1 and start is not None and StartPosition.of(start).kind is StartKind.OFFSET:
-            raise InvalidArgument(
-                f"{info.stream} has {info.shards} shards and offsets are per shard; "
-                "use EARLIEST or LATEST, or the per-shard call"
-            )
-        return info.shards
-
-    def group_create_stream(self, stream: StreamLike, group: str, start: Start = StartPosition.EARLIEST) -> None:
-        """:meth:`group_create` on every shard of the stream (``LATEST`` is each
-        shard's own tail when its call lands)."""
-        for shard in range(self._stream_shards(stream, start)):
-            self.group_create(stream, shard, group, start)
-
-    def group_seek_stream(self, stream: StreamLike, group: str, start: Start) -> None:
-        """:meth:`group_seek` on every shard of the stream."""
-        for shard in range(self._stream_shards(stream, start)):
-            self.group_seek(stream, shard, group, start)
-
-    def group_describe_stream(self, stream: StreamLike, group: str) -> List[GroupInfo]:
-        """:meth:`group_describe` of every shard, in shard order."""
-        return [self.group_describe(stream, shard, group) for shard in range(self._stream_shards(stream))]
-
-    def group_delete_stream(self, stream: StreamLike, group: str) -> None:
-        """:meth:`group_delete` on every shard of the stream."""
-        for shard in range(self._stream_shards(stream)):
-            self.group_delete(stream, shard, group)
+    # (group_create_stream, group_seek_stream, group_describe_stream and
+    # group_delete_stream come from StreamGroupCalls)
 
     def sharded_group(
         self,

@@ -22,6 +22,7 @@ from . import _wire
 from ._connection import Connection
 from ._durations import Seconds
 from ._shard_calls import ShardCall, ShardPort
+from ._stream_groups import StreamGroupCalls
 from .client import (
     Client,
     ClientConfig,
@@ -61,7 +62,6 @@ from .types import (
     ReplicaInfo,
     ShardInfo,
     Start,
-    StartKind,
     StartPosition,
     StreamInfo,
     StreamLike,
@@ -511,7 +511,7 @@ def _members_of(client: Client, given: Tuple[str, ...]) -> Tuple[str, ...]:
     return members
 
 
-class ClusterClient:
+class ClusterClient(StreamGroupCalls):
     """A thread-safe client for a cluster of Felix brokers (brokers run with
     ``cluster.nodes``), where every shard is replicated on every broker and
     served by its elected leader.
@@ -1188,37 +1188,8 @@ class ClusterClient:
         return self._on_leader(stream, shard, _Retry.LOST, lambda c: c.list_groups(stream, shard))
 
     # --- consumer groups: a whole stream ----------------------------------------
-
-    def _stream_shards(self, stream: StreamLike, start: Optional[Start] = None) -> int:
-        """The shard count; an offset ``start`` is refused for a stream of more
-        than one shard, since offsets are per shard."""
-        info = self.describe_stream(stream)
-        if info.shards > 1 and start is not None and StartPosition.of(start).kind is StartKind.OFFSET:
-            raise InvalidArgument(
-                f"{info.stream} has {info.shards} shards and offsets are per shard; "
-                "use EARLIEST or LATEST, or the per-shard call"
-            )
-        return info.shards
-
-    def group_create_stream(self, stream: StreamLike, group: str, start: Start = StartPosition.EARLIEST) -> None:
-        """:meth:`group_create` on every shard of the stream, each on its leader
-        (``LATEST`` is each shard's own tail when its call lands)."""
-        for shard in range(self._stream_shards(stream, start)):
-            self.group_create(stream, shard, group, start)
-
-    def group_seek_stream(self, stream: StreamLike, group: str, start: Start) -> None:
-        """:meth:`group_seek` on every shard of the stream."""
-        for shard in range(self._stream_shards(stream, start)):
-            self.group_seek(stream, shard, group, start)
-
-    def group_describe_stream(self, stream: StreamLike, group: str) -> List[GroupInfo]:
-        """:meth:`group_describe` of every shard, in shard order."""
-        return [self.group_describe(stream, shard, group) for shard in range(self._stream_shards(stream))]
-
-    def group_delete_stream(self, stream: StreamLike, group: str) -> None:
-        """:meth:`group_delete` on every shard of the stream."""
-        for shard in range(self._stream_shards(stream)):
-            self.group_delete(stream, shard, group)
+    # (group_create_stream, group_seek_stream, group_describe_stream and
+    # group_delete_stream come from StreamGroupCalls)
 
     def sharded_group(
         self,
