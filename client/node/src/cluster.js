@@ -83,14 +83,6 @@ function connectError(addr, err) {
 }
 
 /**
- * A broker a cluster create passes over: one not connected to, or whose
- * answer was lost (dropped connection, timeout).
- */
-function unreachable(err) {
-  return err instanceof ConnectionError || err instanceof TimeoutError || err instanceof DisconnectedError;
-}
-
-/**
  * An incarnation as `felix stream describe` shows it: `0x` and 16 hex
  * digits, or `none`.
  * @param {bigint|undefined} incarnation
@@ -718,7 +710,8 @@ class ClusterClient {
       } catch (err) {
         if (err instanceof NotFoundError) {
           lacking.push(broker);
-        } else if (unreachable(err) && !this.#closed) {
+        } else if (lostConnection(err) && !this.#closed) {
+          // Not connected to, or its answer lost: passed over.
           // (Its client, if any, has been retired: the next call connects anew.)
           unreached.push(`${broker} (${err.message})`);
         } else {
