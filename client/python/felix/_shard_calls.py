@@ -141,6 +141,14 @@ class ShardCall:
         if self._notify is not None:
             self._notify(self)
 
+    @property
+    def resume_at(self) -> float:
+        """When a call that :meth:`follow` says to send again may go
+        (``time.monotonic()``): at once here; a cluster call waits out its
+        backoff. :meth:`connection` waits until then itself; a caller that
+        must not block waits for it instead."""
+        return -math.inf
+
     # --- the answer ------------------------------------------------------------
 
     @property

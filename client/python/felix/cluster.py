@@ -13,8 +13,10 @@ dropped, so the next attempt connects anew. A call gives up after 40 attempts
 """
 
 import enum
+import math
 import secrets
 import threading
+import time
 import weakref
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar, Union
 
@@ -376,7 +378,8 @@ class _LeaderCall(ShardCall):
         self._cluster = cluster
         self._build = build
         self._pursuit = _Pursuit(cluster, stream, shard, retry)
-        self._pause = 0.0
+        #: When the next attempt may go: after the backoff of the last failure.
+        self._resume_at = -math.inf
         #: What the call raises once it is not tried again.
         self._final: Optional[FelixError] = None
 
@@ -386,8 +389,7 @@ class _LeaderCall(ShardCall):
         block: the pause before another attempt, a connect, a placement
         refresh."""
         if self._redirect is None:
-            self._cluster._pause(self._pause)
-            self._pause = 0.0
+            self._cluster._pause(max(0.0, self._resume_at - time.monotonic()))
             client = self._pursuit.connect()
             self._client, self._request = client, self._build(client)
             self._redirected = False
@@ -407,11 +409,15 @@ class _LeaderCall(ShardCall):
             self._pursuit.succeeded()
             return False
         try:
-            self._pause = self._pursuit.failed(error)
+            self._resume_at = time.monotonic() + self._pursuit.failed(error)
         except FelixError as final:
             self._final = final
             return False
         return True
+
+    @property
+    def resume_at(self) -> float:
+        return self._resume_at if self._redirect is None else -math.inf
 
     def answer(self) -> _wire.Response:
         if self._final is not None:

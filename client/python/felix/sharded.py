@@ -19,9 +19,10 @@ requests claim, and nothing is left running once
 Over a cluster (:meth:`felix.ClusterClient.sharded_group`, the Rust client's
 ``ShardedGroup::on_cluster``) each shard's calls go to the broker that leads
 it: a call that lands with ``not_leader``, or fails in a way the cluster
-client tries again, is sent again from the group's own thread (the next
-look at the calls out), to the leader named or the next broker, after the
-cluster client's backoff. The requests of :meth:`ShardedGroup.ack_many` and
+client tries again, is sent again from the group's own thread, to the
+leader named or the next broker, once the cluster client's backoff is over:
+the group keeps it aside until then, taking the other shards' answers in
+meanwhile (it never sleeps through a backoff). The requests of :meth:`ShardedGroup.ack_many` and
 the nacks of :meth:`ShardedGroup.close` run in short-lived threads, one per
 request, so that their retries proceed alongside each other.
 """
@@ -195,6 +196,10 @@ class ShardedGroup:
         self._deferred: Optional[FelixError] = None
         #: The poll out on each shard (at most one each).
         self._out: Dict[int, ShardCall] = {}
+        #: Polls to send again once their ``resume_at`` comes (a cluster
+        #: call's backoff), by shard: waited for here, never slept on, so
+        #: the other shards' answers are taken in meanwhile.
+        self._later: Dict[int, ShardCall] = {}
         #: No new waiting poll goes to a shard before this (its last one's
         #: slice), so waits the broker ends early are not re-sent in a loop.
         self._quiet_until = [0.0] * self._shards
@@ -279,8 +284,9 @@ class ShardedGroup:
         self._next = (self._next + 1) % n
         for i in range(n):
             shard = (start + i) % n
-            # A waiting poll is already out there and gets what arrives.
-            if shard in self._out:
+            # A waiting poll is already out there and gets what arrives (or
+            # goes again when its backoff ends).
+            if shard in self._out or shard in self._later:
                 continue
             want = max_records - len(self._ready)
             if want <= 0 or not self._spawn(shard, want, 0.0):
@@ -318,7 +324,7 @@ class ShardedGroup:
         n = self._shards
         plan: List[Tuple[int, int]] = []
         with self._lock:
-            busy = set(self._out)
+            busy = set(self._out) | set(self._later)
 
             def free(shard: int) -> bool:
                 return shard not in busy and self._quiet_until[shard] <= now
@@ -391,18 +397,28 @@ class ShardedGroup:
                 self._wake.wait(min(remaining, _MAX_WAIT))
 
     def _due(self) -> float:
-        """The earliest deadline of the calls out that have not landed."""
-        return min((c.deadline for c in list(self._out.values()) if c.landed is None), default=math.inf)
+        """The earliest deadline of the calls out that have not landed, or
+        time to send a call again."""
+        with self._lock:
+            waits = [c.deadline for c in self._out.values() if c.landed is None]
+            waits += [c.resume_at for c in self._later.values()]
+        return min(waits, default=math.inf)
 
     def _gather(self, closing: bool = False) -> List[FelixError]:
         """Take in every answer that landed (timing out overdue polls), in the
         order they landed; returns their errors. A ``wrong_core`` answer is
-        sent again to the right core (not when ``closing``: it claimed
-        nothing)."""
+        sent again to the right core, and a cluster call to follow (a
+        ``not_leader``, a lost leader) once its backoff is over; not when
+        ``closing``: such a call claimed nothing."""
         redirects: List[ShardCall] = []
         errors: List[FelixError] = []
         with self._lock:
             now = time.monotonic()
+            for shard, call in list(self._later.items()):
+                if closing or call.resume_at <= now:
+                    del self._later[shard]
+                    if not closing:
+                        redirects.append(call)
             for call in list(self._out.values()):
                 if call.landed is None and call.deadline <= now:
                     call.expire()
@@ -412,7 +428,10 @@ class ShardedGroup:
                     if self._out.get(call.shard) is call:
                         del self._out[call.shard]
                         if not closing:
-                            redirects.append(call)
+                            if call.resume_at > time.monotonic():
+                                self._later[call.shard] = call
+                            else:
+                                redirects.append(call)
                     continue
                 error = self._take(call, closing)
                 if error is not None:

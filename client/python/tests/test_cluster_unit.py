@@ -17,6 +17,8 @@ from .fake_broker import FakeBroker, FakeBrokerCase, error_frame, response_frame
 
 STREAM = "t/n/s"
 REF = felix.StreamRef("t", "n", "s")
+#: Where a group request's shard sits in its body, for STREAM.
+SHARD_AT = len(_wire.Writer().stream(REF).buf)
 F = felix.Feature
 
 
@@ -449,6 +451,40 @@ class FakeClusterTest(FakeBrokerCase):
             group.ack_many(got)
         self.assertEqual(a.received, [0x11, 0x30], "only the first poll went to the follower")
         self.assertEqual(b.received, [0x30, 0x31])
+
+    def test_a_sharded_group_takes_other_shards_in_while_one_backs_off(self) -> None:
+        # Shard 0's broker knows no leader the first time it is asked, so
+        # that call backs off (2 s here) before it goes again; shard 1 has
+        # a record at once and another for a waiting poll. Neither of shard
+        # 1's waits for shard 0's backoff.
+        answers = {0: ["no leader", [9]], 1: [[5], [], [6]]}
+
+        def script(header, body, core):  # type: ignore[no-untyped-def]
+            if header.opcode == 0x11:
+                return stream_answer(header.request_id, 2)
+            shard = int.from_bytes(body[SHARD_AT : SHARD_AT + 4], "little")
+            queue = answers[shard]
+            answer = queue.pop(0) if queue else []
+            if answer == "no leader":
+                return not_leader(header.request_id, None)
+            if shard == 1 and answer == [6]:
+                time.sleep(0.2)  # Arrives while the poll waits.
+            return group_records(header.request_id, answer)
+
+        fake = self.serve(script, int(F.GROUPS))
+        with mock.patch.object(cluster, "BACKOFF_FIRST", 2.0):
+            group = self.cluster(fake).sharded_group(STREAM, "g")
+            started = time.monotonic()
+            got = [(r.shard, r.offset) for r in group.poll(2, wait=5)]
+            self.assertEqual(got, [(1, 5)])
+            got = [(r.shard, r.offset) for r in group.poll(2, wait=5)]
+            self.assertEqual(got, [(1, 6)])
+            self.assertLess(time.monotonic() - started, 1.5, "shard 1 waited out shard 0's backoff")
+            # Shard 0's poll goes again once its backoff is over.
+            got = [(r.shard, r.offset) for r in group.poll(2, wait=5)]
+            self.assertEqual(got, [(0, 9)])
+            self.assertGreaterEqual(time.monotonic() - started, 2.0)
+            group.close()
 
     def test_a_sharded_group_on_a_closed_cluster_client_raises_disconnected(self) -> None:
         fake = self.serve(lambda h, body, c: stream_answer(h.request_id, 2), int(F.GROUPS))
