@@ -695,6 +695,25 @@ enum Outcome {
     Failed(String, bool),
 }
 
+/// Printed records whose ack failed, in words: what they are, the verb
+/// for them and that they come again ("1 printed record", "was", "it may
+/// be delivered again"; "2 printed records", "were", "they may ...").
+fn unacked(n: usize) -> (String, &'static str, &'static str) {
+    if n == 1 {
+        (
+            "1 printed record".into(),
+            "was",
+            "it may be delivered again",
+        )
+    } else {
+        (
+            format!("{n} printed records"),
+            "were",
+            "they may be delivered again",
+        )
+    }
+}
+
 /// "1 record", "2 records".
 fn records(n: u64) -> String {
     if n == 1 {
@@ -1622,19 +1641,16 @@ async fn consume_records(
                             )
                         ) =>
                 {
+                    let (printed, _, again) = unacked(records.len());
                     eprintln!(
-                        "felix: the ack of {} printed records was refused after a reconnect \
-                         ({e}); they may be delivered again",
-                        records.len()
+                        "felix: the ack of {printed} was refused after a reconnect ({e}); \
+                         {again}"
                     );
                     break;
                 }
                 Err(e) => {
-                    eprintln!(
-                        "felix: {} printed records were not acknowledged; they may be \
-                         delivered again",
-                        records.len()
-                    );
+                    let (printed, verb, again) = unacked(records.len());
+                    eprintln!("felix: {printed} {verb} not acknowledged; {again}");
                     return Err(e.into());
                 }
             }

@@ -81,8 +81,10 @@ for round in $(seq 1 "$rounds"); do
   wait "$pub" "$cons" "$rd" 2>/dev/null
   awk '/}$/' "$W/group-$round.jsonl" >> "$W/group.jsonl"
   for e in "$W/read-$round.err" "$W/group-$round.err" "$W/publish-$round.err"; do
-    # A lost connection is the kill's doing; anything else is not.
-    grep -v -E "connection to the broker was lost|i/o error: .*(refused|reset|broken pipe)|timed out waiting for the broker|fell behind retention|^published [0-9]+ records? before the error|^no input record after record [0-9]+ was sent|refused after a reconnect|^(consumed|read) [0-9]+ records?|^$" "$e" \
+    # A lost connection is the kill's doing, and a consumer stopped by
+    # SIGTERM says so and names what it printed but could not ack; anything
+    # else is not.
+    grep -v -E "stopping after this batch|printed records? (was|were) not acknowledged|connection to the broker was lost|i/o error: .*(refused|reset|broken pipe)|timed out waiting for the broker|fell behind retention|^published [0-9]+ records? before the error|^no input record after record [0-9]+ was sent|refused after a reconnect|^(consumed|read) [0-9]+ records?|^$" "$e" \
       | sed "s|^|$(basename "$e"): |" >> "$W/errors.txt"
   done
   start
