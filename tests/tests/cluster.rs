@@ -1321,6 +1321,40 @@ fn a_new_leaders_generation_start_is_counted_in_skipped_before() {
     });
 }
 
+/// The leader's generation start holds an offset but no record; a poll
+/// whose range crosses it still hands out as many records as it asked for
+/// (the read behind it counts records, so it finds one more past the
+/// range), rather than one short.
+#[test]
+fn a_poll_across_a_generation_start_still_fills_up() {
+    let cluster = start_cluster();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let cc = ClusterClient::connect(&cluster.addrs, ClientConfig::default())
+            .await
+            .unwrap();
+        cc.create_stream(T, NS, S, 1, StreamOptions::default())
+            .await
+            .unwrap();
+        let batch: Vec<RecordIn> = (0..10).map(|k| record(0, k)).collect();
+        cc.publish_batch(T, NS, S, 0, batch).await.unwrap();
+        for (max, from) in [(2, 0u64), (5, 2)] {
+            let got = cc.group_poll(T, NS, S, 0, "g", max).await.unwrap();
+            let payloads: Vec<String> = got
+                .iter()
+                .map(|r| String::from_utf8(r.payload.to_vec()).unwrap())
+                .collect();
+            let want: Vec<String> = (from..from + u64::from(max))
+                .map(|k| format!("s0-r{k}"))
+                .collect();
+            assert_eq!(payloads, want, "a poll of {max}");
+        }
+    });
+}
+
 /// A cluster client that knows every broker but `leader` (which is cut
 /// off or stopped: short timeouts, so a call that reaches it gives up
 /// soon and tries the others).

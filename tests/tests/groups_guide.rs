@@ -1495,6 +1495,12 @@ async fn records_retention_removed_are_skipped_and_counted() {
     );
     assert_eq!(g.dead_letters().await, vec![0]);
     assert!(g.poll(10).await.is_empty());
+    // Retention removed the dead letter's record too: a redrive has nothing
+    // to hand out and is refused, the letter kept until it is discarded.
+    assert_eq!(code(g.redrive(0).await), Some(ErrorCode::NotFound));
+    assert_eq!(g.dead_letters().await, vec![0]);
+    g.discard(0).await.unwrap();
+    assert!(g.dead_letters().await.is_empty());
 }
 
 /// A record handed out with `skipped_before` keeps the count across a

@@ -1092,10 +1092,10 @@ impl Sim {
         } else {
             self.rng.gen_range(0..self.end + 2)
         };
-        let ok = dead.contains(&o);
+        let ok = dead.contains(&o) && o >= self.start;
         let position = self.t.position().0;
         let frontier = self.t.frontier().0;
-        let r = self.t.redrive(self.now, Offset(o));
+        let r = self.t.redrive(self.now, Offset(o), self.log());
         self.note(format!("redrive {o} -> {r:?}"));
         assert_eq!(r.is_ok(), ok);
         if let Ok(w) = r {

@@ -139,7 +139,7 @@ impl Harness {
     }
 
     pub fn redrive(&mut self, o: u64) -> Result<(), GroupError> {
-        let w = self.t.redrive(self.now, Offset(o))?;
+        let w = self.t.redrive(self.now, Offset(o), self.log())?;
         self.record(w);
         Ok(())
     }
@@ -992,6 +992,26 @@ mod rules {
         assert_eq!(h.poll_offsets(10), vec![0, 2, 3]);
         h.redrive(1).unwrap();
         assert_eq!(h.poll_offsets(10), vec![1]);
+    }
+
+    #[test]
+    fn a_dead_letter_retention_removed_is_not_redriven_and_stays_listed() {
+        let mut h = Harness::new();
+        h.append(6);
+        h.poll(2);
+        h.dead_letter(0, 1).unwrap();
+        h.dead_letter(1, 1).unwrap();
+        h.start = 1;
+        match h.redrive(0) {
+            Err(GroupError::NotFound(m)) => assert!(m.contains("retention"), "{m}"),
+            other => panic!("redrive of a removed record: {other:?}"),
+        }
+        assert_eq!(h.dead(), vec![0, 1], "still listed, for a discard");
+        // The one still in the log goes out again; the other is discarded.
+        h.redrive(1).unwrap();
+        assert_eq!(h.poll_offsets(10), vec![1, 2, 3, 4, 5]);
+        h.discard(0).unwrap();
+        assert_eq!(h.dead(), Vec::<u64>::new());
     }
 
     #[test]

@@ -621,10 +621,27 @@ impl GroupTracker {
     }
 
     /// Make a dead letter owed again with its attempts reset. Never moves the
-    /// cursor back. Writes: **durable before answering**.
-    pub fn redrive(&mut self, now_ms: u64, offset: Offset) -> Result<Vec<GroupEntry>, GroupError> {
+    /// cursor back. A dead letter whose record retention removed is refused
+    /// (`NotFound`, the letter kept for a discard): there is nothing left to
+    /// hand out, and an answered redrive that then settles without a
+    /// delivery would tell the operator it was put back. Writes: **durable
+    /// before answering**.
+    pub fn redrive(
+        &mut self,
+        now_ms: u64,
+        offset: Offset,
+        log: LogView,
+    ) -> Result<Vec<GroupEntry>, GroupError> {
         self.begin_request(now_ms)?;
         self.require_dead_letter(offset)?;
+        if offset < log.start {
+            return Err(GroupError::NotFound(format!(
+                "the record at offset {offset} is no longer in the log: retention removed \
+                 everything below offset {}, so there is nothing to redrive; discard the dead \
+                 letter instead",
+                log.start
+            )));
+        }
         let mut w = Vec::new();
         self.write(
             GroupEntry::Redrive {

@@ -325,8 +325,8 @@ pub(crate) async fn handle<S: Storage>(
             if let Err(e) = apply_due(&shard, &key.group) {
                 return e;
             }
-            write_op(&shard, &key.group, true, |t, now, _| {
-                t.redrive(now, Offset(offset))
+            write_op(&shard, &key.group, true, |t, now, view| {
+                t.redrive(now, Offset(offset), view)
             })
             .await
         }
@@ -877,6 +877,16 @@ async fn read_offsets<S: Storage>(
             j += 1;
         }
         let run_end = offsets[j - 1].next();
+        // The read counts records, and steps over control records (a new
+        // leader's generation start): one in the last run leaves room for
+        // the records just past it, which that run keeps, so a poll
+        // crossing one still fills up. (Earlier runs end where the next
+        // begins.)
+        let keep_end = if j == offsets.len() {
+            view.end.max(run_end)
+        } else {
+            run_end
+        };
         if run_end > view.start {
             // A run may begin below the log start (a reclaimed claim on a
             // record retention removed, next to the first retained ones):
@@ -900,12 +910,12 @@ async fn read_offsets<S: Storage>(
             // Everything below the read's `next` (or below the log's start,
             // which retention removed) that came back without a record
             // holds none: the read stepped over it.
-            let reached = r.next.max(r.start).min(run_end);
+            let reached = r.next.max(r.start).min(keep_end);
             let first = out.offsets.len();
             let mut expect = start;
             let mut cut = false;
             for rec in r.records {
-                if rec.offset >= run_end {
+                if rec.offset >= keep_end {
                     break;
                 }
                 if rec.offset < start {
