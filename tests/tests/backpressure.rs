@@ -3,7 +3,7 @@
 
 use felix_client::{Client, ClientConfig, RecordIn, StreamOptions};
 use felix_tests::BrokerOptions;
-use felix_wire::{Request, Response, StartPosition, StreamRef};
+use felix_wire::{ErrorCode, Request, Response, StartPosition, StreamRef};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -488,4 +488,76 @@ async fn idle_connections_cost_a_few_kib_each() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let per = rss_bytes(pid).saturating_sub(base) / CONNS as u64;
     assert!(per < 24 << 10, "an idle connection costs {} KiB", per >> 10);
+}
+
+/// Connections cannot take the open files the shards need. A broker run
+/// with a limit of 256 open files keeps 64 of them for storage: once
+/// connections fill the rest, a new one is refused `busy` (saying why), a
+/// stream create that would eat into the reserve is refused, and a shard
+/// still rolls to new segments, every publish acknowledged.
+#[test]
+fn connections_leave_open_files_for_the_shards() {
+    use std::os::unix::process::CommandExt;
+    let data = tempfile::tempdir().unwrap();
+    let config = data.path().join("felix.toml");
+    std::fs::write(&config, "[storage]\nsegment_bytes = 65536\n").unwrap();
+    let store = data.path().join("data");
+    let mut cmd = felix_tests::broker_command!(Some(store.as_path()), "127.0.0.1:0");
+    cmd.env("FELIX_TEST_CONFIG", &config);
+    // SAFETY: only setrlimit(2) between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            let lim = libc::rlimit {
+                rlim_cur: 256,
+                rlim_max: 256,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let (mut child, addr) = felix_tests::spawn_announcing(cmd);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let c = Client::connect(addr.as_str(), ClientConfig::default())
+            .await
+            .unwrap();
+        c.create_stream("t", "ns", "rolls", 1, StreamOptions::default())
+            .await
+            .unwrap();
+        // Connections that said HELLO, kept open until one is refused.
+        let mut held = Vec::new();
+        let refused = loop {
+            match Client::connect(addr.as_str(), ClientConfig::default()).await {
+                Ok(c) => held.push(c),
+                Err(e) => break e,
+            }
+            assert!(held.len() < 256, "no connection was refused");
+        };
+        assert_eq!(refused.code(), Some(ErrorCode::Busy), "{refused}");
+        assert!(refused.to_string().contains("open files"), "{refused}");
+        assert!(held.len() > 100, "refused after {} connections", held.len());
+        // 64 shards would need more files than are left.
+        let e = c
+            .create_stream("t", "ns", "many", 64, StreamOptions::default())
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Some(ErrorCode::Unavailable), "{e}");
+        assert!(e.to_string().contains("open-file limit"), "{e}");
+        // Forty 32 KiB records roll the 64 KiB segments about twenty times.
+        for _ in 0..40 {
+            c.publish("t", "ns", "rolls", 0, vec![7u8; 32 << 10])
+                .await
+                .unwrap();
+        }
+        let shard = c.describe_shard("t", "ns", "rolls", 0).await.unwrap();
+        assert_eq!(shard.end_offset, 40);
+        drop(held);
+    });
+    child.kill().unwrap();
+    child.wait().unwrap();
 }

@@ -20,7 +20,7 @@ use felix_engine::{ShardId, StreamName};
 use felix_wire::{ErrorCode, Response, StreamInfo, StreamRef, WireError};
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, HashMap};
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -603,6 +603,12 @@ impl<S: Storage> Core<S> {
                          {MAX_STORED_RETENTION}; leave it out for no limit"
                     ),
                 );
+            }
+        }
+        // Not under the catalog's lock: it lists this process's files.
+        if self.shared.durable {
+            if let Some(why) = crate::fds::short_for_shards(shards) {
+                return wire_err(ErrorCode::Unavailable, why);
             }
         }
         {
@@ -1497,14 +1503,23 @@ async fn core_main<S: Storage>(
         };
         match futures_lite::future::or(accept, stop).await {
             Ok(stream) => {
-                let n = shared.connections.fetch_add(1, Ordering::Relaxed);
-                if n >= shared.config.max_connections as usize {
-                    shared.connections.fetch_sub(1, Ordering::Relaxed);
+                let refusal = if crate::fds::near_limit(stream.as_raw_fd()) {
+                    Some(Refusal::OpenFiles)
+                } else {
+                    let n = shared.connections.fetch_add(1, Ordering::Relaxed);
+                    if n >= shared.config.max_connections as usize {
+                        shared.connections.fetch_sub(1, Ordering::Relaxed);
+                        Some(Refusal::Connections(n))
+                    } else {
+                        None
+                    }
+                };
+                if let Some(why) = refusal {
                     core.metrics
                         .connections_refused
                         .set(core.metrics.connections_refused.get() + 1);
-                    tracing::warn!("connection refused: {} open", n);
-                    refuse(&core, stream);
+                    crate::conn::warn_rate_limited(&REFUSED_CONNECTION_LOG, || why.log_line());
+                    refuse(&core, stream, why);
                     continue;
                 }
                 glommio::spawn_local(conn::serve(core.clone(), stream, Vec::new(), false)).detach();
@@ -1513,7 +1528,9 @@ async fn core_main<S: Storage>(
                 if core.stopping.get() {
                     break;
                 }
-                tracing::warn!("accept failed: {e}");
+                crate::conn::warn_rate_limited(&ACCEPT_FAILED_LOG, || {
+                    format!("accept failed: {e}")
+                });
                 glommio::timer::sleep(Duration::from_millis(10)).await;
             }
         }
@@ -1524,6 +1541,48 @@ async fn core_main<S: Storage>(
     drop(disk_watch);
     core.drain_and_close().await;
     tracing::info!(core = core.core_id(), "core stopped");
+}
+
+thread_local! {
+    /// When a core last logged a refused connection, or a failed accept.
+    static REFUSED_CONNECTION_LOG: crate::conn::LogLimit = const { std::cell::Cell::new(None) };
+    static ACCEPT_FAILED_LOG: crate::conn::LogLimit = const { std::cell::Cell::new(None) };
+}
+
+/// Why a new connection is turned away.
+#[derive(Clone, Copy, Debug)]
+enum Refusal {
+    /// `server.max_connections` are open (this many).
+    Connections(usize),
+    /// Open files are within the reserve kept for storage (see `fds`).
+    OpenFiles,
+}
+
+impl Refusal {
+    fn log_line(self) -> String {
+        match self {
+            Refusal::Connections(n) => format!("connection refused: {n} open"),
+            Refusal::OpenFiles => format!(
+                "connection refused: open files are within {} of the limit of {}, kept for \
+                 segment files; raise the open-file limit (ulimit -n, LimitNOFILE=)",
+                crate::fds::reserve(crate::fds::limit()),
+                crate::fds::limit()
+            ),
+        }
+    }
+
+    /// What the client is told.
+    fn answer(self, limit: u64) -> String {
+        match self {
+            Refusal::Connections(_) => format!(
+                "the broker is at its connection limit (server.max_connections = {limit}); \
+                 try again later"
+            ),
+            Refusal::OpenFiles => "the broker is short of open files (the rest are kept for \
+                 its storage); try again later"
+                .to_string(),
+        }
+    }
 }
 
 /// Connections over `server.max_connections` being answered at once on a
@@ -1538,7 +1597,7 @@ const REFUSE_WAIT: Duration = Duration::from_secs(1);
 /// with a typed `busy` error first, so the client reports (and backs off
 /// on) a full broker rather than a connection reset. Reads at most one
 /// small frame and waits at most [`REFUSE_WAIT`] for it.
-fn refuse<S: Storage>(core: &Rc<Core<S>>, stream: glommio::net::TcpStream) {
+fn refuse<S: Storage>(core: &Rc<Core<S>>, stream: glommio::net::TcpStream, why: Refusal) {
     if core.refusing.get() >= MAX_REFUSING {
         return;
     }
@@ -1568,12 +1627,7 @@ fn refuse<S: Storage>(core: &Rc<Core<S>>, stream: glommio::net::TcpStream) {
             let mut out = bytes::BytesMut::new();
             felix_wire::encode_response(
                 id,
-                &wire_err(
-                    ErrorCode::Busy,
-                    format!(
-                        "the broker is at its connection limit (server.max_connections = {limit}); try again later"
-                    ),
-                ),
+                &wire_err(ErrorCode::Busy, why.answer(limit)),
                 &mut out,
             );
             stream.write_all(&out).await?;

@@ -154,6 +154,9 @@ pub(crate) struct ConnInfo {
     /// Answer bytes reserved by the reads and polls running (see
     /// [`answer_reservation`] and [`AnswerRoom`]).
     pub reserved: Cell<usize>,
+    /// The client shut its side of the connection (or closed it): no more
+    /// requests come, but the answers to those sent still go out.
+    done_sending: Cell<bool>,
     outbox: Rc<Outbox>,
     /// `server.max_pending_response_bytes`.
     max_pending: usize,
@@ -166,10 +169,19 @@ impl ConnInfo {
         self.outbox.closed.get()
     }
 
-    /// Resolves once the connection is closing.
+    /// The client sends nothing more (it shut its side, or closed the
+    /// connection, which looks the same from here): a read or poll waiting
+    /// for records answers now with what there is, and a poll claims nothing
+    /// it would have waited for.
+    pub fn done_sending(&self) -> bool {
+        self.done_sending.get()
+    }
+
+    /// Resolves once the connection is closing or the client sends nothing
+    /// more ([`done_sending`](Self::done_sending)).
     pub async fn until_hung_up(&self) {
         let hangup = self.outbox.hangup.wait();
-        if !self.hung_up() {
+        if !self.hung_up() && !self.done_sending() {
             hangup.await;
         }
     }
@@ -339,6 +351,7 @@ pub(crate) async fn serve<S: Storage>(
         in_flight: Cell::new(0),
         in_flight_bytes: Cell::new(0),
         reserved: Cell::new(0),
+        done_sending: Cell::new(false),
         outbox: outbox.clone(),
         max_pending: core.shared.config.max_pending_response_bytes,
     });
@@ -613,7 +626,17 @@ pub(crate) async fn serve<S: Storage>(
             read_size = (read_size / 2).max(MIN_READ);
         }
         match got {
-            Ok(0) => break,
+            Ok(0) => {
+                // The client shut its side (a half-close) or closed: answer
+                // what it sent before closing. A waiting read or poll stops
+                // waiting (see `ConnInfo::done_sending`).
+                info.done_sending.set(true);
+                outbox.hangup.wake_all();
+                while info.in_flight.get() > 0 && !outbox.closed.get() {
+                    futures_lite::future::or(core.lifecycle.wait(), outbox.hangup.wait()).await;
+                }
+                break;
+            }
             Ok(_) => {}
             Err(glommio::GlommioError::TimedOut(_)) => {
                 if info.in_flight.get() == 0 {
@@ -862,9 +885,9 @@ fn forbidden<S: Storage>(core: &Core<S>, info: &ConnInfo, req: &Request) -> Opti
 thread_local! {
     /// When a core last logged a refused call, and how many it left out
     /// since.
-    static FORBIDDEN_LOG: Cell<Option<(std::time::Instant, u64)>> = const { Cell::new(None) };
+    static FORBIDDEN_LOG: LogLimit = const { Cell::new(None) };
     /// The same for refused HELLOs.
-    static REFUSED_HELLO_LOG: Cell<Option<(std::time::Instant, u64)>> = const { Cell::new(None) };
+    static REFUSED_HELLO_LOG: LogLimit = const { Cell::new(None) };
 }
 
 /// A `Stream` answer carries the stream's incarnation only to a client
@@ -878,23 +901,42 @@ fn with_incarnation(info: &ConnInfo, mut resp: Response) -> Response {
     resp
 }
 
+/// When a core last logged a line of one kind, and how many it left out
+/// since (see [`log_rate_limited`]).
+pub(crate) type LogLimit = Cell<Option<(std::time::Instant, u64)>>;
+
 /// Log at info at most once a second per core (per `last`), saying how
 /// many lines were left out since.
-fn log_rate_limited(
-    last: &'static std::thread::LocalKey<Cell<Option<(std::time::Instant, u64)>>>,
+fn log_rate_limited(last: &'static std::thread::LocalKey<LogLimit>, line: impl FnOnce() -> String) {
+    if let Some(quiet) = rate_limit(last) {
+        tracing::info!(also_refused = quiet, "{}", line());
+    }
+}
+
+/// The same at warn: a condition the operator should act on.
+pub(crate) fn warn_rate_limited(
+    last: &'static std::thread::LocalKey<LogLimit>,
     line: impl FnOnce() -> String,
 ) {
+    if let Some(quiet) = rate_limit(last) {
+        tracing::warn!(left_out = quiet, "{}", line());
+    }
+}
+
+/// Whether a line of `last`'s kind may be logged now (a second after the
+/// last one), and if so how many were left out since.
+fn rate_limit(last: &'static std::thread::LocalKey<LogLimit>) -> Option<u64> {
     let now = std::time::Instant::now();
     let quiet = match last.get() {
         Some((at, quiet)) if now.duration_since(at) < Duration::from_secs(1) => {
             last.set(Some((at, quiet + 1)));
-            return;
+            return None;
         }
         Some((_, quiet)) => quiet,
         None => 0,
     };
     last.set(Some((now, 0)));
-    tracing::info!(also_refused = quiet, "{}", line());
+    Some(quiet)
 }
 
 fn log_err(shard: &str, e: LogError) -> Response {

@@ -745,7 +745,8 @@ async fn poll<S: Storage>(
             continue;
         }
         let now = now_ms();
-        if now >= deadline {
+        // A client that sends nothing more gets no claims it waited for.
+        if now >= deadline || info.done_sending() {
             return Response::GroupRecords {
                 records: Vec::new(),
             };

@@ -18,6 +18,7 @@ mod cluster;
 pub mod config;
 mod conn;
 mod disk;
+mod fds;
 mod groups;
 mod memory;
 mod metrics;
@@ -113,7 +114,7 @@ pub fn serve(opts: ServeOptions) -> Result<(), ServeError> {
     for w in &config.warnings {
         tracing::warn!("{w}");
     }
-    raise_open_file_limit();
+    fds::raise_limit();
     let cpus = cores.cpus();
     match &config.data_dir {
         Some(d) => tracing::info!(data_dir = %d.display(), "durable storage"),
@@ -124,39 +125,6 @@ pub fn serve(opts: ServeOptions) -> Result<(), ServeError> {
         }
     }
     broker::run(config, cpus).map_err(ServeError::Start)
-}
-
-/// Every segment of every shard keeps a file open, and every connection is
-/// a socket: raise the soft limit on open files to the hard limit (as the
-/// operator allows), and say what it is, so running out is a configuration
-/// the operator can see rather than a surprise (a roll that cannot open its
-/// segment stops the shard).
-fn raise_open_file_limit() {
-    // SAFETY: getrlimit/setrlimit on a struct we own.
-    unsafe {
-        let mut lim: libc::rlimit = std::mem::zeroed();
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
-            return;
-        }
-        if lim.rlim_cur < lim.rlim_max {
-            let want = libc::rlimit {
-                rlim_cur: lim.rlim_max,
-                rlim_max: lim.rlim_max,
-            };
-            if libc::setrlimit(libc::RLIMIT_NOFILE, &want) == 0 {
-                lim.rlim_cur = lim.rlim_max;
-            }
-        }
-        if lim.rlim_cur < 4096 {
-            tracing::warn!(
-                limit = lim.rlim_cur,
-                "the open-file limit is low: each segment file and each connection \
-                 takes one; raise it (ulimit -n, LimitNOFILE=) for many shards or clients"
-            );
-        } else {
-            tracing::info!(limit = lim.rlim_cur, "open-file limit");
-        }
-    }
 }
 
 fn init_logging(filter: &str) {
