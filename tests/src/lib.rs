@@ -95,10 +95,37 @@ pub fn broker_command(bin: &str, data_dir: Option<&Path>, listen: &str) -> Comma
     cmd
 }
 
-/// Spawn `cmd` (a [`broker_command`]) with stdout piped; returns it and the
-/// address it announced. Kills it and panics if it announces nothing within
-/// [`START_DEADLINE`].
-pub fn spawn_announcing(mut cmd: Command) -> (Child, String) {
+/// A broker process started by hand: killed when dropped, so a test that
+/// fails midway leaves no broker running (one would hold the test's output
+/// pipes open and keep `cargo test` waiting). Derefs to the [`Child`].
+pub struct Spawned(Child);
+
+impl std::ops::Deref for Spawned {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Spawned {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
+impl Drop for Spawned {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+/// Spawn `cmd` (a [`broker_command`]) with stdout piped; returns it (killed
+/// when dropped) and the address it announced. Kills it and panics if it
+/// announces nothing within [`START_DEADLINE`].
+pub fn spawn_announcing(mut cmd: Command) -> (Spawned, String) {
     use std::io::BufRead;
     let mut child = cmd.stdout(Stdio::piped()).spawn().expect("start broker");
     let out = child.stdout.take().expect("stdout");
@@ -111,7 +138,7 @@ pub fn spawn_announcing(mut cmd: Command) -> (Child, String) {
         }
     });
     match rx.recv_timeout(START_DEADLINE) {
-        Ok(addr) => (child, addr),
+        Ok(addr) => (Spawned(child), addr),
         Err(e) => {
             let _ = child.kill();
             let _ = child.wait();

@@ -10,7 +10,7 @@ use bytes::Bytes;
 use felix_client::{Client, ClientConfig, ClientError, StreamOptions};
 use felix_wire::{ErrorCode, RecordIn, StartPosition};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 /// A loop-mounted ext4 image, unmounted on drop.
@@ -57,7 +57,7 @@ fn run(cmd: &str, args: &[&str]) -> Result<(), String> {
     }
 }
 
-fn start(data: &Path) -> (Child, String) {
+fn start(data: &Path) -> (felix_tests::Spawned, String) {
     let mut cmd = felix_tests::broker_command!(Some(data), "127.0.0.1:0");
     cmd.env("FELIX_MIN_FREE_BYTES", (4u64 << 20).to_string());
     felix_tests::spawn_announcing(cmd)

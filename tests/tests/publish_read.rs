@@ -1328,14 +1328,14 @@ async fn a_stop_signal_repeated_at_once_still_shuts_down_gracefully() {
 
 /// Start felix-test-broker with stderr captured; returns the process and the
 /// address it announced on stdout.
-fn spawn_capturing_stderr(data_dir: Option<&std::path::Path>) -> (std::process::Child, String) {
+fn spawn_capturing_stderr(data_dir: Option<&std::path::Path>) -> (felix_tests::Spawned, String) {
     let mut cmd = felix_tests::broker_command!(data_dir, "127.0.0.1:0");
     cmd.stderr(std::process::Stdio::piped());
     felix_tests::spawn_announcing(cmd)
 }
 
 /// Kill a broker and return everything it wrote to stderr.
-fn stderr_of(mut child: std::process::Child) -> String {
+fn stderr_of(mut child: felix_tests::Spawned) -> String {
     use std::io::Read;
     let _ = child.kill();
     let _ = child.wait();
