@@ -181,12 +181,11 @@ fn stream_ref(name: &str) -> StreamRef {
 /// budget (`server.max_buffered_bytes_per_core`) bounds them all together.
 /// Twelve connections that each ask for 200 answers of 4 MiB and read none
 /// would hold 12 × 64 MiB of answers under the per-connection bound alone;
-/// with a 128 MiB budget the core holds at most its ceiling (the budget and
-/// a quarter) plus about one answer, and others are still served: what
-/// twelve stalled clients hold fits under the ceiling.
+/// with a 32 MiB budget the core holds about that plus one answer each, and
+/// others are still served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_clients_that_never_read_cost_memory_bounded_by_the_core_budget() {
-    const BUDGET: u64 = 128 << 20;
+    const BUDGET: u64 = 32 << 20;
     const CONNS: u64 = 12;
     const READS: u64 = 200;
     let b = felix_tests::start_broker!(BrokerOptions::default()
@@ -219,10 +218,10 @@ async fn many_clients_that_never_read_cost_memory_bounded_by_the_core_budget() {
         .unwrap();
     assert_eq!(r.records.len(), 10);
 
-    // What the core counted: the ceiling plus about one answer (and its
-    // reservation), far from 12 × 64 MiB.
+    // What the core counted: the budget plus about one answer (and its
+    // reservation) per connection, far from 12 × 64 MiB.
     let peak = b.metric("felix_core_buffered_bytes_peak") as u64;
-    let bound = BUDGET + BUDGET / 4 + 2 * (9 << 20);
+    let bound = BUDGET + (CONNS + 2) * (9 << 20);
     assert!(
         peak <= bound,
         "the core held {} MiB (bound {} MiB)",
@@ -262,53 +261,6 @@ async fn many_clients_that_never_read_cost_memory_bounded_by_the_core_budget() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(left, 0.0, "bytes still counted after every answer was read");
-}
-
-/// More stalled clients than the core's ceiling holds: each would hold one
-/// answer under a rule that let every connection holding nothing go ahead,
-/// sixteen answers of 4 MiB past a 16 MiB budget. The core stops at its
-/// ceiling (the budget and a quarter) plus about one answer; the others
-/// wait until the write timeout cuts the stalled clients off (a few at a
-/// time, as many as hold the ceiling), then are served.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stalled_clients_cannot_take_the_core_past_its_ceiling() {
-    const BUDGET: u64 = 16 << 20;
-    const CONNS: usize = 16;
-    let b = felix_tests::start_broker!(BrokerOptions::default()
-        .cores(1)
-        .env("FELIX_MAX_BUFFERED_BYTES_PER_CORE", BUDGET)
-        .env("FELIX_WRITE_TIMEOUT_MS", 2000));
-    let _c = big_stream(&b, 8).await;
-    let mut stalled = Vec::new();
-    for i in 0..CONNS {
-        let (rd, mut wr) = raw_connection(&b.addr, &format!("stalled-{i}")).await;
-        wr.write_all(&big_reads(30)).await.unwrap();
-        stalled.push((rd, wr));
-    }
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    let peak = b.metric("felix_core_buffered_bytes_peak") as u64;
-    let bound = BUDGET + BUDGET / 4 + 2 * (9 << 20);
-    assert!(
-        peak <= bound,
-        "the core held {} MiB (bound {} MiB)",
-        peak >> 20,
-        bound >> 20
-    );
-    // Served once the stalled clients are cut off.
-    let patient = ClientConfig {
-        connect_timeout: Duration::from_secs(30),
-        ..ClientConfig::default()
-    };
-    let other = tokio::time::timeout(Duration::from_secs(40), async {
-        let c = Client::connect(b.addr.as_str(), patient).await.unwrap();
-        c.read("t", "ns", "big", 0, StartPosition::Earliest, 10, None)
-            .await
-            .unwrap()
-    })
-    .await
-    .expect("served after the write timeout");
-    assert_eq!(other.records.len(), 10);
-    drop(stalled);
 }
 
 /// Publishers pipelining far more than the core's budget are slowed, never
@@ -608,59 +560,4 @@ fn connections_leave_open_files_for_the_shards() {
     });
     child.kill().unwrap();
     child.wait().unwrap();
-}
-
-/// Part of a frame counts against the core's budget while it arrives, and
-/// a frame begun must be finished within `server.write_timeout_ms`: a
-/// client that sends most of a large frame and then nothing more is cut
-/// off, and what it held is freed.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_unfinished_frame_is_counted_and_cut_off() {
-    let b = felix_tests::start_broker!(BrokerOptions::default()
-        .cores(1)
-        .env("FELIX_WRITE_TIMEOUT_MS", 1500));
-    let (mut rd, mut wr) = raw_connection(&b.addr, "unfinished").await;
-    let mut frame = bytes::BytesMut::new();
-    felix_wire::encode_request(
-        1,
-        &Request::Publish {
-            stream: stream_ref("big"),
-            target: felix_wire::PublishTarget::Shard(0),
-            ack: felix_wire::AckMode::Default,
-            records: vec![felix_wire::RecordIn {
-                payload: vec![1u8; 1 << 20].into(),
-                ..Default::default()
-            }],
-        },
-        &mut frame,
-    );
-    // All but the last 1 KiB, then silence (the socket kept open).
-    let sent = frame.len() - 1024;
-    wr.write_all(&frame[..sent]).await.unwrap();
-    let counted = felix_tests::wait_until(Duration::from_secs(5), || {
-        b.metric("felix_core_buffered_bytes") >= (sent / 2) as f64
-    });
-    assert!(counted.is_ok(), "the arriving frame was not counted");
-    let started = std::time::Instant::now();
-    let mut buf = vec![0u8; 1 << 16];
-    let closed = tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            match rd.read(&mut buf).await {
-                Ok(0) | Err(_) => break,
-                Ok(_) => {} // HELLO's answer
-            }
-        }
-    })
-    .await;
-    assert!(closed.is_ok(), "the connection was never cut off");
-    assert!(
-        started.elapsed() < Duration::from_secs(5),
-        "cut off after {:?}",
-        started.elapsed()
-    );
-    felix_tests::wait_until(Duration::from_secs(5), || {
-        b.metric("felix_core_buffered_bytes") == 0.0
-    })
-    .expect("what the frame held was freed");
-    drop(wr);
 }

@@ -4,7 +4,7 @@
 //! complete. A long poll therefore never blocks an ack on the same connection.
 
 use crate::broker::{now_ms, to_name, wire_err, Core, CoreMsg, Handoff};
-use crate::memory::{Budget, REQUEST_TASK_BYTES};
+use crate::memory::Budget;
 use crate::metrics::AckWait;
 use crate::shard::Shard;
 use bytes::BytesMut;
@@ -221,9 +221,9 @@ impl AnswerRoom {
             let unsent = outbox.unsent();
             let holds = info.reserved.get() > 0;
             let conn_full = holds && unsent + info.reserved.get() + bytes > info.max_pending;
-            // A connection holding no room and no unsent answer goes ahead
-            // up to the core's ceiling (see `memory`): nobody starves.
-            let core_full = budget.must_wait(holds || unsent > 0, bytes);
+            // A connection holding no room and no unsent answer always goes
+            // ahead (see `memory`): nobody starves, nothing deadlocks.
+            let core_full = (holds || unsent > 0) && budget.over(bytes);
             if !conn_full && !core_full {
                 break;
             }
@@ -366,42 +366,17 @@ pub(crate) async fn serve<S: Storage>(
     let max_requests = core.shared.config.max_requests_per_connection;
     let max_request_bytes = core.shared.config.max_request_bytes_per_connection;
     let max_pending = core.shared.config.max_pending_response_bytes;
-    // Bytes of the read buffer (a frame arriving, frames held back)
-    // counted in the core's budget.
-    let buffered = Cell::new(0usize);
-    let count_buffered = |now: usize| {
-        let was = buffered.replace(now);
-        if now > was {
-            core.budget.add(now - was);
-        } else {
-            core.budget.release(was - now);
-        }
-    };
     // Once the core is at its budget, a connection that holds something
-    // (a request in flight, an unsent answer) starts no request, and one
-    // that also holds part of a frame reads no more, until there is room;
-    // one that holds nothing goes ahead with one request up to the core's
-    // ceiling (see `memory`). (The frames already read are not what holds
-    // a connection back from starting them: they are in memory either way.)
-    let budget_bound = |info: &ConnInfo, outbox: &Outbox, reading: bool| {
-        let holds =
-            info.in_flight.get() > 0 || outbox.unsent() > 0 || (reading && buffered.get() > 0);
-        if holds {
-            core.budget.full()
-        } else {
-            core.budget.past_ceiling()
-        }
+    // (a request in flight or an unsent answer) waits for room; one that
+    // holds nothing still goes ahead with one request.
+    let budget_bound = |info: &ConnInfo, outbox: &Outbox| {
+        core.budget.full() && (info.in_flight.get() > 0 || outbox.unsent() > 0)
     };
-    // A frame begun must be whole by then (`server.write_timeout_ms` from
-    // its first bytes, or from the last frame decoded before it): a client
-    // cannot hold part of a frame, and the budget it counts in, for ever.
-    let frame_time = Duration::from_millis(core.shared.config.write_timeout_ms);
-    let mut frame_by: Option<std::time::Instant> = None;
-    let over_limits = |info: &ConnInfo, outbox: &Outbox, reading: bool| {
+    let over_limits = |info: &ConnInfo, outbox: &Outbox| {
         info.in_flight.get() >= max_requests
             || info.in_flight_bytes.get() >= max_request_bytes
             || outbox.buf.borrow().len() >= max_pending
-            || budget_bound(info, outbox, reading)
+            || budget_bound(info, outbox)
     };
     // A connection has this long to say HELLO (however slowly its bytes
     // trickle in), so idle sockets cannot hold connection places.
@@ -410,9 +385,8 @@ pub(crate) async fn serve<S: Storage>(
         // Decode the complete frames in the buffer, up to the limits (the
         // rest wait in the buffer until requests finish).
         let mut held_back = false;
-        let mut decoded_any = false;
         loop {
-            if over_limits(&info, &outbox, false) {
+            if over_limits(&info, &outbox) {
                 held_back = true;
                 break;
             }
@@ -528,7 +502,6 @@ pub(crate) async fn serve<S: Storage>(
                             }
                         }
                     }
-                    decoded_any = true;
                     spawn_request(&core, &info, &outbox, id, req, frame_len);
                 }
                 Ok(None) => break,
@@ -550,52 +523,28 @@ pub(crate) async fn serve<S: Storage>(
                 }
             }
         }
-        count_buffered(rbuf.len());
-        if rbuf.is_empty() || held_back {
-            frame_by = None;
-        } else if decoded_any || frame_by.is_none() {
-            frame_by = Some(std::time::Instant::now() + frame_time);
-        }
         if core.stopping.get() && info.in_flight.get() == 0 {
             break;
         }
         // Backpressure: stop reading a connection that has too many requests
         // (or request bytes) in flight or too many unsent response bytes, or
         // while the core is at its budget, until that drains.
-        if budget_bound(&info, &outbox, true) {
+        if budget_bound(&info, &outbox) {
             core.budget.count_wait();
         }
-        while over_limits(&info, &outbox, true) && !outbox.closed.get() {
-            if frame_by.is_some_and(|t| std::time::Instant::now() >= t) {
-                break;
-            }
+        while over_limits(&info, &outbox) && !outbox.closed.get() {
             let drained = outbox.drained.wait();
             let finished = core.lifecycle.wait();
-            let frame_due = async {
-                match frame_by {
-                    Some(t) => glommio::timer::sleep(t - std::time::Instant::now()).await,
-                    None => std::future::pending().await,
-                }
-            };
-            let woken =
-                futures_lite::future::or(futures_lite::future::or(drained, finished), frame_due);
-            if budget_bound(&info, &outbox, true) {
+            if budget_bound(&info, &outbox) {
                 // Only connections the budget holds listen for it: a release
                 // wakes every listener.
                 let freed = core.budget.wait_freed();
-                futures_lite::future::or(woken, freed).await;
+                futures_lite::future::or(drained, futures_lite::future::or(finished, freed)).await;
             } else {
-                woken.await;
+                futures_lite::future::or(drained, finished).await;
             }
         }
         if outbox.closed.get() {
-            break;
-        }
-        if frame_by.is_some_and(|t| std::time::Instant::now() >= t) {
-            tracing::debug!(
-                conn = conn_id,
-                "closing a connection that did not finish a frame it began in time"
-            );
             break;
         }
         if held_back {
@@ -656,12 +605,6 @@ pub(crate) async fn serve<S: Storage>(
                 .saturating_duration_since(std::time::Instant::now())
                 .max(Duration::from_millis(1))
         };
-        let wait = frame_by.map_or(wait, |t| {
-            wait.min(
-                t.saturating_duration_since(std::time::Instant::now())
-                    .max(Duration::from_millis(1)),
-            )
-        });
         let read = glommio::timer::timeout(wait, async {
             reader
                 .read(spare)
@@ -677,7 +620,6 @@ pub(crate) async fn serve<S: Storage>(
         let got = futures_lite::future::or(read, stop).await;
         let n = *got.as_ref().unwrap_or(&0);
         rbuf.truncate(filled + n);
-        count_buffered(rbuf.len());
         if n >= read_size {
             read_size = (read_size * 2).min(MAX_READ);
         } else if n < read_size / 4 {
@@ -697,13 +639,6 @@ pub(crate) async fn serve<S: Storage>(
             }
             Ok(_) => {}
             Err(glommio::GlommioError::TimedOut(_)) => {
-                if frame_by.is_some_and(|t| std::time::Instant::now() >= t) {
-                    tracing::debug!(
-                        conn = conn_id,
-                        "closing a connection that did not finish a frame it began in time"
-                    );
-                    break;
-                }
                 if info.in_flight.get() == 0 {
                     tracing::debug!(conn = conn_id, "closing idle connection");
                     break;
@@ -720,7 +655,6 @@ pub(crate) async fn serve<S: Storage>(
             }
         }
     }
-    count_buffered(0);
     // Let the writer send what is queued, then close.
     outbox.closed.set(true);
     outbox.ready.wake_all();
@@ -866,8 +800,7 @@ fn spawn_request<S: Storage>(
     core.in_flight.set(core.in_flight.get() + 1);
     info.in_flight.set(info.in_flight.get() + 1);
     info.in_flight_bytes.set(info.in_flight_bytes.get() + held);
-    // The core's budget also counts the task (a long poll keeps it).
-    core.budget.add(held + REQUEST_TASK_BYTES);
+    core.budget.add(held);
     glommio::spawn_local(async move {
         let op = req.name();
         core.metrics.count_request(op);
@@ -905,7 +838,7 @@ fn spawn_request<S: Storage>(
         core.in_flight.set(core.in_flight.get() - 1);
         info.in_flight.set(info.in_flight.get() - 1);
         info.in_flight_bytes.set(info.in_flight_bytes.get() - held);
-        core.budget.release(held + REQUEST_TASK_BYTES);
+        core.budget.release(held);
         core.lifecycle.wake_all();
     })
     .detach();

@@ -11,31 +11,17 @@
 //! * the answer room reads and polls reserve before they fetch records, and
 //! * encoded answers waiting to be written to their sockets.
 //!
-//! * the bytes of a frame still arriving, and
-//! * a fixed [`REQUEST_TASK_BYTES`] for each request in flight (its task,
-//!   which a long poll keeps for as long as it waits).
-//!
 //! Once the core is at its budget, a connection that already holds something
-//! (a request in flight, reserved room, an unsent answer or part of a frame)
-//! is not read from, and a read or poll waits for room, until other work
-//! finishes and frees some. A connection holding nothing may still go ahead
-//! with one request, and its read or poll take its room, while the core is
-//! under its ceiling, a quarter above the budget ([`Budget::overdraft`]): a
-//! few clients that stop reading cannot starve the rest, yet many
-//! connections cannot each add an answer without bound. Past the ceiling
-//! everything waits; what is counted is released as requests finish,
-//! clients read their answers and frames arrive, and clients that take no
-//! answers, or leave a frame unfinished, are cut off after
-//! `server.write_timeout_ms`, so the wait ends. The memory a core holds is
-//! therefore the ceiling plus about one answer or frame.
+//! (a request in flight, reserved room or an unsent answer) is not read from,
+//! and a read or poll waits for room, until other work finishes and frees
+//! some. A connection holding nothing may always go ahead with one request,
+//! so no connection is starved by others and the core cannot deadlock on
+//! its own budget: everything counted is released when requests finish and
+//! clients read their answers. The memory a core can hold is therefore the
+//! budget plus at most one request and one answer per connection.
 
 use felix_engine::notify::WaitList;
 use std::cell::Cell;
-
-/// What one request in flight costs besides its frame: the task running it
-/// and its state (about 3.2 KiB for a waiting read, 3.7 KiB for a waiting
-/// poll, measured on x86-64), rounded up.
-pub(crate) const REQUEST_TASK_BYTES: usize = 4096;
 
 pub(crate) struct Budget {
     used: Cell<usize>,
@@ -89,29 +75,6 @@ impl Budget {
         self.used.get() >= self.limit
     }
 
-    /// How far past the budget a connection that holds nothing may take the
-    /// core: a quarter of the budget.
-    pub fn overdraft(&self) -> usize {
-        self.limit / 4
-    }
-
-    /// Whether the core is at its ceiling (the budget and the overdraft),
-    /// where even a connection holding nothing waits.
-    pub fn past_ceiling(&self) -> bool {
-        self.used.get() >= self.limit.saturating_add(self.overdraft())
-    }
-
-    /// Whether a connection that `holds` something (or, if not, nothing)
-    /// must wait before it takes `more` bytes: past the budget if it holds
-    /// something, past the ceiling if not.
-    pub fn must_wait(&self, holds: bool, more: usize) -> bool {
-        if holds {
-            self.over(more)
-        } else {
-            self.past_ceiling()
-        }
-    }
-
     /// Resolves after the next release.
     pub fn wait_freed(&self) -> felix_engine::notify::Wait<'_> {
         self.freed.wait()
@@ -148,17 +111,9 @@ mod tests {
         assert!(!b.over(40));
         b.add(40);
         assert!(b.full());
-        // A connection holding nothing may go on to the ceiling (125).
-        assert!(b.must_wait(true, 1));
-        assert!(!b.must_wait(false, 1 << 20));
-        b.add(24);
-        assert!(!b.past_ceiling());
-        b.add(1);
-        assert!(b.past_ceiling());
-        assert!(b.must_wait(false, 0));
-        b.release(95);
+        b.release(70);
         assert_eq!(b.used(), 30);
-        assert_eq!(b.peak(), 125);
+        assert_eq!(b.peak(), 100);
         assert!(!b.full());
         // No overflow on absurd sizes.
         assert!(b.over(usize::MAX));
