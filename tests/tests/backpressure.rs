@@ -561,3 +561,69 @@ fn connections_leave_open_files_for_the_shards() {
     child.kill().unwrap();
     child.wait().unwrap();
 }
+
+/// Part of a frame counts against the core's budget while it arrives, and
+/// a frame begun must be finished within `server.write_timeout_ms`: a
+/// client that sends most of a large frame and then trickles the rest a
+/// byte at a time is cut off, and what it held is freed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unfinished_frame_is_counted_and_cut_off() {
+    let b = felix_tests::start_broker!(BrokerOptions::default()
+        .cores(1)
+        .env("FELIX_WRITE_TIMEOUT_MS", 1500));
+    let (mut rd, mut wr) = raw_connection(&b.addr, "unfinished").await;
+    let mut frame = bytes::BytesMut::new();
+    felix_wire::encode_request(
+        1,
+        &Request::Publish {
+            stream: stream_ref("big"),
+            target: felix_wire::PublishTarget::Shard(0),
+            ack: felix_wire::AckMode::Default,
+            records: vec![felix_wire::RecordIn {
+                payload: vec![1u8; 1 << 20].into(),
+                ..Default::default()
+            }],
+        },
+        &mut frame,
+    );
+    // All but the last 1 KiB, then a byte every 100 ms (a trickle that
+    // would keep an idle timer from ever firing).
+    let sent = frame.len() - 1024;
+    wr.write_all(&frame[..sent]).await.unwrap();
+    let trickle = frame[sent..sent + 100].to_vec();
+    let trickler = tokio::spawn(async move {
+        for b in trickle {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if wr.write_all(&[b]).await.is_err() {
+                break;
+            }
+        }
+        wr
+    });
+    let counted = felix_tests::wait_until(Duration::from_secs(5), || {
+        b.metric("felix_core_buffered_bytes") >= (sent / 2) as f64
+    });
+    assert!(counted.is_ok(), "the arriving frame was not counted");
+    let started = std::time::Instant::now();
+    let mut buf = vec![0u8; 1 << 16];
+    let closed = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match rd.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {} // HELLO's answer
+            }
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "the connection was never cut off");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "cut off after {:?}",
+        started.elapsed()
+    );
+    felix_tests::wait_until(Duration::from_secs(5), || {
+        b.metric("felix_core_buffered_bytes") == 0.0
+    })
+    .expect("what the frame held was freed");
+    drop(trickler);
+}

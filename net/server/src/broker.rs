@@ -605,8 +605,9 @@ impl<S: Storage> Core<S> {
                 );
             }
         }
-        // Not under the catalog's lock: it lists this process's files.
-        if self.shared.durable {
+        // Not under the catalog's lock: it lists this process's files. (A
+        // stream that exists is told so first.)
+        if self.shared.durable && !self.shared.catalog.lock().unwrap().contains_key(&name) {
             if let Some(why) = crate::fds::short_for_shards(shards) {
                 return wire_err(ErrorCode::Unavailable, why);
             }

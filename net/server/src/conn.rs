@@ -4,7 +4,7 @@
 //! complete. A long poll therefore never blocks an ack on the same connection.
 
 use crate::broker::{now_ms, to_name, wire_err, Core, CoreMsg, Handoff};
-use crate::memory::Budget;
+use crate::memory::{Budget, REQUEST_TASK_BYTES};
 use crate::metrics::AckWait;
 use crate::shard::Shard;
 use bytes::BytesMut;
@@ -372,6 +372,27 @@ pub(crate) async fn serve<S: Storage>(
     let budget_bound = |info: &ConnInfo, outbox: &Outbox| {
         core.budget.full() && (info.in_flight.get() > 0 || outbox.unsent() > 0)
     };
+    // Bytes of the read buffer (a frame arriving, frames held back) counted
+    // in the core's budget. They count toward it, so that others are held
+    // back while they are large, but never hold this connection back: it
+    // reads on until the frame is whole, as any connection holding nothing
+    // may, so the core cannot deadlock on frames it will not finish reading.
+    let buffered = Cell::new(0usize);
+    let count_buffered = |now: usize| {
+        let was = buffered.replace(now);
+        if now > was {
+            core.budget.add(now - was);
+        } else {
+            core.budget.release(was - now);
+        }
+    };
+    // A frame begun must be whole within `server.write_timeout_ms` of the
+    // broker reading for it (from its first bytes, the last frame decoded
+    // before it, or the end of a wait the broker imposed), so a client
+    // cannot hold part of a frame, and the budget it counts in, for ever by
+    // trickling it.
+    let frame_time = Duration::from_millis(core.shared.config.write_timeout_ms);
+    let mut frame_by: Option<std::time::Instant> = None;
     let over_limits = |info: &ConnInfo, outbox: &Outbox| {
         info.in_flight.get() >= max_requests
             || info.in_flight_bytes.get() >= max_request_bytes
@@ -385,6 +406,7 @@ pub(crate) async fn serve<S: Storage>(
         // Decode the complete frames in the buffer, up to the limits (the
         // rest wait in the buffer until requests finish).
         let mut held_back = false;
+        let mut decoded_any = false;
         loop {
             if over_limits(&info, &outbox) {
                 held_back = true;
@@ -502,6 +524,7 @@ pub(crate) async fn serve<S: Storage>(
                             }
                         }
                     }
+                    decoded_any = true;
                     spawn_request(&core, &info, &outbox, id, req, frame_len);
                 }
                 Ok(None) => break,
@@ -523,6 +546,12 @@ pub(crate) async fn serve<S: Storage>(
                 }
             }
         }
+        count_buffered(rbuf.len());
+        if rbuf.is_empty() || held_back {
+            frame_by = None;
+        } else if decoded_any || frame_by.is_none() {
+            frame_by = Some(std::time::Instant::now() + frame_time);
+        }
         if core.stopping.get() && info.in_flight.get() == 0 {
             break;
         }
@@ -532,6 +561,7 @@ pub(crate) async fn serve<S: Storage>(
         if budget_bound(&info, &outbox) {
             core.budget.count_wait();
         }
+        let stalled = over_limits(&info, &outbox);
         while over_limits(&info, &outbox) && !outbox.closed.get() {
             let drained = outbox.drained.wait();
             let finished = core.lifecycle.wait();
@@ -550,6 +580,11 @@ pub(crate) async fn serve<S: Storage>(
         if held_back {
             // Frames left in the buffer: decode them before reading more.
             continue;
+        }
+        if stalled && frame_by.is_some() {
+            // The broker stopped reading for a while: a frame begun gets
+            // its full time again now that it reads on.
+            frame_by = Some(std::time::Instant::now() + frame_time);
         }
         if !said_hello && std::time::Instant::now() >= hello_by {
             tracing::debug!(conn = conn_id, "closing a connection that never said HELLO");
@@ -605,6 +640,12 @@ pub(crate) async fn serve<S: Storage>(
                 .saturating_duration_since(std::time::Instant::now())
                 .max(Duration::from_millis(1))
         };
+        let wait = frame_by.map_or(wait, |t| {
+            wait.min(
+                t.saturating_duration_since(std::time::Instant::now())
+                    .max(Duration::from_millis(1)),
+            )
+        });
         let read = glommio::timer::timeout(wait, async {
             reader
                 .read(spare)
@@ -620,6 +661,7 @@ pub(crate) async fn serve<S: Storage>(
         let got = futures_lite::future::or(read, stop).await;
         let n = *got.as_ref().unwrap_or(&0);
         rbuf.truncate(filled + n);
+        count_buffered(rbuf.len());
         if n >= read_size {
             read_size = (read_size * 2).min(MAX_READ);
         } else if n < read_size / 4 {
@@ -639,6 +681,13 @@ pub(crate) async fn serve<S: Storage>(
             }
             Ok(_) => {}
             Err(glommio::GlommioError::TimedOut(_)) => {
+                if frame_by.is_some_and(|t| std::time::Instant::now() >= t) {
+                    tracing::debug!(
+                        conn = conn_id,
+                        "closing a connection that did not finish a frame it began in time"
+                    );
+                    break;
+                }
                 if info.in_flight.get() == 0 {
                     tracing::debug!(conn = conn_id, "closing idle connection");
                     break;
@@ -655,6 +704,7 @@ pub(crate) async fn serve<S: Storage>(
             }
         }
     }
+    count_buffered(0);
     // Let the writer send what is queued, then close.
     outbox.closed.set(true);
     outbox.ready.wake_all();
@@ -800,7 +850,8 @@ fn spawn_request<S: Storage>(
     core.in_flight.set(core.in_flight.get() + 1);
     info.in_flight.set(info.in_flight.get() + 1);
     info.in_flight_bytes.set(info.in_flight_bytes.get() + held);
-    core.budget.add(held);
+    // The core's budget also counts the task (a long poll keeps it).
+    core.budget.add(held + REQUEST_TASK_BYTES);
     glommio::spawn_local(async move {
         let op = req.name();
         core.metrics.count_request(op);
@@ -838,7 +889,7 @@ fn spawn_request<S: Storage>(
         core.in_flight.set(core.in_flight.get() - 1);
         info.in_flight.set(info.in_flight.get() - 1);
         info.in_flight_bytes.set(info.in_flight_bytes.get() - held);
-        core.budget.release(held);
+        core.budget.release(held + REQUEST_TASK_BYTES);
         core.lifecycle.wake_all();
     })
     .detach();

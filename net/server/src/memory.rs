@@ -8,6 +8,9 @@
 //! counts, across every connection of the core,
 //!
 //! * the frame bytes of requests read and not yet answered,
+//! * a fixed [`REQUEST_TASK_BYTES`] for each request in flight (its task,
+//!   which a long poll keeps for as long as it waits),
+//! * the bytes of frames still arriving,
 //! * the answer room reads and polls reserve before they fetch records, and
 //! * encoded answers waiting to be written to their sockets.
 //!
@@ -22,6 +25,11 @@
 
 use felix_engine::notify::WaitList;
 use std::cell::Cell;
+
+/// What one request in flight costs besides its frame: the task running it
+/// and its state (about 3.2 KiB for a waiting read, 3.7 KiB for a waiting
+/// poll, measured on x86-64), rounded up.
+pub(crate) const REQUEST_TASK_BYTES: usize = 4096;
 
 pub(crate) struct Budget {
     used: Cell<usize>,
