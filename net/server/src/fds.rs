@@ -19,27 +19,33 @@ use std::sync::OnceLock;
 /// The soft limit on open files once [`raise_limit`] ran (or as found).
 static LIMIT: OnceLock<u64> = OnceLock::new();
 
+/// The process's limit on open files, if it can be read.
+fn current() -> Option<libc::rlimit> {
+    // SAFETY: getrlimit on a struct we own.
+    unsafe {
+        let mut lim: libc::rlimit = std::mem::zeroed();
+        (libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0).then_some(lim)
+    }
+}
+
 /// Raise the soft limit on open files to the hard limit (as the operator
 /// allows), remember it, and say what it is, so running out is a
 /// configuration the operator can see rather than a surprise.
 pub(crate) fn raise_limit() {
-    // SAFETY: getrlimit/setrlimit on a struct we own.
-    let limit = unsafe {
-        let mut lim: libc::rlimit = std::mem::zeroed();
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
-            return;
-        }
-        if lim.rlim_cur < lim.rlim_max {
-            let want = libc::rlimit {
-                rlim_cur: lim.rlim_max,
-                rlim_max: lim.rlim_max,
-            };
-            if libc::setrlimit(libc::RLIMIT_NOFILE, &want) == 0 {
-                lim.rlim_cur = lim.rlim_max;
-            }
-        }
-        lim.rlim_cur
+    let Some(mut lim) = current() else {
+        return;
     };
+    if lim.rlim_cur < lim.rlim_max {
+        let want = libc::rlimit {
+            rlim_cur: lim.rlim_max,
+            rlim_max: lim.rlim_max,
+        };
+        // SAFETY: setrlimit with a struct we own.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &want) } == 0 {
+            lim.rlim_cur = lim.rlim_max;
+        }
+    }
+    let limit = lim.rlim_cur;
     let _ = LIMIT.set(limit);
     let kept = reserve(limit);
     if limit < 4096 {
@@ -56,16 +62,7 @@ pub(crate) fn raise_limit() {
 
 /// The soft limit on open files.
 pub(crate) fn limit() -> u64 {
-    *LIMIT.get_or_init(|| {
-        // SAFETY: getrlimit on a struct we own.
-        unsafe {
-            let mut lim: libc::rlimit = std::mem::zeroed();
-            if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
-                return u64::MAX;
-            }
-            lim.rlim_cur
-        }
-    })
+    *LIMIT.get_or_init(|| current().map_or(u64::MAX, |lim| lim.rlim_cur))
 }
 
 /// Descriptors kept for storage below `limit`: a sixteenth of it, at least
