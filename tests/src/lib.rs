@@ -95,6 +95,25 @@ pub fn broker_command(bin: &str, data_dir: Option<&Path>, listen: &str) -> Comma
     cmd
 }
 
+/// Give the process `cmd` starts a limit of `files` open files (soft and
+/// hard, so the broker cannot raise it), to watch it run short.
+pub fn limit_open_files(cmd: &mut Command, files: u64) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: only setrlimit(2) between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            let lim = libc::rlimit {
+                rlim_cur: files,
+                rlim_max: files,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
 /// A broker process started by hand: killed when dropped, so a test that
 /// fails midway leaves no broker running (one would hold the test's output
 /// pipes open and keep `cargo test` waiting). Derefs to the [`Child`].

@@ -497,26 +497,13 @@ async fn idle_connections_cost_a_few_kib_each() {
 /// still rolls to new segments, every publish acknowledged.
 #[test]
 fn connections_leave_open_files_for_the_shards() {
-    use std::os::unix::process::CommandExt;
     let data = tempfile::tempdir().unwrap();
     let config = data.path().join("felix.toml");
     std::fs::write(&config, "[storage]\nsegment_bytes = 65536\n").unwrap();
     let store = data.path().join("data");
     let mut cmd = felix_tests::broker_command!(Some(store.as_path()), "127.0.0.1:0");
     cmd.env("FELIX_TEST_CONFIG", &config);
-    // SAFETY: only setrlimit(2) between fork and exec.
-    unsafe {
-        cmd.pre_exec(|| {
-            let lim = libc::rlimit {
-                rlim_cur: 256,
-                rlim_max: 256,
-            };
-            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
+    felix_tests::limit_open_files(&mut cmd, 256);
     let (mut child, addr) = felix_tests::spawn_announcing(cmd);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()

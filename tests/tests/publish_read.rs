@@ -2318,24 +2318,11 @@ async fn a_single_broker_describes_no_replica() {
 /// descriptors too).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_whose_shards_cannot_open_is_not_created() {
-    use std::os::unix::process::CommandExt;
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     let start = || {
         let mut cmd = felix_tests::broker_command!(Some(data.as_path()), "127.0.0.1:0");
-        // SAFETY: setrlimit(2) only, between fork and exec.
-        unsafe {
-            cmd.pre_exec(|| {
-                let lim = libc::rlimit {
-                    rlim_cur: 300,
-                    rlim_max: 300,
-                };
-                if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
+        felix_tests::limit_open_files(&mut cmd, 300);
         felix_tests::spawn_announcing(cmd)
     };
     let (mut child, addr) = start();
