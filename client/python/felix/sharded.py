@@ -22,9 +22,10 @@ it: a call that lands with ``not_leader``, or fails in a way the cluster
 client tries again, is sent again from the group's own thread, to the
 leader named or the next broker, once the cluster client's backoff is over:
 the group keeps it aside until then, taking the other shards' answers in
-meanwhile (it never sleeps through a backoff). The requests of :meth:`ShardedGroup.ack_many` and
-the nacks of :meth:`ShardedGroup.close` run in short-lived threads, one per
-request, so that their retries proceed alongside each other.
+meanwhile (it never sleeps through a backoff). The requests of
+:meth:`ShardedGroup.ack_many` and the nacks of :meth:`ShardedGroup.close`
+run in short-lived threads, one per request, so that their retries proceed
+alongside each other.
 """
 
 import itertools
