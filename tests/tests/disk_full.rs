@@ -58,9 +58,46 @@ fn run(cmd: &str, args: &[&str]) -> Result<(), String> {
 }
 
 fn start(data: &Path) -> (felix_tests::Spawned, String) {
+    start_with(data, None)
+}
+
+/// With `config`: a config file for settings that have no variable.
+fn start_with(data: &Path, config: Option<&Path>) -> (felix_tests::Spawned, String) {
     let mut cmd = felix_tests::broker_command!(Some(data), "127.0.0.1:0");
     cmd.env("FELIX_MIN_FREE_BYTES", (4u64 << 20).to_string());
+    if let Some(c) = config {
+        cmd.env("FELIX_TEST_CONFIG", c);
+    }
     felix_tests::spawn_announcing(cmd)
+}
+
+/// Fill the disk at `mnt` with one file until about `free` bytes are left.
+fn fill_until(mnt: &Path, free: u64) -> PathBuf {
+    let filler = mnt.join("filler");
+    let avail = {
+        let out = Command::new("df")
+            .args(["--output=avail", "-B1", mnt.to_str().unwrap()])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .nth(1)
+            .and_then(|l| l.trim().parse::<u64>().ok())
+            .expect("df")
+    };
+    let f = std::fs::File::create(&filler).unwrap();
+    // Really allocate the blocks (set_len would make a sparse file).
+    let chunk = vec![0u8; 1 << 20];
+    let mut w = std::io::BufWriter::new(f);
+    let mut left = avail.saturating_sub(free);
+    while left > 0 {
+        let n = left.min(chunk.len() as u64) as usize;
+        std::io::Write::write_all(&mut w, &chunk[..n]).unwrap();
+        left -= n as u64;
+    }
+    let f = w.into_inner().unwrap();
+    f.sync_all().unwrap();
+    filler
 }
 
 fn batch(first: u64) -> Vec<RecordIn> {
@@ -98,34 +135,7 @@ async fn a_full_disk_refuses_publishes_until_space_is_freed_and_loses_nothing() 
         }
     };
     // Leave about 12 MiB for the broker, 4 of them kept in reserve.
-    let filler = disk.mnt.join("filler");
-    let free = 12u64 << 20;
-    {
-        let avail = {
-            let out = Command::new("df")
-                .args(["--output=avail", "-B1", disk.mnt.to_str().unwrap()])
-                .output()
-                .unwrap();
-            String::from_utf8_lossy(&out.stdout)
-                .lines()
-                .nth(1)
-                .and_then(|l| l.trim().parse::<u64>().ok())
-                .expect("df")
-        };
-        let f = std::fs::File::create(&filler).unwrap();
-        // Really allocate the blocks (set_len would make a sparse file).
-        f.set_len(0).unwrap();
-        let chunk = vec![0u8; 1 << 20];
-        let mut w = std::io::BufWriter::new(f);
-        let mut left = avail.saturating_sub(free);
-        while left > 0 {
-            let n = left.min(chunk.len() as u64) as usize;
-            std::io::Write::write_all(&mut w, &chunk[..n]).unwrap();
-            left -= n as u64;
-        }
-        let f = w.into_inner().unwrap();
-        f.sync_all().unwrap();
-    }
+    let filler = fill_until(&disk.mnt, 12 << 20);
     let data = disk.mnt.join("data");
     let (mut broker, addr) = start(&data);
     let c = Client::connect(addr.as_str(), ClientConfig::default())
@@ -192,6 +202,84 @@ async fn a_full_disk_refuses_publishes_until_space_is_freed_and_loses_nothing() 
         let want = format!("{:08}", i).repeat(128);
         assert_eq!(r, &Bytes::from(want), "record {i}");
     }
+    broker.kill().unwrap();
+    broker.wait().unwrap();
+}
+
+/// Publishes admitted together count against the free space together. With
+/// a shard's queue small enough that a burst waits for room, each publish of
+/// the burst used to look at the same free space before any was appended,
+/// so together they wrote past it, the disk filled, and the write error
+/// stopped the shard until a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_publishes_is_refused_before_it_fills_the_disk() {
+    let disk = match SmallDisk::mount(40) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("skipped: cannot loop-mount a small disk here ({e})");
+            return;
+        }
+    };
+    let filler = fill_until(&disk.mnt, 12 << 20);
+    let config = disk.mnt.join("felix.toml");
+    std::fs::write(&config, "[storage]\nmax_queued_bytes = 1048576\n").unwrap();
+    let data = disk.mnt.join("data");
+    let (mut broker, addr) = start_with(&data, Some(&config));
+    let c = Client::connect(addr.as_str(), ClientConfig::default())
+        .await
+        .unwrap();
+    c.create_stream("t", "ns", "fill", 1, StreamOptions::default())
+        .await
+        .unwrap();
+
+    // 48 publishes of 512 KiB on one connection at once: 24 MiB, twice
+    // what the disk has free.
+    let one = |i: u64| RecordIn {
+        payload: Bytes::from(vec![b'a' + (i % 26) as u8; 512 << 10]),
+        ..Default::default()
+    };
+    let mut sends = tokio::task::JoinSet::new();
+    for i in 0..48u64 {
+        let c = c.clone();
+        let rec = one(i);
+        sends.spawn(async move { c.publish_batch("t", "ns", "fill", 0, vec![rec]).await });
+    }
+    let mut acked = 0u64;
+    while let Some(r) = sends.join_next().await {
+        match &r.unwrap() {
+            Ok(p) => acked += p.count as u64,
+            Err(ClientError::Server { code, message }) => {
+                assert_eq!(*code, ErrorCode::Unavailable, "{message}");
+                assert!(
+                    message.contains("nearly full"),
+                    "refused for the free space, not by a stopped shard: {message}"
+                );
+            }
+            Err(e) => panic!("unexpected error: {e}"),
+        }
+    }
+    assert!(acked > 0, "some of the burst fitted");
+    assert!(acked < 48, "the burst did not all fit");
+
+    // The shard is not stopped: what was acknowledged reads back, and once
+    // space is freed publishes go on without a restart.
+    assert_eq!(read_all(&c).await.len() as u64, acked);
+    std::fs::remove_file(&filler).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match c.publish_batch("t", "ns", "fill", 0, batch(0)).await {
+            Ok(p) => {
+                assert_eq!(p.base_offset, acked);
+                break;
+            }
+            Err(e) => assert!(
+                Instant::now() < deadline,
+                "still refused 10 s after space was freed: {e}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(c);
     broker.kill().unwrap();
     broker.wait().unwrap();
 }

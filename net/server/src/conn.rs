@@ -1246,7 +1246,7 @@ async fn publish<S: Storage>(
             ),
         );
     }
-    if let Err(msg) = core.disk.check(bytes) {
+    if let Err(msg) = core.disk.admit(bytes) {
         return wire_err(ErrorCode::Unavailable, msg);
     }
     if let Err(e) = shard.log.wait_room().await {
@@ -1261,7 +1261,6 @@ async fn publish<S: Storage>(
         // once committed.
         let answer = r.publish(&shard, &recs).await;
         if let Response::Published { count, .. } = &answer {
-            core.disk.note_appended(bytes);
             let m = &core.metrics;
             m.publish_records
                 .set(m.publish_records.get() + u64::from(*count));
@@ -1276,7 +1275,6 @@ async fn publish<S: Storage>(
     // The log copied them: let go of the read buffer they are slices of
     // before waiting for the flush.
     drop(recs);
-    core.disk.note_appended(bytes);
     let frontier = match AckWait::of(ack, core.shared.config.ack_on_commit) {
         AckWait::Durable => Frontier::Durable,
         _ => Frontier::Queued,

@@ -4,10 +4,11 @@
 //!
 //! Each core keeps its own view (no shared state on the publish path): a
 //! `statvfs` of the data directory every [`REFRESH`], minus what the core
-//! appended since, times the number of cores (the others write to the same
-//! disk at a similar rate). This is a guard, not a guarantee: a burst larger
-//! than the reserve between two looks can still fill the disk, and then the
-//! write error stops the shard as before (nothing acknowledged is lost).
+//! admitted since, times the number of cores (the others write to the same
+//! disk at a similar rate). This is a guard, not a guarantee: other writers,
+//! or cores writing far more than their share, can still fill the disk
+//! between two looks, and then the write error stops the shard as before
+//! (nothing acknowledged is lost).
 
 use std::cell::Cell;
 use std::ffi::CString;
@@ -29,7 +30,7 @@ pub(crate) struct DiskGuard {
     /// Free bytes at the last look (`u64::MAX` until the first).
     free: Cell<u64>,
     reserve: Cell<u64>,
-    /// Bytes this core appended since the last look.
+    /// Bytes of publishes this core admitted since the last look.
     since: Cell<u64>,
     low: Cell<bool>,
     /// The last look failed (said once, not every 100 ms).
@@ -81,9 +82,15 @@ impl DiskGuard {
         (low != self.low.replace(low)).then_some(low)
     }
 
-    /// Count bytes this core appended (they are not yet in `free`).
-    pub fn note_appended(&self, bytes: u64) {
-        self.since.set(self.since.get().saturating_add(bytes));
+    /// Admit a publish of about `incoming` bytes, counting them as spent
+    /// at once (they are not yet in `free`): publishes admitted together,
+    /// before any is appended, then add up against the reserve instead of
+    /// each finding the same free space. One refused or failed after this
+    /// is over-counted until the next look, which is the safe side.
+    pub fn admit(&self, incoming: u64) -> Result<(), String> {
+        self.check(incoming)?;
+        self.since.set(self.since.get().saturating_add(incoming));
+        Ok(())
     }
 
     /// Whether a publish of about `incoming` bytes may go ahead.
@@ -142,17 +149,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_guard_refuses_below_its_reserve_and_counts_unseen_appends() {
+    fn a_guard_refuses_below_its_reserve_and_counts_what_it_admitted() {
         let dir = std::env::temp_dir();
         let g = DiskGuard::new(Some(&dir), 1, 2);
         assert!(g.check(1 << 20).is_ok(), "before the first look");
         g.refresh();
         let free = g.free.get();
         assert!(g.check(0).is_ok());
-        // Appends since the look count once per core.
-        g.note_appended(free / 2);
-        let err = g.check(1).expect_err("two cores × half the free space");
+        // Admitted publishes count once per core, from when they are
+        // admitted: the second of two admitted together is refused.
+        g.admit(free / 3).expect("a third of the free space");
+        let err = g
+            .admit(free / 3 + 1)
+            .expect_err("two cores × a third, and a third more");
         assert!(err.contains("nearly full"), "{err}");
+        // The refused one is not counted; a smaller one still fits.
+        g.admit(free / 8).expect("an eighth more");
         g.refresh();
         assert!(g.check(0).is_ok(), "a fresh look forgets the estimate");
         // A reserve larger than the disk is always low.
