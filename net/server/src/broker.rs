@@ -607,11 +607,16 @@ impl<S: Storage> Core<S> {
         }
         // Not under the catalog's lock: it lists this process's files. (A
         // stream that exists is told so first.)
-        if self.shared.durable && !self.shared.catalog.lock().unwrap().contains_key(&name) {
-            if let Some(why) = crate::fds::short_for_shards(shards) {
-                return wire_err(ErrorCode::Unavailable, why);
-            }
-        }
+        // Held until the shards are open (the end of this call).
+        let _files =
+            if self.shared.durable && !self.shared.catalog.lock().unwrap().contains_key(&name) {
+                match crate::fds::promise_for_shards(shards) {
+                    Ok(p) => Some(p),
+                    Err(why) => return wire_err(ErrorCode::Unavailable, why),
+                }
+            } else {
+                None
+            };
         {
             let mut cat = self.shared.catalog.lock().unwrap();
             if cat.contains_key(&name) {

@@ -14,6 +14,7 @@
 //! many files are open.
 
 use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 /// The soft limit on open files once [`raise_limit`] ran (or as found).
@@ -90,21 +91,48 @@ pub(crate) fn open_count() -> Option<u64> {
 /// journal in a cluster.
 pub(crate) const FILES_PER_NEW_SHARD: u64 = 2;
 
-/// Why `shards` new shards would not leave the storage reserve free, if
-/// they would not.
-pub(crate) fn short_for_shards(shards: u32) -> Option<String> {
-    let limit = limit();
-    let open = open_count()?;
+/// Files promised to creates still opening their shards, all cores
+/// together: not yet in `/proc/self/fd`, so counted here, or two creates at
+/// once would each find the same descriptors free.
+static PROMISED: AtomicU64 = AtomicU64::new(0);
+
+/// Files set aside for a create until it has opened its shards.
+#[must_use]
+pub(crate) struct Promise(u64);
+
+impl Drop for Promise {
+    fn drop(&mut self) {
+        PROMISED.fetch_sub(self.0, Ordering::Relaxed);
+    }
+}
+
+/// Set aside the files `shards` new shards open, or say why they would not
+/// leave the storage reserve free.
+pub(crate) fn promise_for_shards(shards: u32) -> Result<Promise, String> {
     let need = u64::from(shards) * FILES_PER_NEW_SHARD;
+    // Promised first, so a create counting at the same time sees it.
+    let before = PROMISED.fetch_add(need, Ordering::Relaxed);
+    let promise = Promise(need);
+    let Some(open) = open_count() else {
+        return Ok(promise);
+    };
+    let limit = limit();
     let kept = reserve(limit);
-    (open + need + kept > limit).then(|| {
-        format!(
-            "the broker is short of open files: {open} of its limit of {limit} are open, \
-             {shards} new shards need about {need} more, and {kept} are kept free for \
-             the segments existing shards roll to; raise the open-file limit \
-             (ulimit -n, LimitNOFILE=) or delete streams"
-        )
-    })
+    if open
+        .saturating_add(before)
+        .saturating_add(need)
+        .saturating_add(kept)
+        <= limit
+    {
+        return Ok(promise);
+    }
+    Err(format!(
+        "the broker is short of open files: {open} of its limit of {limit} are open, \
+         {before} more are promised to streams being created, {shards} new shards \
+         need about {need} more, and {kept} are kept free for the segments existing \
+         shards roll to; raise the open-file limit (ulimit -n, LimitNOFILE=) or \
+         delete streams"
+    ))
 }
 
 #[cfg(test)]
@@ -119,13 +147,40 @@ mod tests {
         assert_eq!(reserve(u64::MAX), 16_384);
     }
 
+    /// The tests that promise files, one at a time (promises are global).
+    static PROMISING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
     #[test]
     fn open_files_are_counted() {
+        let _one = PROMISING.lock().unwrap();
         // Other tests' threads open files too: only a floor is certain.
         let _f = std::fs::File::open("/proc/self/status").unwrap();
         assert!(open_count().unwrap() >= 4);
-        assert!(short_for_shards(0).is_none() || limit() < 128);
-        assert!(short_for_shards(u32::MAX).is_some());
+        assert!(promise_for_shards(0).is_ok() || limit() < 128);
+        assert!(promise_for_shards(u32::MAX).is_err());
+    }
+
+    #[test]
+    fn a_promise_holds_its_files_until_dropped() {
+        let _one = PROMISING.lock().unwrap();
+        let limit = limit();
+        if limit > 1 << 30 {
+            return; // no limit to run into
+        }
+        let kept = reserve(limit);
+        let open = open_count().unwrap();
+        // Just under what is left: one promise fits, a second does not, and
+        // once the first is dropped a second fits again. (Other tests open
+        // files too, so leave them some slack.)
+        let room = limit.saturating_sub(open + kept + 64);
+        let shards = (room / FILES_PER_NEW_SHARD / 2 + 64) as u32;
+        let first = promise_for_shards(shards).expect("first");
+        let err = promise_for_shards(shards)
+            .err()
+            .expect("second, with the first held");
+        assert!(err.contains("promised"), "{err}");
+        drop(first);
+        let _again = promise_for_shards(shards).expect("after the first was dropped");
     }
 
     #[test]
