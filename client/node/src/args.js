@@ -23,6 +23,22 @@ function describe(v) {
   return String(v);
 }
 
+/**
+ * An options object whose keys are all in `known`: a typo such as `waitMS`
+ * is refused rather than quietly left at its default.
+ */
+function options(v, known, what) {
+  if (v === null || typeof v !== 'object') {
+    throw new InvalidArgumentError(`${what} must be an object, not ${describe(v)}`);
+  }
+  for (const key of Object.keys(v)) {
+    if (!known.includes(key)) {
+      throw new InvalidArgumentError(`unknown ${what} key ${JSON.stringify(key)}; the keys are ${known.join(', ')}`);
+    }
+  }
+  return v;
+}
+
 /** A non-empty string that fits a `str` field. */
 function name(v, what) {
   if (typeof v !== 'string' || v.length === 0) {
@@ -203,6 +219,7 @@ function reason(v) {
 }
 
 module.exports = {
+  options,
   MAX_MEMBER_NAME_BYTES,
   name,
   streamRef,

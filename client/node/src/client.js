@@ -530,6 +530,7 @@ class Client {
   async createStream(stream, shards, options = {}) {
     const ref = args.streamRef(stream);
     args.u32(shards, 'shards', 1);
+    args.options(options, ['retentionBytes', 'retentionMs', 'incarnation'], 'createStream option');
     const retention = (v, what) => (v === undefined ? undefined : args.u64(v, what));
     const retentionBytes = retention(options.retentionBytes, 'retentionBytes');
     const retentionMs = retention(options.retentionMs, 'retentionMs');
@@ -753,6 +754,7 @@ class Client {
     const ref = args.streamRef(stream);
     args.u32(shard, 'shard');
     const start = args.startPosition(from, 'from');
+    args.options(options, ['maxRecords', 'waitMs'], 'read option');
     const maxRecords = args.u32(options.maxRecords ?? 100, 'maxRecords', 1);
     const waitMs = args.millisU32(options.waitMs ?? 0, 'waitMs');
     const req = requests.read(ref, shard, start, maxRecords, this.readMaxBytes(), waitMs);
@@ -805,6 +807,7 @@ class Client {
   async groupPoll(stream, shard, group, options = {}) {
     const key = this.groupKey(stream, shard, group);
     this.requireFeatures(FEATURES.GROUPS, 'a group poll');
+    args.options(options, ['maxRecords', 'waitMs', 'consumer', 'reclaim', 'visibilityMs'], 'groupPoll option');
     const maxRecords = args.u32(options.maxRecords ?? 16, 'maxRecords', 1);
     const waitMs = args.millisU32(options.waitMs ?? 0, 'waitMs');
     const member = this.member(options);
@@ -877,6 +880,7 @@ class Client {
     const key = this.groupKey(stream, shard, group);
     this.requireFeatures(FEATURES.GROUPS, 'groupNack');
     const c = args.claim(record);
+    args.options(options, ['delayMs', 'reason'], 'groupNack option');
     const reason = args.reason(options.reason);
     const delay = args.millis(options.delayMs ?? 0, 'delayMs');
     let delayMs;
@@ -906,6 +910,7 @@ class Client {
    */
   async groupNackAfter(stream, shard, group, record, delayMs, options = {}) {
     args.millis(delayMs, 'delayMs');
+    args.options(options, ['reason'], 'groupNackAfter option');
     return this.groupNack(stream, shard, group, record, { ...options, delayMs });
   }
 

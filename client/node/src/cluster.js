@@ -694,6 +694,7 @@ class ClusterClient {
   async createStream(stream, shards, options = {}) {
     const ref = args.streamRef(stream);
     args.u32(shards, 'shards', 1);
+    args.options(options, ['retentionBytes', 'retentionMs', 'incarnation'], 'createStream option');
     if (options.incarnation !== undefined) {
       throw new InvalidArgumentError(
         'a cluster client chooses the stream incarnation itself; Client.createStream takes one, for a single broker',

@@ -30,18 +30,6 @@ const POLL_OPTION_KEYS = ['maxRecords', 'waitMs', 'signal'];
 
 const now = () => performance.now();
 
-/** Refuse a key not in `known` (a typo such as `waitMS`). */
-function knownKeys(options, known, what) {
-  if (options === null || typeof options !== 'object') {
-    throw new InvalidArgumentError(`${what} must be an object, not ${String(options)}`);
-  }
-  for (const key of Object.keys(options)) {
-    if (!known.includes(key)) {
-      throw new InvalidArgumentError(`unknown ${what} key ${JSON.stringify(key)}; the keys are ${known.join(', ')}`);
-    }
-  }
-}
-
 /**
  * Where a `ShardedGroup` sends each shard's calls: a `Client` (to the core
  * that owns the shard) or a `ClusterClient` (to the broker that leads it,
@@ -174,7 +162,7 @@ class ShardedGroup {
   static async open(client, stream, group, options = {}, { byCore = true } = {}) {
     const ref = args.streamRef(stream);
     args.name(group, 'group');
-    knownKeys(options, OPTION_KEYS, 'shardedGroup option');
+    args.options(options, OPTION_KEYS, 'shardedGroup option');
     const o = {
       consumer: undefined,
       reclaim: undefined,
@@ -235,7 +223,7 @@ class ShardedGroup {
    * @returns {Promise<import('../index').ShardedRecord[]>}
    */
   async poll(options = {}) {
-    knownKeys(options, POLL_OPTION_KEYS, 'poll option');
+    args.options(options, POLL_OPTION_KEYS, 'poll option');
     const max = args.u32(options.maxRecords ?? 16, 'maxRecords', 1);
     const waitMs = args.millis(options.waitMs ?? 0, 'waitMs');
     const { signal } = options;

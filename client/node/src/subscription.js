@@ -66,6 +66,7 @@ class Subscription {
   static follow(client, stream, shard, from, options = {}) {
     const ref = args.streamRef(stream);
     args.u32(shard, 'shard');
+    args.options(options, ['maxRecords', 'waitMs'], 'subscribe option');
     return new Subscription(client, ref, shard, args.startPosition(from, 'from'), {
       maxRecords: args.u32(options.maxRecords ?? 500, 'maxRecords', 1),
       waitMs: args.millisU32(options.waitMs ?? 10_000, 'waitMs'),

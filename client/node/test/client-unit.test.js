@@ -85,6 +85,15 @@ test('arguments are checked before anything is sent', async (t) => {
   await assert.rejects(client.groupPoll(s, 0, 'g', { consumer: 'x'.repeat(129) }), felix.InvalidArgumentError);
   await assert.rejects(client.groupExtend(s, 0, 'g', { offset: 0n, attempts: 1 }, 0), felix.InvalidArgumentError);
   await assert.rejects(client.createStream(s, 0), felix.InvalidArgumentError);
+  // A misspelled option is refused, not left at its default.
+  const typo = /unknown .*option key "maxRecord"/;
+  await assert.rejects(client.groupPoll(s, 0, 'g', { maxRecord: 5 }), typo);
+  await assert.rejects(client.read(s, 0, 0n, { maxRecord: 5 }), typo);
+  await assert.rejects(client.createStream(s, 1, { retentionByte: 5 }), /unknown createStream option key "retentionByte"/);
+  const claim = { offset: 0n, attempts: 1 };
+  await assert.rejects(client.groupNack(s, 0, 'g', claim, { delay: 5 }), /unknown groupNack option key "delay"/);
+  await assert.rejects(client.groupNackAfter(s, 0, 'g', claim, 5, { delayMs: 9 }), /unknown groupNackAfter option key "delayMs"/);
+  assert.throws(() => client.subscribe(s, 0, 0n, { wait: 5 }), /unknown subscribe option key "wait"/);
   assert.equal(fake.state.requests.length, 0);
 });
 
