@@ -2556,6 +2556,62 @@ async fn whole_list_refused(raw: &mut Raw, group: &str) -> String {
     }
 }
 
+/// A core's groups hold at most `groups.max_claims_per_core` claims together:
+/// at it, a poll on any of its shards answers empty (counted as capped)
+/// whatever room its own group has, and settling a claim on one shard wakes a
+/// poll waiting on another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_core_holds_at_most_its_claim_limit_across_groups_and_shards() {
+    const CAPPED: &str = "felix_group_polls_capped_total";
+    const CLAIMS: &str = "felix_core_group_claims";
+    const MAIL: &str = "mail";
+    let cfg = config_file("[groups]\nmax_claims_per_core = 5\n");
+    let b = felix_tests::start_broker!(opts(30_000, 5)
+        .cores(1)
+        .env("FELIX_TEST_CONFIG", cfg.path.display()));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    stream(&c, MAIL).await;
+    publish(&c, JOBS, 10).await;
+    publish(&c, MAIL, 10).await;
+    let jobs = Group::new(&c, JOBS, "workers");
+    let mail = Group::new(&c, MAIL, "senders");
+
+    let held = jobs.poll(3).await;
+    assert_eq!(offsets(&held), vec![0, 1, 2]);
+    assert_eq!(offsets(&mail.poll(10).await), vec![0, 1], "two places left");
+    assert_eq!(b.metric(CLAIMS), 5.0);
+    assert_eq!(b.metric(CAPPED), 0.0);
+    assert!(mail.poll(10).await.is_empty());
+    assert_eq!(b.metric(CAPPED), 1.0);
+    // Another group, with all its own room: the core's limit holds it too.
+    assert!(Group::new(&c, JOBS, "others").poll(10).await.is_empty());
+    assert_eq!(b.metric(CAPPED), 2.0);
+
+    // A poll waiting on one shard is woken by an ack on the other.
+    let waiter = mail.via(&client(&b.addr).await);
+    let wait = tokio::spawn(async move { waiter.poll_wait(10, Duration::from_secs(20)).await });
+    eventually(
+        "the waiting poll to hit the limit",
+        Duration::from_secs(10),
+        || async { b.metric(CAPPED) >= 3.0 },
+    )
+    .await;
+    assert!(!wait.is_finished());
+    jobs.ack(0).await.unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(5), wait)
+        .await
+        .expect("woken by the ack on the other shard, not by its 20 s wait")
+        .unwrap();
+    assert_eq!(offsets(&got), vec![2], "room for one");
+    assert_eq!(b.metric(CLAIMS), 5.0);
+
+    // Deleting a group gives back what it held.
+    jobs.delete().await.unwrap();
+    assert_eq!(b.metric(CLAIMS), 3.0);
+    assert_eq!(offsets(&mail.poll(10).await), vec![3, 4]);
+}
+
 /// A shard keeps at most `groups.max_groups_per_shard` groups: a poll or
 /// create that would add one more is `too_large`, existing groups go on, and
 /// deleting one makes room.

@@ -104,7 +104,11 @@ pub use entry::{
 };
 pub use tracker::GroupTracker;
 
+use crate::notify::WaitList;
 use crate::types::Offset;
+use std::cell::Cell;
+use std::fmt;
+use std::rc::Rc;
 
 /// Tunables of a group, named after the guide's variables. Build with
 /// `GroupConfig::default()` and override; [`GroupTracker::new`] clamps.
@@ -127,7 +131,98 @@ pub struct GroupConfig {
     /// Idle time before the in-memory state may be dropped; the effective
     /// value is `max(idle_ms, 2 * visibility_ms)`.
     pub idle_ms: u64,
+    /// The claims this tracker holds counted together with others' (one
+    /// core's), against a limit they share. The default is a count of its
+    /// own with no limit.
+    pub shared_claims: SharedClaims,
 }
+
+/// Claims and delayed nacks held by many trackers together, against one
+/// limit: a core's, so that memory for claims is bounded per core and not
+/// only per group. Clones share the count. Each tracker counts its own
+/// changes as they happen (and gives back what it holds when dropped or
+/// rebuilt), so the count is exact, not sampled. Not `Send`: one core's.
+#[derive(Clone)]
+pub struct SharedClaims(Rc<SharedInner>);
+
+struct SharedInner {
+    held: Cell<u64>,
+    limit: u64,
+    /// Polls waiting for room under the limit, woken when a release takes
+    /// the count below it.
+    room: WaitList,
+}
+
+impl SharedClaims {
+    /// A count starting at 0, full at `limit`.
+    pub fn new(limit: u64) -> SharedClaims {
+        SharedClaims(Rc::new(SharedInner {
+            held: Cell::new(0),
+            limit,
+            room: WaitList::new(),
+        }))
+    }
+
+    /// Claims and delayed nacks held now, across every tracker counting here.
+    pub fn held(&self) -> u64 {
+        self.0.held.get()
+    }
+
+    pub fn limit(&self) -> u64 {
+        self.0.limit
+    }
+
+    /// No room for one more claim.
+    pub fn full(&self) -> bool {
+        self.held() >= self.0.limit
+    }
+
+    /// Claims that may still be taken.
+    pub fn room(&self) -> u64 {
+        self.0.limit.saturating_sub(self.held())
+    }
+
+    /// Resolves when a release next takes the count below the limit (a
+    /// poll waiting at the limit waits on this as well as on its shard).
+    pub fn freed(&self) -> crate::notify::Wait<'_> {
+        self.0.room.wait()
+    }
+
+    pub(crate) fn add(&self, n: u64) {
+        self.0.held.set(self.0.held.get() + n);
+    }
+
+    pub(crate) fn sub(&self, n: u64) {
+        let was = self.0.held.get();
+        debug_assert!(was >= n, "claims released that were not counted");
+        let now = was.saturating_sub(n);
+        self.0.held.set(now);
+        if was >= self.0.limit && now < self.0.limit {
+            self.0.room.wake_all();
+        }
+    }
+}
+
+impl Default for SharedClaims {
+    fn default() -> Self {
+        SharedClaims::new(u64::MAX)
+    }
+}
+
+impl fmt::Debug for SharedClaims {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SharedClaims({} of {})", self.held(), self.0.limit)
+    }
+}
+
+/// Two configurations are the same when they count claims in the same place.
+impl PartialEq for SharedClaims {
+    fn eq(&self, other: &Self) -> bool {
+        Rc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for SharedClaims {}
 
 /// Most claims plus delays a group may hold: claims carry a 24-bit holder id
 /// (one more holder than this can be interned by a reclaiming poll at the
@@ -148,6 +243,7 @@ impl Default for GroupConfig {
             poll_max_records: 1_000,
             poll_max_bytes: 4 << 20,
             idle_ms: 600_000,
+            shared_claims: SharedClaims::default(),
         }
     }
 }
@@ -166,6 +262,7 @@ impl GroupConfig {
             poll_max_records: self.poll_max_records.max(1),
             poll_max_bytes: self.poll_max_bytes.max(1),
             idle_ms: self.idle_ms,
+            shared_claims: self.shared_claims.clone(),
         }
     }
 

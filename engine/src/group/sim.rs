@@ -207,6 +207,9 @@ impl Sim {
                 4 << 20
             },
             idle_ms: rng.gen_range(1_000..20_000),
+            // Counted without a limit (the model predicts the group's own
+            // cap only): `check` holds the count to the trackers' claims.
+            shared_claims: SharedClaims::default(),
         }
         .clamped();
         let consumers = vec![
@@ -1263,6 +1266,11 @@ impl Sim {
 
     fn check(&mut self) {
         self.t.check_invariants();
+        assert_eq!(
+            self.cfg.shared_claims.held(),
+            u64::from(self.t.in_flight()) + u64::from(self.replica.in_flight()),
+            "the shared claim count is the trackers' claims"
+        );
         assert_eq!(
             self.replica.durable(),
             self.t.durable(),

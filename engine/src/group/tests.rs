@@ -1458,3 +1458,56 @@ fn a_snapshot_cut_short_by_a_crash_leaves_the_earlier_state() {
         "the head alone, the stray pieces dropped"
     );
 }
+
+/// Trackers sharing a claim count (one core's groups) stop handing out
+/// records at the shared limit, whatever room each group has, and every way
+/// a claim ends gives its place back: ack, nack, lapse, rebuild, drop.
+#[test]
+fn trackers_sharing_a_claim_limit_stop_at_it_and_give_back_every_place() {
+    let shared = SharedClaims::new(5);
+    let config = small(|c| c.shared_claims = shared.clone());
+    let mut a = Harness::with(config.clone());
+    let mut b = Harness::with(config);
+    a.append(10);
+    b.append(10);
+
+    assert_eq!(a.poll_offsets(3), vec![0, 1, 2]);
+    let capped = b.poll_full(&Caller::anonymous(1), 10, None);
+    assert_eq!(offsets(&capped.deliveries), vec![0, 1], "two places left");
+    assert_eq!(shared.held(), 5);
+    assert!(shared.full());
+    let capped = b.poll_full(&Caller::anonymous(1), 10, None);
+    assert!(capped.deliveries.is_empty());
+    assert!(capped.capped, "answered empty for the shared limit");
+    assert!(!b.t.has_work_for(b.now, &Caller::anonymous(1), b.log()));
+
+    // An ack in one group frees a place for the other, and wakes its waiters.
+    let freed = shared.freed();
+    a.ack(0).unwrap();
+    assert_eq!(shared.held(), 4);
+    assert!(futures_lite::future::block_on(futures_lite::future::poll_once(freed)).is_some());
+    assert_eq!(b.poll_offsets(10), vec![2]);
+
+    // A nack hands the record back: owed, not held.
+    a.nack(1, 1, None).unwrap();
+    assert_eq!(shared.held(), 4);
+    // A delayed nack holds its place until it ends.
+    b.nack(0, 1, Some(60_000)).unwrap();
+    assert_eq!(shared.held(), 4);
+    // Lapses give places back.
+    a.advance(1_000);
+    a.tick();
+    assert_eq!(shared.held(), 3, "a's claim on 2 lapsed");
+    // A tracker rebuilt from the log (a restart, a new leader) holds none,
+    // and the one it replaced gave its claims back.
+    b.restart();
+    assert_eq!(shared.held(), 0);
+    assert_eq!(b.poll_offsets(2), vec![0, 1]);
+    assert_eq!(a.poll_offsets(10), vec![1, 2, 3], "owed first, then new");
+    assert_eq!(shared.held(), 5);
+    // A dropped tracker gives back what it held.
+    drop(a);
+    assert_eq!(shared.held(), 2);
+    drop(b);
+    assert_eq!(shared.held(), 0);
+}

@@ -220,8 +220,7 @@ impl GroupTracker {
             // Taking claims back can hand them out, or give up on them.
             return true;
         }
-        self.in_flight < self.config.max_in_flight
-            && (!self.owed.is_empty() || self.frontier.max(log.start) < log.end)
+        !self.at_cap() && (!self.owed.is_empty() || self.frontier.max(log.start) < log.end)
     }
 
     // ----------------------------------------------------------------- polls
@@ -248,6 +247,7 @@ impl GroupTracker {
             }
         }
         let mut room = self.config.max_in_flight.saturating_sub(self.in_flight);
+        room = room.min(u32::try_from(self.config.shared_claims.room()).unwrap_or(u32::MAX));
         for &o in &self.owed {
             if plan.offsets.len() >= max || room == 0 {
                 break;
@@ -324,7 +324,7 @@ impl GroupTracker {
                 if run.full(self.config.poll_max_bytes) {
                     break 'poll;
                 }
-                if self.in_flight >= self.config.max_in_flight {
+                if self.at_cap() {
                     hit_cap = true;
                     break 'poll;
                 }
@@ -343,7 +343,7 @@ impl GroupTracker {
                     self.frontier = o.next();
                     continue;
                 }
-                if self.in_flight >= self.config.max_in_flight {
+                if self.at_cap() {
                     hit_cap = true;
                     break 'poll;
                 }
@@ -1165,7 +1165,19 @@ impl GroupTracker {
                  the record stays owed to the group"
             )));
         }
+        if self.config.shared_claims.full() {
+            return Err(GroupError::StaleClaim(format!(
+                "the claim on offset {o} lapsed and the broker holds as many claims as it \
+                 allows on this core; the record stays owed to the group"
+            )));
+        }
         Ok(())
+    }
+
+    /// No room for another claim: the group is at its in-flight cap, or the
+    /// trackers it shares a claim count with are at their limit.
+    fn at_cap(&self) -> bool {
+        self.in_flight >= self.config.max_in_flight || self.config.shared_claims.full()
     }
 
     /// The delivery `attempts` of `o`, if it is still the latest one.
@@ -1581,6 +1593,7 @@ impl GroupTracker {
         self.owed.clear();
         self.reserved.clear();
         self.timers.clear();
+        self.config.shared_claims.sub(u64::from(self.in_flight));
         self.in_flight = 0;
         self.delayed = 0;
         self.members.clear_holders();
@@ -1631,6 +1644,7 @@ impl GroupTracker {
                 state => {
                     self.timers.remove(old.deadline_ms(), o);
                     self.in_flight -= 1;
+                    self.config.shared_claims.sub(1);
                     if state == State::Delayed {
                         self.delayed -= 1;
                     }
@@ -1656,6 +1670,7 @@ impl GroupTracker {
                         self.timers.insert(n.deadline_ms(), o);
                     }
                     self.in_flight += 1;
+                    self.config.shared_claims.add(1);
                     if state == State::Delayed {
                         self.delayed += 1;
                     }
@@ -1668,6 +1683,13 @@ impl GroupTracker {
                 self.skipped_below.remove(&o);
             }
         }
+    }
+}
+
+/// What it holds leaves the shared count with it.
+impl Drop for GroupTracker {
+    fn drop(&mut self) {
+        self.config.shared_claims.sub(u64::from(self.in_flight));
     }
 }
 

@@ -186,6 +186,9 @@ pub(crate) struct Core<S: Storage> {
     /// Bytes this core's connections hold, against
     /// `server.max_buffered_bytes_per_core`.
     pub budget: Rc<crate::memory::Budget>,
+    /// Claims and delayed nacks held by every group of this core's shards,
+    /// against `groups.max_claims_per_core`.
+    pub claims: felix_engine::group::SharedClaims,
     /// This core's copy of `Shared::security`, and the generation it is.
     security: RefCell<(u64, Arc<crate::auth::Security>)>,
     /// In a cluster: this core's replication (set once at start).
@@ -223,6 +226,7 @@ impl<S: Storage> Core<S> {
         let budget = Rc::new(crate::memory::Budget::new(
             shared.config.max_buffered_bytes_per_core,
         ));
+        let claims = felix_engine::group::SharedClaims::new(shared.config.max_claims_per_core);
         let security = RefCell::new((
             shared.security_gen.load(Ordering::Acquire),
             shared
@@ -246,6 +250,7 @@ impl<S: Storage> Core<S> {
             lifecycle: WaitList::new(),
             stop_signal: WaitList::new(),
             budget,
+            claims,
             disk,
             security,
             replication: std::cell::OnceCell::new(),
@@ -925,6 +930,7 @@ impl<S: Storage> Core<S> {
             peak: self.budget.peak() as u64,
             waits: self.budget.waits(),
             read_cache,
+            claims: self.claims.held(),
         });
         snap.retired = self.retired.borrow().clone();
         snap.max_groups = self.shared.config.metrics_max_groups;

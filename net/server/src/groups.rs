@@ -719,6 +719,17 @@ async fn poll<S: Storage>(
             core.metrics
                 .group_polls_capped
                 .set(core.metrics.group_polls_capped.get() + 1);
+            if core.claims.full() {
+                crate::conn::warn_rate_limited(&CLAIMS_FULL_LOG, || {
+                    format!(
+                        "core {} holds {} claims and delayed nacks, its limit \
+                         (groups.max_claims_per_core): polls on its shards answer empty \
+                         until consumers ack, nack or let claims lapse",
+                        core.core_id(),
+                        core.claims.held()
+                    )
+                });
+            }
         }
         if !outcome.deliveries.is_empty() {
             core.metrics
@@ -765,11 +776,14 @@ async fn poll<S: Storage>(
         let end = shard.log.end();
         let wake = shard.group_wake.clone();
         let log = shard.log.clone();
+        // Room under the core's claim limit freed by another shard's groups.
+        let claims = core.claims.clone();
         let _parked = Parked::new(&core.metrics.group_polls_waiting);
         let _ = with_timeout(until - now, async move {
             let woken = futures_lite::future::or(wake.wait(), async {
                 let _ = log.wait_for_offset(end).await;
             });
+            let woken = futures_lite::future::or(woken, claims.freed());
             futures_lite::future::or(
                 woken,
                 futures_lite::future::or(core.until_stopping(), info.until_hung_up()),
@@ -786,6 +800,12 @@ async fn poll<S: Storage>(
             };
         }
     }
+}
+
+thread_local! {
+    /// Polls refused for the core's claim limit, logged at most once a
+    /// second.
+    static CLAIMS_FULL_LOG: crate::conn::LogLimit = const { std::cell::Cell::new(None) };
 }
 
 /// Counts a parked poll in `felix_group_polls_waiting` for as long as it

@@ -124,6 +124,7 @@ impl<S: Storage> Shard<S> {
             poll_max_records: c.max_records_per_read,
             poll_max_bytes: c.max_bytes_per_read as u64,
             idle_ms: c.group_idle_ms,
+            shared_claims: core.claims.clone(),
         };
         // Replay group entries in log order.
         let mut entries = Vec::new();
