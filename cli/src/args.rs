@@ -33,9 +33,10 @@ pub struct GlobalArgs {
     /// --listen). For a cluster, one or several separated by commas: `stream
     /// create` runs on every broker of the cluster (the first broker that
     /// answers names them), `stream delete` on each broker named, the
-    /// --all-shards commands send each shard's part to its leader, and
-    /// other commands go to the first that answers, following a
-    /// `not_leader` answer to the shard's leader.
+    /// --all-shards commands send each shard's part to its leader, `consume`
+    /// and `read --follow` follow the shard's leader from broker to broker
+    /// for as long as they run, and other commands go to the first that
+    /// answers, following a `not_leader` answer to the shard's leader.
     #[arg(
         long,
         global = true,
@@ -254,6 +255,9 @@ pub struct ReadArgs {
     #[arg(long, value_name = "N")]
     pub count: Option<u64>,
     /// Keep reading as new records arrive, instead of stopping at the tail.
+    /// With several --broker, a broker that cannot be reached is passed
+    /// over for another holding the shard, and the read goes on where it
+    /// stopped.
     #[arg(long)]
     pub follow: bool,
     /// Output format.
@@ -395,7 +399,9 @@ pub struct ConsumeArgs {
     /// Keep polling after an empty poll (until --count, or forever). A
     /// dropped connection does not end it: polls and acks are tried again
     /// once reconnected (records whose ack the restarted broker no longer
-    /// knows are delivered again).
+    /// knows are delivered again). With several --broker, neither does a
+    /// failover: polls and acks go to the shard's new leader once one is
+    /// elected (records the old leader handed out come again).
     #[arg(long)]
     pub follow: bool,
     /// Records claimed per poll.

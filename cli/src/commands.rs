@@ -42,7 +42,7 @@ pub async fn run(global: &GlobalArgs, command: Command) -> Result<(), CliError> 
         return Err(CliError::Usage("--broker names no broker".into()));
     }
     let on = |broker: &str| for_broker(global, broker);
-    if brokers.len() > 1 && spans_shards(&command) {
+    if brokers.len() > 1 && through_cluster(&command) {
         return on_cluster(global, &brokers, command).await;
     }
     if let Command::Stream(create @ StreamCmd::Create { stream, .. }) = &command {
@@ -405,13 +405,17 @@ impl Patience {
     }
 }
 
-/// A command that works on every shard of a stream: on a cluster its
-/// shards can lead on different brokers.
-fn spans_shards(command: &Command) -> bool {
+/// A command run through a [`ClusterClient`] when several brokers are
+/// named: one that works on every shard of a stream (on a cluster its shards
+/// can lead on different brokers), or one that keeps going (consuming, or
+/// following a shard), which must follow the shard's leader from broker to
+/// broker as it changes rather than stay with the broker it started on.
+fn through_cluster(command: &Command) -> bool {
     match command {
         // Every broker's replica of the shard.
         Command::Shard(ShardCmd::Describe { .. }) => true,
-        Command::Consume(args) => args.all_shards,
+        Command::Consume(_) => true,
+        Command::Read(args) => args.follow,
         Command::Group(
             GroupCmd::Describe { all_shards, .. }
             | GroupCmd::Create { all_shards, .. }
@@ -431,6 +435,18 @@ async fn on_cluster(
 ) -> Result<(), CliError> {
     let cluster = ClusterClient::connect(brokers, client_config(global, false)).await?;
     match command {
+        Command::Consume(args) if !args.all_shards => {
+            let consumer = Consumer::One {
+                via: Via::Cluster(&cluster),
+                target: &args.target,
+                member: args
+                    .member
+                    .as_ref()
+                    .map(|m| GroupMember::new(m.clone()).reclaim(true)),
+            };
+            consume_with(consumer, &args).await
+        }
+        Command::Read(args) => follow_on_cluster(&cluster, args).await,
         Command::Consume(args) => {
             let g = &args.target;
             let (t, n, s) = parts(&g.stream);
@@ -467,7 +483,7 @@ async fn on_cluster(
         Command::Shard(ShardCmd::Describe { stream, shard }) => {
             describe_on_cluster(global, &cluster, &stream, shard).await
         }
-        _ => unreachable!("only commands `spans_shards` picks come here"),
+        _ => unreachable!("only commands `through_cluster` picks come here"),
     }
 }
 
@@ -1070,6 +1086,76 @@ fn is_transient(e: &ClientError) -> bool {
     )
 }
 
+/// What a command that keeps going on a cluster waits out: a broker that
+/// cannot be reached, and a shard between leaders (no leader known, or one
+/// named that has since lost it, or a write the old leader could not
+/// commit), which the cluster client rides out for a while before it gives
+/// up and says so.
+fn is_transient_on_cluster(e: &ClientError) -> bool {
+    is_transient(e)
+        || matches!(e, ClientError::NotLeader { .. })
+        || e.code() == Some(felix_client::ErrorCode::Unavailable)
+}
+
+/// `felix read --follow` on a cluster: long-polling reads through the
+/// cluster client, which sends each to a broker holding the shard and moves
+/// on when that one cannot be reached. Each read starts where the last one
+/// ended, so a retry neither skips nor repeats a record.
+async fn follow_on_cluster(cluster: &ClusterClient, args: ReadArgs) -> Result<(), CliError> {
+    let s = &args.stream;
+    let stdout = std::io::stdout();
+    let mut out = std::io::BufWriter::with_capacity(64 * 1024, stdout.lock());
+    let limit = args.count.unwrap_or(u64::MAX);
+    let mut n = 0u64;
+    let mut from = args.from;
+    let mut failing = false;
+    while n < limit {
+        let want = (limit - n).min(500) as u32;
+        let read = cluster
+            .read(
+                &s.tenant,
+                &s.namespace,
+                &s.stream,
+                args.shard,
+                from,
+                want,
+                Some(FOLLOW_WAIT),
+            )
+            .await;
+        match read {
+            Ok(b) => {
+                if failing {
+                    eprintln!("felix: reading again");
+                    failing = false;
+                }
+                for r in &b.records {
+                    output::write_record(&mut out, args.format, r)?;
+                    n += 1;
+                }
+                out.flush()?;
+                // Pinned after the first answer: `latest` means the tail
+                // when the command started, not at each retry.
+                from = StartPosition::Offset(b.next_offset);
+            }
+            Err(e) if is_transient_on_cluster(&e) => {
+                if !failing {
+                    eprintln!("felix: {e}; retrying");
+                    failing = true;
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) if n > 0 => return Err(CliError::Partial(e)),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    out.flush()?;
+    Ok(())
+}
+
+/// How long each read of `felix read --follow` on a cluster waits at the
+/// tail.
+const FOLLOW_WAIT: Duration = Duration::from_secs(10);
+
 async fn read(client: &Client, args: ReadArgs) -> Result<(), CliError> {
     let s = &args.stream;
     let stdout = std::io::stdout();
@@ -1401,7 +1487,7 @@ async fn consume(client: &Client, args: ConsumeArgs) -> Result<(), CliError> {
         Consumer::All(Box::new(group))
     } else {
         Consumer::One {
-            client,
+            via: Via::Broker(client),
             target: g,
             member,
         }
@@ -1439,40 +1525,54 @@ async fn consume_with(mut consumer: Consumer<'_>, args: &ConsumeArgs) -> Result<
 /// shard of the stream.
 enum Consumer<'a> {
     One {
-        client: &'a Client,
+        via: Via<'a>,
         target: &'a GroupTarget,
         member: Option<GroupMember>,
     },
     All(Box<ShardedGroup>),
 }
 
+/// Where one shard's group calls go: the one broker named, or, on a
+/// cluster, the shard's leader wherever it is now.
+#[derive(Clone, Copy)]
+enum Via<'a> {
+    Broker(&'a Client),
+    Cluster(&'a ClusterClient),
+}
+
 impl Consumer<'_> {
     async fn poll(&mut self, want: u32, wait: Duration) -> Result<Vec<ShardedRecord>, ClientError> {
         match self {
             Consumer::One {
-                client,
+                via,
                 target: g,
                 member,
             } => {
                 let (t, n, s) = parts(&g.stream);
-                let records = match member {
-                    Some(m) => {
+                let (shard, group) = (g.shard, g.group.as_str());
+                let records = match (member, *via) {
+                    (Some(m), via) => {
                         let options = GroupPollOptions {
                             max_records: want,
                             wait,
                             visibility: None,
                         };
-                        client
-                            .group_poll_as(t, n, s, g.shard, &g.group, m, options)
-                            .await?
+                        match via {
+                            Via::Broker(c) => {
+                                c.group_poll_as(t, n, s, shard, group, m, options).await?
+                            }
+                            Via::Cluster(c) => {
+                                c.group_poll_as(t, n, s, shard, group, m, options).await?
+                            }
+                        }
                     }
-                    None => {
-                        client
-                            .group_poll_wait(t, n, s, g.shard, &g.group, want, wait)
-                            .await?
+                    (None, Via::Broker(c)) => {
+                        c.group_poll_wait(t, n, s, shard, group, want, wait).await?
+                    }
+                    (None, Via::Cluster(c)) => {
+                        c.group_poll_wait(t, n, s, shard, group, want, wait).await?
                     }
                 };
-                let shard = g.shard;
                 Ok(records
                     .into_iter()
                     .map(|record| ShardedRecord { shard, record })
@@ -1484,14 +1584,13 @@ impl Consumer<'_> {
 
     async fn ack_many(&self, records: &[ShardedRecord]) -> Result<(), ClientError> {
         match self {
-            Consumer::One {
-                client, target: g, ..
-            } => {
+            Consumer::One { via, target: g, .. } => {
                 let (t, n, s) = parts(&g.stream);
                 let offsets: Vec<u64> = records.iter().map(|r| r.record.offset).collect();
-                client
-                    .group_ack_many(t, n, s, g.shard, &g.group, &offsets)
-                    .await
+                match via {
+                    Via::Broker(c) => c.group_ack_many(t, n, s, g.shard, &g.group, &offsets).await,
+                    Via::Cluster(c) => c.group_ack_many(t, n, s, g.shard, &g.group, &offsets).await,
+                }
             }
             Consumer::All(group) => group.ack_many(records).await,
         }
@@ -1499,15 +1598,30 @@ impl Consumer<'_> {
 
     async fn nack(&self, r: &ShardedRecord) -> Result<(), ClientError> {
         match self {
-            Consumer::One {
-                client, target: g, ..
-            } => {
+            Consumer::One { via, target: g, .. } => {
                 let (t, n, s) = parts(&g.stream);
-                client
-                    .group_nack(t, n, s, g.shard, &g.group, &r.record)
-                    .await
+                match via {
+                    Via::Broker(c) => c.group_nack(t, n, s, g.shard, &g.group, &r.record).await,
+                    Via::Cluster(c) => c.group_nack(t, n, s, g.shard, &g.group, &r.record).await,
+                }
             }
             Consumer::All(group) => group.nack(r).await,
+        }
+    }
+
+    /// Whether `e` is worth waiting out when following: on a cluster, a
+    /// shard between leaders too.
+    fn transient(&self, e: &ClientError) -> bool {
+        match self {
+            Consumer::One {
+                via: Via::Broker(_),
+                ..
+            } => is_transient(e),
+            Consumer::One {
+                via: Via::Cluster(_),
+                ..
+            } => is_transient_on_cluster(e),
+            Consumer::All(_) => is_transient(e),
         }
     }
 
@@ -1575,7 +1689,7 @@ async fn consume_records(
         };
         let records = match polled {
             Ok(r) => r,
-            Err(e) if args.follow && is_transient(&e) => {
+            Err(e) if args.follow && consumer.transient(&e) => {
                 eprintln!("felix: {e}; retrying");
                 tokio::time::sleep(Duration::from_millis(500)).await;
                 continue;
@@ -1623,7 +1737,7 @@ async fn consume_records(
                 Ok(()) => break,
                 // The connection dropped under the ack: the claims may well
                 // stand, so ack again once reconnected.
-                Err(e) if args.follow && is_transient(&e) && !*stop.borrow() => {
+                Err(e) if args.follow && consumer.transient(&e) && !*stop.borrow() => {
                     eprintln!("felix: ack: {e}; retrying");
                     retried = true;
                     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -1631,8 +1745,13 @@ async fn consume_records(
                 // Refused after a reconnect (the broker restarted, and its
                 // claims with it, or they lapsed meanwhile): the records
                 // come again.
+                // Following, the same for a refusal without a reconnect
+                // seen here: on a cluster the client may have followed the
+                // shard to a new leader, which holds none of the old one's
+                // claims; on one broker the claims may have lapsed while the
+                // records were printed.
                 Err(e)
-                    if retried
+                    if (retried || args.follow)
                         && matches!(
                             e.code(),
                             Some(
@@ -1642,10 +1761,12 @@ async fn consume_records(
                         ) =>
                 {
                     let (printed, _, again) = unacked(records.len());
-                    eprintln!(
-                        "felix: the ack of {printed} was refused after a reconnect ({e}); \
-                         {again}"
-                    );
+                    let when = if retried {
+                        "after a reconnect"
+                    } else {
+                        "(a new leader, or claims that lapsed)"
+                    };
+                    eprintln!("felix: the ack of {printed} was refused {when} ({e}); {again}");
                     break;
                 }
                 Err(e) => {

@@ -1891,41 +1891,42 @@ fn the_readme_cluster_works() {
     let secret = secret_dir.path().join("felix-cluster.secret");
     std::fs::write(&secret, "c2VjcmV0IGZvciB0aGUgUkVBRE1FIGNsdXN0ZXIK\n").unwrap();
     std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
-    let nodes: Vec<Serve> = (0..3)
-        .map(|i| {
-            let dir = tempfile::tempdir().unwrap();
-            let mut cmd = felix();
-            cmd.env("FELIX_CLUSTER_SECRET_FILE", &secret)
-                .args([
-                    "serve",
-                    "--node-id",
-                    &(i + 1).to_string(),
-                    "--peers",
-                    &peers,
-                ])
-                .args(["--listen", &addrs[i], "--data-dir"])
-                .arg(dir.path())
-                .env("FELIX_METRICS_LISTEN", "")
-                .env("RUST_LOG", "warn")
-                .stdout(Stdio::piped());
-            let mut child = cmd.spawn().expect("felix serve");
-            let out = child.stdout.take().unwrap();
-            let (tx, rx) = std::sync::mpsc::channel();
-            std::thread::spawn(move || {
-                for line in BufReader::new(out).lines().map_while(Result::ok) {
-                    if line.starts_with("felix: listening on ") {
-                        let _ = tx.send(());
-                    }
+    // Broker `i` (0-based) on `dir`, once it announces its address.
+    let start_node = |i: usize, dir: tempfile::TempDir| {
+        let mut cmd = felix();
+        cmd.env("FELIX_CLUSTER_SECRET_FILE", &secret)
+            .args([
+                "serve",
+                "--node-id",
+                &(i + 1).to_string(),
+                "--peers",
+                &peers,
+            ])
+            .args(["--listen", &addrs[i], "--data-dir"])
+            .arg(dir.path())
+            .env("FELIX_METRICS_LISTEN", "")
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped());
+        let mut child = cmd.spawn().expect("felix serve");
+        let out = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if line.starts_with("felix: listening on ") {
+                    let _ = tx.send(());
                 }
-            });
-            rx.recv_timeout(std::time::Duration::from_secs(60))
-                .expect("felix serve announces its address");
-            Serve {
-                child,
-                addr: addrs[i].clone(),
-                _dir: dir,
             }
-        })
+        });
+        rx.recv_timeout(std::time::Duration::from_secs(60))
+            .expect("felix serve announces its address");
+        Serve {
+            child,
+            addr: addrs[i].clone(),
+            _dir: dir,
+        }
+    };
+    let nodes: Vec<Serve> = (0..3)
+        .map(|i| start_node(i, tempfile::tempdir().unwrap()))
         .collect();
     // One --broker naming the whole cluster.
     let all = addrs.join(",");
@@ -2177,9 +2178,90 @@ fn the_readme_cluster_works() {
         "{described}"
     );
 
+    // Commands that keep going follow the shard's leader through a
+    // failover: a one-shard `consume --follow` and a `read --follow`, both
+    // given the whole cluster, go on printing once the leader is killed
+    // and another elected, each record once.
+    let mut nodes = nodes;
+    let follow = |args: &[&str]| {
+        let mut child = felix()
+            .arg("--broker")
+            .arg(&all)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let out = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel::<String>();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        (child, rx)
+    };
+    let expect_lines = |rx: &std::sync::mpsc::Receiver<String>, want: &[&str], what: &str| {
+        for w in want {
+            let got = rx
+                .recv_timeout(std::time::Duration::from_secs(30))
+                .unwrap_or_else(|e| panic!("{what}: no {w:?}: {e}"));
+            assert_eq!(got, *w, "{what}");
+        }
+    };
+    let (mut consumer, consumed) = follow(&[
+        "consume",
+        "demo/ha/jobs",
+        "--shard",
+        "0",
+        "--group",
+        "followers",
+        "--follow",
+    ]);
+    let (mut reader, read) = follow(&[
+        "read",
+        "demo/ha/jobs",
+        "--shard",
+        "0",
+        "--from",
+        "earliest",
+        "--follow",
+    ]);
+    expect_lines(&consumed, &["one", "two", "three"], "consume --follow");
+    expect_lines(&read, &["one", "two", "three"], "read --follow");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let leader = loop {
+        let described = ok_at(&all, &["shard", "describe", "demo/ha/jobs"], None);
+        if let Some(l) = roles(&described).iter().position(|r| r == "leader") {
+            break l;
+        }
+        assert!(std::time::Instant::now() < deadline, "{described}");
+        std::thread::park_timeout(std::time::Duration::from_millis(50));
+    };
+    let _ = nodes[leader].child.kill();
+    let _ = nodes[leader].child.wait();
+    publish_to_cluster(&all, &["demo/ha/jobs", "--shard", "0", "four"]);
+    expect_lines(
+        &consumed,
+        &["four"],
+        "consume --follow after the leader died",
+    );
+    expect_lines(&read, &["four"], "read --follow after the leader died");
+    // Back, as a follower now: the same data directory.
+    let dir = std::mem::replace(&mut nodes[leader]._dir, tempfile::tempdir().unwrap());
+    nodes[leader] = start_node(leader, dir);
+    publish_to_cluster(&all, &["demo/ha/jobs", "--shard", "0", "five"]);
+    expect_lines(&consumed, &["five"], "consume --follow");
+    expect_lines(&read, &["five"], "read --follow");
+    for child in [&mut consumer, &mut reader] {
+        assert!(child.try_wait().unwrap().is_none(), "still following");
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+
     // A broker of the cluster down: the stream is made on the others, and
     // the one it is not on is named, to run the command again for.
-    let mut nodes = nodes;
     let _ = nodes[2].child.kill();
     let _ = nodes[2].child.wait();
     let down = ["stream", "create", "demo/ha/down", "--shards", "1"];
