@@ -630,6 +630,9 @@ struct Inner<F> {
     dir: PathBuf,
     segments: BTreeMap<Offset, Segment<F>>,
     start: Offset,
+    /// Just past the last data record queued (0 with none in the log): the
+    /// offsets from here to the end are control records.
+    data_end: Offset,
     /// Queued, written, durable. The queued offset is the next to assign.
     frontiers: Frontiers,
     /// Projected length of the newest target segment once all pending flushes land.
@@ -962,6 +965,7 @@ impl<S: Storage> ShardLog<S> {
         let mut tail_page = Vec::new();
         // Stamp of the last flush found on disk: new flushes continue after it.
         let mut last_flush: Option<u16> = None;
+        let mut data_end = Offset::ZERO;
         let count = bases.len();
         for (i, base) in bases.iter().copied().enumerate() {
             let path = dir.join(segment_name(base));
@@ -1006,6 +1010,9 @@ impl<S: Storage> ShardLog<S> {
             let valid_len = scanned.valid_len;
             for (h, pos) in &notes {
                 seg.note_batch(h, *pos, config.index_interval_bytes);
+                if h.kind == BatchKind::Records {
+                    data_end = h.end_offset();
+                }
             }
             if let Some((h, _)) = notes.last() {
                 last_flush = Some(h.flush);
@@ -1120,6 +1127,7 @@ impl<S: Storage> ShardLog<S> {
         };
         let inner = Inner {
             flush_stamp: last_flush.map_or(1, |f| f.wrapping_add(1)),
+            data_end,
             config,
             dir: dir.to_path_buf(),
             segments,
@@ -1199,12 +1207,14 @@ impl<S: Storage> ShardLog<S> {
             return Err(LogError::Empty);
         }
         let len = format::check_records(records).map_err(LogError::Invalid)?;
-        let a = self
-            .inner
-            .borrow_mut()
-            .append_with(len, |out, next, flush| {
+        let a = {
+            let mut i = self.inner.borrow_mut();
+            let a = i.append_with(len, |out, next, flush| {
                 encode_records_into(out, next, 0, flush, records)
             })?;
+            i.data_end = Offset(a.base.0 + u64::from(a.count));
+            a
+        };
         self.queued.wake_all();
         Ok(a)
     }
@@ -1299,6 +1309,13 @@ impl<S: Storage> ShardLog<S> {
     }
 
     /// One past the last offset assigned (queued).
+    /// Just past the last data record queued: every offset from here to
+    /// the end is a control record (a generation start), settled and never
+    /// delivered. 0 when the log holds no data record.
+    pub fn data_end(&self) -> Offset {
+        self.inner.borrow().data_end
+    }
+
     pub fn queued_end(&self) -> Offset {
         self.inner.borrow().frontiers.offset(Frontier::Queued)
     }

@@ -1361,3 +1361,41 @@ fn a_segment_named_past_the_offset_limit_refuses_to_open() {
         assert!(msg.contains(&name), "{msg}");
     });
 }
+
+/// The log knows where its data records end: control records after the
+/// last one (a new leader's generation starts) leave it where it was, and a
+/// reopen finds it again from the segments, in an earlier segment than the
+/// tail when the tail holds only control records.
+#[test]
+fn the_end_of_the_data_records_is_kept_across_control_records_and_a_reopen() {
+    let cfg = LogConfig {
+        segment_bytes: 4096,
+        ..LogConfig::default()
+    };
+    let storage = SimStorage::new();
+    block_on(async {
+        let log = open(&storage, &cfg).await.unwrap();
+        assert_eq!(log.data_end(), Offset::ZERO, "no data record yet");
+        log.append_control(b"gen").unwrap();
+        assert_eq!(log.data_end(), Offset::ZERO);
+        log.append(&[rec(1), rec(2)]).unwrap();
+        assert_eq!(log.data_end(), Offset(3));
+        for _ in 0..3 {
+            log.append_control(b"gen").unwrap();
+        }
+        log.flush().await.unwrap();
+        assert_eq!((log.data_end(), log.end()), (Offset(3), Offset(6)));
+        // Enough control records to roll past the segment with the data.
+        for _ in 0..200 {
+            log.append_control(&[7u8; 64]).unwrap();
+            log.flush().await.unwrap();
+        }
+        assert!(log.segment_sizes().len() > 2, "rolled");
+        log.close().await.unwrap();
+
+        let log = open(&storage, &cfg).await.unwrap();
+        assert_eq!((log.data_end(), log.end()), (Offset(3), Offset(206)));
+        log.append(&[rec(3)]).unwrap();
+        assert_eq!(log.data_end(), Offset(207));
+    });
+}

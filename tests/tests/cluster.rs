@@ -1318,6 +1318,31 @@ fn a_new_leaders_generation_start_is_counted_in_skipped_before() {
         assert_skips_cover_the_holes(&delivered, &readable, end);
         let info = cc.group_describe(T, NS, S, 0, g).await.unwrap();
         assert_eq!(info.lag(), 0, "{info:?}");
+
+        // One more leader, with nothing published since: its generation
+        // start is past the group's saved position, yet a group that
+        // finished every record still reports no lag, before any poll.
+        let leader = cc.leader_of(T, NS, S, 0).unwrap();
+        let i = cluster.addrs.iter().position(|a| *a == leader).unwrap();
+        cluster.brokers[i].kill9();
+        cluster.brokers[i].restart();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let info = loop {
+            if let Ok(info) = cc.group_describe(T, NS, S, 0, g).await {
+                if info.end_offset > end {
+                    break info;
+                }
+            }
+            assert!(std::time::Instant::now() < deadline, "no new leader");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert_eq!(info.lag(), 0, "only a generation start behind: {info:?}");
+        assert_eq!(info.position, info.end_offset, "{info:?}");
+        // A record published after it is lag again, counted from the saved
+        // position: the generation start below it with it.
+        cc.publish(T, NS, S, 0, "late").await.unwrap();
+        let info = cc.group_describe(T, NS, S, 0, g).await.unwrap();
+        assert_eq!(info.lag(), 2, "{info:?}");
     });
 }
 

@@ -1855,7 +1855,7 @@ fn describe_group<S: Storage>(
         stream,
         shard: index,
         group,
-        status: t.describe(now_ms(), view).ok()?,
+        status: crate::groups::described(shard, t, view).ok()?,
         counters: t.counters(),
     })
 }

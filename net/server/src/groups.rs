@@ -363,7 +363,7 @@ pub(crate) async fn handle<S: Storage>(
         }
         Request::GroupDescribe { .. } => {
             let view = view(&shard);
-            match with_tracker(&shard, &key.group, |t| t.describe(now_ms(), view)) {
+            match with_tracker(&shard, &key.group, |t| described(&shard, t, view)) {
                 Ok(st) => Response::Group(GroupInfo {
                     group: key.group.clone(),
                     position: st.position.0,
@@ -389,6 +389,25 @@ pub(crate) async fn handle<S: Storage>(
         shard.group_wake.wake_all();
     }
     r
+}
+
+/// A group's status as its describe and metrics report it. A group past
+/// every data record of its shard stands at the shard's end: what lies
+/// between its saved position and the end is control records (a new
+/// leader's generation starts), which its next poll settles without handing
+/// anything out. So a group that has finished everything shows no lag, not
+/// one record for each leader change since it last polled.
+pub(crate) fn described<S: Storage>(
+    shard: &Shard<S>,
+    t: &mut GroupTracker,
+    view: LogView,
+) -> Result<felix_engine::group::GroupStatus, GroupError> {
+    let mut st = t.describe(now_ms(), view)?;
+    let from = st.position.max(st.log_start);
+    if from < st.log_end && from >= shard.log.data_end() {
+        st.position = st.log_end;
+    }
+    Ok(st)
 }
 
 pub(crate) fn view<S: Storage>(shard: &Shard<S>) -> LogView {
