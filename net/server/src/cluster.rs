@@ -668,7 +668,8 @@ pub(crate) fn refusal(cluster: &ClusterConfig, shard: &str, e: ReplicationError)
             let msg = match (&addr, leader) {
                 (Some(a), Some(id)) => format!("shard {shard} is led by node {id} at {a}"),
                 _ => format!(
-                    "shard {shard} has no leader this node knows of (an election may be on); retry"
+                    "shard {shard} has no leader this node knows of: an election may be on, \
+                     or too few of its replicas can reach each other to elect one; retry"
                 ),
             };
             Response::Error(WireError::not_leader(addr, msg))
