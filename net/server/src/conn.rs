@@ -1246,9 +1246,11 @@ async fn publish<S: Storage>(
             ),
         );
     }
-    if let Err(msg) = core.disk.admit(bytes) {
-        return wire_err(ErrorCode::Unavailable, msg);
-    }
+    // Counted against the free space until answered.
+    let _admitted = match core.disk.admit(bytes) {
+        Ok(a) => a,
+        Err(msg) => return wire_err(ErrorCode::Unavailable, msg),
+    };
     if let Err(e) = shard.log.wait_room().await {
         if shard.log.is_closed() {
             // Deleted while the publish waited for room.

@@ -3,9 +3,9 @@
 //! `ENOSPC` and stopping the shard.
 //!
 //! Each core keeps its own view (no shared state on the publish path): a
-//! `statvfs` of the data directory every [`REFRESH`], minus what the core
-//! admitted since, times the number of cores (the others write to the same
-//! disk at a similar rate). This is a guard, not a guarantee: other writers,
+//! `statvfs` of the data directory every [`REFRESH`], minus the publishes
+//! the core is serving and those it finished since the look, times the
+//! number of cores (the others write to the same disk at a similar rate). This is a guard, not a guarantee: other writers,
 //! or cores writing far more than their share, can still fill the disk
 //! between two looks, and then the write error stops the shard as before
 //! (nothing acknowledged is lost).
@@ -30,7 +30,12 @@ pub(crate) struct DiskGuard {
     /// Free bytes at the last look (`u64::MAX` until the first).
     free: Cell<u64>,
     reserve: Cell<u64>,
-    /// Bytes of publishes this core admitted since the last look.
+    /// Bytes of publishes this core admitted that are still being served
+    /// (waiting for room, queued, being written): not on the disk yet,
+    /// whenever the last look was.
+    pending: Cell<u64>,
+    /// Bytes of publishes this core finished since the last look (on the
+    /// disk, perhaps after it).
     since: Cell<u64>,
     low: Cell<bool>,
     /// The last look failed (said once, not every 100 ms).
@@ -46,6 +51,7 @@ impl DiskGuard {
             cores: u64::from(cores.max(1)),
             free: Cell::new(u64::MAX),
             reserve: Cell::new(0),
+            pending: Cell::new(0),
             since: Cell::new(0),
             low: Cell::new(false),
             unreadable: Cell::new(false),
@@ -70,6 +76,11 @@ impl DiskGuard {
         if self.unreadable.replace(false) {
             tracing::info!("the data disk's free space reads again");
         }
+        self.looked(avail, total)
+    }
+
+    /// Take in a look at the disk: `avail` bytes free of `total`.
+    fn looked(&self, avail: u64, total: u64) -> Option<bool> {
         let reserve = if self.configured > 0 {
             self.configured
         } else {
@@ -83,14 +94,19 @@ impl DiskGuard {
     }
 
     /// Admit a publish of about `incoming` bytes, counting them as spent
-    /// at once (they are not yet in `free`): publishes admitted together,
-    /// before any is appended, then add up against the reserve instead of
-    /// each finding the same free space. One refused or failed after this
-    /// is over-counted until the next look, which is the safe side.
-    pub fn admit(&self, incoming: u64) -> Result<(), String> {
+    /// from now until the answer (the [`Admitted`] is dropped), and then
+    /// until the next look: publishes admitted together, or waiting
+    /// together for room in a shard's queue, add up against the reserve
+    /// instead of each finding the same free space. One refused or failed
+    /// after this is over-counted until the next look, the safe side.
+    pub fn admit(&self, incoming: u64) -> Result<Admitted<'_>, String> {
         self.check(incoming)?;
-        self.since.set(self.since.get().saturating_add(incoming));
-        Ok(())
+        self.pending
+            .set(self.pending.get().saturating_add(incoming));
+        Ok(Admitted {
+            guard: self,
+            bytes: incoming,
+        })
     }
 
     /// Whether a publish of about `incoming` bytes may go ahead.
@@ -101,6 +117,7 @@ impl DiskGuard {
         let spent = self
             .since
             .get()
+            .saturating_add(self.pending.get())
             .saturating_mul(self.cores)
             .saturating_add(incoming);
         let left = self.free.get().saturating_sub(spent);
@@ -115,6 +132,21 @@ impl DiskGuard {
             human(left),
             human(reserve)
         ))
+    }
+}
+
+/// A publish let through, counted as spent while it is served.
+#[must_use]
+pub(crate) struct Admitted<'a> {
+    guard: &'a DiskGuard,
+    bytes: u64,
+}
+
+impl Drop for Admitted<'_> {
+    fn drop(&mut self) {
+        let g = self.guard;
+        g.pending.set(g.pending.get().saturating_sub(self.bytes));
+        g.since.set(g.since.get().saturating_add(self.bytes));
     }
 }
 
@@ -151,22 +183,31 @@ mod tests {
     #[test]
     fn a_guard_refuses_below_its_reserve_and_counts_what_it_admitted() {
         let dir = std::env::temp_dir();
-        let g = DiskGuard::new(Some(&dir), 1, 2);
+        let g = DiskGuard::new(Some(&dir), 1_000, 2);
         assert!(g.check(1 << 20).is_ok(), "before the first look");
-        g.refresh();
-        let free = g.free.get();
+        // Looks taken by hand: the real disk's free space moves under a
+        // test.
+        g.looked(301_000, 10_000_000);
         assert!(g.check(0).is_ok());
-        // Admitted publishes count once per core, from when they are
-        // admitted: the second of two admitted together is refused.
-        g.admit(free / 3).expect("a third of the free space");
-        let err = g
-            .admit(free / 3 + 1)
-            .expect_err("two cores × a third, and a third more");
+        // Admitted publishes count once per core from when they are
+        // admitted: of two together, the second is refused.
+        let first = g.admit(100_000).expect("2 × 100,000 leaves 101,000");
+        let err = g.admit(100_001).err().expect("2 × 100,000 + 100,001");
         assert!(err.contains("nearly full"), "{err}");
         // The refused one is not counted; a smaller one still fits.
-        g.admit(free / 8).expect("an eighth more");
-        g.refresh();
-        assert!(g.check(0).is_ok(), "a fresh look forgets the estimate");
+        let second = g.admit(40_000).expect("2 × 140,000 leaves 21,000");
+        // Still counted after a look while being served (not on the disk
+        // yet), and after being served until the next look.
+        g.looked(301_000, 10_000_000);
+        assert!(g.check(20_001).is_err(), "pending across a look");
+        assert!(g.check(20_000).is_ok());
+        drop((first, second));
+        assert!(g.check(20_001).is_err(), "finished, until the next look");
+        g.looked(21_000, 10_000_000);
+        assert!(g.check(20_000).is_ok(), "a fresh look counts only itself");
+        assert!(g.check(20_001).is_err());
+        // The real disk can be looked at.
+        assert!(g.refresh().is_some() || g.free.get() != 21_000);
         // A reserve larger than the disk is always low.
         let g = DiskGuard::new(Some(&dir), u64::MAX, 1);
         assert_eq!(g.refresh(), Some(true));
