@@ -302,6 +302,10 @@ async fn run_group_timers<S: Storage>(shard: std::rc::Weak<Shard<S>>) {
         .await;
         let Some(s) = shard.upgrade() else { return };
         if s.log.stopped().is_some() {
+            // Every request to it is refused from now on: its claims can
+            // neither lapse nor be settled, so let them go rather than keep
+            // them in the core's claim count.
+            s.groups.borrow_mut().clear();
             return;
         }
         if let Some(rep) = s.replica.get() {
@@ -314,6 +318,14 @@ async fn run_group_timers<S: Storage>(shard: std::rc::Weak<Shard<S>>) {
             if !current {
                 // Drop what fell due, so the timer sleeps rather than spin.
                 let _ = s.deadlines.borrow_mut().due(now_ms());
+                if s.served_term.get() != 0 {
+                    // Deposed: the trackers built for that term serve
+                    // nobody now (requests are refused, and a later term
+                    // rebuilds them from the committed state), so their
+                    // claims leave the core's claim count.
+                    s.groups.borrow_mut().clear();
+                    s.served_term.set(0);
+                }
                 continue;
             }
         }
