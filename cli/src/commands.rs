@@ -426,8 +426,9 @@ fn through_cluster(command: &Command) -> bool {
     }
 }
 
-/// Run an every-shard command on a cluster, through a [`ClusterClient`]:
-/// each shard's part goes to the broker that leads it.
+/// Run a command [`through_cluster`] picks on a cluster, through a
+/// [`ClusterClient`]: each shard's part goes to the broker that leads it
+/// now.
 async fn on_cluster(
     global: &GlobalArgs,
     brokers: &[String],
@@ -454,7 +455,11 @@ async fn on_cluster(
             if let Some(m) = &args.member {
                 group = group.member(GroupMember::new(m.clone()).reclaim(true))?;
             }
-            consume_with(Consumer::All(Box::new(group)), &args).await
+            let consumer = Consumer::All {
+                group: Box::new(group),
+                on_cluster: true,
+            };
+            consume_with(consumer, &args).await
         }
         Command::Group(GroupCmd::Describe { target: g, .. }) => {
             let (t, n, s) = parts(&g.stream);
@@ -1108,7 +1113,15 @@ async fn follow_on_cluster(cluster: &ClusterClient, args: ReadArgs) -> Result<()
     let limit = args.count.unwrap_or(u64::MAX);
     let mut n = 0u64;
     let mut from = args.from;
+    // Set once `from` is an offset an answer gave.
+    let mut pinned = false;
     let mut failing = false;
+    // Read from the leader, whose log is never behind (any replica serves a
+    // read, but a follower catching up, or cut off from the others, would
+    // be): asking every broker which leads makes the cluster client send
+    // the reads there first.
+    let find_leader = || cluster.describe_replicas(&s.tenant, &s.namespace, &s.stream, args.shard);
+    find_leader().await;
     while n < limit {
         let want = (limit - n).min(500) as u32;
         let read = cluster
@@ -1136,13 +1149,21 @@ async fn follow_on_cluster(cluster: &ClusterClient, args: ReadArgs) -> Result<()
                 // Pinned after the first answer: `latest` means the tail
                 // when the command started, not at each retry.
                 from = StartPosition::Offset(b.next_offset);
+                pinned = true;
             }
-            Err(e) if is_transient_on_cluster(&e) => {
+            // A replica behind the offset the last read reached (one that
+            // is catching up) refuses it as past its tail: ask again, of the
+            // leader as it is now.
+            Err(e)
+                if is_transient_on_cluster(&e)
+                    || (pinned && e.code() == Some(felix_client::ErrorCode::InvalidRequest)) =>
+            {
                 if !failing {
                     eprintln!("felix: {e}; retrying");
                     failing = true;
                 }
                 tokio::time::sleep(Duration::from_millis(500)).await;
+                find_leader().await;
             }
             Err(e) if n > 0 => return Err(CliError::Partial(e)),
             Err(e) => return Err(e.into()),
@@ -1484,7 +1505,10 @@ async fn consume(client: &Client, args: ConsumeArgs) -> Result<(), CliError> {
         if let Some(m) = member {
             group = group.member(m)?;
         }
-        Consumer::All(Box::new(group))
+        Consumer::All {
+            group: Box::new(group),
+            on_cluster: false,
+        }
     } else {
         Consumer::One {
             via: Via::Broker(client),
@@ -1529,7 +1553,12 @@ enum Consumer<'a> {
         target: &'a GroupTarget,
         member: Option<GroupMember>,
     },
-    All(Box<ShardedGroup>),
+    /// `on_cluster`: its shards' calls go to their leaders through a
+    /// cluster client, which a follower waits through failovers with.
+    All {
+        group: Box<ShardedGroup>,
+        on_cluster: bool,
+    },
 }
 
 /// Where one shard's group calls go: the one broker named, or, on a
@@ -1578,7 +1607,7 @@ impl Consumer<'_> {
                     .map(|record| ShardedRecord { shard, record })
                     .collect())
             }
-            Consumer::All(group) => group.poll(want, wait).await,
+            Consumer::All { group, .. } => group.poll(want, wait).await,
         }
     }
 
@@ -1592,7 +1621,7 @@ impl Consumer<'_> {
                     Via::Cluster(c) => c.group_ack_many(t, n, s, g.shard, &g.group, &offsets).await,
                 }
             }
-            Consumer::All(group) => group.ack_many(records).await,
+            Consumer::All { group, .. } => group.ack_many(records).await,
         }
     }
 
@@ -1605,7 +1634,7 @@ impl Consumer<'_> {
                     Via::Cluster(c) => c.group_nack(t, n, s, g.shard, &g.group, &r.record).await,
                 }
             }
-            Consumer::All(group) => group.nack(r).await,
+            Consumer::All { group, .. } => group.nack(r).await,
         }
     }
 
@@ -1621,20 +1650,25 @@ impl Consumer<'_> {
                 via: Via::Cluster(_),
                 ..
             } => is_transient_on_cluster(e),
-            Consumer::All(_) => is_transient(e),
+            Consumer::All {
+                on_cluster: false, ..
+            } => is_transient(e),
+            Consumer::All {
+                on_cluster: true, ..
+            } => is_transient_on_cluster(e),
         }
     }
 
     /// The shard to print beside each record (json), when there are several.
     fn shown_shard(&self, r: &ShardedRecord) -> Option<u32> {
-        matches!(self, Consumer::All(_)).then_some(r.shard)
+        matches!(self, Consumer::All { .. }).then_some(r.shard)
     }
 
     /// Hand back whatever was claimed ahead and not printed.
     async fn finish(self) -> Result<(), ClientError> {
         match self {
             Consumer::One { .. } => Ok(()),
-            Consumer::All(group) => group.close().await,
+            Consumer::All { group, .. } => group.close().await,
         }
     }
 }
@@ -1745,26 +1779,30 @@ async fn consume_records(
                 // Refused after a reconnect (the broker restarted, and its
                 // claims with it, or they lapsed meanwhile): the records
                 // come again.
-                // Following, the same for a refusal without a reconnect
-                // seen here: on a cluster the client may have followed the
-                // shard to a new leader, which holds none of the old one's
-                // claims; on one broker the claims may have lapsed while the
-                // records were printed.
+                // Following, the same for a claim refused as stale without a
+                // reconnect seen here: on a cluster the client may have
+                // followed the shard to a new leader, which holds none of the
+                // old one's claims; on one broker the claims may have lapsed
+                // while the records were printed. (Anything else, such as a
+                // group deleted meanwhile, ends the command.)
                 Err(e)
-                    if (retried || args.follow)
+                    if (retried
                         && matches!(
                             e.code(),
                             Some(
                                 felix_client::ErrorCode::InvalidRequest
                                     | felix_client::ErrorCode::StaleClaim
                             )
-                        ) =>
+                        ))
+                        || (args.follow
+                            && e.code() == Some(felix_client::ErrorCode::StaleClaim)) =>
                 {
                     let (printed, _, again) = unacked(records.len());
                     let when = if retried {
-                        "after a reconnect"
+                        "after a retry (if the first ack took effect after all, they were \
+                         acknowledged)"
                     } else {
-                        "(a new leader, or claims that lapsed)"
+                        "as stale (a new leader, or claims that lapsed)"
                     };
                     eprintln!("felix: the ack of {printed} was refused {when} ({e}); {again}");
                     break;

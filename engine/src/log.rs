@@ -1308,7 +1308,6 @@ impl<S: Storage> ShardLog<S> {
         self.inner.borrow().frontiers.offset(Frontier::Durable)
     }
 
-    /// One past the last offset assigned (queued).
     /// Just past the last data record queued: every offset from here to
     /// the end is a control record (a generation start), settled and never
     /// delivered. 0 when the log holds no data record.
@@ -1316,6 +1315,7 @@ impl<S: Storage> ShardLog<S> {
         self.inner.borrow().data_end
     }
 
+    /// One past the last offset assigned (queued).
     pub fn queued_end(&self) -> Offset {
         self.inner.borrow().frontiers.offset(Frontier::Queued)
     }

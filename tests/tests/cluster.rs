@@ -1342,10 +1342,12 @@ fn a_new_leaders_generation_start_is_counted_in_skipped_before() {
         assert_eq!(info.lag(), 0, "only a generation start behind: {info:?}");
         assert_eq!(info.position, info.end_offset, "{info:?}");
         // A record published after it is lag again, counted from the saved
-        // position: the generation start below it with it.
+        // position: the generation starts below it (one, or more if the
+        // election took more than one round) with it.
         cc.publish(T, NS, S, 0, "late").await.unwrap();
         let info = cc.group_describe(T, NS, S, 0, g).await.unwrap();
-        assert_eq!(info.lag(), 2, "{info:?}");
+        assert!(info.lag() >= 2, "{info:?}");
+        assert_eq!(info.position + info.lag(), info.end_offset, "{info:?}");
     });
 }
 
