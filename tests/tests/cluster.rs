@@ -1630,6 +1630,7 @@ fn a_cut_off_leader_acknowledges_nothing_and_rejoins_without_it() {
 /// finishes a record.
 #[test]
 fn an_ack_to_a_cut_off_leader_is_refused_and_the_record_is_owed() {
+    const CLAIMS: &str = "felix_core_group_claims";
     let cluster = start_cluster_on(&[], true);
     let net = cluster.net.as_ref().unwrap();
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -1658,6 +1659,11 @@ fn an_ack_to_a_cut_off_leader_is_refused_and_the_record_is_owed() {
 
         let leader = cc.leader_of(T, NS, S, 0).unwrap();
         let li = cluster.addrs.iter().position(|a| *a == leader).unwrap();
+        assert_eq!(
+            cluster.brokers[li].metric(CLAIMS),
+            4.0,
+            "the leader's claims"
+        );
         let to_old = Client::connect(leader.as_str(), ClientConfig::default())
             .await
             .unwrap();
@@ -1703,6 +1709,16 @@ fn an_ack_to_a_cut_off_leader_is_refused_and_the_record_is_owed() {
                 a.is_err(),
                 "an ack without a majority was acknowledged: {acks:?}"
             );
+        }
+        // The deposed leader's claims are nobody's now: they leave its
+        // core's claim count (the new leader holds its own).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while cluster.brokers[li].metric(CLAIMS) != 0.0 {
+            assert!(
+                Instant::now() < deadline,
+                "the old leader still counts its claims"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
         for o in &again {
             rest.group_ack(T, NS, S, 0, g, *o).await.unwrap();

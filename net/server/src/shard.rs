@@ -318,11 +318,12 @@ async fn run_group_timers<S: Storage>(shard: std::rc::Weak<Shard<S>>) {
             if !current {
                 // Drop what fell due, so the timer sleeps rather than spin.
                 let _ = s.deadlines.borrow_mut().due(now_ms());
-                if s.served_term.get() != 0 {
-                    // Deposed: the trackers built for that term serve
-                    // nobody now (requests are refused, and a later term
-                    // rebuilds them from the committed state), so their
-                    // claims leave the core's claim count.
+                // Not serving (deposed, or its serving state voided by a
+                // proposal that failed): the trackers serve nobody now
+                // (requests are refused, and the next leadership rebuilds
+                // them from the committed state), so their claims leave
+                // the core's claim count.
+                if !s.groups.borrow().is_empty() {
                     s.groups.borrow_mut().clear();
                     s.served_term.set(0);
                 }
