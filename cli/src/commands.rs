@@ -1116,11 +1116,18 @@ async fn follow_on_cluster(cluster: &ClusterClient, args: ReadArgs) -> Result<()
     // Set once `from` is an offset an answer gave.
     let mut pinned = false;
     let mut failing = false;
+    // Since when every read has been refused as past the tail.
+    let mut behind_since: Option<std::time::Instant> = None;
     // Read from the leader, whose log is never behind (any replica serves a
     // read, but a follower catching up, or cut off from the others, would
     // be): asking every broker which leads makes the cluster client send
-    // the reads there first.
-    let find_leader = || cluster.describe_replicas(&s.tenant, &s.namespace, &s.stream, args.shard);
+    // the reads there first. Asked again after an error and after a read
+    // that found nothing (the leader may have changed meanwhile); a broker
+    // that does not answer holds it up for at most LEADER_ASK.
+    let find_leader = || async {
+        let ask = cluster.describe_replicas(&s.tenant, &s.namespace, &s.stream, args.shard);
+        let _ = tokio::time::timeout(LEADER_ASK, ask).await;
+    };
     find_leader().await;
     while n < limit {
         let want = (limit - n).min(500) as u32;
@@ -1141,6 +1148,7 @@ async fn follow_on_cluster(cluster: &ClusterClient, args: ReadArgs) -> Result<()
                     eprintln!("felix: reading again");
                     failing = false;
                 }
+                behind_since = None;
                 for r in &b.records {
                     output::write_record(&mut out, args.format, r)?;
                     n += 1;
@@ -1150,13 +1158,23 @@ async fn follow_on_cluster(cluster: &ClusterClient, args: ReadArgs) -> Result<()
                 // when the command started, not at each retry.
                 from = StartPosition::Offset(b.next_offset);
                 pinned = true;
+                if b.records.is_empty() {
+                    find_leader().await;
+                }
             }
             // A replica behind the offset the last read reached (one that
             // is catching up) refuses it as past its tail: ask again, of the
             // leader as it is now.
+            // (For a while: a log that stays behind the offset read, such
+            // as a stream deleted and made again, is an error.)
             Err(e)
                 if is_transient_on_cluster(&e)
-                    || (pinned && e.code() == Some(felix_client::ErrorCode::InvalidRequest)) =>
+                    || (pinned
+                        && e.code() == Some(felix_client::ErrorCode::InvalidRequest)
+                        && behind_since
+                            .get_or_insert_with(std::time::Instant::now)
+                            .elapsed()
+                            < BEHIND_PATIENCE) =>
             {
                 if !failing {
                     eprintln!("felix: {e}; retrying");
@@ -1176,6 +1194,14 @@ async fn follow_on_cluster(cluster: &ClusterClient, args: ReadArgs) -> Result<()
 /// How long each read of `felix read --follow` on a cluster waits at the
 /// tail.
 const FOLLOW_WAIT: Duration = Duration::from_secs(10);
+
+/// How long `felix read --follow` on a cluster waits for the brokers to say
+/// which leads the shard.
+const LEADER_ASK: Duration = Duration::from_secs(2);
+
+/// How long `felix read --follow` on a cluster keeps asking for an offset
+/// the shard's logs call past their tail, before it gives up.
+const BEHIND_PATIENCE: Duration = Duration::from_secs(60);
 
 async fn read(client: &Client, args: ReadArgs) -> Result<(), CliError> {
     let s = &args.stream;
@@ -1710,6 +1736,8 @@ async fn consume_records(
     let limit = args.count.unwrap_or(u64::MAX);
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::with_capacity(64 * 1024, stdout.lock());
+    // Polls failing for a while (a broker restarting, an election).
+    let mut failing = false;
     while *done < limit && !*stop.borrow() {
         let want = (limit - *done).min(u64::from(args.batch.max(1))) as u32;
         let asked = std::time::Instant::now();
@@ -1722,9 +1750,20 @@ async fn consume_records(
             Ok(_) = stop.wait_for(|s| *s) => break,
         };
         let records = match polled {
-            Ok(r) => r,
+            Ok(r) => {
+                if failing {
+                    eprintln!("felix: polling again");
+                    failing = false;
+                }
+                r
+            }
             Err(e) if args.follow && consumer.transient(&e) => {
-                eprintln!("felix: {e}; retrying");
+                // Said once, not at every retry (an election can take
+                // several seconds).
+                if !failing {
+                    eprintln!("felix: {e}; retrying");
+                    failing = true;
+                }
                 tokio::time::sleep(Duration::from_millis(500)).await;
                 continue;
             }

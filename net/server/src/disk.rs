@@ -34,8 +34,11 @@ pub(crate) struct DiskGuard {
     /// (waiting for room, queued, being written): not on the disk yet,
     /// whenever the last look was.
     pending: Cell<u64>,
-    /// Bytes of publishes this core finished since the last look (on the
-    /// disk, perhaps after it).
+    /// Bytes of publishes this core finished since the last look: on the
+    /// disk by the next look when acknowledged once durable (the default);
+    /// acknowledged once queued (`storage.ack_on_commit = false`), up to a
+    /// shard's `max_queued_bytes` may still be on their way then, which the
+    /// reserve has to cover.
     since: Cell<u64>,
     low: Cell<bool>,
     /// The last look failed (said once, not every 100 ms).
@@ -126,7 +129,8 @@ impl DiskGuard {
             return Ok(());
         }
         Err(format!(
-            "the data disk is nearly full: about {} free, and the broker keeps {} free \
+            "the data disk is nearly full: about {} free, counting publishes being written, \
+             and the broker keeps {} free \
              (storage.min_free_bytes); publishes resume once space is freed \
              (retention, deleting streams, or other files on that disk)",
             human(left),

@@ -302,10 +302,14 @@ async fn run_group_timers<S: Storage>(shard: std::rc::Weak<Shard<S>>) {
         .await;
         let Some(s) = shard.upgrade() else { return };
         if s.log.stopped().is_some() {
-            // Every request to it is refused from now on: its claims can
+            // Claims and polls are refused from now on: the claims can
             // neither lapse nor be settled, so let them go rather than keep
-            // them in the core's claim count.
-            s.groups.borrow_mut().clear();
+            // them in the core's claim count. The groups' durable state
+            // stays, for describes, lists and metrics.
+            for t in s.groups.borrow_mut().values_mut() {
+                t.reset_to_durable();
+            }
+            s.served_term.set(0);
             return;
         }
         if let Some(rep) = s.replica.get() {
@@ -318,12 +322,18 @@ async fn run_group_timers<S: Storage>(shard: std::rc::Weak<Shard<S>>) {
             if !current {
                 // Drop what fell due, so the timer sleeps rather than spin.
                 let _ = s.deadlines.borrow_mut().due(now_ms());
-                // Not serving (deposed, or its serving state voided by a
-                // proposal that failed): the trackers serve nobody now
-                // (requests are refused, and the next leadership rebuilds
-                // them from the committed state), so their claims leave
-                // the core's claim count.
-                if !s.groups.borrow().is_empty() {
+                if rep.host.serving(rep.group) {
+                    // Leading, but serving state not built for this term
+                    // yet (no request since the election, or a failed
+                    // proposal voided it): build it now, so that the
+                    // leader's groups show in its metrics before a
+                    // consumer comes back, and the old claims go.
+                    let _ = rep.ensure_serving(&s);
+                } else if !s.groups.borrow().is_empty() {
+                    // Not leading (deposed, or a follower): the trackers
+                    // serve nobody (requests are refused, and the next
+                    // leadership rebuilds them from the committed state),
+                    // so their claims leave the core's claim count.
                     s.groups.borrow_mut().clear();
                     s.served_term.set(0);
                 }
