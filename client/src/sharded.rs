@@ -476,7 +476,9 @@ impl ShardedGroup {
 
     /// Finish several records, one request per shard, all sent before any
     /// answer is awaited. On an error every request is still awaited and
-    /// the first error returned.
+    /// the first error returned, other than `stale_claim` if there is one
+    /// (a shard's claims that lapsed, or went with its old leader, is the
+    /// least of them: those records come again).
     pub async fn ack_many(&self, records: &[ShardedRecord]) -> Result<()> {
         let mut by_shard: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
         for r in records {
@@ -493,14 +495,12 @@ impl ShardedGroup {
                         .await
                     {
                         Ok(p) => pending.push(p),
-                        Err(e) => {
-                            first_error.get_or_insert(e);
-                        }
+                        Err(e) => keep_first(&mut first_error, e),
                     }
                 }
                 for p in pending {
                     if let Err(e) = p.await {
-                        first_error.get_or_insert(e);
+                        keep_first(&mut first_error, e);
                     }
                 }
             }
@@ -518,7 +518,7 @@ impl ShardedGroup {
                 }
                 while let Some(done) = acks.join_next().await {
                     if let Err(e) = done.map_err(joined).and_then(|r| r) {
-                        first_error.get_or_insert(e);
+                        keep_first(&mut first_error, e);
                     }
                 }
             }
@@ -713,6 +713,18 @@ impl Via {
     }
 }
 
+/// Keep the first error of several, unless it is a `stale_claim` and this
+/// one is not: a caller that passes over stale claims must still see any
+/// other shard's failure.
+fn keep_first(kept: &mut Option<ClientError>, e: ClientError) {
+    let stale = |e: &ClientError| e.code() == Some(crate::ErrorCode::StaleClaim);
+    match kept {
+        Some(k) if stale(k) && !stale(&e) => *kept = Some(e),
+        Some(_) => {}
+        None => *kept = Some(e),
+    }
+}
+
 /// A task that panicked (or was cancelled) as a client error.
 fn joined(e: tokio::task::JoinError) -> ClientError {
     ClientError::Protocol(format!("a ShardedGroup task failed: {e}"))
@@ -830,6 +842,29 @@ impl HandBack {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn of_several_errors_a_stale_claim_gives_way_to_any_other() {
+        let err = |code| ClientError::Server {
+            code,
+            message: String::new(),
+        };
+        let mut kept = None;
+        keep_first(&mut kept, err(crate::ErrorCode::StaleClaim));
+        keep_first(&mut kept, err(crate::ErrorCode::NotFound));
+        keep_first(&mut kept, err(crate::ErrorCode::InvalidRequest));
+        assert_eq!(
+            kept.and_then(|e| e.code()),
+            Some(crate::ErrorCode::NotFound)
+        );
+        let mut kept = None;
+        keep_first(&mut kept, err(crate::ErrorCode::StaleClaim));
+        keep_first(&mut kept, err(crate::ErrorCode::StaleClaim));
+        assert_eq!(
+            kept.and_then(|e| e.code()),
+            Some(crate::ErrorCode::StaleClaim)
+        );
+    }
 
     fn record(offset: u64, attempts: u32) -> GroupRecord {
         GroupRecord {
