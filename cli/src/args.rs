@@ -148,12 +148,14 @@ pub enum StreamCmd {
         /// Number of shards (fixed for the stream's life).
         #[arg(long, value_name = "N")]
         shards: u32,
-        /// Keep at most about this many bytes per shard (default: the
-        /// broker's).
+        /// Keep at most about this many bytes per shard; 0 keeps all
+        /// (default: the broker's `storage.retention_bytes`, fixed at
+        /// creation; `stream describe` shows `none` for keep-all).
         #[arg(long, value_name = "B")]
         retention_bytes: Option<u64>,
-        /// Keep records for about this many milliseconds (default: the
-        /// broker's).
+        /// Keep records for about this many milliseconds; 0 keeps all
+        /// (default: the broker's `storage.retention_ms`, fixed at
+        /// creation).
         #[arg(long, value_name = "MS")]
         retention_ms: Option<u64>,
     },

@@ -1309,7 +1309,7 @@ fn group_shards(
 
 fn created(g: &GroupTarget, to: StartPosition, all_shards: bool) -> String {
     format!(
-        "group {} on {} {}: created at {to} (an existing group is left as it was)",
+        "group {} on {} {}: created at {to}, unless it existed (an existing group is left where it was: `group seek` moves it)",
         g.group,
         g.stream,
         shards_named(g, all_shards)

@@ -219,8 +219,8 @@ pub fn stream_line(s: &StreamInfo) -> String {
         "{}\tshards={}\tretention_bytes={}\tretention_ms={}",
         s.stream,
         s.shards,
-        opt(s.retention_bytes, "default"),
-        opt(s.retention_ms, "default")
+        opt(s.retention_bytes, "none"),
+        opt(s.retention_ms, "none")
     )
 }
 
@@ -230,8 +230,8 @@ pub fn stream_details(s: &StreamInfo) -> String {
         "stream           {}\nshards           {}\nretention_bytes  {}\nretention_ms     {}\nplacement        {}\n",
         s.stream,
         s.shards,
-        opt(s.retention_bytes, "default"),
-        opt(s.retention_ms, "default"),
+        opt(s.retention_bytes, "none"),
+        opt(s.retention_ms, "none"),
         placement.join(" ")
     );
     // In a cluster: the same on every broker that holds this stream.

@@ -584,8 +584,8 @@ fn stream_describe_shows_shards_retention_and_placement() {
     let f = fields(&desc);
     assert_eq!(f["stream"], "t/ns/desc");
     assert_eq!(f["shards"], "3");
-    assert_eq!(f["retention_bytes"], "default");
-    assert_eq!(f["retention_ms"], "default");
+    assert_eq!(f["retention_bytes"], "none");
+    assert_eq!(f["retention_ms"], "none");
     let cores: Vec<u32> = f["placement"]
         .split_whitespace()
         .map(|c| c.parse().unwrap())
@@ -707,7 +707,7 @@ fn stream_create_takes_retention_and_describe_shows_it() {
     assert_eq!(f["retention_ms"], "86400000");
     let f = fields(&ok(&s, &["stream", "describe", "t/ns/bytes-only"], None));
     assert_eq!(f["retention_bytes"], "4096");
-    assert_eq!(f["retention_ms"], "default");
+    assert_eq!(f["retention_ms"], "none");
     let list = ok(&s, &["stream", "list"], None);
     assert!(
         list.lines()
@@ -890,7 +890,7 @@ fn group_create_starts_where_asked_and_leaves_an_existing_group_alone() {
     );
     assert_eq!(
         out,
-        "group early on t/ns/gcreate shard 0: created at earliest (an existing group is left as it was)\n"
+        "group early on t/ns/gcreate shard 0: created at earliest, unless it existed (an existing group is left where it was: `group seek` moves it)\n"
     );
     ok(
         &s,

@@ -97,6 +97,30 @@ impl CoreSet {
         Ok(CoreSet::List(list))
     }
 
+    /// Refuse a CPU list naming a CPU this process may not run on (one the
+    /// machine lacks, or outside its affinity mask): an executor pinned
+    /// there would fail to start.
+    pub fn check_available(&self) -> Result<(), String> {
+        let CoreSet::List(list) = self else {
+            return Ok(());
+        };
+        let Some(ids) = core_affinity::get_core_ids() else {
+            return Ok(());
+        };
+        let available: Vec<usize> = ids.into_iter().map(|c| c.id).collect();
+        match list.iter().find(|c| !available.contains(c)) {
+            None => Ok(()),
+            Some(c) => Err(format!(
+                "CPU {c} is not one this process may run on (it may use {})",
+                available
+                    .iter()
+                    .map(usize::to_string)
+                    .collect::<Vec<_>>()
+                    .join(",")
+            )),
+        }
+    }
+
     /// The CPU ids to pin to.
     pub fn cpus(&self) -> Vec<usize> {
         match self {
@@ -580,6 +604,21 @@ mod tests {
         assert!(CoreSet::parse("0-4095,5000").is_err());
         assert!(matches!(CoreSet::parse("3,"), Ok(CoreSet::List(v)) if v == vec![3]));
         assert!(CoreSet::parse("0").is_err());
+        // CPUs the process may not run on are refused before any executor
+        // is pinned there; counts are placed on the CPUs there are.
+        let past = CoreSet::parse("0,4095").unwrap();
+        if core_affinity::get_core_ids().is_some_and(|ids| ids.iter().all(|c| c.id != 4095)) {
+            let e = past.check_available().unwrap_err();
+            assert!(
+                e.contains("CPU 4095 is not one this process may run on"),
+                "{e}"
+            );
+        }
+        if let Some(first) = core_affinity::get_core_ids().and_then(|ids| ids.first().copied()) {
+            let one = CoreSet::parse(&format!("{},", first.id)).unwrap();
+            assert!(one.check_available().is_ok());
+        }
+        assert!(CoreSet::parse("64").unwrap().check_available().is_ok());
         assert!(CoreSet::parse("x").is_err());
         assert!(CoreSet::parse("3-1").is_err());
         assert!(CoreSet::parse("1,1").is_err());

@@ -76,7 +76,7 @@ const SETTINGS: &[Setting] = &[
     Setting { section: "storage", name: "write_chunk_bytes", env: None, kind: Kind::U64, default: "1048576", help: "size of each write of a flush (multiple of 4096; a batch larger than this is written whole)" },
     Setting { section: "storage", name: "preallocate_bytes", env: Some("FELIX_PREALLOCATE_BYTES"), kind: Kind::U64, default: "8388608", help: "reserve each shard's active segment this far ahead of its writes (fallocate), so flushes write inside the file instead of growing it (cheaper fdatasync, no kernel worker hop), and let small flushes (<= 64 KiB) write zeros ahead of their data inside it so later flushes overwrite written blocks; 0 = off. A segment's reservation starts at 256 KiB and doubles up to this step, so it costs a barely written shard little and a busy one up to this much disk until the segment is sealed or the shard closed cleanly" },
     Setting { section: "storage", name: "read_cache_bytes", env: None, kind: Kind::U64, default: "8388608", help: "recent bytes per shard served from memory" },
-    Setting { section: "storage", name: "read_cache_bytes_per_core", env: Some("FELIX_READ_CACHE_BYTES_PER_CORE"), kind: Kind::U64, default: "1073741824", help: "memory one core keeps for reads, shared evenly by its shards: each keeps the smaller of read_cache_bytes and its share (a quarter of a share of 1 MiB or more goes to 256 KiB chunks of cold reads, at most four)" },
+    Setting { section: "storage", name: "read_cache_bytes_per_core", env: Some("FELIX_READ_CACHE_BYTES_PER_CORE"), kind: Kind::U64, default: "1073741824", help: "memory one core keeps for reads, shared evenly by its shards: each keeps the smaller of read_cache_bytes and its share (a quarter of a share of 1 MiB or more goes to 256 KiB chunks of cold reads, at most eight)" },
     Setting { section: "storage", name: "max_queued_bytes", env: None, kind: Kind::U64, default: "67108864", help: "publishes wait while a shard has this much unflushed" },
     Setting { section: "storage", name: "min_free_bytes", env: Some("FELIX_MIN_FREE_BYTES"), kind: Kind::U64, default: "0", help: "publishes are refused (unavailable) while the data disk has less free than this, and served again once space returns; 0 = the smaller of 256 MiB and 5% of the disk" },
     Setting { section: "storage", name: "retention_check_ms", env: None, kind: Kind::U64, default: "60000", help: "how often retention runs" },
@@ -584,6 +584,23 @@ impl Config {
                 "server.metrics_listen",
                 false,
             )?;
+            let listen = get("server", "listen").value.trim();
+            if let (Ok(a), Ok(b)) = (
+                listen.parse::<std::net::SocketAddr>(),
+                metrics.parse::<std::net::SocketAddr>(),
+            ) {
+                let overlap =
+                    a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified();
+                if a.port() == b.port() && a.port() != 0 && overlap {
+                    return Err(ConfigError(format!(
+                        "server.metrics_listen = {metrics:?} (from {}) is the port server.listen = \
+                         {listen:?} (from {}) takes: give the metrics another port, or leave \
+                         server.metrics_listen empty for none",
+                        get("server", "metrics_listen").source,
+                        get("server", "listen").source
+                    )));
+                }
+            }
         }
         {
             let r = get("server", "log");
@@ -1217,6 +1234,22 @@ mod tests {
         assert!(load(env_of("RUST_LOG", "warn,felix_server=debug")).is_ok());
         let e = load(env_of("FELIX_LISTEN", "[::1]:7400")).unwrap_err();
         assert!(e.contains("only IPv4 is supported"), "{e}");
+        // Metrics on the clients' port: refused here, not by a bind that
+        // waits and then fails.
+        let both = |listen: &str, metrics: &str| {
+            load(BTreeMap::from([
+                ("FELIX_LISTEN".to_string(), listen.to_string()),
+                ("FELIX_METRICS_LISTEN".to_string(), metrics.to_string()),
+            ]))
+        };
+        let e = both("127.0.0.1:7990", "127.0.0.1:7990").unwrap_err();
+        assert!(e.contains("is the port server.listen"), "{e}");
+        assert!(both("0.0.0.0:7990", "127.0.0.1:7990").is_err());
+        assert!(both("127.0.0.1:7990", "127.0.0.1:7991").is_ok());
+        assert!(
+            both("127.0.0.1:0", "127.0.0.1:0").is_ok(),
+            "ports chosen at bind"
+        );
     }
 
     #[test]

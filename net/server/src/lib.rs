@@ -102,6 +102,7 @@ pub fn serve(opts: ServeOptions) -> Result<(), ServeError> {
     // Checked before --print-config returns, so that it refuses what
     // serving would.
     let cores = CoreSet::parse(&config.cores)
+        .and_then(|c| c.check_available().map(|()| c))
         .map_err(|e| ServeError::Config(ConfigError(format!("server.cores: {e}"))))?;
     if opts.print_config {
         print!("{}", config.render());
