@@ -795,14 +795,21 @@ async fn poll<S: Storage>(
         let end = shard.log.end();
         let wake = shard.group_wake.clone();
         let log = shard.log.clone();
-        // Room under the core's claim limit freed by another shard's groups.
-        let claims = core.claims.clone();
+        // A poll parked at the core's claim limit also waits for room freed
+        // by another shard's groups (only those listen: a release wakes
+        // nobody else).
+        let claims = core.claims.full().then(|| core.claims.clone());
         let _parked = Parked::new(&core.metrics.group_polls_waiting);
         let _ = with_timeout(until - now, async move {
             let woken = futures_lite::future::or(wake.wait(), async {
                 let _ = log.wait_for_offset(end).await;
             });
-            let woken = futures_lite::future::or(woken, claims.freed());
+            let woken = futures_lite::future::or(woken, async {
+                match &claims {
+                    Some(c) => c.freed().await,
+                    None => std::future::pending().await,
+                }
+            });
             futures_lite::future::or(
                 woken,
                 futures_lite::future::or(core.until_stopping(), info.until_hung_up()),
