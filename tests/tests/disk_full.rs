@@ -71,6 +71,22 @@ fn start_with(data: &Path, config: Option<&Path>) -> (felix_tests::Spawned, Stri
     felix_tests::spawn_announcing(cmd)
 }
 
+/// A 40 MiB disk with about 12 MiB left for the broker (4 of them kept in
+/// reserve), and the file filling the rest; `None` (the test is skipped)
+/// where a disk cannot be loop-mounted.
+fn nearly_full_disk() -> Option<(SmallDisk, PathBuf)> {
+    match SmallDisk::mount(40) {
+        Ok(disk) => {
+            let filler = fill_until(&disk.mnt, 12 << 20);
+            Some((disk, filler))
+        }
+        Err(e) => {
+            eprintln!("skipped: cannot loop-mount a small disk here ({e})");
+            None
+        }
+    }
+}
+
 /// Fill the disk at `mnt` with one file until about `free` bytes are left.
 fn fill_until(mnt: &Path, free: u64) -> PathBuf {
     let filler = mnt.join("filler");
@@ -125,17 +141,31 @@ async fn read_all(c: &Client) -> Vec<Bytes> {
     }
 }
 
+/// Publish [`batch`]`(next)` until the broker takes it again (space was
+/// freed, and its next look sees it): it must land at `next`. Returns the
+/// records stored.
+async fn published_once_space_is_back(c: &Client, next: u64) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match c.publish_batch("t", "ns", "fill", 0, batch(next)).await {
+            Ok(p) => {
+                assert_eq!(p.base_offset, next);
+                return u64::from(p.count);
+            }
+            Err(e) => assert!(
+                Instant::now() < deadline,
+                "still refused 10 s after space was freed: {e}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_disk_refuses_publishes_until_space_is_freed_and_loses_nothing() {
-    let disk = match SmallDisk::mount(40) {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("skipped: cannot loop-mount a small disk here ({e})");
-            return;
-        }
+    let Some((disk, filler)) = nearly_full_disk() else {
+        return;
     };
-    // Leave about 12 MiB for the broker, 4 of them kept in reserve.
-    let filler = fill_until(&disk.mnt, 12 << 20);
     let data = disk.mnt.join("data");
     let (mut broker, addr) = start(&data);
     let c = Client::connect(addr.as_str(), ClientConfig::default())
@@ -172,21 +202,7 @@ async fn a_full_disk_refuses_publishes_until_space_is_freed_and_loses_nothing() 
 
     // Free space: publishes are served again, without a restart.
     std::fs::remove_file(&filler).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        match c.publish_batch("t", "ns", "fill", 0, batch(acked)).await {
-            Ok(p) => {
-                assert_eq!(p.base_offset, acked);
-                acked += p.count as u64;
-                break;
-            }
-            Err(e) => assert!(
-                Instant::now() < deadline,
-                "still refused 10 s after space was freed: {e}"
-            ),
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    acked += published_once_space_is_back(&c, acked).await;
 
     // And after kill -9, every acknowledged record is there, in order.
     drop(c);
@@ -213,14 +229,9 @@ async fn a_full_disk_refuses_publishes_until_space_is_freed_and_loses_nothing() 
 /// stopped the shard until a restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_of_publishes_is_refused_before_it_fills_the_disk() {
-    let disk = match SmallDisk::mount(40) {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("skipped: cannot loop-mount a small disk here ({e})");
-            return;
-        }
+    let Some((disk, filler)) = nearly_full_disk() else {
+        return;
     };
-    let filler = fill_until(&disk.mnt, 12 << 20);
     let config = disk.mnt.join("felix.toml");
     std::fs::write(&config, "[storage]\nmax_queued_bytes = 1048576\n").unwrap();
     let data = disk.mnt.join("data");
@@ -265,20 +276,7 @@ async fn a_burst_of_publishes_is_refused_before_it_fills_the_disk() {
     // space is freed publishes go on without a restart.
     assert_eq!(read_all(&c).await.len() as u64, acked);
     std::fs::remove_file(&filler).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        match c.publish_batch("t", "ns", "fill", 0, batch(0)).await {
-            Ok(p) => {
-                assert_eq!(p.base_offset, acked);
-                break;
-            }
-            Err(e) => assert!(
-                Instant::now() < deadline,
-                "still refused 10 s after space was freed: {e}"
-            ),
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    published_once_space_is_back(&c, acked).await;
     drop(c);
     broker.kill().unwrap();
     broker.wait().unwrap();
