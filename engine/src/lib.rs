@@ -16,6 +16,7 @@ pub mod format;
 pub mod group;
 pub mod log;
 pub mod mailbox;
+mod marks;
 pub mod notify;
 pub mod runtime;
 pub mod storage;

@@ -57,6 +57,7 @@ use crate::format::{
     self, encode_control_into, encode_group_into, encode_records_into, BatchHeader, BatchKind,
     FrameError, Record, RecordIn,
 };
+use crate::marks::{self, Clean, CLEAN_MARK, TAIL_MARK};
 use crate::notify::WaitList;
 use crate::storage::{align_down, align_up, PageBuf, Storage, StorageFile, ALIGN};
 use crate::types::Offset;
@@ -919,6 +920,82 @@ fn segment_name(base: Offset) -> String {
     format!("{:020}.log", base.0)
 }
 
+/// A log closed cleanly (`clean`) must end exactly where it did then, in
+/// its newest segment (`base`, scanned to `valid_len`, `problem` where the
+/// scan stopped short): nothing can have been torn since. Checked before
+/// recovery cuts anything.
+fn held_to_clean<F>(
+    clean: Option<Clean>,
+    path: &Path,
+    base: Offset,
+    seg: &Segment<F>,
+    valid_len: u64,
+    problem: Option<(u64, &str)>,
+) -> Result<(), LogError> {
+    let Some(c) = clean else { return Ok(()) };
+    if c.tail_base == base && c.tail_len == valid_len && c.end == seg.end {
+        // Zeros past the end at most (a reservation cut short).
+        return Ok(());
+    }
+    let found = match problem {
+        Some((pos, reason)) => format!("it is damaged at byte {pos}: {reason}"),
+        None => format!(
+            "it now ends at offset {} (byte {valid_len} of this segment)",
+            seg.end
+        ),
+    };
+    Err(LogError::Corrupt {
+        path: path.display().to_string(),
+        position: problem.map_or(valid_len, |p| p.0),
+        reason: format!(
+            "the shard was closed cleanly with its log ending at offset {} (byte {} of the \
+             segment starting at offset {}, {CLEAN_MARK}), but {found}; no write can have been \
+             torn since, so acknowledged records are damaged or missing, and the shard is not \
+             opened",
+            c.end, c.tail_len, c.tail_base
+        ),
+    })
+}
+
+/// The shard's marks (see [`marks`]); one that cannot be read or decoded
+/// refuses the open.
+async fn read_marks<S: Storage>(
+    storage: &S,
+    dir: &Path,
+) -> Result<(Option<Offset>, Option<Clean>), LogError> {
+    async fn read<S: Storage, T>(
+        storage: &S,
+        dir: &Path,
+        name: &str,
+        decode: fn(&[u8]) -> Option<T>,
+    ) -> Result<Option<T>, LogError> {
+        let path = dir.join(name);
+        let Some(bytes) = storage
+            .read_file(&path)
+            .await
+            .map_err(|e| io_err(&format!("read {}", path.display()), e))?
+        else {
+            return Ok(None);
+        };
+        match decode(&bytes) {
+            Some(v) => Ok(Some(v)),
+            None => Err(LogError::Corrupt {
+                path: path.display().to_string(),
+                position: 0,
+                reason: format!(
+                    "not a valid {name} ({} bytes); it is written whole or not at all, so this \
+                     is damage (see docs/operations.md before removing it)",
+                    bytes.len()
+                ),
+            }),
+        }
+    }
+    Ok((
+        read(storage, dir, TAIL_MARK, marks::decode_tail).await?,
+        read(storage, dir, CLEAN_MARK, marks::decode_clean).await?,
+    ))
+}
+
 fn io_err(what: &str, e: std::io::Error) -> LogError {
     LogError::Io(format!("{what}: {e}"))
 }
@@ -958,6 +1035,24 @@ impl<S: Storage> ShardLog<S> {
             .filter_map(|n| n.strip_suffix(".log")?.parse::<u64>().ok().map(Offset))
             .collect();
         bases.sort();
+        let (tail_mark, clean) = read_marks(&storage, dir).await?;
+        if let Some(newest) = tail_mark {
+            if bases.last().is_none_or(|b| *b < newest) {
+                let left = match bases.last() {
+                    None => "no segment file is left".to_string(),
+                    Some(b) => format!("the newest segment file left starts at offset {b}"),
+                };
+                return Err(LogError::Corrupt {
+                    path: dir.join(segment_name(newest)).display().to_string(),
+                    position: 0,
+                    reason: format!(
+                        "missing: the log had rolled to a segment starting at offset {newest} \
+                         ({TAIL_MARK}), but {left}; segment files were lost, and opening the \
+                         shard would give their offsets out again, so it is not opened"
+                    ),
+                });
+            }
+        }
 
         let mut segments = BTreeMap::new();
         let mut expected: Option<Offset> = None;
@@ -1017,6 +1112,9 @@ impl<S: Storage> ShardLog<S> {
             if let Some((h, _)) = notes.last() {
                 last_flush = Some(h.flush);
             }
+            if is_tail && scanned.problem.is_none() {
+                held_to_clean(clean, &path, base, &seg, valid_len, None)?;
+            }
             if let Some((pos, reason)) = scanned.problem {
                 if !is_tail {
                     return Err(LogError::Corrupt {
@@ -1030,6 +1128,15 @@ impl<S: Storage> ShardLog<S> {
                 // `look_past_damage`).
                 let chunk = config.read_chunk_bytes.max(1 << 20);
                 let past = look_past_damage(&*seg.file, size, pos, scanned.expected, chunk).await?;
+                if !matches!(
+                    past,
+                    Some(PastDamage {
+                        later_flush: Some(_),
+                        ..
+                    })
+                ) {
+                    held_to_clean(clean, &path, base, &seg, valid_len, Some((pos, &reason)))?;
+                }
                 match past {
                     Some(PastDamage {
                         first: (q, h),
@@ -1119,6 +1226,26 @@ impl<S: Storage> ShardLog<S> {
                     max_timestamp_ms: 0,
                 },
             );
+        }
+        // Before the log takes a write: a clean mark left behind would make
+        // the next open after a crash refuse a torn write as damage, and
+        // a log from before tail marks (or a new one) gets its first.
+        if clean.is_some() {
+            storage
+                .remove_file(&dir.join(CLEAN_MARK))
+                .await
+                .map_err(|e| io_err(&format!("remove {CLEAN_MARK}"), e))?;
+            storage
+                .sync_dir(dir)
+                .await
+                .map_err(|e| io_err("sync shard directory", e))?;
+        }
+        if tail_mark.is_none() {
+            let newest = *segments.keys().next_back().unwrap();
+            storage
+                .write_file_atomic(&dir.join(TAIL_MARK), &marks::encode_tail(newest))
+                .await
+                .map_err(|e| io_err(&format!("write {TAIL_MARK}"), e))?;
         }
         let start = *segments.keys().next().unwrap();
         let (end, projected_len, end_base) = {
@@ -1522,6 +1649,14 @@ impl<S: Storage> ShardLog<S> {
                     .sync_dir(&dir)
                     .await
                     .map_err(|e| io_err("sync shard directory", e))?;
+                // Recovery's proof that this segment existed.
+                self.storage
+                    .write_file_atomic(
+                        &dir.join(TAIL_MARK),
+                        &marks::encode_tail(chunk.segment_base),
+                    )
+                    .await
+                    .map_err(|e| io_err(&format!("write {TAIL_MARK}"), e))?;
                 let mut i = self.inner.borrow_mut();
                 i.segments.insert(
                     chunk.segment_base,
@@ -2369,7 +2504,33 @@ impl<S: Storage> ShardLog<S> {
         if result.is_ok() {
             result = self.release_reservation().await;
         }
+        if result.is_ok() {
+            result = self.mark_clean().await;
+        }
         result
+    }
+
+    /// Record where the closed log ends, for the next open to hold it to.
+    async fn mark_clean(&self) -> Result<(), LogError> {
+        let (dir, clean) = {
+            let i = self.inner.borrow();
+            if i.stopped.is_some() {
+                return Ok(());
+            }
+            let Some(s) = i.segments.values().next_back() else {
+                return Ok(());
+            };
+            let clean = Clean {
+                end: s.end,
+                tail_base: s.base,
+                tail_len: s.len,
+            };
+            (i.dir.clone(), clean)
+        };
+        self.storage
+            .write_file_atomic(&dir.join(CLEAN_MARK), &marks::encode_clean(clean))
+            .await
+            .map_err(|e| io_err(&format!("write {CLEAN_MARK}"), e))
     }
 
     /// Cut the active segment back to its data, as sealing does: a clean

@@ -155,7 +155,7 @@ fn preallocated_segments_are_cut_when_sealed_and_reopen_past_their_zeros() {
 }
 
 #[test]
-fn a_hand_truncated_segment_reopens_at_the_last_whole_record() {
+fn a_hand_truncated_segment_is_refused_after_a_clean_close_and_cut_after_a_crash() {
     let dir = tempfile::tempdir().unwrap();
     let path: PathBuf = dir.path().join("t/n/s/0");
     let root = dir.path().to_path_buf();
@@ -178,6 +178,21 @@ fn a_hand_truncated_segment_reopens_at_the_last_whole_record() {
     let f = std::fs::OpenOptions::new().write(true).open(&seg).unwrap();
     f.set_len(valid as u64 - 10).unwrap();
     drop(f);
+    // The log was closed cleanly, so no write can have been torn since: the
+    // cut is damage, and the open refuses without cutting anything.
+    let p3 = path.clone();
+    run(move || async move {
+        let err = ShardLog::open(DmaStorage::new(), &p3, LogConfig::default(), &mut |_| {})
+            .await
+            .expect_err("a cleanly closed log that lost records opens");
+        let msg = err.to_string();
+        assert!(msg.contains("closed cleanly"), "{msg}");
+        assert!(msg.contains("clean.mark"), "{msg}");
+    });
+    assert_eq!(std::fs::metadata(&seg).unwrap().len(), valid as u64 - 10);
+    // What a crash leaves (and an operator who accepts the loss does by
+    // hand): no clean mark. The open cuts back to the last whole record.
+    std::fs::remove_file(path.join("clean.mark")).unwrap();
     run(move || async move {
         let log = ShardLog::open(DmaStorage::new(), &path, LogConfig::default(), &mut |_| {})
             .await

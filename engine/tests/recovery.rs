@@ -203,7 +203,7 @@ fn stale_batch_images_past_the_end_do_not_block_the_open() {
     let storage = SimStorage::new();
     block_on(async {
         let log = flushed_one_by_one(&storage, &cfg, 10).await;
-        log.close().await.unwrap();
+        drop(log); // a crash: no clean close
         let end = 10 * BATCH;
         let f = storage.clone();
         let image = {
@@ -226,7 +226,7 @@ fn stale_batch_images_past_the_end_do_not_block_the_open() {
             log.append(&[rec(i)]).unwrap();
         }
         log.flush().await.unwrap();
-        log.close().await.unwrap();
+        drop(log); // a crash: no clean close
         let end = 10 * BATCH;
         let image = {
             use felix_engine::storage::{Storage, StorageFile};
@@ -250,7 +250,7 @@ fn garbage_or_zeros_to_the_end_are_cut() {
         let storage = SimStorage::new();
         block_on(async {
             let log = flushed_one_by_one(&storage, &cfg, 10).await;
-            log.close().await.unwrap();
+            drop(log); // a crash: no clean close
             let mut x = 0x2545_F491_4F6C_DD1Du64;
             let tail: Vec<u8> = (0..3000)
                 .map(|_| {
@@ -1398,4 +1398,163 @@ fn the_end_of_the_data_records_is_kept_across_control_records_and_a_reopen() {
         log.append(&[rec(3)]).unwrap();
         assert_eq!(log.data_end(), Offset(207));
     });
+}
+
+/// After a clean close no write can have been torn, so the newest batches
+/// are held to where the log ended then (`clean.mark`): damage there, or a
+/// log that ends short, refuses the open and cuts nothing, where after a
+/// crash the same damage is cut as a torn last write. The mark is gone
+/// (durably) once the log opens, so a crash after that is a crash again.
+#[test]
+fn a_cleanly_closed_log_refuses_damage_a_crash_would_have_cut_as_a_torn_write() {
+    type Damage = fn(&SimStorage);
+    let cfg = LogConfig::default();
+    // 10 batches of one flush each, then 5 in one last flush.
+    let cases: [(&str, Damage, &str); 3] = [
+        (
+            "a flipped bit in the last batch",
+            |s| s.corrupt(&seg0(), 14 * BATCH + 60, 3),
+            "damaged at byte",
+        ),
+        (
+            "a flipped bit in a batch of the flush before the last",
+            |s| s.corrupt(&seg0(), 9 * BATCH + 60, 3),
+            "damaged at byte",
+        ),
+        (
+            "the last batch cut off whole",
+            |s| s.cut(&seg0(), 14 * BATCH),
+            "now ends at offset 14",
+        ),
+    ];
+    for (what, damage, says) in cases {
+        for clean in [true, false] {
+            let storage = SimStorage::new();
+            block_on(async {
+                let log = flushed_one_by_one(&storage, &cfg, 10).await;
+                for i in 10..15 {
+                    log.append(&[rec(i)]).unwrap();
+                }
+                log.flush().await.unwrap();
+                if clean {
+                    log.close().await.unwrap();
+                } else {
+                    drop(log);
+                }
+                damage(&storage);
+                let len = storage.file_len(&seg0());
+                match open(&storage, &cfg).await {
+                    Err(e) => {
+                        let msg = e.to_string();
+                        assert!(clean, "{what}: a crashed log refused: {msg}");
+                        assert!(matches!(e, LogError::Corrupt { .. }), "{what}: {msg}");
+                        assert!(msg.contains("closed cleanly"), "{what}: {msg}");
+                        assert!(msg.contains("ending at offset 15"), "{what}: {msg}");
+                        assert!(msg.contains(says), "{what}: {msg}");
+                        assert_eq!(storage.file_len(&seg0()), len, "{what}: cut");
+                    }
+                    Ok(log) => {
+                        assert!(!clean, "{what}: a cleanly closed log opened short");
+                        assert!(log.end() < Offset(15), "{what}");
+                        assert_records(&read_all(&log).await, log.end().0);
+                    }
+                }
+            });
+        }
+    }
+    // Undamaged, a clean close opens whole; the mark is then gone for good,
+    // and a torn write after it is cut again.
+    let storage = SimStorage::new();
+    block_on(async {
+        let log = flushed_one_by_one(&storage, &cfg, 10).await;
+        log.close().await.unwrap();
+        let clean = Path::new(DIR).join("clean.mark");
+        assert!(storage.file_len(&clean).is_some());
+        let log = open(&storage, &cfg).await.unwrap();
+        assert_eq!(log.end(), Offset(10));
+        assert_eq!(storage.file_len(&clean), None);
+        storage.crash_lose_unsynced();
+        assert_eq!(
+            storage.file_len(&clean),
+            None,
+            "the removal was not durable"
+        );
+        drop(log);
+        storage.corrupt(&seg0(), 9 * BATCH + 60, 3);
+        let log = open(&storage, &cfg).await.unwrap();
+        assert_eq!(log.end(), Offset(9));
+        assert_records(&read_all(&log).await, 9);
+    });
+}
+
+/// Segment files that went missing are noticed, not taken for a new or
+/// shorter log: the newest segment the log rolled to is kept in
+/// `tail.mark`, and an open that finds it gone (or every segment gone)
+/// refuses rather than give the lost offsets out again. A log from before
+/// the mark gets one at its next open; a mark that does not decode refuses.
+#[test]
+fn lost_segment_files_refuse_the_open_instead_of_reusing_their_offsets() {
+    let cfg = LogConfig {
+        segment_bytes: 1000,
+        ..LogConfig::default()
+    };
+    let dir = Path::new(DIR);
+    let fresh = || {
+        let storage = SimStorage::new();
+        block_on(async {
+            // Six batches per segment of 1000 bytes: offsets 0..6, 6..12, 12..15.
+            let log = flushed_one_by_one(&storage, &cfg, 15).await;
+            assert_eq!(log.stats().segments, 3);
+            drop(log);
+        });
+        storage
+    };
+    let newest = dir.join("00000000000000000012.log");
+    type Loss = fn(&SimStorage, &Path);
+    let losses: [(&str, Loss, &str); 3] = [
+        (
+            "the newest segment",
+            |s, d| block_on(s.remove_file(&d.join("00000000000000000012.log"))).unwrap(),
+            "the newest segment file left starts at offset 6",
+        ),
+        (
+            "every segment",
+            |s, d| {
+                for f in s.files() {
+                    if f.starts_with(d) && f.extension().is_some_and(|e| e == "log") {
+                        block_on(s.remove_file(&f)).unwrap();
+                    }
+                }
+            },
+            "no segment file is left",
+        ),
+        (
+            "a garbled mark",
+            |s, d| s.overwrite(&d.join("tail.mark"), 9, &[0xFF]),
+            "not a valid tail.mark",
+        ),
+    ];
+    for (what, lose, says) in losses {
+        let storage = fresh();
+        lose(&storage, dir);
+        for _ in 0..2 {
+            let err = block_on(open(&storage, &cfg)).expect_err(what);
+            let msg = err.to_string();
+            assert!(matches!(err, LogError::Corrupt { .. }), "{what}: {msg}");
+            assert!(msg.contains(says), "{what}: {msg}");
+        }
+    }
+    // A log from before tail marks: it opens, and gets one.
+    let storage = fresh();
+    let mark = dir.join("tail.mark");
+    block_on(storage.remove_file(&mark)).unwrap();
+    block_on(async {
+        let log = open(&storage, &cfg).await.unwrap();
+        assert_eq!(log.end(), Offset(15));
+        drop(log);
+    });
+    assert!(storage.file_len(&mark).is_some());
+    block_on(storage.remove_file(&newest)).unwrap();
+    let err = block_on(open(&storage, &cfg)).expect_err("the mark written at open holds");
+    assert!(err.to_string().contains("offset 12"), "{err}");
 }

@@ -730,6 +730,91 @@ async fn a_corrupt_sealed_segment_stops_its_shard_only() {
     assert_eq!(broker.metric("felix_shard_stopped"), 1.0);
 }
 
+/// After a clean stop (SIGTERM) a shard's log must end where it ended then:
+/// damage to its newest batches, which after a crash would be cut as a torn
+/// write, refuses the shard instead and nothing is cut; a shard whose newest
+/// segment file is gone is refused rather than started again at a lower
+/// offset. Every other shard is served, and removing the mark the error
+/// names opens the shard as after a crash.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cleanly_stopped_shard_that_lost_records_is_refused_not_cut() {
+    let cfg = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(cfg.path(), "[storage]\nsegment_bytes = 4096\n").unwrap();
+    let mut broker = felix_tests::start_broker!(BrokerOptions::default()
+        .cores(1)
+        .env("FELIX_TEST_CONFIG", cfg.path().display()));
+    let c = client(&broker).await;
+    c.create_stream("t", "ns", "mark", 3, StreamOptions::default())
+        .await
+        .unwrap();
+    // 5 single-record publishes a shard, then one batch of 5.
+    for shard in 0..3 {
+        for _ in 0..5 {
+            c.publish("t", "ns", "mark", shard, vec![b'x'; 100])
+                .await
+                .unwrap();
+        }
+        let batch = (0..5)
+            .map(|_| RecordIn {
+                payload: vec![b'y'; 100].into(),
+                ..RecordIn::default()
+            })
+            .collect();
+        c.publish_batch("t", "ns", "mark", shard, batch)
+            .await
+            .unwrap();
+    }
+    // Shard 1 rolls past its first segment.
+    for _ in 0..60 {
+        c.publish("t", "ns", "mark", 1, vec![b'z'; 200])
+            .await
+            .unwrap();
+    }
+    drop(c);
+    assert!(broker.terminate().success());
+    let dir = broker.data_dir().unwrap().join("t/ns/mark");
+    // Shard 0: a bit of the last batch flipped.
+    let seg = dir.join("0/00000000000000000000.log");
+    let mut bytes = std::fs::read(&seg).unwrap();
+    let len = bytes.len();
+    bytes[len - 20] ^= 0x08;
+    std::fs::write(&seg, &bytes).unwrap();
+    // Shard 1: its newest segment gone.
+    let newest = std::fs::read_dir(dir.join("1"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.ends_with(".log"))
+        .max()
+        .unwrap();
+    assert_ne!(newest, "00000000000000000000.log", "shard 1 did not roll");
+    std::fs::remove_file(dir.join("1").join(&newest)).unwrap();
+    broker.restart();
+    let c = client(&broker).await;
+    for (shard, says) in [(0, "closed cleanly"), (1, "segment files were lost")] {
+        let err = c
+            .read("t", "ns", "mark", shard, StartPosition::Earliest, 10, None)
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err.code(),
+            Some(ErrorCode::Unavailable),
+            "shard {shard}: {err}"
+        );
+        assert!(err.to_string().contains(says), "shard {shard}: {err}");
+    }
+    assert_eq!(std::fs::read(&seg).unwrap().len(), len, "shard 0 was cut");
+    assert_eq!(read_shard(&c, "mark", 2).await.len(), 10);
+    assert_eq!(broker.metric("felix_shard_stopped"), 2.0);
+    // The operator accepts the loss of shard 0's damaged batch.
+    drop(c);
+    assert!(broker.terminate().success());
+    std::fs::remove_file(dir.join("0/clean.mark")).unwrap();
+    broker.restart();
+    let c = client(&broker).await;
+    assert_eq!(read_shard(&c, "mark", 0).await.len(), 5);
+    assert_eq!(read_shard(&c, "mark", 2).await.len(), 10);
+}
+
 /// One labelled sample of a metric, e.g. `felix_requests_total{op="read"}`
 /// (0 when the broker has not printed it).
 fn sample(b: &Broker, series: &str) -> f64 {
