@@ -59,7 +59,7 @@ use crate::format::{
 };
 use crate::marks::{self, Clean, CLEAN_MARK, TAIL_MARK};
 use crate::notify::WaitList;
-use crate::storage::{align_down, align_up, PageBuf, Storage, StorageFile, ALIGN};
+use crate::storage::{self, align_down, align_up, PageBuf, Storage, StorageFile, ALIGN};
 use crate::types::Offset;
 use bytes::Bytes;
 use std::cell::RefCell;
@@ -116,6 +116,12 @@ pub struct LogConfig {
     /// leaves at most this much to scan, and a shard barely written holds
     /// little disk).
     pub preallocate_step: u64,
+    /// Free space the disk keeps in hand (`storage::free_space_floor`: 0 is
+    /// the smaller of 256 MiB and 5 % of the disk). A reservation is made
+    /// only while what is free beyond it is at least twice the reservation:
+    /// blocks reserved ahead are an optimisation, and must not take the
+    /// room that publishes admitted against the free space will write into.
+    pub min_free_bytes: u64,
 }
 
 /// Index of the first nonzero byte of `b`. Recovery runs this over the
@@ -210,6 +216,7 @@ impl Default for LogConfig {
             cold_chunks: 8,
             preallocate: false,
             preallocate_step: 16 << 20,
+            min_free_bytes: 0,
         }
     }
 }
@@ -1788,12 +1795,42 @@ impl<S: Storage> ShardLog<S> {
             // Reserve past these writes (`reservation_for`). Best effort: a
             // filesystem without fallocate grows the file as it is written,
             // and it is not asked again for this segment.
+            //
+            // Nor while the disk is short of room: a reservation takes a
+            // step at once, between two looks of the broker's free-space
+            // guard, from the room publishes it admitted will write into.
             let to = reservation_for(need, step);
-            reserved = match file.allocate(to).await {
-                Ok(()) => to,
-                Err(e) => {
-                    tracing::debug!("reserving segment blocks failed: {e}");
-                    u64::MAX
+            let had = file.size().await.map_err(|e| io_err("size", e))?;
+            let (dir, floor) = {
+                let i = self.inner.borrow();
+                (i.dir.clone(), i.config.min_free_bytes)
+            };
+            let grow = to.saturating_sub(had);
+            let roomy = match self.storage.space(&dir) {
+                Ok((free, total)) => {
+                    free.saturating_sub(storage::free_space_floor(floor, total))
+                        >= grow.saturating_mul(2)
+                }
+                Err(_) => true,
+            };
+            reserved = if !roomy {
+                tracing::debug!(
+                    segment = chunk.segment_base.0,
+                    "not reserving blocks ahead: the disk is short of room"
+                );
+                u64::MAX
+            } else {
+                match file.allocate(to).await {
+                    Ok(()) => to,
+                    Err(e) => {
+                        tracing::debug!("reserving segment blocks failed: {e}");
+                        // A reservation cut short (ENOSPC) can keep what it
+                        // took: give it back.
+                        if let Err(e) = file.truncate(had).await {
+                            tracing::debug!("giving back a failed reservation: {e}");
+                        }
+                        u64::MAX
+                    }
                 }
             };
             let mut i = self.inner.borrow_mut();

@@ -1724,3 +1724,46 @@ fn a_cold_read_served_from_a_chunk_read_after_the_log_grew_stops_at_its_own_end(
         }
     });
 }
+
+/// Blocks are reserved ahead of the writes only while the disk has room to
+/// spare beyond the free space the broker keeps in hand: a reservation
+/// takes its step at once, from the room that publishes admitted against
+/// the free space will write into.
+#[test]
+fn no_blocks_are_reserved_ahead_on_a_disk_short_of_room() {
+    let cfg = LogConfig {
+        preallocate: true,
+        preallocate_step: 1 << 20,
+        min_free_bytes: 4 << 20,
+        ..LogConfig::default()
+    };
+    let seg = Path::new("/d/t/n/s/0/00000000000000000000.log");
+    // (free bytes, reserved ahead?): the first small round reserves 512 KiB
+    // (its page and the zeros written ahead of it, to the next power of
+    // two), so it needs 1 MiB free beyond the 4 MiB floor.
+    let floor = 4 << 20;
+    for (free, reserves) in [
+        (1 << 30, true),
+        (floor + (1 << 20), true),
+        (floor + (1 << 20) - 4096, false),
+    ] {
+        let storage = SimStorage::new();
+        storage.set_space(free, 1 << 40);
+        block_on(async {
+            let log = open(&storage, &cfg).await;
+            log.append(&[RecordIn {
+                payload: Bytes::from(vec![1u8; 100]),
+                ..Default::default()
+            }])
+            .unwrap();
+            log.flush().await.unwrap();
+            let len = storage.file_len(seg).unwrap();
+            if reserves {
+                assert_eq!(len, 512 << 10, "free {free}");
+            } else {
+                assert_eq!(len, 4096, "free {free}: reserved on a disk short of room");
+            }
+            assert_eq!(read_all(&log, Offset::ZERO).await.len(), 1);
+        });
+    }
+}

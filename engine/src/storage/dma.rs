@@ -86,8 +86,15 @@ async fn permit(depth: &Depth) -> io::Result<InFlight<'_>> {
     })
 }
 
+/// The error as an `io::Error`: the operating system's own (its text and
+/// errno, e.g. "No space left on device (os error 28)") where there is one,
+/// not glommio's debug rendering of the operation around it.
 fn gio<T>(e: glommio::GlommioError<T>) -> io::Error {
-    io::Error::other(e.to_string())
+    match e {
+        glommio::GlommioError::IoError(e)
+        | glommio::GlommioError::EnhancedIoError { source: e, .. } => e,
+        other => io::Error::other(other.to_string()),
+    }
 }
 
 async fn blocking<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> R {
@@ -106,10 +113,8 @@ impl Storage for DmaStorage {
             .dma_open(path)
             .await
             .map_err(|e| {
-                io::Error::new(
-                    io::Error::from(e).kind(),
-                    format!("open {}", path.display()),
-                )
+                let e = gio(e);
+                io::Error::new(e.kind(), format!("open {}: {e}", path.display()))
             })?;
         // The one statx of this file: from here its size is tracked by
         // the writes, reservations and truncations made through it.
@@ -159,6 +164,10 @@ impl Storage for DmaStorage {
         blocking(move || write_atomic_blocking(&p, &data)).await
     }
 
+    fn space(&self, path: &Path) -> io::Result<(u64, u64)> {
+        statvfs(path)
+    }
+
     async fn read_file(&self, path: &Path) -> io::Result<Option<Vec<u8>>> {
         let p = path.to_path_buf();
         blocking(move || match std::fs::read(p) {
@@ -167,6 +176,24 @@ impl Storage for DmaStorage {
             Err(e) => Err(e),
         })
         .await
+    }
+}
+
+fn statvfs(path: &Path) -> io::Result<(u64, u64)> {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a path with a NUL byte"))?;
+    // SAFETY: statvfs fills the zeroed struct we own from a NUL-terminated
+    // path.
+    unsafe {
+        let mut st: libc::statvfs = std::mem::zeroed();
+        if libc::statvfs(c.as_ptr(), &mut st) != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let unit = st.f_frsize as u64;
+        Ok((
+            (st.f_bavail as u64).saturating_mul(unit),
+            (st.f_blocks as u64).saturating_mul(unit),
+        ))
     }
 }
 

@@ -54,6 +54,23 @@ pub trait Storage: Clone + 'static {
     async fn write_file_atomic(&self, path: &Path, data: &[u8]) -> io::Result<()>;
     /// Whole contents of a small file, or `None` if it does not exist.
     async fn read_file(&self, path: &Path) -> io::Result<Option<Vec<u8>>>;
+    /// Bytes free (to an unprivileged writer) and in all on the filesystem
+    /// holding `path` (a `statvfs`: cheap, and asked rarely).
+    fn space(&self, path: &Path) -> io::Result<(u64, u64)>;
+}
+
+/// The free space a broker keeps in hand on a disk of `total` bytes:
+/// `configured` (`storage.min_free_bytes`), or when that is 0 the smaller of
+/// 256 MiB and 5 % of the disk. Publishes are refused below it, and the log
+/// reserves blocks ahead of its writes only well above it.
+pub fn free_space_floor(configured: u64, total: u64) -> u64 {
+    const AUTO_BYTES: u64 = 256 << 20;
+    const AUTO_PERCENT: u64 = 5;
+    if configured > 0 {
+        configured
+    } else {
+        AUTO_BYTES.min(total / 100 * AUTO_PERCENT)
+    }
 }
 
 /// One open file. Appends are the log's job; the file only does aligned I/O.

@@ -83,6 +83,8 @@ struct Disk {
     /// tests can interleave other work with an I/O in flight.
     yielding: bool,
     bytes_written: u64,
+    /// What `space` answers (free, total); a roomy disk unless set.
+    space: Option<(u64, u64)>,
 }
 
 impl Disk {
@@ -179,6 +181,11 @@ impl SplitMix {
 impl SimStorage {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Make `space` answer `free` bytes free of `total`.
+    pub fn set_space(&self, free: u64, total: u64) {
+        self.disk.borrow_mut().space = Some((free, total));
     }
 
     /// The `n`th write from now (1 = the next one) fails with an I/O error.
@@ -609,6 +616,10 @@ impl Storage for SimStorage {
             },
         );
         Ok(())
+    }
+
+    fn space(&self, _path: &Path) -> io::Result<(u64, u64)> {
+        Ok(self.disk.borrow().space.unwrap_or((1 << 50, 1 << 50)))
     }
 
     async fn read_file(&self, path: &Path) -> io::Result<Option<Vec<u8>>> {

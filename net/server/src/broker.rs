@@ -290,6 +290,7 @@ impl<S: Storage> Core<S> {
             max_queued_bytes: c.max_queued_bytes,
             preallocate: c.preallocate_bytes > 0,
             preallocate_step: c.preallocate_bytes,
+            min_free_bytes: c.min_free_bytes,
             ..LogConfig::default()
         }
     }

@@ -18,11 +18,6 @@ use std::time::Duration;
 /// How often each core looks at the disk.
 pub(crate) const REFRESH: Duration = Duration::from_millis(100);
 
-/// The automatic reserve: the smaller of this and [`AUTO_RESERVE_PERCENT`]
-/// of the filesystem.
-const AUTO_RESERVE_BYTES: u64 = 256 << 20;
-const AUTO_RESERVE_PERCENT: u64 = 5;
-
 pub(crate) struct DiskGuard {
     dir: Option<CString>,
     configured: u64,
@@ -84,11 +79,7 @@ impl DiskGuard {
 
     /// Take in a look at the disk: `avail` bytes free of `total`.
     fn looked(&self, avail: u64, total: u64) -> Option<bool> {
-        let reserve = if self.configured > 0 {
-            self.configured
-        } else {
-            AUTO_RESERVE_BYTES.min(total / 100 * AUTO_RESERVE_PERCENT)
-        };
+        let reserve = felix_engine::storage::free_space_floor(self.configured, total);
         self.free.set(avail);
         self.reserve.set(reserve);
         self.since.set(0);
