@@ -48,6 +48,22 @@ impl StreamMeta {
         text
     }
 
+    /// The metadata a deletion writes first: the stream is gone from then
+    /// on, and its files may be removed (see [`Meta::Deleted`]).
+    pub fn encode_deleted(&self) -> String {
+        format!("{}deleted = true\n", self.encode())
+    }
+
+    /// Read a metadata file: a stream, or one being deleted.
+    pub fn read(name: StreamName, text: &str) -> Result<Meta, String> {
+        let t: toml::Table = text.parse().map_err(|e| format!("not valid TOML: {e}"))?;
+        match t.get("deleted") {
+            None | Some(toml::Value::Boolean(false)) => Ok(Meta::Stream(Self::decode(name, text)?)),
+            Some(toml::Value::Boolean(true)) => Ok(Meta::Deleted),
+            Some(v) => Err(format!("`deleted` = {v} is not true or false")),
+        }
+    }
+
     pub fn decode(name: StreamName, text: &str) -> Result<StreamMeta, String> {
         let t: toml::Table = text.parse().map_err(|e| format!("not valid TOML: {e}"))?;
         let int = |k: &str| -> Result<u64, String> {
@@ -81,6 +97,23 @@ impl StreamMeta {
     }
 }
 
+/// What a stream's metadata file says.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Meta {
+    Stream(StreamMeta),
+    /// A deletion began (it writes this first, then removes the files, then
+    /// the directory): not a stream, and its files may go.
+    Deleted,
+}
+
+/// The streams found at start-up, and those whose metadata cannot be read:
+/// they are not served, and their files are kept.
+#[derive(Debug, Default)]
+pub struct Loaded {
+    pub streams: Vec<StreamMeta>,
+    pub damaged: Vec<(StreamName, String)>,
+}
+
 pub fn stream_dir(data_dir: &Path, name: &StreamName) -> PathBuf {
     data_dir
         .join(name.tenant())
@@ -97,47 +130,126 @@ pub fn shard_dir(data_dir: &Path, name: &StreamName, shard: u32) -> PathBuf {
 ///
 /// A stream is a `<tenant>/<namespace>/<stream>` directory holding a
 /// [`META_FILE`]. A directory without one (a creation that did not complete,
-/// or a deletion cut short) is not a stream; files where directories would
-/// be (the broker's lock file) are passed over. Metadata that does not
-/// parse, or a stream directory whose name is not a valid stream name, fails
-/// the load naming the file: the broker must not start without a stream it
-/// holds data for.
-pub async fn load<S: Storage>(storage: &S, data_dir: &Path) -> Result<Vec<StreamMeta>, String> {
-    let mut out = Vec::new();
+/// or files whose metadata was lost) or with one that says `deleted` (a
+/// deletion cut short) is not a stream; files where directories would be
+/// (the broker's lock file) are passed over. Metadata that does not read is
+/// reported in [`Loaded::damaged`], so that the broker serves every other
+/// stream while refusing that one (and never clears its files). Only an
+/// error listing the directories fails the load.
+pub async fn load<S: Storage>(storage: &S, data_dir: &Path) -> Result<Loaded, String> {
+    let mut out = Loaded::default();
     for (t, tp) in subdirs(storage, data_dir).await? {
         for (n, np) in subdirs(storage, &tp).await? {
             for (s, sp) in subdirs(storage, &np).await? {
                 let meta_path = sp.join(META_FILE);
                 let bytes = match storage.read_file(&meta_path).await {
-                    Ok(Some(b)) => b,
-                    Ok(None) => {
-                        // Not a stream, but its files take space: say so
-                        // once per directory (never removed unasked).
-                        if storage.list_dir(&sp).await.is_ok_and(|v| !v.is_empty()) {
-                            tracing::warn!(
-                                "{}: files of a stream without its {META_FILE} (a deletion or \
-                                 creation cut short, or the file was removed): not a stream; \
-                                 creating {t}/{n}/{s} again clears them, or remove the directory",
-                                sp.display()
-                            );
+                    Ok(Some(b)) => Some(b),
+                    Ok(None) => None,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotADirectory => continue,
+                    Err(e) => {
+                        // Unreadable (permissions, an I/O error): kept, and
+                        // refused, like damaged metadata.
+                        match StreamName::new(&t, &n, &s) {
+                            Ok(name) => out
+                                .damaged
+                                .push((name, format!("{}: {e}", meta_path.display()))),
+                            Err(_) => tracing::warn!("{}: {e}", meta_path.display()),
                         }
                         continue;
                     }
-                    Err(e) if e.kind() == std::io::ErrorKind::NotADirectory => continue,
-                    Err(e) => return Err(format!("{}: {e}", meta_path.display())),
                 };
-                let text = String::from_utf8(bytes)
-                    .map_err(|_| format!("{}: not UTF-8 text", meta_path.display()))?;
-                let name =
-                    StreamName::new(&t, &n, &s).map_err(|e| format!("{}: {e}", sp.display()))?;
-                let meta = StreamMeta::decode(name, &text)
-                    .map_err(|e| format!("{}: {e}", meta_path.display()))?;
-                out.push(meta);
+                let Ok(name) = StreamName::new(&t, &n, &s) else {
+                    if bytes.is_some() {
+                        tracing::warn!(
+                            "{}: stream metadata under a directory whose name is not a stream \
+                             name; passed over",
+                            meta_path.display()
+                        );
+                    }
+                    continue;
+                };
+                let read = bytes.map(|b| match String::from_utf8(b) {
+                    Ok(text) => StreamMeta::read(name.clone(), &text),
+                    Err(_) => Err("not UTF-8 text".to_string()),
+                });
+                match read {
+                    Some(Ok(Meta::Stream(meta))) => {
+                        warn_extra_shards(storage, &sp, &meta).await;
+                        out.streams.push(meta);
+                    }
+                    Some(Err(e)) => out
+                        .damaged
+                        .push((name, format!("{}: {e}", meta_path.display()))),
+                    Some(Ok(Meta::Deleted)) | None => {
+                        // Not a stream, but its files take space: say so
+                        // once per directory (never removed unasked).
+                        let what = if read.is_some() {
+                            "a deletion cut short"
+                        } else {
+                            "files of a stream without its metadata (a creation cut short, or \
+                             the file was lost)"
+                        };
+                        if storage
+                            .list_dir(&sp)
+                            .await
+                            .is_ok_and(|v| v.len() > usize::from(read.is_some()))
+                        {
+                            tracing::warn!(
+                                "{}: {what}: not a stream; see docs/operations.md (Recovery) \
+                                 before creating {t}/{n}/{s} again or removing the directory",
+                                sp.display()
+                            );
+                        }
+                    }
+                }
             }
         }
     }
-    out.sort_by(|a, b| a.name.cmp(&b.name));
+    out.streams.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(out)
+}
+
+/// Say so when a stream's directory holds shard directories past its shard
+/// count (its metadata edited by hand?): their records are not served.
+async fn warn_extra_shards<S: Storage>(storage: &S, dir: &Path, meta: &StreamMeta) {
+    let Ok(names) = storage.list_dir(dir).await else {
+        return;
+    };
+    let extra: Vec<u32> = names
+        .iter()
+        .filter_map(|n| n.parse::<u32>().ok())
+        .filter(|s| *s >= meta.shards)
+        .collect();
+    if !extra.is_empty() {
+        tracing::warn!(
+            "{}: shard directories {extra:?} are past the stream's {} shards ({META_FILE}); \
+             their records are not served",
+            dir.display(),
+            meta.shards
+        );
+    }
+}
+
+/// Whether a stream directory holds any segment file (`<shard>/*.log`):
+/// records that a creation must not clear without a word.
+pub async fn holds_segments<S: Storage>(storage: &S, dir: &Path) -> std::io::Result<bool> {
+    let names = match storage.list_dir(dir).await {
+        Ok(v) => v,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(e),
+    };
+    for n in names {
+        if n.parse::<u32>().is_err() {
+            continue;
+        }
+        match storage.list_dir(&dir.join(&n)).await {
+            Ok(files) if files.iter().any(|f| f.ends_with(".log")) => return Ok(true),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotADirectory => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(false)
 }
 
 /// The entries of directory `p` with their paths; nothing if `p` is missing
@@ -249,7 +361,8 @@ mod tests {
             .unwrap()
             .join()
             .unwrap();
-        assert!(found.unwrap().is_empty());
+        let found = found.unwrap();
+        assert!(found.streams.is_empty() && found.damaged.is_empty());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -281,8 +394,9 @@ mod tests {
     }
 
     /// Loading the catalog on the simulated disk: streams with metadata are
-    /// found in order, half-made ones and stray files are passed over, and
-    /// metadata that does not parse fails the load naming the file.
+    /// found in order, half-made and half-deleted ones and stray files are
+    /// passed over, and metadata that does not read is reported (naming the
+    /// file) while every other stream loads.
     #[test]
     fn load_finds_streams_skips_half_made_ones_and_names_a_bad_file() {
         use crate::storage::sim::SimStorage;
@@ -299,7 +413,7 @@ mod tests {
                 incarnation: 0,
             };
             assert!(
-                load(&disk, root).await.unwrap().is_empty(),
+                load(&disk, root).await.unwrap().streams.is_empty(),
                 "no data dir yet"
             );
             for m in [meta("t/n/b", 2), meta("t/n/a", 1), meta("u/m/c", 3)] {
@@ -314,20 +428,41 @@ mod tests {
             disk.write_file_atomic(&root.join(LOCK_FILE), b"123\n")
                 .await
                 .unwrap();
-            let got = load(&disk, root).await.unwrap();
-            let names: Vec<String> = got.iter().map(|m| m.name.to_string()).collect();
-            assert_eq!(names, ["t/n/a", "t/n/b", "u/m/c"]);
-            assert_eq!(got[2], meta("u/m/c", 3));
-
-            let bad = root.join("t/n/b").join(META_FILE);
-            disk.write_file_atomic(&bad, b"shards = many")
+            // A deletion cut short.
+            let gone = meta("t/n/gone", 1);
+            disk.create_dir_all(&gone.dir(root).join("0"))
                 .await
                 .unwrap();
-            let err = load(&disk, root).await.unwrap_err();
-            assert!(err.contains(&bad.display().to_string()), "{err}");
-            disk.write_file_atomic(&bad, &[0xff, 0xfe]).await.unwrap();
-            let err = load(&disk, root).await.unwrap_err();
-            assert!(err.contains("not UTF-8"), "{err}");
+            disk.write_file_atomic(
+                &gone.dir(root).join(META_FILE),
+                gone.encode_deleted().as_bytes(),
+            )
+            .await
+            .unwrap();
+            let got = load(&disk, root).await.unwrap();
+            let names: Vec<String> = got.streams.iter().map(|m| m.name.to_string()).collect();
+            assert_eq!(names, ["t/n/a", "t/n/b", "u/m/c"]);
+            assert_eq!(got.streams[2], meta("u/m/c", 3));
+            assert!(got.damaged.is_empty());
+
+            // Metadata that does not read: that stream is reported, the
+            // others still load.
+            let bad = root.join("t/n/b").join(META_FILE);
+            for (bytes, says) in [
+                (&b"shards = many"[..], "not valid TOML"),
+                (&[0xff, 0xfe][..], "not UTF-8"),
+                (&b"version = 1\nshards = 2\ndeleted = 3\n"[..], "`deleted`"),
+            ] {
+                disk.write_file_atomic(&bad, bytes).await.unwrap();
+                let got = load(&disk, root).await.unwrap();
+                let names: Vec<String> = got.streams.iter().map(|m| m.name.to_string()).collect();
+                assert_eq!(names, ["t/n/a", "u/m/c"]);
+                assert_eq!(got.damaged.len(), 1);
+                let (name, why) = &got.damaged[0];
+                assert_eq!(name.to_string(), "t/n/b");
+                assert!(why.contains(&bad.display().to_string()), "{why}");
+                assert!(why.contains(says), "{why}");
+            }
         });
     }
 }

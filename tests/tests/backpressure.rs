@@ -614,3 +614,70 @@ async fn an_unfinished_frame_is_counted_and_cut_off() {
     .expect("what the frame held was freed");
     drop(trickler);
 }
+
+/// A decoded request can take many times its frame: a publish of records
+/// each carrying 1,024 empty headers about eleven times. A connection that
+/// holds nothing goes ahead with one request past the core's budget, but
+/// the requests let through that way share an overdraft of a quarter of
+/// the budget: while they hold it, such connections wait for one of them
+/// to finish, instead of each adding its decoded request to what the core
+/// holds. Every publish is still served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_past_the_core_budget_share_a_bounded_overdraft() {
+    const BUDGET: u64 = 32 << 20;
+    const PINNING: u64 = 2;
+    const PUBLISHERS: u64 = 32;
+    let b = felix_tests::start_broker!(BrokerOptions::default()
+        .cores(1)
+        .env("FELIX_MAX_BUFFERED_BYTES_PER_CORE", BUDGET));
+    let _c = big_stream(&b, 8).await;
+    // Clients that ask for far more than they read: their answers fill the
+    // budget, and their later reads stay in flight waiting for room.
+    let mut pinning = Vec::new();
+    for i in 0..PINNING {
+        let (rd, mut wr) = raw_connection(&b.addr, &format!("pins-{i}")).await;
+        wr.write_all(&big_reads(200)).await.unwrap();
+        pinning.push((rd, wr));
+    }
+    felix_tests::wait_until(Duration::from_secs(10), || {
+        b.metric("felix_core_buffered_bytes") >= BUDGET as f64
+    })
+    .expect("the budget filled");
+    // Publishers of about 1 MiB frames that decode to about 11 MiB.
+    let records: Vec<RecordIn> = (0..170)
+        .map(|_| RecordIn {
+            headers: vec![(String::new(), bytes::Bytes::new()); 1024],
+            payload: bytes::Bytes::from_static(b"x"),
+            ..Default::default()
+        })
+        .collect();
+    let mut sends = Vec::new();
+    for _ in 0..PUBLISHERS {
+        let c = Client::connect(b.addr.as_str(), ClientConfig::default())
+            .await
+            .unwrap();
+        let records = records.clone();
+        sends.push(tokio::spawn(async move {
+            c.publish_batch("t", "ns", "big", 0, records).await
+        }));
+    }
+    // Every publish is served, one overdraft at a time.
+    for s in sends {
+        let p = s.await.unwrap().expect("the publish was served");
+        assert_eq!(p.count, 170);
+    }
+    // The budget, the answer each pinning connection took past it, the
+    // overdraft and the decoded publish that crossed it (the other
+    // publishers' frames wait in their sockets). Without the overdraft's
+    // bound each publisher that found the core at its budget went ahead and
+    // added its decoded publish (96 MiB here).
+    let peak = b.metric("felix_core_buffered_bytes_peak") as u64;
+    let bound = BUDGET + BUDGET / 4 + PINNING * (5 << 20) + (16 << 20);
+    assert!(
+        peak <= bound,
+        "the core held {} MiB (bound {} MiB)",
+        peak >> 20,
+        bound >> 20
+    );
+    drop(pinning);
+}

@@ -1301,6 +1301,123 @@ async fn sigterm_finishes_in_flight_requests_before_exit() {
     }
 }
 
+/// Requests that reach the broker while it stops are answered, not dropped
+/// with the connection: those it had taken finish (and are stored), those
+/// it reads after the signal are refused with `unavailable` "shutting down"
+/// (and are not stored), so the client knows the fate of each. A client
+/// that goes on writing after the broker's last read still loses those
+/// (the connection closes under it), and none of them is stored either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_read_while_the_broker_stops_are_refused_not_dropped() {
+    use felix_wire::{AckMode, PublishTarget, Request, Response, StreamRef};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let broker = felix_tests::start_broker!(BrokerOptions::default().cores(1));
+    let c = client(&broker).await;
+    c.create_stream("t", "ns", "stop", 1, StreamOptions::default())
+        .await
+        .unwrap();
+    drop(c);
+    let mut s = tokio::net::TcpStream::connect(&broker.addr).await.unwrap();
+    assert!(matches!(
+        raw_call(&mut s, 1, &hello(None, felix_wire::PROTOCOL_VERSION)).await,
+        Response::HelloOk { .. }
+    ));
+    let (mut rd, mut wr) = s.into_split();
+    // Publishes of 10 records, written 50 at a time until the connection
+    // closes.
+    let writer = tokio::spawn(async move {
+        let mut id = 2u64;
+        loop {
+            let mut frames = bytes::BytesMut::new();
+            for _ in 0..50 {
+                let req = Request::Publish {
+                    stream: StreamRef::new("t", "ns", "stop"),
+                    target: PublishTarget::Shard(0),
+                    ack: AckMode::Default,
+                    records: (0..10)
+                        .map(|i| RecordIn {
+                            payload: Bytes::from(format!("{id}-{i}")),
+                            ..Default::default()
+                        })
+                        .collect(),
+                };
+                felix_wire::encode_request(id, &req, &mut frames);
+                id += 1;
+            }
+            if wr.write_all(&frames).await.is_err() || id > 1_000_000 {
+                return id;
+            }
+        }
+    });
+    // Stop the broker once 500 answers came; read until it closes.
+    let mut broker = Some(broker);
+    let mut stopped = None;
+    let mut buf = bytes::BytesMut::new();
+    let mut got = Vec::new();
+    loop {
+        while let Some(frame) = felix_wire::decode_response(&mut buf, 64 << 20).unwrap() {
+            got.push(frame);
+        }
+        if got.len() >= 500 && stopped.is_none() {
+            let mut b = broker.take().unwrap();
+            stopped = Some(tokio::task::spawn_blocking(move || {
+                let status = b.terminate();
+                (b, status)
+            }));
+        }
+        let mut chunk = [0u8; 65536];
+        match tokio::time::timeout(Duration::from_secs(20), rd.read(&mut chunk))
+            .await
+            .expect("the broker kept the connection open")
+        {
+            Ok(0) => break,
+            Err(e) => panic!("the connection was reset, answers lost with it: {e}"),
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+    let sent = writer.await.unwrap() - 2;
+    let mut stored = Vec::new();
+    let mut refused = 0;
+    for (id, r) in &got {
+        match r {
+            Response::Published {
+                base_offset, count, ..
+            } => {
+                assert_eq!(*count, 10);
+                stored.push((*base_offset, *id));
+            }
+            Response::Error(e) => {
+                assert_eq!(e.code, ErrorCode::Unavailable, "{e:?}");
+                assert!(e.message.contains("shutting down"), "{e:?}");
+                refused += 1;
+            }
+            other => panic!("request {id}: {other:?}"),
+        }
+    }
+    assert!(
+        refused > 0,
+        "none of {sent} requests sent was refused ({} acknowledged)",
+        stored.len()
+    );
+    let (mut broker, status) = stopped.unwrap().await.unwrap();
+    assert!(status.success(), "exit status {status:?}");
+    broker.restart();
+    let c = client(&broker).await;
+    let recs = read_shard(&c, "stop", 0).await;
+    assert_eq!(
+        recs.len(),
+        stored.len() * 10,
+        "stored: exactly the acknowledged"
+    );
+    for (base, id) in &stored {
+        for i in 0..10u64 {
+            let (off, payload) = &recs[(base + i) as usize];
+            assert_eq!(*off, base + i);
+            assert_eq!(payload, &Bytes::from(format!("{id}-{i}")));
+        }
+    }
+}
+
 /// SIGINT (Ctrl-C) shuts down like SIGTERM: a long-polling read in flight
 /// is answered (empty, not cut off), the broker exits 0, and after a
 /// restart every acknowledged record is there.
@@ -1464,30 +1581,45 @@ async fn an_in_memory_broker_says_so_at_start() {
     );
 }
 
-/// A stream deleted by a crash half-way (its metadata gone, its files not
-/// yet) does not come back, and a stream created again under its name
-/// starts empty rather than with the old records.
+/// A deletion writes the stream's metadata as `deleted` before it removes
+/// the files: cut short there (a crash), the stream does not come back, and
+/// a stream created again under its name starts empty rather than with the
+/// old records. Records whose metadata is simply missing are different:
+/// they may be all that is left of a live stream, so a create under that
+/// name is refused (naming the directory) and they are kept, and putting
+/// the metadata back brings the stream back whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_recreated_stream_never_shows_a_deleted_streams_records() {
     let mut broker = felix_tests::start_broker!(BrokerOptions::default().cores(1));
     let c = client(&broker).await;
-    c.create_stream("t", "ns", "again", 1, StreamOptions::default())
-        .await
-        .unwrap();
-    for i in 0..5 {
-        c.publish("t", "ns", "again", 0, format!("old-{i}"))
+    for name in ["again", "lost"] {
+        c.create_stream("t", "ns", name, 1, StreamOptions::default())
             .await
             .unwrap();
+        for i in 0..5 {
+            c.publish("t", "ns", name, 0, format!("old-{i}"))
+                .await
+                .unwrap();
+        }
     }
     drop(c);
-    // The crash: metadata removed, shard files still there.
     broker.kill9();
-    let dir = broker.data_dir().unwrap().join("t/ns/again");
-    std::fs::remove_file(dir.join("stream.meta")).unwrap();
-    assert!(dir.exists());
+    let data = broker.data_dir().unwrap().to_path_buf();
+    // The crash of a deletion: metadata marked deleted, files still there.
+    let again = data.join("t/ns/again/stream.meta");
+    let mut text = std::fs::read_to_string(&again).unwrap();
+    text.push_str("deleted = true\n");
+    std::fs::write(&again, text).unwrap();
+    // Lost metadata: files without it.
+    let lost = data.join("t/ns/lost/stream.meta");
+    let saved = std::fs::read(&lost).unwrap();
+    std::fs::remove_file(&lost).unwrap();
     broker.restart();
     let c = client(&broker).await;
-    assert!(c.describe_stream("t", "ns", "again").await.is_err());
+    for name in ["again", "lost"] {
+        let err = c.describe_stream("t", "ns", name).await.unwrap_err();
+        assert_eq!(err.code(), Some(ErrorCode::NotFound), "{name}: {err}");
+    }
     c.create_stream("t", "ns", "again", 1, StreamOptions::default())
         .await
         .unwrap();
@@ -1501,6 +1633,25 @@ async fn a_recreated_stream_never_shows_a_deleted_streams_records() {
         r.records.len()
     );
     assert_eq!(c.publish("t", "ns", "again", 0, "new").await.unwrap(), 0);
+
+    let err = c
+        .create_stream("t", "ns", "lost", 1, StreamOptions::default())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::Unavailable), "{err}");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("t/ns/lost") && msg.contains("not cleared"),
+        "{msg}"
+    );
+    drop(c);
+    broker.kill9();
+    std::fs::write(&lost, saved).unwrap();
+    broker.restart();
+    let c = client(&broker).await;
+    let recs = read_shard(&c, "lost", 0).await;
+    assert_eq!(recs.len(), 5);
+    assert_eq!(recs[4], (4, Bytes::from_static(b"old-4")));
 }
 
 /// A second broker pointed at a data directory a running broker uses is
@@ -1653,68 +1804,57 @@ async fn a_missing_shard_directory_is_refused_not_started_again_at_zero() {
     );
 }
 
-/// Stream metadata is validated on start: a broker whose data directory
-/// holds a stream with a garbled `stream.meta` refuses to start, exits
-/// non-zero and names the file, rather than serving the stream as
-/// something it is not or silently dropping it.
+/// Stream metadata is validated on start: a stream whose `stream.meta` does
+/// not read is not served (each request for it, a create of its name
+/// included, is refused with `unavailable` naming the file), its files are
+/// kept, and every other stream is served. Repairing the file and
+/// restarting brings it back whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_garbled_stream_meta_stops_the_broker_at_start_naming_the_file() {
-    use std::io::Read;
-    use std::process::Stdio;
+async fn a_garbled_stream_meta_refuses_that_stream_only_and_keeps_its_files() {
     let mut broker = felix_tests::start_broker!(BrokerOptions::default().cores(1));
     let c = client(&broker).await;
-    c.create_stream("t", "ns", "garbled", 2, StreamOptions::default())
-        .await
-        .unwrap();
-    c.publish("t", "ns", "garbled", 0, "kept").await.unwrap();
+    for name in ["garbled", "fine"] {
+        c.create_stream("t", "ns", name, 2, StreamOptions::default())
+            .await
+            .unwrap();
+        c.publish("t", "ns", name, 0, "kept").await.unwrap();
+    }
     drop(c);
     assert!(broker.terminate().success());
     let data_dir = broker.data_dir().unwrap().to_path_buf();
     let meta = data_dir.join("t/ns/garbled/stream.meta");
-    assert!(meta.exists(), "no metadata at {}", meta.display());
+    let saved = std::fs::read(&meta).unwrap();
     std::fs::write(&meta, b"shards = many\n\x7f garbage {{{\n").unwrap();
-
-    let mut child = felix_tests::broker_command!(Some(&data_dir), "127.0.0.1:0")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start broker");
-    // A deadline, not a timing assertion: a broker that started anyway
-    // would run until killed.
-    let mut status = None;
-    let exited = felix_tests::wait_until(felix_tests::START_DEADLINE, || {
-        status = child.try_wait().expect("try_wait");
-        status.is_some()
-    });
-    if exited.is_err() {
-        let _ = child.kill();
-        let _ = child.wait();
+    broker.restart();
+    let c = client(&broker).await;
+    let refusals = [
+        c.describe_stream("t", "ns", "garbled").await.map(|_| ()),
+        c.read("t", "ns", "garbled", 0, StartPosition::Earliest, 10, None)
+            .await
+            .map(|_| ()),
+        c.publish("t", "ns", "garbled", 0, "x").await.map(|_| ()),
+        c.create_stream("t", "ns", "garbled", 2, StreamOptions::default())
+            .await
+            .map(|_| ()),
+        c.delete_stream("t", "ns", "garbled").await,
+    ];
+    for r in refusals {
+        let err = r.expect_err("a request for the garbled stream");
+        assert_eq!(err.code(), Some(ErrorCode::Unavailable), "{err}");
+        assert!(
+            err.to_string().contains(&meta.display().to_string()),
+            "{err}"
+        );
     }
-    let (mut out, mut err) = (String::new(), String::new());
-    child
-        .stdout
-        .take()
-        .unwrap()
-        .read_to_string(&mut out)
-        .unwrap();
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .unwrap();
-    let status = status.unwrap_or_else(|| {
-        panic!("the broker started on garbled metadata:\nstdout:\n{out}\nstderr:\n{err}")
-    });
-    assert!(!status.success(), "exit {status:?}\nstderr:\n{err}");
-    assert!(
-        err.contains(&meta.display().to_string()),
-        "the error does not name {}:\n{err}",
-        meta.display()
-    );
-    assert!(
-        !out.contains("felix: listening on"),
-        "it announced an address:\n{out}"
+    assert_eq!(read_shard(&c, "fine", 0).await.len(), 1);
+    drop(c);
+    assert!(broker.terminate().success());
+    std::fs::write(&meta, saved).unwrap();
+    broker.restart();
+    let c = client(&broker).await;
+    assert_eq!(
+        read_shard(&c, "garbled", 0).await,
+        vec![(0, Bytes::from_static(b"kept"))]
     );
 }
 

@@ -76,6 +76,9 @@ struct Disk {
     /// Calls of `remove_file` and `remove_dir_all` so far, and the one to fail.
     removes: u64,
     fail_remove_on: Option<u64>,
+    /// Calls of `write_file_atomic` so far, and the one to fail.
+    atomic_writes: u64,
+    fail_atomic_write_on: Option<u64>,
     /// Calls of `sync_dir` so far, and the one to fail.
     dir_syncs: u64,
     fail_dir_sync_on: Option<u64>,
@@ -205,6 +208,13 @@ impl SimStorage {
     pub fn fail_remove_after(&self, n: u64) {
         let mut d = self.disk.borrow_mut();
         d.fail_remove_on = Some(d.removes + n);
+    }
+
+    /// The `n`th `write_file_atomic` from now (1 = the next one) fails
+    /// with an I/O error and changes nothing.
+    pub fn fail_atomic_write_after(&self, n: u64) {
+        let mut d = self.disk.borrow_mut();
+        d.fail_atomic_write_on = Some(d.atomic_writes + n);
     }
 
     /// The `n`th `sync_dir` from now (1 = the next one) fails with an I/O
@@ -603,6 +613,13 @@ impl Storage for SimStorage {
 
     async fn write_file_atomic(&self, path: &Path, data: &[u8]) -> io::Result<()> {
         let mut d = self.disk.borrow_mut();
+        d.atomic_writes += 1;
+        if d.fail_atomic_write_on == Some(d.atomic_writes) {
+            return Err(io::Error::other(format!(
+                "{}: simulated write failure",
+                path.display()
+            )));
+        }
         // Renamed over the name and the directory synced: whatever was
         // removed under that name stays removed.
         d.removed.retain(|(p, _, _)| p != path);

@@ -86,6 +86,9 @@ pub(crate) struct Shared {
     pub cores: u32,
     pub durable: bool,
     pub catalog: Mutex<BTreeMap<StreamName, StreamMeta>>,
+    /// Streams whose metadata did not read at start-up (and why): not
+    /// served, their files kept, and their names refused to a create.
+    pub damaged: BTreeMap<StreamName, String>,
     /// Streams with a create or delete in progress: a second one is refused
     /// with `unavailable` instead of interleaving with the first.
     pub busy: Mutex<std::collections::HashSet<StreamName>>,
@@ -110,6 +113,15 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// The answer for a stream that is not in the catalog: `not_found`,
+    /// unless its metadata is damaged (then it exists, and is refused).
+    pub fn no_stream(&self, name: &StreamName) -> Response {
+        match self.damaged.get(name) {
+            Some(why) => wire_err(ErrorCode::Unavailable, damaged_message(name, why)),
+            None => wire_err(ErrorCode::NotFound, format!("no stream {name}")),
+        }
+    }
+
     pub fn features(&self) -> u64 {
         let mut f = felix_wire::FEATURE_PUBLISH_ACK_MODE;
         if self.durable {
@@ -535,7 +547,7 @@ impl<S: Storage> Core<S> {
                 format!("{stream} is being created or deleted; retry"),
             ))
         } else {
-            Err(wire_err(ErrorCode::NotFound, format!("no stream {stream}")))
+            Err(self.shared.no_stream(&name))
         }
     }
 
@@ -574,6 +586,9 @@ impl<S: Storage> Core<S> {
                 format!("{name} is being created or deleted; retry"),
             );
         };
+        if let Some(why) = self.shared.damaged.get(&name) {
+            return wire_err(ErrorCode::Unavailable, damaged_message(&name, why));
+        }
         let c = &self.shared.config;
         if shards == 0 || shards > c.max_shards {
             return wire_err(
@@ -650,9 +665,11 @@ impl<S: Storage> Core<S> {
         };
         if self.shared.durable {
             let dir = meta.dir(&self.data_dir());
-            // Anything left under the name is from a deleted stream (a
-            // crash after its metadata went but before its files did): it
-            // must not come back as this stream's records.
+            // Anything left under the name must not come back as this
+            // stream's records. A deletion cut short (its metadata says
+            // `deleted`) or a creation cut short (no segment file) is
+            // cleared; records whose metadata is missing or damaged are
+            // not, without a word: they may be all that is left of a stream.
             let leftover = match self.storage.list_dir(&dir).await {
                 Ok(v) => !v.is_empty(),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
@@ -664,6 +681,37 @@ impl<S: Storage> Core<S> {
                 }
             };
             if leftover {
+                let deleted = match self.storage.read_file(&dir.join(catalog::META_FILE)).await {
+                    Ok(Some(b)) => String::from_utf8(b).ok().and_then(|t| {
+                        StreamMeta::read(name.clone(), &t)
+                            .ok()
+                            .map(|m| m == catalog::Meta::Deleted)
+                    }),
+                    Ok(None) => None,
+                    Err(e) => {
+                        return undo(format!(
+                            "cannot read {}: {e}",
+                            dir.join(catalog::META_FILE).display()
+                        ))
+                    }
+                };
+                let clear = match deleted {
+                    Some(deleted) => deleted,
+                    None => match catalog::holds_segments(&self.storage, &dir).await {
+                        Ok(records) => !records,
+                        Err(e) => return undo(format!("cannot look into {}: {e}", dir.display())),
+                    },
+                };
+                if !clear {
+                    return undo(format!(
+                        "{} holds the records of a stream {name} whose metadata ({}) is \
+                         missing or does not read; they are not cleared without a word: \
+                         restore the metadata, or remove the directory to create the stream \
+                         afresh (docs/operations.md, Recovery)",
+                        dir.display(),
+                        catalog::META_FILE
+                    ));
+                }
                 if let Err(e) = self.storage.remove_dir_all(&dir).await {
                     return undo(format!(
                         "cannot clear files left by an earlier {name} in {}: {e}",
@@ -810,7 +858,7 @@ impl<S: Storage> Core<S> {
         };
         let meta = self.shared.catalog.lock().unwrap().remove(&name);
         let Some(meta) = meta else {
-            return wire_err(ErrorCode::NotFound, format!("no stream {name}"));
+            return self.shared.no_stream(&name);
         };
         match self.remove_stream(meta).await {
             Err(answer) => answer,
@@ -837,17 +885,22 @@ impl<S: Storage> Core<S> {
         let mut problems = Vec::new();
         let mut keep_files = false;
         if self.shared.durable {
-            // Metadata first: once it is gone the stream does not come back
-            // after a crash, whatever shard files remain.
+            // Metadata first: once it says `deleted` the stream does not
+            // come back after a crash, whatever shard files remain, and a
+            // create of the name may clear them (files whose metadata is
+            // simply missing it does not clear).
             let dir = meta.dir(&self.data_dir());
             let meta_file = dir.join(catalog::META_FILE);
-            match self.storage.remove_file(&meta_file).await {
+            match self
+                .storage
+                .write_file_atomic(&meta_file, meta.encode_deleted().as_bytes())
+                .await
+            {
                 Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => {
                     // Nothing is deleted yet: the stream stays, whole.
                     tracing::error!(
-                        "cannot delete {name}: removing {}: {e}",
+                        "cannot delete {name}: marking {} deleted: {e}",
                         meta_file.display()
                     );
                     self.shared
@@ -858,7 +911,8 @@ impl<S: Storage> Core<S> {
                     return Err(wire_err(
                         ErrorCode::Internal,
                         format!(
-                            "cannot delete {name}: removing {}: {e}; the stream is unchanged",
+                            "cannot delete {name}: marking {} deleted: {e}; the stream is \
+                             unchanged",
                             meta_file.display()
                         ),
                     ));
@@ -1069,6 +1123,15 @@ impl<S: Storage> Core<S> {
                 "shutdown grace period over with requests in flight"
             );
         }
+        // Then the connections: each answers what it read meanwhile
+        // (refused) and sends its answers before it closes. The process
+        // exits after this, and an answer still queued would be lost with
+        // it, its request carried out or not. A client that reads takes
+        // them in milliseconds; one that does not is not waited for long.
+        let sent_by = deadline.min(std::time::Instant::now() + ANSWERS_GRACE);
+        while self.metrics.connections_open.get() > 0 && std::time::Instant::now() < sent_by {
+            glommio::timer::sleep(Duration::from_millis(5)).await;
+        }
         let shards: Vec<Rc<Shard<S>>> = self
             .streams
             .borrow()
@@ -1081,6 +1144,17 @@ impl<S: Storage> Core<S> {
             }
         }
     }
+}
+
+/// How long a stopping core waits, once its requests are done, for its
+/// connections to send their last answers.
+const ANSWERS_GRACE: Duration = Duration::from_secs(1);
+
+fn damaged_message(name: &StreamName, why: &str) -> String {
+    format!(
+        "stream {name} is not served: its metadata does not read ({why}); its files are kept \
+         as they are (see docs/operations.md, Recovery)"
+    )
 }
 
 fn shared_announce(
@@ -1135,8 +1209,13 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
             crate::cluster::check_membership(d, config.cluster.as_ref())?;
             (load_catalog(d)?, Some(lock))
         }
-        None => (Vec::new(), None),
+        None => (catalog::Loaded::default(), None),
     };
+    for (name, why) in &metas.damaged {
+        tracing::error!("{}", damaged_message(name, why));
+    }
+    let damaged: BTreeMap<StreamName, String> = metas.damaged.iter().cloned().collect();
+    let metas = metas.streams;
     let cores = cpus.len() as u32;
     let mut senders = Vec::new();
     let mut receivers = Vec::new();
@@ -1151,6 +1230,7 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
         cores,
         durable,
         catalog: Mutex::new(metas.iter().map(|m| (m.name.clone(), m.clone())).collect()),
+        damaged,
         busy: Mutex::new(Default::default()),
         senders,
         connections: AtomicUsize::new(0),
@@ -1279,7 +1359,7 @@ fn watch_start_up(shared: Arc<Shared>, kicker: felix_engine::runtime::Kicker) {
 /// Read the stream catalog before the cores start (each core needs it to know
 /// which shards to open), through the same storage seam as every other disk
 /// access, on a short-lived executor of its own.
-fn load_catalog(data_dir: &Path) -> Result<Vec<StreamMeta>, String> {
+fn load_catalog(data_dir: &Path) -> Result<catalog::Loaded, String> {
     let dir = data_dir.to_path_buf();
     glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
         .name("felix-catalog")
@@ -1890,6 +1970,7 @@ mod tests {
             cores: 1,
             durable: true,
             catalog: Mutex::new(BTreeMap::new()),
+            damaged: BTreeMap::new(),
             busy: Mutex::new(Default::default()),
             senders: vec![tx],
             connections: AtomicUsize::new(0),
@@ -1971,7 +2052,13 @@ mod tests {
                     storage.set_yielding(false);
                     storage.crash_lose_unsynced();
                     let _ = core.shared.senders[0].send(CoreMsg::Shutdown);
-                    let meta = storage.file_len(Path::new("/data/t/n/s/stream.meta"));
+                    // The new stream's metadata (not the old one's, marked
+                    // deleted).
+                    let meta = futures_lite::future::block_on(
+                        storage.read_file(Path::new("/data/t/n/s/stream.meta")),
+                    )
+                    .unwrap()
+                    .filter(|m| !String::from_utf8_lossy(m).contains("deleted = true"));
                     if meta.is_some() {
                         assert!(
                             storage.file_len(&seg).unwrap_or(0) == 0,
@@ -2015,8 +2102,8 @@ mod tests {
                 let created = core.create_stream(&stream, 2, None, None, None).await;
                 assert!(matches!(created, Response::Stream(_)), "{created:?}");
 
-                // The metadata file cannot be removed.
-                storage.fail_remove_after(1);
+                // The metadata cannot be marked deleted.
+                storage.fail_atomic_write_after(1);
                 let e = error_of(core.delete_stream(&stream).await);
                 assert_eq!(e.code, ErrorCode::Internal);
                 assert!(
@@ -2029,9 +2116,9 @@ mod tests {
                 assert!(core.shard(&stream, 0).is_ok());
                 assert!(core.shard(&stream, 1).is_ok());
 
-                // Shard 0's files cannot be removed (remove 1 is the
-                // metadata, 2 shard 0, 3 shard 1, 4 the stream directory).
-                storage.fail_remove_after(2);
+                // Shard 0's files cannot be removed (remove 1 is shard 0,
+                // 2 shard 1, 3 the stream directory).
+                storage.fail_remove_after(1);
                 let e = error_of(core.delete_stream(&stream).await);
                 assert_eq!(e.code, ErrorCode::Internal);
                 assert!(e.message.contains("shard t/n/s/0"), "{}", e.message);
@@ -2047,10 +2134,19 @@ mod tests {
                 // The stream directory cannot be removed: deleted, not cleanly.
                 let created = core.create_stream(&stream, 1, None, None, None).await;
                 assert!(matches!(created, Response::Stream(_)), "{created:?}");
-                storage.fail_remove_after(3);
+                storage.fail_remove_after(2);
                 let e = error_of(core.delete_stream(&stream).await);
                 assert!(e.message.contains("removing /data/t/n/s"), "{}", e.message);
-                assert!(!storage.files().iter().any(|f| f.ends_with("stream.meta")));
+                // What is left says the stream is deleted (it does not
+                // come back at a restart), and a create clears it.
+                let left = storage
+                    .read_file(Path::new("/data/t/n/s/stream.meta"))
+                    .await
+                    .unwrap()
+                    .expect("the metadata was left");
+                assert!(String::from_utf8_lossy(&left).contains("deleted = true"));
+                let created = core.create_stream(&stream, 1, None, None, None).await;
+                assert!(matches!(created, Response::Stream(_)), "{created:?}");
             })
             .unwrap()
             .join()

@@ -368,9 +368,11 @@ pub(crate) async fn serve<S: Storage>(
     let max_pending = core.shared.config.max_pending_response_bytes;
     // Once the core is at its budget, a connection that holds something
     // (a request in flight or an unsent answer) waits for room; one that
-    // holds nothing still goes ahead with one request.
+    // holds nothing still goes ahead with one request, unless the requests
+    // let through that way already hold the overdraft (see `memory`).
     let budget_bound = |info: &ConnInfo, outbox: &Outbox| {
-        core.budget.full() && (info.in_flight.get() > 0 || outbox.unsent() > 0)
+        core.budget.full()
+            && (info.in_flight.get() > 0 || outbox.unsent() > 0 || core.budget.overdrawn())
     };
     // Bytes of the read buffer (a frame arriving, frames held back) counted
     // in the core's budget. They count toward it, so that others are held
@@ -402,6 +404,10 @@ pub(crate) async fn serve<S: Storage>(
     // A connection has this long to say HELLO (however slowly its bytes
     // trickle in), so idle sockets cannot hold connection places.
     let hello_by = std::time::Instant::now() + HELLO_TIMEOUT.min(idle);
+    // Stopping: once the requests in flight are done, one last short read
+    // answers what the client had already sent (refused, see `STOPPING`)
+    // rather than leave it unanswered, then the connection closes.
+    let mut last_read = false;
     'conn: loop {
         // Decode the complete frames in the buffer, up to the limits (the
         // rest wait in the buffer until requests finish).
@@ -434,6 +440,10 @@ pub(crate) async fn serve<S: Storage>(
                                 ref client_name,
                                 ..
                             } => {
+                                if core.stopping.get() {
+                                    outbox.push(id, &wire_err(ErrorCode::Unavailable, STOPPING));
+                                    break 'conn;
+                                }
                                 // Credentials first: a client that has not
                                 // authenticated learns nothing and is not
                                 // handed to another core.
@@ -478,6 +488,16 @@ pub(crate) async fn serve<S: Storage>(
                                             outbox.handed_off.set(true);
                                             break 'conn;
                                         }
+                                        // Only a core that is stopping (or
+                                        // gone) takes no hand-off.
+                                        outbox.push(
+                                            id,
+                                            &wire_err(
+                                                ErrorCode::Unavailable,
+                                                format!("core {want} takes no connections now: {STOPPING}"),
+                                            ),
+                                        );
+                                        break 'conn;
                                     }
                                 }
                                 if version == 0 {
@@ -525,6 +545,11 @@ pub(crate) async fn serve<S: Storage>(
                         }
                     }
                     decoded_any = true;
+                    if core.stopping.get() {
+                        core.metrics.count_error(ErrorCode::Unavailable);
+                        outbox.push(id, &wire_err(ErrorCode::Unavailable, STOPPING));
+                        continue;
+                    }
                     spawn_request(&core, &info, &outbox, id, req, frame_len);
                 }
                 Ok(None) => break,
@@ -552,8 +577,17 @@ pub(crate) async fn serve<S: Storage>(
         } else if decoded_any || frame_by.is_none() {
             frame_by = Some(std::time::Instant::now() + frame_time);
         }
-        if core.stopping.get() && info.in_flight.get() == 0 {
-            break;
+        if core.stopping.get() && !held_back {
+            // Nothing more is read until the requests in flight are done
+            // (a client that keeps sending would otherwise have its
+            // refusals crowd out their answers); then one last read.
+            while info.in_flight.get() > 0 && !outbox.closed.get() {
+                futures_lite::future::or(core.lifecycle.wait(), outbox.hangup.wait()).await;
+            }
+            if last_read || !said_hello || outbox.closed.get() {
+                break;
+            }
+            last_read = true;
         }
         // Backpressure: stop reading a connection that has too many requests
         // (or request bytes) in flight or too many unsent response bytes, or
@@ -646,19 +680,36 @@ pub(crate) async fn serve<S: Storage>(
                     .max(Duration::from_millis(1)),
             )
         });
+        // Stopping: short reads, to see the requests in flight finish.
+        let stopping = core.stopping.get();
+        let wait = if stopping {
+            wait.min(STOPPING_READ)
+        } else {
+            wait
+        };
         let read = glommio::timer::timeout(wait, async {
             reader
                 .read(spare)
                 .await
                 .map_err(glommio::GlommioError::from)
         });
+        // The stop cuts a read short once; then the requests decoded from
+        // here on are refused while those in flight finish.
         let stop = async {
-            core.until_stopping().await;
+            if !stopping {
+                core.until_stopping().await;
+            } else {
+                std::future::pending::<()>().await;
+            }
             Err(glommio::GlommioError::<()>::IoError(std::io::Error::other(
                 "stopping",
             )))
         };
         let got = futures_lite::future::or(read, stop).await;
+        if !stopping && core.stopping.get() && got.is_err() {
+            rbuf.truncate(filled);
+            continue;
+        }
         let n = *got.as_ref().unwrap_or(&0);
         rbuf.truncate(filled + n);
         count_buffered(rbuf.len());
@@ -680,6 +731,7 @@ pub(crate) async fn serve<S: Storage>(
                 break;
             }
             Ok(_) => {}
+            Err(glommio::GlommioError::TimedOut(_)) if stopping => {}
             Err(glommio::GlommioError::TimedOut(_)) => {
                 if frame_by.is_some_and(|t| std::time::Instant::now() >= t) {
                     tracing::debug!(
@@ -711,6 +763,9 @@ pub(crate) async fn serve<S: Storage>(
     outbox.drained.wake_all();
     outbox.hangup.wake_all();
     writer.await;
+    if !handed_off {
+        linger(&mut reader).await;
+    }
     core.metrics
         .connections_open
         .set(core.metrics.connections_open.get() - 1);
@@ -721,6 +776,14 @@ pub(crate) async fn serve<S: Storage>(
 
 /// Send the socket to core `to` through its mailbox. False if it could not
 /// go (the connection then stays here).
+/// The answer to a request that arrives while the broker stops: it was not
+/// carried out, and another broker (or this one, restarted) can take it.
+const STOPPING: &str = "the broker is shutting down: this request was not carried out";
+
+/// How long a read waits while the broker stops, between looks at the
+/// requests still in flight.
+const STOPPING_READ: Duration = Duration::from_millis(10);
+
 fn hand_off<S: Storage>(core: &Rc<Core<S>>, sock: &Shared, to: u32, bytes: Vec<u8>) -> bool {
     let Some(tx) = core.shared.senders.get(to as usize) else {
         return false;
@@ -745,6 +808,40 @@ fn hand_off<S: Storage>(core: &Rc<Core<S>>, sock: &Shared, to: u32, bytes: Vec<u
         }
         // The message, and the duplicate with it, is dropped here.
         Err(_) => false,
+    }
+}
+
+/// How long a closing connection waits for its client to close too.
+const LINGER: Duration = Duration::from_millis(500);
+/// Most bytes a closing connection reads and drops meanwhile.
+const LINGER_BYTES: usize = 4 << 20;
+
+/// Once the last answers are queued and the write side is shut (a FIN
+/// after them), read and drop what the client still sends until it closes
+/// too, for at most [`LINGER`]. Closing a socket that has unread bytes makes
+/// the kernel reset the connection and throw away what it had not yet
+/// delivered: the answers to requests carried out, or the error that says
+/// why the connection closes.
+async fn linger(reader: &mut Shared) {
+    let until = std::time::Instant::now() + LINGER;
+    let mut sink = vec![0u8; 16 << 10];
+    let mut dropped = 0;
+    while dropped < LINGER_BYTES {
+        let left = until.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            break;
+        }
+        let read = glommio::timer::timeout(left, async {
+            reader
+                .read(&mut sink)
+                .await
+                .map_err(glommio::GlommioError::from)
+        })
+        .await;
+        match read {
+            Ok(n) if n > 0 => dropped += n,
+            _ => break,
+        }
     }
 }
 
@@ -847,6 +944,12 @@ fn spawn_request<S: Storage>(
     // What the request holds: its frame, and the vectors decoding built
     // (several times the frame for one of empty records or headers).
     let held = frame_len + req.decoded_overhead();
+    // Let through past the budget (this connection held nothing): counted
+    // in the overdraft until it is done.
+    let overdrawn = core.budget.full() && info.in_flight.get() == 0 && outbox.unsent() == 0;
+    if overdrawn {
+        core.budget.overdraw(held);
+    }
     core.in_flight.set(core.in_flight.get() + 1);
     info.in_flight.set(info.in_flight.get() + 1);
     info.in_flight_bytes.set(info.in_flight_bytes.get() + held);
@@ -890,6 +993,9 @@ fn spawn_request<S: Storage>(
         info.in_flight.set(info.in_flight.get() - 1);
         info.in_flight_bytes.set(info.in_flight_bytes.get() - held);
         core.budget.release(held + REQUEST_TASK_BYTES);
+        if overdrawn {
+            core.budget.repay(held);
+        }
         core.lifecycle.wake_all();
     })
     .detach();
@@ -1057,7 +1163,7 @@ async fn handle<S: Storage>(
             let meta = core.shared.catalog.lock().unwrap().get(&name).cloned();
             match meta {
                 Some(m) => with_incarnation(info, Response::Stream(core.stream_info(&m))),
-                None => wire_err(ErrorCode::NotFound, format!("no stream {name}")),
+                None => core.shared.no_stream(&name),
             }
         }
         Request::ListStreams { tenant } => {

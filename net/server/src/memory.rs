@@ -17,11 +17,18 @@
 //! Once the core is at its budget, a connection that already holds something
 //! (a request in flight, reserved room or an unsent answer) is not read from,
 //! and a read or poll waits for room, until other work finishes and frees
-//! some. A connection holding nothing may always go ahead with one request,
-//! so no connection is starved by others and the core cannot deadlock on
-//! its own budget: everything counted is released when requests finish and
-//! clients read their answers. The memory a core can hold is therefore the
-//! budget plus at most one request and one answer per connection.
+//! some. A connection holding nothing may go ahead with one request, so no
+//! connection is starved by clients that stop reading. The requests let
+//! through that way are an overdraft, bounded too: while they hold a
+//! quarter of the budget, a connection holding nothing waits for one of
+//! them to finish (they are in flight, and nothing they wait for is held
+//! by the budget, so the core cannot deadlock). A decoded request can take
+//! several times its frame (a publish of records with many empty headers
+//! about eleven times), so without that bound ten thousand connections with
+//! one request each could hold far more than the machine has. The memory a
+//! core holds is therefore at most the budget, one answer per connection,
+//! the overdraft plus the request that crossed it, and the frames still
+//! arriving.
 
 use felix_engine::notify::WaitList;
 use std::cell::Cell;
@@ -37,7 +44,11 @@ pub(crate) struct Budget {
     limit: usize,
     /// Times a connection or a read was held back for the budget.
     waits: Cell<u64>,
-    /// Woken when a release leaves the core under its budget.
+    /// Bytes of the requests in flight that were let through while the
+    /// core was at its budget (see [`Self::overdrawn`]).
+    overdraft: Cell<usize>,
+    /// Woken when a release leaves the core under its budget, or a request
+    /// let through past it finishes.
     freed: WaitList,
 }
 
@@ -48,6 +59,7 @@ impl Budget {
             peak: Cell::new(0),
             limit,
             waits: Cell::new(0),
+            overdraft: Cell::new(0),
             freed: WaitList::new(),
         }
     }
@@ -81,6 +93,26 @@ impl Budget {
     /// Whether the core is at its budget.
     pub fn full(&self) -> bool {
         self.used.get() >= self.limit
+    }
+
+    /// Whether the requests let through past the budget (by connections
+    /// holding nothing) hold a quarter of it already: then such a
+    /// connection waits too, for one of them to finish.
+    pub fn overdrawn(&self) -> bool {
+        self.overdraft.get() >= self.limit / 4
+    }
+
+    /// A request of `n` bytes let through past the budget: counted in the
+    /// overdraft until [`Self::repay`].
+    pub fn overdraw(&self, n: usize) {
+        self.overdraft.set(self.overdraft.get() + n);
+    }
+
+    /// A request let through past the budget is done: its bytes leave the
+    /// overdraft, and connections waiting for it look again.
+    pub fn repay(&self, n: usize) {
+        self.overdraft.set(self.overdraft.get() - n);
+        self.freed.wake_all();
     }
 
     /// Resolves after the next release.
