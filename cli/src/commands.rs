@@ -1211,6 +1211,8 @@ async fn read(client: &Client, args: ReadArgs) -> Result<(), CliError> {
     let mut n = 0u64;
     if args.follow {
         let mut sub = client.subscribe(&s.tenant, &s.namespace, &s.stream, args.shard, args.from);
+        // Said once per outage, not once per retry.
+        let mut failing = false;
         while n < limit {
             // Print what is already fetched without flushing; flush before
             // waiting for more.
@@ -1223,12 +1225,16 @@ async fn read(client: &Client, args: ReadArgs) -> Result<(), CliError> {
             };
             match next {
                 Some(Ok(r)) => {
+                    if std::mem::take(&mut failing) {
+                        eprintln!("felix: reading again");
+                    }
                     output::write_record(&mut out, args.format, &r)?;
                     n += 1;
                 }
                 Some(Err(e)) if is_transient(&e) => {
-                    tracing::warn!(error = %e, "read failed; retrying");
-                    eprintln!("felix: {e}; retrying");
+                    if !std::mem::replace(&mut failing, true) {
+                        eprintln!("felix: {e}; retrying");
+                    }
                 }
                 Some(Err(e)) => return Err(e.into()),
                 None => break,

@@ -944,6 +944,19 @@ fn held_to_clean<F>(
         // Zeros past the end at most (a reservation cut short).
         return Ok(());
     }
+    if (base, valid_len) > (c.tail_base, c.tail_len) && seg.end >= c.end {
+        // Whole past where it was closed, and written on since by a broker
+        // that did not take the mark away (an older one): nothing of what
+        // the mark vouches for is missing, and what came after it is
+        // recovered as after a crash.
+        tracing::warn!(
+            segment = %path.display(),
+            "the log goes on past where it was closed cleanly (offset {}, {CLEAN_MARK}); \
+             recovering what follows as after a crash",
+            c.end
+        );
+        return Ok(());
+    }
     let found = match problem {
         Some((pos, reason)) => format!("it is damaged at byte {pos}: {reason}"),
         None => format!(
@@ -958,7 +971,7 @@ fn held_to_clean<F>(
             "the shard was closed cleanly with its log ending at offset {} (byte {} of the \
              segment starting at offset {}, {CLEAN_MARK}), but {found}; no write can have been \
              torn since, so acknowledged records are damaged or missing, and the shard is not \
-             opened",
+             opened (to open it anyway, accepting the loss, remove {CLEAN_MARK})",
             c.end, c.tail_len, c.tail_base
         ),
     })
@@ -1055,7 +1068,9 @@ impl<S: Storage> ShardLog<S> {
                     reason: format!(
                         "missing: the log had rolled to a segment starting at offset {newest} \
                          ({TAIL_MARK}), but {left}; segment files were lost, and opening the \
-                         shard would give their offsets out again, so it is not opened"
+                         shard would give their offsets out again, so it is not opened (to \
+                         open it anyway, accepting the loss, remove {TAIL_MARK}, and \
+                         {CLEAN_MARK} if there is one)"
                     ),
                 });
             }
@@ -1796,9 +1811,10 @@ impl<S: Storage> ShardLog<S> {
             // filesystem without fallocate grows the file as it is written,
             // and it is not asked again for this segment.
             //
-            // Nor while the disk is short of room: a reservation takes a
-            // step at once, between two looks of the broker's free-space
-            // guard, from the room publishes it admitted will write into.
+            // Nor while the disk is short of room (asked again at the next
+            // flush that needs it): a reservation takes its step at once,
+            // between two looks of the broker's free-space guard, from the
+            // room the publishes it let through will write into.
             let to = reservation_for(need, step);
             let had = file.size().await.map_err(|e| io_err("size", e))?;
             let (dir, floor) = {
@@ -1813,14 +1829,8 @@ impl<S: Storage> ShardLog<S> {
                 }
                 Err(_) => true,
             };
-            reserved = if !roomy {
-                tracing::debug!(
-                    segment = chunk.segment_base.0,
-                    "not reserving blocks ahead: the disk is short of room"
-                );
-                u64::MAX
-            } else {
-                match file.allocate(to).await {
+            if roomy {
+                reserved = match file.allocate(to).await {
                     Ok(()) => to,
                     Err(e) => {
                         tracing::debug!("reserving segment blocks failed: {e}");
@@ -1829,16 +1839,27 @@ impl<S: Storage> ShardLog<S> {
                         if let Err(e) = file.truncate(had).await {
                             tracing::debug!("giving back a failed reservation: {e}");
                         }
-                        u64::MAX
+                        if e.raw_os_error() == Some(libc::ENOSPC) {
+                            reserved
+                        } else {
+                            u64::MAX
+                        }
                     }
-                }
-            };
+                };
+            } else {
+                tracing::debug!(
+                    segment = chunk.segment_base.0,
+                    "not reserving blocks ahead: the disk is short of room"
+                );
+            }
             let mut i = self.inner.borrow_mut();
             if let Some(s) = i.segments.get_mut(&chunk.segment_base) {
                 s.reserved = reserved;
             }
         }
-        let zeros = zeros.filter(|_| reserved != u64::MAX);
+        // Zeros only inside the reservation (none where it failed, or was
+        // not made for want of room): past it they would grow the file.
+        let zeros = zeros.filter(|(at, len)| reserved != u64::MAX && at + *len as u64 <= reserved);
         // Each piece but the last ends inside a page the next one writes
         // again whole; the last one is padded to its page.
         let count = pieces.len();

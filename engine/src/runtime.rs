@@ -59,7 +59,11 @@ impl CoreSet {
                 format!("cores must be a count or a CPU list like 0,1 or 0-3: {s:?}")
             })?;
             if n == 0 {
-                return Err("cores must be at least 1".into());
+                return Err(
+                    "cores must be at least 1 (a count); to run on CPU 0 alone, give the CPU \
+                     list `0,`"
+                        .into(),
+                );
             }
             return Ok(CoreSet::Count(n));
         }

@@ -1558,3 +1558,37 @@ fn lost_segment_files_refuse_the_open_instead_of_reusing_their_offsets() {
     let err = block_on(open(&storage, &cfg)).expect_err("the mark written at open holds");
     assert!(err.to_string().contains("offset 12"), "{err}");
 }
+
+/// A clean mark vouches for the log up to where it was closed: a log found
+/// longer than that (written on by a broker that did not take the mark
+/// away, an older one) opens with everything, and only a log that ends
+/// short of the mark is refused.
+#[test]
+fn a_log_longer_than_its_clean_mark_opens_and_a_shorter_one_does_not() {
+    let cfg = LogConfig::default();
+    let mark = Path::new(DIR).join("clean.mark");
+    let storage = SimStorage::new();
+    block_on(async {
+        let log = flushed_one_by_one(&storage, &cfg, 10).await;
+        log.close().await.unwrap();
+        let saved = storage.read_file(&mark).await.unwrap().unwrap();
+        let log = open(&storage, &cfg).await.unwrap();
+        for i in 10..15 {
+            log.append(&[rec(i)]).unwrap();
+        }
+        log.flush().await.unwrap();
+        drop(log);
+        // The mark as an older broker would have left it.
+        storage.write_file_atomic(&mark, &saved).await.unwrap();
+        let log = open(&storage, &cfg).await.unwrap();
+        assert_eq!(log.end(), Offset(15));
+        assert_records(&read_all(&log).await, 15);
+        drop(log);
+        storage.write_file_atomic(&mark, &saved).await.unwrap();
+        storage.cut(&seg0(), 9 * BATCH);
+        let err = open(&storage, &cfg)
+            .await
+            .expect_err("shorter than its mark");
+        assert!(err.to_string().contains("now ends at offset 9"), "{err}");
+    });
+}

@@ -957,14 +957,39 @@ impl<S: Storage> Core<S> {
         }
         if self.shared.durable && !keep_files {
             let dir = meta.dir(&self.data_dir());
-            if let Err(e) = self.storage.remove_dir_all(&dir).await {
-                // The stream is gone (its metadata is); the files left are
-                // removed when the name is created again.
+            if let Err(e) = self.remove_stream_dir(&dir).await {
+                // The stream is gone (its metadata says so); the files left
+                // are removed when the name is created again.
                 tracing::error!("deleting {name}: removing {}: {e}", dir.display());
                 problems.push(format!("removing {}: {e}", dir.display()));
             }
         }
         Ok(problems)
+    }
+
+    /// Remove a deleted stream's directory: the shards' files first (those
+    /// of shards that never opened are still there), durably, and only then
+    /// the metadata. Removing it all at once could let a crash keep the
+    /// metadata's removal and not the segments', leaving records with no
+    /// metadata, which a create then refuses to clear.
+    async fn remove_stream_dir(&self, dir: &Path) -> std::io::Result<()> {
+        let names = match self.storage.list_dir(dir).await {
+            Ok(v) => v,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        for n in names.iter().filter(|n| n.as_str() != catalog::META_FILE) {
+            let p = dir.join(n);
+            match self.storage.remove_dir_all(&p).await {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotADirectory => {
+                    self.storage.remove_file(&p).await?
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        self.storage.sync_dir(dir).await?;
+        self.storage.remove_dir_all(dir).await
     }
 
     /// Metrics of this core, as plain numbers another core can merge.
@@ -1001,6 +1026,7 @@ impl<S: Storage> Core<S> {
                         stream: r.to_string(),
                         shard: i as u32,
                         stopped: true,
+                        unopened: true,
                         ..Default::default()
                     });
                 }
@@ -1138,10 +1164,19 @@ impl<S: Storage> Core<S> {
             .values()
             .flat_map(|ls| ls.shards.iter().filter_map(|s| s.open().cloned()))
             .collect();
-        for s in shards {
-            if let Err(e) = s.log.close().await {
-                tracing::error!("closing {}: {e}", s.name());
-            }
+        // All at once: each close syncs and writes its shard's clean mark.
+        let closes: Vec<_> = shards
+            .into_iter()
+            .map(|s| {
+                glommio::spawn_local(async move {
+                    if let Err(e) = s.log.close().await {
+                        tracing::error!("closing {}: {e}", s.name());
+                    }
+                })
+            })
+            .collect();
+        for c in closes {
+            c.await;
         }
     }
 }
@@ -2029,9 +2064,15 @@ mod tests {
                     shard.log.append(std::slice::from_ref(&old)).unwrap();
                     shard.log.flush().await.unwrap();
                     drop(shard);
-                    // Deleted, then a crash brings its files back (their
-                    // removal was never synced; the metadata's was).
-                    assert!(matches!(core.delete_stream(&stream).await, Response::Ok));
+                    // Deleted, then a crash brings its files back: the
+                    // sync after their removal failed (the metadata's
+                    // `deleted` was durable already).
+                    storage.fail_dir_sync_after(2);
+                    let deleted = core.delete_stream(&stream).await;
+                    assert!(
+                        error_of(deleted).message.contains("not cleanly"),
+                        "the failed sync is reported"
+                    );
                     storage.crash_lose_unsynced();
                     let seg = PathBuf::from("/data/t/n/s/0/00000000000000000000.log");
                     assert!(storage.file_len(&seg).unwrap() > 0);

@@ -72,7 +72,7 @@ const SETTINGS: &[Setting] = &[
     Setting { section: "storage", name: "segment_bytes", env: None, kind: Kind::U64, default: "134217728", help: "a segment file rolls at this size" },
     Setting { section: "storage", name: "retention_bytes", env: None, kind: Kind::U64, default: "0", help: "default per-shard size retention for new streams (0 = keep all)" },
     Setting { section: "storage", name: "retention_ms", env: None, kind: Kind::U64, default: "0", help: "default age retention for new streams (0 = keep all)" },
-    Setting { section: "storage", name: "io_queue_depth", env: Some("FELIX_IO_QUEUE_DEPTH"), kind: Kind::U64, default: "8", help: "O_DIRECT I/Os (writes, reads, fdatasyncs) in flight per core; also the writes one flush issues at once" },
+    Setting { section: "storage", name: "io_queue_depth", env: Some("FELIX_IO_QUEUE_DEPTH"), kind: Kind::U64, default: "8", help: "O_DIRECT I/Os (writes, reads, fdatasyncs) in flight per core, 1 to 1024; also the writes one flush issues at once" },
     Setting { section: "storage", name: "write_chunk_bytes", env: None, kind: Kind::U64, default: "1048576", help: "size of each write of a flush (multiple of 4096; a batch larger than this is written whole)" },
     Setting { section: "storage", name: "preallocate_bytes", env: Some("FELIX_PREALLOCATE_BYTES"), kind: Kind::U64, default: "8388608", help: "reserve each shard's active segment this far ahead of its writes (fallocate), so flushes write inside the file instead of growing it (cheaper fdatasync, no kernel worker hop), and let small flushes (<= 64 KiB) write zeros ahead of their data inside it so later flushes overwrite written blocks; 0 = off. A segment's reservation starts at 256 KiB and doubles up to this step, so it costs a barely written shard little and a busy one up to this much disk until the segment is sealed or the shard closed cleanly" },
     Setting { section: "storage", name: "read_cache_bytes", env: None, kind: Kind::U64, default: "8388608", help: "recent bytes per shard served from memory" },
@@ -282,6 +282,10 @@ pub struct ConfigError(pub String);
 
 /// Refuse a setting above a hard limit rather than quietly use less than
 /// `--print-config` shows.
+/// Most O_DIRECT I/Os a core keeps in flight: past a few hundred a disk
+/// gains nothing, and each holds its buffer.
+const MAX_IO_QUEUE_DEPTH: u64 = 1024;
+
 fn at_most(n: u32, max: u32, name: &str) -> Result<u32, ConfigError> {
     if n > max {
         return Err(ConfigError(format!(
@@ -791,8 +795,11 @@ impl Config {
             segment_bytes: nonzero(num("storage", "segment_bytes")?, "storage.segment_bytes")?,
             retention_bytes: opt(num("storage", "retention_bytes")?),
             retention_ms: opt(num("storage", "retention_ms")?),
-            io_queue_depth: nonzero(num("storage", "io_queue_depth")?, "storage.io_queue_depth")?
-                as usize,
+            io_queue_depth: group_limit(
+                nonzero(num("storage", "io_queue_depth")?, "storage.io_queue_depth")?,
+                MAX_IO_QUEUE_DEPTH,
+                "storage.io_queue_depth",
+            )? as usize,
             write_chunk_bytes: write_chunk_bytes as usize,
             preallocate_bytes: num("storage", "preallocate_bytes")?,
             read_cache_bytes: num("storage", "read_cache_bytes")? as usize,

@@ -360,7 +360,7 @@ pub(crate) async fn serve<S: Storage>(
         outbox.clone(),
         Duration::from_millis(core.shared.config.write_timeout_ms),
     ));
-    let mut said_hello = false;
+    let said_hello = Cell::new(false);
     let mut handed_off = false;
     let mut reader = sock.clone();
     let max_requests = core.shared.config.max_requests_per_connection;
@@ -369,16 +369,22 @@ pub(crate) async fn serve<S: Storage>(
     // Once the core is at its budget, a connection that holds something
     // (a request in flight or an unsent answer) waits for room; one that
     // holds nothing still goes ahead with one request, unless the requests
-    // let through that way already hold the overdraft (see `memory`).
+    // let through that way already hold the overdraft (see `memory`). A
+    // HELLO always goes ahead: it costs nothing, and a client that cannot
+    // even say it is there would hold its place without a deadline.
     let budget_bound = |info: &ConnInfo, outbox: &Outbox| {
         core.budget.full()
-            && (info.in_flight.get() > 0 || outbox.unsent() > 0 || core.budget.overdrawn())
+            && (info.in_flight.get() > 0
+                || outbox.unsent() > 0
+                || (said_hello.get() && core.budget.overdrawn()))
     };
     // Bytes of the read buffer (a frame arriving, frames held back) counted
     // in the core's budget. They count toward it, so that others are held
-    // back while they are large, but never hold this connection back: it
+    // back while they are large, but do not hold this connection back: it
     // reads on until the frame is whole, as any connection holding nothing
-    // may, so the core cannot deadlock on frames it will not finish reading.
+    // may (unless the overdraft is taken, and then only until a request
+    // holding it finishes), so the core cannot deadlock on frames it will
+    // not finish reading.
     let buffered = Cell::new(0usize);
     let count_buffered = |now: usize| {
         let was = buffered.replace(now);
@@ -422,7 +428,7 @@ pub(crate) async fn serve<S: Storage>(
             // Until HELLO is through, a frame is at most a HELLO's worth:
             // a client that has not authenticated cannot make the broker
             // buffer (or hash) megabytes.
-            let cap = if said_hello {
+            let cap = if said_hello.get() {
                 max_frame
             } else {
                 max_frame.min(MAX_HELLO_FRAME)
@@ -431,7 +437,7 @@ pub(crate) async fn serve<S: Storage>(
             let frame_len = before - rbuf.len();
             match decoded {
                 Ok(Some((id, req))) => {
-                    if !said_hello {
+                    if !said_hello.get() {
                         match req {
                             Request::Hello {
                                 version,
@@ -440,11 +446,12 @@ pub(crate) async fn serve<S: Storage>(
                                 ref client_name,
                                 ..
                             } => {
+                                // A stopping broker takes no new clients.
                                 if core.stopping.get() {
                                     outbox.push(id, &wire_err(ErrorCode::Unavailable, STOPPING));
                                     break 'conn;
                                 }
-                                // Credentials first: a client that has not
+                                // Then credentials: a client that has not
                                 // authenticated learns nothing and is not
                                 // handed to another core.
                                 let token = match &req {
@@ -483,21 +490,30 @@ pub(crate) async fn serve<S: Storage>(
                                         let mut all = BytesMut::new();
                                         felix_wire::encode_request(id, &req, &mut all);
                                         all.extend_from_slice(&rbuf);
-                                        if hand_off(&core, &sock, want, all.to_vec()) {
-                                            handed_off = true;
-                                            outbox.handed_off.set(true);
-                                            break 'conn;
+                                        match hand_off(&core, &sock, want, all.to_vec()) {
+                                            HandOff::Sent => {
+                                                handed_off = true;
+                                                outbox.handed_off.set(true);
+                                                break 'conn;
+                                            }
+                                            // Served here, the client told
+                                            // which core it got.
+                                            HandOff::Kept => {}
+                                            // Only a core that is stopping
+                                            // takes no hand-off.
+                                            HandOff::Refused => {
+                                                outbox.push(
+                                                    id,
+                                                    &wire_err(
+                                                        ErrorCode::Unavailable,
+                                                        format!(
+                                                            "core {want} takes no connections now: {STOPPING}"
+                                                        ),
+                                                    ),
+                                                );
+                                                break 'conn;
+                                            }
                                         }
-                                        // Only a core that is stopping (or
-                                        // gone) takes no hand-off.
-                                        outbox.push(
-                                            id,
-                                            &wire_err(
-                                                ErrorCode::Unavailable,
-                                                format!("core {want} takes no connections now: {STOPPING}"),
-                                            ),
-                                        );
-                                        break 'conn;
                                     }
                                 }
                                 if version == 0 {
@@ -518,7 +534,7 @@ pub(crate) async fn serve<S: Storage>(
                                 // the features both sides know.
                                 let f = core.shared.features() & features;
                                 info.features.set(f);
-                                said_hello = true;
+                                said_hello.set(true);
                                 outbox.push(
                                     id,
                                     &Response::HelloOk {
@@ -584,7 +600,7 @@ pub(crate) async fn serve<S: Storage>(
             while info.in_flight.get() > 0 && !outbox.closed.get() {
                 futures_lite::future::or(core.lifecycle.wait(), outbox.hangup.wait()).await;
             }
-            if last_read || !said_hello || outbox.closed.get() {
+            if last_read || !said_hello.get() || outbox.closed.get() {
                 break;
             }
             last_read = true;
@@ -620,7 +636,7 @@ pub(crate) async fn serve<S: Storage>(
             // its full time again now that it reads on.
             frame_by = Some(std::time::Instant::now() + frame_time);
         }
-        if !said_hello && std::time::Instant::now() >= hello_by {
+        if !said_hello.get() && std::time::Instant::now() >= hello_by {
             tracing::debug!(conn = conn_id, "closing a connection that never said HELLO");
             break;
         }
@@ -667,7 +683,7 @@ pub(crate) async fn serve<S: Storage>(
             rbuf.resize(read_size_now, 0);
         }
         let spare = &mut rbuf[filled..];
-        let wait = if said_hello {
+        let wait = if said_hello.get() {
             idle
         } else {
             hello_by
@@ -774,8 +790,6 @@ pub(crate) async fn serve<S: Storage>(
     }
 }
 
-/// Send the socket to core `to` through its mailbox. False if it could not
-/// go (the connection then stays here).
 /// The answer to a request that arrives while the broker stops: it was not
 /// carried out, and another broker (or this one, restarted) can take it.
 const STOPPING: &str = "the broker is shutting down: this request was not carried out";
@@ -784,9 +798,19 @@ const STOPPING: &str = "the broker is shutting down: this request was not carrie
 /// requests still in flight.
 const STOPPING_READ: Duration = Duration::from_millis(10);
 
-fn hand_off<S: Storage>(core: &Rc<Core<S>>, sock: &Shared, to: u32, bytes: Vec<u8>) -> bool {
+/// How a hand-off to another core went.
+enum HandOff {
+    Sent,
+    /// No descriptor to send (out of them): the connection stays here.
+    Kept,
+    /// The core takes no more (it is stopping).
+    Refused,
+}
+
+/// Send the socket to core `to` through its mailbox.
+fn hand_off<S: Storage>(core: &Rc<Core<S>>, sock: &Shared, to: u32, bytes: Vec<u8>) -> HandOff {
     let Some(tx) = core.shared.senders.get(to as usize) else {
-        return false;
+        return HandOff::Refused;
     };
     // The other core gets its own descriptor; ours closes when this
     // connection's task ends.
@@ -794,7 +818,7 @@ fn hand_off<S: Storage>(core: &Rc<Core<S>>, sock: &Shared, to: u32, bytes: Vec<u
     // SAFETY: duplicates a descriptor this connection holds open.
     let dup = unsafe { libc::fcntl(raw, libc::F_DUPFD_CLOEXEC, 0) };
     if dup < 0 {
-        return false;
+        return HandOff::Kept;
     }
     // SAFETY: `dup` is a new descriptor nobody else owns.
     let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(dup) };
@@ -804,10 +828,10 @@ fn hand_off<S: Storage>(core: &Rc<Core<S>>, sock: &Shared, to: u32, bytes: Vec<u
     })) {
         Ok(()) => {
             core.metrics.handoffs.set(core.metrics.handoffs.get() + 1);
-            true
+            HandOff::Sent
         }
         // The message, and the duplicate with it, is dropped here.
-        Err(_) => false,
+        Err(_) => HandOff::Refused,
     }
 }
 
@@ -824,7 +848,7 @@ const LINGER_BYTES: usize = 4 << 20;
 /// why the connection closes.
 async fn linger(reader: &mut Shared) {
     let until = std::time::Instant::now() + LINGER;
-    let mut sink = vec![0u8; 16 << 10];
+    let mut sink = vec![0u8; 4 << 10];
     let mut dropped = 0;
     while dropped < LINGER_BYTES {
         let left = until.saturating_duration_since(std::time::Instant::now());
@@ -948,7 +972,7 @@ fn spawn_request<S: Storage>(
     // in the overdraft until it is done.
     let overdrawn = core.budget.full() && info.in_flight.get() == 0 && outbox.unsent() == 0;
     if overdrawn {
-        core.budget.overdraw(held);
+        core.budget.overdraw(held + REQUEST_TASK_BYTES);
     }
     core.in_flight.set(core.in_flight.get() + 1);
     info.in_flight.set(info.in_flight.get() + 1);
@@ -994,7 +1018,7 @@ fn spawn_request<S: Storage>(
         info.in_flight_bytes.set(info.in_flight_bytes.get() - held);
         core.budget.release(held + REQUEST_TASK_BYTES);
         if overdrawn {
-            core.budget.repay(held);
+            core.budget.repay(held + REQUEST_TASK_BYTES);
         }
         core.lifecycle.wake_all();
     })

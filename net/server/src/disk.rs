@@ -38,6 +38,8 @@ pub(crate) struct DiskGuard {
     low: Cell<bool>,
     /// The last look failed (said once, not every 100 ms).
     unreadable: Cell<bool>,
+    /// A reserve of the whole disk was warned about.
+    said_too_big: Cell<bool>,
 }
 
 impl DiskGuard {
@@ -53,6 +55,7 @@ impl DiskGuard {
             since: Cell::new(0),
             low: Cell::new(false),
             unreadable: Cell::new(false),
+            said_too_big: Cell::new(false),
         }
     }
 
@@ -80,6 +83,14 @@ impl DiskGuard {
     /// Take in a look at the disk: `avail` bytes free of `total`.
     fn looked(&self, avail: u64, total: u64) -> Option<bool> {
         let reserve = felix_engine::storage::free_space_floor(self.configured, total);
+        if reserve >= total && total > 0 && !self.said_too_big.replace(true) {
+            tracing::warn!(
+                "storage.min_free_bytes ({} MiB) is at least the whole data disk ({} MiB): \
+                 every publish will be refused as the disk being nearly full",
+                reserve >> 20,
+                total >> 20
+            );
+        }
         self.free.set(avail);
         self.reserve.set(reserve);
         self.since.set(0);

@@ -158,4 +158,18 @@ mod tests {
         // No overflow on absurd sizes.
         assert!(b.over(usize::MAX));
     }
+
+    #[test]
+    fn the_overdraft_is_a_quarter_of_the_budget_and_repaid_whole() {
+        let b = Budget::new(100);
+        assert!(!b.overdrawn());
+        b.overdraw(20);
+        assert!(!b.overdrawn());
+        b.overdraw(5);
+        assert!(b.overdrawn());
+        b.repay(5);
+        assert!(!b.overdrawn());
+        b.repay(20);
+        assert_eq!(b.overdraft.get(), 0);
+    }
 }

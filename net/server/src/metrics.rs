@@ -258,6 +258,9 @@ pub(crate) struct ShardSnapshot {
     pub end: u64,
     pub bytes: u64,
     pub stopped: bool,
+    /// The shard could not be opened: its offsets and size are unknown (not
+    /// 0), so those series are left out for it.
+    pub unopened: bool,
     /// In a cluster: the shard's replica.
     pub replica: Option<ReplicaSnapshot>,
     pub flushes: u64,
@@ -435,7 +438,7 @@ impl MetricsSnapshot {
         // stream never makes them go backwards.
         let mut io = self.retired.clone();
         let _ = writeln!(s, "# HELP felix_shard_end_offset One past the last durable offset of a shard.\n# TYPE felix_shard_end_offset gauge");
-        for sh in &self.shards {
+        for sh in self.shards.iter().filter(|sh| !sh.unopened) {
             let _ = writeln!(
                 s,
                 "felix_shard_end_offset{{stream=\"{}\",shard=\"{}\"}} {}",
@@ -443,7 +446,7 @@ impl MetricsSnapshot {
             );
         }
         let _ = writeln!(s, "# TYPE felix_shard_start_offset gauge");
-        for sh in &self.shards {
+        for sh in self.shards.iter().filter(|sh| !sh.unopened) {
             let _ = writeln!(
                 s,
                 "felix_shard_start_offset{{stream=\"{}\",shard=\"{}\"}} {}",
@@ -451,7 +454,7 @@ impl MetricsSnapshot {
             );
         }
         let _ = writeln!(s, "# TYPE felix_shard_bytes gauge");
-        for sh in &self.shards {
+        for sh in self.shards.iter().filter(|sh| !sh.unopened) {
             let _ = writeln!(
                 s,
                 "felix_shard_bytes{{stream=\"{}\",shard=\"{}\"}} {}",
