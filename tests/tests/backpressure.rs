@@ -261,6 +261,22 @@ async fn many_clients_that_never_read_cost_memory_bounded_by_the_core_budget() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(left, 0.0, "bytes still counted after every answer was read");
+    // And once it has been quiet for a few seconds, the memory the burst
+    // took goes back to the kernel (the heaps are trimmed), rather than the
+    // broker staying at its peak.
+    let mut now = u64::MAX;
+    for _ in 0..150 {
+        now = rss_bytes(pid);
+        if now < base + (16 << 20) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        now < base + (16 << 20),
+        "still {} MiB above where it began, 15 s after the burst",
+        now.saturating_sub(base) >> 20
+    );
 }
 
 /// Publishers pipelining far more than the core's budget are slowed, never

@@ -110,6 +110,9 @@ pub(crate) struct Shared {
     pub security_gen: std::sync::atomic::AtomicU64,
     /// SIGHUP reloads that took, and that failed.
     pub security_reloads: [std::sync::atomic::AtomicU64; 2],
+    /// Each core's buffered bytes (its budget's use), as of its last
+    /// second: what the allocator trimmer watches (see `crate::trim`).
+    pub buffered: Vec<std::sync::atomic::AtomicU64>,
 }
 
 impl Shared {
@@ -1278,6 +1281,7 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
         security: Mutex::new(Arc::new(security)),
         security_gen: std::sync::atomic::AtomicU64::new(0),
         security_reloads: Default::default(),
+        buffered: (0..cores).map(|_| Default::default()).collect(),
     });
     let receivers = Arc::new(Mutex::new(receivers));
     // Reserve the address up front (port 0 picks a free port), so a bad or
@@ -1302,6 +1306,8 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
     *shared_announce(&shared) = Some((listen.clone(), metrics_addr));
     let metrics_listener = Arc::new(Mutex::new(metrics_listener));
     install_signal_thread(shared.clone());
+    // After the signals are blocked: a thread inherits its mask.
+    crate::trim::start(shared.clone());
     let warm = config.data_dir.clone();
     let sh = shared.clone();
     let metas = Arc::new(metas);
@@ -1620,6 +1626,7 @@ async fn core_main<S: Storage>(
     let mailbox = glommio::spawn_local(core.clone().run_mailbox(rx));
     let retention = glommio::spawn_local(run_retention(core.clone())).detach();
     let disk_watch = glommio::spawn_local(watch_disk(core.clone())).detach();
+    let buffered_watch = glommio::spawn_local(share_buffered(core.clone())).detach();
     // Accept until told to stop.
     loop {
         let accept = listener.accept();
@@ -1667,6 +1674,7 @@ async fn core_main<S: Storage>(
     mailbox.await;
     drop(retention);
     drop(disk_watch);
+    drop(buffered_watch);
     core.drain_and_close().await;
     tracing::info!(core = core.core_id(), "core stopped");
 }
@@ -1770,6 +1778,16 @@ fn refuse<S: Storage>(core: &Rc<Core<S>>, stream: glommio::net::TcpStream, why: 
         core.refusing.set(core.refusing.get() - 1);
     })
     .detach();
+}
+
+/// Tell the allocator trimmer what this core's connections hold, once a
+/// second.
+async fn share_buffered<S: Storage>(core: Rc<Core<S>>) {
+    let me = &core.shared.buffered[core.ctx.core.0 as usize];
+    while !core.stopping.get() {
+        me.store(core.budget.used() as u64, Ordering::Relaxed);
+        glommio::timer::sleep(Duration::from_secs(1)).await;
+    }
 }
 
 /// Look at the data disk's free space every [`crate::disk::REFRESH`].
@@ -2018,6 +2036,7 @@ mod tests {
             security: Mutex::new(Arc::new(Default::default())),
             security_gen: std::sync::atomic::AtomicU64::new(0),
             security_reloads: Default::default(),
+            buffered: vec![Default::default()],
         });
         let ctx = CoreContext {
             core: CoreId(0),

@@ -23,6 +23,7 @@ mod groups;
 mod memory;
 mod metrics;
 mod shard;
+mod trim;
 
 pub use config::{ClusterConfig, ClusterNode, Config, ConfigError, Overrides, Source};
 use felix_engine::runtime::CoreSet;
