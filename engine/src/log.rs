@@ -1811,8 +1811,8 @@ impl<S: Storage> ShardLog<S> {
             // filesystem without fallocate grows the file as it is written,
             // and it is not asked again for this segment.
             //
-            // Nor while the disk is short of room (asked again at the next
-            // flush that needs it): a reservation takes its step at once,
+            // Nor while the disk is short of room (looked at again at the
+            // next flush that needs it): a reservation takes its step at once,
             // between two looks of the broker's free-space guard, from the
             // room the publishes it let through will write into.
             let to = reservation_for(need, step);
@@ -1839,11 +1839,10 @@ impl<S: Storage> ShardLog<S> {
                         if let Err(e) = file.truncate(had).await {
                             tracing::debug!("giving back a failed reservation: {e}");
                         }
-                        if e.raw_os_error() == Some(libc::ENOSPC) {
-                            reserved
-                        } else {
-                            u64::MAX
-                        }
+                        // Not again in this segment: after an ENOSPC the
+                        // free space read is not to be trusted, and each
+                        // try would fill the disk for a moment.
+                        u64::MAX
                     }
                 };
             } else {

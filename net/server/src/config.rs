@@ -280,12 +280,12 @@ pub struct Config {
 #[error("configuration: {0}")]
 pub struct ConfigError(pub String);
 
-/// Refuse a setting above a hard limit rather than quietly use less than
-/// `--print-config` shows.
 /// Most O_DIRECT I/Os a core keeps in flight: past a few hundred a disk
 /// gains nothing, and each holds its buffer.
 const MAX_IO_QUEUE_DEPTH: u64 = 1024;
 
+/// Refuse a setting above a hard limit rather than quietly use less than
+/// `--print-config` shows.
 fn at_most(n: u32, max: u32, name: &str) -> Result<u32, ConfigError> {
     if n > max {
         return Err(ConfigError(format!(

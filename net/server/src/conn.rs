@@ -496,8 +496,10 @@ pub(crate) async fn serve<S: Storage>(
                                                 outbox.handed_off.set(true);
                                                 break 'conn;
                                             }
-                                            // Served here, the client told
-                                            // which core it got.
+                                            // Answered from here: `HelloOk`
+                                            // names this core, and a client
+                                            // that wanted another (ours does)
+                                            // reconnects to try again.
                                             HandOff::Kept => {}
                                             // Only a core that is stopping
                                             // takes no hand-off.
