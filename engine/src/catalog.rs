@@ -56,16 +56,21 @@ impl StreamMeta {
 
     /// Read a metadata file: a stream, or one being deleted.
     pub fn read(name: StreamName, text: &str) -> Result<Meta, String> {
-        let t: toml::Table = text.parse().map_err(|e| format!("not valid TOML: {e}"))?;
+        let t = parse(text)?;
         match t.get("deleted") {
-            None | Some(toml::Value::Boolean(false)) => Ok(Meta::Stream(Self::decode(name, text)?)),
+            None | Some(toml::Value::Boolean(false)) => {
+                Ok(Meta::Stream(Self::from_table(name, &t)?))
+            }
             Some(toml::Value::Boolean(true)) => Ok(Meta::Deleted),
             Some(v) => Err(format!("`deleted` = {v} is not true or false")),
         }
     }
 
     pub fn decode(name: StreamName, text: &str) -> Result<StreamMeta, String> {
-        let t: toml::Table = text.parse().map_err(|e| format!("not valid TOML: {e}"))?;
+        Self::from_table(name, &parse(text)?)
+    }
+
+    fn from_table(name: StreamName, t: &toml::Table) -> Result<StreamMeta, String> {
         let int = |k: &str| -> Result<u64, String> {
             match t.get(k) {
                 Some(toml::Value::Integer(i)) if *i >= 0 => Ok(*i as u64),
@@ -95,6 +100,10 @@ impl StreamMeta {
             },
         })
     }
+}
+
+fn parse(text: &str) -> Result<toml::Table, String> {
+    text.parse().map_err(|e| format!("not valid TOML: {e}"))
 }
 
 /// What a stream's metadata file says.
@@ -230,9 +239,30 @@ async fn warn_extra_shards<S: Storage>(storage: &S, dir: &Path, meta: &StreamMet
     }
 }
 
-/// Whether a stream directory holds any segment file (`<shard>/*.log`):
-/// records that a creation must not clear without a word.
-pub async fn holds_segments<S: Storage>(storage: &S, dir: &Path) -> std::io::Result<bool> {
+/// Whether a creation of `name` may clear what its directory `dir` holds:
+/// a deletion cut short (its metadata says `deleted`), or no segment file
+/// (a creation cut short). Records whose metadata is missing or does not
+/// read may be all that is left of a stream, and are not cleared without a
+/// word; nor is a stream whose metadata reads.
+pub async fn leftovers_may_go<S: Storage>(
+    storage: &S,
+    dir: &Path,
+    name: &StreamName,
+) -> std::io::Result<bool> {
+    let meta = storage.read_file(&dir.join(META_FILE)).await?;
+    let read = meta.map(|b| {
+        String::from_utf8(b)
+            .ok()
+            .and_then(|t| StreamMeta::read(name.clone(), &t).ok())
+    });
+    match read {
+        Some(Some(meta)) => Ok(meta == Meta::Deleted),
+        Some(None) | None => Ok(!holds_segments(storage, dir).await?),
+    }
+}
+
+/// Whether a stream directory holds any segment file (`<shard>/*.log`).
+async fn holds_segments<S: Storage>(storage: &S, dir: &Path) -> std::io::Result<bool> {
     let names = match storage.list_dir(dir).await {
         Ok(v) => v,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),

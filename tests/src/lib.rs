@@ -86,9 +86,19 @@ macro_rules! broker_command {
 /// metrics listener, warn logs, no stdin), for tests that run the binary by
 /// hand: to watch it refuse to start, or with settings of their own.
 pub fn broker_command(bin: &str, data_dir: Option<&Path>, listen: &str) -> Command {
+    broker_command_on_cores(bin, data_dir, listen, 1)
+}
+
+/// [`broker_command`] on `cores` cores.
+pub fn broker_command_on_cores(
+    bin: &str,
+    data_dir: Option<&Path>,
+    listen: &str,
+    cores: u32,
+) -> Command {
     let dir = data_dir.map_or_else(|| "-".to_string(), |d| d.display().to_string());
     let mut cmd = Command::new(bin);
-    cmd.args([dir.as_str(), listen, "1"])
+    cmd.args([dir.as_str(), listen, &cores.to_string()])
         .env("FELIX_METRICS_LISTEN", "")
         .env("RUST_LOG", "warn")
         .stdin(Stdio::null());

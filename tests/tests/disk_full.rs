@@ -301,11 +301,12 @@ async fn shards_filling_a_small_disk_together_are_refused_not_stopped() {
     let data = disk.mnt.join("data");
     // Two cores, each with its own view of the free space; the automatic
     // reserve (5 % of the disk).
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_felix-test-broker"));
-    cmd.args([data.to_str().unwrap(), "127.0.0.1:0", "2"])
-        .env("FELIX_METRICS_LISTEN", "")
-        .env("RUST_LOG", "warn")
-        .stdin(std::process::Stdio::null());
+    let cmd = felix_tests::broker_command_on_cores(
+        env!("CARGO_BIN_EXE_felix-test-broker"),
+        Some(&data),
+        "127.0.0.1:0",
+        2,
+    );
     let (mut broker, addr) = felix_tests::spawn_announcing(cmd);
     let c = Client::connect(addr.as_str(), ClientConfig::default())
         .await

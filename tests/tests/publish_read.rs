@@ -687,16 +687,23 @@ async fn reads_of_records_with_large_keys_stay_within_the_byte_cap() {
     assert_eq!(read_shard(&c, "k", 0).await.len(), 12);
 }
 
+/// A one-core broker whose segments roll every 4 KiB (and the config file
+/// that says so, to keep while it runs).
+fn broker_with_4k_segments() -> (Broker, tempfile::NamedTempFile) {
+    let cfg = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(cfg.path(), "[storage]\nsegment_bytes = 4096\n").unwrap();
+    let broker = felix_tests::start_broker!(BrokerOptions::default()
+        .cores(1)
+        .env("FELIX_TEST_CONFIG", cfg.path().display()));
+    (broker, cfg)
+}
+
 /// Corruption in the middle of a shard's log (a sealed segment) is never
 /// skipped: after a restart that shard refuses requests naming the file and
 /// byte, its gauge says stopped, and every other shard is served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupt_sealed_segment_stops_its_shard_only() {
-    let cfg = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(cfg.path(), "[storage]\nsegment_bytes = 4096\n").unwrap();
-    let mut broker = felix_tests::start_broker!(BrokerOptions::default()
-        .cores(1)
-        .env("FELIX_TEST_CONFIG", cfg.path().display()));
+    let (mut broker, _cfg) = broker_with_4k_segments();
     let c = client(&broker).await;
     c.create_stream("t", "ns", "rot", 2, StreamOptions::default())
         .await
@@ -738,11 +745,7 @@ async fn a_corrupt_sealed_segment_stops_its_shard_only() {
 /// names opens the shard as after a crash.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cleanly_stopped_shard_that_lost_records_is_refused_not_cut() {
-    let cfg = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(cfg.path(), "[storage]\nsegment_bytes = 4096\n").unwrap();
-    let mut broker = felix_tests::start_broker!(BrokerOptions::default()
-        .cores(1)
-        .env("FELIX_TEST_CONFIG", cfg.path().display()));
+    let (mut broker, _cfg) = broker_with_4k_segments();
     let c = client(&broker).await;
     c.create_stream("t", "ns", "mark", 3, StreamOptions::default())
         .await

@@ -165,7 +165,7 @@ impl Storage for DmaStorage {
     }
 
     fn space(&self, path: &Path) -> io::Result<(u64, u64)> {
-        statvfs(path)
+        super::statvfs(path)
     }
 
     async fn read_file(&self, path: &Path) -> io::Result<Option<Vec<u8>>> {
@@ -176,24 +176,6 @@ impl Storage for DmaStorage {
             Err(e) => Err(e),
         })
         .await
-    }
-}
-
-fn statvfs(path: &Path) -> io::Result<(u64, u64)> {
-    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a path with a NUL byte"))?;
-    // SAFETY: statvfs fills the zeroed struct we own from a NUL-terminated
-    // path.
-    unsafe {
-        let mut st: libc::statvfs = std::mem::zeroed();
-        if libc::statvfs(c.as_ptr(), &mut st) != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let unit = st.f_frsize as u64;
-        Ok((
-            (st.f_bavail as u64).saturating_mul(unit),
-            (st.f_blocks as u64).saturating_mul(unit),
-        ))
     }
 }
 

@@ -59,6 +59,26 @@ pub trait Storage: Clone + 'static {
     fn space(&self, path: &Path) -> io::Result<(u64, u64)>;
 }
 
+/// Bytes free (to an unprivileged writer) and in all on the filesystem
+/// holding `path`.
+pub fn statvfs(path: &Path) -> io::Result<(u64, u64)> {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a path with a NUL byte"))?;
+    // SAFETY: statvfs fills the zeroed struct we own from a NUL-terminated
+    // path.
+    unsafe {
+        let mut st: libc::statvfs = std::mem::zeroed();
+        if libc::statvfs(c.as_ptr(), &mut st) != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let unit = st.f_frsize as u64;
+        Ok((
+            (st.f_bavail as u64).saturating_mul(unit),
+            (st.f_blocks as u64).saturating_mul(unit),
+        ))
+    }
+}
+
 /// The free space a broker keeps in hand on a disk of `total` bytes:
 /// `configured` (`storage.min_free_bytes`), or when that is 0 the smaller of
 /// 256 MiB and 5 % of the disk. Publishes are refused below it, and the log

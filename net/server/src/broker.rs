@@ -119,10 +119,14 @@ impl Shared {
     /// The answer for a stream that is not in the catalog: `not_found`,
     /// unless its metadata is damaged (then it exists, and is refused).
     pub fn no_stream(&self, name: &StreamName) -> Response {
-        match self.damaged.get(name) {
-            Some(why) => wire_err(ErrorCode::Unavailable, damaged_message(name, why)),
-            None => wire_err(ErrorCode::NotFound, format!("no stream {name}")),
-        }
+        self.refused_as_damaged(name)
+            .unwrap_or_else(|| wire_err(ErrorCode::NotFound, format!("no stream {name}")))
+    }
+
+    /// The refusal for a stream whose metadata did not read at start-up.
+    pub fn refused_as_damaged(&self, name: &StreamName) -> Option<Response> {
+        let why = self.damaged.get(name)?;
+        Some(wire_err(ErrorCode::Unavailable, damaged_message(name, why)))
     }
 
     pub fn features(&self) -> u64 {
@@ -589,8 +593,8 @@ impl<S: Storage> Core<S> {
                 format!("{name} is being created or deleted; retry"),
             );
         };
-        if let Some(why) = self.shared.damaged.get(&name) {
-            return wire_err(ErrorCode::Unavailable, damaged_message(&name, why));
+        if let Some(refused) = self.shared.refused_as_damaged(&name) {
+            return refused;
         }
         let c = &self.shared.config;
         if shards == 0 || shards > c.max_shards {
@@ -669,10 +673,8 @@ impl<S: Storage> Core<S> {
         if self.shared.durable {
             let dir = meta.dir(&self.data_dir());
             // Anything left under the name must not come back as this
-            // stream's records. A deletion cut short (its metadata says
-            // `deleted`) or a creation cut short (no segment file) is
-            // cleared; records whose metadata is missing or damaged are
-            // not, without a word: they may be all that is left of a stream.
+            // stream's records: cleared if `leftovers_may_go` says it is
+            // left by a deletion or creation cut short, else refused.
             let leftover = match self.storage.list_dir(&dir).await {
                 Ok(v) => !v.is_empty(),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
@@ -684,26 +686,9 @@ impl<S: Storage> Core<S> {
                 }
             };
             if leftover {
-                let deleted = match self.storage.read_file(&dir.join(catalog::META_FILE)).await {
-                    Ok(Some(b)) => String::from_utf8(b).ok().and_then(|t| {
-                        StreamMeta::read(name.clone(), &t)
-                            .ok()
-                            .map(|m| m == catalog::Meta::Deleted)
-                    }),
-                    Ok(None) => None,
-                    Err(e) => {
-                        return undo(format!(
-                            "cannot read {}: {e}",
-                            dir.join(catalog::META_FILE).display()
-                        ))
-                    }
-                };
-                let clear = match deleted {
-                    Some(deleted) => deleted,
-                    None => match catalog::holds_segments(&self.storage, &dir).await {
-                        Ok(records) => !records,
-                        Err(e) => return undo(format!("cannot look into {}: {e}", dir.display())),
-                    },
+                let clear = match catalog::leftovers_may_go(&self.storage, &dir, &name).await {
+                    Ok(clear) => clear,
+                    Err(e) => return undo(format!("cannot look into {}: {e}", dir.display())),
                 };
                 if !clear {
                     return undo(format!(
@@ -1184,16 +1169,16 @@ impl<S: Storage> Core<S> {
     }
 }
 
-/// How long a stopping core waits, once its requests are done, for its
-/// connections to send their last answers.
-const ANSWERS_GRACE: Duration = Duration::from_secs(1);
-
 fn damaged_message(name: &StreamName, why: &str) -> String {
     format!(
         "stream {name} is not served: its metadata does not read ({why}); its files are kept \
          as they are (see docs/operations.md, Recovery)"
     )
 }
+
+/// How long a stopping core waits, once its requests are done, for its
+/// connections to send their last answers.
+const ANSWERS_GRACE: Duration = Duration::from_secs(1);
 
 fn shared_announce(
     shared: &Shared,

@@ -705,29 +705,32 @@ pub(crate) async fn serve<S: Storage>(
         } else {
             wait
         };
-        let read = glommio::timer::timeout(wait, async {
-            reader
-                .read(spare)
-                .await
-                .map_err(glommio::GlommioError::from)
-        });
-        // The stop cuts a read short once; then the requests decoded from
-        // here on are refused while those in flight finish.
-        let stop = async {
-            if !stopping {
-                core.until_stopping().await;
-            } else {
-                std::future::pending::<()>().await;
-            }
-            Err(glommio::GlommioError::<()>::IoError(std::io::Error::other(
-                "stopping",
-            )))
+        let read = async {
+            Some(
+                glommio::timer::timeout(wait, async {
+                    reader
+                        .read(spare)
+                        .await
+                        .map_err(glommio::GlommioError::from)
+                })
+                .await,
+            )
         };
-        let got = futures_lite::future::or(read, stop).await;
-        if !stopping && core.stopping.get() && got.is_err() {
+        // The stop cuts a read short once; from then on the requests
+        // decoded are refused while those in flight finish.
+        let got = if stopping {
+            read.await
+        } else {
+            futures_lite::future::or(read, async {
+                core.until_stopping().await;
+                None
+            })
+            .await
+        };
+        let Some(got) = got else {
             rbuf.truncate(filled);
             continue;
-        }
+        };
         let n = *got.as_ref().unwrap_or(&0);
         rbuf.truncate(filled + n);
         count_buffered(rbuf.len());

@@ -11,15 +11,14 @@
 //! (nothing acknowledged is lost).
 
 use std::cell::Cell;
-use std::ffi::CString;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// How often each core looks at the disk.
 pub(crate) const REFRESH: Duration = Duration::from_millis(100);
 
 pub(crate) struct DiskGuard {
-    dir: Option<CString>,
+    dir: Option<PathBuf>,
     configured: u64,
     cores: u64,
     /// Free bytes at the last look (`u64::MAX` until the first).
@@ -46,7 +45,7 @@ impl DiskGuard {
     /// `dir` is the data directory (`None` in memory: never low).
     pub fn new(dir: Option<&Path>, configured: u64, cores: u32) -> DiskGuard {
         DiskGuard {
-            dir: dir.and_then(|d| CString::new(d.as_os_str().as_encoded_bytes()).ok()),
+            dir: dir.map(Path::to_path_buf),
             configured,
             cores: u64::from(cores.max(1)),
             free: Cell::new(u64::MAX),
@@ -63,7 +62,7 @@ impl DiskGuard {
     /// low, `Some(false)` when it just recovered, `None` otherwise.
     pub fn refresh(&self) -> Option<bool> {
         let dir = self.dir.as_ref()?;
-        let (avail, total) = match statvfs(dir) {
+        let (avail, total) = match felix_engine::storage::statvfs(dir) {
             Ok(v) => v,
             Err(e) => {
                 if !self.unreadable.replace(true) {
@@ -166,22 +165,6 @@ fn human(b: u64) -> String {
 }
 
 /// Bytes available to this process and the filesystem's size.
-fn statvfs(dir: &CString) -> std::io::Result<(u64, u64)> {
-    // SAFETY: statvfs fills the zeroed struct we own from a NUL-terminated
-    // path.
-    unsafe {
-        let mut st: libc::statvfs = std::mem::zeroed();
-        if libc::statvfs(dir.as_ptr(), &mut st) != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        let unit = st.f_frsize as u64;
-        Ok((
-            (st.f_bavail as u64).saturating_mul(unit),
-            (st.f_blocks as u64).saturating_mul(unit),
-        ))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
