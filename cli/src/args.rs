@@ -36,7 +36,9 @@ pub struct GlobalArgs {
     /// --all-shards commands send each shard's part to its leader, `consume`
     /// and `read --follow` follow the shard's leader from broker to broker
     /// for as long as they run, and other commands go to the first that
-    /// answers, following a `not_leader` answer to the shard's leader.
+    /// answers, following a `not_leader` answer to the shard's leader (a
+    /// `publish` sends the batches refused that way to the leader, in order,
+    /// and goes on there).
     #[arg(
         long,
         global = true,

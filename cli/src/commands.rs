@@ -26,8 +26,9 @@ use crate::CliError;
 /// (`A,B,C`): a stream is then created or deleted on each; any other
 /// command goes to the first that can be reached, and a `not_leader`
 /// answer is followed to the broker it names, or, naming none (an
-/// election), asked again for up to [`ELECTION_WAIT`] (except a publish
-/// reading stdin, whose lines the first attempt consumed).
+/// election), asked again for up to [`ELECTION_WAIT`]. A publish follows
+/// `not_leader` itself, batch by batch ([`Pipeline`]), since the lines it
+/// read from stdin cannot be read again.
 pub async fn run(global: &GlobalArgs, command: Command) -> Result<(), CliError> {
     // Each broker once: `stream create` counts the brokers holding a stream.
     let mut seen = std::collections::HashSet::new();
@@ -74,7 +75,7 @@ pub async fn run(global: &GlobalArgs, command: Command) -> Result<(), CliError> 
     loop {
         // Only an error before the command did anything (`Client`, not
         // `Partial`) runs it again.
-        match run_on(&on(&current), command.clone()).await {
+        match run_on(&on(&current), &brokers, command.clone()).await {
             // No leader known (an election, just after a start or a
             // failover): ask again, the next broker listed first, for a
             // while. Nothing was applied.
@@ -492,7 +493,10 @@ async fn on_cluster(
     }
 }
 
-async fn run_on(global: &GlobalArgs, command: Command) -> Result<(), CliError> {
+/// Run `command` on the broker `global` names, one of `brokers` (every
+/// broker `--broker` named: a publish refused as `not_leader` may go on at
+/// another).
+async fn run_on(global: &GlobalArgs, brokers: &[String], command: Command) -> Result<(), CliError> {
     let ack_on_commit = matches!(&command, Command::Publish(p) if p.ack_on_commit);
     let client = connect(global, ack_on_commit).await?;
     match command {
@@ -513,7 +517,7 @@ async fn run_on(global: &GlobalArgs, command: Command) -> Result<(), CliError> {
             }
             print(&out)
         }
-        Command::Publish(args) => publish(&client, args).await,
+        Command::Publish(args) => publish(global, brokers, client, args).await,
         Command::Read(args) => read(&client, args).await,
         Command::Group(cmd) => group(&client, cmd).await,
         Command::Consume(args) => consume(&client, args).await,
@@ -533,6 +537,11 @@ fn client_config(global: &GlobalArgs, ack_on_commit: bool) -> ClientConfig {
 }
 
 async fn connect(global: &GlobalArgs, ack_on_commit: bool) -> Result<Client, CliError> {
+    Ok(connect_client(global, ack_on_commit).await?)
+}
+
+/// [`connect`], its error the client's own.
+async fn connect_client(global: &GlobalArgs, ack_on_commit: bool) -> Result<Client, ClientError> {
     let config = client_config(global, ack_on_commit);
     Client::connect(global.broker.as_str(), config)
         .await
@@ -543,7 +552,6 @@ async fn connect(global: &GlobalArgs, ack_on_commit: bool) -> Result<Client, Cli
             )),
             other => other,
         })
-        .map_err(CliError::from)
 }
 
 /// Write `text` to stdout as is.
@@ -709,11 +717,18 @@ type Answer = std::pin::Pin<
 
 enum Outcome {
     Waiting(Answer),
-    /// Records stored, and the shard they went to.
-    Acked(u64, u32),
-    /// Its answer was an error, seen by `check_failed`: why, and whether
-    /// the broker refused the batch whole (nothing of it stored).
-    Failed(String, bool),
+    /// Answered (seen by `check_failed` before its turn): records stored
+    /// and the shard they went to, or the error.
+    Answered(Result<(u64, u32), ClientError>),
+}
+
+impl Outcome {
+    async fn wait(self) -> Result<(u64, u32), ClientError> {
+        match self {
+            Outcome::Waiting(answer) => answer.await.map(|p| (u64::from(p.count), p.shard)),
+            Outcome::Answered(result) => result,
+        }
+    }
 }
 
 /// Printed records whose ack failed, in words: what they are, the verb
@@ -768,8 +783,31 @@ fn refused_whole(e: &ClientError) -> bool {
 /// in input order).
 struct InFlight {
     first: u64,
-    count: u64,
+    /// The batch, kept until it is acknowledged: sent again, in order, to
+    /// the shard's leader if this broker refuses it as not leading.
+    records: Vec<RecordIn>,
     outcome: Outcome,
+}
+
+/// A batch whose answer was an error, kept to be sent again.
+struct Failed {
+    first: u64,
+    records: Vec<RecordIn>,
+}
+
+impl Failed {
+    fn last(&self) -> u64 {
+        self.first + self.records.len() as u64 - 1
+    }
+}
+
+/// A batch whose answer was an error, as `publish` reports it.
+struct Unacked {
+    first: u64,
+    last: u64,
+    why: String,
+    /// The broker refused it whole: nothing of it stored.
+    refused: bool,
 }
 
 /// Keeps up to `in_flight` batches sent and unacknowledged, in order. Once
@@ -777,8 +815,21 @@ struct InFlight {
 /// connection, would be stored after a gap), and on any error every batch
 /// still in flight is settled so the count printed is every acknowledged
 /// record and the rest are named as of unknown outcome.
+///
+/// Except for one error: a broker that does not lead the shard (a follower
+/// of a cluster, or a leader just deposed) refuses each batch whole with
+/// `not_leader`. When every batch from the first refused one on was refused
+/// that way, nothing after the last acknowledged batch is stored, so they
+/// are sent again, in order, to the leader the refusal names (or, while an
+/// election runs, to each broker given in turn, for up to
+/// [`ELECTION_WAIT`]), and the publish goes on there.
 struct Pipeline<'a> {
-    client: &'a Client,
+    client: Client,
+    /// The broker `client` talks to, and every broker `--broker` named.
+    current: String,
+    global: &'a GlobalArgs,
+    brokers: &'a [String],
+    ack_on_commit: bool,
     stream: &'a StreamRef,
     shard: u32,
     in_flight: usize,
@@ -786,13 +837,14 @@ struct Pipeline<'a> {
     /// Input records handed to `send` so far.
     sent: u64,
     published: u64,
-    /// Input record ranges sent whose answer was an error (given), and
-    /// whether the broker refused them whole (else they may or may not be
-    /// stored).
-    unknown: Vec<(u64, u64, String, bool)>,
+    /// Batches sent whose answer was an error.
+    unknown: Vec<Unacked>,
     /// Shards that acknowledged records (one, unless a broker answered for
     /// another shard than asked).
     shards: std::collections::BTreeSet<u32>,
+    /// Leaders followed so far, and the wait for one while none is known.
+    follows: u32,
+    patience: Patience,
 }
 
 impl Pipeline<'_> {
@@ -800,18 +852,15 @@ impl Pipeline<'_> {
         if records.is_empty() {
             return Ok(());
         }
-        self.check_failed()?;
-        let count = records.len() as u64;
-        let s = self.stream;
-        let p = self
-            .client
-            .begin_publish_batch(&s.tenant, &s.namespace, &s.stream, self.shard, records)
-            .await?;
-        self.pending.push_back(InFlight {
-            first: self.sent + 1,
-            count,
-            outcome: Outcome::Waiting(std::future::IntoFuture::into_future(p)),
-        });
+        if self.check_failed() {
+            // Settled, and the refused batches sent to the leader, or the
+            // publish ends here.
+            while !self.pending.is_empty() {
+                self.settle_one().await?;
+            }
+        }
+        let (first, count) = (self.sent + 1, records.len() as u64);
+        self.begin(first, records).await?;
         self.sent += count;
         while self.pending.len() >= self.in_flight {
             self.settle_one().await?;
@@ -819,52 +868,182 @@ impl Pipeline<'_> {
         Ok(())
     }
 
-    /// Look, without waiting, for an answer that already came back an
-    /// error (the connection dropped under it, say).
-    fn check_failed(&mut self) -> Result<(), CliError> {
-        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        for f in &mut self.pending {
-            if let Outcome::Waiting(answer) = &mut f.outcome {
-                match answer.as_mut().poll(&mut cx) {
-                    std::task::Poll::Pending => {}
-                    std::task::Poll::Ready(Ok(p)) => {
-                        f.outcome = Outcome::Acked(u64::from(p.count), p.shard)
-                    }
-                    std::task::Poll::Ready(Err(e)) => {
-                        f.outcome = Outcome::Failed(e.to_string(), refused_whole(&e));
-                        return Err(e.into());
-                    }
-                }
-            }
-        }
+    /// Send a batch (input records from `first` on) on the current
+    /// connection, behind those in flight.
+    async fn begin(&mut self, first: u64, records: Vec<RecordIn>) -> Result<(), ClientError> {
+        let s = self.stream;
+        let answer = self
+            .client
+            .begin_publish_batch(
+                &s.tenant,
+                &s.namespace,
+                &s.stream,
+                self.shard,
+                records.clone(),
+            )
+            .await?;
+        self.pending.push_back(InFlight {
+            first,
+            records,
+            outcome: Outcome::Waiting(std::future::IntoFuture::into_future(answer)),
+        });
         Ok(())
     }
 
+    /// Look, without waiting, for answers that already came back; whether
+    /// one of them is an error (the connection dropped under it, say).
+    fn check_failed(&mut self) -> bool {
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        let mut failed = false;
+        for f in &mut self.pending {
+            if let Outcome::Waiting(answer) = &mut f.outcome {
+                if let std::task::Poll::Ready(r) = answer.as_mut().poll(&mut cx) {
+                    f.outcome = Outcome::Answered(r.map(|p| (u64::from(p.count), p.shard)));
+                }
+            }
+            failed |= matches!(f.outcome, Outcome::Answered(Err(_)));
+        }
+        failed
+    }
+
+    /// Wait for the oldest batch's answer. On an error, every batch still
+    /// in flight is settled too, and then either the refused ones go to the
+    /// shard's leader or the error ends the publish.
     async fn settle_one(&mut self) -> Result<(), CliError> {
         let Some(f) = self.pending.pop_front() else {
             return Ok(());
         };
-        let result = match f.outcome {
-            Outcome::Waiting(answer) => answer.await.map(|p| (u64::from(p.count), p.shard)),
-            Outcome::Acked(n, shard) => Ok((n, shard)),
-            Outcome::Failed(why, refused) => {
-                // Already returned as the run's error; only named here.
-                self.unknown
-                    .push((f.first, f.first + f.count - 1, why, refused));
-                return Ok(());
-            }
-        };
-        match result {
-            Ok((n, shard)) => {
-                self.published += n;
-                self.shards.insert(shard);
+        let (first, records) = (f.first, f.records);
+        match f.outcome.wait().await {
+            Ok(acked) => {
+                self.acked(acked);
+                if self.follows > 0 {
+                    // Through the failover: the next one gets the same
+                    // patience.
+                    self.follows = 0;
+                    self.patience = Patience::default();
+                }
                 Ok(())
             }
-            Err(e) => {
-                let refused = refused_whole(&e);
-                self.unknown
-                    .push((f.first, f.first + f.count - 1, e.to_string(), refused));
-                Err(e.into())
+            Err(e) => self.after_error(Failed { first, records }, e).await,
+        }
+    }
+
+    fn acked(&mut self, (n, shard): (u64, u32)) {
+        self.published += n;
+        self.shards.insert(shard);
+    }
+
+    async fn after_error(&mut self, failed: Failed, e: ClientError) -> Result<(), CliError> {
+        // The failed batch and each after it, with its error. A batch
+        // acknowledged after a refused one means the refused ones cannot
+        // be sent again without reordering the input.
+        let mut failures = vec![(failed, e)];
+        let mut acked_after = false;
+        while let Some(f) = self.pending.pop_front() {
+            let (first, records) = (f.first, f.records);
+            match f.outcome.wait().await {
+                Ok(acked) => {
+                    self.acked(acked);
+                    acked_after = true;
+                }
+                Err(e) => failures.push((Failed { first, records }, e)),
+            }
+        }
+        let all_not_leader = failures
+            .iter()
+            .all(|(_, e)| matches!(e, ClientError::NotLeader { .. }));
+        if all_not_leader && !acked_after {
+            // The newest word on who leads.
+            let named = failures.iter().rev().find_map(|(_, e)| match e {
+                ClientError::NotLeader { leader, .. } => leader.clone(),
+                _ => None,
+            });
+            if self.follow(named).await {
+                let mut again = failures.into_iter();
+                while let Some((f, refusal)) = again.next() {
+                    let (first, last) = (f.first, f.last());
+                    if let Err(e) = self.begin(first, f.records).await {
+                        // Refused by the last broker, not sent to this
+                        // one: not stored.
+                        let why = format!("{refusal}; not sent again: {e}");
+                        self.unknown.push(Unacked {
+                            first,
+                            last,
+                            why: why.clone(),
+                            refused: true,
+                        });
+                        for (f, _) in again {
+                            self.unknown.push(Unacked {
+                                first: f.first,
+                                last: f.last(),
+                                why: why.clone(),
+                                refused: true,
+                            });
+                        }
+                        return Err(e.into());
+                    }
+                }
+                return Ok(());
+            }
+        }
+        let mut first_error = None;
+        for (f, e) in failures {
+            self.unknown.push(Unacked {
+                first: f.first,
+                last: f.last(),
+                why: e.to_string(),
+                refused: refused_whole(&e),
+            });
+            first_error.get_or_insert(e);
+        }
+        Err(first_error.expect("at least the failed batch").into())
+    }
+
+    /// Connect to the shard's leader: `named` by the refusal, or while none
+    /// is known, each broker given in turn. Whether one was reached within
+    /// the patience.
+    async fn follow(&mut self, mut named: Option<String>) -> bool {
+        loop {
+            if !self.patience.lasts() && self.follows >= 3 {
+                return false;
+            }
+            let target = match named.take() {
+                Some(leader) if leader != self.current => {
+                    eprintln!(
+                        "felix: {} does not lead shard {}; sending to the leader, {leader}",
+                        self.current, self.shard
+                    );
+                    leader
+                }
+                _ => {
+                    if self.follows == 0 {
+                        eprintln!(
+                            "felix: {} does not lead shard {} and names no leader (an \
+                             election?); waiting",
+                            self.current, self.shard
+                        );
+                    }
+                    self.patience.pause().await;
+                    let at = self.brokers.iter().position(|b| *b == self.current);
+                    let next = at.map_or(0, |i| (i + 1) % self.brokers.len());
+                    self.brokers[next].clone()
+                }
+            };
+            self.follows += 1;
+            if self.follows > 3 {
+                self.patience.pause().await;
+            }
+            match connect_client(&for_broker(self.global, &target), self.ack_on_commit).await {
+                Ok(client) => {
+                    self.client = client;
+                    self.current = target;
+                    return true;
+                }
+                Err(e) => {
+                    eprintln!("felix: {e}; trying another broker");
+                    self.current = target;
+                }
             }
         }
     }
@@ -880,8 +1059,17 @@ impl Pipeline<'_> {
     /// fails with the connection, or times out), counting what was
     /// acknowledged.
     async fn settle_all(&mut self) {
-        while !self.pending.is_empty() {
-            let _ = self.settle_one().await;
+        while let Some(f) = self.pending.pop_front() {
+            let (first, last) = (f.first, f.first + f.records.len() as u64 - 1);
+            match f.outcome.wait().await {
+                Ok(acked) => self.acked(acked),
+                Err(e) => self.unknown.push(Unacked {
+                    first,
+                    last,
+                    why: e.to_string(),
+                    refused: refused_whole(&e),
+                }),
+            }
         }
     }
 }
@@ -919,7 +1107,12 @@ impl Batch {
 /// lines typed or trickled in are not held back until the batch fills.
 const LINGER: Duration = Duration::from_millis(50);
 
-async fn publish(client: &Client, args: PublishArgs) -> Result<(), CliError> {
+async fn publish(
+    global: &GlobalArgs,
+    brokers: &[String],
+    client: Client,
+    args: PublishArgs,
+) -> Result<(), CliError> {
     let s = &args.stream;
     let (shard, key) = match &args.key {
         Some(k) => {
@@ -933,6 +1126,10 @@ async fn publish(client: &Client, args: PublishArgs) -> Result<(), CliError> {
     };
     let mut pipe = Pipeline {
         client,
+        current: global.broker.clone(),
+        global,
+        brokers,
+        ack_on_commit: args.ack_on_commit,
         stream: s,
         shard,
         in_flight: args.in_flight.max(1),
@@ -941,6 +1138,8 @@ async fn publish(client: &Client, args: PublishArgs) -> Result<(), CliError> {
         published: 0,
         unknown: Vec::new(),
         shards: Default::default(),
+        follows: 0,
+        patience: Patience::default(),
     };
     let mut batch = Batch {
         records: Vec::new(),
@@ -967,21 +1166,18 @@ async fn publish(client: &Client, args: PublishArgs) -> Result<(), CliError> {
         }
         Err(e) => {
             pipe.settle_all().await;
-            let rerun = !stdin
-                && pipe.published == 0
-                && pipe.unknown.iter().all(|u| u.3)
-                && matches!(e, CliError::Client(ClientError::NotLeader { .. }));
-            if rerun {
-                // Nothing stored, and `run` sends the messages again to the
-                // leader (or says why not): no report of this attempt.
-                return Err(e);
-            }
             let e = match e {
                 CliError::Client(c) => CliError::Partial(c),
                 other => other,
             };
             eprintln!("published {} before the error", records(pipe.published));
-            for (first, last, why, refused) in &pipe.unknown {
+            for Unacked {
+                first,
+                last,
+                why,
+                refused,
+            } in &pipe.unknown
+            {
                 let which = if first == last {
                     format!("input record {first}")
                 } else {

@@ -2101,6 +2101,68 @@ fn the_readme_cluster_works() {
             std::thread::park_timeout(std::time::Duration::from_millis(50));
         }
     }
+    // A publish reading stdin, given brokers that do not lead the shard:
+    // the batches they refuse as `not_leader` (several in flight at once)
+    // go to the leader, in input order, and every line is stored once.
+    ok_at(
+        &all,
+        &["stream", "create", "demo/ha/lines", "--shards", "1"],
+        None,
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let lines_leader = loop {
+        let described = ok_at(&all, &["shard", "describe", "demo/ha/lines"], None);
+        if let Some(l) = roles(&described).iter().position(|r| r == "leader") {
+            break l;
+        }
+        assert!(std::time::Instant::now() < deadline, "{described}");
+        std::thread::park_timeout(std::time::Duration::from_millis(50));
+    };
+    let not_leading = format!(
+        "{},{}",
+        addrs[(lines_leader + 1) % 3],
+        addrs[(lines_leader + 2) % 3]
+    );
+    let input: String = (0..2_000).map(|i| format!("line {i}\n")).collect();
+    let out = run_at(
+        &not_leading,
+        &[
+            "publish",
+            "demo/ha/lines",
+            "--batch-records",
+            "50",
+            "--in-flight",
+            "8",
+        ],
+        Some(&input),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("published 2000 records to shard 0"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(&format!(
+            "does not lead shard 0; sending to the leader, {}",
+            addrs[lines_leader]
+        )),
+        "{stderr}"
+    );
+    let stored = ok(
+        &nodes[lines_leader],
+        &[
+            "read",
+            "demo/ha/lines",
+            "--shard",
+            "0",
+            "--from",
+            "earliest",
+        ],
+        None,
+    );
+    assert!(stored == input, "stored {} lines", stored.lines().count());
+
     // A group, through the leader.
     let consumed = ok_at(
         &all,
