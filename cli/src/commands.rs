@@ -845,6 +845,9 @@ struct Pipeline<'a> {
     /// Leaders followed so far, and the wait for one while none is known.
     follows: u32,
     patience: Patience,
+    /// The index in `brokers` of the broker asked last while no leader
+    /// is known.
+    next_broker: usize,
 }
 
 impl Pipeline<'_> {
@@ -955,10 +958,10 @@ impl Pipeline<'_> {
             .all(|(_, e)| matches!(e, ClientError::NotLeader { .. }));
         if all_not_leader && !acked_after {
             // The newest word on who leads.
-            let named = failures.iter().rev().find_map(|(_, e)| match e {
-                ClientError::NotLeader { leader, .. } => leader.clone(),
+            let named = match failures.last() {
+                Some((_, ClientError::NotLeader { leader, .. })) => leader.clone(),
                 _ => None,
-            });
+            };
             if self.follow(named).await {
                 let mut again = failures.into_iter();
                 while let Some((f, refusal)) = again.next() {
@@ -966,7 +969,7 @@ impl Pipeline<'_> {
                     if let Err(e) = self.begin(first, f.records).await {
                         // Refused by the last broker, not sent to this
                         // one: not stored.
-                        let why = format!("{refusal}; not sent again: {e}");
+                        let why = format!("{refusal}; not sent again to {}: {e}", self.current);
                         self.unknown.push(Unacked {
                             first,
                             last,
@@ -1004,6 +1007,7 @@ impl Pipeline<'_> {
     /// is known, each broker given in turn. Whether one was reached within
     /// the patience.
     async fn follow(&mut self, mut named: Option<String>) -> bool {
+        let mut said_waiting = false;
         loop {
             if !self.patience.lasts() && self.follows >= 3 {
                 return false;
@@ -1017,17 +1021,23 @@ impl Pipeline<'_> {
                     leader
                 }
                 _ => {
-                    if self.follows == 0 {
+                    if !said_waiting {
                         eprintln!(
-                            "felix: {} does not lead shard {} and names no leader (an \
-                             election?); waiting",
-                            self.current, self.shard
+                            "felix: {} does not lead shard {} and names no leader yet (an \
+                             election, or a new leader catching up); asking {}",
+                            self.current,
+                            self.shard,
+                            if self.brokers.len() > 1 {
+                                "the brokers named in turn"
+                            } else {
+                                "again"
+                            }
                         );
+                        said_waiting = true;
                     }
                     self.patience.pause().await;
-                    let at = self.brokers.iter().position(|b| *b == self.current);
-                    let next = at.map_or(0, |i| (i + 1) % self.brokers.len());
-                    self.brokers[next].clone()
+                    self.next_broker = (self.next_broker + 1) % self.brokers.len();
+                    self.brokers[self.next_broker].clone()
                 }
             };
             self.follows += 1;
@@ -1041,7 +1051,7 @@ impl Pipeline<'_> {
                     return true;
                 }
                 Err(e) => {
-                    eprintln!("felix: {e}; trying another broker");
+                    eprintln!("felix: {e}");
                     self.current = target;
                 }
             }
@@ -1140,6 +1150,7 @@ async fn publish(
         shards: Default::default(),
         follows: 0,
         patience: Patience::default(),
+        next_broker: 0,
     };
     let mut batch = Batch {
         records: Vec::new(),
@@ -1171,6 +1182,9 @@ async fn publish(
                 other => other,
             };
             eprintln!("published {} before the error", records(pipe.published));
+            // In input order (a batch not sent again after a refusal is
+            // named before those sent again ahead of it were settled).
+            pipe.unknown.sort_by_key(|u| u.first);
             for Unacked {
                 first,
                 last,
