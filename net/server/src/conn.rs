@@ -1062,8 +1062,15 @@ fn forbidden<S: Storage>(core: &Core<S>, info: &ConnInfo, req: &Request) -> Opti
             .as_ref()
             .and_then(|a| a.refuses(&info.principal.borrow(), req))
     })?;
+    // The names in `why` are the request's own, not yet checked: a client
+    // must not be able to write lines of its own into the log.
     log_rate_limited(&FORBIDDEN_LOG, || {
-        format!("conn {}: {} refused: {why}", info.id, req.name())
+        format!(
+            "conn {}: {} refused: {}",
+            info.id,
+            req.name(),
+            loggable(&why, 512)
+        )
     });
     Some(wire_err(ErrorCode::Unauthorized, why))
 }
@@ -1090,6 +1097,24 @@ fn with_incarnation(info: &ConnInfo, mut resp: Response) -> Response {
 /// When a core last logged a line of one kind, and how many it left out
 /// since (see [`log_rate_limited`]).
 pub(crate) type LogLimit = Cell<Option<(std::time::Instant, u64)>>;
+
+/// `text` from a client, fit for a log line: control characters (line
+/// breaks, terminal escapes) escaped, and cut to its first `max` characters.
+fn loggable(text: &str, max: usize) -> String {
+    let mut out = String::with_capacity(text.len().min(max));
+    for (i, c) in text.chars().enumerate() {
+        if i == max {
+            out.push_str(&format!("... ({} bytes in all)", text.len()));
+            break;
+        }
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
 
 /// Log at info at most once a second per core (per `last`), saying how
 /// many lines were left out since.
@@ -1542,3 +1567,25 @@ async fn read<S: Storage>(
 
 #[allow(dead_code)]
 fn _assert_wire_error_is_used(_: WireError) {}
+
+#[cfg(test)]
+mod tests {
+    use super::loggable;
+
+    #[test]
+    fn a_clients_text_cannot_break_or_flood_a_log_line() {
+        let forged = "t1/x/evil\n2026-12-04T23:59:59Z  INFO felix: forged\x1b[31m";
+        let line = loggable(forged, 512);
+        assert!(!line.contains('\n') && !line.contains('\x1b'), "{line}");
+        assert!(line.contains("evil\\n2026") && line.contains("\\u{1b}[31m"));
+        assert_eq!(loggable("t1/ns/stream", 512), "t1/ns/stream");
+        let long = "é".repeat(70_000);
+        let cut = loggable(&long, 512);
+        assert!(cut.starts_with(&"é".repeat(512)));
+        assert!(
+            cut.ends_with("... (140000 bytes in all)"),
+            "{}",
+            &cut[1000..]
+        );
+    }
+}
