@@ -1,6 +1,8 @@
 //! CPU cost of the consumer-group tracker's hot path (no I/O): a poll that
 //! claims N new records followed by one ack of all of them, acks arriving
-//! out of order under a deep in-flight window, and nack + redelivery.
+//! out of order under a deep in-flight window, nack + redelivery, and
+//! poll + ack of a group holding many dead letters (a poison queue never
+//! cleaned up: the list has no bound, so nothing per ack may walk it).
 //! Figures are recorded in `perf/README.md`.
 //!
 //! Run with `cargo bench -p felix-engine --bench group`.
@@ -164,11 +166,47 @@ fn nack_and_redeliver(c: &mut Criterion) {
     g.finish();
 }
 
+/// Poll 1 and ack it, in a group whose first `n` records were given up on
+/// by their consumer (dead letters below the position, never discarded).
+fn ack_beside_dead_letters(c: &mut Criterion) {
+    let mut g = c.benchmark_group("group_poll_ack_dead_letters");
+    g.measurement_time(Duration::from_secs(2))
+        .warm_up_time(Duration::from_millis(300));
+    let caller = Caller::anonymous(1);
+    for n in [0u32, 100_000] {
+        g.throughput(Throughput::Elements(1));
+        g.bench_with_input(BenchmarkId::from_parameter(n), &n, |b, &n| {
+            let mut t = tracker(n.max(1));
+            let mut given_up = 0;
+            while given_up < n {
+                let out = t.poll(T0_MS, &caller, 1_000, None, LOG, &mut record);
+                for d in &out.deliveries {
+                    t.dead_letter(T0_MS, d.offset, d.attempts, None, LOG)
+                        .expect("dead letter");
+                }
+                given_up += out.deliveries.len() as u32;
+            }
+            b.iter_custom(|iters| {
+                let start = Instant::now();
+                for i in 0..iters {
+                    let now = T0_MS + 1 + i;
+                    let out = t.poll(now, &caller, 1, None, LOG, &mut record);
+                    let offset = out.deliveries[0].offset;
+                    black_box(t.ack(now, &[offset], LOG).expect("ack"));
+                }
+                start.elapsed()
+            })
+        });
+    }
+    g.finish();
+}
+
 criterion_group!(
     benches,
     poll_then_ack,
     poll_only,
     acks_out_of_order,
-    nack_and_redeliver
+    nack_and_redeliver,
+    ack_beside_dead_letters
 );
 criterion_main!(benches);

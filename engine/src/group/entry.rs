@@ -115,9 +115,11 @@ pub struct DurableGroup {
     /// *skipped* above).
     position_skipped: u64,
     dead_letters: BTreeMap<Offset, DeadLetter>,
-    /// How many of `dead_letters` are listed (not discarded): counted as
-    /// they change, so a describe need not walk the list.
-    listed: usize,
+    /// The offsets of `dead_letters` discarded (no longer listed), kept as
+    /// they change: a describe counts the listed ones, and a position that
+    /// moves drops the discarded ones it passes, without walking the whole
+    /// list (which has no bound: a poison queue can hold millions).
+    discarded: BTreeSet<Offset>,
     /// Sum of the reasons' lengths in `dead_letters`.
     reason_bytes: usize,
     /// Redriven offsets below the position: owed again until finished.
@@ -153,7 +155,7 @@ impl DurableGroup {
         Ok(DurableGroup {
             position,
             position_skipped: 0,
-            listed: listed_in(&dead_letters),
+            discarded: discarded_in(&dead_letters),
             dead_letters,
             reason_bytes,
             redriven,
@@ -187,8 +189,8 @@ impl DurableGroup {
 
     /// How many dead letters the group lists.
     pub fn listed_count(&self) -> usize {
-        debug_assert_eq!(self.listed, listed_in(&self.dead_letters));
-        self.listed
+        debug_assert_eq!(self.discarded, discarded_in(&self.dead_letters));
+        self.dead_letters.len() - self.discarded.len()
     }
 
     /// The listed dead letters at `from` and above, in offset order.
@@ -206,15 +208,15 @@ impl DurableGroup {
     }
 
     fn forget_discarded_below(&mut self, position: Offset) {
-        let mut freed = 0;
-        self.dead_letters.retain(|o, d| {
-            let keep = !(d.discarded && *o < position);
-            if !keep {
-                freed += d.reason_len();
+        while let Some(&o) = self.discarded.first() {
+            if o >= position {
+                break;
             }
-            keep
-        });
-        self.reason_bytes -= freed;
+            self.discarded.pop_first();
+            if let Some(d) = self.dead_letters.remove(&o) {
+                self.reason_bytes -= d.reason_len();
+            }
+        }
     }
 
     /// Bytes of reasons kept (see [`REASON_BUDGET_BYTES`]).
@@ -240,7 +242,7 @@ impl DurableGroup {
             position: self.position,
             position_skipped: self.position_skipped,
             reason_bytes: first.values().map(DeadLetter::reason_len).sum(),
-            listed: listed_in(&first),
+            discarded: discarded_in(&first),
             dead_letters: first,
             redriven: self.redriven.clone(),
         };
@@ -280,17 +282,20 @@ impl DurableGroup {
 
     fn insert_dead_letter(&mut self, offset: Offset, info: DeadLetter) {
         self.reason_bytes += info.reason_len();
-        self.listed += usize::from(!info.discarded);
+        if info.discarded {
+            self.discarded.insert(offset);
+        } else {
+            self.discarded.remove(&offset);
+        }
         if let Some(old) = self.dead_letters.insert(offset, info) {
             self.reason_bytes -= old.reason_len();
-            self.listed -= usize::from(!old.discarded);
         }
     }
 
     fn remove_dead_letter(&mut self, offset: &Offset) -> Option<DeadLetter> {
         let old = self.dead_letters.remove(offset)?;
         self.reason_bytes -= old.reason_len();
-        self.listed -= usize::from(!old.discarded);
+        self.discarded.remove(offset);
         Some(old)
     }
 
@@ -300,14 +305,18 @@ impl DurableGroup {
         if let Some(d) = self.dead_letters.get_mut(offset) {
             if !d.discarded {
                 d.discarded = true;
-                self.listed -= 1;
+                self.discarded.insert(*offset);
             }
         }
     }
 }
 
-fn listed_in(letters: &BTreeMap<Offset, DeadLetter>) -> usize {
-    letters.values().filter(|d| !d.discarded).count()
+fn discarded_in(letters: &BTreeMap<Offset, DeadLetter>) -> BTreeSet<Offset> {
+    letters
+        .iter()
+        .filter(|(_, d)| d.discarded)
+        .map(|(o, _)| *o)
+        .collect()
 }
 
 /// A change to durable group state, appended to the shard's log (taking no
@@ -1007,7 +1016,7 @@ mod codec_tests {
             position: Offset(3),
             position_skipped: 0,
             dead_letters: BTreeMap::new(),
-            listed: 0,
+            discarded: BTreeSet::new(),
             reason_bytes: 0,
             redriven: [Offset(7)].into_iter().collect(),
         };
