@@ -82,6 +82,9 @@ struct Disk {
     /// Calls of `sync_dir` so far, and the one to fail.
     dir_syncs: u64,
     fail_dir_sync_on: Option<u64>,
+    /// Calls of `list_dir` so far, and the one to fail (out of open files).
+    listings: u64,
+    fail_listing_on: Option<u64>,
     /// Every write and sync yields to the executor once before it runs, so
     /// tests can interleave other work with an I/O in flight.
     yielding: bool,
@@ -222,6 +225,13 @@ impl SimStorage {
     pub fn fail_dir_sync_after(&self, n: u64) {
         let mut d = self.disk.borrow_mut();
         d.fail_dir_sync_on = Some(d.dir_syncs + n);
+    }
+
+    /// The `n`th `list_dir` from now (1 = the next one) fails as a process
+    /// out of open files does (EMFILE).
+    pub fn fail_list_dir_after(&self, n: u64) {
+        let mut d = self.disk.borrow_mut();
+        d.fail_listing_on = Some(d.listings + n);
     }
 
     /// The `n`th fsync from now never completes: the power goes out while it
@@ -554,7 +564,11 @@ impl Storage for SimStorage {
     }
 
     async fn list_dir(&self, path: &Path) -> io::Result<Vec<String>> {
-        let d = self.disk.borrow();
+        let mut d = self.disk.borrow_mut();
+        d.listings += 1;
+        if d.fail_listing_on == Some(d.listings) {
+            return Err(io::Error::from_raw_os_error(libc::EMFILE));
+        }
         let mut out = BTreeSet::new();
         for p in d.files.keys().chain(d.dirs.iter()) {
             if let Ok(rest) = p.strip_prefix(path) {

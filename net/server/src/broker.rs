@@ -368,15 +368,17 @@ impl<S: Storage> Core<S> {
         // its metadata, so each one the metadata names must be there. One
         // that is not has lost its records: opening it would start it again
         // at offset 0 and hand out offsets a second time.
-        let present: Option<Vec<String>> = if self.shared.durable {
+        // A directory that cannot be listed (out of open files, say) says
+        // nothing of which shards are there: its shards are refused for
+        // that reason, not reported lost.
+        let present: Option<Result<Vec<String>, String>> = if self.shared.durable {
             let sdir = catalog::stream_dir(&self.data_dir(), &meta.name);
-            match self.storage.list_dir(&sdir).await {
-                Ok(names) => Some(names),
-                Err(e) => {
-                    tracing::error!("cannot list {}: {e}", sdir.display());
-                    Some(Vec::new())
-                }
-            }
+            Some(
+                self.storage
+                    .list_dir(&sdir)
+                    .await
+                    .map_err(|e| format!("cannot list {}: {e}", sdir.display())),
+            )
         } else {
             None
         };
@@ -386,17 +388,22 @@ impl<S: Storage> Core<S> {
                 continue;
             }
             let dir = catalog::shard_dir(&self.data_dir(), &meta.name, s);
-            if present
-                .as_ref()
-                .is_some_and(|names| !names.iter().any(|n| *n == s.to_string()))
-            {
-                let why = format!(
+            let refused = match &present {
+                Some(Err(e)) => Some(format!(
+                    "{}/{s}: {e}; the shard refuses requests until the broker is restarted \
+                     and can read it",
+                    meta.name
+                )),
+                Some(Ok(names)) if !names.iter().any(|n| *n == s.to_string()) => Some(format!(
                     "{}/{s}: shard directory {} is missing, so its records are gone; the \
                      shard refuses requests rather than start again at offset 0 \
                      (restore the directory, or delete and re-create the stream)",
                     meta.name,
                     dir.display()
-                );
+                )),
+                _ => None,
+            };
+            if let Some(why) = refused {
                 tracing::error!("shard cannot be opened and will refuse requests: {why}");
                 failures.push(why.clone());
                 shards.push(Slot::Failed(why));
@@ -2116,6 +2123,47 @@ mod tests {
                     }
                     assert!(k < 200, "the create never finished");
                 }
+            })
+            .unwrap()
+            .join()
+            .unwrap();
+    }
+
+    /// A stream directory that cannot be listed at start-up (the process
+    /// out of open files) says nothing of which shards are there: its
+    /// shards are refused for that reason, never reported lost (the advice
+    /// for a lost shard is to delete and re-create the stream).
+    #[test]
+    fn an_unlistable_stream_directory_refuses_its_shards_without_calling_them_lost() {
+        glommio::LocalExecutorBuilder::default()
+            .spawn(|| async {
+                let storage = SimStorage::new();
+                let core = core_on(storage.clone());
+                let stream = stream_ref();
+                let created = core.create_stream(&stream, 2, None, None, None).await;
+                assert!(matches!(created, Response::Stream(_)), "{created:?}");
+                let name = to_name(&stream).unwrap();
+                let meta = core.shared.catalog.lock().unwrap()[&name].clone();
+                let _ = core.shared.senders[0].send(CoreMsg::Shutdown);
+                // A broker starting again over the same files.
+                let again = core_on(storage.clone());
+                storage.fail_list_dir_after(1);
+                let why = again.open_stream_only(meta.clone()).await.unwrap_err();
+                assert!(why.contains("cannot list /data/t/n/s"), "{why}");
+                assert!(why.contains("os error 24"), "{why}");
+                assert!(
+                    !why.contains("missing") && !why.contains("re-create"),
+                    "{why}"
+                );
+                let e = match again.shard(&stream, 0) {
+                    Err(Response::Error(e)) => e,
+                    other => panic!("expected a refusal, got {:?}", other.map(|_| ())),
+                };
+                assert!(e.message.contains("cannot list"), "{}", e.message);
+                // Listed, the same files open.
+                let third = core_on(storage.clone());
+                third.open_stream_only(meta).await.unwrap();
+                assert!(third.shard(&stream, 1).is_ok());
             })
             .unwrap()
             .join()
