@@ -153,6 +153,16 @@ async fn hello_then_create(
     token: Option<&str>,
     want_core: Option<u32>,
 ) -> Vec<felix_wire::Response> {
+    hello_then_create_bytes(addr, token, want_core, |_| {}).await
+}
+
+/// [`hello_then_create`], the encoded requests changed by `mangle` first.
+async fn hello_then_create_bytes(
+    addr: &str,
+    token: Option<&str>,
+    want_core: Option<u32>,
+    mangle: impl FnOnce(&mut [u8]),
+) -> Vec<felix_wire::Response> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
     let mut out = bytes::BytesMut::new();
@@ -172,6 +182,7 @@ async fn hello_then_create(
         incarnation: None,
     };
     felix_wire::encode_request(2, &create, &mut out);
+    mangle(&mut out);
     s.write_all(&out).await.unwrap();
     let mut buf = bytes::BytesMut::new();
     let mut answers = Vec::new();
@@ -209,6 +220,17 @@ async fn a_request_behind_a_refused_hello_is_not_served_on_any_core() {
             assert_eq!(answers.len(), 1, "{want:?} {token:?}: {answers:?}");
             assert_eq!(code_of(&answers[0]), Some(ErrorCode::Unauthorized));
         }
+        // A token that is not UTF-8 is refused with the connection too.
+        let answers = hello_then_create_bytes(&b.addr, Some("alice-secret"), want, |out| {
+            let at = out
+                .windows(12)
+                .position(|w| w == b"alice-secret")
+                .expect("the token");
+            out[at..at + 3].copy_from_slice(b"\xff\xfe\x00");
+        })
+        .await;
+        assert_eq!(answers.len(), 1, "{want:?} non-UTF-8: {answers:?}");
+        assert_eq!(code_of(&answers[0]), Some(ErrorCode::InvalidRequest));
     }
     // A right token works on whichever core the connection asks for, the
     // other one included (the kernel spreads connections over both

@@ -366,13 +366,53 @@ fn unknown_env(env: &BTreeMap<String, String>) -> Vec<String> {
                         s.section, s.name
                     ),
                 },
-                None => format!(
-                    "{k} is ignored: no setting reads it (`felix serve --print-config` \
-                     lists the settings; felix.example.toml names their variables)"
-                ),
+                None => match nearest_var(k) {
+                    Some(var) => {
+                        format!("{k} is ignored: no setting reads it; did you mean {var}?")
+                    }
+                    None => format!(
+                        "{k} is ignored: no setting reads it (`felix serve --print-config` \
+                         lists the settings; felix.example.toml names their variables)"
+                    ),
+                },
             }
         })
         .collect()
+}
+
+/// The setting variable `k` looks like a slip of: within two edits of it,
+/// or it with a word left off the end (`FELIX_ACL` for `FELIX_ACL_FILE`).
+fn nearest_var(k: &str) -> Option<&'static str> {
+    SETTINGS
+        .iter()
+        .filter_map(|s| s.env)
+        .map(|var| {
+            let cut = var
+                .strip_prefix(k)
+                .is_some_and(|rest| rest.starts_with('_'));
+            (if cut { 0 } else { edit_distance(k, var) }, var)
+        })
+        .filter(|(d, _)| *d <= 2)
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, var)| var)
+}
+
+/// Levenshtein distance between two ASCII-ish strings (by chars).
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diag = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let next = (diag + usize::from(ca != *cb))
+                .min(row[j] + 1)
+                .min(row[j + 1] + 1);
+            diag = row[j + 1];
+            row[j + 1] = next;
+        }
+    }
+    row[b.len()]
 }
 
 /// Refuse an address a listener could not bind: it must be `IP:PORT` or
@@ -1270,6 +1310,9 @@ mod tests {
                 ("FELIX_SIM_SEED", "7"),
                 ("FELIX_BROKER", "127.0.0.1:7400"),
                 ("FELIX_LISTEN", "127.0.0.1:7400"),
+                ("FELIX_TOKEN_FILE", "/etc/felix/tokens"),
+                ("FELIX_NOTHING_LIKE_IT", "1"),
+                ("FELIX_ACL", "/etc/felix/acl"),
                 ("PATH", "/bin"),
             ]
             .map(|(k, v)| (k.to_string(), v.to_string())),
@@ -1277,12 +1320,15 @@ mod tests {
         let c = Config::load_with_env(None, &Overrides::default(), &env).unwrap();
         // In the variables' order (a map's).
         let want = [
+            "FELIX_ACL is ignored: no setting reads it; did you mean FELIX_ACL_FILE?",
             "FELIX_DATA_DIR is ignored: no setting reads it; storage.data_dir is set with \
              FELIX_DURABLE_STORAGE_DIR",
             "FELIX_GROUPS_MAX_ATTEMPTS is ignored: no setting reads it; groups.max_attempts is \
              set with FELIX_GROUP_MAX_ATTEMPTS",
-            "FELIX_LISTENN is ignored: no setting reads it (",
+            "FELIX_LISTENN is ignored: no setting reads it; did you mean FELIX_LISTEN?",
+            "FELIX_NOTHING_LIKE_IT is ignored: no setting reads it (",
             "FELIX_SEGMENT_BYTES is ignored: storage.segment_bytes has no environment variable",
+            "FELIX_TOKEN_FILE is ignored: no setting reads it; did you mean FELIX_TOKENS_FILE?",
         ];
         assert_eq!(c.warnings.len(), want.len(), "{:?}", c.warnings);
         for (w, want) in c.warnings.iter().zip(want) {

@@ -574,6 +574,14 @@ pub(crate) async fn serve<S: Storage>(
                 Err(e) => {
                     core.metrics.count_error(e.to_wire_error().code);
                     match e.request_id() {
+                        // Before HELLO, a request that does not decode (a
+                        // HELLO whose token is not UTF-8, say) ends the
+                        // connection as any refused HELLO does.
+                        Some(id) if !said_hello.get() => {
+                            log_refusal(conn_id, &sock, "", &e.to_string());
+                            outbox.push(id, &Response::Error(e.to_wire_error()));
+                            break 'conn;
+                        }
                         Some(id) if !e.is_fatal() => {
                             outbox.push(id, &Response::Error(e.to_wire_error()));
                         }
