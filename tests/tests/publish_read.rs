@@ -373,6 +373,67 @@ async fn sigterm_shuts_down_cleanly_and_streams_survive() {
     assert_eq!(total, 30);
 }
 
+/// A stop asked for while the broker cannot finish starting (a shard's
+/// tail mark here is a FIFO nobody writes to, so reading it never returns,
+/// as with a disk that stopped answering) ends the process after a grace
+/// instead of leaving it up until SIGKILL: a core takes its stop only once
+/// started.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_during_a_start_up_that_cannot_finish_exits() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut child, addr) = felix_tests::spawn_announcing(felix_tests::broker_command!(
+        Some(dir.path()),
+        "127.0.0.1:0"
+    ));
+    let c = Client::connect(addr.as_str(), ClientConfig::default())
+        .await
+        .unwrap();
+    c.create_stream("t", "ns", "stuck", 1, StreamOptions::default())
+        .await
+        .unwrap();
+    drop(c);
+    let pid = child.id() as libc::pid_t;
+    // SAFETY: signalling our own child process (not yet waited for).
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    assert!(child.wait().unwrap().success());
+    let mark = dir.path().join("t/ns/stuck/0/tail.mark");
+    std::fs::remove_file(&mark).unwrap();
+    let path = std::ffi::CString::new(mark.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0);
+    let listen = format!("127.0.0.1:{}", felix_tests::free_ports(1)[0]);
+    let mut child = felix_tests::broker_command!(Some(dir.path()), &listen)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let pid = child.id() as libc::pid_t;
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    let out = tokio::task::spawn_blocking(move || {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while child.try_wait().unwrap().is_none() {
+            if std::time::Instant::now() > deadline {
+                let _ = child.kill();
+                break;
+            }
+            std::thread::park_timeout(Duration::from_millis(50));
+        }
+        child.wait_with_output().unwrap()
+    })
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{:?}: {stderr}", out.status);
+    assert!(
+        stderr.contains("felix: stopped during start-up"),
+        "{stderr}"
+    );
+    // The FIFO is a test's doing; with a real mark the same files open.
+    std::fs::remove_file(&mark).unwrap();
+}
+
 /// Metrics are served in Prometheus text and count what happened.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_publishes_and_shard_offsets() {

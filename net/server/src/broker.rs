@@ -1346,20 +1346,46 @@ fn set_stage(shared: &Shared, core: u32, stage: u8) {
     shared.start_stage[core as usize].store(stage, Ordering::Relaxed);
 }
 
+/// How long a stop signal waits for cores still starting before the
+/// process exits without them (see [`watch_start_up`]).
+const STOP_DURING_START_GRACE: Duration = Duration::from_secs(5);
+
 /// Say so when start-up takes long, and which core is where; wake the
 /// executors that are not ready (see `felix_engine::runtime::Kicker`: an
-/// executor has been seen parked after its I/O completed).
+/// executor has been seen parked after its I/O completed). A stop asked
+/// for while cores are still starting exits the process once
+/// [`STOP_DURING_START_GRACE`] has passed without them.
 fn watch_start_up(shared: Arc<Shared>, kicker: felix_engine::runtime::Kicker) {
     let spawned = std::thread::Builder::new()
         .name("felix-start-watch".into())
         .spawn(move || {
             let began = std::time::Instant::now();
             let mut next = Duration::from_secs(5);
+            let mut stop_asked: Option<std::time::Instant> = None;
             loop {
                 std::thread::park_timeout(Duration::from_millis(200));
                 let ready = shared.ready.load(Ordering::SeqCst);
-                if ready >= shared.cores as usize || shared.shutting_down.load(Ordering::SeqCst) {
+                if ready >= shared.cores as usize {
                     return;
+                }
+                if shared.shutting_down.load(Ordering::SeqCst) {
+                    // A core takes its stop only once started: one that
+                    // cannot start (a disk that does not answer) would
+                    // leave the process up for good. Start-up is recovery,
+                    // safe to cut at any point, so past a grace it is.
+                    let asked = *stop_asked.get_or_insert_with(std::time::Instant::now);
+                    if asked.elapsed() >= STOP_DURING_START_GRACE {
+                        eprintln!(
+                            "felix: stopped during start-up: {} of {} cores had not started \
+                             {}s after the stop was asked for; exiting without a clean \
+                             shutdown (the next start recovers as after a crash)",
+                            shared.cores as usize - ready,
+                            shared.cores,
+                            STOP_DURING_START_GRACE.as_secs()
+                        );
+                        std::process::exit(1);
+                    }
+                    continue;
                 }
                 if began.elapsed() < next {
                     continue;
