@@ -1115,7 +1115,7 @@ impl GroupTracker {
 
     fn require_dead_letter(&self, offset: Offset) -> Result<(), GroupError> {
         let g = self.durable.as_ref().ok_or_else(|| self.no_group())?;
-        if !g.dead_letters().get(&offset).is_some_and(|d| !d.discarded) {
+        if g.dead_letters().get(&offset).is_none_or(|d| d.discarded) {
             return Err(GroupError::NotFound(format!(
                 "offset {offset} is not a dead letter of group {}",
                 self.group
