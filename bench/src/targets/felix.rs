@@ -7,7 +7,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use felix_client::{
     Client, ClientConfig, ClientError, ClusterClient, ErrorCode, GroupRecord, PendingPublish,
-    RecordIn, StartPosition,
+    RecordIn, StartPosition, StreamOptions,
 };
 
 use super::{Delivery, Handle, Spec, StreamKind};
@@ -138,10 +138,10 @@ impl FelixTarget {
                 &s.namespace,
                 &s.stream,
                 self.spec.shards,
-                Default::default(),
+                KEEP_ALL,
             )
             .await
-            .map_err(|err| format!("create_stream {s}: {err}"))?;
+            .map_err(|err| create_failed(s, err))?;
         self.created
             .store(true, std::sync::atomic::Ordering::Relaxed);
         let mut leaders = Vec::with_capacity(self.spec.shards as usize);
@@ -221,10 +221,10 @@ impl FelixTarget {
                         &s.namespace,
                         &s.stream,
                         self.spec.shards,
-                        Default::default(),
+                        KEEP_ALL,
                     )
                     .await
-                    .map_err(|err| format!("create_stream {s}: {err}"))?;
+                    .map_err(|err| create_failed(s, err))?;
                 self.created
                     .store(true, std::sync::atomic::Ordering::Relaxed);
                 // Every client learns the placement once, before the clock
@@ -517,4 +517,25 @@ async fn connect_all(
         clients.push(c);
     }
     Ok(clients)
+}
+
+/// The benchmark's stream keeps every record whatever the broker's default
+/// retention: its check counts the records each shard holds.
+const KEEP_ALL: StreamOptions = StreamOptions {
+    retention_bytes: Some(0),
+    retention_ms: Some(0),
+    incarnation: None,
+};
+
+/// Why the benchmark's stream could not be made, with what to do about a
+/// stream of that name already there (one left by a run that was killed).
+fn create_failed(s: &impl std::fmt::Display, err: ClientError) -> String {
+    if err.code() == Some(ErrorCode::AlreadyExists) {
+        format!(
+            "create_stream {s}: {err} (left by a run that was stopped before it cleaned \
+             up?): delete it with `felix stream delete {s}` or pass another --stream"
+        )
+    } else {
+        format!("create_stream {s}: {err}")
+    }
 }
