@@ -117,6 +117,7 @@ pub fn serve(opts: ServeOptions) -> Result<(), ServeError> {
         tracing::warn!("{w}");
     }
     fds::raise_limit();
+    warn_if_real_time();
     let cpus = cores.cpus();
     match &config.data_dir {
         Some(d) => tracing::info!(data_dir = %d.display(), "durable storage"),
@@ -127,6 +128,23 @@ pub fn serve(opts: ServeOptions) -> Result<(), ServeError> {
         }
     }
     broker::run(config, cpus).map_err(ServeError::Start)
+}
+
+/// A broker run under a real-time policy (`chrt -f`, `chrt -r`) has its
+/// core threads, which never leave their CPUs idle for long under load,
+/// starve the kernel's own workers on those CPUs, which complete its disk
+/// I/O: seen here as a start-up that never finishes. Said, not refused.
+fn warn_if_real_time() {
+    // SAFETY: a plain query of this process's scheduling policy.
+    let policy = unsafe { libc::sched_getscheduler(0) };
+    if policy == libc::SCHED_FIFO || policy == libc::SCHED_RR {
+        let msg = "the broker runs under a real-time scheduling policy (SCHED_FIFO or \
+                   SCHED_RR): its core threads can starve the kernel workers that complete \
+                   its disk I/O on their CPUs, and start-up may never finish; run it under \
+                   the normal policy (pin it with --cores instead)";
+        tracing::warn!("{msg}");
+        eprintln!("felix: WARNING: {msg}");
+    }
 }
 
 fn init_logging(filter: &str) {
