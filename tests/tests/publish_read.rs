@@ -377,18 +377,24 @@ async fn sigterm_shuts_down_cleanly_and_streams_survive() {
 /// tail mark here is a FIFO nobody writes to, so reading it never returns,
 /// as with a disk that stopped answering) ends the process after a grace
 /// instead of leaving it up until SIGKILL: a core takes its stop only once
-/// started.
+/// started. The core that did start (shard 1's: two shards on two cores
+/// land on different ones) stops cleanly first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_during_a_start_up_that_cannot_finish_exits() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut child, addr) = felix_tests::spawn_announcing(felix_tests::broker_command!(
-        Some(dir.path()),
-        "127.0.0.1:0"
-    ));
+    let on_two = |listen: &str| {
+        felix_tests::broker_command_on_cores(
+            env!("CARGO_BIN_EXE_felix-test-broker"),
+            Some(dir.path()),
+            listen,
+            2,
+        )
+    };
+    let (mut child, addr) = felix_tests::spawn_announcing(on_two("127.0.0.1:0"));
     let c = Client::connect(addr.as_str(), ClientConfig::default())
         .await
         .unwrap();
-    c.create_stream("t", "ns", "stuck", 1, StreamOptions::default())
+    c.create_stream("t", "ns", "stuck", 2, StreamOptions::default())
         .await
         .unwrap();
     drop(c);
@@ -402,7 +408,7 @@ async fn a_stop_during_a_start_up_that_cannot_finish_exits() {
     // SAFETY: a NUL-terminated path.
     assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0);
     let listen = format!("127.0.0.1:{}", felix_tests::free_ports(1)[0]);
-    let mut child = felix_tests::broker_command!(Some(dir.path()), &listen)
+    let mut child = on_two(&listen)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -430,6 +436,15 @@ async fn a_stop_during_a_start_up_that_cannot_finish_exits() {
         stderr.contains("felix: stopped during start-up"),
         "{stderr}"
     );
+    assert!(stderr.contains("1 of 2 cores had not started"), "{stderr}");
+    let clean = |shard: u32| {
+        dir.path()
+            .join(format!("t/ns/stuck/{shard}/clean.mark"))
+            .exists()
+    };
+    // Its shard's mark from the first stop was taken away when it opened
+    // again: it is there because that core stopped cleanly again.
+    assert!(clean(1), "the core that started stopped cleanly");
     // The FIFO is a test's doing; with a real mark the same files open.
     std::fs::remove_file(&mark).unwrap();
 }

@@ -97,6 +97,8 @@ pub(crate) struct Shared {
     pub shutting_down: AtomicBool,
     /// Cores ready to serve; the last one announces the broker's addresses.
     pub ready: AtomicUsize,
+    /// Cores that have finished their stop (answers sent, shards closed).
+    pub stopped: AtomicUsize,
     /// Where each core is in its start-up (see [`watch_start_up`]).
     pub start_stage: Vec<std::sync::atomic::AtomicU8>,
     pub announce: Mutex<Option<(String, Option<std::net::SocketAddr>)>>,
@@ -1266,6 +1268,7 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
         connections: AtomicUsize::new(0),
         shutting_down: AtomicBool::new(false),
         ready: AtomicUsize::new(0),
+        stopped: AtomicUsize::new(0),
         start_stage: (0..cores).map(|_| Default::default()).collect(),
         announce: Mutex::new(None),
         broker_id: format!("felix-{}", std::process::id()),
@@ -1371,10 +1374,18 @@ fn watch_start_up(shared: Arc<Shared>, kicker: felix_engine::runtime::Kicker) {
                 if shared.shutting_down.load(Ordering::SeqCst) {
                     // A core takes its stop only once started: one that
                     // cannot start (a disk that does not answer) would
-                    // leave the process up for good. Start-up is recovery,
-                    // safe to cut at any point, so past a grace it is.
+                    // leave the process up for good. A core's start-up is
+                    // recovery, safe to cut at any point, so past a grace
+                    // it is.
                     let asked = *stop_asked.get_or_insert_with(std::time::Instant::now);
-                    if asked.elapsed() >= STOP_DURING_START_GRACE {
+                    // The cores that did start (and may have served) finish
+                    // their stop first: only those that never started are
+                    // cut off.
+                    let started_ones_done = shared.stopped.load(Ordering::SeqCst) >= ready;
+                    if asked.elapsed() >= STOP_DURING_START_GRACE
+                        && started_ones_done
+                        && shared.ready.load(Ordering::SeqCst) == ready
+                    {
                         eprintln!(
                             "felix: stopped during start-up: {} of {} cores had not started \
                              {}s after the stop was asked for; exiting without a clean \
@@ -1385,7 +1396,8 @@ fn watch_start_up(shared: Arc<Shared>, kicker: felix_engine::runtime::Kicker) {
                         );
                         std::process::exit(1);
                     }
-                    continue;
+                    // Still woken below: a core parked by glommio can yet
+                    // start, and stop cleanly.
                 }
                 if began.elapsed() < next {
                     continue;
@@ -1694,6 +1706,7 @@ async fn core_main<S: Storage>(
     drop(disk_watch);
     drop(buffered_watch);
     core.drain_and_close().await;
+    shared.stopped.fetch_add(1, Ordering::SeqCst);
     tracing::info!(core = core.core_id(), "core stopped");
 }
 
@@ -2047,6 +2060,7 @@ mod tests {
             connections: AtomicUsize::new(0),
             shutting_down: AtomicBool::new(false),
             ready: AtomicUsize::new(0),
+            stopped: AtomicUsize::new(0),
             start_stage: vec![Default::default()],
             announce: Mutex::new(None),
             broker_id: "felix-test".into(),

@@ -381,7 +381,8 @@ fn unknown_env(env: &BTreeMap<String, String>) -> Vec<String> {
 }
 
 /// The setting variable `k` looks like a slip of: within two edits of it,
-/// or it with a word left off the end (`FELIX_ACL` for `FELIX_ACL_FILE`).
+/// or it with a word left off the end (`FELIX_ACL` for `FELIX_ACL_FILE`);
+/// none when two are as near.
 fn nearest_var(k: &str) -> Option<&'static str> {
     SETTINGS
         .iter()
@@ -393,8 +394,16 @@ fn nearest_var(k: &str) -> Option<&'static str> {
             (if cut { 0 } else { edit_distance(k, var) }, var)
         })
         .filter(|(d, _)| *d <= 2)
-        .min_by_key(|(d, _)| *d)
-        .map(|(_, var)| var)
+        .fold(
+            None,
+            |best: Option<(usize, Option<&str>)>, (d, var)| match best {
+                Some((b, _)) if b < d => best,
+                // Two as near: no one guess.
+                Some((b, _)) if b == d => Some((b, None)),
+                _ => Some((d, Some(var))),
+            },
+        )
+        .and_then(|(_, var)| var)
 }
 
 /// Levenshtein distance between two ASCII-ish strings (by chars).
@@ -1312,6 +1321,7 @@ mod tests {
                 ("FELIX_LISTEN", "127.0.0.1:7400"),
                 ("FELIX_TOKEN_FILE", "/etc/felix/tokens"),
                 ("FELIX_NOTHING_LIKE_IT", "1"),
+                ("FELIX_GROUP", "1"),
                 ("FELIX_ACL", "/etc/felix/acl"),
                 ("PATH", "/bin"),
             ]
@@ -1323,6 +1333,7 @@ mod tests {
             "FELIX_ACL is ignored: no setting reads it; did you mean FELIX_ACL_FILE?",
             "FELIX_DATA_DIR is ignored: no setting reads it; storage.data_dir is set with \
              FELIX_DURABLE_STORAGE_DIR",
+            "FELIX_GROUP is ignored: no setting reads it (",
             "FELIX_GROUPS_MAX_ATTEMPTS is ignored: no setting reads it; groups.max_attempts is \
              set with FELIX_GROUP_MAX_ATTEMPTS",
             "FELIX_LISTENN is ignored: no setting reads it; did you mean FELIX_LISTEN?",

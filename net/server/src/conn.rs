@@ -531,7 +531,7 @@ pub(crate) async fn serve<S: Storage>(
                                     );
                                     break 'conn;
                                 }
-                                tracing::debug!(conn = conn_id, client = %client_name, principal = %info.principal.borrow(), version, "hello");
+                                tracing::debug!(conn = conn_id, client = ?client_name, principal = %info.principal.borrow(), version, "hello");
                                 // The connection runs at the lower version and
                                 // the features both sides know.
                                 let f = core.shared.features() & features;
@@ -1107,7 +1107,9 @@ fn with_incarnation(info: &ConnInfo, mut resp: Response) -> Response {
 pub(crate) type LogLimit = Cell<Option<(std::time::Instant, u64)>>;
 
 /// `text` from a client, fit for a log line: control characters (line
-/// breaks, terminal escapes) escaped, and cut to its first `max` characters.
+/// breaks, terminal escapes), Unicode line separators and bidirectional
+/// controls escaped, and backslashes too (so an escape cannot be faked),
+/// cut to its first `max` characters.
 fn loggable(text: &str, max: usize) -> String {
     let mut out = String::with_capacity(text.len().min(max));
     for (i, c) in text.chars().enumerate() {
@@ -1115,7 +1117,10 @@ fn loggable(text: &str, max: usize) -> String {
             out.push_str(&format!("... ({} bytes in all)", text.len()));
             break;
         }
-        if c.is_control() {
+        if c.is_control()
+            || c == '\\'
+            || matches!(c, '\u{2028}'..='\u{202E}' | '\u{2066}'..='\u{2069}')
+        {
             out.extend(c.escape_default());
         } else {
             out.push(c);
@@ -1587,6 +1592,11 @@ mod tests {
         assert!(!line.contains('\n') && !line.contains('\x1b'), "{line}");
         assert!(line.contains("evil\\n2026") && line.contains("\\u{1b}[31m"));
         assert_eq!(loggable("t1/ns/stream", 512), "t1/ns/stream");
+        // A faked escape, a line separator, a right-to-left override.
+        assert_eq!(
+            loggable("a\\nb\u{2028}c\u{202e}d", 512),
+            "a\\\\nb\\u{2028}c\\u{202e}d"
+        );
         let long = "é".repeat(70_000);
         let cut = loggable(&long, 512);
         assert!(cut.starts_with(&"é".repeat(512)));
