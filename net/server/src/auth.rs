@@ -108,6 +108,13 @@ impl Tokens {
                     "line {n}: a principal name is at most {MAX_PRINCIPAL_BYTES} bytes"
                 ));
             }
+            if principal == "*" {
+                // The permissions file could grant it nothing of its own.
+                return Err(format!(
+                    "line {n}: `*` cannot name a principal: in the permissions file it \
+                     means every principal"
+                ));
+            }
             let digest = parse_digest(hex).ok_or_else(|| {
                 format!(
                     "line {n}: {hex:?} is not a SHA-256 digest (64 hex digits, as \
@@ -275,6 +282,7 @@ mod tests {
                 "line 2: this token's digest is already listed for \"alice\"",
             ),
             (format!("{} {good}\n", "p".repeat(129)), "at most 128 bytes"),
+            (format!("* {good}\n"), "line 1: `*` cannot name a principal"),
             ("# nobody\n".to_string(), "lists no tokens"),
             (format!("al#ice {good}\n"), "(# starts a comment)"),
             (format!("alice +{}\n", &good[1..]), "is not a SHA-256"),
