@@ -797,8 +797,13 @@ struct Failed {
 
 impl Failed {
     fn last(&self) -> u64 {
-        self.first + self.records.len() as u64 - 1
+        last_of(self.first, &self.records)
     }
+}
+
+/// The input number of a batch's last record, the first being `first`.
+fn last_of(first: u64, records: &[RecordIn]) -> u64 {
+    first + records.len() as u64 - 1
 }
 
 /// A batch whose answer was an error, as `publish` reports it.
@@ -1070,7 +1075,7 @@ impl Pipeline<'_> {
     /// acknowledged.
     async fn settle_all(&mut self) {
         while let Some(f) = self.pending.pop_front() {
-            let (first, last) = (f.first, f.first + f.records.len() as u64 - 1);
+            let (first, last) = (f.first, last_of(f.first, &f.records));
             match f.outcome.wait().await {
                 Ok(acked) => self.acked(acked),
                 Err(e) => self.unknown.push(Unacked {

@@ -2043,6 +2043,18 @@ fn the_readme_cluster_works() {
             .map(|l| l.split_whitespace().nth(2).unwrap().to_string())
             .collect()
     };
+    // Which broker (its index) leads shard 0 of `stream`, once one does.
+    let leader_of = |stream: &str| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let described = ok_at(&all, &["shard", "describe", stream], None);
+            if let Some(l) = roles(&described).iter().position(|r| r == "leader") {
+                return l;
+            }
+            assert!(std::time::Instant::now() < deadline, "{described}");
+            std::thread::park_timeout(std::time::Duration::from_millis(50));
+        }
+    };
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     let leader = loop {
         let described = ok_at(&all, &["shard", "describe", "demo/ha/jobs"], None);
@@ -2109,15 +2121,7 @@ fn the_readme_cluster_works() {
         &["stream", "create", "demo/ha/lines", "--shards", "1"],
         None,
     );
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    let lines_leader = loop {
-        let described = ok_at(&all, &["shard", "describe", "demo/ha/lines"], None);
-        if let Some(l) = roles(&described).iter().position(|r| r == "leader") {
-            break l;
-        }
-        assert!(std::time::Instant::now() < deadline, "{described}");
-        std::thread::park_timeout(std::time::Duration::from_millis(50));
-    };
+    let lines_leader = leader_of("demo/ha/lines");
     let not_leading = format!(
         "{},{}",
         addrs[(lines_leader + 1) % 3],
@@ -2292,15 +2296,7 @@ fn the_readme_cluster_works() {
     ]);
     expect_lines(&consumed, &["one", "two", "three"], "consume --follow");
     expect_lines(&read, &["one", "two", "three"], "read --follow");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    let leader = loop {
-        let described = ok_at(&all, &["shard", "describe", "demo/ha/jobs"], None);
-        if let Some(l) = roles(&described).iter().position(|r| r == "leader") {
-            break l;
-        }
-        assert!(std::time::Instant::now() < deadline, "{described}");
-        std::thread::park_timeout(std::time::Duration::from_millis(50));
-    };
+    let leader = leader_of("demo/ha/jobs");
     let _ = nodes[leader].child.kill();
     let _ = nodes[leader].child.wait();
     publish_to_cluster(&all, &["demo/ha/jobs", "--shard", "0", "four"]);
