@@ -337,6 +337,7 @@ async fn delete_everywhere(
             return Err(CliError::Client(ClientError::Server {
                 code: felix_client::ErrorCode::NotFound,
                 message: format!("no stream {name} on any of the brokers"),
+                not_applied: true,
             }));
         }
         return Ok(());
@@ -759,24 +760,28 @@ fn records(n: u64) -> String {
     }
 }
 
-/// A publish the broker answered with one of these stored nothing of its
-/// batch: it was refused before anything was written. Any other error
-/// (a lost connection, a timeout, a shard stopped by an I/O failure)
-/// leaves the batch's fate unknown.
+/// A publish the broker refused whole: nothing of its batch was stored.
+/// The broker says so ([`ClientError::not_applied`]: a disk nearly full, a
+/// broker stopping, a shard stopped before the batch was queued), and these
+/// codes say it by themselves for a publish. Any other error (a lost
+/// connection, a timeout, a shard stopped while writing the batch) leaves
+/// the batch's fate unknown.
 fn refused_whole(e: &ClientError) -> bool {
-    matches!(
-        e.code(),
-        Some(
-            felix_client::ErrorCode::InvalidRequest
-                | felix_client::ErrorCode::NotFound
-                | felix_client::ErrorCode::TooLarge
-                | felix_client::ErrorCode::Unauthorized
-                | felix_client::ErrorCode::Unsupported
-                | felix_client::ErrorCode::WrongCore
-                // A follower, or a leader not yet serving: nothing proposed.
-                | felix_client::ErrorCode::NotLeader
+    e.not_applied()
+        || matches!(
+            e.code(),
+            Some(
+                felix_client::ErrorCode::InvalidRequest
+                    | felix_client::ErrorCode::NotFound
+                    | felix_client::ErrorCode::TooLarge
+                    | felix_client::ErrorCode::Unauthorized
+                    | felix_client::ErrorCode::Unsupported
+                    | felix_client::ErrorCode::WrongCore
+                    // A follower, or a leader not yet serving: nothing
+                    // proposed.
+                    | felix_client::ErrorCode::NotLeader
+            )
         )
-    )
 }
 
 /// A batch in flight: input records `first ..= first + count - 1` (1-based,
@@ -1523,6 +1528,7 @@ fn group_shards(
                 "group {} does not exist on any shard of {}",
                 g.group, g.stream
             ),
+            not_applied: true,
         }));
     }
     print(&output::group_shards_table(&infos))

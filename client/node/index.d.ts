@@ -456,6 +456,8 @@ export function crc32c(bytes: Uint8Array): number;
 export class FelixError extends Error {
   /** The wire's snake_case name, or a client-side one: invalid_argument, timeout, disconnected, protocol, io. */
   readonly code: string;
+  /** The request certainly did nothing (refused before any of it was done, `not_leader`, or never sent): sending it again cannot apply it twice. False: not known from the error alone. */
+  readonly notApplied: boolean;
 }
 export class ServerError extends FelixError {
   /** The code on the wire; set on every answer from the broker, absent only on an UnsupportedError the client raised itself. */

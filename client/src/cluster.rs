@@ -128,6 +128,7 @@ pub fn incarnation_to_create(
     let exists = |message: String| ClientError::Server {
         code: ErrorCode::AlreadyExists,
         message,
+        not_applied: false,
     };
     if let Some((b, info)) = held.iter().find(|(_, i)| i.shards != shards) {
         return Err(exists(format!(
@@ -186,6 +187,7 @@ pub fn enough_answered(
         Err(ClientError::Server {
             code: ErrorCode::Unavailable,
             message,
+            not_applied: false,
         })
     };
     // A stream on fewer than a majority could elect no leader.
@@ -262,6 +264,7 @@ pub async fn create_on_broker(
                     info.shards,
                     show_incarnation(info.incarnation)
                 ),
+                not_applied: false,
             })
         }
         Err(e) => Err(e),
@@ -637,6 +640,8 @@ impl ClusterClient {
                     "they are"
                 }
             ),
+            // Created on the others.
+            not_applied: false,
         })
     }
 
@@ -1373,6 +1378,7 @@ mod tests {
             Err(ClientError::Server {
                 code: ErrorCode::AlreadyExists,
                 message,
+                ..
             }) => assert!(message.contains(says), "{message}"),
             other => panic!("expected already_exists ({says}), got {other:?}"),
         }
@@ -1438,6 +1444,7 @@ mod tests {
             Err(ClientError::Server {
                 code: ErrorCode::Unavailable,
                 message,
+                ..
             }) => assert!(message.contains(says), "{message}"),
             other => panic!("expected unavailable ({says}), got {other:?}"),
         };

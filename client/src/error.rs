@@ -11,10 +11,17 @@ use felix_wire::{ErrorCode, WireError};
 pub enum ClientError {
     /// The broker refused the request.
     #[error("{code}: {message}")]
-    Server { code: ErrorCode, message: String },
+    Server {
+        code: ErrorCode,
+        message: String,
+        /// The broker said it did nothing of the request (see
+        /// [`ClientError::not_applied`]).
+        not_applied: bool,
+    },
     /// A broker of a cluster that does not lead the shard refused the
     /// request (`not_leader`), naming the client address of the broker
     /// that does when it knows one. [`crate::ClusterClient`] follows it.
+    /// Nothing of the request was done.
     #[error("not_leader: {message}")]
     NotLeader {
         leader: Option<String>,
@@ -52,6 +59,26 @@ impl ClientError {
             ClientError::Server { code, .. } => Some(*code),
             ClientError::NotLeader { .. } => Some(ErrorCode::NotLeader),
             _ => None,
+        }
+    }
+
+    /// Whether the request certainly did nothing, so that sending it again
+    /// cannot apply it twice: the broker refused it before doing anything
+    /// of it and said so (a publish refused so stored none of its records),
+    /// or it was refused as `not_leader`, or the client never sent it
+    /// ([`ClientError::Unsupported`], [`ClientError::InvalidArgument`]).
+    ///
+    /// `false` means the outcome is not known from the error alone: a lost
+    /// connection, a timeout, or a refusal that can come after part of the
+    /// work, such as `unavailable` from a shard that stopped while writing
+    /// the records. (Brokers that predate the flag never set it.)
+    pub fn not_applied(&self) -> bool {
+        match self {
+            ClientError::Server { not_applied, .. } => *not_applied,
+            ClientError::NotLeader { .. }
+            | ClientError::Unsupported(_)
+            | ClientError::InvalidArgument(_) => true,
+            _ => false,
         }
     }
 
@@ -99,6 +126,7 @@ impl From<WireError> for ClientError {
         ClientError::Server {
             code: e.code,
             message: e.message,
+            not_applied: e.not_applied,
         }
     }
 }

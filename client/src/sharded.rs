@@ -848,6 +848,7 @@ mod tests {
         let err = |code| ClientError::Server {
             code,
             message: String::new(),
+            not_applied: false,
         };
         let mut kept = None;
         keep_first(&mut kept, err(crate::ErrorCode::StaleClaim));

@@ -188,12 +188,14 @@ async fn a_full_disk_refuses_publishes_until_space_is_freed_and_loses_nothing() 
         }
     };
     match &refusal {
-        ClientError::Server { code, message } => {
+        ClientError::Server { code, message, .. } => {
             assert_eq!(*code, ErrorCode::Unavailable, "{message}");
             assert!(message.contains("nearly full"), "{message}");
         }
         other => panic!("unexpected refusal: {other}"),
     }
+    // And says none of it was stored, so the batch can be sent again.
+    assert!(refusal.not_applied(), "{refusal:?}");
     assert!(acked > 0, "something was accepted before the disk filled");
 
     // The shard is not stopped: everything acknowledged reads back.
@@ -259,7 +261,7 @@ async fn a_burst_of_publishes_is_refused_before_it_fills_the_disk() {
     while let Some(r) = sends.join_next().await {
         match &r.unwrap() {
             Ok(p) => acked += p.count as u64,
-            Err(ClientError::Server { code, message }) => {
+            Err(ClientError::Server { code, message, .. }) => {
                 assert_eq!(*code, ErrorCode::Unavailable, "{message}");
                 assert!(
                     message.contains("nearly full"),
@@ -352,7 +354,7 @@ async fn shards_filling_a_small_disk_together_are_refused_not_stopped() {
     while let Some(r) = shards.join_next().await {
         let (shard, acked, refused) = r.unwrap();
         match refused {
-            Some(ClientError::Server { code, message }) => {
+            Some(ClientError::Server { code, message, .. }) => {
                 assert_eq!(code, ErrorCode::Unavailable, "shard {shard}: {message}");
                 assert!(
                     message.contains("nearly full"),

@@ -645,6 +645,71 @@ fn hello(want_core: Option<u32>, version: u16) -> felix_wire::Request {
     }
 }
 
+/// A publish refused before anything of it was done says so
+/// (`not_applied`), only to a client that negotiated
+/// `FEATURE_ERROR_NOT_APPLIED` (a trailing field others would not
+/// expect); a publish to a shard the stream does not have is one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_publish_says_it_stored_nothing_to_a_client_that_asked() {
+    use felix_wire::{AckMode, PublishTarget, Request, Response, StreamRef};
+    let broker = felix_tests::start_broker!(BrokerOptions::default().cores(1));
+    let c = client(&broker).await;
+    c.create_stream("t", "ns", "refused", 1, StreamOptions::default())
+        .await
+        .unwrap();
+    let to_shard_7 = Request::Publish {
+        stream: StreamRef::new("t", "ns", "refused"),
+        target: PublishTarget::Shard(7),
+        ack: AckMode::Default,
+        records: (0..5)
+            .map(|i| RecordIn {
+                payload: Bytes::from(format!("r{i}")),
+                ..Default::default()
+            })
+            .collect(),
+    };
+    for (features, said) in [
+        (felix_wire::FEATURES_ALL, true),
+        (
+            felix_wire::FEATURES_ALL & !felix_wire::FEATURE_ERROR_NOT_APPLIED,
+            false,
+        ),
+    ] {
+        let mut s = tokio::net::TcpStream::connect(&broker.addr).await.unwrap();
+        let hello = Request::Hello {
+            version: felix_wire::PROTOCOL_VERSION,
+            features,
+            want_core: None,
+            client_name: "raw-test".into(),
+            token: None,
+        };
+        match raw_call(&mut s, 1, &hello).await {
+            // The features both sides know.
+            Response::HelloOk { features, .. } => {
+                assert_eq!(features & felix_wire::FEATURE_ERROR_NOT_APPLIED != 0, said)
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        match raw_call(&mut s, 2, &to_shard_7).await {
+            Response::Error(e) => {
+                assert_eq!(e.code, ErrorCode::NotFound, "{e:?}");
+                assert_eq!(e.not_applied, said, "{e:?}");
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    // Through the client, which asks for it.
+    let e = c.publish("t", "ns", "refused", 7, "r").await.unwrap_err();
+    assert!(e.not_applied(), "{e:?}");
+    assert_eq!(
+        c.describe_shard("t", "ns", "refused", 0)
+            .await
+            .unwrap()
+            .end_offset,
+        0
+    );
+}
+
 /// A HELLO naming a core moves the connection to that core; a request for a
 /// shard another core owns gets `wrong_core` naming the right core; a HELLO
 /// with an unsupported version is refused.
@@ -1468,6 +1533,8 @@ async fn requests_read_while_the_broker_stops_are_refused_not_dropped() {
             Response::Error(e) => {
                 assert_eq!(e.code, ErrorCode::Unavailable, "{e:?}");
                 assert!(e.message.contains("shutting down"), "{e:?}");
+                // Said to be not stored (checked below after the restart).
+                assert!(e.not_applied, "{e:?}");
                 refused += 1;
             }
             other => panic!("request {id}: {other:?}"),
@@ -1806,7 +1873,7 @@ async fn a_record_stamped_far_in_the_future_is_refused() {
         .await
         .expect_err("a timestamp two hours ahead");
     match err {
-        ClientError::Server { code, message } => {
+        ClientError::Server { code, message, .. } => {
             assert_eq!(code, ErrorCode::InvalidRequest, "{message}");
             assert!(
                 message.contains("record 1 has timestamp")
@@ -1870,7 +1937,7 @@ async fn a_missing_shard_directory_is_refused_not_started_again_at_zero() {
             .map(|_| ()),
     ] {
         match r {
-            Err(ClientError::Server { code, message }) => {
+            Err(ClientError::Server { code, message, .. }) => {
                 assert_eq!(code, ErrorCode::Unavailable, "{message}");
                 assert!(message.contains("is missing"), "{message}");
             }

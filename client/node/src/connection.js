@@ -301,7 +301,7 @@ class Connection {
       return;
     }
     this.settle(frame.requestId, (w) => {
-      if (msg.type === 'error') w.reject(errorFromWire(msg.code, msg.message, msg.core, msg.leader));
+      if (msg.type === 'error') w.reject(errorFromWire(msg.code, msg.message, msg.core, msg.leader, msg.notApplied));
       else w.resolve(msg);
     });
   }

@@ -21,6 +21,17 @@ class FelixError extends Error {
     this.name = new.target.name;
     /** @type {string} */
     this.code = code;
+    /**
+     * True when the request certainly did nothing, so that sending it again
+     * cannot apply it twice: the broker refused it before doing any of it
+     * and said so (a publish refused so stored none of its records: the
+     * disk nearly full, the broker stopping), a `not_leader`, or a call the
+     * client refused before sending. False: the outcome is not known from
+     * the error alone (a lost connection, a timeout, a shard stopped while
+     * writing).
+     * @type {boolean}
+     */
+    this.notApplied = false;
   }
 }
 
@@ -117,6 +128,7 @@ class UnsupportedError extends ServerError {
     super('unsupported', options.wireCode, message, undefined);
     /** True when refused by the client before anything was sent. */
     this.local = options.local === true;
+    this.notApplied = this.local;
   }
 }
 UnsupportedError.WIRE_CODE = 5;
@@ -126,6 +138,7 @@ class InvalidArgumentError extends FelixError {
   /** @param {string} message */
   constructor(message) {
     super('invalid_argument', message);
+    this.notApplied = true;
   }
 }
 
@@ -190,12 +203,16 @@ const BY_WIRE_CODE = new Map(
  * @param {string} [leader] a `not_leader` answer's leader address
  * @returns {ServerError}
  */
-function errorFromWire(code, message, core, leader) {
+function errorFromWire(code, message, core, leader, notApplied) {
   const cls = BY_WIRE_CODE.get(code);
-  if (cls === UnsupportedError) return new UnsupportedError(message, { wireCode: UnsupportedError.WIRE_CODE });
-  if (cls === NotLeaderError) return new NotLeaderError(message, leader);
-  if (cls) return new cls(message, core);
-  return new InternalError(`unknown error code ${code}: ${message}`, core, code);
+  let e;
+  if (cls === UnsupportedError) e = new UnsupportedError(message, { wireCode: UnsupportedError.WIRE_CODE });
+  else if (cls === NotLeaderError) e = new NotLeaderError(message, leader);
+  else if (cls) e = new cls(message, core);
+  else e = new InternalError(`unknown error code ${code}: ${message}`, core, code);
+  // not_leader: nothing proposed.
+  e.notApplied = notApplied === true || cls === NotLeaderError;
+  return e;
 }
 
 module.exports = {

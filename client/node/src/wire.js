@@ -28,6 +28,7 @@ const FEATURES = Object.freeze({
   REPLICA_INFO: 0x40,
   STREAM_INCARNATION: 0x80,
   CLUSTER_INFO: 0x100,
+  ERROR_NOT_APPLIED: 0x200,
 });
 /** Every feature bit this client understands (what it offers in HELLO). */
 const FEATURES_ALL = Object.values(FEATURES).reduce((a, b) => a | b, 0);
@@ -525,6 +526,11 @@ const RESPONSES = new Map([
     // A not_leader error (from a broker in a cluster) names the leader's
     // client address after the core.
     if (e.code === 10) e.leader = r.opt('error leader', r.str);
+    // Trailing, only when set (and negotiated): one byte, 1.
+    if (r.remaining() > 0) {
+      if (r.u8('error not_applied') !== 1) throw new DecodeError('invalid error not_applied');
+      e.notApplied = true;
+    }
     return e;
   }],
 ]);

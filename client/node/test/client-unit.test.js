@@ -69,6 +69,24 @@ test('an unknown error code becomes InternalError keeping the number', () => {
   assert.match(err.message, /4242/);
 });
 
+test('an error says not_applied only in its trailing byte', () => {
+  const message = Buffer.from('disk nearly full');
+  const body = Buffer.concat([Buffer.from([7, 0, message.length, 0]), message, Buffer.from([0])]);
+  const plain = wire.decodeResponse(0xff, body);
+  assert.equal(plain.notApplied, undefined);
+  assert.equal(felix.errorFromWire(plain.code, plain.message, plain.core, plain.leader, plain.notApplied).notApplied, false);
+  const refused = wire.decodeResponse(0xff, Buffer.concat([body, Buffer.from([1])]));
+  const err = felix.errorFromWire(refused.code, refused.message, refused.core, refused.leader, refused.notApplied);
+  assert.ok(err instanceof felix.UnavailableError);
+  assert.equal(err.notApplied, true);
+  for (const tail of [[0], [2], [1, 1]]) {
+    assert.throws(() => wire.decodeResponse(0xff, Buffer.concat([body, Buffer.from(tail)])), /not_applied|trailing/);
+  }
+  // not_leader: nothing proposed.
+  assert.equal(felix.errorFromWire(10, 'deposed').notApplied, true);
+  assert.equal(new felix.InvalidArgumentError('bad').notApplied, true);
+});
+
 test('arguments are checked before anything is sent', async (t) => {
   const fake = await fakeBroker({ onRequest: () => assert.fail('nothing should be sent') });
   t.after(() => fake.close());

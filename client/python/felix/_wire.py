@@ -590,7 +590,13 @@ def _error(r: Reader) -> FelixError:
     leader = r.opt("error leader", r.string) if number == 10 else None
     if leader is not None:
         message = f"{message} (leader {leader})"
-    return error_from_wire(number, message, core, leader)
+    # Trailing, only when set (and negotiated): one byte, 1.
+    not_applied = False
+    if r.remaining():
+        if r.u8("error not_applied") != 1:
+            raise ProtocolError("bad value for error not_applied")
+        not_applied = True
+    return error_from_wire(number, message, core, leader, not_applied)
 
 
 _DECODERS: Dict[int, Tuple[str, Callable[[Reader], Any]]] = {

@@ -141,8 +141,14 @@ class _Slot:
 
 def _copy_error(error: FelixError) -> FelixError:
     """A fresh instance of ``error`` (one exception object is never raised in
-    two threads), keeping its code, number, core, leader and cause."""
-    copy = type(error)(error.message, number=error.number, core=error.core, leader=error.leader)
+    two threads), keeping its code, number, core, leader, not_applied and cause."""
+    copy = type(error)(
+        error.message,
+        number=error.number,
+        core=error.core,
+        leader=error.leader,
+        not_applied=error.not_applied,
+    )
     copy.__cause__ = error.__cause__
     return copy
 

@@ -47,9 +47,18 @@ class FelixError(Exception):
         leader: for ``not_leader``, the client address of the broker that
             leads the shard, when the answering broker knows it (``None``
             while an election is on, or a new leader is catching up).
+        not_applied: True when the request certainly did nothing, so that
+            sending it again cannot apply it twice: the broker refused it
+            before doing any of it and said so (a publish refused so stored
+            none of its records: the disk nearly full, the broker stopping),
+            a ``not_leader``, or a call the client refused before sending.
+            False means the outcome is not known from the error alone (a
+            lost connection, a timeout, a shard stopped while writing).
     """
 
     code: str = "felix_error"
+    #: Raised by the client before the request was sent.
+    _never_sent: bool = False
 
     def __init__(
         self,
@@ -58,12 +67,14 @@ class FelixError(Exception):
         number: Optional[int] = None,
         core: Optional[int] = None,
         leader: Optional[str] = None,
+        not_applied: bool = False,
     ):
         super().__init__(message)
         self.message = message
         self.number = number
         self.core = core
         self.leader = leader
+        self.not_applied = not_applied or self._never_sent
 
     @property
     def from_broker(self) -> bool:
@@ -176,6 +187,7 @@ class InvalidArgument(FelixError, ValueError):
     """The call's arguments were refused before anything was sent."""
 
     code = "invalid_argument"
+    _never_sent = True
 
 
 class Timeout(FelixError, TimeoutError):
@@ -225,11 +237,22 @@ _BY_NUMBER: Dict[int, Type[FelixError]] = {
 
 
 def error_from_wire(
-    number: int, message: str, core: Optional[int] = None, leader: Optional[str] = None
+    number: int,
+    message: str,
+    core: Optional[int] = None,
+    leader: Optional[str] = None,
+    not_applied: bool = False,
 ) -> FelixError:
     """The exception for a broker ``Error`` answer. An unknown code becomes
     :class:`Internal`, keeping its number and naming it in the message."""
     cls = _BY_NUMBER.get(number)
     if cls is None:
-        return Internal(f"unknown error code {number}: {message}", number=number, core=core, leader=leader)
-    return cls(message, number=number, core=core, leader=leader)
+        return Internal(
+            f"unknown error code {number}: {message}",
+            number=number,
+            core=core,
+            leader=leader,
+            not_applied=not_applied,
+        )
+    # not_leader: nothing proposed.
+    return cls(message, number=number, core=core, leader=leader, not_applied=not_applied or number == 10)

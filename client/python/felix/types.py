@@ -65,6 +65,9 @@ class Feature(enum.IntFlag):
     #: ``describe_cluster`` (a broker in a cluster): every broker of the
     #: cluster with its client address.
     CLUSTER_INFO = 1 << 8
+    #: Errors say when the broker did nothing of the request
+    #: (:attr:`FelixError.not_applied`).
+    ERROR_NOT_APPLIED = 1 << 9
 
 
 def check_utf8(what: str, text: str) -> bytes:

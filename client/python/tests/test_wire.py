@@ -128,6 +128,20 @@ class DecoderRobustnessTest(unittest.TestCase):
     def decode(self, opcode: int, body: bytes) -> _wire.Response:
         return _wire.decode_response(_wire.FrameHeader(12 + len(body), 2, opcode, 0, 1), body)
 
+    def test_an_error_says_not_applied_only_in_its_trailing_byte(self) -> None:
+        message = b"disk nearly full"
+        body = struct.pack("<HH", 7, len(message)) + message + b"\x00"
+        plain = self.decode(0xFF, body).value
+        self.assertIsInstance(plain, felix.Unavailable)
+        self.assertFalse(plain.not_applied)
+        self.assertTrue(self.decode(0xFF, body + b"\x01").value.not_applied)
+        for tail in (b"\x00", b"\x02", b"\x01\x01"):
+            with self.subTest(tail=tail), self.assertRaises(felix.ProtocolError):
+                self.decode(0xFF, body + tail)
+        # not_leader: nothing proposed, with or without the byte.
+        leader = struct.pack("<HH", 10, 1) + b"x" + b"\x00" + b"\x00"
+        self.assertTrue(self.decode(0xFF, leader).value.not_applied)
+
     def test_a_huge_count_in_a_tiny_body_is_refused_before_allocating(self) -> None:
         with self.assertRaises(felix.ProtocolError):
             self.decode(0x30, struct.pack("<I", 1_000_000_000))

@@ -132,7 +132,7 @@ impl Shared {
     }
 
     pub fn features(&self) -> u64 {
-        let mut f = felix_wire::FEATURE_PUBLISH_ACK_MODE;
+        let mut f = felix_wire::FEATURE_PUBLISH_ACK_MODE | felix_wire::FEATURE_ERROR_NOT_APPLIED;
         if self.durable {
             f |= felix_wire::FEATURE_GROUPS
                 | felix_wire::FEATURE_GROUP_SKIPPED

@@ -661,6 +661,7 @@ impl<S: Storage> Replication<S> {
 /// The answer for a replication error on the shard named `shard`.
 pub(crate) fn refusal(cluster: &ClusterConfig, shard: &str, e: ReplicationError) -> Response {
     match e {
+        // Nothing proposed: safe to send again.
         ReplicationError::NotLeader { leader } => {
             let addr = leader
                 .and_then(|id| cluster.node(id))
@@ -672,21 +673,27 @@ pub(crate) fn refusal(cluster: &ClusterConfig, shard: &str, e: ReplicationError)
                      or too few of its replicas can reach each other to elect one; retry"
                 ),
             };
-            Response::Error(WireError::not_leader(addr, msg))
+            Response::Error(WireError {
+                not_applied: true,
+                ..WireError::not_leader(addr, msg)
+            })
         }
-        // Safe to send again (nothing was proposed), so the same code a
-        // client retries on: this broker does not serve as leader yet.
-        ReplicationError::NotReady => Response::Error(WireError::not_leader(
-            None,
-            format!("shard {shard}: its new leader is still catching up; retry"),
-        )),
-        ReplicationError::Superseded => wire_err(
+        // The same code a client retries on: this broker does not serve as
+        // leader yet.
+        ReplicationError::NotReady => Response::Error(WireError {
+            not_applied: true,
+            ..WireError::not_leader(
+                None,
+                format!("shard {shard}: its new leader is still catching up; retry"),
+            )
+        }),
+        ReplicationError::Superseded => Response::Error(WireError::refused(
             ErrorCode::Unavailable,
             format!(
                 "shard {shard}: the leader changed before this was committed, and it was not: \
                  safe to send again"
             ),
-        ),
+        )),
         ReplicationError::Timeout => wire_err(
             ErrorCode::Unavailable,
             format!("shard {shard}: no majority confirmed the leader in time; retry"),

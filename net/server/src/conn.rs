@@ -565,7 +565,11 @@ pub(crate) async fn serve<S: Storage>(
                     decoded_any = true;
                     if core.stopping.get() {
                         core.metrics.count_error(ErrorCode::Unavailable);
-                        outbox.push(id, &wire_err(ErrorCode::Unavailable, STOPPING));
+                        let mut e = WireError::new(ErrorCode::Unavailable, STOPPING);
+                        // Not handled at all.
+                        e.not_applied =
+                            info.features.get() & felix_wire::FEATURE_ERROR_NOT_APPLIED != 0;
+                        outbox.push(id, &Response::Error(e));
                         continue;
                     }
                     spawn_request(&core, &info, &outbox, id, req, frame_len);
@@ -1007,8 +1011,12 @@ fn spawn_request<S: Storage>(
                 handle(&core, &info, &room, req).await
             }
         };
-        if let Response::Error(e) = &resp {
+        let mut resp = resp;
+        if let Response::Error(e) = &mut resp {
             core.metrics.count_error(e.code);
+            // A trailing field a client that did not negotiate it would
+            // not expect.
+            e.not_applied &= info.features.get() & felix_wire::FEATURE_ERROR_NOT_APPLIED != 0;
         }
         // A client that sends requests but does not read its answers holds
         // them here, not in an ever-growing outbox: at most
@@ -1182,6 +1190,20 @@ fn log_err(shard: &str, e: LogError) -> Response {
     }
 }
 
+/// `resp`, an error, marked as a request refused before anything of it
+/// was done ([`WireError::not_applied`]): a publish answered so stored none
+/// of its records, and the client may send it again.
+fn not_applied(mut resp: Response) -> Response {
+    if let Response::Error(e) = &mut resp {
+        e.not_applied = true;
+    }
+    resp
+}
+
+fn refused(code: ErrorCode, msg: impl Into<String>) -> Response {
+    Response::Error(WireError::refused(code, msg))
+}
+
 async fn handle<S: Storage>(
     core: &Rc<Core<S>>,
     info: &Rc<ConnInfo>,
@@ -1340,24 +1362,24 @@ async fn publish<S: Storage>(
         PublishTarget::Key(k) => match core.shard_count(&stream) {
             Some(n) => felix_wire::shard_for_key(k, n),
             None => match core.shard(&stream, 0) {
-                Err(e) => return e,
+                Err(e) => return not_applied(e),
                 Ok(_) => unreachable!("a stream with a shard has a count"),
             },
         },
     };
     let shard = match core.shard(&stream, shard_no) {
         Ok(s) => s,
-        Err(e) => return e,
+        Err(e) => return not_applied(e),
     };
     if records.is_empty() {
-        return wire_err(
+        return refused(
             ErrorCode::InvalidRequest,
             "a publish needs at least one record",
         );
     }
     let max = core.shared.config.max_records_per_publish;
     if records.len() as u64 > max as u64 {
-        return wire_err(
+        return refused(
             ErrorCode::TooLarge,
             format!(
                 "{} records in one publish; the limit is {max}",
@@ -1372,7 +1394,7 @@ async fn publish<S: Storage>(
         .enumerate()
         .find(|(_, n)| *n > biggest)
     {
-        return wire_err(
+        return refused(
             ErrorCode::TooLarge,
             format!(
                 "record {i} carries {n} bytes; the largest record this broker takes is \
@@ -1408,7 +1430,7 @@ async fn publish<S: Storage>(
         })
         .collect();
     if let Some((i, ts)) = too_far {
-        return wire_err(
+        return refused(
             ErrorCode::InvalidRequest,
             format!(
                 "record {i} has timestamp {ts}, {} ms ahead of the broker's clock; \
@@ -1422,14 +1444,14 @@ async fn publish<S: Storage>(
     // Counted against the free space until answered.
     let _admitted = match core.disk.admit(bytes) {
         Ok(a) => a,
-        Err(msg) => return wire_err(ErrorCode::Unavailable, msg),
+        Err(msg) => return refused(ErrorCode::Unavailable, msg),
     };
     if let Err(e) = shard.log.wait_room().await {
         if shard.log.is_closed() {
             // Deleted while the publish waited for room.
-            return shard.closed_answer();
+            return not_applied(shard.closed_answer());
         }
-        return log_err(&shard.name(), e);
+        return not_applied(log_err(&shard.name(), e));
     }
     if let Some(r) = core.replication.get() {
         // Through the shard's leader; every replica writes it to its log
@@ -1445,7 +1467,8 @@ async fn publish<S: Storage>(
     }
     let appended = match shard.log.append(&recs) {
         Ok(a) => a,
-        Err(e) => return log_err(&shard.name(), e),
+        // Nothing of it queued.
+        Err(e) => return not_applied(log_err(&shard.name(), e)),
     };
     // The log copied them: let go of the read buffer they are slices of
     // before waiting for the flush.
@@ -1455,6 +1478,7 @@ async fn publish<S: Storage>(
         _ => Frontier::Queued,
     };
     if let Err(e) = shard.log.wait(appended.lsn, frontier).await {
+        // Queued, perhaps written: what became of it is not known.
         return log_err(&shard.name(), e);
     }
     let m = &core.metrics;

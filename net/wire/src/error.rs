@@ -101,6 +101,15 @@ pub struct WireError {
     /// leads the shard, when the answering broker knows it. (On the wire
     /// only in `not_leader` errors, which brokers send only in a cluster.)
     pub leader: Option<String>,
+    /// The broker refused the request before doing anything of it (a
+    /// publish refused whole: none of its records stored), so sending it
+    /// again cannot apply it twice. `false` says nothing either way: many
+    /// codes mean a refusal by themselves, while `unavailable` or
+    /// `internal` can come after part of the work (a shard stopped while
+    /// its records were being written). A trailing field, on the wire only
+    /// when set and only to a client that negotiated
+    /// [`FEATURE_ERROR_NOT_APPLIED`](crate::FEATURE_ERROR_NOT_APPLIED).
+    pub not_applied: bool,
 }
 
 impl WireError {
@@ -110,6 +119,16 @@ impl WireError {
             message: message.into(),
             core: None,
             leader: None,
+            not_applied: false,
+        }
+    }
+
+    /// An error for a request refused before anything of it was done
+    /// (see [`WireError::not_applied`]).
+    pub fn refused(code: ErrorCode, message: impl Into<String>) -> WireError {
+        WireError {
+            not_applied: true,
+            ..WireError::new(code, message)
         }
     }
 
@@ -120,6 +139,7 @@ impl WireError {
             message: message.into(),
             core: Some(core),
             leader: None,
+            not_applied: false,
         }
     }
 
@@ -131,6 +151,7 @@ impl WireError {
             message: message.into(),
             core: None,
             leader,
+            not_applied: false,
         }
     }
 }

@@ -91,6 +91,12 @@ pub const FEATURE_STREAM_INCARNATION: u64 = 1 << 7;
 /// of the cluster with the address clients reach it at, so a client given
 /// one of them finds the others.
 pub const FEATURE_CLUSTER_INFO: u64 = 1 << 8;
+/// An error may say the request was not applied at all
+/// ([`WireError::not_applied`], a trailing field of the error): refused
+/// before the broker did anything of it, so sending it again cannot apply
+/// it twice. A broker sends the field only on a connection that negotiated
+/// this bit.
+pub const FEATURE_ERROR_NOT_APPLIED: u64 = 1 << 9;
 
 /// Every feature bit this version of the crate knows about.
 pub const FEATURES_ALL: u64 = FEATURE_GROUPS
@@ -101,12 +107,13 @@ pub const FEATURES_ALL: u64 = FEATURE_GROUPS
     | FEATURE_GROUP_DEAD_LETTER_PAGES
     | FEATURE_REPLICA_INFO
     | FEATURE_STREAM_INCARNATION
-    | FEATURE_CLUSTER_INFO;
+    | FEATURE_CLUSTER_INFO
+    | FEATURE_ERROR_NOT_APPLIED;
 
 /// The names of the feature bits set in `bits` (unknown bits as hex), for
 /// messages: `"FEATURE_GROUPS | FEATURE_GROUP_ADMIN"`.
 pub fn feature_names(bits: u64) -> String {
-    const NAMES: [(u64, &str); 9] = [
+    const NAMES: [(u64, &str); 10] = [
         (FEATURE_GROUPS, "FEATURE_GROUPS"),
         (FEATURE_GROUP_SKIPPED, "FEATURE_GROUP_SKIPPED"),
         (FEATURE_GROUP_CLAIM_CONTROL, "FEATURE_GROUP_CLAIM_CONTROL"),
@@ -119,6 +126,7 @@ pub fn feature_names(bits: u64) -> String {
         (FEATURE_REPLICA_INFO, "FEATURE_REPLICA_INFO"),
         (FEATURE_STREAM_INCARNATION, "FEATURE_STREAM_INCARNATION"),
         (FEATURE_CLUSTER_INFO, "FEATURE_CLUSTER_INFO"),
+        (FEATURE_ERROR_NOT_APPLIED, "FEATURE_ERROR_NOT_APPLIED"),
     ];
     let mut out: Vec<String> = NAMES
         .iter()

@@ -978,6 +978,47 @@ mod tests {
         assert_eq!(got, Response::Streams(vec![listed]));
     }
 
+    /// `not_applied` trails an error, only when set: an error without it
+    /// reads as it always did, one byte 1 sets it, anything else is refused.
+    #[test]
+    fn not_applied_trails_an_error_only_when_set() {
+        use crate::{decode_response, encode_response, ErrorCode};
+        let frame = |e: WireError| {
+            let mut out = BytesMut::new();
+            encode_response(4, &Response::Error(e), &mut out);
+            out
+        };
+        let unknown = WireError::new(ErrorCode::Unavailable, "stopped mid-write");
+        let refused = WireError::refused(ErrorCode::Unavailable, "disk nearly full");
+        let (plain, with) = (frame(unknown.clone()), frame(refused.clone()));
+        assert_eq!(
+            with.len(),
+            frame(WireError::new(ErrorCode::Unavailable, "disk nearly full")).len() + 1
+        );
+        for (mut f, want) in [(plain.clone(), unknown), (with, refused)] {
+            assert_eq!(
+                decode_response(&mut f, 1 << 20).unwrap(),
+                Some((4, Response::Error(want)))
+            );
+        }
+        // After a not_leader error's leader too.
+        let mut deposed = WireError::not_leader(Some("b:1".into()), "deposed");
+        deposed.not_applied = true;
+        let mut f = frame(deposed.clone());
+        assert_eq!(
+            decode_response(&mut f, 1 << 20).unwrap(),
+            Some((4, Response::Error(deposed)))
+        );
+        // Any other byte where the flag goes, or more than one, is refused.
+        for tail in [&[0u8][..], &[2], &[1, 1]] {
+            let mut bad = plain.clone();
+            bad.extend_from_slice(tail);
+            let len = (bad.len() - 4) as u32;
+            bad[..4].copy_from_slice(&len.to_le_bytes());
+            assert!(decode_response(&mut bad, 1 << 20).is_err(), "{tail:?}");
+        }
+    }
+
     #[test]
     fn required_features_follow_the_table() {
         use crate::{

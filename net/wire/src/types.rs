@@ -756,6 +756,11 @@ impl Wire for WireError {
         if self.code == ErrorCode::NotLeader {
             put_opt(out, self.leader.as_ref(), |o, l| put_str(o, l));
         }
+        // Trailing, and only when set (the broker clears it for a client
+        // that did not negotiate it): one byte, 1.
+        if self.not_applied {
+            out.put_u8(1);
+        }
     }
     fn get(r: &mut Reader) -> Result<Self> {
         let raw = r.u16("error code")?;
@@ -766,19 +771,31 @@ impl Wire for WireError {
         } else {
             None
         };
-        Ok(match ErrorCode::from_u16(raw) {
-            Some(code) => WireError {
-                code,
-                message,
-                core,
-                leader,
-            },
-            None => WireError {
-                code: ErrorCode::Internal,
-                message: format!("unknown error code {raw}: {message}"),
-                core,
-                leader,
-            },
+        let not_applied = if r.remaining() == 0 {
+            false
+        } else {
+            match r.u8("error not_applied")? {
+                1 => true,
+                _ => {
+                    return Err(DecodeError::BadValue {
+                        what: "error not_applied",
+                    })
+                }
+            }
+        };
+        let (code, message) = match ErrorCode::from_u16(raw) {
+            Some(code) => (code, message),
+            None => (
+                ErrorCode::Internal,
+                format!("unknown error code {raw}: {message}"),
+            ),
+        };
+        Ok(WireError {
+            code,
+            message,
+            core,
+            leader,
+            not_applied,
         })
     }
 }

@@ -129,13 +129,15 @@ pub fn wire_error() -> impl Strategy<Value = WireError> {
         text(),
         option::of(any::<u32>()),
         option::of(text()),
+        any::<bool>(),
     )
-        .prop_map(|(code, message, core, leader)| WireError {
+        .prop_map(|(code, message, core, leader, not_applied)| WireError {
             code,
             message,
             core,
             // Only not_leader errors carry one.
             leader: leader.filter(|_| code == ErrorCode::NotLeader),
+            not_applied,
         })
 }
 
