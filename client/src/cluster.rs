@@ -92,7 +92,9 @@ impl std::fmt::Debug for ClusterClient {
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Retry {
     /// Only where nothing was applied: `not_leader` (an election, a new
-    /// leader catching up), a broker that could not be reached.
+    /// leader catching up), a broker that could not be reached, an
+    /// `unavailable` the broker marks as not applied (it was stopping, or
+    /// the proposal was superseded by a new leader's).
     Refused,
     /// Also after a lost answer (a timeout, a dropped connection) or an
     /// `unavailable` (whose outcome may be unknown): for calls that may
@@ -289,10 +291,12 @@ fn retryable(e: &ClientError, retry: Retry) -> bool {
         ClientError::NotLeader { .. } | ClientError::Io(_) => true,
         ClientError::Disconnected | ClientError::Timeout => retry != Retry::Refused,
         // `unavailable` can mean the outcome is unknown (a commit that timed
-        // out): tried again only where doing it twice is harmless.
-        ClientError::Server { code, .. } => {
-            *code == ErrorCode::Unavailable && retry != Retry::Refused
-        }
+        // out): tried again only where doing it twice is harmless, or where
+        // the broker says it did nothing (a stopping broker, a superseded
+        // proposal).
+        ClientError::Server {
+            code, not_applied, ..
+        } => *code == ErrorCode::Unavailable && (retry != Retry::Refused || *not_applied),
         _ => false,
     }
 }
@@ -1357,6 +1361,34 @@ impl ClusterClient {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A call that must not run twice is tried again only where nothing
+    /// of it was done: an `unavailable` counts when the broker says so.
+    #[test]
+    fn only_what_did_nothing_is_tried_again_for_calls_that_must_not_run_twice() {
+        let unavailable = |not_applied| ClientError::Server {
+            code: ErrorCode::Unavailable,
+            message: String::new(),
+            not_applied,
+        };
+        let not_found = ClientError::Server {
+            code: ErrorCode::NotFound,
+            message: String::new(),
+            not_applied: true,
+        };
+        let cases = [
+            (unavailable(true), true, true),
+            (unavailable(false), false, true),
+            (ClientError::Timeout, false, true),
+            (ClientError::Disconnected, false, true),
+            // Nothing done, but another try would be refused the same way.
+            (not_found, false, false),
+        ];
+        for (e, refused, lost) in cases {
+            assert_eq!(retryable(&e, Retry::Refused), refused, "{e:?}");
+            assert_eq!(retryable(&e, Retry::Lost), lost, "{e:?}");
+        }
+    }
 
     fn info(shards: u32, incarnation: Option<u64>) -> StreamInfo {
         StreamInfo {
