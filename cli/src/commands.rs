@@ -7,10 +7,10 @@ use std::time::Duration;
 use bytes::Bytes;
 use felix_client::{
     Client, ClientConfig, ClientError, ClusterClient, GroupInfo, GroupMember, GroupPollOptions,
-    RecordIn, ShardedGroup, ShardedRecord, StartPosition, StreamOptions, StreamRef, FEATURE_GROUPS,
-    FEATURE_GROUP_ADMIN, FEATURE_GROUP_CLAIM_CONTROL, FEATURE_GROUP_DEAD_LETTER_PAGES,
-    FEATURE_GROUP_SKIPPED, FEATURE_PUBLISH_ACK_MODE, FEATURE_REPLICA_INFO,
-    FEATURE_STREAM_INCARNATION,
+    RecordIn, ShardedGroup, ShardedRecord, StartPosition, StreamOptions, StreamRef,
+    FEATURE_CLUSTER_INFO, FEATURE_ERROR_NOT_APPLIED, FEATURE_GROUPS, FEATURE_GROUP_ADMIN,
+    FEATURE_GROUP_CLAIM_CONTROL, FEATURE_GROUP_DEAD_LETTER_PAGES, FEATURE_GROUP_SKIPPED,
+    FEATURE_PUBLISH_ACK_MODE, FEATURE_REPLICA_INFO, FEATURE_STREAM_INCARNATION,
 };
 use futures_lite::future::poll_once;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt};
@@ -2101,6 +2101,8 @@ async fn ping(client: &Client) -> Result<(), CliError> {
         (FEATURE_GROUP_DEAD_LETTER_PAGES, "group_dead_letter_pages"),
         (FEATURE_REPLICA_INFO, "replica_info"),
         (FEATURE_STREAM_INCARNATION, "stream_incarnation"),
+        (FEATURE_CLUSTER_INFO, "cluster_info"),
+        (FEATURE_ERROR_NOT_APPLIED, "error_not_applied"),
     ];
     let features: Vec<&str> = names
         .iter()

@@ -270,6 +270,26 @@ fn print_config_shows_where_each_value_came_from() {
     );
 }
 
+/// `felix ping` names the broker (its version and process), its cores and
+/// every feature it offers.
+#[test]
+fn ping_names_the_broker_its_cores_and_features() {
+    let s = serve();
+    let out = fields(&ok(&s, &["ping"], None));
+    let pid = s.child.id();
+    assert_eq!(
+        out["broker"],
+        format!("felix {} (pid {pid})", env!("CARGO_PKG_VERSION"))
+    );
+    assert_eq!(out["cores"], "2");
+    let features: Vec<&str> = out["features"].split(' ').collect();
+    for f in ["groups", "group_admin", "publish_ack_mode", "error_not_applied"] {
+        assert!(features.contains(&f), "{features:?}");
+    }
+    // Cluster-only features are not offered by a single broker.
+    assert!(!features.contains(&"cluster_info"), "{features:?}");
+}
+
 /// A description printed as `name  value` lines, by name.
 fn fields(text: &str) -> std::collections::HashMap<String, String> {
     text.lines()

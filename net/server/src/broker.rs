@@ -1178,6 +1178,17 @@ impl<S: Storage> Core<S> {
     }
 }
 
+/// What the broker calls itself in HELLO: its version, and which process
+/// (the node of its cluster) answered.
+fn broker_id(node: Option<u64>) -> String {
+    let version = env!("CARGO_PKG_VERSION");
+    let pid = std::process::id();
+    match node {
+        Some(n) => format!("felix {version} (node {n}, pid {pid})"),
+        None => format!("felix {version} (pid {pid})"),
+    }
+}
+
 fn damaged_message(name: &StreamName, why: &str) -> String {
     format!(
         "stream {name} is not served: its metadata does not read ({why}); its files are kept \
@@ -1271,7 +1282,7 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
         stopped: AtomicUsize::new(0),
         start_stage: (0..cores).map(|_| Default::default()).collect(),
         announce: Mutex::new(None),
-        broker_id: format!("felix-{}", std::process::id()),
+        broker_id: broker_id(config.cluster.as_ref().map(|c| c.node_id)),
         kicker: std::sync::OnceLock::new(),
         security: Mutex::new(Arc::new(security)),
         security_gen: std::sync::atomic::AtomicU64::new(0),
