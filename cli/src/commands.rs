@@ -784,6 +784,24 @@ fn refused_whole(e: &ClientError) -> bool {
         )
 }
 
+/// Where a publish looks for the shard's leader.
+enum Lead {
+    /// Refused as `not_leader`, naming the leader or not.
+    Named(Option<String>),
+    /// The broker could not be reached (why).
+    Unreachable(String),
+}
+
+/// `e`, an I/O error naming the broker it came from.
+fn naming(e: ClientError, broker: &str) -> ClientError {
+    match e {
+        ClientError::Io(io) if !io.to_string().contains(broker) => ClientError::Io(
+            std::io::Error::new(io.kind(), format!("cannot reach {broker}: {io}")),
+        ),
+        other => other,
+    }
+}
+
 /// A batch in flight: input records `first ..= first + count - 1` (1-based,
 /// in input order).
 struct InFlight {
@@ -873,7 +891,7 @@ impl Pipeline<'_> {
             }
         }
         let (first, count) = (self.sent + 1, records.len() as u64);
-        self.begin(first, records).await?;
+        self.begin_or_move(first, records).await?;
         self.sent += count;
         while self.pending.len() >= self.in_flight {
             self.settle_one().await?;
@@ -882,10 +900,15 @@ impl Pipeline<'_> {
     }
 
     /// Send a batch (input records from `first` on) on the current
-    /// connection, behind those in flight.
-    async fn begin(&mut self, first: u64, records: Vec<RecordIn>) -> Result<(), ClientError> {
+    /// connection, behind those in flight. An error means it was not sent
+    /// (the records come back with it).
+    async fn begin(
+        &mut self,
+        first: u64,
+        records: Vec<RecordIn>,
+    ) -> Result<(), (ClientError, Vec<RecordIn>)> {
         let s = self.stream;
-        let answer = self
+        let begun = self
             .client
             .begin_publish_batch(
                 &s.tenant,
@@ -894,13 +917,50 @@ impl Pipeline<'_> {
                 self.shard,
                 records.clone(),
             )
-            .await?;
-        self.pending.push_back(InFlight {
-            first,
-            records,
-            outcome: Outcome::Waiting(std::future::IntoFuture::into_future(answer)),
-        });
-        Ok(())
+            .await;
+        match begun {
+            Ok(answer) => {
+                self.pending.push_back(InFlight {
+                    first,
+                    records,
+                    outcome: Outcome::Waiting(std::future::IntoFuture::into_future(answer)),
+                });
+                Ok(())
+            }
+            Err(e) => Err((e, records)),
+        }
+    }
+
+    /// [`Pipeline::begin`], and when the broker cannot be reached (the
+    /// batch was not sent: the connection is gone, or the broker down),
+    /// settle what is in flight and, if all of it was acknowledged, look
+    /// for the shard's leader among the brokers named and send it there.
+    async fn begin_or_move(&mut self, first: u64, records: Vec<RecordIn>) -> Result<(), CliError> {
+        let mut records = records;
+        loop {
+            let e = match self.begin(first, records).await {
+                Ok(()) => return Ok(()),
+                Err((e, back)) => {
+                    records = back;
+                    e
+                }
+            };
+            let e = naming(e, &self.current);
+            if !matches!(
+                e,
+                ClientError::Io(_) | ClientError::Disconnected | ClientError::Timeout
+            ) {
+                return Err(e.into());
+            }
+            // What went out before it first: acknowledged (or sent on to
+            // a leader), or the publish ends with its report.
+            while !self.pending.is_empty() {
+                self.settle_one().await?;
+            }
+            if !self.follow(Lead::Unreachable(e.to_string())).await {
+                return Err(e.into());
+            }
+        }
     }
 
     /// Look, without waiting, for answers that already came back; whether
@@ -972,11 +1032,11 @@ impl Pipeline<'_> {
                 Some((_, ClientError::NotLeader { leader, .. })) => leader.clone(),
                 _ => None,
             };
-            if self.follow(named).await {
+            if self.follow(Lead::Named(named)).await {
                 let mut again = failures.into_iter();
                 while let Some((f, refusal)) = again.next() {
                     let (first, last) = (f.first, f.last());
-                    if let Err(e) = self.begin(first, f.records).await {
+                    if let Err((e, _)) = self.begin(first, f.records).await {
                         // Refused by the last broker, not sent to this
                         // one: not stored.
                         let why = format!("{refusal}; not sent again to {}: {e}", self.current);
@@ -1013,10 +1073,14 @@ impl Pipeline<'_> {
         Err(first_error.expect("at least the failed batch").into())
     }
 
-    /// Connect to the shard's leader: `named` by the refusal, or while none
-    /// is known, each broker given in turn. Whether one was reached within
-    /// the patience.
-    async fn follow(&mut self, mut named: Option<String>) -> bool {
+    /// Connect to the shard's leader: the one a refusal named, or while
+    /// none is known (or the broker cannot be reached), each broker given
+    /// in turn. Whether one was reached within the patience.
+    async fn follow(&mut self, lead: Lead) -> bool {
+        let (mut named, unreachable) = match lead {
+            Lead::Named(named) => (named, None),
+            Lead::Unreachable(why) => (None, Some(why)),
+        };
         let mut said_waiting = false;
         loop {
             if !self.patience.lasts() && self.follows >= 3 {
@@ -1032,17 +1096,23 @@ impl Pipeline<'_> {
                 }
                 _ => {
                     if !said_waiting {
-                        eprintln!(
-                            "felix: {} does not lead shard {} and names no leader yet (an \
-                             election, or a new leader catching up); asking {}",
-                            self.current,
-                            self.shard,
-                            if self.brokers.len() > 1 {
-                                "the brokers named in turn"
-                            } else {
-                                "again"
-                            }
-                        );
+                        let asking = if self.brokers.len() > 1 {
+                            "the brokers named in turn"
+                        } else {
+                            "again"
+                        };
+                        match &unreachable {
+                            Some(why) => eprintln!(
+                                "felix: {why}; every batch sent was acknowledged, so the \
+                                 rest goes to shard {}'s leader: asking {asking}",
+                                self.shard
+                            ),
+                            None => eprintln!(
+                                "felix: {} does not lead shard {} and names no leader yet \
+                                 (an election, or a new leader catching up); asking {asking}",
+                                self.current, self.shard
+                            ),
+                        }
                         said_waiting = true;
                     }
                     self.patience.pause().await;
@@ -1066,6 +1136,49 @@ impl Pipeline<'_> {
                 }
             }
         }
+    }
+
+    /// Whether a batch in flight has no answer yet.
+    fn waiting(&self) -> bool {
+        self.pending
+            .iter()
+            .any(|f| matches!(f.outcome, Outcome::Waiting(_)))
+    }
+
+    /// Wait for the next batch in flight to be answered, keeping the
+    /// answer for its turn. Cancel-safe: a batch stays in flight until
+    /// this returns.
+    async fn next_answer(&mut self) {
+        let waiting = self
+            .pending
+            .iter_mut()
+            .find(|f| matches!(f.outcome, Outcome::Waiting(_)));
+        if let Some(f) = waiting {
+            if let Outcome::Waiting(answer) = &mut f.outcome {
+                let r = answer.as_mut().await;
+                f.outcome = Outcome::Answered(r.map(|p| (u64::from(p.count), p.shard)));
+            }
+        }
+    }
+
+    /// Settle the answered batches at the front, or every batch if one
+    /// failed: a refusal as `not_leader` sends them on to the leader now,
+    /// not when the next line arrives (stdin may be quiet for long).
+    async fn take_answers(&mut self) -> Result<(), CliError> {
+        if self.check_failed() {
+            while !self.pending.is_empty() {
+                self.settle_one().await?;
+            }
+        } else {
+            while self
+                .pending
+                .front()
+                .is_some_and(|f| matches!(f.outcome, Outcome::Answered(Ok(_))))
+            {
+                self.settle_one().await?;
+            }
+        }
+        Ok(())
     }
 
     async fn finish(&mut self) -> Result<(), CliError> {
@@ -1256,12 +1369,17 @@ async fn publish_stdin(pipe: &mut Pipeline<'_>, batch: &mut Batch) -> Result<(),
     loop {
         let room = (limit + 1).saturating_sub(line.len() as u64);
         let mut bounded = (&mut stdin).take(room);
-        let read = match flush_at {
-            None => Some(bounded.read_until(b'\n', &mut line).await?),
-            Some(at) => tokio::select! {
-                r = bounded.read_until(b'\n', &mut line) => Some(r?),
-                _ = tokio::time::sleep_until(at) => None,
-            },
+        let linger = flush_at.unwrap_or_else(|| tokio::time::Instant::now() + LINGER);
+        let waiting = pipe.waiting();
+        let read = tokio::select! {
+            r = bounded.read_until(b'\n', &mut line) => Some(r?),
+            _ = tokio::time::sleep_until(linger), if flush_at.is_some() => None,
+            // While stdin is quiet, answers are still acted on (settled
+            // here, out of the select: settling is not cancel-safe).
+            () = pipe.next_answer(), if waiting => {
+                pipe.take_answers().await?;
+                continue;
+            }
         };
         if line.len() as u64 > limit && line.last() != Some(&b'\n') {
             // Send the lines before it, then stop: `publish` reports what

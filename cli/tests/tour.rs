@@ -283,7 +283,12 @@ fn ping_names_the_broker_its_cores_and_features() {
     );
     assert_eq!(out["cores"], "2");
     let features: Vec<&str> = out["features"].split(' ').collect();
-    for f in ["groups", "group_admin", "publish_ack_mode", "error_not_applied"] {
+    for f in [
+        "groups",
+        "group_admin",
+        "publish_ack_mode",
+        "error_not_applied",
+    ] {
         assert!(features.contains(&f), "{features:?}");
     }
     // Cluster-only features are not offered by a single broker.
@@ -2337,6 +2342,73 @@ fn the_readme_cluster_works() {
         let _ = child.kill();
         let _ = child.wait();
     }
+
+    // A stdin publish whose leader dies between batches (every batch sent
+    // acknowledged): the rest goes to the new leader, found among the
+    // brokers named, and every line is stored once, in order.
+    ok_at(
+        &all,
+        &["stream", "create", "demo/ha/ride", "--shards", "1"],
+        None,
+    );
+    let ride_leader = leader_of("demo/ha/ride");
+    let mut publisher = felix()
+        .arg("--broker")
+        .arg(&all)
+        .args(["publish", "demo/ha/ride"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines_in = publisher.stdin.take().unwrap();
+    let first: String = (0..100).map(|i| format!("ride {i}\n")).collect();
+    lines_in.write_all(first.as_bytes()).unwrap();
+    lines_in.flush().unwrap();
+    let read_ride = |at: &str, n: usize| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        loop {
+            let count = n.to_string();
+            let args = [
+                "read",
+                "demo/ha/ride",
+                "--shard",
+                "0",
+                "--from",
+                "earliest",
+                "--count",
+                &count,
+            ];
+            let out = run_at(at, &args, None);
+            let text = String::from_utf8_lossy(&out.stdout).to_string();
+            if text.lines().count() == n {
+                return text;
+            }
+            assert!(std::time::Instant::now() < deadline, "{at}: {text:?}");
+            std::thread::park_timeout(std::time::Duration::from_millis(50));
+        }
+    };
+    // All acknowledged (so none in flight) before the leader goes.
+    assert_eq!(read_ride(&addrs[ride_leader], 100), first);
+    let _ = nodes[ride_leader].child.kill();
+    let _ = nodes[ride_leader].child.wait();
+    // Long enough for the publisher to see its connection gone.
+    std::thread::park_timeout(std::time::Duration::from_millis(500));
+    let rest: String = (100..200).map(|i| format!("ride {i}\n")).collect();
+    lines_in.write_all(rest.as_bytes()).unwrap();
+    drop(lines_in);
+    let out = publisher.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("published 200 records"), "{stderr}");
+    assert!(
+        stderr.contains("every batch sent was acknowledged"),
+        "{stderr}"
+    );
+    let survivor = &addrs[(ride_leader + 1) % 3];
+    assert_eq!(read_ride(survivor, 200), format!("{first}{rest}"));
+    let dir = std::mem::replace(&mut nodes[ride_leader]._dir, tempfile::tempdir().unwrap());
+    nodes[ride_leader] = start_node(ride_leader, dir);
 
     // A broker of the cluster down: the stream is made on the others, and
     // the one it is not on is named, to run the command again for.
