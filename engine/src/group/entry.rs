@@ -22,7 +22,7 @@
 //! | Delete | (empty) |
 //! | Redrive, Discard, RedriveFinished | u64 offset |
 //! | DeadLetter | u64 offset, then *info* |
-//! | Snapshot | u64 position; u32 dead-letter count d; d × (u64 offset, *info*) in strictly increasing offset order; u32 redriven count r; r × u64 offset, strictly increasing, each below the position |
+//! | Snapshot | u64 position; u32 dead-letter count d; d × (u64 offset, *info*) in strictly increasing offset order; u32 redriven count r; r × u64 offset, strictly increasing, none a dead letter (those at or above the position: redriven ahead of the cursor, see [`DurableGroup::redriven_ahead`]; an older broker refuses a snapshot with any) |
 //! | Snapshot with *skipped* | as Snapshot, then u64 *skipped* (> 0) |
 //! | SnapshotDeadLetters | u32 dead-letter count d; d × (u64 offset, *info*) in strictly increasing offset order: more of the `Snapshot` that follows (a long list is split, [`SNAPSHOT_DEAD_LETTERS`] a piece, so no entry nears the batch size limit). The pieces come first and the `Snapshot` last, so a snapshot a crash cut short is ignored whole on replay |
 //!
@@ -124,6 +124,11 @@ pub struct DurableGroup {
     reason_bytes: usize,
     /// Redriven offsets below the position: owed again until finished.
     redriven: BTreeSet<Offset>,
+    /// Redriven offsets at or above the position, not finished yet. Owed
+    /// anyway (the cursor has not passed them); kept so that a seek
+    /// forward past them leaves them owed, below the new position, as a
+    /// redrive stays owed until it is finished.
+    redriven_ahead: BTreeSet<Offset>,
 }
 
 impl DurableGroup {
@@ -134,19 +139,19 @@ impl DurableGroup {
         }
     }
 
-    /// Build from parts, checking that every redriven offset is below the
-    /// position and is not also a dead letter.
+    /// Build from parts, checking that no redriven offset is also a dead
+    /// letter (those at or above the position are redriven ahead of it).
     pub fn from_parts(
         position: Offset,
         dead_letters: BTreeMap<Offset, DeadLetter>,
-        redriven: BTreeSet<Offset>,
+        mut redriven: BTreeSet<Offset>,
     ) -> Result<DurableGroup, GroupEntryError> {
-        if redriven.iter().any(|&r| r >= position) {
-            return Err(GroupEntryError::Malformed(
-                "a redriven offset is not below the position",
-            ));
-        }
-        if redriven.iter().any(|r| dead_letters.contains_key(r)) {
+        let redriven_ahead = redriven.split_off(&position);
+        if redriven
+            .iter()
+            .chain(&redriven_ahead)
+            .any(|r| dead_letters.contains_key(r))
+        {
             return Err(GroupEntryError::Malformed(
                 "an offset is both redriven and a dead letter",
             ));
@@ -159,6 +164,7 @@ impl DurableGroup {
             dead_letters,
             reason_bytes,
             redriven,
+            redriven_ahead,
         })
     }
 
@@ -207,6 +213,23 @@ impl DurableGroup {
         &self.redriven
     }
 
+    /// Redriven offsets at or above the position, not finished yet.
+    pub fn redriven_ahead(&self) -> &BTreeSet<Offset> {
+        &self.redriven_ahead
+    }
+
+    /// The cursor moves to `position` by a seek: every redriven offset not
+    /// finished stays owed, below it or ahead of it.
+    fn seek_to(&mut self, position: Offset) {
+        let mut all = std::mem::take(&mut self.redriven);
+        all.append(&mut self.redriven_ahead);
+        self.redriven_ahead = all.split_off(&position);
+        self.redriven = all;
+        self.position = position;
+        self.position_skipped = 0;
+        self.forget_discarded_below(position);
+    }
+
     fn forget_discarded_below(&mut self, position: Offset) {
         while let Some(&o) = self.discarded.first() {
             if o >= position {
@@ -245,6 +268,7 @@ impl DurableGroup {
             discarded: discarded_in(&first),
             dead_letters: first,
             redriven: self.redriven.clone(),
+            redriven_ahead: self.redriven_ahead.clone(),
         };
         let mut out = Vec::new();
         loop {
@@ -275,6 +299,7 @@ impl DurableGroup {
         for (offset, info) in pieces {
             // As the snapshot itself holds them: never also redriven.
             g.redriven.remove(&offset);
+            g.redriven_ahead.remove(&offset);
             g.insert_dead_letter(offset, info);
         }
         g
@@ -325,8 +350,8 @@ fn discarded_in(letters: &BTreeMap<Offset, DeadLetter>) -> BTreeSet<Offset> {
 pub enum GroupEntry {
     /// The group comes into being at `position` (no-op if it exists).
     Create { group: String, position: Offset },
-    /// The group moves to `position`; redriven offsets at or above it are
-    /// dropped (the group reaches them again from the position).
+    /// The group moves to `position`, backwards or forwards; redriven
+    /// offsets not finished stay owed wherever they fall.
     Seek { group: String, position: Offset },
     /// The group, its position and dead letters are gone.
     Delete { group: String },
@@ -343,8 +368,8 @@ pub enum GroupEntry {
         offset: Offset,
         info: DeadLetter,
     },
-    /// The dead letter at `offset` is owed again (tracked as redriven if it
-    /// is below the position).
+    /// The dead letter at `offset` is owed again (tracked as redriven, below
+    /// the position or ahead of it).
     Redrive { group: String, offset: Offset },
     /// The dead letter at `offset` is no longer tracked.
     Discard { group: String, offset: Offset },
@@ -435,9 +460,11 @@ impl GroupEntry {
                     put_u64(out, offset.0);
                     put_info(out, info);
                 }
-                let redriven = u32::try_from(state.redriven.len()).expect("redriven fit u32");
+                // Below the position, then ahead of it: one increasing list.
+                let redriven = u32::try_from(state.redriven.len() + state.redriven_ahead.len())
+                    .expect("redriven fit u32");
                 out.extend_from_slice(&redriven.to_le_bytes());
-                for offset in &state.redriven {
+                for offset in state.redriven.iter().chain(&state.redriven_ahead) {
                     put_u64(out, offset.0);
                 }
                 put_skipped(out, state.position_skipped);
@@ -583,11 +610,9 @@ pub(crate) fn apply(state: &mut Option<DurableGroup>, entry: &GroupEntry) {
             }
         }
         GroupEntry::Seek { position, .. } => {
-            let g = state.get_or_insert_with(|| DurableGroup::new(*position));
-            g.position = *position;
-            g.position_skipped = 0;
-            g.redriven.retain(|&r| r < *position);
-            g.forget_discarded_below(*position);
+            state
+                .get_or_insert_with(|| DurableGroup::new(*position))
+                .seek_to(*position);
         }
         GroupEntry::Delete { .. } => *state = None,
         GroupEntry::Snapshot { state: s, .. } => *state = Some(s.clone()),
@@ -601,19 +626,26 @@ pub(crate) fn apply(state: &mut Option<DurableGroup>, entry: &GroupEntry) {
                 g.position = *position;
                 g.position_skipped = *skipped;
                 g.redriven.retain(|&r| r < *position);
+                // The cursor passed these: finished.
+                g.redriven_ahead.retain(|&r| r >= *position);
                 g.forget_discarded_below(*position);
             }
         }
         GroupEntry::DeadLetter { offset, info, .. } => {
             if let Some(g) = state {
                 g.redriven.remove(offset);
+                g.redriven_ahead.remove(offset);
                 g.insert_dead_letter(*offset, info.clone());
             }
         }
         GroupEntry::Redrive { offset, .. } => {
             if let Some(g) = state {
-                if g.remove_dead_letter(offset).is_some() && *offset < g.position {
-                    g.redriven.insert(*offset);
+                if g.remove_dead_letter(offset).is_some() {
+                    if *offset < g.position {
+                        g.redriven.insert(*offset);
+                    } else {
+                        g.redriven_ahead.insert(*offset);
+                    }
                 }
             }
         }
@@ -631,6 +663,7 @@ pub(crate) fn apply(state: &mut Option<DurableGroup>, entry: &GroupEntry) {
         GroupEntry::RedriveFinished { offset, .. } => {
             if let Some(g) = state {
                 g.redriven.remove(offset);
+                g.redriven_ahead.remove(offset);
             }
         }
     }
@@ -1010,25 +1043,137 @@ mod codec_tests {
         assert_eq!(replayed.unwrap().position_skipped(), 4);
     }
 
+    /// A snapshot keeps redriven offsets on both sides of the position
+    /// (one list), and refuses one that is also a dead letter.
     #[test]
-    fn group_entry_snapshot_with_redriven_above_position_is_refused() {
-        let state = DurableGroup {
-            position: Offset(3),
-            position_skipped: 0,
-            dead_letters: BTreeMap::new(),
-            discarded: BTreeSet::new(),
-            reason_bytes: 0,
-            redriven: [Offset(7)].into_iter().collect(),
+    fn group_entry_snapshot_keeps_redriven_offsets_ahead_of_the_position() {
+        let state = DurableGroup::from_parts(
+            Offset(3),
+            BTreeMap::new(),
+            [Offset(1), Offset(3), Offset(7)].into_iter().collect(),
+        )
+        .unwrap();
+        assert_eq!(state.redriven(), &[Offset(1)].into_iter().collect());
+        assert_eq!(
+            state.redriven_ahead(),
+            &[Offset(3), Offset(7)].into_iter().collect()
+        );
+        let entry = GroupEntry::Snapshot {
+            group: "g".into(),
+            state: state.clone(),
+        };
+        let decoded = GroupEntry::decode(&entry.to_bytes()).unwrap();
+        assert_eq!(decoded, entry);
+        let mut dead = BTreeMap::new();
+        dead.insert(
+            Offset(7),
+            DeadLetter {
+                attempts: 5,
+                at_ms: 1,
+                reason: None,
+                by_consumer: false,
+                discarded: false,
+            },
+        );
+        let both = DurableGroup {
+            dead_letters: dead,
+            ..state
         };
         let bytes = GroupEntry::Snapshot {
             group: "g".into(),
-            state,
+            state: both,
         }
         .to_bytes();
         assert!(matches!(
             GroupEntry::decode(&bytes),
             Err(GroupEntryError::Malformed(_))
         ));
+    }
+
+    /// A seek keeps every redriven offset not finished owed, wherever it
+    /// falls; the cursor passing one ahead of it (acked) drops it.
+    #[test]
+    fn group_entry_seeks_keep_redriven_offsets_owed() {
+        let info = DeadLetter {
+            attempts: 5,
+            at_ms: 1,
+            reason: None,
+            by_consumer: false,
+            discarded: false,
+        };
+        let g = |s: &Option<DurableGroup>| {
+            let g = s.as_ref().unwrap();
+            (
+                g.position().0,
+                g.redriven().iter().map(|o| o.0).collect::<Vec<_>>(),
+                g.redriven_ahead().iter().map(|o| o.0).collect::<Vec<_>>(),
+            )
+        };
+        let group = || "g".to_string();
+        let mut s = None;
+        for e in [
+            GroupEntry::Create {
+                group: group(),
+                position: Offset(0),
+            },
+            GroupEntry::DeadLetter {
+                group: group(),
+                offset: Offset(1),
+                info: info.clone(),
+            },
+            GroupEntry::DeadLetter {
+                group: group(),
+                offset: Offset(6),
+                info,
+            },
+            GroupEntry::Redrive {
+                group: group(),
+                offset: Offset(1),
+            },
+            GroupEntry::Redrive {
+                group: group(),
+                offset: Offset(6),
+            },
+        ] {
+            apply(&mut s, &e);
+        }
+        assert_eq!(g(&s), (0, vec![], vec![1, 6]));
+        // Forwards past 1: still owed, now below the cursor.
+        apply(
+            &mut s,
+            &GroupEntry::Seek {
+                group: group(),
+                position: Offset(5),
+            },
+        );
+        assert_eq!(g(&s), (5, vec![1], vec![6]));
+        // Backwards below both: ahead again.
+        apply(
+            &mut s,
+            &GroupEntry::Seek {
+                group: group(),
+                position: Offset(0),
+            },
+        );
+        assert_eq!(g(&s), (0, vec![], vec![1, 6]));
+        // The cursor passing 1 (acked) finishes it.
+        apply(
+            &mut s,
+            &GroupEntry::Position {
+                group: group(),
+                position: Offset(2),
+                skipped: 0,
+            },
+        );
+        assert_eq!(g(&s), (2, vec![], vec![6]));
+        apply(
+            &mut s,
+            &GroupEntry::RedriveFinished {
+                group: group(),
+                offset: Offset(6),
+            },
+        );
+        assert_eq!(g(&s), (2, vec![], vec![]));
     }
 
     #[test]

@@ -1025,9 +1025,6 @@ impl Sim {
                 if p > before {
                     self.exempt.push((before, p));
                 }
-                // Redriven offsets the seek passed are skipped with the rest.
-                let redriven = self.redriven();
-                self.must_owe.retain(|o| redriven.contains(o));
                 let voided: Vec<(u64, u32)> = self
                     .mrec
                     .iter()
@@ -1040,7 +1037,9 @@ impl Sim {
                 // counts on from them; one at the bound is set aside now.
                 let mut dead = vec![];
                 for (o, a) in voided {
-                    let redriven = self.mrec.contains_key(&o);
+                    // Redriven and not finished (the model's own record of
+                    // it: a redrive stays owed wherever the seek lands).
+                    let redriven = self.mrec.contains_key(&o) || self.must_owe.contains(&o);
                     if !redriven && o < p {
                         continue;
                     }
@@ -1055,6 +1054,16 @@ impl Sim {
                     self.carried.insert(o, a);
                 }
                 self.check_dead(&dead);
+                // A redrive stays owed across a seek, whichever way it
+                // moves (the guide: until acknowledged or given up again),
+                // the ones it passes included.
+                let redriven = self.redriven();
+                for &o in &self.must_owe {
+                    assert!(
+                        o < self.start || o >= p || redriven.contains(&o),
+                        "the seek to {p} dropped the redrive of {o}"
+                    );
+                }
             }
         }
     }

@@ -1058,6 +1058,28 @@ mod rules {
         assert!(matches!(h.discard(1), Err(GroupError::NotFound(_))));
     }
 
+    /// A redrive stays owed until it is finished, whichever way a seek
+    /// moves the cursor: one ahead of the cursor that a seek forward passes
+    /// is owed below the new position, after a restart too, and once
+    /// acknowledged is not handed out again by the next seek.
+    #[test]
+    fn a_redriven_record_a_seek_passes_stays_owed() {
+        let mut h = Harness::new();
+        h.append(10);
+        h.poll(3);
+        // 0 stays unacknowledged, holding the cursor at 0.
+        h.dead_letter(1, 1).unwrap();
+        h.redrive(1).unwrap();
+        h.seek(StartAt::Offset(Offset(5))).unwrap();
+        assert!(h.dead().is_empty());
+        assert_eq!(h.poll_offsets(1), vec![1]);
+        h.restart();
+        assert_eq!(h.poll_offsets(2), vec![1, 5]);
+        h.ack(1).unwrap();
+        h.seek(StartAt::Offset(Offset(3))).unwrap();
+        assert_eq!(h.poll_offsets(10), vec![3, 4, 5, 6, 7, 8, 9]);
+    }
+
     #[test]
     fn a_snapshot_replaces_the_history_before_it() {
         let mut h = Harness::new();

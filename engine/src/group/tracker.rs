@@ -374,6 +374,7 @@ impl GroupTracker {
                         self.frontier = o.next();
                         self.take_carried(o);
                         self.note_skipped(o, o.next());
+                        self.settle_redriven_ahead(o, o.next(), &mut run.out.writes);
                     }
                     Lookup::NotLoaded => {
                         run.out.unread = true;
@@ -944,6 +945,16 @@ impl GroupTracker {
             g.redriven(),
             "slots below the position are not the redriven set"
         );
+        // Redriven ahead of the cursor: in play (or not reached yet), never
+        // finished.
+        for o in g.redriven_ahead() {
+            assert!(*o >= position, "redriven ahead {o:?} below the position");
+            assert!(
+                *o >= self.frontier || self.slots.contains_key(o),
+                "redriven ahead {o:?} finished"
+            );
+            assert!(!g.dead_letters().contains_key(o), "{o:?} redriven and dead");
+        }
         let (mut in_flight, mut delayed) = (0u32, 0u32);
         let mut refs: FastMap<u32, u32> = fast_map();
         for (&o, s) in &self.slots {
@@ -1261,10 +1272,30 @@ impl GroupTracker {
         }
         if self.frontier < log.start {
             self.note_skipped(self.frontier, log.start);
+            self.settle_redriven_ahead(self.frontier, log.start, w);
             self.frontier = log.start;
             if !self.carried.is_empty() {
                 self.carried.retain(|o, _| *o >= log.start);
             }
+        }
+    }
+
+    /// Redriven records ahead of the cursor that the frontier passed in
+    /// `[from, to)` without handing them out (retention removed them):
+    /// settled, so no longer owed.
+    fn settle_redriven_ahead(&mut self, from: Offset, to: Offset, w: &mut Vec<GroupEntry>) {
+        let passed: Vec<Offset> = match &self.durable {
+            Some(g) => g.redriven_ahead().range(from..to).copied().collect(),
+            None => return,
+        };
+        for offset in passed {
+            self.write(
+                GroupEntry::RedriveFinished {
+                    group: self.group.clone(),
+                    offset,
+                },
+                w,
+            );
         }
     }
 
@@ -1514,7 +1545,13 @@ impl GroupTracker {
     /// The record at `o` is done (acked, or settled without delivery).
     fn finish(&mut self, o: Offset, w: &mut Vec<GroupEntry>) {
         self.transition(o, None);
-        if o < self.position() {
+        // A redriven record, below the cursor or ahead of it (where a seek
+        // forward would otherwise keep it owed).
+        let redriven = self
+            .durable
+            .as_ref()
+            .is_some_and(|g| g.redriven_ahead().contains(&o));
+        if o < self.position() || redriven {
             self.write(
                 GroupEntry::RedriveFinished {
                     group: self.group.clone(),
