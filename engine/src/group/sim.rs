@@ -819,11 +819,18 @@ impl Sim {
     /// Whether the model says delivery `a` of `o` is still the latest one
     /// and not handed back: its claim stands, or lapsed with the record owed
     /// but not handed out again (the guide's condition for extend and nack).
+    /// A standing reservation is not: it goes to the member's newer
+    /// connection next, which the old delivery must not undo.
     fn held(&self, o: u64, a: u32) -> bool {
+        let now = self.now;
         a >= 1
             && !self.carried.contains_key(&o)
             && matches!(self.mrec.get(&o), Some(m) if m.attempts == a
-                && matches!(m.st, MState::Claimed { .. } | MState::Owed))
+            && match m.st {
+                MState::Claimed { reserved_for: Some(_), deadline, .. } => deadline <= now,
+                MState::Claimed { .. } | MState::Owed => true,
+                MState::Delayed { .. } => false,
+            })
     }
 
     fn op_nack(&mut self) {

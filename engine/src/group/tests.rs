@@ -1321,6 +1321,29 @@ mod reclaim {
         h.ack(2).unwrap();
     }
 
+    /// The old connection's delivery of a record reserved for the newer
+    /// one can no longer extend it or hand it back (nobody else may get it
+    /// meanwhile, and the newer connection is about to hold it); it can
+    /// still finish it.
+    #[test]
+    fn the_old_delivery_of_a_reserved_record_neither_keeps_nor_returns_it() {
+        let mut h = Harness::new();
+        h.append(4);
+        assert_eq!(offsets(&h.poll_as(&member(1, false), 3)), vec![0, 1, 2]);
+        // Takes back 0 now; 1 and 2 are reserved for connection 2.
+        assert_eq!(offsets(&h.poll_as(&member(2, true), 1)), vec![0]);
+        assert!(matches!(
+            h.extend(1, 1, 60_000),
+            Err(GroupError::StaleClaim(_))
+        ));
+        assert!(matches!(h.nack(2, 1, None), Err(GroupError::StaleClaim(_))));
+        assert_eq!(offsets(&h.poll_as(&Caller::anonymous(9), 10)), vec![3]);
+        // An ack finishes it: the newer connection does not get it.
+        h.ack(2).unwrap();
+        let d = h.poll_as(&member(2, true), 10);
+        assert_eq!((offsets(&d), attempts(&d)), (vec![1], vec![2]));
+    }
+
     #[test]
     fn reserved_records_go_before_owed_ones() {
         let mut h = Harness::with(small(|_| {}));

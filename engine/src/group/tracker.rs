@@ -506,11 +506,12 @@ impl GroupTracker {
             self.room_to_take_back(offset)?;
         }
         let stands_ms = extend_ms.clamp(1, self.config.max_visibility_ms);
-        // A standing claim or reservation stays as it is. A lapsed claim
-        // not yet given back keeps its holder (a member that reconnects
-        // with reclaim still takes it back); a lapsed reservation went to
-        // the group, and a record the group owes is nobody's: either is
-        // taken back by this delivery's consumer as a plain claim.
+        // A standing claim stays as it is (a standing reservation was
+        // refused above). A lapsed claim not yet given back keeps its
+        // holder (a member that reconnects with reclaim still takes it
+        // back); a lapsed reservation went to the group, and a record the
+        // group owes is nobody's: either is taken back by this delivery's
+        // consumer as a plain claim.
         let standing = s.state() != State::Owed && s.deadline_ms() > now_ms;
         let (state, holder) = if standing {
             (s.state(), s.holder())
@@ -1224,9 +1225,17 @@ impl GroupTracker {
         // The delivery named by `attempts` is still the latest one: its
         // claim stands, or it lapsed and the record waits owed, not yet
         // handed out again (that would have counted another attempt). The
-        // guide refuses only once the record has gone out again.
-        let _ = now_ms;
+        // guide refuses only once the record has gone out again, which a
+        // standing reservation is on its way to: its member's newer
+        // connection takes it back next, and nobody else may have it
+        // meanwhile, so this delivery can neither keep it nor hand it
+        // back. (An ack or a dead letter, which finish it, are taken.)
         match s.state() {
+            State::Reserved if s.deadline_ms() > now_ms => Err(GroupError::StaleClaim(format!(
+                "offset {o} was taken back by a newer connection of the member that held it \
+                 (a poll with reclaim) and goes to that connection next: this delivery no \
+                 longer holds it"
+            ))),
             State::Claimed | State::Reserved | State::Owed => Ok(s),
             State::Delayed => Err(GroupError::StaleClaim(format!(
                 "offset {o} was handed back with a delay; nobody holds it"
