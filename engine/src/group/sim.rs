@@ -154,6 +154,9 @@ struct Sim {
     handed_epoch: BTreeSet<u64>,
     /// Attempts of records a seek voided, for their next delivery.
     carried: BTreeMap<u64, u32>,
+    /// What those without a record in `mrec` were told lay skipped below
+    /// them: said again at their next delivery.
+    carried_skipped: BTreeMap<u64, u64>,
     finished_epoch: BTreeSet<u64>,
     settled_epoch: BTreeSet<u64>,
     last_reclaim: HashMap<usize, u64>,
@@ -271,6 +274,7 @@ impl Sim {
             must_owe: BTreeSet::new(),
             must_list: BTreeSet::new(),
             carried: BTreeMap::new(),
+            carried_skipped: BTreeMap::new(),
             last_position: 0,
             position_may_jump: false,
             trace: VecDeque::new(),
@@ -370,6 +374,7 @@ impl Sim {
     fn new_epoch(&mut self) {
         self.mrec.clear();
         self.carried.clear();
+        self.carried_skipped.clear();
         self.handed_epoch.clear();
         self.finished_epoch.clear();
         self.settled_epoch.clear();
@@ -410,6 +415,7 @@ impl Sim {
     fn finish(&mut self, o: u64) {
         self.mrec.remove(&o);
         self.carried.remove(&o);
+        self.carried_skipped.remove(&o);
         self.finished_epoch.insert(o);
         self.must_owe.remove(&o);
     }
@@ -681,6 +687,9 @@ impl Sim {
                     while o > run && self.settled_epoch.contains(&(o - run - 1)) {
                         run += 1;
                     }
+                    // A redelivery after a seek says again what the voided
+                    // delivery said.
+                    let run = run.max(self.carried_skipped.remove(&o).unwrap_or(0));
                     assert_eq!(d.skipped_before, run, "{o} skipped_before");
                     self.stats.skipped_before += (run > 0) as u64;
                     run
@@ -1039,6 +1048,13 @@ impl Sim {
                     .map(|(o, m)| (*o, m.attempts))
                     .chain(self.carried.iter().map(|(o, a)| (*o, *a)))
                     .collect();
+                let skips: BTreeMap<u64, u64> = self
+                    .mrec
+                    .iter()
+                    .map(|(o, m)| (*o, m.skipped_before))
+                    .chain(self.carried_skipped.iter().map(|(o, k)| (*o, *k)))
+                    .filter(|(_, k)| *k > 0)
+                    .collect();
                 self.new_epoch();
                 // Voided deliveries keep their attempts: the next delivery
                 // counts on from them; one at the bound is set aside now.
@@ -1055,8 +1071,16 @@ impl Sim {
                         self.finish(o);
                         continue;
                     }
-                    if let Some(m) = self.mrec.get_mut(&o) {
-                        m.attempts = a;
+                    let skipped = skips.get(&o).copied().unwrap_or(0);
+                    match self.mrec.get_mut(&o) {
+                        Some(m) => {
+                            m.attempts = a;
+                            m.skipped_before = skipped;
+                        }
+                        None if skipped > 0 => {
+                            self.carried_skipped.insert(o, skipped);
+                        }
+                        None => {}
                     }
                     self.carried.insert(o, a);
                 }

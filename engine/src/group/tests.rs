@@ -913,6 +913,26 @@ mod rules {
         assert_eq!((offsets(&d), d[0].skipped_before), (vec![4], 1 + 3));
     }
 
+    /// A delivery a seek voided comes back saying what it said, whether
+    /// the seek lands on it or below it, and after a restart too.
+    #[test]
+    fn a_redelivery_after_a_seek_says_the_same_skipped_before() {
+        let mut h = Harness::new();
+        h.append(10);
+        h.start = 4;
+        assert_eq!(h.poll(1)[0].skipped_before, 4);
+        h.seek(StartAt::Offset(Offset(4))).unwrap();
+        let d = h.poll(1);
+        assert_eq!(
+            (offsets(&d), attempts(&d), d[0].skipped_before),
+            (vec![4], vec![2], 4)
+        );
+        h.seek(StartAt::Earliest).unwrap();
+        assert_eq!(h.poll(1)[0].skipped_before, 4);
+        h.restart();
+        assert_eq!(h.poll(1)[0].skipped_before, 4);
+    }
+
     #[test]
     fn a_new_group_starts_at_the_log_start_when_zero_was_removed() {
         let mut h = Harness::new();

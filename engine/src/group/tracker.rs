@@ -54,6 +54,9 @@ pub struct GroupTracker {
     /// applies again after it. Empty except after a seek; a rebuild forgets
     /// it, as it forgets every attempt count.
     carried: FastMap<Offset, u32>,
+    /// The `skipped_before` of carried records not handed out since the
+    /// seek (no slot), for that delivery: a redelivery says it again.
+    carried_skipped: FastMap<Offset, u64>,
     /// `SnapshotDeadLetters` pieces replayed, waiting for their `Snapshot`.
     staged: Vec<(Offset, DeadLetter)>,
     /// No offset at or above this was handed out by this tracker. `None`
@@ -121,6 +124,7 @@ impl GroupTracker {
             skip_run_len: 0,
             skipped_below: fast_map(),
             carried: fast_map(),
+            carried_skipped: fast_map(),
             staged: Vec::new(),
             handed_out_end: None,
             last_active_ms: 0,
@@ -349,13 +353,18 @@ impl GroupTracker {
                 }
                 match lookup(o) {
                     Lookup::Record { payload_bytes } => {
-                        let skipped_before = if self.skip_run_end == o {
+                        let (carried, carried_skipped) = self.take_carried(o);
+                        // The run the frontier stepped over, or what a voided
+                        // delivery of it said (the larger: each counts
+                        // settled offsets directly below it).
+                        let stepped_over = if self.skip_run_end == o {
                             self.skip_run_len
                         } else {
                             0
                         };
+                        let skipped_before = stepped_over.max(carried_skipped);
                         self.frontier = o.next();
-                        let attempts = 1 + self.take_carried(o);
+                        let attempts = 1 + carried;
                         debug_assert!(attempts <= ATTEMPTS_MAX);
                         let h = self.holder_for(caller, &mut run.holder);
                         self.claim(o, attempts, h, run.deadline, now_ms);
@@ -719,6 +728,15 @@ impl GroupTracker {
             .chain(self.carried.iter().map(|(o, a)| (*o, *a)))
             .collect();
         voided.sort_unstable();
+        // What each voided delivery said lay settled below it: its next
+        // delivery, a redelivery of the same record, says it again.
+        let skips: FastMap<Offset, u64> = voided
+            .iter()
+            .filter_map(|(o, _)| {
+                let k = self.skipped_below.get(o).or(self.carried_skipped.get(o));
+                k.map(|k| (*o, *k))
+            })
+            .collect();
         let mut w = Vec::new();
         self.write(
             GroupEntry::Seek {
@@ -748,6 +766,28 @@ impl GroupTracker {
                 self.transition(o, Some(Slot::owed(since, attempts)));
             }
             self.carried.insert(o, attempts);
+            if let Some(&k) = skips.get(&o) {
+                if redriven {
+                    self.skipped_below.insert(o, k);
+                } else {
+                    self.carried_skipped.insert(o, k);
+                }
+            }
+        }
+        // The record at the new position says it again after a restart
+        // too: kept with the position, as the cursor's moves keep it.
+        if let Some(&skipped) = self.carried_skipped.get(&position) {
+            // A run settled further up from here adds to it.
+            self.skip_run_end = position;
+            self.skip_run_len = skipped;
+            self.write(
+                GroupEntry::Position {
+                    group: self.group.clone(),
+                    position,
+                    skipped,
+                },
+                &mut w,
+            );
         }
         Ok(w)
     }
@@ -889,6 +929,7 @@ impl GroupTracker {
         map_bytes::<Offset, Slot>(self.slots.capacity())
             + map_bytes::<Offset, u64>(self.skipped_below.capacity())
             + map_bytes::<Offset, u32>(self.carried.capacity())
+            + map_bytes::<Offset, u64>(self.carried_skipped.capacity())
             + self.owed.len() * btree_entry(8)
             + self.reserved.len() * btree_entry(16)
             + self.timers.heap_bytes()
@@ -1035,6 +1076,12 @@ impl GroupTracker {
         let live: FastMap<u32, u32> = self.members.live_holder_refs().collect();
         assert_eq!(live, refs, "holder references");
         self.members.check();
+        for o in self.carried_skipped.keys() {
+            assert!(
+                self.carried.contains_key(o) && !self.slots.contains_key(o),
+                "carried skipped_before for {o:?}, not a carried record without a slot"
+            );
+        }
         for o in self.skipped_below.keys() {
             assert!(
                 self.slots.contains_key(o),
@@ -1285,6 +1332,7 @@ impl GroupTracker {
             self.frontier = log.start;
             if !self.carried.is_empty() {
                 self.carried.retain(|o, _| *o >= log.start);
+                self.carried_skipped.retain(|o, _| *o >= log.start);
             }
         }
     }
@@ -1314,12 +1362,17 @@ impl GroupTracker {
         !self.carried.is_empty() && self.carried.contains_key(&o)
     }
 
-    /// Attempts a seek carried for `o` (0 if none), forgotten once used.
-    fn take_carried(&mut self, o: Offset) -> u32 {
+    /// Attempts a seek carried for `o` (0 if none), and the
+    /// `skipped_before` it carried for a record with no slot (0 if none),
+    /// forgotten once used.
+    fn take_carried(&mut self, o: Offset) -> (u32, u64) {
         if self.carried.is_empty() {
-            0
+            (0, 0)
         } else {
-            self.carried.remove(&o).unwrap_or(0)
+            (
+                self.carried.remove(&o).unwrap_or(0),
+                self.carried_skipped.remove(&o).unwrap_or(0),
+            )
         }
     }
 
@@ -1607,12 +1660,20 @@ impl GroupTracker {
         // settled below it, kept with the position so a restart says it
         // again.
         let skipped = if next == self.frontier {
-            // Not handed out yet: the run the frontier stepped over.
-            if self.skip_run_end == next {
+            // Not handed out yet: the run the frontier stepped over, or
+            // what a delivery a seek voided said (as that record will be
+            // told when it goes out).
+            let stepped_over = if self.skip_run_end == next {
                 self.skip_run_len
             } else {
                 0
-            }
+            };
+            let carried = if self.carried_skipped.is_empty() {
+                0
+            } else {
+                self.carried_skipped.get(&next).copied().unwrap_or(0)
+            };
+            stepped_over.max(carried)
         } else {
             self.skipped_below.get(&next).copied().unwrap_or(0)
         };
@@ -1645,6 +1706,7 @@ impl GroupTracker {
         self.members.clear_holders();
         self.skipped_below = fast_map();
         self.carried = fast_map();
+        self.carried_skipped = fast_map();
         self.staged = Vec::new();
         let position = self.position();
         self.frontier = position;
@@ -1677,6 +1739,7 @@ impl GroupTracker {
             None => {
                 if !self.carried.is_empty() {
                     self.carried.remove(&o);
+                    self.carried_skipped.remove(&o);
                 }
                 self.slots.remove(&o)
             }
