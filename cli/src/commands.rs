@@ -954,8 +954,13 @@ impl Pipeline<'_> {
             }
             // What went out before it first: acknowledged (or sent on to
             // a leader), or the publish ends with its report.
+            let before = self.current.clone();
             while !self.pending.is_empty() {
                 self.settle_one().await?;
+            }
+            if self.current != before {
+                // Settling followed a refusal to the leader: try there.
+                continue;
             }
             if !self.follow(Lead::Unreachable(e.to_string())).await {
                 return Err(e.into());

@@ -21,11 +21,15 @@ pub enum ClientError {
     /// A broker of a cluster that does not lead the shard refused the
     /// request (`not_leader`), naming the client address of the broker
     /// that does when it knows one. [`crate::ClusterClient`] follows it.
-    /// Nothing of the request was done.
+    /// A publish so refused was never proposed (`not_applied`); other
+    /// requests may have been partly carried out before the broker found it
+    /// no longer leads (a poll's claims, say).
     #[error("not_leader: {message}")]
     NotLeader {
         leader: Option<String>,
         message: String,
+        /// The broker said it did nothing of the request.
+        not_applied: bool,
     },
     /// Connecting to the broker, or talking to it, failed.
     #[error("i/o error: {0}")]
@@ -64,8 +68,8 @@ impl ClientError {
 
     /// Whether the request certainly did nothing, so that sending it again
     /// cannot apply it twice: the broker refused it before doing anything
-    /// of it and said so (a publish refused so stored none of its records),
-    /// or it was refused as `not_leader`, or the client never sent it
+    /// of it and said so (a publish refused so stored none of its records,
+    /// a refused `not_leader` included), or the client never sent it
     /// ([`ClientError::Unsupported`], [`ClientError::InvalidArgument`]).
     ///
     /// `false` means the outcome is not known from the error alone: a lost
@@ -74,10 +78,9 @@ impl ClientError {
     /// the records. (Brokers that predate the flag never set it.)
     pub fn not_applied(&self) -> bool {
         match self {
-            ClientError::Server { not_applied, .. } => *not_applied,
-            ClientError::NotLeader { .. }
-            | ClientError::Unsupported(_)
-            | ClientError::InvalidArgument(_) => true,
+            ClientError::Server { not_applied, .. }
+            | ClientError::NotLeader { not_applied, .. } => *not_applied,
+            ClientError::Unsupported(_) | ClientError::InvalidArgument(_) => true,
             _ => false,
         }
     }
@@ -121,6 +124,7 @@ impl From<WireError> for ClientError {
             return ClientError::NotLeader {
                 leader: e.leader,
                 message: e.message,
+                not_applied: e.not_applied,
             };
         }
         ClientError::Server {

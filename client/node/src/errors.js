@@ -25,7 +25,7 @@ class FelixError extends Error {
      * True when the request certainly did nothing, so that sending it again
      * cannot apply it twice: the broker refused it before doing any of it
      * and said so (a publish refused so stored none of its records: the
-     * disk nearly full, the broker stopping), a `not_leader`, or a call the
+     * disk nearly full, the broker stopping, a `not_leader`), or a call the
      * client refused before sending. False: the outcome is not known from
      * the error alone (a lost connection, a timeout, a shard stopped while
      * writing).
@@ -210,8 +210,7 @@ function errorFromWire(code, message, core, leader, notApplied) {
   else if (cls === NotLeaderError) e = new NotLeaderError(message, leader);
   else if (cls) e = new cls(message, core);
   else e = new InternalError(`unknown error code ${code}: ${message}`, core, code);
-  // not_leader: nothing proposed.
-  e.notApplied = notApplied === true || cls === NotLeaderError;
+  e.notApplied = notApplied === true;
   return e;
 }
 

@@ -82,8 +82,9 @@ test('an error says not_applied only in its trailing byte', () => {
   for (const tail of [[0], [2], [1, 1]]) {
     assert.throws(() => wire.decodeResponse(0xff, Buffer.concat([body, Buffer.from(tail)])), /not_applied|trailing/);
   }
-  // not_leader: nothing proposed.
-  assert.equal(felix.errorFromWire(10, 'deposed').notApplied, true);
+  // not_leader: as the broker says (a publish's is flagged).
+  assert.equal(felix.errorFromWire(10, 'deposed').notApplied, false);
+  assert.equal(felix.errorFromWire(10, 'deposed', undefined, undefined, true).notApplied, true);
   assert.equal(new felix.InvalidArgumentError('bad').notApplied, true);
 });
 

@@ -50,8 +50,8 @@ class FelixError(Exception):
         not_applied: True when the request certainly did nothing, so that
             sending it again cannot apply it twice: the broker refused it
             before doing any of it and said so (a publish refused so stored
-            none of its records: the disk nearly full, the broker stopping),
-            a ``not_leader``, or a call the client refused before sending.
+            none of its records: the disk nearly full, the broker stopping,
+            a ``not_leader``), or a call the client refused before sending.
             False means the outcome is not known from the error alone (a
             lost connection, a timeout, a shard stopped while writing).
     """
@@ -254,5 +254,4 @@ def error_from_wire(
             leader=leader,
             not_applied=not_applied,
         )
-    # not_leader: nothing proposed.
-    return cls(message, number=number, core=core, leader=leader, not_applied=not_applied or number == 10)
+    return cls(message, number=number, core=core, leader=leader, not_applied=not_applied)

@@ -138,9 +138,10 @@ class DecoderRobustnessTest(unittest.TestCase):
         for tail in (b"\x00", b"\x02", b"\x01\x01"):
             with self.subTest(tail=tail), self.assertRaises(felix.ProtocolError):
                 self.decode(0xFF, body + tail)
-        # not_leader: nothing proposed, with or without the byte.
+        # not_leader: as the broker says (a publish's is flagged).
         leader = struct.pack("<HH", 10, 1) + b"x" + b"\x00" + b"\x00"
-        self.assertTrue(self.decode(0xFF, leader).value.not_applied)
+        self.assertFalse(self.decode(0xFF, leader).value.not_applied)
+        self.assertTrue(self.decode(0xFF, leader + b"\x01").value.not_applied)
 
     def test_a_huge_count_in_a_tiny_body_is_refused_before_allocating(self) -> None:
         with self.assertRaises(felix.ProtocolError):

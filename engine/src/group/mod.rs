@@ -22,7 +22,8 @@
 //!   lapse, nack or reclaim of the max_attempts-th delivery ─> DeadLetter
 //!   DeadLetter ── redrive ────────────────────> Owed      attempts 0, cursor unmoved
 //!   DeadLetter ── discard ────────────────────> untracked
-//!   seek, restart, eviction: every slot is dropped; redriven records are Owed
+//!   seek, restart, eviction: every slot is dropped; redriven records below
+//!   the position are Owed (those at or above it are reached from the position)
 //! ```
 //!
 //! Finished and dead-lettered records have no slot; everything else has one.
@@ -44,7 +45,8 @@
 //!
 //! Durable state ([`DurableGroup`]) is the position (with how many offsets
 //! directly below it were settled without delivery), the dead-letter list and
-//! the set of redriven offsets below the position. The tracker changes it
+//! the redriven offsets not yet finished (below the position, and ahead of
+//! it, so that a seek forward past one keeps it owed). The tracker changes it
 //! *only* by applying the entries it hands back, so replaying the written
 //! entries (after the latest [`GroupEntry::Snapshot`]) rebuilds it exactly.
 //! Entries must be appended in the order returned, and the broker waits for
@@ -55,7 +57,8 @@
 //! | `plan_poll`, `poll`, `tick` | `Create` (implicit), `Position`, `DeadLetter` (attempt bound), `RedriveFinished` | no: append, answer at once; losing them only redelivers |
 //! | `ack`, `nack` | `Position`, `RedriveFinished`, `DeadLetter` (bound) | yes (the guide: group writes are acknowledged once durable on the leader) |
 //! | `dead_letter`, `redrive` | `DeadLetter` / `Redrive`, then `Position` | **yes, required** by the guide |
-//! | `discard`, `create`, `seek`, `delete` | one entry each | yes |
+//! | `discard`, `create`, `delete` | one entry each | yes |
+//! | `seek` | `Seek`, then `DeadLetter` for voided deliveries at the bound, then `Position` when the record at the new position carries a skip count | yes |
 //!
 //! Because the log is ordered, a `DeadLetter` always precedes the `Position`
 //! that passes it: no replica holds a position without the dead letters

@@ -567,7 +567,7 @@ impl<S: Storage> Replication<S> {
         .await
         {
             Ok(Ok(l)) => l,
-            Ok(Err(e)) => return self.refusal(shard, e),
+            Ok(Err(e)) => return proposal_refusal(&self.cluster, &shard.name(), e),
             Err(_) => {
                 return wire_err(
                     ErrorCode::Unavailable,
@@ -651,17 +651,11 @@ impl<S: Storage> Replication<S> {
                 .collect(),
         }))
     }
-
-    /// The answer for a replication error on `shard`.
-    pub fn refusal(&self, shard: &Shard<S>, e: ReplicationError) -> Response {
-        refusal(&self.cluster, &shard.name(), e)
-    }
 }
 
 /// The answer for a replication error on the shard named `shard`.
 pub(crate) fn refusal(cluster: &ClusterConfig, shard: &str, e: ReplicationError) -> Response {
     match e {
-        // Nothing proposed: safe to send again.
         ReplicationError::NotLeader { leader } => {
             let addr = leader
                 .and_then(|id| cluster.node(id))
@@ -673,33 +667,50 @@ pub(crate) fn refusal(cluster: &ClusterConfig, shard: &str, e: ReplicationError)
                      or too few of its replicas can reach each other to elect one; retry"
                 ),
             };
-            Response::Error(WireError {
-                not_applied: true,
-                ..WireError::not_leader(addr, msg)
-            })
+            Response::Error(WireError::not_leader(addr, msg))
         }
-        // The same code a client retries on: this broker does not serve as
-        // leader yet.
-        ReplicationError::NotReady => Response::Error(WireError {
-            not_applied: true,
-            ..WireError::not_leader(
-                None,
-                format!("shard {shard}: its new leader is still catching up; retry"),
-            )
-        }),
-        ReplicationError::Superseded => Response::Error(WireError::refused(
+        // Safe to send again (nothing was proposed), so the same code a
+        // client retries on: this broker does not serve as leader yet.
+        ReplicationError::NotReady => Response::Error(WireError::not_leader(
+            None,
+            format!("shard {shard}: its new leader is still catching up; retry"),
+        )),
+        ReplicationError::Superseded => wire_err(
             ErrorCode::Unavailable,
             format!(
                 "shard {shard}: the leader changed before this was committed, and it was not: \
                  safe to send again"
             ),
-        )),
+        ),
         ReplicationError::Timeout => wire_err(
             ErrorCode::Unavailable,
             format!("shard {shard}: no majority confirmed the leader in time; retry"),
         ),
         other => wire_err(ErrorCode::Unavailable, format!("shard {shard}: {other}")),
     }
+}
+
+/// [`refusal`] for one proposal that was all the request did (a publish):
+/// refused as not leading or not ready, it was never proposed, and
+/// superseded, it never commits, so the answer says nothing was applied.
+/// (Not for requests that may have proposed other writes first, such as a
+/// poll's.)
+pub(crate) fn proposal_refusal(
+    cluster: &ClusterConfig,
+    shard: &str,
+    e: ReplicationError,
+) -> Response {
+    let nothing = matches!(
+        e,
+        ReplicationError::NotLeader { .. }
+            | ReplicationError::NotReady
+            | ReplicationError::Superseded
+    );
+    let mut answer = refusal(cluster, shard, e);
+    if let Response::Error(w) = &mut answer {
+        w.not_applied |= nothing;
+    }
+    answer
 }
 
 /// Write a committed entry into its shard's log. An entry that cannot be

@@ -1060,7 +1060,7 @@ fn unnegotiated(req: &Request, info: &ConnInfo) -> Option<Response> {
     } else {
         ""
     };
-    Some(wire_err(
+    Some(refused(
         ErrorCode::Unsupported,
         format!(
             "{} needs {}, which this connection did not negotiate in HELLO{why}",
@@ -1088,7 +1088,7 @@ fn forbidden<S: Storage>(core: &Core<S>, info: &ConnInfo, req: &Request) -> Opti
             loggable(&why, 512)
         )
     });
-    Some(wire_err(ErrorCode::Unauthorized, why))
+    Some(refused(ErrorCode::Unauthorized, why))
 }
 
 thread_local! {
