@@ -26,7 +26,7 @@ use publish::publish;
 /// command goes to the first that can be reached, and a `not_leader`
 /// answer is followed to the broker it names, or, naming none (an
 /// election), asked again for up to [`ELECTION_WAIT`]. A publish follows
-/// `not_leader` itself, batch by batch (the [`publish`] module), since the lines it
+/// `not_leader` itself, batch by batch (the [`mod@publish`] module), since the lines it
 /// read from stdin cannot be read again.
 pub async fn run(global: &GlobalArgs, command: Command) -> Result<(), CliError> {
     // Each broker once: `stream create` counts the brokers holding a stream.
