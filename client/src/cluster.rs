@@ -93,8 +93,7 @@ impl std::fmt::Debug for ClusterClient {
 enum Retry {
     /// Only where nothing was applied: `not_leader` (an election, a new
     /// leader catching up), a broker that could not be reached, an
-    /// `unavailable` the broker marks as not applied (it was stopping, or
-    /// the proposal was superseded by a new leader's).
+    /// `unavailable` the broker marks as not applied (it was stopping).
     Refused,
     /// Also after a lost answer (a timeout, a dropped connection) or an
     /// `unavailable` (whose outcome may be unknown): for calls that may
@@ -292,8 +291,7 @@ fn retryable(e: &ClientError, retry: Retry) -> bool {
         ClientError::Disconnected | ClientError::Timeout => retry != Retry::Refused,
         // `unavailable` can mean the outcome is unknown (a commit that timed
         // out): tried again only where doing it twice is harmless, or where
-        // the broker says it did nothing (a stopping broker, a superseded
-        // proposal).
+        // the broker says it did nothing (it was stopping).
         ClientError::Server {
             code, not_applied, ..
         } => *code == ErrorCode::Unavailable && (retry != Retry::Refused || *not_applied),

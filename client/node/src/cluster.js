@@ -38,7 +38,8 @@ const BACKOFF_MAX_MS = 500;
 const Retry = Object.freeze({
   /**
    * Only where nothing was applied: `not_leader` (an election, a new
-   * leader catching up), a broker that could not be reached.
+   * leader catching up), a broker that could not be reached, an
+   * `unavailable` the broker marks as not applied (it was stopping).
    */
   REFUSED: 'refused',
   /**
@@ -59,7 +60,9 @@ const Retry = Object.freeze({
 function retryable(err, retry) {
   if (err instanceof NotLeaderError || err instanceof ConnectionError) return true;
   // `unavailable` can mean the outcome is unknown (a commit that timed
-  // out): tried again only where doing it twice is harmless.
+  // out): tried again only where doing it twice is harmless, or where the
+  // broker says it did nothing (it was stopping).
+  if (err instanceof UnavailableError && err.notApplied) return true;
   if (err instanceof DisconnectedError || err instanceof TimeoutError || err instanceof UnavailableError) {
     return retry !== Retry.REFUSED;
   }
@@ -1233,6 +1236,8 @@ class ClusterClient {
 
 module.exports = {
   ClusterClient,
+  retryable,
+  Retry,
   incarnationToCreate,
   enoughAnswered,
   keepsIncarnations,

@@ -10,7 +10,7 @@ const assert = require('node:assert/strict');
 const net = require('node:net');
 const felix = require('../src');
 const wire = require('../src/wire');
-const { enoughAnswered, incarnationToCreate, showIncarnation, keepsIncarnations } = require('../src/cluster');
+const { enoughAnswered, incarnationToCreate, showIncarnation, keepsIncarnations, retryable, Retry } = require('../src/cluster');
 const { fakeBroker, answer, errorFrame, streamRefOf } = require('../test-support/fake-broker');
 
 const {
@@ -524,4 +524,14 @@ test('createStream: nothing is made without a sure majority', async (t) => {
     && err.message.startsWith(`t/n/s is on 1 of the 3 brokers, and ${dead1} (`)
     && err.message.endsWith(' did not answer: nothing created; run the same create again once they are back'));
   assert.deepEqual([holds, lacks].map((b) => ops(b, 0x10)), [0, 0]);
+});
+
+test('a call that must not run twice is tried again only where it did nothing', () => {
+  const refused = felix.errorFromWire(7, 'stopping', undefined, undefined, true);
+  const unknown = felix.errorFromWire(7, 'not committed in time');
+  const nothingThere = felix.errorFromWire(2, 'no such shard', undefined, undefined, true);
+  for (const [err, mustNotRunTwice, mayRunTwice] of [[refused, true, true], [unknown, false, true], [nothingThere, false, false]]) {
+    assert.equal(retryable(err, Retry.REFUSED), mustNotRunTwice, err.message);
+    assert.equal(retryable(err, Retry.LOST), mayRunTwice, err.message);
+  }
 });

@@ -99,8 +99,9 @@ class _Retry(enum.Enum):
     """How a call may be tried again."""
 
     #: Only where nothing was applied: ``not_leader`` (an election, a new
-    #: leader catching up), a broker that could not be reached. For group
-    #: calls that must not run twice (a nack, a seek, a redrive...).
+    #: leader catching up), a broker that could not be reached, an
+    #: ``unavailable`` the broker marks as not applied (it was stopping).
+    #: For group calls that must not run twice (a nack, a seek, a redrive...).
     REFUSED = "refused"
     #: Also after a lost answer (a timeout, a dropped connection) or an
     #: ``unavailable`` (whose outcome may be unknown): for calls that may run
@@ -119,9 +120,10 @@ def _retryable(error: FelixError, retry: _Retry) -> bool:
     if isinstance(error, (Disconnected, Timeout)):
         return retry is not _Retry.REFUSED
     # `unavailable` can mean the outcome is unknown (a commit that timed
-    # out): tried again only where doing it twice is harmless.
+    # out): tried again only where doing it twice is harmless, or where the
+    # broker says it did nothing (it was stopping).
     if isinstance(error, Unavailable):
-        return retry is not _Retry.REFUSED
+        return retry is not _Retry.REFUSED or error.not_applied
     return False
 
 

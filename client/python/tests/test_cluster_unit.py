@@ -87,6 +87,22 @@ def record(offset: int) -> felix.GroupRecord:
     return felix.GroupRecord(offset, 1, 0, None, (), b"", None)
 
 
+class RetryTest(unittest.TestCase):
+    def test_only_what_did_nothing_is_tried_again_for_calls_that_must_not_run_twice(self) -> None:
+        R = cluster._Retry
+        refused = felix.Unavailable("stopping", number=7, not_applied=True)
+        unknown = felix.Unavailable("not committed in time", number=7)
+        nothing_there = felix.NotFound("no such shard", number=2, not_applied=True)
+        for error, must_not_run_twice, may_run_twice in [
+            (refused, True, True),
+            (unknown, False, True),
+            (nothing_there, False, False),
+        ]:
+            with self.subTest(error=error):
+                self.assertEqual(cluster._retryable(error, R.REFUSED), must_not_run_twice)
+                self.assertEqual(cluster._retryable(error, R.LOST), may_run_twice)
+
+
 class IncarnationTest(unittest.TestCase):
     def refused(self, held: List, brokers: int, says: str) -> None:  # type: ignore[type-arg]
         with self.assertRaises(felix.AlreadyExists) as caught:
