@@ -1822,12 +1822,14 @@ fn refuse<S: Storage>(core: &Rc<Core<S>>, stream: glommio::net::TcpStream, why: 
     .detach();
 }
 
-/// Tell the allocator trimmer what this core's connections hold, once a
-/// second.
+/// Tell the allocator trimmer the most this core's connections held in
+/// the last second, once a second (what they hold at that instant could
+/// miss a burst that came and went between two looks, and with it the
+/// trim after it).
 async fn share_buffered<S: Storage>(core: Rc<Core<S>>) {
     let me = &core.shared.buffered[core.ctx.core.0 as usize];
     while !core.stopping.get() {
-        me.store(core.budget.used() as u64, Ordering::Relaxed);
+        me.store(core.budget.take_recent_peak() as u64, Ordering::Relaxed);
         glommio::timer::sleep(Duration::from_secs(1)).await;
     }
 }

@@ -41,6 +41,8 @@ pub(crate) const REQUEST_TASK_BYTES: usize = 4096;
 pub(crate) struct Budget {
     used: Cell<usize>,
     peak: Cell<usize>,
+    /// The most used since [`Self::take_recent_peak`] last looked.
+    recent: Cell<usize>,
     limit: usize,
     /// Times a connection or a read was held back for the budget.
     waits: Cell<u64>,
@@ -57,6 +59,7 @@ impl Budget {
         Budget {
             used: Cell::new(0),
             peak: Cell::new(0),
+            recent: Cell::new(0),
             limit,
             waits: Cell::new(0),
             overdraft: Cell::new(0),
@@ -70,6 +73,16 @@ impl Budget {
         if used > self.peak.get() {
             self.peak.set(used);
         }
+        if used > self.recent.get() {
+            self.recent.set(used);
+        }
+    }
+
+    /// The most used since the last call (a burst between two looks is
+    /// seen whole), and start over from what is used now.
+    pub fn take_recent_peak(&self) -> usize {
+        let used = self.used.get();
+        self.recent.replace(used).max(used)
     }
 
     pub fn release(&self, n: usize) {
