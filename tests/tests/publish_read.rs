@@ -636,9 +636,13 @@ async fn connection_limit_and_idle_timeout_are_enforced() {
 }
 
 fn hello(want_core: Option<u32>, version: u16) -> felix_wire::Request {
+    hello_offering(want_core, version, felix_wire::FEATURES_ALL)
+}
+
+fn hello_offering(want_core: Option<u32>, version: u16, features: u64) -> felix_wire::Request {
     felix_wire::Request::Hello {
         version,
-        features: felix_wire::FEATURES_ALL,
+        features,
         want_core,
         client_name: "raw-test".into(),
         token: None,
@@ -676,13 +680,7 @@ async fn a_refused_publish_says_it_stored_nothing_to_a_client_that_asked() {
         ),
     ] {
         let mut s = tokio::net::TcpStream::connect(&broker.addr).await.unwrap();
-        let hello = Request::Hello {
-            version: felix_wire::PROTOCOL_VERSION,
-            features,
-            want_core: None,
-            client_name: "raw-test".into(),
-            token: None,
-        };
+        let hello = hello_offering(None, felix_wire::PROTOCOL_VERSION, features);
         match raw_call(&mut s, 1, &hello).await {
             // The features both sides know.
             Response::HelloOk { features, .. } => {

@@ -1043,6 +1043,17 @@ mod codec_tests {
         assert_eq!(replayed.unwrap().position_skipped(), 4);
     }
 
+    /// A dead letter the broker set aside at its fifth attempt.
+    fn given_up() -> DeadLetter {
+        DeadLetter {
+            attempts: 5,
+            at_ms: 1,
+            reason: None,
+            by_consumer: false,
+            discarded: false,
+        }
+    }
+
     /// A snapshot keeps redriven offsets on both sides of the position
     /// (one list), and refuses one that is also a dead letter.
     #[test]
@@ -1065,16 +1076,7 @@ mod codec_tests {
         let decoded = GroupEntry::decode(&entry.to_bytes()).unwrap();
         assert_eq!(decoded, entry);
         let mut dead = BTreeMap::new();
-        dead.insert(
-            Offset(7),
-            DeadLetter {
-                attempts: 5,
-                at_ms: 1,
-                reason: None,
-                by_consumer: false,
-                discarded: false,
-            },
-        );
+        dead.insert(Offset(7), given_up());
         let both = DurableGroup {
             dead_letters: dead,
             ..state
@@ -1094,13 +1096,7 @@ mod codec_tests {
     /// falls; the cursor passing one ahead of it (acked) drops it.
     #[test]
     fn group_entry_seeks_keep_redriven_offsets_owed() {
-        let info = DeadLetter {
-            attempts: 5,
-            at_ms: 1,
-            reason: None,
-            by_consumer: false,
-            discarded: false,
-        };
+        let info = given_up();
         let g = |s: &Option<DurableGroup>| {
             let g = s.as_ref().unwrap();
             (
