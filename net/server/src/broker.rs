@@ -115,6 +115,8 @@ pub(crate) struct Shared {
     /// Each core's buffered bytes (its budget's use), as of its last
     /// second: what the allocator trimmer watches (see `crate::trim`).
     pub buffered: Vec<std::sync::atomic::AtomicU64>,
+    /// The allocator trimmer's requests to the cores (see `crate::trim`).
+    pub trim: crate::trim::Handshake,
 }
 
 impl Shared {
@@ -1288,6 +1290,7 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
         security_gen: std::sync::atomic::AtomicU64::new(0),
         security_reloads: Default::default(),
         buffered: (0..cores).map(|_| Default::default()).collect(),
+        trim: crate::trim::Handshake::new(cores as usize),
     });
     let receivers = Arc::new(Mutex::new(receivers));
     // Reserve the address up front (port 0 picks a free port), so a bad or
@@ -1825,11 +1828,13 @@ fn refuse<S: Storage>(core: &Rc<Core<S>>, stream: glommio::net::TcpStream, why: 
 /// Tell the allocator trimmer the most this core's connections held in
 /// the last second, once a second (what they hold at that instant could
 /// miss a burst that came and went between two looks, and with it the
-/// trim after it).
+/// trim after it), and answer the trim it asks for after a burst.
 async fn share_buffered<S: Storage>(core: Rc<Core<S>>) {
-    let me = &core.shared.buffered[core.ctx.core.0 as usize];
+    let index = core.ctx.core.0 as usize;
+    let me = &core.shared.buffered[index];
     while !core.stopping.get() {
         me.store(core.budget.take_recent_peak() as u64, Ordering::Relaxed);
+        core.shared.trim.answer(index);
         glommio::timer::sleep(Duration::from_secs(1)).await;
     }
 }
@@ -2082,6 +2087,7 @@ mod tests {
             security_gen: std::sync::atomic::AtomicU64::new(0),
             security_reloads: Default::default(),
             buffered: vec![Default::default()],
+            trim: crate::trim::Handshake::new(1),
         });
         let ctx = CoreContext {
             core: CoreId(0),

@@ -52,6 +52,12 @@ pub enum ServeError {
     Start(String),
 }
 
+/// Free memory glibc keeps at the top of a heap (`M_TRIM_THRESHOLD`), set
+/// by [`tune_allocator`]; the allocator trimmer lowers it for a moment
+/// (`trim.rs`).
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+const KEEP_FREE_TOP: libc::c_int = 256 << 20;
+
 /// Make glibc's malloc keep memory it gets back for the next request rather
 /// than returning it to the kernel at once, so that a busy process is not
 /// page-faulting fresh zeroed pages for every large buffer.
@@ -78,7 +84,7 @@ pub fn tune_allocator() {
         // in range for these options.
         unsafe {
             libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-            libc::mallopt(libc::M_TRIM_THRESHOLD, 256 << 20);
+            libc::mallopt(libc::M_TRIM_THRESHOLD, KEEP_FREE_TOP);
         }
     }
 }
