@@ -491,15 +491,24 @@ impl Client {
         Ok(self.cache_placement(&info))
     }
 
+    /// The core to send a request about `shard` to. An error looking it up
+    /// is returned as the request's, which was not sent (so
+    /// [`ClientError::not_applied`] where the error can say it).
     async fn core_for(&self, stream: &StreamRef, shard: u32) -> Result<u32> {
         if self.cores() <= 1 {
             return Ok(self.home());
         }
         let cores = self.cores();
-        let mut p = self.placement(stream, false).await?;
+        let mut p = self
+            .placement(stream, false)
+            .await
+            .map_err(ClientError::unsent)?;
         if p.cores.get(shard as usize).is_some_and(|&c| c >= cores) {
             // Cached before the broker came back with fewer cores.
-            p = self.placement(stream, true).await?;
+            p = self
+                .placement(stream, true)
+                .await
+                .map_err(ClientError::unsent)?;
         }
         // A shard the placement does not know (or a core the broker does
         // not have): let the broker answer, with the right core.

@@ -85,6 +85,27 @@ impl ClientError {
         }
     }
 
+    /// This error, as the error of a request it kept from being sent (a
+    /// lookup the request needed failed): nothing of that request was
+    /// applied, which a server error can say.
+    pub(crate) fn unsent(self) -> Self {
+        match self {
+            ClientError::Server { code, message, .. } => ClientError::Server {
+                code,
+                message,
+                not_applied: true,
+            },
+            ClientError::NotLeader {
+                leader, message, ..
+            } => ClientError::NotLeader {
+                leader,
+                message,
+                not_applied: true,
+            },
+            other => other,
+        }
+    }
+
     /// A short snake_case name for the error: the broker's code (such as
     /// `not_found` or `stale_claim`) for a server error, otherwise one of
     /// `io`, `timeout`, `disconnected`, `unsupported`, `protocol`,

@@ -708,6 +708,22 @@ async fn a_refused_publish_says_it_stored_nothing_to_a_client_that_asked() {
     );
 }
 
+/// On more than one core a client looks a stream up before its first
+/// publish, to send it to the shard's core; when that lookup is refused
+/// the publish was never sent, and its error says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_its_own_lookup_refused_was_not_applied() {
+    let broker = felix_tests::start_broker!(BrokerOptions::default().cores(2));
+    let c = client(&broker).await;
+    let e = c.publish("t", "ns", "missing", 0, "r").await.unwrap_err();
+    assert_eq!(e.kind(), "not_found", "{e:?}");
+    assert!(e.not_applied(), "{e:?}");
+    // The lookup on its own is a describe, which applies nothing either
+    // way: the broker does not mark it.
+    let e = c.describe_stream("t", "ns", "missing").await.unwrap_err();
+    assert!(!e.not_applied(), "{e:?}");
+}
+
 /// A HELLO naming a core moves the connection to that core; a request for a
 /// shard another core owns gets `wrong_core` naming the right core; a HELLO
 /// with an unsupported version is refused.

@@ -16,6 +16,7 @@ const {
   AlreadyExistsError,
   ConnectionError,
   DisconnectedError,
+  FelixError,
   InvalidArgumentError,
   InvalidRequestError,
   NotFoundError,
@@ -476,12 +477,22 @@ class Client {
     return conn.call(req, this.timeout(waitMs));
   }
 
+  /**
+   * The core to send a request about `shard` to. An error looking it up is
+   * thrown as the request's, which was not sent (so `notApplied`).
+   */
   async coreFor(ref, shard) {
     if (this.cores <= 1) return this.home;
-    let p = await this.placement(ref, false);
-    if (p.cores[shard] !== undefined && p.cores[shard] >= this.cores) {
-      // Cached before the broker came back with fewer cores.
-      p = await this.placement(ref, true);
+    let p;
+    try {
+      p = await this.placement(ref, false);
+      if (p.cores[shard] !== undefined && p.cores[shard] >= this.cores) {
+        // Cached before the broker came back with fewer cores.
+        p = await this.placement(ref, true);
+      }
+    } catch (e) {
+      if (e instanceof FelixError) e.notApplied = true;
+      throw e;
     }
     const core = p.cores[shard];
     // A shard the placement does not know (or a core the broker does not

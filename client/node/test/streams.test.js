@@ -129,6 +129,10 @@ test('refusals arrive as typed errors', async (t) => {
   const stream = freshStream();
   await assert.rejects(client.describeStream(freshStream()), (err) => err instanceof felix.NotFoundError && err.code === 'not_found' && err.wireCode === 2);
   await assert.rejects(client.read(freshStream(), 0, 'earliest'), felix.NotFoundError);
+  // On more than one core the client looks the stream up to find the
+  // shard's core: that lookup's not_found is the publish's, never sent.
+  assert.ok(client.cores > 1);
+  await assert.rejects(client.publish(freshStream(), 0, Buffer.from('x')), (err) => err instanceof felix.NotFoundError && err.notApplied === true);
   await client.createStream(stream, 2);
   await assert.rejects(client.createStream(stream, 2), felix.AlreadyExistsError);
   await assert.rejects(client.read(stream, 0, 5n), (err) => err instanceof felix.InvalidRequestError && /past the tail/.test(err.message));

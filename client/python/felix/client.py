@@ -574,13 +574,20 @@ class Client(StreamGroupCalls):
         return _Placement(info.shards, info.placement)
 
     def _core_for(self, stream: StreamRef, shard: int) -> int:
+        """The core to send a request about ``shard`` to. An error looking
+        it up is raised as the request's, which was not sent (so
+        ``not_applied``)."""
         cores = self.cores
         if cores <= 1:
             return self._home
-        placement = self._placement(stream)
-        if shard < len(placement.cores) and placement.cores[shard] >= cores:
-            # Cached before the broker came back with fewer cores.
-            placement = self._placement(stream, refresh=True)
+        try:
+            placement = self._placement(stream)
+            if shard < len(placement.cores) and placement.cores[shard] >= cores:
+                # Cached before the broker came back with fewer cores.
+                placement = self._placement(stream, refresh=True)
+        except FelixError as e:
+            e.not_applied = True
+            raise
         if shard < len(placement.cores) and placement.cores[shard] < cores:
             return placement.cores[shard]
         # A shard the placement does not know: let the broker answer.

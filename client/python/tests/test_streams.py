@@ -66,6 +66,14 @@ class StreamAdminTest(BrokerTestCase):
             self.assertTrue(caught.exception.from_broker)
         self.assertEqual(self.client.describe_shard(path, 0).end_offset, 0)
 
+    def test_a_publish_refused_by_its_own_lookup_was_not_applied(self) -> None:
+        # On more than one core the client looks the stream up to find the
+        # shard's core; that lookup's not_found is the publish's, unsent.
+        self.assertGreater(self.client.cores, 1)
+        with self.assertRaises(felix.NotFound) as caught:
+            self.client.publish(fresh_stream("missing"), 0, b"x")
+        self.assertTrue(caught.exception.not_applied)
+
     def test_arguments_are_checked_before_sending(self) -> None:
         path = self.new_stream()
         cases = [
