@@ -312,7 +312,7 @@ export class Client {
   subscribe(stream: StreamArg, shard: number, from: StartPosition, options?: ReadOptions): Subscription;
 
   groupPoll(stream: StreamArg, shard: number, group: string, options?: GroupPollOptions): Promise<GroupRecord[]>;
-  groupAck(stream: StreamArg, shard: number, group: string, offsets: OffsetArg | OffsetArg[]): Promise<void>;
+  groupAck(stream: StreamArg, shard: number, group: string, offsets: OffsetArg | GroupRecord | Array<OffsetArg | GroupRecord>): Promise<void>;
   groupNack(stream: StreamArg, shard: number, group: string, record: Claim, options?: { delayMs?: number; reason?: string }): Promise<void>;
   groupNackAfter(stream: StreamArg, shard: number, group: string, record: Claim, delayMs: number, options?: { reason?: string }): Promise<void>;
   /** Resolves to how long the claim now stands, in ms. */
@@ -323,13 +323,13 @@ export class Client {
   groupDeadLettersPage(stream: StreamArg, shard: number, group: string, from: OffsetArg, max: number): Promise<DeadLetterPage>;
   groupRedrive(stream: StreamArg, shard: number, group: string, offset: OffsetArg): Promise<void>;
   groupDiscard(stream: StreamArg, shard: number, group: string, offset: OffsetArg): Promise<void>;
-  groupCreate(stream: StreamArg, shard: number, group: string, start: StartPosition): Promise<void>;
+  groupCreate(stream: StreamArg, shard: number, group: string, start?: StartPosition): Promise<void>;
   groupSeek(stream: StreamArg, shard: number, group: string, start: StartPosition): Promise<void>;
   groupDescribe(stream: StreamArg, shard: number, group: string): Promise<GroupInfo>;
   groupDelete(stream: StreamArg, shard: number, group: string): Promise<void>;
   listGroups(stream: StreamArg, shard: number): Promise<string[]>;
   /** An offset is accepted for a one-shard stream only (refused with InvalidArgumentError otherwise). */
-  groupCreateStream(stream: StreamArg, group: string, start: StartPosition): Promise<void>;
+  groupCreateStream(stream: StreamArg, group: string, start?: StartPosition): Promise<void>;
   /** An offset is accepted for a one-shard stream only (refused with InvalidArgumentError otherwise). */
   groupSeekStream(stream: StreamArg, group: string, start: StartPosition): Promise<void>;
   groupDescribeStream(stream: StreamArg, group: string): Promise<GroupInfo[]>;
@@ -366,7 +366,7 @@ export class ClusterClient {
    * enough; a broker that cannot say leaves the brokers given as the
    * cluster's. One that fails to name them is passed over for the next.
    */
-  static connect(brokers: string[], options?: ClientOptions): Promise<ClusterClient>;
+  static connect(brokers: string | string[], options?: ClientOptions): Promise<ClusterClient>;
   /** The brokers given at connect (each once, in order), then those of the cluster learned at connect and not given. */
   readonly brokers: readonly string[];
   /**
@@ -414,7 +414,7 @@ export class ClusterClient {
   subscribe(stream: StreamArg, shard: number, from: StartPosition, options?: ReadOptions): Subscription;
 
   groupPoll(stream: StreamArg, shard: number, group: string, options?: GroupPollOptions): Promise<GroupRecord[]>;
-  groupAck(stream: StreamArg, shard: number, group: string, offsets: OffsetArg | OffsetArg[]): Promise<void>;
+  groupAck(stream: StreamArg, shard: number, group: string, offsets: OffsetArg | GroupRecord | Array<OffsetArg | GroupRecord>): Promise<void>;
   groupNack(stream: StreamArg, shard: number, group: string, record: Claim, options?: { delayMs?: number; reason?: string }): Promise<void>;
   groupNackAfter(stream: StreamArg, shard: number, group: string, record: Claim, delayMs: number, options?: { reason?: string }): Promise<void>;
   groupExtend(stream: StreamArg, shard: number, group: string, record: Claim, byMs: number): Promise<number>;
@@ -424,12 +424,12 @@ export class ClusterClient {
   groupDeadLettersPage(stream: StreamArg, shard: number, group: string, from: OffsetArg, max: number): Promise<DeadLetterPage>;
   groupRedrive(stream: StreamArg, shard: number, group: string, offset: OffsetArg): Promise<void>;
   groupDiscard(stream: StreamArg, shard: number, group: string, offset: OffsetArg): Promise<void>;
-  groupCreate(stream: StreamArg, shard: number, group: string, start: StartPosition): Promise<void>;
+  groupCreate(stream: StreamArg, shard: number, group: string, start?: StartPosition): Promise<void>;
   groupSeek(stream: StreamArg, shard: number, group: string, start: StartPosition): Promise<void>;
   groupDescribe(stream: StreamArg, shard: number, group: string): Promise<GroupInfo>;
   groupDelete(stream: StreamArg, shard: number, group: string): Promise<void>;
   listGroups(stream: StreamArg, shard: number): Promise<string[]>;
-  groupCreateStream(stream: StreamArg, group: string, start: StartPosition): Promise<void>;
+  groupCreateStream(stream: StreamArg, group: string, start?: StartPosition): Promise<void>;
   groupSeekStream(stream: StreamArg, group: string, start: StartPosition): Promise<void>;
   groupDescribeStream(stream: StreamArg, group: string): Promise<GroupInfo[]>;
   groupDeleteStream(stream: StreamArg, group: string): Promise<void>;
@@ -447,6 +447,7 @@ export declare const FEATURES: {
   readonly REPLICA_INFO: 0x40;
   readonly STREAM_INCARNATION: 0x80;
   readonly CLUSTER_INFO: 0x100;
+  readonly ERROR_NOT_APPLIED: 0x200;
 };
 export declare const FEATURES_ALL: number;
 export declare const PROTOCOL_VERSION: number;

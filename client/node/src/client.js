@@ -864,7 +864,10 @@ class Client {
   async groupAck(stream, shard, group, offsets) {
     const key = this.groupKey(stream, shard, group);
     this.requireFeatures(FEATURES.GROUPS, 'groupAck');
-    const list = (Array.isArray(offsets) ? offsets : [offsets]).map((o, i) => args.offset(o, `offsets[${i}]`));
+    // Offsets, or the records a poll handed out.
+    const list = (Array.isArray(offsets) ? offsets : [offsets]).map((o, i) =>
+      o !== null && typeof o === 'object' ? args.offset(o.offset, `offsets[${i}].offset`) : args.offset(o, `offsets[${i}]`),
+    );
     if (list.length === 0) return;
     if (list.length > wire.MAX_ITEMS_PER_VEC) {
       throw new InvalidArgumentError(`an ack carries at most ${wire.MAX_ITEMS_PER_VEC} offsets; split it`);
@@ -1077,7 +1080,7 @@ class Client {
    * @param {import('../index').StartPosition} start
    * @returns {Promise<void>}
    */
-  async groupCreate(stream, shard, group, start) {
+  async groupCreate(stream, shard, group, start = 'earliest') {
     try {
       await this.groupPosition('group_create', OP.GROUP_CREATE, stream, shard, group, start);
     } catch (err) {
@@ -1172,7 +1175,7 @@ class Client {
    * @param {import('../index').StartPosition} start
    * @returns {Promise<void>}
    */
-  async groupCreateStream(stream, group, start) {
+  async groupCreateStream(stream, group, start = 'earliest') {
     return streamGroups.groupCreateStream(this, stream, group, start);
   }
 

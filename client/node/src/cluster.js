@@ -370,6 +370,8 @@ class ClusterClient {
    * @returns {Promise<ClusterClient>}
    */
   static async connect(brokers, options) {
+    // One broker's address is enough: it names the others.
+    if (typeof brokers === 'string') brokers = [brokers];
     if (!Array.isArray(brokers)) {
       throw new InvalidArgumentError(`a cluster client takes an array of "host:port" addresses, not ${String(brokers)}`);
     }
@@ -1119,7 +1121,7 @@ class ClusterClient {
    * @param {import('../index').StartPosition} start
    * @returns {Promise<void>}
    */
-  async groupCreate(stream, shard, group, start) {
+  async groupCreate(stream, shard, group, start = 'earliest') {
     return this.#shardCall(stream, shard, Retry.LOST, (c, ref) => c.groupCreate(ref, shard, group, start));
   }
 
@@ -1179,7 +1181,7 @@ class ClusterClient {
    * @param {import('../index').StartPosition} start
    * @returns {Promise<void>}
    */
-  async groupCreateStream(stream, group, start) {
+  async groupCreateStream(stream, group, start = 'earliest') {
     return streamGroups.groupCreateStream(this, stream, group, start);
   }
 

@@ -178,7 +178,8 @@ test('the not_leader error carries the leader the broker names', async (t) => {
 
 test('connect: addresses checked, each once, trimmed; at least one must answer', async (t) => {
   await assert.rejects(ClusterClient.connect([]), (err) => err instanceof InvalidArgumentError && /at least one broker/.test(err.message));
-  await assert.rejects(ClusterClient.connect(' a:1 '), InvalidArgumentError);
+  await assert.rejects(ClusterClient.connect(42), InvalidArgumentError);
+  await assert.rejects(ClusterClient.connect('nope'), InvalidArgumentError);
   await assert.rejects(ClusterClient.connect(['nope']), InvalidArgumentError);
   await assert.rejects(ClusterClient.connect(['a:1'], { requestTimeout: 1 }), InvalidArgumentError);
   const a = await fake(t, {});
@@ -189,6 +190,10 @@ test('connect: addresses checked, each once, trimmed; at least one must answer',
   // A broker that cannot name its cluster (no CLUSTER_INFO): the brokers given are its members.
   assert.deepEqual(c.members, [dead, a.addr]);
   assert.equal(ops(a, 0x16), 0, 'not asked');
+  // One address needs no array.
+  const one = await ClusterClient.connect(` ${a.addr}`);
+  t.after(() => one.close());
+  assert.deepEqual(one.brokers, [a.addr]);
   await assert.rejects(ClusterClient.connect([dead]), ConnectionError, 'none answers: the last error');
 });
 

@@ -259,7 +259,12 @@ Offsets = Union[int, GroupRecord, Iterable[Union[int, GroupRecord]]]
 
 def check_ack_offsets(offsets: Offsets) -> List[int]:
     """The offsets of an ack, checked: at most a request's worth."""
-    items = [offsets] if isinstance(offsets, (int, GroupRecord)) else list(offsets)
+    if isinstance(offsets, (int, GroupRecord)):
+        items = [offsets]
+    elif isinstance(offsets, (str, bytes)) or not hasattr(offsets, "__iter__"):
+        raise InvalidArgument(f"an ack takes an offset, a GroupRecord, or an iterable of them, not {offsets!r}")
+    else:
+        items = list(offsets)
     batch = [check_u64("offset", o.offset if isinstance(o, GroupRecord) else o) for o in items]
     if len(batch) > _wire.MAX_ITEMS_PER_VEC:
         raise InvalidArgument(f"an ack carries at most {_wire.MAX_ITEMS_PER_VEC} offsets, not {len(batch)}")

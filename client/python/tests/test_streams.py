@@ -99,6 +99,9 @@ class StreamAdminTest(BrokerTestCase):
             lambda: self.client.publish_batch(path, 0, [felix.RecordIn(b"x", timestamp_ms=-5)]),
             lambda: self.client.group_poll(path, 0, "g", consumer="\ud800"),
             lambda: self.client.describe_stream("pytest/default/\ud800"),
+            lambda: self.client.group_ack(path, 0, "g", 1.5),  # type: ignore[arg-type]
+            lambda: self.client.group_ack(path, 0, "g", "1"),  # type: ignore[arg-type]
+            lambda: self.client.group_ack(path, 0, "g", [1, 2.5]),  # type: ignore[list-item]
         ]
         for i, call in enumerate(cases):
             with self.subTest(case=i), self.assertRaises(felix.InvalidArgument):
