@@ -467,7 +467,14 @@ async fn on_cluster(
             let shards = cluster.describe_stream(t, n, s).await?.shards;
             let mut infos = Vec::with_capacity(shards as usize);
             for shard in 0..shards {
-                infos.push(cluster.group_describe(t, n, s, shard, &g.group).await);
+                let described = cluster.group_describe(t, n, s, shard, &g.group).await;
+                let held = match &described {
+                    Err(e) if e.code() == Some(felix_client::ErrorCode::NotFound) => {
+                        Some(cluster.describe_shard(t, n, s, shard).await)
+                    }
+                    _ => None,
+                };
+                infos.push(shard_group(described, held)?);
             }
             group_shards(&g, infos)
         }
@@ -942,22 +949,35 @@ fn shards_named(g: &GroupTarget, all_shards: bool) -> String {
     }
 }
 
-/// Print a group's state on every shard, from each shard's describe. A
-/// group comes into being shard by shard (on its first poll there): shards
-/// without it show as `-`.
-fn group_shards(
-    g: &GroupTarget,
-    describes: Vec<Result<GroupInfo, ClientError>>,
-) -> Result<(), CliError> {
-    let mut infos = Vec::with_capacity(describes.len());
-    for d in describes {
-        match d {
-            Ok(info) => infos.push(Some(info)),
-            Err(e) if e.code() == Some(felix_client::ErrorCode::NotFound) => infos.push(None),
-            Err(e) => return Err(e.into()),
-        }
+/// A group on one shard, as `group describe --all-shards` shows it: a
+/// shard the group has not polled yet (`not_found`) with the shard's own
+/// start and end (`held`, looked up after a `not_found`), so that its
+/// records count in the stream's lag.
+fn shard_group(
+    described: Result<GroupInfo, ClientError>,
+    held: Option<Result<felix_client::ShardInfo, ClientError>>,
+) -> Result<output::ShardGroup, ClientError> {
+    match described {
+        Ok(info) => Ok(output::ShardGroup::Polled(info)),
+        Err(e) if e.code() == Some(felix_client::ErrorCode::NotFound) => match held {
+            Some(held) => held.map(output::ShardGroup::NotYet),
+            None => Err(e),
+        },
+        Err(e) => Err(e),
     }
-    if infos.iter().all(Option::is_none) {
+}
+
+/// Print a group's state on every shard. A group comes into being shard by
+/// shard (on its first poll there): a shard without it shows `-` but for
+/// its end and its lag (everything it holds), and says so on stderr.
+fn group_shards(g: &GroupTarget, shards: Vec<output::ShardGroup>) -> Result<(), CliError> {
+    let not_yet: Vec<String> = shards
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| matches!(s, output::ShardGroup::NotYet(_)))
+        .map(|(shard, _)| shard.to_string())
+        .collect();
+    if not_yet.len() == shards.len() {
         return Err(CliError::from(ClientError::Server {
             code: felix_client::ErrorCode::NotFound,
             message: format!(
@@ -967,7 +987,16 @@ fn group_shards(
             not_applied: true,
         }));
     }
-    print(&output::group_shards_table(&infos))
+    print(&output::group_shards_table(&shards))?;
+    if !not_yet.is_empty() {
+        eprintln!(
+            "felix: group {} has not polled shard(s) {} yet: its first poll there starts at the \
+             shard's start, so the lag shown is every record the shard holds",
+            g.group,
+            not_yet.join(", ")
+        );
+    }
+    Ok(())
 }
 
 fn created(g: &GroupTarget, to: StartPosition, all_shards: bool) -> String {
@@ -1010,7 +1039,14 @@ async fn group(client: &Client, cmd: GroupCmd) -> Result<(), CliError> {
                 let shards = client.describe_stream(t, n, s).await?.shards;
                 let mut infos = Vec::with_capacity(shards as usize);
                 for shard in 0..shards {
-                    infos.push(client.group_describe(t, n, s, shard, &g.group).await);
+                    let described = client.group_describe(t, n, s, shard, &g.group).await;
+                    let held = match &described {
+                        Err(e) if e.code() == Some(felix_client::ErrorCode::NotFound) => {
+                            Some(client.describe_shard(t, n, s, shard).await)
+                        }
+                        _ => None,
+                    };
+                    infos.push(shard_group(described, held)?);
                 }
                 return group_shards(&g, infos);
             }

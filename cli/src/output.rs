@@ -447,17 +447,38 @@ pub fn group_details(g: &GroupInfo) -> String {
     )
 }
 
-/// A group on every shard: one row per shard (`-` where the group does
-/// not exist yet), then the totals.
-pub fn group_shards_table(infos: &[Option<GroupInfo>]) -> String {
+/// A group on one shard of a stream: as described, or not there yet (no
+/// poll has reached that shard) with the shard it will start on.
+pub enum ShardGroup {
+    Polled(GroupInfo),
+    NotYet(ShardInfo),
+}
+
+/// A group on every shard: one row per shard, then the totals. A shard
+/// the group has not polled yet shows its end and, as lag, every record it
+/// holds (the group's first poll there starts at its start), and `-` for
+/// the rest.
+pub fn group_shards_table(infos: &[ShardGroup]) -> String {
     let mut rows = Vec::with_capacity(infos.len() + 1);
     let mut total = [0u64; 5];
     for (shard, g) in infos.iter().enumerate() {
-        let Some(g) = g else {
-            let mut row = vec![shard.to_string()];
-            row.extend(std::iter::repeat_n("-".to_string(), 7));
-            rows.push(row);
-            continue;
+        let g = match g {
+            ShardGroup::Polled(g) => g,
+            ShardGroup::NotYet(held) => {
+                // Its first poll starts it at the shard's start: everything
+                // the shard holds is owed.
+                let lag = held.end_offset.saturating_sub(held.start_offset);
+                total[0] += lag;
+                let mut row = vec![
+                    shard.to_string(),
+                    "-".to_string(),
+                    held.end_offset.to_string(),
+                    lag.to_string(),
+                ];
+                row.extend(std::iter::repeat_n("-".to_string(), 4));
+                rows.push(row);
+                continue;
+            }
         };
         let counts = [
             g.lag(),

@@ -1853,14 +1853,73 @@ fn group_commands_take_all_shards() {
         "not_found",
     );
     assert!(err.contains("does not exist on any shard"), "{err}");
-    // A group polled on one shard only: the other shows `-`.
+    // A group polled on one shard only: the other shows `-`, but for its
+    // end and, as lag, every record it holds (the group's first poll there
+    // starts at its start), which the total counts.
     assert_eq!(
         consumed(&s, st, "h", &["--shard", "1", "--count", "1"]),
         ["c"]
     );
     let (table, rows) = shard_rows(&s, st, "h");
-    assert_eq!(rows[1], ["0", "-", "-", "-", "-", "-", "-", "-"], "{table}");
+    assert_eq!(rows[1], ["0", "-", "2", "2", "-", "-", "-", "-"], "{table}");
     assert_eq!(rows[2][..4], ["1", "1", "2", "1"], "{table}");
+    assert_eq!(rows[3][..4], ["all", "-", "-", "3"], "{table}");
+    // A seek of every shard puts the group there on the shard it has not
+    // polled too (created), so that shard does not start at offset 0.
+    ok(
+        &s,
+        &[
+            "group",
+            "seek",
+            st,
+            "--group",
+            "h",
+            "--all-shards",
+            "--to",
+            "latest",
+        ],
+        None,
+    );
+    let (table, rows) = shard_rows(&s, st, "h");
+    assert_eq!(rows[1][..4], ["0", "2", "2", "0"], "{table}");
+    assert_eq!(rows[2][..4], ["1", "2", "2", "0"], "{table}");
+    // A delete of every shard counts a shard without the group as done.
+    ok(
+        &s,
+        &["group", "delete", st, "--group", "h", "--shard", "0"],
+        None,
+    );
+    let out = ok(
+        &s,
+        &["group", "delete", st, "--group", "h", "--all-shards"],
+        None,
+    );
+    assert!(out.contains("every shard: deleted"), "{out}");
+    let err = fails_with(
+        &s,
+        &[
+            "group",
+            "seek",
+            st,
+            "--group",
+            "h",
+            "--all-shards",
+            "--to",
+            "earliest",
+        ],
+        "not_found",
+    );
+    assert!(err.contains("does not exist on any shard"), "{err}");
+    fails_with(
+        &s,
+        &["group", "describe", st, "--group", "h", "--shard", "0"],
+        "not_found",
+    );
+    // The consumes below use h again: polled on shard 1 only.
+    assert_eq!(
+        consumed(&s, st, "h", &["--shard", "1", "--count", "1"]),
+        ["c"]
+    );
     // An empty dead-letter list says so, on stderr.
     let out = run(
         &s,

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use felix_wire::{
-    DeadLetterInfo, ErrorCode, GroupInfo, GroupKey, GroupRecord, RecordIn, ReplicaInfo,
+    DeadLetterInfo, ErrorCode, GroupInfo, GroupKey, GroupRecord, RecordIn, ReplicaInfo, ShardInfo,
     StartPosition, StreamInfo, StreamRef, FEATURE_CLUSTER_INFO,
 };
 
@@ -1282,78 +1282,25 @@ impl ClusterClient {
         Ok(shards)
     }
 
-    /// [`ClusterClient::group_create`] on every shard of the stream, each on
-    /// its leader. `Latest` is each shard's own tail when its call lands.
-    pub async fn group_create_stream(
+    /// A shard's start and end as its leader has them (answered only once
+    /// a majority confirms it still leads). See [`Client::describe_shard`].
+    pub async fn describe_shard(
         &self,
         tenant: &str,
         namespace: &str,
         stream: &str,
-        group: &str,
-        start: StartPosition,
-    ) -> Result<()> {
-        for shard in 0..self
-            .shards_for(tenant, namespace, stream, Some(start))
-            .await?
-        {
-            self.group_create(tenant, namespace, stream, shard, group, start)
-                .await?;
-        }
-        Ok(())
+        shard: u32,
+    ) -> Result<ShardInfo> {
+        self.named(
+            (tenant, namespace, stream, shard),
+            Retry::Lost,
+            |c| async move { c.describe_shard(tenant, namespace, stream, shard).await },
+        )
+        .await
     }
 
-    /// [`ClusterClient::group_seek`] on every shard of the stream.
-    pub async fn group_seek_stream(
-        &self,
-        tenant: &str,
-        namespace: &str,
-        stream: &str,
-        group: &str,
-        start: StartPosition,
-    ) -> Result<()> {
-        for shard in 0..self
-            .shards_for(tenant, namespace, stream, Some(start))
-            .await?
-        {
-            self.group_seek(tenant, namespace, stream, shard, group, start)
-                .await?;
-        }
-        Ok(())
-    }
-
-    /// [`ClusterClient::group_describe`] of every shard of the stream, in
-    /// shard order.
-    pub async fn group_describe_stream(
-        &self,
-        tenant: &str,
-        namespace: &str,
-        stream: &str,
-        group: &str,
-    ) -> Result<Vec<GroupInfo>> {
-        let mut out = Vec::new();
-        for shard in 0..self.shards_for(tenant, namespace, stream, None).await? {
-            out.push(
-                self.group_describe(tenant, namespace, stream, shard, group)
-                    .await?,
-            );
-        }
-        Ok(out)
-    }
-
-    /// [`ClusterClient::group_delete`] on every shard of the stream.
-    pub async fn group_delete_stream(
-        &self,
-        tenant: &str,
-        namespace: &str,
-        stream: &str,
-        group: &str,
-    ) -> Result<()> {
-        for shard in 0..self.shards_for(tenant, namespace, stream, None).await? {
-            self.group_delete(tenant, namespace, stream, shard, group)
-                .await?;
-        }
-        Ok(())
-    }
+    // The group calls on every shard of the stream, each on its leader.
+    crate::stream_groups::stream_group_calls!(shards_for);
 }
 
 #[cfg(test)]

@@ -106,6 +106,41 @@ impl ClientError {
         }
     }
 
+    /// This error with `note` after its message, in parentheses (where
+    /// it has a message of its own: a timeout or a lost connection keeps
+    /// its fixed one).
+    pub(crate) fn noted(self, note: &str) -> Self {
+        match self {
+            ClientError::Server {
+                code,
+                message,
+                not_applied,
+            } => ClientError::Server {
+                code,
+                message: format!("{message} ({note})"),
+                not_applied,
+            },
+            ClientError::NotLeader {
+                leader,
+                message,
+                not_applied,
+            } => ClientError::NotLeader {
+                leader,
+                message: format!("{message} ({note})"),
+                not_applied,
+            },
+            ClientError::Io(e) => {
+                ClientError::Io(std::io::Error::new(e.kind(), format!("{e} ({note})")))
+            }
+            ClientError::Unsupported(m) => ClientError::Unsupported(format!("{m} ({note})")),
+            ClientError::Protocol(m) => ClientError::Protocol(format!("{m} ({note})")),
+            ClientError::InvalidArgument(m) => {
+                ClientError::InvalidArgument(format!("{m} ({note})"))
+            }
+            other => other,
+        }
+    }
+
     /// A short snake_case name for the error: the broker's code (such as
     /// `not_found` or `stale_claim`) for a server error, otherwise one of
     /// `io`, `timeout`, `disconnected`, `unsupported`, `protocol`,

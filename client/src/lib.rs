@@ -153,6 +153,7 @@ mod config;
 mod conn;
 mod error;
 mod sharded;
+mod stream_groups;
 mod subscribe;
 mod types;
 

@@ -422,3 +422,73 @@ async fn a_sharded_poll_does_not_spin_when_the_broker_ends_its_waits_at_once() {
     assert!((2.0..=20.0).contains(&sent), "{sent} polls in 2 s");
     g.close().await.expect("close");
 }
+
+/// A group comes into being shard by shard, on its first poll there. The
+/// stream-wide calls act on every shard regardless: the lag counts the
+/// records of a shard not polled yet (its first poll starts at the start),
+/// a seek puts the group there too (created), a delete counts a shard
+/// without it as done, and a group on no shard is `not_found`.
+#[tokio::test]
+async fn stream_wide_group_calls_reach_shards_the_group_has_not_polled() {
+    let b = felix_tests::start_broker!(opts(30_000, 5));
+    let c = client(&b.addr).await;
+    sharded_stream(&c, "partial", 3).await;
+    for shard in 0..3 {
+        publish_to(&c, "partial", shard, 10).await;
+    }
+    // Polled (and finished) on shard 1 only.
+    let got = c.group_poll(T, NS, "partial", 1, "g", 100).await.unwrap();
+    let offsets: Vec<u64> = got.iter().map(|r| r.offset).collect();
+    c.group_ack_many(T, NS, "partial", 1, "g", &offsets)
+        .await
+        .unwrap();
+    let mut g = group(&c, "partial", "g").await;
+    assert_eq!(g.lag().await.unwrap(), 20, "shards 0 and 2 owe all 20");
+    let infos = c
+        .group_describe_stream(T, NS, "partial", "g")
+        .await
+        .unwrap();
+    let at: Vec<(u64, u64)> = infos.iter().map(|i| (i.position, i.lag())).collect();
+    assert_eq!(at, [(0, 10), (10, 0), (0, 10)]);
+
+    // A seek to the tail moves shard 1 and creates the group on 0 and 2.
+    c.group_seek_stream(T, NS, "partial", "g", felix_wire::StartPosition::Latest)
+        .await
+        .unwrap();
+    for shard in 0..3 {
+        let i = c
+            .group_describe(T, NS, "partial", shard, "g")
+            .await
+            .unwrap();
+        assert_eq!((i.position, i.lag()), (10, 0), "shard {shard}");
+    }
+    assert!(g.poll(100, Duration::ZERO).await.unwrap().is_empty());
+
+    // Deleted on shard 0 alone, then on every shard: the rest go too.
+    c.group_delete(T, NS, "partial", 0, "g").await.unwrap();
+    c.group_delete_stream(T, NS, "partial", "g").await.unwrap();
+    for shard in 0..3 {
+        let e = c
+            .group_describe(T, NS, "partial", shard, "g")
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Some(felix_wire::ErrorCode::NotFound), "{e}");
+    }
+    // On no shard: each stream-wide call says so, and the seek made nothing.
+    let start = felix_wire::StartPosition::Earliest;
+    for e in [
+        c.group_delete_stream(T, NS, "partial", "g")
+            .await
+            .unwrap_err(),
+        c.group_seek_stream(T, NS, "partial", "g", start)
+            .await
+            .unwrap_err(),
+        c.group_describe_stream(T, NS, "partial", "g")
+            .await
+            .unwrap_err(),
+    ] {
+        assert_eq!(e.code(), Some(felix_wire::ErrorCode::NotFound), "{e}");
+        assert!(e.to_string().contains("does not exist on any shard"), "{e}");
+    }
+    assert!(c.list_groups(T, NS, "partial", 0).await.unwrap().is_empty());
+}

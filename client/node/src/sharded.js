@@ -561,11 +561,8 @@ class ShardedGroup {
    * @returns {Promise<import('../index').GroupInfo[]>}
    */
   async describe() {
-    const infos = [];
-    for (let shard = 0; shard < this.#shards; shard++) {
-      infos.push(this.#client.groupDescribe(this.#ref, shard, this.#group));
-    }
-    return Promise.all(infos);
+    // A shard not polled yet is described as its first poll will make it.
+    return this.#client.groupDescribeStream(this.#ref, this.#group);
   }
 
   /**

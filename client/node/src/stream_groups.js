@@ -2,11 +2,21 @@
 
 // Consumer-group admin over every shard of a stream, shared by `Client` and
 // `ClusterClient`: each is the per-shard call run on shards 0..n in order,
-// through the `describeStream` and `group*` methods of the client given (one
-// broker's, or a cluster client's, which sends each to the shard's leader).
+// through the `describeStream`, `describeShard` and `group*` methods of the
+// client given (one broker's, or a cluster client's, which sends each to the
+// shard's leader).
+//
+// A group comes into being shard by shard, on its first poll there, and a
+// call can fail on one shard and not the others. So every shard is tried
+// whatever the others answered; a delete counts a shard without the group
+// as done, a seek creates the group there at the position, a describe gives
+// such a shard as a first poll will make it (at the shard's start, owing
+// everything it holds); a group on no shard is `NotFoundError` (the seek
+// creates nothing); and a failure on any shard rejects with the first, in
+// shard order, its message naming its shard and where the call was done.
 
 const args = require('./args');
-const { InvalidArgumentError } = require('./errors');
+const { InvalidArgumentError, NotFoundError } = require('./errors');
 
 /**
  * `shards`, unless `start` is an offset and the stream has more than one
@@ -31,32 +41,128 @@ async function streamShards(client, stream, start) {
   return checkStreamStart(stream, (await client.describeStream(stream)).shards, start);
 }
 
+/** Whether a per-shard group call failed because the group is not there. */
+function groupMissing(err) {
+  return err instanceof NotFoundError;
+}
+
+/** A delete, seek or describe that found the group on no shard. */
+function nowhere(ref, group) {
+  const err = new NotFoundError(`group ${group} does not exist on any shard of ${ref.tenant}/${ref.namespace}/${ref.stream}`);
+  err.notApplied = true;
+  return err;
+}
+
+/**
+ * Resolve when every shard's call succeeded; else reject with the first
+ * failure (shard order), its message naming its shard and the shards the
+ * call was done on.
+ * @param {Array<{ok: true} | {ok: false, err: Error}>} results in shard order
+ */
+function settle(results) {
+  const done = results.flatMap((r, shard) => (r.ok ? [shard] : []));
+  const shard = results.findIndex((r) => !r.ok);
+  if (shard < 0) return;
+  const err = results[shard].err;
+  const where = done.length === 0 ? 'done on no shard' : `done on shard(s) ${done.join(', ')}`;
+  err.message = `${err.message} (shard ${shard}; ${where})`;
+  throw err;
+}
+
+/** The outcome of `call()`, as `settle` takes it. */
+async function outcome(call) {
+  try {
+    await call();
+    return { ok: true };
+  } catch (err) {
+    return { ok: false, err };
+  }
+}
+
 async function groupCreateStream(client, stream, group, start) {
   const ref = args.streamRef(stream);
   const at = args.startPosition(start);
   const shards = await streamShards(client, ref, at);
-  for (let shard = 0; shard < shards; shard++) await client.groupCreate(ref, shard, group, at);
+  const results = [];
+  for (let shard = 0; shard < shards; shard++) results.push(await outcome(() => client.groupCreate(ref, shard, group, at)));
+  settle(results);
 }
 
 async function groupSeekStream(client, stream, group, start) {
   const ref = args.streamRef(stream);
   const at = args.startPosition(start);
   const shards = await streamShards(client, ref, at);
-  for (let shard = 0; shard < shards; shard++) await client.groupSeek(ref, shard, group, at);
+  const results = [];
+  const missing = [];
+  for (let shard = 0; shard < shards; shard++) {
+    const r = await outcome(() => client.groupSeek(ref, shard, group, at));
+    if (!r.ok && groupMissing(r.err)) missing.push(shard);
+    results.push(r);
+  }
+  if (missing.length === shards) throw nowhere(ref, group);
+  for (const shard of missing) {
+    // Created where the seek puts it; the seek after it moves it there even
+    // if a first poll created it meanwhile.
+    results[shard] = await outcome(async () => {
+      await client.groupCreate(ref, shard, group, at);
+      await client.groupSeek(ref, shard, group, at);
+    });
+  }
+  settle(results);
 }
 
 async function groupDescribeStream(client, stream, group) {
   const ref = args.streamRef(stream);
   const shards = await streamShards(client, ref, undefined);
   const out = [];
-  for (let shard = 0; shard < shards; shard++) out.push(await client.groupDescribe(ref, shard, group));
+  let missing = 0;
+  for (let shard = 0; shard < shards; shard++) {
+    try {
+      out.push(await client.groupDescribe(ref, shard, group));
+    } catch (err) {
+      if (!groupMissing(err)) {
+        err.message = `${err.message} (shard ${shard})`;
+        throw err;
+      }
+      missing++;
+      // Not polled there yet: as its first poll will make it.
+      const held = await client.describeShard(ref, shard);
+      out.push({
+        group,
+        position: held.startOffset,
+        endOffset: held.endOffset,
+        startOffset: held.startOffset,
+        inFlight: 0,
+        owed: 0,
+        delayed: 0,
+        deadLetters: 0,
+        oldestInFlightAgeMs: undefined,
+        oldestOwedAgeMs: undefined,
+        lastActiveMs: undefined,
+        lag: held.endOffset > held.startOffset ? held.endOffset - held.startOffset : 0n,
+      });
+    }
+  }
+  if (missing === shards) throw nowhere(ref, group);
   return out;
 }
 
 async function groupDeleteStream(client, stream, group) {
   const ref = args.streamRef(stream);
   const shards = await streamShards(client, ref, undefined);
-  for (let shard = 0; shard < shards; shard++) await client.groupDelete(ref, shard, group);
+  const results = [];
+  let missing = 0;
+  for (let shard = 0; shard < shards; shard++) {
+    const r = await outcome(() => client.groupDelete(ref, shard, group));
+    if (!r.ok && groupMissing(r.err)) {
+      missing++;
+      results.push({ ok: true });
+    } else {
+      results.push(r);
+    }
+  }
+  if (missing === shards) throw nowhere(ref, group);
+  settle(results);
 }
 
 module.exports = {

@@ -176,6 +176,31 @@ test('the *Stream variants act on every shard', async (t) => {
   for (let shard = 0; shard < 3; shard++) assert.deepEqual(await client.listGroups(stream, shard), []);
 });
 
+test('the *Stream variants reach shards the group has not polled', async (t) => {
+  const client = await connect(t);
+  const stream = freshStream('q');
+  await client.createStream(stream, 3);
+  for (let shard = 0; shard < 3; shard++) await client.publishBatch(stream, shard, ['a', 'b']);
+  // Polled (and finished) on shard 1 only.
+  const got = await client.groupPoll(stream, 1, 'g', { maxRecords: 10 });
+  await client.groupAck(stream, 1, 'g', got);
+  const infos = await client.groupDescribeStream(stream, 'g');
+  assert.deepEqual(infos.map((i) => [i.position, i.lag]), [[0n, 2n], [2n, 0n], [0n, 2n]]);
+  await client.groupSeekStream(stream, 'g', 'latest');
+  for (let shard = 0; shard < 3; shard++) assert.equal((await client.groupDescribe(stream, shard, 'g')).position, 2n);
+  await client.groupDelete(stream, 0, 'g');
+  await client.groupDeleteStream(stream, 'g');
+  for (let shard = 0; shard < 3; shard++) assert.deepEqual(await client.listGroups(stream, shard), []);
+  for (const call of [
+    () => client.groupDeleteStream(stream, 'g'),
+    () => client.groupSeekStream(stream, 'g', 'earliest'),
+    () => client.groupDescribeStream(stream, 'g'),
+  ]) {
+    await assert.rejects(call(), (err) => err instanceof felix.NotFoundError && /does not exist on any shard/.test(err.message));
+  }
+  assert.deepEqual(await client.listGroups(stream, 0), [], 'the seek created nothing');
+});
+
 test('a named consumer reclaims its records from a new connection', async (t) => {
   const { client, stream } = await queue(t, 2);
   const held = await client.groupPoll(stream, 0, 'g', { consumer: 'worker-1', maxRecords: 2 });

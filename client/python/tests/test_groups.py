@@ -165,6 +165,29 @@ class AdminTest(GroupTestCase):
         with self.assertRaises(felix.NotFound):
             self.describe()
 
+    def test_whole_stream_calls_reach_shards_the_group_has_not_polled(self) -> None:
+        self.publish(2, shard=0)
+        self.publish(3, shard=1)
+        # Polled (and finished) on shard 1 only.
+        got = self.client.group_poll(self.stream, 1, "part", max_records=10)
+        self.client.group_ack(self.stream, 1, "part", got)
+        infos = self.client.group_describe_stream(self.stream, "part")
+        self.assertEqual([(i.position, i.lag) for i in infos], [(0, 2), (3, 0)])
+        self.client.group_seek_stream(self.stream, "part", felix.StartPosition.LATEST)
+        self.assertEqual([self.client.group_describe(self.stream, s, "part").position for s in (0, 1)], [2, 3])
+        self.client.group_delete(self.stream, 0, "part")
+        self.client.group_delete_stream(self.stream, "part")
+        self.assertEqual(self.client.list_groups(self.stream, 1), [])
+        for call in (
+            lambda: self.client.group_delete_stream(self.stream, "part"),
+            lambda: self.client.group_seek_stream(self.stream, "part", felix.StartPosition.EARLIEST),
+            lambda: self.client.group_describe_stream(self.stream, "part"),
+        ):
+            with self.assertRaises(felix.NotFound) as caught:
+                call()
+            self.assertIn("does not exist on any shard", str(caught.exception))
+        self.assertEqual(self.client.list_groups(self.stream, 0), [])
+
     def test_whole_stream_calls_act_on_every_shard(self) -> None:
         self.publish(2, shard=0)
         self.publish(3, shard=1)
