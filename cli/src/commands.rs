@@ -465,16 +465,20 @@ async fn on_cluster(
         Command::Group(GroupCmd::Describe { target: g, .. }) => {
             let (t, n, s) = parts(&g.stream);
             let shards = cluster.describe_stream(t, n, s).await?.shards;
-            let mut infos = Vec::with_capacity(shards as usize);
+            let mut described = Vec::with_capacity(shards as usize);
             for shard in 0..shards {
-                let described = cluster.group_describe(t, n, s, shard, &g.group).await;
-                let held = match &described {
-                    Err(e) if e.code() == Some(felix_client::ErrorCode::NotFound) => {
-                        Some(cluster.describe_shard(t, n, s, shard).await)
-                    }
-                    _ => None,
-                };
-                infos.push(shard_group(described, held)?);
+                described.push(cluster.group_describe(t, n, s, shard, &g.group).await);
+            }
+            if described.iter().all(not_polled) {
+                return Err(on_no_shard(&g));
+            }
+            let mut infos = Vec::with_capacity(shards as usize);
+            for (shard, d) in (0..shards).zip(described) {
+                infos.push(if not_polled(&d) {
+                    output::ShardGroup::NotYet(cluster.describe_shard(t, n, s, shard).await?)
+                } else {
+                    output::ShardGroup::Polled(d?)
+                });
             }
             group_shards(&g, infos)
         }
@@ -949,22 +953,22 @@ fn shards_named(g: &GroupTarget, all_shards: bool) -> String {
     }
 }
 
-/// A group on one shard, as `group describe --all-shards` shows it: a
-/// shard the group has not polled yet (`not_found`) with the shard's own
-/// start and end (`held`, looked up after a `not_found`), so that its
-/// records count in the stream's lag.
-fn shard_group(
-    described: Result<GroupInfo, ClientError>,
-    held: Option<Result<felix_client::ShardInfo, ClientError>>,
-) -> Result<output::ShardGroup, ClientError> {
-    match described {
-        Ok(info) => Ok(output::ShardGroup::Polled(info)),
-        Err(e) if e.code() == Some(felix_client::ErrorCode::NotFound) => match held {
-            Some(held) => held.map(output::ShardGroup::NotYet),
-            None => Err(e),
-        },
-        Err(e) => Err(e),
-    }
+/// Whether a shard's group describe found no group there (not polled
+/// yet); any other failure ends the command.
+fn not_polled(described: &Result<GroupInfo, ClientError>) -> bool {
+    matches!(described, Err(e) if e.code() == Some(felix_client::ErrorCode::NotFound))
+}
+
+/// `group describe --all-shards` found the group on no shard.
+fn on_no_shard(g: &GroupTarget) -> CliError {
+    CliError::from(ClientError::Server {
+        code: felix_client::ErrorCode::NotFound,
+        message: format!(
+            "group {} does not exist on any shard of {}",
+            g.group, g.stream
+        ),
+        not_applied: true,
+    })
 }
 
 /// Print a group's state on every shard. A group comes into being shard by
@@ -977,16 +981,6 @@ fn group_shards(g: &GroupTarget, shards: Vec<output::ShardGroup>) -> Result<(), 
         .filter(|(_, s)| matches!(s, output::ShardGroup::NotYet(_)))
         .map(|(shard, _)| shard.to_string())
         .collect();
-    if not_yet.len() == shards.len() {
-        return Err(CliError::from(ClientError::Server {
-            code: felix_client::ErrorCode::NotFound,
-            message: format!(
-                "group {} does not exist on any shard of {}",
-                g.group, g.stream
-            ),
-            not_applied: true,
-        }));
-    }
     print(&output::group_shards_table(&shards))?;
     if !not_yet.is_empty() {
         eprintln!(
@@ -1037,16 +1031,20 @@ async fn group(client: &Client, cmd: GroupCmd) -> Result<(), CliError> {
                 // A group comes into being shard by shard (on its first
                 // poll there): shards without it show as `-`.
                 let shards = client.describe_stream(t, n, s).await?.shards;
-                let mut infos = Vec::with_capacity(shards as usize);
+                let mut described = Vec::with_capacity(shards as usize);
                 for shard in 0..shards {
-                    let described = client.group_describe(t, n, s, shard, &g.group).await;
-                    let held = match &described {
-                        Err(e) if e.code() == Some(felix_client::ErrorCode::NotFound) => {
-                            Some(client.describe_shard(t, n, s, shard).await)
-                        }
-                        _ => None,
-                    };
-                    infos.push(shard_group(described, held)?);
+                    described.push(client.group_describe(t, n, s, shard, &g.group).await);
+                }
+                if described.iter().all(not_polled) {
+                    return Err(on_no_shard(&g));
+                }
+                let mut infos = Vec::with_capacity(shards as usize);
+                for (shard, d) in (0..shards).zip(described) {
+                    infos.push(if not_polled(&d) {
+                        output::ShardGroup::NotYet(client.describe_shard(t, n, s, shard).await?)
+                    } else {
+                        output::ShardGroup::Polled(d?)
+                    });
                 }
                 return group_shards(&g, infos);
             }

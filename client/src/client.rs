@@ -861,7 +861,11 @@ impl Client {
     ) -> Result<Published> {
         let stream = StreamRef::new(tenant, namespace, stream);
         let key = key.into();
-        let placement = self.placement(&stream, false).await?;
+        // Unsent if the lookup fails (as in `core_for`).
+        let placement = self
+            .placement(&stream, false)
+            .await
+            .map_err(ClientError::unsent)?;
         let shard = felix_wire::shard_for_key(&key, placement.shards);
         let req = Request::Publish {
             stream: stream.clone(),

@@ -1282,8 +1282,9 @@ impl ClusterClient {
         Ok(shards)
     }
 
-    /// A shard's start and end as its leader has them (answered only once
-    /// a majority confirms it still leads). See [`Client::describe_shard`].
+    /// A shard's start, end and size as a broker holding it has them (the
+    /// leader if known, else any: a follower's may trail the leader's). See
+    /// [`Client::describe_shard`].
     pub async fn describe_shard(
         &self,
         tenant: &str,
@@ -1293,7 +1294,7 @@ impl ClusterClient {
     ) -> Result<ShardInfo> {
         self.named(
             (tenant, namespace, stream, shard),
-            Retry::Lost,
+            Retry::Read,
             |c| async move { c.describe_shard(tenant, namespace, stream, shard).await },
         )
         .await

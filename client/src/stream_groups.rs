@@ -10,7 +10,8 @@
 //! * a delete counts a shard without the group as done (nothing to delete);
 //! * a seek creates the group at the position on a shard without it, so
 //!   every shard is where the seek said (a later first poll there would
-//!   otherwise start at offset 0);
+//!   otherwise start at offset 0), provided the seek found it on another
+//!   shard (with the rest failing it may exist nowhere: a mistyped name);
 //! * a describe gives a shard without the group as a first poll will make
 //!   it: at the shard's start, owing every record the shard holds, so that
 //!   the stream's lag counts them;
@@ -114,9 +115,9 @@ macro_rules! stream_group_calls {
 
         /// [`group_seek`](Self::group_seek) on every shard of the stream. On a
         /// shard the group has not polled yet (it does not exist there) it is
-        /// created at `start`; a group on no shard is `not_found`. Every shard
-        /// is tried; a failure on any fails the call, naming its shard and
-        /// those the group was moved on.
+        /// created at `start`, when another shard's seek found it; a group on
+        /// no shard is `not_found`. Every shard is tried; a failure on any
+        /// fails the call, naming its shard and those the group was moved on.
         pub async fn group_seek_stream(
             &self,
             tenant: &str,
@@ -142,6 +143,11 @@ macro_rules! stream_group_calls {
                     &format!("{tenant}/{namespace}/{stream}"),
                     group,
                 ));
+            }
+            // Created only beside a shard that proved the group exists: with
+            // the others failing, it may exist nowhere (a mistyped name).
+            if !results.iter().any(|(_, r)| r.is_ok()) {
+                missing.clear();
             }
             for shard in missing {
                 // Created where the seek puts it; the seek after it moves it
@@ -175,30 +181,35 @@ macro_rules! stream_group_calls {
             group: &str,
         ) -> $crate::Result<Vec<felix_wire::GroupInfo>> {
             let shards = self.$shards(tenant, namespace, stream, None).await?;
-            let mut out = Vec::with_capacity(shards as usize);
-            let mut missing = 0;
+            let mut described = Vec::with_capacity(shards as usize);
             for shard in 0..shards {
-                let info = match self
+                match self
                     .group_describe(tenant, namespace, stream, shard, group)
                     .await
                 {
-                    Err(e) if $crate::stream_groups::group_missing(&e) => {
-                        missing += 1;
+                    Ok(info) => described.push(Some(info)),
+                    Err(e) if $crate::stream_groups::group_missing(&e) => described.push(None),
+                    Err(e) => return Err(e.noted(&format!("shard {shard}"))),
+                }
+            }
+            if described.iter().all(Option::is_none) {
+                return Err($crate::stream_groups::nowhere(
+                    &format!("{tenant}/{namespace}/{stream}"),
+                    group,
+                ));
+            }
+            let mut out = Vec::with_capacity(shards as usize);
+            for (shard, info) in (0..shards).zip(described) {
+                out.push(match info {
+                    Some(info) => info,
+                    None => {
                         let held = self
                             .describe_shard(tenant, namespace, stream, shard)
                             .await
                             .map_err(|e| e.noted(&format!("shard {shard}")))?;
                         $crate::stream_groups::not_yet_polled(group, &held)
                     }
-                    r => r.map_err(|e| e.noted(&format!("shard {shard}")))?,
-                };
-                out.push(info);
-            }
-            if missing == shards {
-                return Err($crate::stream_groups::nowhere(
-                    &format!("{tenant}/{namespace}/{stream}"),
-                    group,
-                ));
+                });
             }
             Ok(out)
         }

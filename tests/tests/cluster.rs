@@ -1132,6 +1132,24 @@ fn claim_control_and_stream_calls_work_across_a_failover() {
             Some(felix_client::ErrorCode::NotFound),
             "{gone}"
         );
+        // A group polled on shard 0 only: the stream-wide describe counts
+        // shard 1's records (its first poll there starts at its start), and
+        // a seek puts it on shard 1 too.
+        let late = "late";
+        let got = cc.group_poll(T, NS, S, 0, late, 1).await.unwrap();
+        assert_eq!(got.len(), 1);
+        let infos = cc.group_describe_stream(T, NS, S, late).await.unwrap();
+        let shard1 = cc.describe_shard(T, NS, S, 1).await.unwrap();
+        assert_eq!(
+            infos[1].lag(),
+            shard1.end_offset - shard1.start_offset,
+            "{infos:?}"
+        );
+        cc.group_seek_stream(T, NS, S, late, StartPosition::Latest)
+            .await
+            .unwrap();
+        let moved = cc.group_describe(T, NS, S, 1, late).await.unwrap();
+        assert_eq!(moved.position, shard1.end_offset, "{moved:?}");
     });
 }
 

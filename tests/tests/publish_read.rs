@@ -718,6 +718,13 @@ async fn a_publish_its_own_lookup_refused_was_not_applied() {
     let e = c.publish("t", "ns", "missing", 0, "r").await.unwrap_err();
     assert_eq!(e.kind(), "not_found", "{e:?}");
     assert!(e.not_applied(), "{e:?}");
+    // A keyed publish looks up the shard count (on any core count).
+    let e = c
+        .publish_keyed("t", "ns", "missing", "k", "r")
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), "not_found", "{e:?}");
+    assert!(e.not_applied(), "{e:?}");
     // The lookup on its own is a describe, which applies nothing either
     // way: the broker does not mark it.
     let e = c.describe_stream("t", "ns", "missing").await.unwrap_err();

@@ -738,7 +738,14 @@ class Client {
     });
     this.checkBatch(recs);
     const ack = this.ackMode();
-    const { shards } = await this.placement(ref, false);
+    let shards;
+    try {
+      ({ shards } = await this.placement(ref, false));
+    } catch (e) {
+      // Not sent (as in `coreFor`).
+      if (e instanceof FelixError) e.notApplied = true;
+      throw e;
+    }
     const req = requests.publish(ref, { key: k }, ack, recs);
     return published(await this.callShard(ref, shardForKey(k, shards), req));
   }

@@ -9,7 +9,8 @@
 // A group comes into being shard by shard, on its first poll there, and a
 // call can fail on one shard and not the others. So every shard is tried
 // whatever the others answered; a delete counts a shard without the group
-// as done, a seek creates the group there at the position, a describe gives
+// as done, a seek creates the group there at the position (when another
+// shard's seek found it), a describe gives
 // such a shard as a first poll will make it (at the shard's start, owing
 // everything it holds); a group on no shard is `NotFoundError` (the seek
 // creates nothing); and a failure on any shard rejects with the first, in
@@ -100,7 +101,10 @@ async function groupSeekStream(client, stream, group, start) {
     results.push(r);
   }
   if (missing.length === shards) throw nowhere(ref, group);
-  for (const shard of missing) {
+  // Created only beside a shard that proved the group exists: with the rest
+  // failing it may exist nowhere (a mistyped name).
+  const found = results.some((r) => r.ok);
+  for (const shard of found ? missing : []) {
     // Created where the seek puts it; the seek after it moves it there even
     // if a first poll created it meanwhile.
     results[shard] = await outcome(async () => {
@@ -114,37 +118,49 @@ async function groupSeekStream(client, stream, group, start) {
 async function groupDescribeStream(client, stream, group) {
   const ref = args.streamRef(stream);
   const shards = await streamShards(client, ref, undefined);
-  const out = [];
-  let missing = 0;
+  const described = [];
   for (let shard = 0; shard < shards; shard++) {
     try {
-      out.push(await client.groupDescribe(ref, shard, group));
+      described.push(await client.groupDescribe(ref, shard, group));
     } catch (err) {
       if (!groupMissing(err)) {
         err.message = `${err.message} (shard ${shard})`;
         throw err;
       }
-      missing++;
-      // Not polled there yet: as its first poll will make it.
-      const held = await client.describeShard(ref, shard);
-      out.push({
-        group,
-        position: held.startOffset,
-        endOffset: held.endOffset,
-        startOffset: held.startOffset,
-        inFlight: 0,
-        owed: 0,
-        delayed: 0,
-        deadLetters: 0,
-        oldestInFlightAgeMs: undefined,
-        oldestOwedAgeMs: undefined,
-        lastActiveMs: undefined,
-        lag: held.endOffset > held.startOffset ? held.endOffset - held.startOffset : 0n,
-      });
+      described.push(undefined);
     }
   }
-  if (missing === shards) throw nowhere(ref, group);
+  if (described.every((info) => info === undefined)) throw nowhere(ref, group);
+  const out = [];
+  for (let shard = 0; shard < shards; shard++) {
+    out.push(described[shard] ?? (await notYetPolled(client, ref, shard, group)));
+  }
   return out;
+}
+
+/** The group on a shard it has not polled yet, as its first poll there will make it. */
+async function notYetPolled(client, ref, shard, group) {
+  let held;
+  try {
+    held = await client.describeShard(ref, shard);
+  } catch (err) {
+    err.message = `${err.message} (shard ${shard})`;
+    throw err;
+  }
+  return {
+    group,
+    position: held.startOffset,
+    endOffset: held.endOffset,
+    startOffset: held.startOffset,
+    inFlight: 0,
+    owed: 0,
+    delayed: 0,
+    deadLetters: 0,
+    oldestInFlightAgeMs: undefined,
+    oldestOwedAgeMs: undefined,
+    lastActiveMs: undefined,
+    lag: held.endOffset > held.startOffset ? held.endOffset - held.startOffset : 0n,
+  };
 }
 
 async function groupDeleteStream(client, stream, group) {

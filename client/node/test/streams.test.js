@@ -133,6 +133,7 @@ test('refusals arrive as typed errors', async (t) => {
   // shard's core: that lookup's not_found is the publish's, never sent.
   assert.ok(client.cores > 1);
   await assert.rejects(client.publish(freshStream(), 0, Buffer.from('x')), (err) => err instanceof felix.NotFoundError && err.notApplied === true);
+  await assert.rejects(client.publishKeyed(freshStream(), 'k', 'x'), (err) => err instanceof felix.NotFoundError && err.notApplied === true);
   await client.createStream(stream, 2);
   await assert.rejects(client.createStream(stream, 2), felix.AlreadyExistsError);
   await assert.rejects(client.read(stream, 0, 5n), (err) => err instanceof felix.InvalidRequestError && /past the tail/.test(err.message));

@@ -7,7 +7,8 @@ per-shard call run on shards ``0..n`` in order, the class supplying
 A group comes into being shard by shard, on its first poll there, and a call
 can fail on one shard and not the others. So every shard is tried whatever
 the others answered; a delete counts a shard without the group as done, a
-seek creates the group there at the position, a describe gives such a shard
+seek creates the group there at the position (when another shard's seek
+found it), a describe gives such a shard
 as a first poll will make it (at the shard's start, owing everything it
 holds); a group on no shard is :class:`~felix.NotFound` (the seek creates
 nothing); and a failure on any shard raises the first, in shard order, its
@@ -75,14 +76,18 @@ class StreamGroupCalls:
     def group_seek_stream(self, stream: StreamLike, group: str, start: Start) -> None:
         """:meth:`group_seek` on every shard of the stream. On a shard the group
         has not polled yet (it does not exist there) it is created at
-        ``start``; a group on no shard is :class:`~felix.NotFound`. Every shard
-        is tried; a failure on any raises, naming its shard and those the
-        group was moved on."""
+        ``start``, when another shard's seek found it; a group on no shard is
+        :class:`~felix.NotFound`. Every shard is tried; a failure on any
+        raises, naming its shard and those the group was moved on."""
         shards = self._stream_shards(stream, start)
         errors = [_outcome(lambda shard=shard: self.group_seek(stream, shard, group, start)) for shard in range(shards)]
         missing = [shard for shard, e in enumerate(errors) if isinstance(e, NotFound)]
         if len(missing) == shards:
             raise _nowhere(stream, group)
+        if all(e is not None for e in errors):
+            # No shard proved the group exists: with the rest failing it may
+            # exist nowhere (a mistyped name), so nothing is created.
+            missing = []
 
         def create_and_seek(shard: int) -> None:
             # Created where the seek puts it; the seek after it moves it there
@@ -100,36 +105,45 @@ class StreamGroupCalls:
         first poll will make it: at the shard's start, owing every record the
         shard holds. A group on no shard is :class:`~felix.NotFound`."""
         shards = self._stream_shards(stream)
-        out: List[GroupInfo] = []
-        missing = 0
+        described: List[Optional[GroupInfo]] = []
         for shard in range(shards):
             try:
-                out.append(self.group_describe(stream, shard, group))
+                described.append(self.group_describe(stream, shard, group))
             except NotFound:
-                missing += 1
-                held = self.describe_shard(stream, shard)
-                out.append(
-                    GroupInfo(
-                        group=group,
-                        position=held.start_offset,
-                        end_offset=held.end_offset,
-                        start_offset=held.start_offset,
-                        in_flight=0,
-                        owed=0,
-                        delayed=0,
-                        dead_letters=0,
-                        oldest_in_flight_age_ms=None,
-                        oldest_owed_age_ms=None,
-                        last_active_ms=None,
-                    )
-                )
+                described.append(None)
             except FelixError as e:
                 e.message = f"{e.message} (shard {shard})"
                 e.args = (e.message,)
                 raise
-        if missing == shards:
+        if all(info is None for info in described):
             raise _nowhere(stream, group)
-        return out
+        return [
+            info if info is not None else self._not_yet_polled(stream, shard, group)
+            for shard, info in enumerate(described)
+        ]
+
+    def _not_yet_polled(self, stream: StreamLike, shard: int, group: str) -> GroupInfo:
+        """The group on a shard it has not polled yet, as its first poll there
+        will make it: at the shard's start, nothing in play."""
+        try:
+            held = self.describe_shard(stream, shard)
+        except FelixError as e:
+            e.message = f"{e.message} (shard {shard})"
+            e.args = (e.message,)
+            raise
+        return GroupInfo(
+            group=group,
+            position=held.start_offset,
+            end_offset=held.end_offset,
+            start_offset=held.start_offset,
+            in_flight=0,
+            owed=0,
+            delayed=0,
+            dead_letters=0,
+            oldest_in_flight_age_ms=None,
+            oldest_owed_age_ms=None,
+            last_active_ms=None,
+        )
 
     def group_delete_stream(self, stream: StreamLike, group: str) -> None:
         """:meth:`group_delete` on every shard of the stream. A shard without

@@ -793,7 +793,13 @@ class Client(StreamGroupCalls):
         ref = StreamRef.parse(stream)
         routing = to_bytes("key", key)
         batch = self._check_batch_size(check_records(records, routing))
-        shard = shard_for_key(routing, self._placement(ref).shards)
+        try:
+            shards = self._placement(ref).shards
+        except FelixError as e:
+            # Not sent (as in _core_for).
+            e.not_applied = True
+            raise
+        shard = shard_for_key(routing, shards)
         request = _wire.publish(ref, None, routing, self._ack_mode(), batch)
         return self._published(self._call_shard(ref, shard, request))
 

@@ -73,6 +73,9 @@ class StreamAdminTest(BrokerTestCase):
         with self.assertRaises(felix.NotFound) as caught:
             self.client.publish(fresh_stream("missing"), 0, b"x")
         self.assertTrue(caught.exception.not_applied)
+        with self.assertRaises(felix.NotFound) as caught:
+            self.client.publish_keyed(fresh_stream("missing"), b"k", b"x")
+        self.assertTrue(caught.exception.not_applied)
 
     def test_arguments_are_checked_before_sending(self) -> None:
         path = self.new_stream()

@@ -144,8 +144,10 @@ fn watch(shared: &Shared) {
             trims += 1;
             // The cores' arenas' tops: a free on each while the threshold
             // is low (see the module docs).
-            // SAFETY: mallopt only changes malloc's parameters; the value
-            // is in range.
+            // SAFETY: mallopt only changes malloc's parameters (under the
+            // main arena's lock; other threads read the threshold without
+            // it, one word, as glibc's own free does when it moves it), and
+            // the value is in range.
             unsafe { libc::mallopt(libc::M_TRIM_THRESHOLD, TRIMMING_THRESHOLD) };
             shared.trim.ask(trims);
             let asked = std::time::Instant::now();
@@ -155,7 +157,7 @@ fn watch(shared: &Shared) {
             {
                 std::thread::park_timeout(Duration::from_millis(50));
             }
-            let answered = asked.elapsed();
+            let waited = asked.elapsed();
             // The free pages inside every heap, and the main heap's top.
             let t = std::time::Instant::now();
             // SAFETY: malloc_trim only returns free memory to the kernel.
@@ -165,7 +167,7 @@ fn watch(shared: &Shared) {
             unsafe { libc::mallopt(libc::M_TRIM_THRESHOLD, crate::KEEP_FREE_TOP) };
             if !shared.trim.answered(trims) {
                 tracing::debug!(
-                    waited_ms = answered.as_millis() as u64,
+                    waited_ms = waited.as_millis() as u64,
                     "a core did not answer the allocator trim (busy again)"
                 );
             }
