@@ -39,19 +39,17 @@ fn serve_with(env: &[(&str, &str)]) -> Serve {
 
 /// `felix serve` on `dir` (a broker's data directory, new or not).
 fn serve_in(dir: tempfile::TempDir, env: &[(&str, &str)]) -> Serve {
+    serve_on(dir, "127.0.0.1:0", env)
+}
+
+/// `felix serve` on `dir`, listening on `listen`.
+fn serve_on(dir: tempfile::TempDir, listen: &str, env: &[(&str, &str)]) -> Serve {
     let mut cmd = felix();
-    cmd.args([
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--cores",
-        "2",
-        "--data-dir",
-    ])
-    .arg(dir.path())
-    .env("FELIX_METRICS_LISTEN", "")
-    .env("RUST_LOG", "warn")
-    .stdout(Stdio::piped());
+    cmd.args(["serve", "--listen", listen, "--cores", "2", "--data-dir"])
+        .arg(dir.path())
+        .env("FELIX_METRICS_LISTEN", "")
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped());
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -2545,5 +2543,76 @@ fn stream_describe_shows_a_shard_that_cannot_open() {
             None
         ),
         "kept\n"
+    );
+}
+
+/// A stdin `felix publish` through a broker's graceful restart (SIGTERM,
+/// then started again on its directory and address): the stopping broker
+/// refuses the batches it reads after the signal, saying it stored none,
+/// and answers every one sent before the publish heard that; the publish
+/// sends those on once the broker is back, so every line is stored once,
+/// in order.
+#[test]
+fn a_stdin_publish_rides_a_graceful_restart() {
+    let listen = free_port_addr();
+    let mut s = serve_on(tempfile::tempdir().unwrap(), &listen, &[]);
+    let st = "t/ns/rolling";
+    ok(&s, &["stream", "create", st, "--shards", "1"], None);
+    let mut publisher = felix()
+        .arg("--broker")
+        .arg(&s.addr)
+        .args(["publish", st, "--shard", "0"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines_in = publisher.stdin.take().unwrap();
+    const LINES: usize = 20_000;
+    // Lines keep coming, 100 every 2 ms, through the restart.
+    let feeder = std::thread::spawn(move || {
+        for chunk in 0..LINES / 100 {
+            let text: String = (chunk * 100..(chunk + 1) * 100)
+                .map(|i| format!("line {i}\n"))
+                .collect();
+            lines_in.write_all(text.as_bytes()).unwrap();
+            std::thread::park_timeout(std::time::Duration::from_millis(2));
+        }
+    });
+    std::thread::park_timeout(std::time::Duration::from_millis(150));
+    let pid = s.child.id().to_string();
+    let term = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(term.success());
+    let status = s.child.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+    let dir = std::mem::replace(&mut s._dir, tempfile::tempdir().unwrap());
+    s = serve_on(dir, &listen, &[]);
+    feeder.join().unwrap();
+    let out = publisher.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!("published {LINES} records")),
+        "{stderr}"
+    );
+    // Refused in flight (or, rarely, gone between two batches).
+    assert!(
+        stderr.contains("storing none of them")
+            || stderr.contains("every batch sent was acknowledged"),
+        "{stderr}"
+    );
+    let count = LINES.to_string();
+    let stored = ok(
+        &s,
+        &[
+            "read", st, "--shard", "0", "--from", "earliest", "--count", &count,
+        ],
+        None,
+    );
+    let want: String = (0..LINES).map(|i| format!("line {i}\n")).collect();
+    assert!(
+        stored == want,
+        "stored {} lines, not the {LINES} in order",
+        stored.lines().count()
     );
 }

@@ -1585,6 +1585,111 @@ async fn requests_read_while_the_broker_stops_are_refused_not_dropped() {
     }
 }
 
+/// A client that stops sending once it hears the broker is stopping hears
+/// about every request it sent: the stopping broker goes on reading and
+/// refusing until the client goes quiet, so none is lost with the
+/// connection (and each refused one can be sent elsewhere, not stored).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_sending_when_refused_hears_about_every_request() {
+    use felix_wire::{AckMode, PublishTarget, Request, Response, StreamRef};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let broker = felix_tests::start_broker!(BrokerOptions::default().cores(1));
+    let c = client(&broker).await;
+    c.create_stream("t", "ns", "heard", 1, StreamOptions::default())
+        .await
+        .unwrap();
+    drop(c);
+    let mut s = tokio::net::TcpStream::connect(&broker.addr).await.unwrap();
+    assert!(matches!(
+        raw_call(&mut s, 1, &hello(None, felix_wire::PROTOCOL_VERSION)).await,
+        Response::HelloOk { .. }
+    ));
+    let (mut rd, mut wr) = s.into_split();
+    let refused_seen = std::sync::Arc::new(AtomicBool::new(false));
+    // Publishes written 20 at a time until the first refusal is heard; the
+    // write side then stays open (the client is still there, quiet).
+    let heard = refused_seen.clone();
+    let writer = tokio::spawn(async move {
+        let mut id = 2u64;
+        while !heard.load(Ordering::Acquire) {
+            let mut frames = bytes::BytesMut::new();
+            for _ in 0..20 {
+                let req = Request::Publish {
+                    stream: StreamRef::new("t", "ns", "heard"),
+                    target: PublishTarget::Shard(0),
+                    ack: AckMode::Default,
+                    records: vec![RecordIn {
+                        payload: Bytes::from(format!("{id}")),
+                        ..Default::default()
+                    }],
+                };
+                felix_wire::encode_request(id, &req, &mut frames);
+                id += 1;
+            }
+            if wr.write_all(&frames).await.is_err() {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        (id - 2, wr)
+    });
+    let mut broker = Some(broker);
+    let mut stopped = None;
+    let mut buf = bytes::BytesMut::new();
+    let mut answered = std::collections::BTreeMap::new();
+    loop {
+        while let Some((id, r)) = felix_wire::decode_response(&mut buf, 64 << 20).unwrap() {
+            if matches!(r, Response::Error(_)) {
+                refused_seen.store(true, Ordering::Release);
+            }
+            assert!(
+                answered.insert(id, r).is_none(),
+                "request {id} answered twice"
+            );
+        }
+        if answered.len() >= 300 && stopped.is_none() {
+            let mut b = broker.take().unwrap();
+            stopped = Some(tokio::task::spawn_blocking(move || {
+                let status = b.terminate();
+                (b, status)
+            }));
+        }
+        let mut chunk = [0u8; 65536];
+        match tokio::time::timeout(Duration::from_secs(20), rd.read(&mut chunk))
+            .await
+            .expect("the broker kept the connection open")
+        {
+            Ok(0) => break,
+            Err(e) => panic!("the connection was reset, answers lost with it: {e}"),
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+    let (sent, _wr) = writer.await.unwrap();
+    assert_eq!(
+        answered.len() as u64,
+        sent,
+        "every request sent was answered"
+    );
+    let mut stored = 0;
+    for (id, r) in &answered {
+        match r {
+            Response::Published { .. } => stored += 1,
+            Response::Error(e) => {
+                assert_eq!(e.code, ErrorCode::Unavailable, "{e:?}");
+                assert!(e.not_applied, "{e:?}");
+            }
+            other => panic!("request {id}: {other:?}"),
+        }
+    }
+    assert!(stored < sent, "none refused: the stop came too late");
+    let (mut broker, status) = stopped.unwrap().await.unwrap();
+    assert!(status.success(), "exit status {status:?}");
+    broker.restart();
+    let c = client(&broker).await;
+    assert_eq!(read_shard(&c, "heard", 0).await.len(), stored as usize);
+}
+
 /// SIGINT (Ctrl-C) shuts down like SIGTERM: a long-polling read in flight
 /// is answered (empty, not cut off), the broker exits 0, and after a
 /// restart every acknowledged record is there.

@@ -1,8 +1,9 @@
 //! `felix publish`: records from the arguments or stdin, batched and
 //! pipelined to one shard, every batch kept until it is acknowledged so that
-//! one a broker refuses as not leading (or one that could not be sent to a
-//! broker found gone) goes on to the shard's leader, and an exact report of
-//! what was stored when the publish fails.
+//! one a broker refuses as not leading or as stopping (storing none of it),
+//! or one that could not be sent to a broker found gone, goes on to the
+//! shard's leader, and an exact report of what was stored when the publish
+//! fails.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -66,6 +67,17 @@ enum Lead {
     Named(Option<String>),
     /// The broker could not be reached (why).
     Unreachable(String),
+    /// The broker refused the batches as `unavailable`, saying it stored
+    /// none of them (it is stopping, say): why.
+    Refused(String),
+}
+
+/// A refusal after which the batch goes on to the shard's leader (this
+/// broker again once it is back, or another): nothing of it was stored,
+/// and the refusal is about this broker, not the batch.
+fn sent_on(e: &ClientError) -> bool {
+    matches!(e, ClientError::NotLeader { .. })
+        || (e.code() == Some(felix_client::ErrorCode::Unavailable) && e.not_applied())
 }
 
 /// `e`, an I/O error naming the broker it came from.
@@ -304,16 +316,18 @@ impl Pipeline<'_> {
                 Err(e) => failures.push((Failed { first, records }, e)),
             }
         }
-        let all_not_leader = failures
-            .iter()
-            .all(|(_, e)| matches!(e, ClientError::NotLeader { .. }));
-        if all_not_leader && !acked_after {
-            // The newest word on who leads.
-            let named = match failures.last() {
-                Some((_, ClientError::NotLeader { leader, .. })) => leader.clone(),
+        if failures.iter().all(|(_, e)| sent_on(e)) && !acked_after {
+            let lead = match failures.iter().rev().find_map(|(_, e)| match e {
+                // The newest word on who leads.
+                ClientError::NotLeader { leader, .. } => Some(leader.clone()),
                 _ => None,
+            }) {
+                Some(named) => Lead::Named(named),
+                // Refused as unavailable (the broker stopping, its disk
+                // nearly full): asked again after a pause, or the others.
+                None => Lead::Refused(failures[0].1.to_string()),
             };
-            if self.follow(Lead::Named(named)).await {
+            if self.follow(lead).await {
                 let mut again = failures.into_iter();
                 while let Some((f, refusal)) = again.next() {
                     let (first, last) = (f.first, f.last());
@@ -358,11 +372,13 @@ impl Pipeline<'_> {
     /// none is known (or the broker cannot be reached), each broker given
     /// in turn. Whether one was reached within the patience.
     async fn follow(&mut self, lead: Lead) -> bool {
-        let (mut named, unreachable) = match lead {
+        let (mut named, why) = match lead {
             Lead::Named(named) => (named, None),
-            Lead::Unreachable(why) => (None, Some(why)),
+            Lead::Unreachable(why) => (None, Some(Lead::Unreachable(why))),
+            Lead::Refused(why) => (None, Some(Lead::Refused(why))),
         };
-        let mut said_waiting = false;
+        // Said once a failover: not again for each broker asked.
+        let mut said_waiting = self.follows > 0;
         loop {
             if !self.patience.lasts() && self.follows >= 3 {
                 return false;
@@ -382,13 +398,19 @@ impl Pipeline<'_> {
                         } else {
                             "again"
                         };
-                        match &unreachable {
-                            Some(why) => eprintln!(
+                        match &why {
+                            Some(Lead::Unreachable(why)) => eprintln!(
                                 "felix: {why}; every batch sent was acknowledged, so the \
                                  rest goes to shard {}'s leader: asking {asking}",
                                 self.shard
                             ),
-                            None => eprintln!(
+                            Some(Lead::Refused(why)) => eprintln!(
+                                "felix: {} refused the last batches, storing none of them \
+                                 ({why}); they are sent again once shard {}'s leader takes \
+                                 them: asking {asking}",
+                                self.current, self.shard
+                            ),
+                            _ => eprintln!(
                                 "felix: {} does not lead shard {} and names no leader yet \
                                  (an election, or a new leader catching up); asking {asking}",
                                 self.current, self.shard

@@ -410,10 +410,14 @@ pub(crate) async fn serve<S: Storage>(
     // A connection has this long to say HELLO (however slowly its bytes
     // trickle in), so idle sockets cannot hold connection places.
     let hello_by = std::time::Instant::now() + HELLO_TIMEOUT.min(idle);
-    // Stopping: once the requests in flight are done, one last short read
-    // answers what the client had already sent (refused, see `STOPPING`)
-    // rather than leave it unanswered, then the connection closes.
-    let mut last_read = false;
+    // Stopping: once the requests in flight are done, what the client sends
+    // is read and refused (see `STOPPING`) rather than left unanswered,
+    // until a read finds nothing more (a client that hears the refusal
+    // stops sending) or [`REFUSING`] has passed; then the connection
+    // closes. So a client pipelining requests hears about every one it
+    // sent before it heard the first refusal.
+    let mut refusing_since: Option<std::time::Instant> = None;
+    let mut read_nothing = false;
     'conn: loop {
         // Decode the complete frames in the buffer, up to the limits (the
         // rest wait in the buffer until requests finish).
@@ -614,10 +618,13 @@ pub(crate) async fn serve<S: Storage>(
             while info.in_flight.get() > 0 && !outbox.closed.get() {
                 futures_lite::future::or(core.lifecycle.wait(), outbox.hangup.wait()).await;
             }
-            if last_read || !said_hello.get() || outbox.closed.get() {
+            if !said_hello.get() || outbox.closed.get() {
                 break;
             }
-            last_read = true;
+            let since = *refusing_since.get_or_insert_with(std::time::Instant::now);
+            if read_nothing || since.elapsed() >= REFUSING {
+                break;
+            }
         }
         // Backpressure: stop reading a connection that has too many requests
         // (or request bytes) in flight or too many unsent response bytes, or
@@ -763,8 +770,8 @@ pub(crate) async fn serve<S: Storage>(
                 }
                 break;
             }
-            Ok(_) => {}
-            Err(glommio::GlommioError::TimedOut(_)) if stopping => {}
+            Ok(_) => read_nothing = false,
+            Err(glommio::GlommioError::TimedOut(_)) if stopping => read_nothing = true,
             Err(glommio::GlommioError::TimedOut(_)) => {
                 if frame_by.is_some_and(|t| std::time::Instant::now() >= t) {
                     tracing::debug!(
@@ -811,9 +818,15 @@ pub(crate) async fn serve<S: Storage>(
 /// carried out, and another broker (or this one, restarted) can take it.
 const STOPPING: &str = "the broker is shutting down: this request was not carried out";
 
-/// How long a read waits while the broker stops, between looks at the
-/// requests still in flight.
-const STOPPING_READ: Duration = Duration::from_millis(10);
+/// How long a read waits while the broker stops: a read that finds
+/// nothing for this long ends the refusing (the client has stopped
+/// sending).
+const STOPPING_READ: Duration = Duration::from_millis(50);
+
+/// The longest a stopping broker goes on reading and refusing a
+/// connection's requests (a client that never stops sending is then cut
+/// off).
+const REFUSING: Duration = Duration::from_millis(500);
 
 /// How a hand-off to another core went.
 enum HandOff {
