@@ -2569,17 +2569,36 @@ fn a_stdin_publish_rides_a_graceful_restart() {
         .unwrap();
     let mut lines_in = publisher.stdin.take().unwrap();
     const LINES: usize = 20_000;
-    // Lines keep coming, 100 every 2 ms, through the restart.
+    // Lines keep coming, 100 every 5 ms (a second in all), through the
+    // restart.
     let feeder = std::thread::spawn(move || {
         for chunk in 0..LINES / 100 {
             let text: String = (chunk * 100..(chunk + 1) * 100)
                 .map(|i| format!("line {i}\n"))
                 .collect();
-            lines_in.write_all(text.as_bytes()).unwrap();
-            std::thread::park_timeout(std::time::Duration::from_millis(2));
+            // A publisher that died is reported below, with its stderr.
+            if lines_in.write_all(text.as_bytes()).is_err() {
+                return;
+            }
+            std::thread::park_timeout(std::time::Duration::from_millis(5));
         }
     });
-    std::thread::park_timeout(std::time::Duration::from_millis(150));
+    // The publish is under way (connected, storing) before the stop.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let read = run(
+            &s,
+            &[
+                "read", st, "--shard", "0", "--from", "earliest", "--count", "1",
+            ],
+            None,
+        );
+        if !read.stdout.is_empty() {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "nothing stored");
+        std::thread::park_timeout(std::time::Duration::from_millis(20));
+    }
     let pid = s.child.id().to_string();
     let term = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
     assert!(term.success());

@@ -1607,8 +1607,9 @@ async fn a_client_that_stops_sending_when_refused_hears_about_every_request() {
     ));
     let (mut rd, mut wr) = s.into_split();
     let refused_seen = std::sync::Arc::new(AtomicBool::new(false));
-    // Publishes written 20 at a time until the first refusal is heard; the
-    // write side then stays open (the client is still there, quiet).
+    // Publishes written 20 at a time every 20 ms (a client that takes a
+    // while over its answers) until the first refusal is heard; the write
+    // side then stays open (the client is still there, quiet).
     let heard = refused_seen.clone();
     let writer = tokio::spawn(async move {
         let mut id = 2u64;
@@ -1630,7 +1631,7 @@ async fn a_client_that_stops_sending_when_refused_hears_about_every_request() {
             if wr.write_all(&frames).await.is_err() {
                 break;
             }
-            tokio::task::yield_now().await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
         (id - 2, wr)
     });
@@ -1648,7 +1649,7 @@ async fn a_client_that_stops_sending_when_refused_hears_about_every_request() {
                 "request {id} answered twice"
             );
         }
-        if answered.len() >= 300 && stopped.is_none() {
+        if answered.len() >= 100 && stopped.is_none() {
             let mut b = broker.take().unwrap();
             stopped = Some(tokio::task::spawn_blocking(move || {
                 let status = b.terminate();

@@ -132,12 +132,14 @@ struct Unacked {
 /// still in flight is settled so the count printed is every acknowledged
 /// record and the rest are named as of unknown outcome.
 ///
-/// Except for one error: a broker that does not lead the shard (a follower
-/// of a cluster, or a leader just deposed) refuses each batch whole with
-/// `not_leader`. When every batch from the first refused one on was refused
-/// that way, nothing after the last acknowledged batch is stored, so they
-/// are sent again, in order, to the leader the refusal names (or, while an
-/// election runs, to each broker given in turn, for up to
+/// Except for the refusals that are about the broker, not the batch (see
+/// [`sent_on`]): a broker that does not lead the shard (a follower of a
+/// cluster, or a leader just deposed) refuses each batch whole with
+/// `not_leader`, and a stopping one with `unavailable`, storing none of it.
+/// When every batch from the first refused one on was refused that way,
+/// nothing after the last acknowledged batch is stored, so they are sent
+/// again, in order, to the leader the refusal names (or to each broker
+/// given in turn, this one again once it is back, for up to
 /// [`ELECTION_WAIT`](super::ELECTION_WAIT)), and the publish goes on there.
 struct Pipeline<'a> {
     client: Client,
@@ -160,6 +162,9 @@ struct Pipeline<'a> {
     shards: std::collections::BTreeSet<u32>,
     /// Leaders followed so far, and the wait for one while none is known.
     follows: u32,
+    /// The kinds of wait for a leader said since the last acknowledgement
+    /// (a bit each, see `follow`).
+    said_waits: u8,
     patience: Patience,
     /// The index in `brokers` of the broker asked last while no leader
     /// is known.
@@ -287,6 +292,7 @@ impl Pipeline<'_> {
                     // Through the failover: the next one gets the same
                     // patience.
                     self.follows = 0;
+                    self.said_waits = 0;
                     self.patience = Patience::default();
                 }
                 Ok(())
@@ -377,8 +383,14 @@ impl Pipeline<'_> {
             Lead::Unreachable(why) => (None, Some(Lead::Unreachable(why))),
             Lead::Refused(why) => (None, Some(Lead::Refused(why))),
         };
-        // Said once a failover: not again for each broker asked.
-        let mut said_waiting = self.follows > 0;
+        // Said once a failover for each kind of wait: not again for each
+        // broker asked.
+        let kind = match &why {
+            None => 0,
+            Some(Lead::Unreachable(_)) => 1,
+            Some(_) => 2,
+        };
+        let mut said_waiting = self.said_waits & (1 << kind) != 0;
         loop {
             if !self.patience.lasts() && self.follows >= 3 {
                 return false;
@@ -417,6 +429,7 @@ impl Pipeline<'_> {
                             ),
                         }
                         said_waiting = true;
+                        self.said_waits |= 1 << kind;
                     }
                     self.patience.pause().await;
                     self.next_broker = (self.next_broker + 1) % self.brokers.len();
@@ -575,6 +588,7 @@ pub(super) async fn publish(
         unknown: Vec::new(),
         shards: Default::default(),
         follows: 0,
+        said_waits: 0,
         patience: Patience::default(),
         next_broker: 0,
     };

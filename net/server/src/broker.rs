@@ -1199,8 +1199,10 @@ fn damaged_message(name: &StreamName, why: &str) -> String {
 }
 
 /// How long a stopping core waits, once its requests are done, for its
-/// connections to send their last answers.
-const ANSWERS_GRACE: Duration = Duration::from_secs(1);
+/// connections to send their last answers: room for a connection's
+/// refusing (up to 0.5 s and a quiet read of 100 ms) and its linger after
+/// them (0.5 s), so that none closes with unread bytes (see `conn.rs`).
+const ANSWERS_GRACE: Duration = Duration::from_millis(1500);
 
 fn shared_announce(
     shared: &Shared,

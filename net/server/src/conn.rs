@@ -621,7 +621,15 @@ pub(crate) async fn serve<S: Storage>(
             if !said_hello.get() || outbox.closed.get() {
                 break;
             }
-            let since = *refusing_since.get_or_insert_with(std::time::Instant::now);
+            let since = match refusing_since {
+                Some(since) => since,
+                None => {
+                    // A quiet read before the refusing began (one made
+                    // while requests were still in flight) does not count.
+                    read_nothing = false;
+                    *refusing_since.insert(std::time::Instant::now())
+                }
+            };
             if read_nothing || since.elapsed() >= REFUSING {
                 break;
             }
@@ -717,7 +725,7 @@ pub(crate) async fn serve<S: Storage>(
                     .max(Duration::from_millis(1)),
             )
         });
-        // Stopping: short reads, to see the requests in flight finish.
+        // Stopping: short reads, each finding nothing ending the refusing.
         let stopping = core.stopping.get();
         let wait = if stopping {
             wait.min(STOPPING_READ)
@@ -821,7 +829,7 @@ const STOPPING: &str = "the broker is shutting down: this request was not carrie
 /// How long a read waits while the broker stops: a read that finds
 /// nothing for this long ends the refusing (the client has stopped
 /// sending).
-const STOPPING_READ: Duration = Duration::from_millis(50);
+const STOPPING_READ: Duration = Duration::from_millis(100);
 
 /// The longest a stopping broker goes on reading and refusing a
 /// connection's requests (a client that never stops sending is then cut
