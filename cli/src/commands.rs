@@ -21,6 +21,35 @@ use crate::CliError;
 mod publish;
 use publish::publish;
 
+/// `group describe --all-shards` through `$client` (a `Client` or a
+/// `ClusterClient`: the same calls), printed. A group comes into being
+/// shard by shard (on its first poll there): a shard without it is looked
+/// up (its start and end) so that its records count in the lag, once the
+/// group is found on some shard.
+macro_rules! describe_every_shard {
+    ($client:expr, $g:expr) => {{
+        let g: &GroupTarget = $g;
+        let (t, n, s) = parts(&g.stream);
+        let shards = $client.describe_stream(t, n, s).await?.shards;
+        let mut described = Vec::with_capacity(shards as usize);
+        for shard in 0..shards {
+            described.push($client.group_describe(t, n, s, shard, &g.group).await);
+        }
+        if described.iter().all(not_polled) {
+            return Err(on_no_shard(g));
+        }
+        let mut infos = Vec::with_capacity(shards as usize);
+        for (shard, d) in (0..shards).zip(described) {
+            infos.push(if not_polled(&d) {
+                output::ShardGroup::NotYet($client.describe_shard(t, n, s, shard).await?)
+            } else {
+                output::ShardGroup::Polled(d?)
+            });
+        }
+        group_shards(g, infos)
+    }};
+}
+
 /// Run a client command. `--broker` may list several brokers of a cluster
 /// (`A,B,C`): a stream is then created or deleted on each; any other
 /// command goes to the first that can be reached, and a `not_leader`
@@ -463,24 +492,7 @@ async fn on_cluster(
             consume_with(consumer, &args).await
         }
         Command::Group(GroupCmd::Describe { target: g, .. }) => {
-            let (t, n, s) = parts(&g.stream);
-            let shards = cluster.describe_stream(t, n, s).await?.shards;
-            let mut described = Vec::with_capacity(shards as usize);
-            for shard in 0..shards {
-                described.push(cluster.group_describe(t, n, s, shard, &g.group).await);
-            }
-            if described.iter().all(not_polled) {
-                return Err(on_no_shard(&g));
-            }
-            let mut infos = Vec::with_capacity(shards as usize);
-            for (shard, d) in (0..shards).zip(described) {
-                infos.push(if not_polled(&d) {
-                    output::ShardGroup::NotYet(cluster.describe_shard(t, n, s, shard).await?)
-                } else {
-                    output::ShardGroup::Polled(d?)
-                });
-            }
-            group_shards(&g, infos)
+            describe_every_shard!(cluster, &g)
         }
         Command::Group(GroupCmd::Create { target: g, to, .. }) => {
             let (t, n, s) = parts(&g.stream);
@@ -1026,28 +1038,10 @@ async fn group(client: &Client, cmd: GroupCmd) -> Result<(), CliError> {
             target: g,
             all_shards,
         } => {
-            let (t, n, s) = parts(&g.stream);
             if all_shards {
-                // A group comes into being shard by shard (on its first
-                // poll there): shards without it show as `-`.
-                let shards = client.describe_stream(t, n, s).await?.shards;
-                let mut described = Vec::with_capacity(shards as usize);
-                for shard in 0..shards {
-                    described.push(client.group_describe(t, n, s, shard, &g.group).await);
-                }
-                if described.iter().all(not_polled) {
-                    return Err(on_no_shard(&g));
-                }
-                let mut infos = Vec::with_capacity(shards as usize);
-                for (shard, d) in (0..shards).zip(described) {
-                    infos.push(if not_polled(&d) {
-                        output::ShardGroup::NotYet(client.describe_shard(t, n, s, shard).await?)
-                    } else {
-                        output::ShardGroup::Polled(d?)
-                    });
-                }
-                return group_shards(&g, infos);
+                return describe_every_shard!(client, &g);
             }
+            let (t, n, s) = parts(&g.stream);
             let info = client.group_describe(t, n, s, g.shard, &g.group).await?;
             print(&output::group_details(&info))
         }

@@ -1466,16 +1466,65 @@ async fn sigterm_finishes_in_flight_requests_before_exit() {
     }
 }
 
+/// Read answers from `rd` until the broker closes the connection, stopping
+/// the broker (SIGTERM) once `stop_after` answers have come; `each` sees
+/// every answer as it arrives. The answers, in arrival order, and the
+/// stopped broker with its exit status.
+async fn answers_through_a_stop(
+    mut rd: tokio::net::tcp::OwnedReadHalf,
+    broker: Broker,
+    stop_after: usize,
+    mut each: impl FnMut(&felix_wire::Response),
+) -> (
+    Vec<(u64, felix_wire::Response)>,
+    Broker,
+    std::process::ExitStatus,
+) {
+    use tokio::io::AsyncReadExt;
+    let mut broker = Some(broker);
+    let mut stopped = None;
+    let mut buf = bytes::BytesMut::new();
+    let mut got = Vec::new();
+    loop {
+        while let Some((id, r)) = felix_wire::decode_response(&mut buf, 64 << 20).unwrap() {
+            each(&r);
+            got.push((id, r));
+        }
+        if got.len() >= stop_after && stopped.is_none() {
+            let mut b = broker.take().unwrap();
+            stopped = Some(tokio::task::spawn_blocking(move || {
+                let status = b.terminate();
+                (b, status)
+            }));
+        }
+        let mut chunk = [0u8; 65536];
+        match tokio::time::timeout(Duration::from_secs(20), rd.read(&mut chunk))
+            .await
+            .expect("the broker kept the connection open")
+        {
+            Ok(0) => break,
+            Err(e) => panic!("the connection was reset, answers lost with it: {e}"),
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+    let (broker, status) = stopped
+        .expect("the broker closed the connection before it was stopped")
+        .await
+        .unwrap();
+    (got, broker, status)
+}
+
 /// Requests that reach the broker while it stops are answered, not dropped
 /// with the connection: those it had taken finish (and are stored), those
 /// it reads after the signal are refused with `unavailable` "shutting down"
 /// (and are not stored), so the client knows the fate of each. A client
-/// that goes on writing after the broker's last read still loses those
-/// (the connection closes under it), and none of them is stored either.
+/// that goes on writing after the broker stops reading (half a second)
+/// still loses those (the connection closes under it), and none of them is
+/// stored either.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_read_while_the_broker_stops_are_refused_not_dropped() {
     use felix_wire::{AckMode, PublishTarget, Request, Response, StreamRef};
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let broker = felix_tests::start_broker!(BrokerOptions::default().cores(1));
     let c = client(&broker).await;
     c.create_stream("t", "ns", "stop", 1, StreamOptions::default())
@@ -1487,7 +1536,7 @@ async fn requests_read_while_the_broker_stops_are_refused_not_dropped() {
         raw_call(&mut s, 1, &hello(None, felix_wire::PROTOCOL_VERSION)).await,
         Response::HelloOk { .. }
     ));
-    let (mut rd, mut wr) = s.into_split();
+    let (rd, mut wr) = s.into_split();
     // Publishes of 10 records, written 50 at a time until the connection
     // closes.
     let writer = tokio::spawn(async move {
@@ -1515,31 +1564,7 @@ async fn requests_read_while_the_broker_stops_are_refused_not_dropped() {
         }
     });
     // Stop the broker once 500 answers came; read until it closes.
-    let mut broker = Some(broker);
-    let mut stopped = None;
-    let mut buf = bytes::BytesMut::new();
-    let mut got = Vec::new();
-    loop {
-        while let Some(frame) = felix_wire::decode_response(&mut buf, 64 << 20).unwrap() {
-            got.push(frame);
-        }
-        if got.len() >= 500 && stopped.is_none() {
-            let mut b = broker.take().unwrap();
-            stopped = Some(tokio::task::spawn_blocking(move || {
-                let status = b.terminate();
-                (b, status)
-            }));
-        }
-        let mut chunk = [0u8; 65536];
-        match tokio::time::timeout(Duration::from_secs(20), rd.read(&mut chunk))
-            .await
-            .expect("the broker kept the connection open")
-        {
-            Ok(0) => break,
-            Err(e) => panic!("the connection was reset, answers lost with it: {e}"),
-            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-        }
-    }
+    let (got, mut broker, status) = answers_through_a_stop(rd, broker, 500, |_| {}).await;
     let sent = writer.await.unwrap() - 2;
     let mut stored = Vec::new();
     let mut refused = 0;
@@ -1566,7 +1591,6 @@ async fn requests_read_while_the_broker_stops_are_refused_not_dropped() {
         "none of {sent} requests sent was refused ({} acknowledged)",
         stored.len()
     );
-    let (mut broker, status) = stopped.unwrap().await.unwrap();
     assert!(status.success(), "exit status {status:?}");
     broker.restart();
     let c = client(&broker).await;
@@ -1593,7 +1617,7 @@ async fn requests_read_while_the_broker_stops_are_refused_not_dropped() {
 async fn a_client_that_stops_sending_when_refused_hears_about_every_request() {
     use felix_wire::{AckMode, PublishTarget, Request, Response, StreamRef};
     use std::sync::atomic::{AtomicBool, Ordering};
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let broker = felix_tests::start_broker!(BrokerOptions::default().cores(1));
     let c = client(&broker).await;
     c.create_stream("t", "ns", "heard", 1, StreamOptions::default())
@@ -1605,7 +1629,7 @@ async fn a_client_that_stops_sending_when_refused_hears_about_every_request() {
         raw_call(&mut s, 1, &hello(None, felix_wire::PROTOCOL_VERSION)).await,
         Response::HelloOk { .. }
     ));
-    let (mut rd, mut wr) = s.into_split();
+    let (rd, mut wr) = s.into_split();
     let refused_seen = std::sync::Arc::new(AtomicBool::new(false));
     // Publishes written 20 at a time every 20 ms (a client that takes a
     // while over its answers) until the first refusal is heard; the write
@@ -1635,36 +1659,18 @@ async fn a_client_that_stops_sending_when_refused_hears_about_every_request() {
         }
         (id - 2, wr)
     });
-    let mut broker = Some(broker);
-    let mut stopped = None;
-    let mut buf = bytes::BytesMut::new();
+    let (got, mut broker, status) = answers_through_a_stop(rd, broker, 100, |r| {
+        if matches!(r, Response::Error(_)) {
+            refused_seen.store(true, Ordering::Release);
+        }
+    })
+    .await;
     let mut answered = std::collections::BTreeMap::new();
-    loop {
-        while let Some((id, r)) = felix_wire::decode_response(&mut buf, 64 << 20).unwrap() {
-            if matches!(r, Response::Error(_)) {
-                refused_seen.store(true, Ordering::Release);
-            }
-            assert!(
-                answered.insert(id, r).is_none(),
-                "request {id} answered twice"
-            );
-        }
-        if answered.len() >= 100 && stopped.is_none() {
-            let mut b = broker.take().unwrap();
-            stopped = Some(tokio::task::spawn_blocking(move || {
-                let status = b.terminate();
-                (b, status)
-            }));
-        }
-        let mut chunk = [0u8; 65536];
-        match tokio::time::timeout(Duration::from_secs(20), rd.read(&mut chunk))
-            .await
-            .expect("the broker kept the connection open")
-        {
-            Ok(0) => break,
-            Err(e) => panic!("the connection was reset, answers lost with it: {e}"),
-            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-        }
+    for (id, r) in got {
+        assert!(
+            answered.insert(id, r).is_none(),
+            "request {id} answered twice"
+        );
     }
     let (sent, _wr) = writer.await.unwrap();
     assert_eq!(
@@ -1684,7 +1690,6 @@ async fn a_client_that_stops_sending_when_refused_hears_about_every_request() {
         }
     }
     assert!(stored < sent, "none refused: the stop came too late");
-    let (mut broker, status) = stopped.unwrap().await.unwrap();
     assert!(status.success(), "exit status {status:?}");
     broker.restart();
     let c = client(&broker).await;
