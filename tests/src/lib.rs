@@ -335,6 +335,14 @@ impl Broker {
         self.restart();
     }
 
+    /// Start again on the same data directory and address with `k` set to
+    /// `v` in its environment (a setting changed between runs).
+    pub fn restart_with_env(&mut self, k: &str, v: impl ToString) {
+        self.env.retain(|(name, _)| name != k);
+        self.env.push((k.to_string(), v.to_string()));
+        self.restart();
+    }
+
     /// The Prometheus text of the broker's metrics endpoint.
     pub fn metrics(&self) -> String {
         use std::io::{Read, Write};

@@ -2480,6 +2480,155 @@ async fn every_record_the_broker_takes_can_be_read_back() {
     assert_eq!(polled[0].payload.len(), biggest);
 }
 
+/// A read or a group poll that would pass the frame cap stops at the last
+/// record that fits, counting each record's fields (offset, lengths, one
+/// per header) as well as what it carries: with a 64 KiB cap and records
+/// of 100 empty-ish headers, a read asking for everything gets pages of
+/// about fifty and reads the shard through, and a poll claims only what
+/// its answer carries, so no claim lapses unseen into a dead letter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_and_polls_stop_at_the_frame_cap_and_lose_nothing() {
+    const FRAME: usize = 65_536;
+    let broker = felix_tests::start_broker!(BrokerOptions::default()
+        .cores(1)
+        .env("FELIX_MAX_FRAME_BYTES", FRAME)
+        .env("FELIX_GROUP_VISIBILITY_TIMEOUT_MS", 200)
+        .env("FELIX_GROUP_MAX_ATTEMPTS", 2));
+    let c = client(&broker).await;
+    c.create_stream("t", "ns", "framed", 1, StreamOptions::default())
+        .await
+        .unwrap();
+    // 604 bytes carried, 1,233 on the wire in a read's answer.
+    let record = |i: u64| RecordIn {
+        key: Some(Bytes::from(format!("{i:04}"))),
+        headers: (0..100)
+            .map(|_| ("h".to_string(), Bytes::from_static(b"v")))
+            .collect(),
+        payload: Bytes::from(vec![b'a' + (i % 26) as u8; 400]),
+        ..RecordIn::default()
+    };
+    const N: u64 = 200;
+    for batch in 0..N / 40 {
+        c.publish_batch(
+            "t",
+            "ns",
+            "framed",
+            0,
+            (batch * 40..(batch + 1) * 40).map(record).collect(),
+        )
+        .await
+        .unwrap();
+    }
+    let mut from = StartPosition::Earliest;
+    let mut seen = Vec::new();
+    let mut reads = 0;
+    loop {
+        let b = c
+            .read("t", "ns", "framed", 0, from, 10_000, None)
+            .await
+            .expect("a read within the frame cap");
+        if b.records.is_empty() {
+            break;
+        }
+        reads += 1;
+        assert!(
+            b.records.len() > 1 && b.records.len() < 60,
+            "{} a read",
+            b.records.len()
+        );
+        for r in &b.records {
+            assert_eq!(r.payload, record(r.offset).payload);
+            assert_eq!(r.headers.len(), 100);
+            seen.push(r.offset);
+        }
+        from = StartPosition::Offset(b.next_offset);
+    }
+    assert_eq!(seen, (0..N).collect::<Vec<_>>());
+    assert!(reads >= 4, "{reads} reads");
+
+    // Polls asking for everything, each answered and acked before the
+    // claims could lapse: every record once, none dead-lettered.
+    let mut claimed = Vec::new();
+    while (claimed.len() as u64) < N {
+        let got = c
+            .group_poll("t", "ns", "framed", 0, "workers", 10_000)
+            .await
+            .expect("a poll within the frame cap");
+        assert!(!got.is_empty() && got.len() < 60, "{} a poll", got.len());
+        let offsets: Vec<u64> = got.iter().map(|r| r.offset).collect();
+        c.group_ack_many("t", "ns", "framed", 0, "workers", &offsets)
+            .await
+            .unwrap();
+        claimed.extend(offsets);
+    }
+    assert_eq!(claimed, (0..N).collect::<Vec<_>>());
+    let info = c
+        .group_describe("t", "ns", "framed", 0, "workers")
+        .await
+        .unwrap();
+    assert_eq!((info.dead_letters, info.in_flight, info.lag()), (0, 0, 0));
+}
+
+/// A record written under a larger frame cap than the broker runs with now
+/// fits no answer: a read of it is `too_large`, and so is a group poll,
+/// which claims nothing (the record is not handed out into an answer that
+/// cannot be sent, spending its attempts until it is a dead letter nobody
+/// saw). Raising the cap again hands it out on its first attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_over_a_lowered_frame_cap_is_refused_not_claimed() {
+    let mut broker = felix_tests::start_broker!(BrokerOptions::default()
+        .cores(1)
+        .env("FELIX_MAX_FRAME_BYTES", 256 << 10)
+        .env("FELIX_GROUP_VISIBILITY_TIMEOUT_MS", 100)
+        .env("FELIX_GROUP_MAX_ATTEMPTS", 2));
+    let c = client(&broker).await;
+    c.create_stream("t", "ns", "big", 1, StreamOptions::default())
+        .await
+        .unwrap();
+    c.publish("t", "ns", "big", 0, vec![7u8; 100 << 10])
+        .await
+        .unwrap();
+    c.publish("t", "ns", "big", 0, &b"small"[..]).await.unwrap();
+    drop(c);
+    broker.restart_with_env("FELIX_MAX_FRAME_BYTES", 64 << 10);
+    let c = client(&broker).await;
+    let err = c
+        .read("t", "ns", "big", 0, StartPosition::Earliest, 10, None)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::TooLarge), "{err}");
+    for _ in 0..4 {
+        let err = c
+            .group_poll("t", "ns", "big", 0, "workers", 10)
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Some(ErrorCode::TooLarge), "{err}");
+        assert!(err.to_string().contains("offset 0"), "{err}");
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    let info = c
+        .group_describe("t", "ns", "big", 0, "workers")
+        .await
+        .unwrap();
+    assert_eq!(
+        (info.in_flight, info.dead_letters, info.position),
+        (0, 0, 0)
+    );
+    drop(c);
+    broker.restart_with_env("FELIX_MAX_FRAME_BYTES", 256 << 10);
+    let c = client(&broker).await;
+    let got = c
+        .group_poll("t", "ns", "big", 0, "workers", 10)
+        .await
+        .unwrap();
+    assert_eq!(
+        got.iter()
+            .map(|r| (r.offset, r.attempts))
+            .collect::<Vec<_>>(),
+        [(0, 1), (1, 1)]
+    );
+}
+
 /// Frames already read count against `server.max_requests_per_connection`
 /// as they are taken from the buffer: a burst far over the limit in one
 /// write is held in the buffer and answered in full, in as many turns as

@@ -14,8 +14,8 @@ use felix_engine::notify::WaitList;
 use felix_engine::storage::Storage;
 use felix_engine::Offset;
 use felix_wire::{
-    AckMode, ErrorCode, PublishTarget, Record, Request, Response, ShardInfo, StartPosition,
-    StreamInfo, StreamRef, WireError,
+    AckMode, ErrorCode, GroupRecord, PublishTarget, Record, Request, Response, ShardInfo,
+    StartPosition, StreamInfo, StreamRef, WireError,
 };
 use futures_lite::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use glommio::net::TcpStream;
@@ -1523,6 +1523,44 @@ pub(crate) fn to_wire_record(r: felix_engine::format::Record) -> Record {
     }
 }
 
+/// What a record read back adds to an answer: what it carries and its
+/// fields, as a `Records` answer (`claim: None`) or a `GroupRecords` one
+/// (`Some(skipped_before is sent)`) encodes them.
+pub(crate) fn answer_size(r: &felix_engine::format::Record, claim: Option<bool>) -> usize {
+    let has_key = r.key.is_some();
+    r.size_bytes()
+        + match claim {
+            None => Record::framing_bytes(has_key, r.headers.len()),
+            Some(skipped) => GroupRecord::framing_bytes(has_key, r.headers.len(), skipped),
+        }
+}
+
+/// Bytes an answer's records may take so that the frame stays within the
+/// cap announced in HELLO (which counts the frame's `len`: the header after
+/// it and the body).
+pub(crate) fn records_room(max_frame: u32, fixed: usize) -> usize {
+    (max_frame as usize).saturating_sub(felix_wire::FRAME_HEADER_BYTES - 4 + fixed)
+}
+
+/// Cut `records` (in offset order) to those whose answer fits in `room`
+/// bytes, keeping at least the first (one that alone passes the cap is
+/// answered `too_large` by [`Outbox::push`]). Returns the offset of the
+/// first record cut, where the next read starts.
+fn fit_in_frame(
+    records: &mut Vec<felix_engine::format::Record>,
+    room: usize,
+    size: impl Fn(&felix_engine::format::Record) -> usize,
+) -> Option<Offset> {
+    let mut used = 0usize;
+    let cut = records.iter().enumerate().position(|(i, r)| {
+        used = used.saturating_add(size(r));
+        i > 0 && used > room
+    })?;
+    let next = records[cut].offset;
+    records.truncate(cut);
+    Some(next)
+}
+
 /// Resolve a start position against a shard, refusing offsets past the tail.
 pub(crate) fn resolve_start<S: Storage>(
     shard: &Shard<S>,
@@ -1573,9 +1611,13 @@ async fn read<S: Storage>(
         Err(e) => return e,
     };
     let c = &core.shared.config;
+    // The byte cap counts what records carry, and never more than the frame
+    // cap leaves for them; their fields are counted when the answer is cut
+    // to the frame below.
+    let frame_room = records_room(c.max_frame_bytes, Response::RECORDS_FIXED_BYTES);
     let limits = ReadLimits {
         max_records: max_records.clamp(1, c.max_records_per_read) as usize,
-        max_bytes: max_bytes.clamp(1, c.max_bytes_per_read) as usize,
+        max_bytes: (max_bytes.clamp(1, c.max_bytes_per_read) as usize).min(frame_room.max(1)),
     };
     let wait = (wait_ms as u64).min(c.max_wait_ms);
     if wait > 0 && s.log.end() <= from {
@@ -1607,7 +1649,11 @@ async fn read<S: Storage>(
     }
     room.take(limits.max_bytes).await;
     match s.log.read(from, limits).await {
-        Ok(r) => {
+        Ok(mut r) => {
+            if let Some(next) = fit_in_frame(&mut r.records, frame_room, |r| answer_size(r, None)) {
+                r.next = next;
+                r.bytes = r.records.iter().map(|r| r.size_bytes()).sum();
+            }
             let m = &core.metrics;
             m.read_records
                 .set(m.read_records.get() + r.records.len() as u64);

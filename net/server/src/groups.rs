@@ -8,7 +8,7 @@
 
 use crate::acl::Perm;
 use crate::broker::{now_ms, wire_err, Core};
-use crate::conn::{to_wire_record, with_timeout, AnswerRoom, ConnInfo};
+use crate::conn::{answer_size, records_room, to_wire_record, with_timeout, AnswerRoom, ConnInfo};
 use crate::shard::Shard;
 use felix_engine::format::Record;
 use felix_engine::group::{
@@ -914,8 +914,16 @@ async fn read_offsets<S: Storage>(
     };
     // One byte budget for the whole plan, not one per run: owed records
     // scattered among finished ones make many short runs, and each read
-    // returns at least one record.
-    let mut budget = core.shared.config.max_bytes_per_read as usize;
+    // returns at least one record. It counts each record as its answer will
+    // (its fields too), and never more than the frame cap leaves: a record
+    // loaded is a record claimed, and a claim whose answer could not be
+    // sent would spend an attempt on nothing.
+    let cfg = &core.shared.config;
+    let frame_room = records_room(
+        cfg.max_frame_bytes,
+        felix_wire::Response::GROUP_RECORDS_FIXED_BYTES,
+    );
+    let mut budget = (cfg.max_bytes_per_read as usize).min(frame_room);
     let mut i = 0;
     while i < offsets.len() && budget > 0 {
         let start = offsets[i];
@@ -972,16 +980,36 @@ async fn read_offsets<S: Storage>(
                 // poll's first may (a run further on leaves the record
                 // unloaded for the next poll), so an answer stays within
                 // the budget plus one record, and within the frame.
-                if !out.offsets.is_empty() && rec.size_bytes() > budget {
+                // (`skipped_before` counted whether or not it is sent.)
+                let size = answer_size(&rec, Some(true));
+                if !out.offsets.is_empty() && size > budget {
                     // Not loaded, and nothing from it on is settled.
                     budget = 0;
                     cut = true;
                     break;
                 }
+                if out.offsets.is_empty() && size > frame_room {
+                    // Written before the frame cap was lowered: no answer
+                    // can carry it, so it is not claimed (each poll would
+                    // spend an attempt on it, and it would end a dead
+                    // letter nobody saw).
+                    return Err(wire_err(
+                        ErrorCode::TooLarge,
+                        format!(
+                            "the record at offset {} of shard {} takes {size} bytes in an \
+                             answer, over what this broker's {}-byte frame cap \
+                             (server.max_frame_bytes) leaves; it was written before the cap \
+                             was lowered: raise it again to take the record",
+                            rec.offset,
+                            shard.name(),
+                            cfg.max_frame_bytes
+                        ),
+                    ));
+                }
                 // Offsets the read stepped over below this record hold none.
                 out.skipped.extend((expect.0..rec.offset.0).map(Offset));
                 expect = rec.offset.next();
-                budget = budget.saturating_sub(rec.size_bytes());
+                budget = budget.saturating_sub(size);
                 out.insert(rec);
             }
             if expect < reached && !cut {

@@ -4,7 +4,7 @@ use bytes::{BufMut, BytesMut};
 
 use crate::codec::{
     put_opt, put_opt_str, put_opt_u32, put_opt_u64, put_str, put_wire_vec, Reader, Wire, BLOB, STR,
-    U64,
+    U64, VEC,
 };
 use crate::error::{DecodeError, WireError};
 use crate::types::{
@@ -733,6 +733,12 @@ pub enum Response {
 }
 
 impl Response {
+    /// Bytes of a `Records` answer's body besides its records (the three
+    /// offsets and the record count).
+    pub const RECORDS_FIXED_BYTES: usize = 3 * U64 + VEC;
+    /// Bytes of a `GroupRecords` answer's body besides its records.
+    pub const GROUP_RECORDS_FIXED_BYTES: usize = VEC;
+
     pub fn opcode(&self) -> u8 {
         match self {
             Response::HelloOk { .. } => rs::HELLO_OK,

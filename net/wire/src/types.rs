@@ -264,6 +264,17 @@ pub struct Record {
     pub payload: Bytes,
 }
 
+impl Record {
+    /// Bytes a record's fields take in a `Records` answer besides what it
+    /// carries (its key, header names and values, and payload): with those,
+    /// what the record adds to the answer (at most: a header name over
+    /// 65,535 bytes is cut). Lets a sender fill a frame without encoding
+    /// first.
+    pub fn framing_bytes(has_key: bool, headers: usize) -> usize {
+        <Self as Wire>::MIN_BYTES + if has_key { BLOB } else { 0 } + headers * (STR + BLOB)
+    }
+}
+
 impl Wire for Record {
     const MIN_BYTES: usize = U64 + U64 + OPT + VEC + BLOB;
     fn put(&self, out: &mut BytesMut) {
@@ -300,6 +311,18 @@ pub struct GroupRecord {
     /// Present only on connections that negotiated
     /// [`FEATURE_GROUP_SKIPPED`](crate::FEATURE_GROUP_SKIPPED).
     pub skipped_before: Option<u64>,
+}
+
+impl GroupRecord {
+    /// [`Record::framing_bytes`] for a `GroupRecords` answer: a claimed
+    /// record's fields besides what it carries, `skipped_before` included
+    /// when the connection negotiated it.
+    pub fn framing_bytes(has_key: bool, headers: usize, skipped: bool) -> usize {
+        <Self as Wire>::MIN_BYTES
+            + if has_key { BLOB } else { 0 }
+            + headers * (STR + BLOB)
+            + if skipped { U64 } else { 0 }
+    }
 }
 
 impl Wire for GroupRecord {

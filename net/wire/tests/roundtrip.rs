@@ -85,6 +85,42 @@ proptest! {
         prop_assert_eq!(frame.len(), FRAME_HEADER_BYTES + 4 + want);
     }
 
+    /// `Record::framing_bytes` and `GroupRecord::framing_bytes` with what
+    /// the records carry, and the answers' fixed bytes, are what a read's
+    /// or a poll's answer takes in a frame: what the broker fills a frame
+    /// by.
+    #[test]
+    fn record_answer_sizes(
+        records in proptest::collection::vec(record(), 0..4),
+        claimed in proptest::collection::vec(group_record(), 0..4),
+    ) {
+        fn carried(key: &Option<bytes::Bytes>, headers: &[(String, bytes::Bytes)], payload: &[u8]) -> usize {
+            key.as_ref().map_or(0, |k| k.len())
+                + headers.iter().map(|(n, v)| n.len() + v.len()).sum::<usize>()
+                + payload.len()
+        }
+        let want: usize = records
+            .iter()
+            .map(|r| Record::framing_bytes(r.key.is_some(), r.headers.len()) + carried(&r.key, &r.headers, &r.payload))
+            .sum();
+        let frame = encode_resp(1, &Response::Records {
+            start_offset: 0,
+            next_offset: 0,
+            end_offset: 0,
+            records,
+        });
+        prop_assert_eq!(frame.len(), FRAME_HEADER_BYTES + Response::RECORDS_FIXED_BYTES + want);
+        let want: usize = claimed
+            .iter()
+            .map(|r| {
+                GroupRecord::framing_bytes(r.key.is_some(), r.headers.len(), r.skipped_before.is_some())
+                    + carried(&r.key, &r.headers, &r.payload)
+            })
+            .sum();
+        let frame = encode_resp(1, &Response::GroupRecords { records: claimed });
+        prop_assert_eq!(frame.len(), FRAME_HEADER_BYTES + Response::GROUP_RECORDS_FIXED_BYTES + want);
+    }
+
     #[test]
     fn response_round_trip(id in any::<u64>(), resp in response()) {
         let mut buf = encode_resp(id, &resp);
