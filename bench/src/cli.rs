@@ -312,7 +312,9 @@ pub struct QueueArgs {
     pub rate: Option<f64>,
 
     /// Records to publish before consuming. Default: --count plus a quarter
-    /// (for the warm-up), or 2,000,000 with --duration.
+    /// (for the warm-up), or with --duration a million for each second of
+    /// the run, warm-up included (a consumer that drains it early ends the
+    /// run, reporting what it measured).
     #[arg(long, value_name = "N")]
     pub backlog: Option<u64>,
 }
@@ -712,7 +714,12 @@ impl Cli {
                     (Some(b), _) => b,
                     (None, Amount::Count(n)) if c.warmup.is_zero() => n,
                     (None, Amount::Count(n)) => n.saturating_add(n / 4),
-                    (None, Amount::Duration(_)) => 2_000_000,
+                    // A million records a second of the run, warm-up
+                    // included: a fast machine drains it early, which ends
+                    // the run (`drained`) with the window measured so far.
+                    (None, Amount::Duration(d)) => {
+                        ((c.warmup + d).as_secs_f64() * 1_000_000.0).ceil() as u64
+                    }
                 };
                 Ok(Some(Plan::Queue(c, a.clone(), backlog)))
             }
@@ -877,7 +884,12 @@ mod tests {
         let Plan::Queue(_, _, b) = plan(&["queue"]).unwrap() else {
             panic!()
         };
-        assert_eq!(b, 2_000_000);
+        assert_eq!(b, 12_000_000, "10 s and 2 s of warm-up");
+        let Plan::Queue(_, _, b) = plan(&["queue", "--duration", "3", "--warmup", "1"]).unwrap()
+        else {
+            panic!()
+        };
+        assert_eq!(b, 4_000_000);
     }
 
     #[test]

@@ -55,6 +55,19 @@ pub enum StopReason {
     Error,
 }
 
+impl std::fmt::Display for StopReason {
+    /// The name the JSON report uses.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            StopReason::Duration => "duration",
+            StopReason::Count => "count",
+            StopReason::Drained => "drained",
+            StopReason::Interrupted => "interrupted",
+            StopReason::Error => "error",
+        })
+    }
+}
+
 /// Shared state of one run.
 #[derive(Debug)]
 pub struct Run {

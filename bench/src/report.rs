@@ -238,7 +238,7 @@ impl Report {
             o.checks.push(Check::failed(
                 "something was measured",
                 format!(
-                    "no record completed in the measured window (stopped: {:?}); for a queue, raise --backlog",
+                    "no record completed in the measured window (stopped: {}); for a queue, raise --backlog",
                     o.stop_reason
                 ),
             ));
@@ -294,7 +294,7 @@ impl Report {
         )?;
         writeln!(
             out,
-            "  measured {:.2}s after {:.1}s warm-up (stopped: {:?})",
+            "  measured {:.2}s after {:.1}s warm-up (stopped: {})",
             self.measured_secs, self.warmup_secs, self.stop_reason
         )?;
         if let Some(r) = self.offered_rate {

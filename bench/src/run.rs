@@ -65,6 +65,12 @@ fn mode_of(c: &Common, ack: AckChoice) -> String {
         (TargetKind::Felix, AckChoice::Queued, true) => {
             "queued acks (as the external broker is configured)".into()
         }
+        // A cluster acknowledges a publish once a majority holds it.
+        (TargetKind::Felix, AckChoice::Durable, true)
+            if c.broker.as_deref().is_some_and(|b| b.contains(',')) =>
+        {
+            "replicated acks (a majority of the cluster)".into()
+        }
         (TargetKind::Felix, AckChoice::Durable, _) => "durable acks (fdatasync)".into(),
         (TargetKind::Felix, AckChoice::Commit, _) => "commit acks (ack_on_commit)".into(),
         _ => String::new(),

@@ -45,7 +45,8 @@ pub struct GlobalArgs {
         help_heading = "Global options",
         env = "FELIX_BROKER",
         default_value = "127.0.0.1:7400",
-        value_name = "ADDR"
+        value_name = "ADDR",
+        value_parser = parse_brokers
     )]
     pub broker: String,
 
@@ -148,7 +149,7 @@ pub enum StreamCmd {
         #[arg(value_parser = parse_stream)]
         stream: StreamRef,
         /// Number of shards (fixed for the stream's life).
-        #[arg(long, value_name = "N")]
+        #[arg(long, value_name = "N", value_parser = parse_count::<u32>)]
         shards: u32,
         /// Keep at most about this many bytes per shard; 0 keeps all
         /// (default: the broker's `storage.retention_bytes`, fixed at
@@ -213,13 +214,13 @@ pub struct PublishArgs {
     #[arg(long)]
     pub ack_on_commit: bool,
     /// Most records per batch read from stdin.
-    #[arg(long, value_name = "N", default_value_t = 1000)]
+    #[arg(long, value_name = "N", default_value_t = 1000, value_parser = parse_count::<usize>)]
     pub batch_records: usize,
     /// Most payload bytes per batch read from stdin.
-    #[arg(long, value_name = "BYTES", default_value_t = 1024 * 1024)]
+    #[arg(long, value_name = "BYTES", default_value_t = 1024 * 1024, value_parser = parse_count::<usize>)]
     pub batch_bytes: usize,
     /// Batches sent but not yet acknowledged at once. Order is kept.
-    #[arg(long, value_name = "N", default_value_t = 4)]
+    #[arg(long, value_name = "N", default_value_t = 4, value_parser = parse_count::<usize>)]
     pub in_flight: usize,
     /// Records to publish, one per argument. Without any, each line of
     /// stdin is a record (without its line ending); `felix` exits once every
@@ -409,7 +410,7 @@ pub struct ConsumeArgs {
     #[arg(long)]
     pub follow: bool,
     /// Records claimed per poll.
-    #[arg(long, value_name = "N", default_value_t = 100)]
+    #[arg(long, value_name = "N", default_value_t = 100, value_parser = parse_count::<u32>)]
     pub batch: u32,
     /// Output format. json adds `attempts` (1 for a first delivery).
     #[arg(long, value_enum, default_value_t = Format::Text)]
@@ -418,6 +419,38 @@ pub struct ConsumeArgs {
 
 pub fn parse_stream(s: &str) -> Result<StreamRef, String> {
     s.parse::<StreamRef>().map_err(|e| e.to_string())
+}
+
+/// A count that must be at least 1 (shards, batch sizes, batches in
+/// flight): 0 would make nothing, or wait for ever.
+pub fn parse_count<T>(s: &str) -> Result<T, String>
+where
+    T: std::str::FromStr + PartialEq + Default,
+    T::Err: std::fmt::Display,
+{
+    let n: T = s.parse().map_err(|e| format!("{s:?}: {e}"))?;
+    if n == T::default() {
+        return Err("must be at least 1".into());
+    }
+    Ok(n)
+}
+
+/// `--broker`: one `HOST:PORT`, or several separated by commas.
+pub fn parse_brokers(s: &str) -> Result<String, String> {
+    for one in s.split(',') {
+        let one = one.trim();
+        let port = one.rsplit_once(':').and_then(|(host, port)| {
+            (!host.is_empty()).then_some(())?;
+            port.parse::<u16>().ok()
+        });
+        if port.is_none() {
+            return Err(format!(
+                "{one:?} is not HOST:PORT (the broker's listen address, e.g. 127.0.0.1:7400; \
+                 several are separated by commas)"
+            ));
+        }
+    }
+    Ok(s.to_string())
 }
 
 pub fn parse_start(s: &str) -> Result<StartPosition, String> {

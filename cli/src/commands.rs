@@ -496,12 +496,18 @@ async fn on_cluster(
         }
         Command::Group(GroupCmd::Create { target: g, to, .. }) => {
             let (t, n, s) = parts(&g.stream);
-            cluster.group_create_stream(t, n, s, &g.group, to).await?;
+            cluster
+                .group_create_stream(t, n, s, &g.group, to)
+                .await
+                .map_err(|e| offset_for_every_shard(e, to, &g))?;
             println(&created(&g, to, true))
         }
         Command::Group(GroupCmd::Seek { target: g, to, .. }) => {
             let (t, n, s) = parts(&g.stream);
-            cluster.group_seek_stream(t, n, s, &g.group, to).await?;
+            cluster
+                .group_seek_stream(t, n, s, &g.group, to)
+                .await
+                .map_err(|e| offset_for_every_shard(e, to, &g))?;
             println(&moved(&g, to, true))
         }
         Command::Group(GroupCmd::Delete { target: g, .. }) => {
@@ -767,7 +773,15 @@ fn is_transient(e: &ClientError) -> bool {
     matches!(
         e,
         ClientError::Io(_) | ClientError::Timeout | ClientError::Disconnected
-    )
+    ) || refused_while_stopping(e)
+}
+
+/// A stopping broker refuses what it reads with `unavailable`, saying it
+/// did nothing: it is on its way down, and back after a restart. (A shard
+/// stopped by a disk fault is `unavailable` too, but not refused this way:
+/// that is reported, not waited out.)
+fn refused_while_stopping(e: &ClientError) -> bool {
+    e.code() == Some(felix_client::ErrorCode::Unavailable) && e.not_applied()
 }
 
 /// What a command that keeps going on a cluster waits out: a broker that
@@ -956,6 +970,19 @@ async fn read(client: &Client, args: ReadArgs) -> Result<(), CliError> {
 
 // ----- groups -------------------------------------------------------------
 
+/// The client refuses an offset for every shard of a stream of several
+/// (offsets are per shard): say so in the CLI's own words.
+fn offset_for_every_shard(e: ClientError, to: StartPosition, g: &GroupTarget) -> CliError {
+    match (&e, to) {
+        (ClientError::InvalidArgument(_), StartPosition::Offset(o)) => CliError::Usage(format!(
+            "{} has several shards and offset {o} names a position in one of them: with \
+             --all-shards use --to earliest or --to latest, or give --shard N for the one shard",
+            g.stream
+        )),
+        _ => e.into(),
+    }
+}
+
 /// "shard N", or "every shard" for an --all-shards call.
 fn shards_named(g: &GroupTarget, all_shards: bool) -> String {
     if all_shards {
@@ -1052,7 +1079,10 @@ async fn group(client: &Client, cmd: GroupCmd) -> Result<(), CliError> {
         } => {
             let (t, n, s) = parts(&g.stream);
             if all_shards {
-                client.group_create_stream(t, n, s, &g.group, to).await?;
+                client
+                    .group_create_stream(t, n, s, &g.group, to)
+                    .await
+                    .map_err(|e| offset_for_every_shard(e, to, &g))?;
             } else {
                 client.group_create(t, n, s, g.shard, &g.group, to).await?;
             }
@@ -1065,7 +1095,10 @@ async fn group(client: &Client, cmd: GroupCmd) -> Result<(), CliError> {
         } => {
             let (t, n, s) = parts(&g.stream);
             if all_shards {
-                client.group_seek_stream(t, n, s, &g.group, to).await?;
+                client
+                    .group_seek_stream(t, n, s, &g.group, to)
+                    .await
+                    .map_err(|e| offset_for_every_shard(e, to, &g))?;
             } else {
                 client.group_seek(t, n, s, g.shard, &g.group, to).await?;
             }

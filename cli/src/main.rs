@@ -44,6 +44,9 @@ impl CliError {
     /// `error: <code>: <message>` on stderr; the exit code (2 for usage).
     fn report(&self) -> ExitCode {
         let (code, message, exit) = match self {
+            // An argument the client refused (before sending anything) is
+            // a usage error too.
+            CliError::Client(e @ ClientError::InvalidArgument(_)) => (e.kind(), e.message(), 2),
             CliError::Client(e) | CliError::Partial(e) => (e.kind(), e.message(), 1),
             CliError::Usage(m) => ("usage", m.clone(), 2),
             CliError::Io(e) => ("io", e.to_string(), 1),

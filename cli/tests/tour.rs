@@ -1433,12 +1433,40 @@ fn group_commands_report_bad_input() {
         &["group", "create", st, "--group", "bad name"],
         "invalid_request",
     );
-    // Member names are 1 to 128 bytes (the client checks).
+    // Member names are 1 to 128 bytes (the client checks, before sending:
+    // a usage error).
     let long = "m".repeat(129);
-    fails_with(
+    let out = run(
         &s,
         &["consume", st, "--group", "g", "--member", long.as_str()],
-        "invalid_argument",
+        None,
+    );
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).starts_with("error: invalid_argument:"),
+        "{out:?}"
+    );
+    // An offset for every shard of a stream of several.
+    ok(&s, &["stream", "create", "t/ns/two", "--shards", "2"], None);
+    let out = run(
+        &s,
+        &[
+            "group",
+            "seek",
+            "t/ns/two",
+            "--group",
+            "g",
+            "--all-shards",
+            "--to",
+            "5",
+        ],
+        None,
+    );
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.starts_with("error: usage:") && err.contains("--to earliest"),
+        "{err}"
     );
 
     // Usage errors: exit 2 before talking to the broker.
@@ -1458,6 +1486,10 @@ fn group_commands_report_bad_input() {
         &["consume", st, "--group", "g", "--count", "many"][..],
         &["consume", "not-a-stream", "--group", "g"][..],
         &["consume", st, "--group", "g", "--format", "xml"][..],
+        &["consume", st, "--group", "g", "--batch", "0"][..],
+        &["stream", "create", "t/ns/none", "--shards", "0"][..],
+        &["publish", st, "--in-flight", "0"][..],
+        &["--broker", "localhost", "group", "list", st][..],
     ] {
         let out = run(&s, args, None);
         assert_eq!(out.status.code(), Some(2), "felix {args:?}: {out:?}");
@@ -2544,6 +2576,61 @@ fn stream_describe_shows_a_shard_that_cannot_open() {
         ),
         "kept\n"
     );
+}
+
+/// `felix read --follow` against one broker rides a graceful restart: the
+/// stopping broker refuses its next read (`unavailable`, nothing done), and
+/// the follower waits for the broker to come back and reads on from where
+/// it was, every record once, in order.
+#[test]
+fn a_read_follow_rides_a_graceful_restart() {
+    let listen = free_port_addr();
+    let mut s = serve_on(tempfile::tempdir().unwrap(), &listen, &[]);
+    let st = "t/ns/followed";
+    ok(&s, &["stream", "create", st, "--shards", "1"], None);
+    let first: Vec<String> = (0..10).map(|i| format!("r{i}")).collect();
+    let mut args = vec!["publish", st, "--shard", "0"];
+    args.extend(first.iter().map(String::as_str));
+    ok(&s, &args, None);
+    let mut follower = felix()
+        .arg("--broker")
+        .arg(&s.addr)
+        .args([
+            "read", st, "--shard", "0", "--from", "earliest", "--follow", "--count", "20",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Waiting at the tail when the stop comes.
+    std::thread::park_timeout(std::time::Duration::from_millis(1500));
+    let pid = s.child.id().to_string();
+    let term = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(term.success());
+    assert!(s.child.wait().unwrap().success());
+    let dir = std::mem::replace(&mut s._dir, tempfile::tempdir().unwrap());
+    s = serve_on(dir, &listen, &[]);
+    let second: Vec<String> = (10..20).map(|i| format!("r{i}")).collect();
+    let mut args = vec!["publish", st, "--shard", "0"];
+    args.extend(second.iter().map(String::as_str));
+    ok(&s, &args, None);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while follower.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = follower.kill();
+            break;
+        }
+        std::thread::park_timeout(std::time::Duration::from_millis(50));
+    }
+    let out = follower.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}: {stderr}", out.status);
+    let want: String = first
+        .iter()
+        .chain(&second)
+        .map(|l| format!("{l}\n"))
+        .collect();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), want, "{stderr}");
 }
 
 /// A stdin `felix publish` through a broker's graceful restart (SIGTERM,

@@ -536,3 +536,51 @@ async fn mutated_requests_get_answers_and_never_take_the_broker_down() {
         .await
         .unwrap_or_else(|e| panic!("seed {seed}: the fuzzed stream after a restart: {e}"));
 }
+
+/// A request whose frame does not decode (a trailing byte, header flags
+/// set) is refused as not carried out, `not_applied`, so a client may send
+/// it again corrected without fear of a double publish; and nothing of it
+/// is stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frame_that_does_not_decode_is_refused_as_not_applied() {
+    let broker = felix_tests::start_broker!(BrokerOptions::default().cores(1));
+    let c = Client::connect(&broker.addr, ClientConfig::default())
+        .await
+        .unwrap();
+    c.create_stream("t", "ns", "fz", 1, StreamOptions::default())
+        .await
+        .unwrap();
+    let publish = Request::Publish {
+        stream: stream(),
+        target: PublishTarget::Shard(0),
+        ack: AckMode::Default,
+        records: vec![RecordIn {
+            payload: Bytes::from_static(b"never"),
+            ..RecordIn::default()
+        }],
+    };
+    let mut s = connect(&broker.addr).await;
+    let mut trailing = BytesMut::new();
+    felix_wire::encode_request(20, &publish, &mut trailing);
+    trailing.extend_from_slice(&[0]);
+    let len = (trailing.len() - 4) as u32;
+    trailing[..4].copy_from_slice(&len.to_le_bytes());
+    let mut flagged = BytesMut::new();
+    felix_wire::encode_request(21, &publish, &mut flagged);
+    flagged[6] = 1;
+    for (id, frame) in [(20, trailing), (21, flagged)] {
+        match call(&mut s, id, &frame).await {
+            Some(Response::Error(e)) => {
+                assert_eq!(e.code, felix_wire::ErrorCode::InvalidRequest, "{e:?}");
+                assert!(e.not_applied, "{e:?}");
+            }
+            other => panic!("frame {id}: {other:?}"),
+        }
+    }
+    let got = c
+        .read("t", "ns", "fz", 0, StartPosition::Earliest, 10, None)
+        .await
+        .unwrap();
+    assert!(got.records.is_empty(), "{:?}", got.records);
+    assert_eq!(got.end_offset, 0);
+}

@@ -532,8 +532,10 @@ const KEEP_ALL: StreamOptions = StreamOptions {
 fn create_failed(s: &impl std::fmt::Display, err: ClientError) -> String {
     if err.code() == Some(ErrorCode::AlreadyExists) {
         format!(
-            "create_stream {s}: {err} (left by a run that was stopped before it cleaned \
-             up?): delete it with `felix stream delete {s}` or pass another --stream"
+            "create_stream {s}: {err}: the benchmark never writes into a stream it did not \
+             make; pass another --stream (one a run stopped before it cleaned up left behind, \
+             named bench/default/<workload>-<time>, may be deleted with `felix stream delete \
+             {s}` once nothing uses it)"
         )
     } else {
         format!("create_stream {s}: {err}")

@@ -391,12 +391,16 @@ impl Pipeline<'_> {
             Some(_) => 2,
         };
         let mut said_waiting = self.said_waits & (1 << kind) != 0;
+        // The leader a refusal named, once it could not be reached.
+        let mut named_unreachable: Option<String> = None;
         loop {
             if !self.patience.lasts() && self.follows >= 3 {
                 return false;
             }
+            let mut target_was_named = false;
             let target = match named.take() {
                 Some(leader) if leader != self.current => {
+                    target_was_named = true;
                     eprintln!(
                         "felix: {} does not lead shard {}; sending to the leader, {leader}",
                         self.current, self.shard
@@ -404,12 +408,24 @@ impl Pipeline<'_> {
                     leader
                 }
                 _ => {
+                    let asking = if self.brokers.len() > 1 {
+                        "the brokers named in turn"
+                    } else {
+                        "again"
+                    };
+                    if let Some(leader) = named_unreachable.take() {
+                        if self.said_waits & (1 << 3) == 0 {
+                            self.said_waits |= 1 << 3;
+                            eprintln!(
+                                "felix: {} named {leader} as shard {}'s leader, which cannot be \
+                             reached (it may have just failed: an election follows); asking \
+                             {asking}",
+                                self.current, self.shard
+                            );
+                        }
+                        said_waiting = true;
+                    }
                     if !said_waiting {
-                        let asking = if self.brokers.len() > 1 {
-                            "the brokers named in turn"
-                        } else {
-                            "again"
-                        };
                         match &why {
                             Some(Lead::Unreachable(why)) => eprintln!(
                                 "felix: {why}; every batch sent was acknowledged, so the \
@@ -447,8 +463,12 @@ impl Pipeline<'_> {
                     return true;
                 }
                 Err(e) => {
+                    // `current` stays the broker `client` talks to (the one
+                    // whose answers the messages speak of).
                     eprintln!("felix: {e}");
-                    self.current = target;
+                    if target_was_named {
+                        named_unreachable = Some(target);
+                    }
                 }
             }
         }

@@ -591,7 +591,12 @@ pub(crate) async fn serve<S: Storage>(
                             break 'conn;
                         }
                         Some(id) if !e.is_fatal() => {
-                            outbox.push(id, &Response::Error(e.to_wire_error()));
+                            // A request that does not decode is not carried
+                            // out at all.
+                            let mut w = e.to_wire_error();
+                            w.not_applied =
+                                info.features.get() & felix_wire::FEATURE_ERROR_NOT_APPLIED != 0;
+                            outbox.push(id, &Response::Error(w));
                         }
                         _ => {
                             tracing::debug!(
