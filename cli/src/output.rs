@@ -327,12 +327,14 @@ pub fn shard_table(shards: &[ShardRow], leaders: Option<&[String]>) -> String {
 
 pub fn shard_details(s: &ShardInfo) -> String {
     format!(
-        "stream        {}\nshard         {}\ncore          {}\nstart_offset  {}\nend_offset    {}\nrecords       {}\nbytes         {}\nsegments      {}\nstopped       {}\n",
+        "stream        {}\nshard         {}\ncore          {}\nstart_offset  {}\nend_offset    {}\noffsets       {}\nbytes         {}\nsegments      {}\nstopped       {}\n",
         s.stream,
         s.shard,
         s.core,
         s.start_offset,
         s.end_offset,
+        // Offsets held, not records: a new leader's start in a cluster
+        // takes one too.
         s.end_offset.saturating_sub(s.start_offset),
         s.bytes,
         s.segments,

@@ -697,3 +697,83 @@ async fn requests_past_the_core_budget_share_a_bounded_overdraft() {
     );
     drop(pinning);
 }
+
+/// Frames begun count whole against the core's budget, and are admitted
+/// only while it (or, for a connection holding nothing, the overdraft) has
+/// room: twelve connections that each send most of a 15 MiB frame and
+/// stall hold no more than the budget, the overdraft and one frame (they
+/// held 12 × 12 MiB when the bytes arriving only counted), and memory
+/// follows. The stalled frames are cut off after `server.write_timeout_ms`,
+/// and the broker serves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frames_begun_and_stalled_are_held_to_the_core_budget() {
+    const BUDGET: u64 = 32 << 20;
+    const CONNS: usize = 12;
+    let b = felix_tests::start_broker!(BrokerOptions::default()
+        .cores(1)
+        .env("FELIX_MAX_BUFFERED_BYTES_PER_CORE", BUDGET)
+        .env("FELIX_WRITE_TIMEOUT_MS", 2000));
+    let c = Client::connect(b.addr.as_str(), ClientConfig::default())
+        .await
+        .unwrap();
+    c.create_stream("t", "ns", "stalled", 1, StreamOptions::default())
+        .await
+        .unwrap();
+    settle(b.pid()).await;
+    let rss_before = rss_bytes(b.pid());
+    let mut frame = bytes::BytesMut::new();
+    felix_wire::encode_request(
+        1,
+        &Request::Publish {
+            stream: stream_ref("stalled"),
+            target: felix_wire::PublishTarget::Shard(0),
+            ack: felix_wire::AckMode::Default,
+            records: vec![felix_wire::RecordIn {
+                payload: vec![5u8; 15 << 20].into(),
+                ..Default::default()
+            }],
+        },
+        &mut frame,
+    );
+    let part = frame.freeze().slice(..12 << 20);
+    let mut stalled = Vec::new();
+    for i in 0..CONNS {
+        let (rd, mut wr) = raw_connection(&b.addr, &format!("stalls-{i}")).await;
+        let part = part.clone();
+        stalled.push(tokio::spawn(async move {
+            // Blocks once the broker stops reading; fails once it cuts the
+            // connection off.
+            let _ = wr.write_all(&part).await;
+            (rd, wr)
+        }));
+    }
+    // Long enough for every connection to send what the broker reads.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let held = b.metric("felix_core_buffered_bytes") as u64;
+    let peak = b.metric("felix_core_buffered_bytes_peak") as u64;
+    let rss = rss_bytes(b.pid());
+    let bound = BUDGET + BUDGET / 4 + (16 << 20);
+    assert!(
+        peak <= bound,
+        "the core held {} MiB (bound {} MiB)",
+        peak >> 20,
+        bound >> 20
+    );
+    assert!(held >= 16 << 20, "the frames begun were not counted");
+    assert!(b.metric("felix_core_buffered_waits_total") > 0.0);
+    assert!(
+        rss < rss_before + bound + (16 << 20),
+        "RSS grew by {} MiB",
+        (rss - rss_before) >> 20
+    );
+    // Cut off once their time is up (or let in and then cut off): what
+    // they held is freed, and the broker serves a publish.
+    felix_tests::wait_until(Duration::from_secs(30), || {
+        b.metric("felix_core_buffered_bytes") == 0.0
+    })
+    .expect("the stalled frames were cut off and freed");
+    c.publish("t", "ns", "stalled", 0, "after").await.unwrap();
+    for s in stalled {
+        s.abort();
+    }
+}

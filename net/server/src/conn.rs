@@ -372,20 +372,38 @@ pub(crate) async fn serve<S: Storage>(
     // let through that way already hold the overdraft (see `memory`). A
     // HELLO always goes ahead: it costs nothing, and a client that cannot
     // even say it is there would hold its place without a deadline.
+    // A frame begun and admitted (see below): its declared size, counted
+    // in the budget until it is whole, and whether it was let in on the
+    // overdraft. Its connection reads on until the frame is whole.
+    let admitted: Cell<Option<(usize, bool)>> = Cell::new(None);
     let budget_bound = |info: &ConnInfo, outbox: &Outbox| {
         core.budget.full()
+            && admitted.get().is_none()
             && (info.in_flight.get() > 0
                 || outbox.unsent() > 0
                 || (said_hello.get() && core.budget.overdrawn()))
     };
-    // Bytes of the read buffer (a frame arriving, frames held back) counted
-    // in the core's budget. They count toward it, so that others are held
-    // back while they are large, but do not hold this connection back: it
-    // reads on until the frame is whole, as any connection holding nothing
-    // may (unless the overdraft is taken, and then only until a request
-    // holding it finishes), so the core cannot deadlock on frames it will
-    // not finish reading.
+    // Bytes of the read buffer (frames held back, and a frame arriving at
+    // its declared size) counted in the core's budget.
+    //
+    // A frame begun is admitted before the broker reads past its header:
+    // when the budget has room for all of it, or, for a connection holding
+    // nothing, on the overdraft (see `memory`) while that is not taken; it
+    // otherwise waits, unread, for room. Admitted, it counts whole and does
+    // not hold its connection back: the connection reads on until the
+    // frame is whole (within `frame_time`), so the core cannot deadlock on
+    // frames it will not finish reading, and however many connections
+    // begin large frames and stall, what they hold stays within the budget
+    // and the overdraft.
     let buffered = Cell::new(0usize);
+    let held = |rbuf: &BytesMut| rbuf.len().max(admitted.get().map_or(0, |(n, _)| n));
+    // The admitted frame was taken off the buffer (decoded, or refused
+    // whole): it leaves the overdraft it was let in on.
+    let frame_taken = || {
+        if let Some((n, true)) = admitted.take() {
+            core.budget.repay(n);
+        }
+    };
     let count_buffered = |now: usize| {
         let was = buffered.replace(now);
         if now > was {
@@ -439,6 +457,9 @@ pub(crate) async fn serve<S: Storage>(
             };
             let decoded = felix_wire::decode_request(&mut rbuf, cap);
             let frame_len = before - rbuf.len();
+            if frame_len > 0 {
+                frame_taken();
+            }
             match decoded {
                 Ok(Some((id, req))) => {
                     if !said_hello.get() {
@@ -610,7 +631,7 @@ pub(crate) async fn serve<S: Storage>(
                 }
             }
         }
-        count_buffered(rbuf.len());
+        count_buffered(held(&rbuf));
         if rbuf.is_empty() || held_back {
             frame_by = None;
         } else if decoded_any || frame_by.is_none() {
@@ -665,7 +686,45 @@ pub(crate) async fn serve<S: Storage>(
             // Frames left in the buffer: decode them before reading more.
             continue;
         }
-        if stalled && frame_by.is_some() {
+        // A frame begun and not yet admitted: room for all of it first.
+        let cap = if said_hello.get() {
+            max_frame
+        } else {
+            max_frame.min(MAX_HELLO_FRAME)
+        };
+        let begun = felix_wire::peek_header(&rbuf)
+            .filter(|h| h.len <= cap)
+            .map(|h| h.frame_bytes())
+            .filter(|&frame| frame > rbuf.len());
+        let mut waited = false;
+        if let (Some(frame), None) = (begun, admitted.get()) {
+            while !outbox.closed.get() && !core.stopping.get() {
+                if !core.budget.over(frame.saturating_sub(buffered.get())) {
+                    admitted.set(Some((frame, false)));
+                    break;
+                }
+                let holds_nothing =
+                    info.in_flight.get() == 0 && outbox.unsent() == 0 && info.reserved.get() == 0;
+                if holds_nothing && !core.budget.overdrawn() {
+                    core.budget.overdraw(frame);
+                    admitted.set(Some((frame, true)));
+                    break;
+                }
+                if !waited {
+                    core.budget.count_wait();
+                    waited = true;
+                }
+                let drained = outbox.drained.wait();
+                let finished = core.lifecycle.wait();
+                let freed = core.budget.wait_freed();
+                futures_lite::future::or(drained, futures_lite::future::or(finished, freed)).await;
+            }
+            if outbox.closed.get() {
+                break;
+            }
+            count_buffered(held(&rbuf));
+        }
+        if (stalled || waited) && frame_by.is_some() {
             // The broker stopped reading for a while: a frame begun gets
             // its full time again now that it reads on.
             frame_by = Some(std::time::Instant::now() + frame_time);
@@ -765,7 +824,7 @@ pub(crate) async fn serve<S: Storage>(
         };
         let n = *got.as_ref().unwrap_or(&0);
         rbuf.truncate(filled + n);
-        count_buffered(rbuf.len());
+        count_buffered(held(&rbuf));
         if n >= read_size {
             read_size = (read_size * 2).min(MAX_READ);
         } else if n < read_size / 4 {
@@ -810,6 +869,7 @@ pub(crate) async fn serve<S: Storage>(
         }
     }
     count_buffered(0);
+    frame_taken();
     // Let the writer send what is queued, then close.
     outbox.closed.set(true);
     outbox.ready.wake_all();

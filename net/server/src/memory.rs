@@ -10,7 +10,7 @@
 //! * the frame bytes of requests read and not yet answered,
 //! * a fixed [`REQUEST_TASK_BYTES`] for each request in flight (its task,
 //!   which a long poll keeps for as long as it waits),
-//! * the bytes of frames still arriving,
+//! * frames still arriving, at the size their headers declare,
 //! * the answer room reads and polls reserve before they fetch records, and
 //! * encoded answers waiting to be written to their sockets.
 //!
@@ -27,8 +27,16 @@
 //! about eleven times), so without that bound ten thousand connections with
 //! one request each could hold far more than the machine has. The memory a
 //! core holds is therefore at most the budget, one answer per connection,
-//! the overdraft plus the request that crossed it, and the frames still
-//! arriving.
+//! and the overdraft plus the request or frame that crossed it.
+//!
+//! Frames arriving are admitted the same way: the broker reads past a
+//! frame's header only once the budget has room for the whole frame, or,
+//! for a connection holding nothing, while the overdraft is not taken (the
+//! frame then counts in it until it is whole). An admitted frame never
+//! waits for the budget again (its connection reads on until the frame is
+//! whole or its time is up), so the frames begun cannot deadlock the core,
+//! and connections that begin large frames and stall hold no more than the
+//! budget and the overdraft, however many they are.
 
 use felix_engine::notify::WaitList;
 use std::cell::Cell;
