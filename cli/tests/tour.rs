@@ -1862,8 +1862,8 @@ fn group_commands_take_all_shards() {
         ],
         None,
     );
-    assert_eq!(out.status.code(), Some(1), "{out:?}");
-    assert!(String::from_utf8_lossy(&out.stderr).contains("offsets are per shard"));
+    assert_eq!(out.status.code(), Some(2), "a usage error: {out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("names a position in one of them"));
     let out = ok(
         &s,
         &["group", "delete", st, "--group", "g", "--all-shards"],
