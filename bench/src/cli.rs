@@ -313,8 +313,8 @@ pub struct QueueArgs {
 
     /// Records to publish before consuming. Default: --count plus a quarter
     /// (for the warm-up), or with --duration a million for each second of
-    /// the run, warm-up included (a consumer that drains it early ends the
-    /// run, reporting what it measured).
+    /// the run, warm-up included, up to 50 million (a consumer that drains
+    /// it early ends the run, reporting what it measured).
     #[arg(long, value_name = "N")]
     pub backlog: Option<u64>,
 }
@@ -717,8 +717,9 @@ impl Cli {
                     // A million records a second of the run, warm-up
                     // included: a fast machine drains it early, which ends
                     // the run (`drained`) with the window measured so far.
+                    // (At most 50 million: about 6 GB of 100-byte records.)
                     (None, Amount::Duration(d)) => {
-                        ((c.warmup + d).as_secs_f64() * 1_000_000.0).ceil() as u64
+                        ((c.warmup + d).as_secs_f64() * 1_000_000.0).ceil().min(5e7) as u64
                     }
                 };
                 Ok(Some(Plan::Queue(c, a.clone(), backlog)))

@@ -2570,17 +2570,16 @@ async fn reads_and_polls_stop_at_the_frame_cap_and_lose_nothing() {
 }
 
 /// A record written under a larger frame cap than the broker runs with now
-/// fits no answer: a read of it is `too_large`, and so is a group poll,
-/// which claims nothing (the record is not handed out into an answer that
-/// cannot be sent, spending its attempts until it is a dead letter nobody
-/// saw). Raising the cap again hands it out on its first attempt.
+/// fits no answer: a read of it is `too_large`; a group poll gives it up at
+/// once as a dead letter saying why, and hands out the records after it
+/// (claimed, it would spend its attempts on answers never sent; left, it
+/// would stop the group there for ever). Raising the cap again and
+/// redriving it hands it out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_record_over_a_lowered_frame_cap_is_refused_not_claimed() {
+async fn a_record_over_a_lowered_frame_cap_is_dead_lettered_not_claimed() {
     let mut broker = felix_tests::start_broker!(BrokerOptions::default()
         .cores(1)
-        .env("FELIX_MAX_FRAME_BYTES", 256 << 10)
-        .env("FELIX_GROUP_VISIBILITY_TIMEOUT_MS", 100)
-        .env("FELIX_GROUP_MAX_ATTEMPTS", 2));
+        .env("FELIX_MAX_FRAME_BYTES", 256 << 10));
     let c = client(&broker).await;
     c.create_stream("t", "ns", "big", 1, StreamOptions::default())
         .await
@@ -2597,26 +2596,6 @@ async fn a_record_over_a_lowered_frame_cap_is_refused_not_claimed() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Some(ErrorCode::TooLarge), "{err}");
-    for _ in 0..4 {
-        let err = c
-            .group_poll("t", "ns", "big", 0, "workers", 10)
-            .await
-            .unwrap_err();
-        assert_eq!(err.code(), Some(ErrorCode::TooLarge), "{err}");
-        assert!(err.to_string().contains("offset 0"), "{err}");
-        tokio::time::sleep(Duration::from_millis(150)).await;
-    }
-    let info = c
-        .group_describe("t", "ns", "big", 0, "workers")
-        .await
-        .unwrap();
-    assert_eq!(
-        (info.in_flight, info.dead_letters, info.position),
-        (0, 0, 0)
-    );
-    drop(c);
-    broker.restart_with_env("FELIX_MAX_FRAME_BYTES", 256 << 10);
-    let c = client(&broker).await;
     let got = c
         .group_poll("t", "ns", "big", 0, "workers", 10)
         .await
@@ -2625,8 +2604,37 @@ async fn a_record_over_a_lowered_frame_cap_is_refused_not_claimed() {
         got.iter()
             .map(|r| (r.offset, r.attempts))
             .collect::<Vec<_>>(),
-        [(0, 1), (1, 1)]
+        [(1, 1)]
     );
+    c.group_ack("t", "ns", "big", 0, "workers", 1)
+        .await
+        .unwrap();
+    let letters = c
+        .group_dead_letters_detailed("t", "ns", "big", 0, "workers")
+        .await
+        .unwrap();
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters[0].offset, 0);
+    assert!(!letters[0].by_consumer);
+    let why = letters[0].reason.as_deref().unwrap_or_default();
+    assert!(why.contains("server.max_frame_bytes"), "{why}");
+    let info = c
+        .group_describe("t", "ns", "big", 0, "workers")
+        .await
+        .unwrap();
+    assert_eq!((info.in_flight, info.dead_letters, info.lag()), (0, 1, 0));
+    drop(c);
+    broker.restart_with_env("FELIX_MAX_FRAME_BYTES", 256 << 10);
+    let c = client(&broker).await;
+    c.group_redrive("t", "ns", "big", 0, "workers", 0)
+        .await
+        .unwrap();
+    let got = c
+        .group_poll("t", "ns", "big", 0, "workers", 10)
+        .await
+        .unwrap();
+    assert_eq!(got.iter().map(|r| r.offset).collect::<Vec<_>>(), [0]);
+    assert_eq!(got[0].payload.len(), 100 << 10);
 }
 
 /// Frames already read count against `server.max_requests_per_connection`

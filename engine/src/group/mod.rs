@@ -332,7 +332,7 @@ impl LogView {
 }
 
 /// How a looked-up offset turned out, filled in by the broker from the log.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Lookup {
     /// A data record of this many payload bytes.
     Record { payload_bytes: u32 },
@@ -341,6 +341,11 @@ pub enum Lookup {
     Skipped,
     /// The broker did not read it: the poll stops here.
     NotLoaded,
+    /// The broker cannot hand it out at all (no answer could carry it: it
+    /// was written under a larger frame cap than the broker has now). The
+    /// group gives up on it at once, a dead letter with this reason, rather
+    /// than stop at it for ever; a redrive hands it out again once it fits.
+    GiveUp(String),
 }
 
 /// Where a group starts (create) or moves to (seek).

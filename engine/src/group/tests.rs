@@ -1576,3 +1576,52 @@ fn trackers_sharing_a_claim_limit_stop_at_it_and_give_back_every_place() {
     drop(b);
     assert_eq!(shared.held(), 0);
 }
+
+/// A record the broker cannot hand out (`Lookup::GiveUp`: no answer could
+/// carry it) is a dead letter at once, new or owed, with the broker's
+/// reason and the attempts it had; the poll hands out the records after it,
+/// and the position moves past it once they are acked.
+#[test]
+fn a_record_that_cannot_be_handed_out_is_given_up_at_once() {
+    let mut h = Harness::new();
+    h.append(4);
+    let caller = Caller::anonymous(1);
+    let poll = |h: &mut Harness, unsendable: u64| {
+        let log = h.log();
+        let mut lookup = |o: Offset| {
+            if o.0 == unsendable {
+                Lookup::GiveUp("too big".to_string())
+            } else {
+                Lookup::Record { payload_bytes: 1 }
+            }
+        };
+        let out = h.t.poll(h.now, &caller, 10, None, log, &mut lookup);
+        h.record(out.writes.clone());
+        offsets(&out.deliveries)
+    };
+    // New: never handed out.
+    assert_eq!(poll(&mut h, 1), vec![0, 2, 3]);
+    // Owed after a nack: given up with the attempt it had.
+    h.nack(2, 1, None).unwrap();
+    assert_eq!(poll(&mut h, 2), Vec::<u64>::new());
+    let letters = h.t.dead_letters().unwrap();
+    let got: Vec<(u64, u32, bool, Option<&str>)> = letters
+        .iter()
+        .map(|(o, d)| (o.0, d.attempts, d.by_consumer, d.reason.as_deref()))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            (1, 0, false, Some("too big")),
+            (2, 1, false, Some("too big"))
+        ]
+    );
+    assert_eq!(h.t.in_flight(), 2);
+    h.ack(0).unwrap();
+    h.ack(3).unwrap();
+    assert_eq!(h.t.position(), Offset(4));
+    // A redrive hands it out again once it fits.
+    let w = h.t.redrive(h.now, Offset(1), h.log()).unwrap();
+    h.record(w);
+    assert_eq!(h.poll_offsets(10), vec![1]);
+}

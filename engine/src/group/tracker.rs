@@ -389,6 +389,11 @@ impl GroupTracker {
                         run.out.unread = true;
                         break 'poll;
                     }
+                    Lookup::GiveUp(why) => {
+                        self.frontier = o.next();
+                        let (carried, _) = self.take_carried(o);
+                        self.give_up(o, carried, now_ms, Some(why), false, &mut run.out.writes);
+                    }
                 }
             }
         }
@@ -1519,6 +1524,17 @@ impl GroupTracker {
             Lookup::NotLoaded => {
                 run.out.unread = true;
                 Step::Stop
+            }
+            Lookup::GiveUp(why) => {
+                self.give_up(
+                    o,
+                    s.attempts(),
+                    run.now_ms,
+                    Some(why),
+                    false,
+                    &mut run.out.writes,
+                );
+                Step::Go
             }
         }
     }

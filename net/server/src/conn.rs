@@ -687,13 +687,10 @@ pub(crate) async fn serve<S: Storage>(
             continue;
         }
         // A frame begun and not yet admitted: room for all of it first.
-        let cap = if said_hello.get() {
-            max_frame
-        } else {
-            max_frame.min(MAX_HELLO_FRAME)
-        };
+        // (Not before HELLO: such frames are at most `MAX_HELLO_FRAME`, and
+        // the connection's time to say HELLO bounds them.)
         let begun = felix_wire::peek_header(&rbuf)
-            .filter(|h| h.len <= cap)
+            .filter(|h| said_hello.get() && h.len <= max_frame)
             .map(|h| h.frame_bytes())
             .filter(|&frame| frame > rbuf.len());
         let mut waited = false;

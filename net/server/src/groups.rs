@@ -718,7 +718,10 @@ async fn poll<S: Storage>(
                         payload_bytes: r.size_bytes().min(u32::MAX as usize) as u32,
                     },
                     None if o < view.start || loaded.skipped(o) => Lookup::Skipped,
-                    None => Lookup::NotLoaded,
+                    None => match loaded.unsendable(o) {
+                        Some(why) => Lookup::GiveUp(why.to_string()),
+                        None => Lookup::NotLoaded,
+                    },
                 },
             );
             // Reserved records dead-lettered at the attempt bound, or
@@ -832,6 +835,8 @@ thread_local! {
     /// Polls refused for the core's claim limit, logged at most once a
     /// second.
     static CLAIMS_FULL_LOG: crate::conn::LogLimit = const { std::cell::Cell::new(None) };
+    /// Records no answer can carry, given up on by the groups polling them.
+    static UNSENDABLE_LOG: crate::conn::LogLimit = const { std::cell::Cell::new(None) };
 }
 
 /// Counts a parked poll in `felix_group_polls_waiting` for as long as it
@@ -861,6 +866,8 @@ struct Loaded {
     offsets: Vec<Offset>,
     records: Vec<Option<Record>>,
     skipped: Vec<Offset>,
+    /// Records no answer can carry, and why (see `Lookup::GiveUp`).
+    unsendable: Vec<(Offset, String)>,
 }
 
 impl Loaded {
@@ -898,6 +905,13 @@ impl Loaded {
     fn skipped(&self, o: Offset) -> bool {
         self.skipped.binary_search(&o).is_ok()
     }
+
+    fn unsendable(&self, o: Offset) -> Option<&str> {
+        self.unsendable
+            .iter()
+            .find(|(u, _)| *u == o)
+            .map(|(_, why)| why.as_str())
+    }
 }
 
 /// Read the records at `offsets` (runs of consecutive offsets in one read).
@@ -911,6 +925,7 @@ async fn read_offsets<S: Storage>(
         offsets: Vec::with_capacity(offsets.len()),
         records: Vec::with_capacity(offsets.len()),
         skipped: Vec::new(),
+        unsendable: Vec::new(),
     };
     // One byte budget for the whole plan, not one per run: owed records
     // scattered among finished ones make many short runs, and each read
@@ -990,21 +1005,27 @@ async fn read_offsets<S: Storage>(
                 }
                 if out.offsets.is_empty() && size > frame_room {
                     // Written before the frame cap was lowered: no answer
-                    // can carry it, so it is not claimed (each poll would
-                    // spend an attempt on it, and it would end a dead
-                    // letter nobody saw).
-                    return Err(wire_err(
-                        ErrorCode::TooLarge,
+                    // can carry it. Claimed, each poll would spend an
+                    // attempt on an answer never sent; left, it would stop
+                    // the group at it for ever. The group gives it up now,
+                    // a dead letter saying why.
+                    let why = format!(
+                        "its answer takes {size} bytes, over what server.max_frame_bytes ({}) \
+                         leaves (it was written under a larger cap): raise the cap and redrive it",
+                        cfg.max_frame_bytes
+                    );
+                    crate::conn::warn_rate_limited(&UNSENDABLE_LOG, || {
                         format!(
-                            "the record at offset {} of shard {} takes {size} bytes in an \
-                             answer, over what this broker's {}-byte frame cap \
-                             (server.max_frame_bytes) leaves; it was written before the cap \
-                             was lowered: raise it again to take the record",
-                            rec.offset,
+                            "shard {}: the record at offset {} fits no answer: {why}; groups \
+                             polling it dead-letter it",
                             shard.name(),
-                            cfg.max_frame_bytes
-                        ),
-                    ));
+                            rec.offset
+                        )
+                    });
+                    out.skipped.extend((expect.0..rec.offset.0).map(Offset));
+                    expect = rec.offset.next();
+                    out.unsendable.push((rec.offset, why));
+                    continue;
                 }
                 // Offsets the read stepped over below this record hold none.
                 out.skipped.extend((expect.0..rec.offset.0).map(Offset));

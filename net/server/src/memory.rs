@@ -29,14 +29,20 @@
 //! core holds is therefore at most the budget, one answer per connection,
 //! and the overdraft plus the request or frame that crossed it.
 //!
-//! Frames arriving are admitted the same way: the broker reads past a
-//! frame's header only once the budget has room for the whole frame, or,
-//! for a connection holding nothing, while the overdraft is not taken (the
-//! frame then counts in it until it is whole). An admitted frame never
-//! waits for the budget again (its connection reads on until the frame is
-//! whole or its time is up), so the frames begun cannot deadlock the core,
-//! and connections that begin large frames and stall hold no more than the
-//! budget and the overdraft, however many they are.
+//! Frames arriving (once a connection's HELLO is through) are admitted the
+//! same way: the broker reads past a frame's header only once the budget
+//! has room for the whole frame, or, for a connection holding nothing,
+//! while the overdraft is not taken (the frame then counts in it until it
+//! is whole). An admitted frame is never held back by the budget (its
+//! connection reads on until the frame is whole or its time is up), so the
+//! frames begun cannot deadlock the core, and connections that begin large
+//! frames and stall hold no more than the budget and the overdraft, however
+//! many they are; what a connection read before its frame was admitted (a
+//! read, at most 1 MiB) counts but is not held to the budget. The price is
+//! that a frame counts its declared size from its header on: a client that
+//! sends headers and stalls takes budget it does not fill, until its frames'
+//! time (`server.write_timeout_ms`) is up. Tokens keep clients that cannot
+//! say HELLO from doing that at all.
 
 use felix_engine::notify::WaitList;
 use std::cell::Cell;
