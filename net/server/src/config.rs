@@ -513,6 +513,8 @@ impl Config {
                             i.to_string()
                         }
                         (toml::Value::Boolean(b), Kind::Bool) => b.to_string(),
+                        // As the variables take them: 1 and 0.
+                        (toml::Value::Integer(i @ (0 | 1)), Kind::Bool) => i.to_string(),
                         _ => {
                             return Err(ConfigError(format!(
                                 "{}: `{section}.{name}` has the wrong type ({v})",
@@ -610,7 +612,7 @@ impl Config {
             let r = get(sec, name);
             parse_bool(&r.value).ok_or_else(|| {
                 ConfigError(format!(
-                    "{sec}.{name} = {:?} (from {}) is not true/false/1/0",
+                    "{sec}.{name} = {:?} (from {}) is not true or false (or 1/0, yes/no, on/off)",
                     r.value, r.source
                 ))
             })
@@ -1240,7 +1242,17 @@ mod tests {
         );
         let mut env = BTreeMap::new();
         env.insert("FELIX_ACK_ON_COMMIT".to_string(), "maybe".to_string());
-        assert!(Config::load_with_env(None, &Overrides::default(), &env).is_err());
+        let e = Config::load_with_env(None, &Overrides::default(), &env).unwrap_err();
+        assert!(e.to_string().contains("yes/no"), "{e}");
+        // A switch takes 1 and 0 in the file too, as the variables do.
+        std::fs::write(&file, "[storage]\nack_on_commit = 0\n").unwrap();
+        let cfg =
+            Config::load_with_env(Some(&file), &Overrides::default(), &BTreeMap::new()).unwrap();
+        assert!(!cfg.ack_on_commit);
+        std::fs::write(&file, "[storage]\nack_on_commit = 2\n").unwrap();
+        let e = Config::load_with_env(Some(&file), &Overrides::default(), &BTreeMap::new())
+            .unwrap_err();
+        assert!(e.to_string().contains("wrong type"), "{e}");
 
         // Over a hard cap: refused, not quietly lowered behind --print-config.
         std::fs::write(&file, "[limits]\nmax_records_per_read = 5000\n").unwrap();
