@@ -178,11 +178,16 @@ class ProtocolError extends FelixError {
   }
 }
 
-/** Connecting to the broker failed (refused, unreachable, closed during HELLO). */
+/**
+ * Connecting to the broker failed (refused, unreachable, closed during
+ * HELLO). The request that needed the connection was never sent
+ * (`notApplied`).
+ */
 class ConnectionError extends FelixError {
   /** @param {string} message @param {{cause?: unknown}} [options] */
   constructor(message, options) {
     super('io', message, options);
+    this.notApplied = true;
   }
 }
 

@@ -86,6 +86,9 @@ test('an error says not_applied only in its trailing byte', () => {
   assert.equal(felix.errorFromWire(10, 'deposed').notApplied, false);
   assert.equal(felix.errorFromWire(10, 'deposed', undefined, undefined, true).notApplied, true);
   assert.equal(new felix.InvalidArgumentError('bad').notApplied, true);
+  // A connection that never opened sent nothing.
+  assert.equal(new felix.ConnectionError('cannot connect').notApplied, true);
+  assert.equal(new felix.DisconnectedError('lost').notApplied, false);
 });
 
 test('arguments are checked before anything is sent', async (t) => {

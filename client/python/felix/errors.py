@@ -211,6 +211,8 @@ class ConnectionFailed(FelixError, ConnectionError):
     closed during HELLO, or placed on another core than asked for)."""
 
     code = "connection_failed"
+    # The connection a request would have gone out on never opened.
+    _never_sent = True
 
 
 class ProtocolError(FelixError):

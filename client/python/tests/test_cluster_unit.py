@@ -102,6 +102,10 @@ class RetryTest(unittest.TestCase):
                 self.assertEqual(cluster._retryable(error, R.REFUSED), must_not_run_twice)
                 self.assertEqual(cluster._retryable(error, R.LOST), may_run_twice)
 
+    def test_a_connection_that_never_opened_sent_nothing(self) -> None:
+        self.assertTrue(felix.ConnectionFailed("cannot connect").not_applied)
+        self.assertFalse(felix.Disconnected("lost").not_applied)
+
 
 class IncarnationTest(unittest.TestCase):
     def refused(self, held: List, brokers: int, says: str) -> None:  # type: ignore[type-arg]
