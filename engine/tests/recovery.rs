@@ -1592,3 +1592,67 @@ fn a_log_longer_than_its_clean_mark_opens_and_a_shorter_one_does_not() {
         assert!(err.to_string().contains("now ends at offset 9"), "{err}");
     });
 }
+
+/// Retention removes old segments only while a log is open, so after a
+/// clean close the oldest segment must still be where it was: one found
+/// gone (or one below it come back) refuses the open, naming it, where a
+/// crashed log, which has no such record, takes the segments left. A mark
+/// written before it recorded the oldest segment opens as before.
+#[test]
+fn a_cleanly_closed_log_missing_its_oldest_segment_refuses_the_open() {
+    let cfg = LogConfig {
+        segment_bytes: 1000,
+        ..LogConfig::default()
+    };
+    let dir = Path::new(DIR);
+    let oldest = dir.join("00000000000000000000.log");
+    let mark = dir.join("clean.mark");
+    for clean in [true, false] {
+        let storage = SimStorage::new();
+        block_on(async {
+            // Offsets 0..6, 6..12 and 12..15 in three segments.
+            let log = flushed_one_by_one(&storage, &cfg, 15).await;
+            assert_eq!(log.stats().segments, 3);
+            if clean {
+                log.close().await.unwrap();
+            } else {
+                drop(log);
+            }
+            storage.remove_file(&oldest).await.unwrap();
+            match open(&storage, &cfg).await {
+                Err(e) => {
+                    assert!(clean, "a crashed log refused: {e}");
+                    let msg = e.to_string();
+                    assert!(matches!(e, LogError::Corrupt { .. }), "{msg}");
+                    assert!(msg.contains("oldest segment starting at offset 0"), "{msg}");
+                    assert!(msg.contains("starts at offset 6"), "{msg}");
+                }
+                Ok(log) => {
+                    assert!(
+                        !clean,
+                        "a cleanly closed log opened without its oldest segment"
+                    );
+                    assert_eq!(log.start(), Offset(6));
+                }
+            }
+        });
+        if clean {
+            // The first version of the mark, without the oldest segment's
+            // base: opens as before, from the segments left.
+            let bytes = block_on(storage.read_file(&mark)).unwrap().unwrap();
+            let fields: Vec<u64> = bytes[8..8 + 24]
+                .chunks(8)
+                .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            let mut v1 = b"FXCLEAN1".to_vec();
+            for f in fields {
+                v1.extend_from_slice(&f.to_le_bytes());
+            }
+            let crc = crc32c::crc32c(&v1);
+            v1.extend_from_slice(&crc.to_le_bytes());
+            block_on(storage.write_file_atomic(&mark, &v1)).unwrap();
+            let log = block_on(open(&storage, &cfg)).expect("a first-version mark");
+            assert_eq!((log.start(), log.end()), (Offset(6), Offset(15)));
+        }
+    }
+}
