@@ -69,7 +69,7 @@ const SETTINGS: &[Setting] = &[
     Setting { section: "server", name: "log", env: Some("RUST_LOG"), kind: Kind::Str, default: "info", help: "log filter (tracing EnvFilter syntax)" },
     Setting { section: "storage", name: "data_dir", env: Some("FELIX_DURABLE_STORAGE_DIR"), kind: Kind::Str, default: "./felix-data", help: "durable storage directory; empty runs in memory (nothing survives a restart, no consumer groups)" },
     Setting { section: "storage", name: "ack_on_commit", env: Some("FELIX_ACK_ON_COMMIT"), kind: Kind::Bool, default: "true", help: "acknowledge publishes once durable (false: once queued)" },
-    Setting { section: "storage", name: "segment_bytes", env: None, kind: Kind::U64, default: "134217728", help: "a segment file rolls at this size" },
+    Setting { section: "storage", name: "segment_bytes", env: None, kind: Kind::U64, default: "134217728", help: "a segment file rolls at this size (at least 4096)" },
     Setting { section: "storage", name: "retention_bytes", env: None, kind: Kind::U64, default: "0", help: "default per-shard size retention for new streams (0 = keep all)" },
     Setting { section: "storage", name: "retention_ms", env: None, kind: Kind::U64, default: "0", help: "default age retention for new streams (0 = keep all)" },
     Setting { section: "storage", name: "io_queue_depth", env: Some("FELIX_IO_QUEUE_DEPTH"), kind: Kind::U64, default: "8", help: "O_DIRECT I/Os (writes, reads, fdatasyncs) in flight per core, 1 to 1024; also the writes one flush issues at once" },
@@ -723,6 +723,16 @@ impl Config {
                 "server.max_frame_bytes must be at least {MIN_FRAME}"
             )));
         }
+        // A segment is a file (and an open descriptor) of its own: one of a
+        // few bytes would hold a batch or two, and a shard would run out of
+        // descriptors long before it held much.
+        const MIN_SEGMENT: u64 = 4096;
+        if num("storage", "segment_bytes")? < MIN_SEGMENT {
+            return Err(ConfigError(format!(
+                "storage.segment_bytes must be at least {MIN_SEGMENT} (each segment is a file \
+                 the broker keeps open; the default is 128 MiB)"
+            )));
+        }
         // A budget under one frame would let a connection holding anything
         // run no request that carries a frame's worth.
         if num("server", "max_buffered_bytes_per_core")? < num("server", "max_frame_bytes")? {
@@ -1259,6 +1269,15 @@ mod tests {
         let e = Config::load_with_env(Some(&file), &Overrides::default(), &BTreeMap::new())
             .unwrap_err();
         assert!(e.to_string().contains("at most 1000"), "{e}");
+
+        std::fs::write(&file, "[storage]\nsegment_bytes = 1\n").unwrap();
+        let e = Config::load_with_env(Some(&file), &Overrides::default(), &BTreeMap::new())
+            .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("storage.segment_bytes must be at least 4096"),
+            "{e}"
+        );
 
         // A frame cap too small to carry ordinary answers.
         std::fs::write(&file, "[server]\nmax_frame_bytes = 1000\n").unwrap();
