@@ -1056,28 +1056,6 @@ impl<S: Storage> ShardLog<S> {
             .collect();
         bases.sort();
         let (tail_mark, clean) = read_marks(&storage, dir).await?;
-        // Retention removes the oldest segments only while the log is open:
-        // after a clean close the oldest segment is where it was then.
-        if let Some(oldest) = clean.and_then(|c| c.oldest_base) {
-            if bases.first().is_some_and(|b| *b != oldest) {
-                let first = bases[0];
-                let found = if first > oldest {
-                    format!("the oldest segment file left starts at offset {first}")
-                } else {
-                    format!("a segment file starting at offset {first} appeared below it")
-                };
-                return Err(LogError::Corrupt {
-                    path: dir.join(segment_name(oldest)).display().to_string(),
-                    position: 0,
-                    reason: format!(
-                        "the shard was closed cleanly with its oldest segment starting at \
-                         offset {oldest} ({CLEAN_MARK}), but {found}; segment files were \
-                         removed or put back by hand, so the shard is not opened (to open it \
-                         anyway, accepting the change, remove {CLEAN_MARK})"
-                    ),
-                });
-            }
-        }
         if let Some(newest) = tail_mark {
             if bases.last().is_none_or(|b| *b < newest) {
                 let left = match bases.last() {
@@ -2603,7 +2581,6 @@ impl<S: Storage> ShardLog<S> {
                 end: s.end,
                 tail_base: s.base,
                 tail_len: s.len,
-                oldest_base: i.segments.keys().next().copied(),
             };
             (i.dir.clone(), clean)
         };

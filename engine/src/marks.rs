@@ -22,9 +22,7 @@ pub(crate) const TAIL_MARK: &str = "tail.mark";
 pub(crate) const CLEAN_MARK: &str = "clean.mark";
 
 const TAIL_MAGIC: &[u8; 8] = b"FXTAIL01";
-const CLEAN_MAGIC: &[u8; 8] = b"FXCLEAN2";
-/// The first clean mark, without the oldest segment's base: still read.
-const CLEAN_MAGIC_V1: &[u8; 8] = b"FXCLEAN1";
+const CLEAN_MAGIC: &[u8; 8] = b"FXCLEAN1";
 
 /// Where a cleanly closed log ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -35,9 +33,6 @@ pub(crate) struct Clean {
     pub tail_base: Offset,
     /// Bytes of data in that segment.
     pub tail_len: u64,
-    /// Base offset of its oldest segment (`None` in a mark written before
-    /// the field existed).
-    pub oldest_base: Option<Offset>,
 }
 
 fn encode<const N: usize>(magic: &[u8; 8], fields: [u64; N]) -> Vec<u8> {
@@ -76,24 +71,14 @@ pub(crate) fn decode_tail(bytes: &[u8]) -> Option<Offset> {
 }
 
 pub(crate) fn encode_clean(c: Clean) -> Vec<u8> {
-    let oldest = c.oldest_base.unwrap_or(c.tail_base);
-    encode(CLEAN_MAGIC, [c.end.0, c.tail_base.0, c.tail_len, oldest.0])
+    encode(CLEAN_MAGIC, [c.end.0, c.tail_base.0, c.tail_len])
 }
 
 pub(crate) fn decode_clean(bytes: &[u8]) -> Option<Clean> {
-    if let Some([end, tail_base, tail_len, oldest]) = decode::<4>(CLEAN_MAGIC, bytes) {
-        return Some(Clean {
-            end: Offset(end),
-            tail_base: Offset(tail_base),
-            tail_len,
-            oldest_base: Some(Offset(oldest)),
-        });
-    }
-    decode::<3>(CLEAN_MAGIC_V1, bytes).map(|[end, tail_base, tail_len]| Clean {
+    decode::<3>(CLEAN_MAGIC, bytes).map(|[end, tail_base, tail_len]| Clean {
         end: Offset(end),
         tail_base: Offset(tail_base),
         tail_len,
-        oldest_base: None,
     })
 }
 
@@ -109,19 +94,9 @@ mod tests {
             end: Offset(9),
             tail_base: Offset(4),
             tail_len: 4096 + 17,
-            oldest_base: Some(Offset(2)),
         };
         let e = encode_clean(c);
         assert_eq!(decode_clean(&e), Some(c));
-        // A mark of the first version still reads, without the oldest base.
-        let v1 = encode(CLEAN_MAGIC_V1, [9, 4, 4096 + 17]);
-        assert_eq!(
-            decode_clean(&v1),
-            Some(Clean {
-                oldest_base: None,
-                ..c
-            })
-        );
         // Every flipped bit, every cut, and the other kind's bytes.
         for bytes in [&t, &e] {
             for i in 0..bytes.len() * 8 {

@@ -51,7 +51,8 @@ class FelixError(Exception):
             sending it again cannot apply it twice: the broker refused it
             before doing any of it and said so (a publish refused so stored
             none of its records: the disk nearly full, the broker stopping,
-            a ``not_leader``), or a call the client refused before sending.
+            a ``not_leader``), a call the client refused before sending, or
+            one whose connection never opened (``ConnectionFailed``).
             False means the outcome is not known from the error alone (a
             lost connection, a timeout, a shard stopped while writing).
     """

@@ -390,9 +390,13 @@ impl GroupTracker {
                         break 'poll;
                     }
                     Lookup::GiveUp(why) => {
+                        // Never handed out: a hole the next record's
+                        // `skipped_before` counts, as for a control record.
                         self.frontier = o.next();
                         let (carried, _) = self.take_carried(o);
-                        self.give_up(o, carried, now_ms, Some(why), false, &mut run.out.writes);
+                        self.note_skipped(o, o.next());
+                        let why = cut_reason(Some(&why));
+                        self.give_up(o, carried, now_ms, why, false, &mut run.out.writes);
                     }
                 }
             }
@@ -1526,14 +1530,8 @@ impl GroupTracker {
                 Step::Stop
             }
             Lookup::GiveUp(why) => {
-                self.give_up(
-                    o,
-                    s.attempts(),
-                    run.now_ms,
-                    Some(why),
-                    false,
-                    &mut run.out.writes,
-                );
+                let why = cut_reason(Some(&why));
+                self.give_up(o, s.attempts(), run.now_ms, why, false, &mut run.out.writes);
                 Step::Go
             }
         }

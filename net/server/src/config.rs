@@ -516,10 +516,15 @@ impl Config {
                         // As the variables take them: 1 and 0.
                         (toml::Value::Integer(i @ (0 | 1)), Kind::Bool) => i.to_string(),
                         _ => {
+                            let want = match s.kind {
+                                Kind::Bool => "; a switch is true or false (or 1/0)",
+                                Kind::U64 => "; a whole number",
+                                Kind::Str => "; a string",
+                            };
                             return Err(ConfigError(format!(
-                                "{}: `{section}.{name}` has the wrong type ({v})",
+                                "{}: `{section}.{name}` has the wrong type ({v}{want})",
                                 path.display()
-                            )))
+                            )));
                         }
                     };
                     values.insert(
