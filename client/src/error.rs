@@ -106,6 +106,26 @@ impl ClientError {
         }
     }
 
+    /// This error for a call carried out in part (on another shard): not
+    /// "nothing done", whatever the failing part said.
+    pub(crate) fn partly_done(self) -> Self {
+        match self {
+            ClientError::Server { code, message, .. } => ClientError::Server {
+                code,
+                message,
+                not_applied: false,
+            },
+            ClientError::NotLeader {
+                leader, message, ..
+            } => ClientError::NotLeader {
+                leader,
+                message,
+                not_applied: false,
+            },
+            other => other,
+        }
+    }
+
     /// This error with `note` after its message, in parentheses (where
     /// it has a message of its own: a timeout or a lost connection keeps
     /// its fixed one).

@@ -76,12 +76,13 @@ pub(crate) fn settle(results: Vec<Result<()>>) -> Result<()> {
     else {
         return Ok(());
     };
-    let done = if done.is_empty() {
-        "done on no shard".to_string()
-    } else {
-        format!("done on shard(s) {}", done.join(", "))
-    };
-    Err(first.noted(&format!("shard {shard}; {done}")))
+    if done.is_empty() {
+        return Err(first.noted(&format!("shard {shard}; done on no shard")));
+    }
+    // Done on some shards: the call as a whole did something, whatever the
+    // failing shard's part says.
+    let done = format!("done on shard(s) {}", done.join(", "));
+    Err(first.noted(&format!("shard {shard}; {done}")).partly_done())
 }
 
 /// The four `group_*_stream` calls, for a client type with the per-shard
@@ -284,6 +285,19 @@ mod tests {
             e.to_string().ends_with("(shard 0; done on no shard)"),
             "{e}"
         );
+        // A part that did nothing does not make the whole call "nothing
+        // done" once another shard's part was done.
+        let nothing = || ClientError::Server {
+            code: ErrorCode::Unavailable,
+            message: "stopping".into(),
+            not_applied: true,
+        };
+        assert!(settle(vec![Err(nothing()), Err(nothing())])
+            .unwrap_err()
+            .not_applied());
+        assert!(!settle(vec![Ok(()), Err(nothing())])
+            .unwrap_err()
+            .not_applied());
     }
 
     #[test]

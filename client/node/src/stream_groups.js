@@ -67,6 +67,8 @@ function settle(results) {
   const err = results[shard].err;
   const where = done.length === 0 ? 'done on no shard' : `done on shard(s) ${done.join(', ')}`;
   err.message = `${err.message} (shard ${shard}; ${where})`;
+  // The call as a whole did something, whatever this part says.
+  if (done.length > 0) err.notApplied = false;
   throw err;
 }
 
@@ -188,4 +190,5 @@ module.exports = {
   groupSeekStream,
   groupDescribeStream,
   groupDeleteStream,
+  settle,
 };

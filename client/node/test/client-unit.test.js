@@ -91,6 +91,16 @@ test('an error says not_applied only in its trailing byte', () => {
   assert.equal(new felix.DisconnectedError('lost').notApplied, false);
 });
 
+test('a stream-wide call done on some shards is never "nothing done"', () => {
+  const { settle } = require('../src/stream_groups');
+  const nothing = () => ({ ok: false, err: felix.errorFromWire(7, 'stopping', undefined, undefined, true) });
+  assert.throws(() => settle([nothing(), nothing()]), (err) => err.notApplied === true && /done on no shard/.test(err.message));
+  assert.throws(
+    () => settle([{ ok: true }, nothing()]),
+    (err) => err.notApplied === false && /\(shard 1; done on shard\(s\) 0\)/.test(err.message),
+  );
+});
+
 test('arguments are checked before anything is sent', async (t) => {
   const fake = await fakeBroker({ onRequest: () => assert.fail('nothing should be sent') });
   t.after(() => fake.close());

@@ -46,6 +46,9 @@ def _settle(errors: List[Optional[FelixError]]) -> None:
     assert first is not None
     first.message = f"{first.message} (shard {failed[0]}; {where})"
     first.args = (first.message,)
+    if done:
+        # The call as a whole did something, whatever this part says.
+        first.not_applied = False
     raise first
 
 

@@ -656,3 +656,20 @@ class FakeClusterTest(FakeBrokerCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class StreamWideSettleTest(unittest.TestCase):
+    def test_a_call_done_on_some_shards_is_never_nothing_done(self) -> None:
+        from felix import _stream_groups
+
+        def nothing() -> felix.FelixError:
+            return felix.Unavailable("stopping", number=7, not_applied=True)
+
+        with self.assertRaises(felix.Unavailable) as only:
+            _stream_groups._settle([nothing(), nothing()])
+        self.assertTrue(only.exception.not_applied)
+        self.assertIn("done on no shard", only.exception.message)
+        with self.assertRaises(felix.Unavailable) as part:
+            _stream_groups._settle([None, nothing()])
+        self.assertFalse(part.exception.not_applied)
+        self.assertIn("(shard 1; done on shard(s) 0)", part.exception.message)
