@@ -43,6 +43,18 @@ fn serve_in(dir: tempfile::TempDir, env: &[(&str, &str)]) -> Serve {
 }
 
 /// `felix serve` on `dir`, listening on `listen`.
+/// Stop `s` with SIGTERM (it must exit 0) and start it again on the same
+/// data directory and listen address.
+fn restart_gracefully(mut s: Serve, listen: &str) -> Serve {
+    let pid = s.child.id().to_string();
+    let term = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(term.success());
+    let status = s.child.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+    let dir = std::mem::replace(&mut s._dir, tempfile::tempdir().unwrap());
+    serve_on(dir, listen, &[])
+}
+
 fn serve_on(dir: tempfile::TempDir, listen: &str, env: &[(&str, &str)]) -> Serve {
     let mut cmd = felix();
     cmd.args(["serve", "--listen", listen, "--cores", "2", "--data-dir"])
@@ -2604,12 +2616,7 @@ fn a_read_follow_rides_a_graceful_restart() {
         .unwrap();
     // Waiting at the tail when the stop comes.
     std::thread::park_timeout(std::time::Duration::from_millis(1500));
-    let pid = s.child.id().to_string();
-    let term = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
-    assert!(term.success());
-    assert!(s.child.wait().unwrap().success());
-    let dir = std::mem::replace(&mut s._dir, tempfile::tempdir().unwrap());
-    s = serve_on(dir, &listen, &[]);
+    s = restart_gracefully(s, &listen);
     let second: Vec<String> = (10..20).map(|i| format!("r{i}")).collect();
     let mut args = vec!["publish", st, "--shard", "0"];
     args.extend(second.iter().map(String::as_str));
@@ -2686,13 +2693,7 @@ fn a_stdin_publish_rides_a_graceful_restart() {
         assert!(std::time::Instant::now() < deadline, "nothing stored");
         std::thread::park_timeout(std::time::Duration::from_millis(20));
     }
-    let pid = s.child.id().to_string();
-    let term = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
-    assert!(term.success());
-    let status = s.child.wait().unwrap();
-    assert!(status.success(), "{status:?}");
-    let dir = std::mem::replace(&mut s._dir, tempfile::tempdir().unwrap());
-    s = serve_on(dir, &listen, &[]);
+    s = restart_gracefully(s, &listen);
     feeder.join().unwrap();
     let out = publisher.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);

@@ -1514,6 +1514,21 @@ async fn answers_through_a_stop(
     (got, broker, status)
 }
 
+/// Stream `t/ns/<name>` (one shard) on `broker`, and a raw connection to it
+/// that has said HELLO.
+async fn stream_and_raw_connection(broker: &Broker, name: &str) -> tokio::net::TcpStream {
+    let c = client(broker).await;
+    c.create_stream("t", "ns", name, 1, StreamOptions::default())
+        .await
+        .unwrap();
+    let mut s = tokio::net::TcpStream::connect(&broker.addr).await.unwrap();
+    assert!(matches!(
+        raw_call(&mut s, 1, &hello(None, felix_wire::PROTOCOL_VERSION)).await,
+        felix_wire::Response::HelloOk { .. }
+    ));
+    s
+}
+
 /// Requests that reach the broker while it stops are answered, not dropped
 /// with the connection: those it had taken finish (and are stored), those
 /// it reads after the signal are refused with `unavailable` "shutting down"
@@ -1526,16 +1541,7 @@ async fn requests_read_while_the_broker_stops_are_refused_not_dropped() {
     use felix_wire::{AckMode, PublishTarget, Request, Response, StreamRef};
     use tokio::io::AsyncWriteExt;
     let broker = felix_tests::start_broker!(BrokerOptions::default().cores(1));
-    let c = client(&broker).await;
-    c.create_stream("t", "ns", "stop", 1, StreamOptions::default())
-        .await
-        .unwrap();
-    drop(c);
-    let mut s = tokio::net::TcpStream::connect(&broker.addr).await.unwrap();
-    assert!(matches!(
-        raw_call(&mut s, 1, &hello(None, felix_wire::PROTOCOL_VERSION)).await,
-        Response::HelloOk { .. }
-    ));
+    let s = stream_and_raw_connection(&broker, "stop").await;
     let (rd, mut wr) = s.into_split();
     // Publishes of 10 records, written 50 at a time until the connection
     // closes.
@@ -1619,16 +1625,7 @@ async fn a_client_that_stops_sending_when_refused_hears_about_every_request() {
     use std::sync::atomic::{AtomicBool, Ordering};
     use tokio::io::AsyncWriteExt;
     let broker = felix_tests::start_broker!(BrokerOptions::default().cores(1));
-    let c = client(&broker).await;
-    c.create_stream("t", "ns", "heard", 1, StreamOptions::default())
-        .await
-        .unwrap();
-    drop(c);
-    let mut s = tokio::net::TcpStream::connect(&broker.addr).await.unwrap();
-    assert!(matches!(
-        raw_call(&mut s, 1, &hello(None, felix_wire::PROTOCOL_VERSION)).await,
-        Response::HelloOk { .. }
-    ));
+    let s = stream_and_raw_connection(&broker, "heard").await;
     let (rd, mut wr) = s.into_split();
     let refused_seen = std::sync::Arc::new(AtomicBool::new(false));
     // Publishes written 20 at a time every 20 ms (a client that takes a

@@ -126,6 +126,10 @@ struct Unacked {
     refused: bool,
 }
 
+/// The bit of `Pipeline::said_waits` past the three kinds of wait: a
+/// leader a refusal named could not be reached.
+const SAID_NAMED_UNREACHABLE: u8 = 1 << 3;
+
 /// Keeps up to `in_flight` batches sent and unacknowledged, in order. Once
 /// one fails, nothing more is sent (a batch sent after it, on a new
 /// connection, would be stored after a gap), and on any error every batch
@@ -414,8 +418,8 @@ impl Pipeline<'_> {
                         "again"
                     };
                     if let Some(leader) = named_unreachable.take() {
-                        if self.said_waits & (1 << 3) == 0 {
-                            self.said_waits |= 1 << 3;
+                        if self.said_waits & SAID_NAMED_UNREACHABLE == 0 {
+                            self.said_waits |= SAID_NAMED_UNREACHABLE;
                             eprintln!(
                                 "felix: {} named {leader} as shard {}'s leader, which cannot be \
                              reached (it may have just failed: an election follows); asking \

@@ -997,7 +997,17 @@ async fn read_offsets<S: Storage>(
                 // the budget plus one record, and within the frame.
                 // (`skipped_before` counted whether or not it is sent.)
                 let size = answer_size(&rec, Some(true));
-                if size > frame_room {
+                let sendable = size <= frame_room;
+                if sendable && !out.offsets.is_empty() && size > budget {
+                    // Not loaded, and nothing from it on is settled.
+                    budget = 0;
+                    cut = true;
+                    break;
+                }
+                // Offsets the read stepped over below this record hold none.
+                out.skipped.extend((expect.0..rec.offset.0).map(Offset));
+                expect = rec.offset.next();
+                if !sendable {
                     // Written before the frame cap was lowered: no answer
                     // can carry it. Claimed, each poll would spend an
                     // attempt on an answer never sent; left, it would stop
@@ -1016,20 +1026,9 @@ async fn read_offsets<S: Storage>(
                             rec.offset
                         )
                     });
-                    out.skipped.extend((expect.0..rec.offset.0).map(Offset));
-                    expect = rec.offset.next();
                     out.unsendable.push((rec.offset, why));
                     continue;
                 }
-                if !out.offsets.is_empty() && size > budget {
-                    // Not loaded, and nothing from it on is settled.
-                    budget = 0;
-                    cut = true;
-                    break;
-                }
-                // Offsets the read stepped over below this record hold none.
-                out.skipped.extend((expect.0..rec.offset.0).map(Offset));
-                expect = rec.offset.next();
                 budget = budget.saturating_sub(size);
                 out.insert(rec);
             }
