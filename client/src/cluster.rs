@@ -650,24 +650,39 @@ impl ClusterClient {
     /// Delete a stream on every broker of the cluster
     /// ([`ClusterClient::members`]; one already gone is fine). Every
     /// broker is tried, one that cannot be reached or refuses included;
-    /// the first such error is returned after the others were done, so the
-    /// call can be run again once that broker is back.
+    /// the first such error is returned after the others were done, naming
+    /// its broker and the brokers the stream was deleted on, so the call can
+    /// be run again once that broker is back. It says
+    /// [`not_applied`](ClientError::not_applied) only when no broker
+    /// deleted anything.
     pub async fn delete_stream(&self, tenant: &str, namespace: &str, stream: &str) -> Result<()> {
         let mut first = None;
+        let mut deleted = Vec::new();
         for b in self.members.iter() {
             let done = match self.client(b).await {
                 Ok(c) => c.delete_stream(tenant, namespace, stream).await,
                 Err(e) => Err(e),
             };
             match done {
-                Ok(()) => {}
+                Ok(()) => deleted.push(b.as_str()),
                 Err(e) if e.code() == Some(ErrorCode::NotFound) => {}
                 Err(e) => {
-                    first.get_or_insert(e);
+                    first.get_or_insert((b.as_str(), e));
                 }
             }
         }
-        first.map_or(Ok(()), Err)
+        let Some((broker, e)) = first else {
+            return Ok(());
+        };
+        if deleted.is_empty() {
+            return Err(e.noted(&format!("broker {broker}; deleted on no broker")));
+        }
+        Err(e
+            .noted(&format!(
+                "broker {broker}; deleted on {}",
+                deleted.join(", ")
+            ))
+            .partly_done())
     }
 
     /// Describe a stream (as the first broker that answers has it).

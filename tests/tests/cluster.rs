@@ -1875,7 +1875,16 @@ fn a_broker_down_while_its_stream_was_created_again_keeps_out_of_it() {
         let not_on_three = |what: &str, e: ClientError| {
             assert!(e.to_string().contains(&cluster.addrs[2]), "{what}: {e}");
         };
-        not_on_three("delete", two.delete_stream(T, NS, S).await.unwrap_err());
+        let deleted = two.delete_stream(T, NS, S).await.unwrap_err();
+        assert!(
+            deleted.to_string().contains(&format!(
+                "deleted on {}, {}",
+                cluster.addrs[0], cluster.addrs[1]
+            )),
+            "{deleted}"
+        );
+        assert!(!deleted.not_applied(), "{deleted}");
+        not_on_three("delete", deleted);
         let created = two
             .create_stream(T, NS, S, SHARDS, StreamOptions::default())
             .await

@@ -752,22 +752,35 @@ class ClusterClient {
    * Delete a stream on every broker of the cluster (`members`; one already
    * gone is fine). Every broker is tried, one that cannot be reached or
    * refuses included; the first such error is thrown after the others
-   * were done, so the call can be run again once that broker is back.
+   * were done, naming its broker and the brokers the stream was deleted
+   * on, so the call can be run again once that broker is back. Its
+   * `notApplied` is true only when no broker deleted anything.
    * @param {import('../index').StreamArg} stream
    * @returns {Promise<void>}
    */
   async deleteStream(stream) {
     const ref = args.streamRef(stream);
     let first;
+    let failed;
+    const deleted = [];
     for (const broker of this.#members) {
       try {
         await this.#with(broker, (c) => c.deleteStream(ref));
+        deleted.push(broker);
       } catch (err) {
-        if (!(err instanceof NotFoundError)) first ??= err;
+        if (!(err instanceof NotFoundError) && first === undefined) {
+          first = err;
+          failed = broker;
+        }
       }
     }
     this.#forget(ref);
-    if (first !== undefined) throw first;
+    if (first === undefined) return;
+    const where = deleted.length === 0 ? 'deleted on no broker' : `deleted on ${deleted.join(', ')}`;
+    first.message = `${first.message} (broker ${failed}; ${where})`;
+    // The call as a whole did something, whatever this part says.
+    if (deleted.length > 0) first.notApplied = false;
+    throw first;
   }
 
   /**

@@ -540,3 +540,31 @@ test('a call that must not run twice is tried again only where it did nothing', 
     assert.equal(retryable(err, Retry.LOST), mayRunTwice, err.message);
   }
 });
+
+test('deleteStream: done on some brokers names them and is not "nothing done"', async (t) => {
+  const member = (refuses) => fake(t, {
+    features: ALL | FEATURES.ERROR_NOT_APPLIED,
+    onRequest: (frame, socket) => {
+      if (frame.opcode === 0x13 && !refuses) {
+        socket.write(ok(frame.requestId));
+        return;
+      }
+      // Unavailable, marked as having done nothing.
+      socket.write(answer(frame.requestId, 0xff, (w) => {
+        w.u16(7);
+        w.str('stopping');
+        w.opt(undefined, w.u32);
+        w.u8(1);
+      }));
+    },
+  });
+  const [a, b, c] = [await member(false), await member(true), await member(false)];
+  const cc = await cluster(t, [a, b, c]);
+  await assert.rejects(cc.deleteStream('t/n/s'), (err) => err instanceof UnavailableError
+    && err.notApplied === false
+    && err.message.includes(`(broker ${b.addr}; deleted on ${a.addr}, ${c.addr})`));
+  // Refused everywhere: nothing done, and it says so.
+  const only = await cluster(t, [b]);
+  await assert.rejects(only.deleteStream('t/n/s'), (err) => err instanceof UnavailableError
+    && err.notApplied === true && err.message.includes('deleted on no broker'));
+});

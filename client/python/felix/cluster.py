@@ -895,24 +895,35 @@ class ClusterClient(StreamGroupCalls):
         """Delete a stream on every broker of the cluster (:attr:`members`;
         one already gone is fine, so is a stream no broker holds). Every
         broker is tried, one that cannot be reached or refuses included; the
-        first such error is raised after the others were done, so the call
-        can be run again once that broker is back."""
+        first such error is raised after the others were done, naming its
+        broker and the brokers the stream was deleted on, so the call can be
+        run again once that broker is back. Its ``not_applied`` is true only
+        when no broker deleted anything."""
         ref = StreamRef.parse(stream)
         first: Optional[FelixError] = None
+        failed = ""
+        deleted: List[str] = []
         for broker in self._members:
             client: Optional[Client] = None
             try:
                 client = self._client(broker)
                 client.delete_stream(ref)
+                deleted.append(broker)
             except NotFound:
                 pass
             except FelixError as error:
                 if _connection_lost(error):
                     self._drop(broker, client)
                 if first is None:
-                    first = error
+                    first, failed = error, broker
         self._forget_stream(ref)
         if first is not None:
+            where = f"deleted on {', '.join(deleted)}" if deleted else "deleted on no broker"
+            first.message = f"{first.message} (broker {failed}; {where})"
+            first.args = (first.message,)
+            if deleted:
+                # The call as a whole did something, whatever this part says.
+                first.not_applied = False
             raise first
 
     def describe_stream(self, stream: StreamLike) -> StreamInfo:

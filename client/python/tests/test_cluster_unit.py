@@ -292,6 +292,36 @@ class FakeClusterTest(FakeBrokerCase):
         self.assertEqual(outsider.received, [], "nothing at all went to the broker outside the cluster")
         self.assertEqual(a.accepted, 1, "the connection connect made is the one used after")
 
+    def test_a_delete_done_on_some_brokers_names_them_and_is_not_nothing_done(self) -> None:
+        features = int(F.CLUSTER_INFO | F.ERROR_NOT_APPLIED)
+        addrs: List[str] = []
+
+        def member(refuses: bool):  # type: ignore[no-untyped-def]
+            def script(header, body, core):  # type: ignore[no-untyped-def]
+                if header.opcode == 0x16:
+                    return cluster_answer(header.request_id, 1, addrs)
+                if header.opcode == 0x13 and not refuses:
+                    return ok(header.request_id)
+                # Unavailable, marked as having done nothing.
+                w = _wire.Writer().u16(7).string("stopping").u8(0).u8(1)
+                return response_frame(header.request_id, 0xFF, bytes(w.buf))
+
+            return script
+
+        a, b, c = (self.serve(member(refuses), features) for refuses in (False, True, False))
+        addrs[:] = [addr(a), addr(b), addr(c)]
+        cc = self.cluster(a)
+        with self.assertRaises(felix.Unavailable) as part:
+            cc.delete_stream(STREAM)
+        self.assertFalse(part.exception.not_applied, "deleted on a and c")
+        self.assertIn(f"(broker {addr(b)}; deleted on {addr(a)}, {addr(c)})", part.exception.message)
+        # Refused everywhere: nothing done, and it says so.
+        addrs[:] = [addr(b)]
+        with self.assertRaises(felix.Unavailable) as none:
+            self.cluster(b).delete_stream(STREAM)
+        self.assertTrue(none.exception.not_applied)
+        self.assertIn("deleted on no broker", none.exception.message)
+
     def test_a_failed_describe_cluster_moves_on_to_the_next_broker_given(self) -> None:
         features = int(F.CLUSTER_INFO)
         others: List[str] = []
