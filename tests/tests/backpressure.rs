@@ -114,6 +114,83 @@ async fn a_client_that_never_reads_its_answers_costs_bounded_memory() {
     writer.await.unwrap();
 }
 
+/// Answers a client does not read are held to `max_pending_response_bytes`
+/// counting the part the connection's writer is handing the socket, not
+/// only what waits behind it; and a list of streams, built whole (as large
+/// as the catalog) before it waits to be queued, takes its room before it
+/// is built. Here a thousand lists, sent behind long reads that held the
+/// connection at its request limit, each answer about 250 KB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_nobody_reads_are_held_to_the_connections_bound() {
+    const STREAMS: usize = 1500;
+    const POLLS: u64 = 1024;
+    const LISTS: u64 = 1000;
+    let b = felix_tests::start_broker!(BrokerOptions::default().cores(1).in_memory());
+    let c = Client::connect(b.addr.as_str(), ClientConfig::default())
+        .await
+        .unwrap();
+    // Long names: each list answers about 250 KB, a thousand about 250 MB.
+    let ns = "n".repeat(120);
+    for i in 0..STREAMS {
+        c.create_stream("t", &ns, &format!("s{i}"), 1, StreamOptions::default())
+            .await
+            .unwrap();
+    }
+    let pid = b.pid();
+    let base = rss_bytes(pid);
+
+    let (rd, mut wr) = raw_connection(&b.addr, "never-reads").await;
+    // Reads that wait for records that never come fill the connection's
+    // request limit, so the lists sent after them pile up unread, and are
+    // read together once the reads give up.
+    let mut out = bytes::BytesMut::new();
+    for id in 1..=POLLS {
+        let read = Request::Read {
+            stream: StreamRef {
+                tenant: "t".into(),
+                namespace: ns.clone(),
+                stream: "s0".into(),
+            },
+            shard: 0,
+            from: StartPosition::Offset(0),
+            max_records: 1,
+            max_bytes: 1024,
+            wait_ms: 1500,
+        };
+        felix_wire::encode_request(id, &read, &mut out);
+    }
+    for id in POLLS + 1..=POLLS + LISTS {
+        felix_wire::encode_request(id, &Request::ListStreams { tenant: None }, &mut out);
+    }
+    let writer = tokio::spawn(async move {
+        wr.write_all(&out).await.unwrap();
+        wr
+    });
+    // The reads give up after 1.5 s; then the lists are taken in.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    settle(pid).await;
+
+    // Others are served meanwhile.
+    assert_eq!(c.list_streams(None).await.unwrap().len(), STREAMS);
+    // max_pending_response_bytes (64 MiB) of answers, counting those the
+    // socket is being handed (the old bound left them out: 128 MiB).
+    let grown = rss_bytes(pid).saturating_sub(base);
+    assert!(
+        grown < 150 << 20,
+        "broker grew by {} MiB for lists nobody reads",
+        grown >> 20
+    );
+    // Reading now drains everything: every read (empty) and every list
+    // (whole) is answered.
+    drain_answers(rd, POLLS + LISTS + 1, |r| match r {
+        Response::Streams(s) => s.len() == STREAMS,
+        Response::Records { records, .. } => records.is_empty(),
+        _ => false,
+    })
+    .await;
+    writer.await.unwrap();
+}
+
 /// A raw connection that has said HELLO (its answer left unread).
 async fn raw_connection(
     addr: &str,

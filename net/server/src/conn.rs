@@ -288,8 +288,10 @@ fn log_refusal(conn: u64, sock: &Shared, client: &str, why: &str) {
 
 /// Bytes a request's answer may take, reserved before it runs: a read,
 /// poll or dead-letter list's answer holds the records it found (and, for cold reads, the disk
-/// chunks they sit in) until it is sent, so a client that asks for many and
-/// reads none must be held up before the broker fetches them, not after.
+/// chunks they sit in) until it is sent, and a list of streams or groups
+/// is built whole (as large as the catalog) before it waits to be queued,
+/// so a client that asks for many and reads none must be held up before
+/// the broker builds them, not after.
 fn answer_reservation(req: &Request, config: &crate::config::Config) -> usize {
     let cap = config.max_bytes_per_read as usize;
     match req {
@@ -300,7 +302,9 @@ fn answer_reservation(req: &Request, config: &crate::config::Config) -> usize {
         // A page of dead letters is capped like a read; the whole list only
         // by the frame.
         Request::GroupDeadLettersPage { .. } => cap.min(config.max_frame_bytes as usize),
-        Request::GroupDeadLetters { .. } => config.max_frame_bytes as usize,
+        Request::GroupDeadLetters { .. }
+        | Request::ListStreams { .. }
+        | Request::ListGroups { .. } => config.max_frame_bytes as usize,
         _ => 0,
     }
 }
@@ -422,7 +426,7 @@ pub(crate) async fn serve<S: Storage>(
     let over_limits = |info: &ConnInfo, outbox: &Outbox| {
         info.in_flight.get() >= max_requests
             || info.in_flight_bytes.get() >= max_request_bytes
-            || outbox.buf.borrow().len() >= max_pending
+            || outbox.unsent() >= max_pending
             || budget_bound(info, outbox)
     };
     // A connection has this long to say HELLO (however slowly its bytes
@@ -1104,7 +1108,7 @@ fn spawn_request<S: Storage>(
         // A client that sends requests but does not read its answers holds
         // them here, not in an ever-growing outbox: at most
         // `max_pending_response_bytes` plus one answer is encoded and unsent.
-        while outbox.buf.borrow().len() >= max_pending && !outbox.closed.get() {
+        while outbox.unsent() >= max_pending && !outbox.closed.get() {
             outbox.drained.wait().await;
         }
         let published = matches!(resp, Response::Published { .. });
