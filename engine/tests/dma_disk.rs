@@ -386,14 +386,18 @@ fn small_flushes_write_zeros_ahead_so_later_ones_overwrite_written_blocks() {
             "unwritten extent {from}..{to} inside the zeroed stretch (data ends at {data_len})"
         );
     }
-    // And the log reopens at its data, past the zeros.
+    // And the log reopens at its data, past the zeros, cut back to the
+    // data's last page.
     let root = dir.path().to_path_buf();
+    let p3 = path.clone();
     run(move || async move {
         warm_up_dma(&root).await.unwrap();
-        let log = ShardLog::open(DmaStorage::new(), &path, LogConfig::default(), &mut |_| {})
+        let log = ShardLog::open(DmaStorage::new(), &p3, LogConfig::default(), &mut |_| {})
             .await
             .unwrap();
         assert_eq!(log.end(), Offset(400));
+        let size = std::fs::metadata(active_segment(&p3)).unwrap().len();
+        assert_eq!(size, data_len.next_multiple_of(4096));
         let got = read_all(&log).await;
         for (i, p) in got.iter().enumerate() {
             assert_eq!(p, &rec(i as u64).payload, "record {i}");
@@ -477,11 +481,15 @@ fn a_clean_close_gives_the_reservation_back() {
         len
     });
     let seg = active_segment(&path);
+    // Cut to the end of the data's last page (its padding is zeros), so
+    // the next flush rewrites that page without needing a block for it.
+    let bytes = std::fs::read(&seg).unwrap();
     assert_eq!(
-        std::fs::metadata(&seg).unwrap().len(),
-        data_len,
-        "closed at its data, reservation and zeros cut off"
+        bytes.len() as u64,
+        data_len.next_multiple_of(4096),
+        "closed at its data's last page, reservation and zeros cut off"
     );
+    assert!(bytes[data_len as usize..].iter().all(|&b| b == 0));
     let root = dir.path().to_path_buf();
     run(move || async move {
         warm_up_dma(&root).await.unwrap();

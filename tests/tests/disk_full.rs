@@ -384,3 +384,113 @@ async fn shards_filling_a_small_disk_together_are_refused_not_stopped() {
     broker.kill().unwrap();
     broker.wait().unwrap();
 }
+
+/// Fill every block of the disk at `mnt`, the root reserve too (the tests
+/// run as root), 1 KiB at a time at the end, until the disk refuses.
+fn fill_completely(mnt: &Path) -> [PathBuf; 2] {
+    let filler = fill_until(mnt, 0);
+    let rest = mnt.join("filler-rest");
+    let mut f = std::fs::File::create(&rest).unwrap();
+    let chunk = [0u8; 1 << 10];
+    while let Ok(1..) = std::io::Write::write(&mut f, &chunk) {}
+    let _ = f.sync_all();
+    [filler, rest]
+}
+
+/// A broker restarted on a disk that another program filled to the last
+/// block (a small ext4 disk has 1 KiB blocks, under a page) still opens
+/// its shards, those with consumer groups too (each open writes a snapshot
+/// of their state): reads and group calls are served, publishes refused as
+/// for a nearly full disk, and served again once space is freed, with no
+/// second restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_restarted_on_a_disk_filled_to_the_last_block_serves_its_groups() {
+    let disk = match SmallDisk::mount(40) {
+        Ok(disk) => disk,
+        Err(e) => {
+            eprintln!("skipped: cannot loop-mount a small disk here ({e})");
+            return;
+        }
+    };
+    let data = disk.mnt.join("data");
+    let (mut broker, addr) = start(&data);
+    let c = Client::connect(addr.as_str(), ClientConfig::default())
+        .await
+        .unwrap();
+    c.create_stream("t", "ns", "fill", 1, StreamOptions::default())
+        .await
+        .unwrap();
+    c.publish_batch("t", "ns", "fill", 0, batch(0))
+        .await
+        .unwrap();
+    let got = c
+        .group_poll("t", "ns", "fill", 0, "workers", 10)
+        .await
+        .unwrap();
+    assert_eq!(got.len(), 10);
+    c.group_ack("t", "ns", "fill", 0, "workers", got[0].offset)
+        .await
+        .unwrap();
+    drop(c);
+    // Stopped cleanly, then the disk is filled from outside.
+    // SAFETY: kill(2) on a child process this test started.
+    assert_eq!(
+        unsafe { libc::kill(broker.id() as libc::pid_t, libc::SIGTERM) },
+        0
+    );
+    assert!(broker.wait().unwrap().success());
+    let fillers = fill_completely(&disk.mnt);
+
+    let (mut broker, addr) = start(&data);
+    let c = Client::connect(addr.as_str(), ClientConfig::default())
+        .await
+        .unwrap();
+    let shard = c.describe_shard("t", "ns", "fill", 0).await.unwrap();
+    assert_eq!(shard.stopped, None, "the shard stopped at open");
+    assert_eq!(read_all(&c).await.len(), 64);
+    let info = c
+        .group_describe("t", "ns", "fill", 0, "workers")
+        .await
+        .unwrap();
+    assert_eq!(info.position, 1);
+    // Publishes are refused as for a nearly full disk, not by a stopped
+    // shard.
+    let refused = c
+        .publish_batch("t", "ns", "fill", 0, batch(64))
+        .await
+        .unwrap_err();
+    assert!(refused.to_string().contains("nearly full"), "{refused}");
+    assert!(refused.not_applied(), "{refused:?}");
+
+    // Killed and started again on the full disk: the same.
+    drop(c);
+    broker.kill().unwrap();
+    broker.wait().unwrap();
+    let (mut broker, addr) = start(&data);
+    let c = Client::connect(addr.as_str(), ClientConfig::default())
+        .await
+        .unwrap();
+    let shard = c.describe_shard("t", "ns", "fill", 0).await.unwrap();
+    assert_eq!(
+        shard.stopped, None,
+        "the shard stopped at open after a crash"
+    );
+    assert_eq!(read_all(&c).await.len(), 64);
+    let again = c
+        .group_poll("t", "ns", "fill", 0, "workers", 100)
+        .await
+        .unwrap();
+    assert_eq!(
+        again.first().map(|r| r.offset),
+        Some(1),
+        "redelivered from the position"
+    );
+
+    for f in &fillers {
+        std::fs::remove_file(f).unwrap();
+    }
+    published_once_space_is_back(&c, 64).await;
+    assert_eq!(read_all(&c).await.len(), 128);
+    broker.kill().unwrap();
+    broker.wait().unwrap();
+}

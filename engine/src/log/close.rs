@@ -65,10 +65,13 @@ impl<S: Storage> ShardLog<S> {
             .map_err(|e| io_err(&format!("write {CLEAN_MARK}"), e))
     }
 
-    /// Cut the active segment back to its data, as sealing does: a clean
-    /// stop leaves no reserved blocks (nor zeros written ahead) for the next
-    /// open to read through, and gives the space back. Nothing is lost if
-    /// this is cut short: recovery reads zeros past the data as the end.
+    /// Cut the active segment back to the end of its data's last page: a
+    /// clean stop leaves no reserved blocks (nor zeros written ahead) for
+    /// the next open to read through, and gives the space back, but keeps
+    /// the blocks of the page the next flush rewrites (a filesystem with
+    /// blocks under a page would otherwise need a new one for it, which a
+    /// full disk refuses). Nothing is lost if this is cut short: recovery
+    /// reads zeros past the data as the end.
     async fn release_reservation(&self) -> Result<(), LogError> {
         let (file, len, reserved) = {
             let i = self.inner.borrow();
@@ -80,14 +83,17 @@ impl<S: Storage> ShardLog<S> {
             };
             (s.file.clone(), s.len, s.reserved.max(s.zeroed))
         };
-        if reserved <= len {
+        // The page holding the data's end is written whole (padded with
+        // zeros), so its blocks hold data or zeros.
+        let keep = align_up(len);
+        if reserved <= keep {
             return Ok(());
         }
-        cut_to(&*file, len, "release reservation").await?;
+        cut_to(&*file, keep, "release reservation").await?;
         let mut i = self.inner.borrow_mut();
         if let Some(s) = i.segments.values_mut().next_back() {
-            s.reserved = len;
-            s.zeroed = len;
+            s.reserved = keep;
+            s.zeroed = keep;
         }
         Ok(())
     }

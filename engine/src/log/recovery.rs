@@ -177,19 +177,37 @@ impl<S: Storage> ShardLog<S> {
             seg.len = valid_len;
             seg.zeroed = valid_len;
             if is_tail {
-                if size != valid_len {
-                    cut_to(&*seg.file, valid_len, "trim tail").await?;
-                    seg.reserved = valid_len;
-                }
                 let page_start = align_down(valid_len);
-                if valid_len > page_start {
-                    let bytes = seg
-                        .file
-                        .read_at(page_start, (valid_len - page_start) as usize)
+                let page_end = align_up(valid_len).min(size);
+                let page = if page_end > page_start {
+                    seg.file
+                        .read_at(page_start, (page_end - page_start) as usize)
                         .await
-                        .map_err(|e| io_err("read tail page", e))?;
-                    tail_page = bytes.to_vec();
+                        .map_err(|e| io_err("read tail page", e))?
+                } else {
+                    Bytes::new()
+                };
+                let in_page = (valid_len - page_start) as usize;
+                if page.len() < in_page {
+                    return Err(io_err(
+                        "read tail page",
+                        std::io::Error::from(std::io::ErrorKind::UnexpectedEof),
+                    ));
                 }
+                // The data's last page is kept whole when what follows the
+                // data in it is zeros (its padding): the next flush rewrites
+                // that page, and on a full disk it then needs no new block
+                // (a filesystem with blocks under a page allocates them).
+                let keep = if page[in_page..].iter().all(|&b| b == 0) {
+                    page_end.max(valid_len)
+                } else {
+                    valid_len
+                };
+                if size != keep {
+                    cut_to(&*seg.file, keep, "trim tail").await?;
+                }
+                seg.reserved = keep;
+                tail_page = page[..in_page].to_vec();
             }
             lsn = lsn.plus(seg.len);
             expected = Some(seg.end);
