@@ -13,6 +13,9 @@ use std::path::{Path, PathBuf};
 
 pub const META_FILE: &str = "stream.meta";
 const META_VERSION: u64 = 1;
+/// The most shards a stream can have (`limits.max_shards` is at most
+/// this): metadata naming more is damage, not a stream to open.
+pub const MAX_SHARDS: u32 = 1 << 16;
 
 /// What is persisted about a stream.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -83,8 +86,10 @@ impl StreamMeta {
             return Err(format!("unknown metadata version {version}"));
         }
         let shards = int("shards")?;
-        if shards == 0 || shards > u32::MAX as u64 {
-            return Err(format!("bad shard count {shards}"));
+        if shards == 0 || shards > u64::from(MAX_SHARDS) {
+            return Err(format!(
+                "bad shard count {shards} (a stream has 1 to {MAX_SHARDS})"
+            ));
         }
         let opt = |v: u64| if v == 0 { None } else { Some(v) };
         Ok(StreamMeta {
@@ -419,6 +424,15 @@ mod tests {
         let text = m.encode().replace(&i64::MAX.to_string(), "-1");
         assert!(StreamMeta::decode(name.clone(), &text).is_err());
         assert!(StreamMeta::decode(name.clone(), "version = 1\nshards = 0\n").is_err());
+        // A count no stream can have (damage, or a hand edit) is refused
+        // here, before anything is sized by it.
+        for shards in [u64::from(MAX_SHARDS) + 1, 4_000_000_000] {
+            let text = m.encode().replace("shards = 4", &format!("shards = {shards}"));
+            let err = StreamMeta::decode(name.clone(), &text).unwrap_err();
+            assert!(err.contains("bad shard count"), "{err}");
+        }
+        let most = m.encode().replace("shards = 4", &format!("shards = {MAX_SHARDS}"));
+        assert_eq!(StreamMeta::decode(name.clone(), &most).unwrap().shards, MAX_SHARDS);
         assert!(StreamMeta::decode(name.clone(), "garbage ===").is_err());
         assert!(StreamMeta::decode(name, "version = 9\nshards = 1\n").is_err());
     }

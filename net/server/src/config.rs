@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
+use felix_engine::catalog;
 use felix_replication::handshake::PeerKey;
 
 /// Where a setting's value came from.
@@ -100,7 +101,7 @@ const SETTINGS: &[Setting] = &[
     Setting { section: "limits", name: "max_bytes_per_read", env: None, kind: Kind::U64, default: "4194304", help: "bytes of records after which a read (payloads, keys, header names and values) or poll (the records as answered) stops; an answer also stops within max_frame_bytes" },
     Setting { section: "limits", name: "max_records_per_publish", env: None, kind: Kind::U64, default: "100000", help: "records in one publish request" },
     Setting { section: "limits", name: "max_timestamp_ahead_ms", env: None, kind: Kind::U64, default: "3600000", help: "a published record's timestamp may be at most this far ahead of the broker's clock (retention by age trusts timestamps); 0 = no limit" },
-    Setting { section: "limits", name: "max_shards", env: None, kind: Kind::U64, default: "4096", help: "shards per stream" },
+    Setting { section: "limits", name: "max_shards", env: None, kind: Kind::U64, default: "4096", help: "shards per stream (at most 65536)" },
     Setting { section: "limits", name: "max_total_shards", env: None, kind: Kind::U64, default: "16384", help: "shards of all streams together (each keeps files open and its own caches); a create past it is refused with too_large" },
 ];
 
@@ -929,7 +930,8 @@ impl Config {
             max_shards: u32_of(
                 nonzero(num("limits", "max_shards")?, "limits.max_shards")?,
                 "limits.max_shards",
-            )?,
+            )
+            .and_then(|n| at_most(n, catalog::MAX_SHARDS, "limits.max_shards"))?,
             max_total_shards: nonzero(
                 num("limits", "max_total_shards")?,
                 "limits.max_total_shards",
@@ -1274,6 +1276,10 @@ mod tests {
         let e = Config::load_with_env(Some(&file), &Overrides::default(), &BTreeMap::new())
             .unwrap_err();
         assert!(e.to_string().contains("at most 1000"), "{e}");
+        std::fs::write(&file, "[limits]\nmax_shards = 65537\n").unwrap();
+        let e = Config::load_with_env(Some(&file), &Overrides::default(), &BTreeMap::new())
+            .unwrap_err();
+        assert!(e.to_string().contains("at most 65536"), "{e}");
 
         std::fs::write(&file, "[storage]\nsegment_bytes = 1\n").unwrap();
         let e = Config::load_with_env(Some(&file), &Overrides::default(), &BTreeMap::new())
