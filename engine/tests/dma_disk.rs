@@ -8,6 +8,7 @@ use felix_engine::storage::dma::DmaStorage;
 use felix_engine::Offset;
 use glommio::LocalExecutorBuilder;
 use std::path::PathBuf;
+use std::time::Duration;
 
 fn run<F: std::future::Future<Output = ()> + 'static>(f: impl FnOnce() -> F + Send + 'static) {
     run_and_return(f)
@@ -555,5 +556,50 @@ fn a_dma_file_tracks_its_size_and_reads_after_it_is_unlinked() {
         assert_eq!(r.len(), 4096);
         assert!(r.iter().all(|&b| b == 7));
         f.close().await.unwrap();
+    });
+}
+
+/// A segment file cut short from outside while the log is open: a read of
+/// what it lost answers an error naming the file, instead of reading the
+/// same short bytes again for ever.
+#[test]
+fn a_segment_cut_short_while_open_fails_reads_instead_of_spinning() {
+    let dir = tempfile::tempdir().unwrap();
+    let path: PathBuf = dir.path().join("t/n/s/0");
+    let root = dir.path().to_path_buf();
+    run(move || async move {
+        warm_up_dma(&root).await.unwrap();
+        let cfg = LogConfig {
+            read_cache_bytes: 0,
+            ..LogConfig::default()
+        };
+        let log = ShardLog::open(DmaStorage::new(), &path, cfg, &mut |_| {})
+            .await
+            .unwrap();
+        for chunk in 0..20u64 {
+            let batch: Vec<_> = (0..10).map(|i| rec(chunk * 10 + i)).collect();
+            log.append(&batch).unwrap();
+            log.flush().await.unwrap();
+        }
+        let seg = active_segment(&path);
+        let f = std::fs::OpenOptions::new().write(true).open(&seg).unwrap();
+        f.set_len(4096).unwrap();
+        drop(f);
+        let read = glommio::timer::timeout(Duration::from_secs(10), async {
+            Ok(log
+                .read(
+                    Offset(150),
+                    ReadLimits {
+                        max_records: 10,
+                        max_bytes: 1 << 20,
+                    },
+                )
+                .await)
+        })
+        .await
+        .expect("the read answers");
+        let err = read.expect_err("records the file no longer holds were read");
+        assert!(err.to_string().contains("cut short"), "{err}");
+        assert!(err.to_string().contains(&seg.display().to_string()), "{err}");
     });
 }

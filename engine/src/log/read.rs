@@ -273,6 +273,19 @@ impl<S: Storage> ShardLog<S> {
         drop(in_flight);
         let bytes = read.map_err(|e| io_err("read", e))?;
         let mut i = self.inner.borrow_mut();
+        if bytes.len() < need {
+            // The file ends inside data the log holds: cut short from
+            // outside while the broker runs. Said, not read again for ever.
+            return Err(LogError::Corrupt {
+                path: i.dir.join(segment_name(segment)).display().to_string(),
+                position: pos + bytes.len() as u64,
+                reason: format!(
+                    "the segment file ends {} bytes into a read of {need} at byte {pos}, \
+                     inside data the log holds (was it cut short while the broker ran?)",
+                    bytes.len()
+                ),
+            });
+        }
         i.cold_reads += 1;
         // A miss past the start of a kept chunk, up to where it ends, is a
         // reader moving forward out of it.
