@@ -126,8 +126,19 @@ impl<S: Storage> Shard<S> {
             idle_ms: c.group_idle_ms,
             shared_claims: core.claims.clone(),
         };
-        // Replay group entries in log order.
-        let mut entries = Vec::new();
+        // Replay group entries in log order, each applied as it is read
+        // (a shard's log may hold millions of them).
+        let mut groups: ahash::AHashMap<String, GroupTracker> = Default::default();
+        let mut apply = |e: GroupEntry| match groups.get_mut(e.group()) {
+            Some(t) => {
+                t.apply_entry(&e);
+            }
+            None => {
+                let mut t = GroupTracker::new(e.group(), group_config.clone());
+                t.apply_entry(&e);
+                groups.insert(e.group().to_string(), t);
+            }
+        };
         let mut bad = None;
         let mut group_index = 0;
         let log = ShardLog::open(core.storage.clone(), dir, core.log_config(meta), &mut |e| {
@@ -138,14 +149,14 @@ impl<S: Storage> Shard<S> {
                         group_index = group_index.max(index);
                         for b in bodies {
                             match GroupEntry::decode(b) {
-                                Ok(g) => entries.push(g),
+                                Ok(g) => apply(g),
                                 Err(err) => bad = Some(err.to_string()),
                             }
                         }
                     }
                     Some(Err(err)) => bad = Some(err),
                     None => match GroupEntry::decode(body) {
-                        Ok(g) => entries.push(g),
+                        Ok(g) => apply(g),
                         Err(err) => bad = Some(err.to_string()),
                     },
                 }
@@ -158,13 +169,6 @@ impl<S: Storage> Shard<S> {
                 position: 0,
                 reason: format!("undecodable group entry: {err}"),
             });
-        }
-        let mut groups: ahash::AHashMap<String, GroupTracker> = Default::default();
-        for e in &entries {
-            let t = groups
-                .entry(e.group().to_string())
-                .or_insert_with(|| GroupTracker::new(e.group(), group_config.clone()));
-            t.apply_entry(e);
         }
         groups.retain(|_, t| t.exists());
         let replicated = core.shared.config.cluster.is_some();
