@@ -427,12 +427,19 @@ mod tests {
         // A count no stream can have (damage, or a hand edit) is refused
         // here, before anything is sized by it.
         for shards in [u64::from(MAX_SHARDS) + 1, 4_000_000_000] {
-            let text = m.encode().replace("shards = 4", &format!("shards = {shards}"));
+            let text = m
+                .encode()
+                .replace("shards = 4", &format!("shards = {shards}"));
             let err = StreamMeta::decode(name.clone(), &text).unwrap_err();
             assert!(err.contains("bad shard count"), "{err}");
         }
-        let most = m.encode().replace("shards = 4", &format!("shards = {MAX_SHARDS}"));
-        assert_eq!(StreamMeta::decode(name.clone(), &most).unwrap().shards, MAX_SHARDS);
+        let most = m
+            .encode()
+            .replace("shards = 4", &format!("shards = {MAX_SHARDS}"));
+        assert_eq!(
+            StreamMeta::decode(name.clone(), &most).unwrap().shards,
+            MAX_SHARDS
+        );
         assert!(StreamMeta::decode(name.clone(), "garbage ===").is_err());
         assert!(StreamMeta::decode(name, "version = 9\nshards = 1\n").is_err());
     }

@@ -600,6 +600,9 @@ fn a_segment_cut_short_while_open_fails_reads_instead_of_spinning() {
         .expect("the read answers");
         let err = read.expect_err("records the file no longer holds were read");
         assert!(err.to_string().contains("cut short"), "{err}");
-        assert!(err.to_string().contains(&seg.display().to_string()), "{err}");
+        assert!(
+            err.to_string().contains(&seg.display().to_string()),
+            "{err}"
+        );
     });
 }

@@ -1502,7 +1502,13 @@ async fn publish<S: Storage>(
         .into_iter()
         .enumerate()
         .map(|(i, r)| {
-            bytes += r.payload.len() as u64;
+            // As reads count them: key, header names and values, payload.
+            bytes += (r.payload.len()
+                + r.key.as_ref().map_or(0, |k| k.len())
+                + r.headers
+                    .iter()
+                    .map(|(n, v)| n.len() + v.len())
+                    .sum::<usize>()) as u64;
             if let (Some(l), Some(t)) = (limit, r.timestamp_ms) {
                 if t > l && too_far.is_none() {
                     too_far = Some((i, t));

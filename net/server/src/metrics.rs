@@ -201,28 +201,16 @@ impl CoreMetrics {
                 .map(|(k, v)| (k.to_string(), *v))
                 .collect(),
             counters: vec![
-                ("felix_publish_records_total", self.publish_records.get()),
-                ("felix_publish_bytes_total", self.publish_bytes.get()),
-                ("felix_read_records_total", self.read_records.get()),
-                ("felix_read_bytes_total", self.read_bytes.get()),
-                (
-                    "felix_group_records_delivered_total",
-                    self.group_delivered.get(),
-                ),
-                ("felix_group_records_acked_total", self.group_acked.get()),
-                (
-                    "felix_group_polls_capped_total",
-                    self.group_polls_capped.get(),
-                ),
-                (
-                    "felix_connections_accepted_total",
-                    self.connections_accepted.get(),
-                ),
-                (
-                    "felix_connections_refused_total",
-                    self.connections_refused.get(),
-                ),
-                ("felix_connection_handoffs_total", self.handoffs.get()),
+                ("felix_publish_records_total", "Records published (acknowledged or not yet).", self.publish_records.get()),
+                ("felix_publish_bytes_total", "Bytes of the records published: keys, header names and values, payloads.", self.publish_bytes.get()),
+                ("felix_read_records_total", "Records returned by reads.", self.read_records.get()),
+                ("felix_read_bytes_total", "Bytes of the records returned by reads: keys, header names and values, payloads.", self.read_bytes.get()),
+                ("felix_group_records_delivered_total", "Records handed out by group polls, redeliveries included.", self.group_delivered.get()),
+                ("felix_group_records_acked_total", "Records consumer groups acknowledged.", self.group_acked.get()),
+                ("felix_group_polls_capped_total", "Group polls answered empty at groups.max_in_flight (FELIX_GROUP_MAX_IN_FLIGHT).", self.group_polls_capped.get()),
+                ("felix_connections_accepted_total", "Client connections accepted.", self.connections_accepted.get()),
+                ("felix_connections_refused_total", "Client connections turned away (server.max_connections, or no file descriptors left).", self.connections_refused.get()),
+                ("felix_connection_handoffs_total", "Connections handed to the core their HELLO asked for.", self.handoffs.get()),
             ],
             connections_open: self.connections_open.get(),
             publish_latency: *self.publish_latency.borrow(),
@@ -332,7 +320,8 @@ pub(crate) struct BufferedSnapshot {
 pub(crate) struct MetricsSnapshot {
     pub requests: BTreeMap<String, u64>,
     pub errors: BTreeMap<String, u64>,
-    pub counters: Vec<(&'static str, u64)>,
+    /// Name, help text and value of each plain counter.
+    pub counters: Vec<(&'static str, &'static str, u64)>,
     pub connections_open: u64,
     pub publish_latency: PublishLatency,
     pub group_polls_waiting: u64,
@@ -365,7 +354,7 @@ impl MetricsSnapshot {
             self.counters = o.counters;
         } else {
             for (a, b) in self.counters.iter_mut().zip(o.counters) {
-                a.1 += b.1;
+                a.2 += b.2;
             }
         }
         self.connections_open += o.connections_open;
@@ -390,12 +379,12 @@ impl MetricsSnapshot {
         for (code, n) in &self.errors {
             let _ = writeln!(s, "felix_errors_total{{code=\"{code}\"}} {n}");
         }
-        for (name, v) in &self.counters {
-            let _ = writeln!(s, "# TYPE {name} counter\n{name} {v}");
+        for (name, help, v) in &self.counters {
+            let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
         }
         let _ = writeln!(
             s,
-            "# TYPE felix_connections_open gauge\nfelix_connections_open {}",
+            "# HELP felix_connections_open Client connections open.\n# TYPE felix_connections_open gauge\nfelix_connections_open {}",
             self.connections_open
         );
         self.publish_latency.render(&mut s);
@@ -445,7 +434,7 @@ impl MetricsSnapshot {
                 sh.stream, sh.shard, sh.end
             );
         }
-        let _ = writeln!(s, "# TYPE felix_shard_start_offset gauge");
+        let _ = writeln!(s, "# HELP felix_shard_start_offset The oldest offset a shard still holds (retention removes below it).\n# TYPE felix_shard_start_offset gauge");
         for sh in self.shards.iter().filter(|sh| !sh.unopened) {
             let _ = writeln!(
                 s,
@@ -453,7 +442,7 @@ impl MetricsSnapshot {
                 sh.stream, sh.shard, sh.start
             );
         }
-        let _ = writeln!(s, "# TYPE felix_shard_bytes gauge");
+        let _ = writeln!(s, "# HELP felix_shard_bytes Bytes of a shard's log segments.\n# TYPE felix_shard_bytes gauge");
         for sh in self.shards.iter().filter(|sh| !sh.unopened) {
             let _ = writeln!(
                 s,
@@ -461,7 +450,7 @@ impl MetricsSnapshot {
                 sh.stream, sh.shard, sh.bytes
             );
         }
-        let _ = writeln!(s, "# TYPE felix_shard_stopped gauge");
+        let _ = writeln!(s, "# HELP felix_shard_stopped 1 where a shard stopped after an I/O failure (it refuses requests until a restart).\n# TYPE felix_shard_stopped gauge");
         for sh in &self.shards {
             let _ = writeln!(
                 s,
@@ -521,9 +510,9 @@ impl MetricsSnapshot {
         } = io;
         let _ = writeln!(
             s,
-            "# TYPE felix_flushes_total counter\nfelix_flushes_total {flushes}"
+            "# HELP felix_flushes_total Group-commit rounds (each a write and an fdatasync).\n# TYPE felix_flushes_total counter\nfelix_flushes_total {flushes}"
         );
-        let _ = writeln!(s, "# TYPE felix_disk_bytes_written_total counter\nfelix_disk_bytes_written_total {written}");
+        let _ = writeln!(s, "# HELP felix_disk_bytes_written_total Bytes written to log segments (zeros written ahead included).\n# TYPE felix_disk_bytes_written_total counter\nfelix_disk_bytes_written_total {written}");
         let _ = writeln!(
             s,
             "# HELP felix_cold_reads_total Reads below the in-memory tail, by where they were served from.\n\
@@ -741,6 +730,32 @@ mod tests {
                 .count(),
             1
         );
+    }
+
+    #[test]
+    fn every_family_has_help_and_type() {
+        let mut snap = CoreMetrics::default().snapshot();
+        snap.shards.push(ShardSnapshot {
+            stream: "t/n/s".into(),
+            replica: Some(ReplicaSnapshot::default()),
+            ..ShardSnapshot::default()
+        });
+        let text = snap.render();
+        assert!(text.contains("felix_replica_term"), "{text}");
+        let mut helped = std::collections::BTreeSet::new();
+        let mut typed = 0;
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# HELP ") {
+                let (name, help) = rest.split_once(' ').unwrap();
+                assert!(!help.trim().is_empty(), "{name}: empty help");
+                assert!(helped.insert(name.to_string()), "{name}: two HELP lines");
+            } else if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let name = rest.split(' ').next().unwrap();
+                assert!(helped.contains(name), "{name}: TYPE without HELP before it");
+                typed += 1;
+            }
+        }
+        assert!(typed >= 20, "{text}");
     }
 
     #[test]
