@@ -606,3 +606,49 @@ fn a_segment_cut_short_while_open_fails_reads_instead_of_spinning() {
         );
     });
 }
+
+/// Only the names the log gives its segments are taken for segments: a
+/// stray `5.log` is not segment 5 (whose file would then be missing), and
+/// a file in a mark's place too large to be one is refused, not read whole.
+#[test]
+fn stray_names_are_not_segments_and_huge_marks_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path: PathBuf = dir.path().join("t/n/s/0");
+    let root = dir.path().to_path_buf();
+    let p2 = path.clone();
+    run(move || async move {
+        warm_up_dma(&root).await.unwrap();
+        let log = ShardLog::open(DmaStorage::new(), &p2, LogConfig::default(), &mut |_| {})
+            .await
+            .unwrap();
+        log.append(&[rec(0), rec(1)]).unwrap();
+        log.flush().await.unwrap();
+        log.close().await.unwrap();
+    });
+    for stray in ["5.log", "+5.log", "000000000000000000005.log"] {
+        std::fs::write(path.join(stray), b"not a segment").unwrap();
+    }
+    let p3 = path.clone();
+    let root = dir.path().to_path_buf();
+    run(move || async move {
+        warm_up_dma(&root).await.unwrap();
+        let log = ShardLog::open(DmaStorage::new(), &p3, LogConfig::default(), &mut |_| {})
+            .await
+            .unwrap();
+        assert_eq!(read_all(&log).await.len(), 2);
+        log.close().await.unwrap();
+    });
+    let mark = path.join("tail.mark");
+    std::fs::File::create(&mark)
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
+    let root = dir.path().to_path_buf();
+    run(move || async move {
+        warm_up_dma(&root).await.unwrap();
+        let err = ShardLog::open(DmaStorage::new(), &path, LogConfig::default(), &mut |_| {})
+            .await
+            .expect_err("a 64 MiB tail mark was read");
+        assert!(err.to_string().contains("too large"), "{err}");
+    });
+}

@@ -24,7 +24,14 @@ impl<S: Storage> ShardLog<S> {
             .await
             .map_err(|e| io_err("list shard directory", e))?
             .iter()
-            .filter_map(|n| n.strip_suffix(".log")?.parse::<u64>().ok().map(Offset))
+            .filter_map(|n| {
+                // Only the names the log gives its segments (twenty digits):
+                // `5.log` or `+5.log` is not segment 5 (whose file would then
+                // be missing), but a file the log does not know.
+                let base = n.strip_suffix(".log")?;
+                let ours = base.len() == 20 && base.bytes().all(|b| b.is_ascii_digit());
+                ours.then(|| base.parse::<u64>().ok().map(Offset))?
+            })
             .collect();
         bases.sort();
         let (tail_mark, clean) = read_marks(&storage, dir).await?;
@@ -448,6 +455,21 @@ async fn scan_batches<F: StorageFile>(
                             format!(
                                 "batch at offset {} where {} was expected",
                                 h.base_offset, expected
+                            ),
+                        )),
+                    ));
+                }
+                if !h.plausible() {
+                    // Checksummed, yet not a batch the log writes (a control
+                    // batch of two records would shift every offset after).
+                    return Ok((
+                        pos,
+                        expected,
+                        Some((
+                            pos,
+                            format!(
+                                "a {:?} batch of {} records in {} bytes",
+                                h.kind, h.record_count, h.len
                             ),
                         )),
                     ));

@@ -170,14 +170,36 @@ impl Storage for DmaStorage {
 
     async fn read_file(&self, path: &Path) -> io::Result<Option<Vec<u8>>> {
         let p = path.to_path_buf();
-        blocking(move || match std::fs::read(p) {
-            Ok(v) => Ok(Some(v)),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(e),
+        blocking(move || {
+            use std::io::Read;
+            let f = match std::fs::File::open(&p) {
+                Ok(f) => f,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+                Err(e) => return Err(e),
+            };
+            // Marks and metadata are a few hundred bytes: a larger file in
+            // their place is not one (and is not read whole into memory).
+            let len = f.metadata()?.len();
+            if len > MAX_SMALL_FILE {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "{} is {len} bytes, too large to be a file the broker writes there",
+                        p.display()
+                    ),
+                ));
+            }
+            let mut v = Vec::with_capacity(len as usize);
+            f.take(MAX_SMALL_FILE).read_to_end(&mut v)?;
+            Ok(Some(v))
         })
         .await
     }
 }
+
+/// The largest file [`Storage::read_file`] reads (they hold marks and
+/// metadata).
+const MAX_SMALL_FILE: u64 = 1 << 20;
 
 /// Temporary file, fsync, rename over the target, fsync the directory.
 pub(crate) fn write_atomic_blocking(path: &PathBuf, data: &[u8]) -> io::Result<()> {

@@ -52,7 +52,8 @@ pub trait Storage: Clone + 'static {
     /// Replace a small file atomically and durably (write a temporary, sync,
     /// rename over, sync the directory). For metadata, not for logs.
     async fn write_file_atomic(&self, path: &Path, data: &[u8]) -> io::Result<()>;
-    /// Whole contents of a small file, or `None` if it does not exist.
+    /// Whole contents of a small file (marks, metadata: a real disk refuses
+    /// one over 1 MiB), or `None` if it does not exist.
     async fn read_file(&self, path: &Path) -> io::Result<Option<Vec<u8>>>;
     /// Bytes free (to an unprivileged writer) and in all on the filesystem
     /// holding `path` (a `statvfs`: cheap, and asked rarely).
