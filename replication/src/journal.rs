@@ -267,8 +267,10 @@ impl<S: Storage> Journal<S> {
         match j.storage.read_file(&point).await {
             Ok(None) => {}
             Ok(Some(b)) => match decode_compacted(&b) {
-                Some(c) => j.compacted = Some(c),
-                None => {
+                // No log reaches half of u64's indices: one that says so is
+                // damage (and the index after it would overflow).
+                Some(c) if c.index < u64::MAX >> 1 => j.compacted = Some(c),
+                _ => {
                     return Err(j.damaged(format!(
                         "{} does not check: the log's start is unknown",
                         point.display()
