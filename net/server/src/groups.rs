@@ -139,14 +139,6 @@ pub(crate) async fn handle<S: Storage>(
         Ok(s) => s,
         Err(e) => return e,
     };
-    if let Some(r) = shard.log.stopped() {
-        // Refused like a read of the shard: its groups' memory may hold
-        // changes whose writes failed (a position that was never saved).
-        return wire_err(
-            ErrorCode::Unavailable,
-            format!("shard {} is stopped: {r}", shard.name()),
-        );
-    }
     if let Some(rep) = shard.replica.get() {
         // Only the shard's leader serves its groups; reads of group state
         // wait for a round confirming it still leads.

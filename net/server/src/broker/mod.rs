@@ -1219,10 +1219,6 @@ fn describe_group<S: Storage>(
     group: String,
     shard: &Shard<S>,
 ) -> Option<GroupSnapshot> {
-    if shard.log.stopped().is_some() {
-        // Its groups' memory may hold changes whose writes failed.
-        return None;
-    }
     let view = crate::groups::view(shard);
     let mut groups = shard.groups.borrow_mut();
     let t = groups.get_mut(&group)?;
