@@ -270,7 +270,14 @@ impl<S: Storage> Journal<S> {
                 // No log reaches half of u64's indices: one that says so is
                 // damage (and the index after it would overflow).
                 Some(c) if c.index < u64::MAX >> 1 => j.compacted = Some(c),
-                _ => {
+                Some(c) => {
+                    return Err(j.damaged(format!(
+                        "{} names index {}, past any a log reaches: the log's start is unknown",
+                        point.display(),
+                        c.index
+                    )))
+                }
+                None => {
                     return Err(j.damaged(format!(
                         "{} does not check: the log's start is unknown",
                         point.display()

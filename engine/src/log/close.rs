@@ -1,5 +1,6 @@
-//! Closing a log: the last flush, the clean mark that lets the next open
-//! skip the tail scan, and giving back the active segment's reservation.
+//! Closing a log: the last flush, giving back the active segment's
+//! reservation, and the clean mark that holds the next open to where the
+//! log ended.
 
 use super::*;
 

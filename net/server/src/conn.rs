@@ -151,7 +151,7 @@ pub(crate) struct ConnInfo {
     /// Bytes the requests in flight hold: their frames and what decoding
     /// them built (`Request::decoded_overhead`).
     pub in_flight_bytes: Cell<usize>,
-    /// Answer bytes reserved by the reads and polls running (see
+    /// Answer bytes reserved by the reads, polls and lists running (see
     /// [`answer_reservation`] and [`AnswerRoom`]).
     pub reserved: Cell<usize>,
     /// The client shut its side of the connection (or closed it): no more
@@ -289,11 +289,14 @@ fn log_refusal(conn: u64, sock: &Shared, client: &str, why: &str) {
 /// Bytes a request's answer may take, reserved before it runs: a read,
 /// poll or dead-letter list's answer holds the records it found (and, for cold reads, the disk
 /// chunks they sit in) until it is sent, and a list of streams or groups
-/// is built whole (as large as the catalog) before it waits to be queued,
-/// so a client that asks for many and reads none must be held up before
-/// the broker builds them, not after.
-fn answer_reservation(req: &Request, config: &crate::config::Config) -> usize {
+/// is built whole before it waits to be queued, so a client that asks for
+/// many and reads none must be held up before the broker builds them, not
+/// after. A list reserves what it can hold (the streams in the catalog
+/// now, or a shard's most groups), at most a frame.
+fn answer_reservation<S: Storage>(req: &Request, core: &Core<S>) -> usize {
+    let config = &core.shared.config;
     let cap = config.max_bytes_per_read as usize;
+    let frame = config.max_frame_bytes as usize;
     match req {
         // One that may wait takes its room once it has records to read.
         Request::Read { wait_ms, .. } | Request::GroupPoll { wait_ms, .. } if *wait_ms > 0 => 0,
@@ -301,13 +304,28 @@ fn answer_reservation(req: &Request, config: &crate::config::Config) -> usize {
         Request::GroupPoll { .. } => cap,
         // A page of dead letters is capped like a read; the whole list only
         // by the frame.
-        Request::GroupDeadLettersPage { .. } => cap.min(config.max_frame_bytes as usize),
-        Request::GroupDeadLetters { .. }
-        | Request::ListStreams { .. }
-        | Request::ListGroups { .. } => config.max_frame_bytes as usize,
+        Request::GroupDeadLettersPage { .. } => cap.min(frame),
+        Request::GroupDeadLetters { .. } => frame,
+        Request::ListStreams { .. } => {
+            let (streams, shards) = core
+                .shared
+                .catalog
+                .lock()
+                .unwrap()
+                .values()
+                .fold((0usize, 0usize), |(n, s), m| (n + 1, s + m.shards as usize));
+            (streams * LISTED_STREAM_BYTES + shards * 4).min(frame)
+        }
+        Request::ListGroups { .. } => (config.max_groups_per_shard * LISTED_GROUP_BYTES).min(frame),
         _ => 0,
     }
 }
+
+/// What one stream of a stream list takes, encoded or decoded, at most
+/// (its three names of up to 128 bytes, its settings; its placement apart).
+const LISTED_STREAM_BYTES: usize = 640;
+/// What one name of a group list takes, encoded or decoded, at most.
+const LISTED_GROUP_BYTES: usize = 192;
 
 /// Serve one connection until it closes. `buffered` holds bytes already read
 /// (after a hand-off from another core); `handed` says it already moved once.
@@ -1093,8 +1111,7 @@ fn spawn_request<S: Storage>(
             Some(refused) => refused,
             None => {
                 // Room for the answer first.
-                room.take(answer_reservation(&req, &core.shared.config))
-                    .await;
+                room.take(answer_reservation(&req, &core)).await;
                 handle(&core, &info, &room, req).await
             }
         };

@@ -201,7 +201,7 @@ impl CoreMetrics {
                 .map(|(k, v)| (k.to_string(), *v))
                 .collect(),
             counters: vec![
-                ("felix_publish_records_total", "Records published (acknowledged or not yet).", self.publish_records.get()),
+                ("felix_publish_records_total", "Records published, counted as each publish is acknowledged.", self.publish_records.get()),
                 ("felix_publish_bytes_total", "Bytes of the records published: keys, header names and values, payloads.", self.publish_bytes.get()),
                 ("felix_read_records_total", "Records returned by reads.", self.read_records.get()),
                 ("felix_read_bytes_total", "Bytes of the records returned by reads: keys, header names and values, payloads.", self.read_bytes.get()),
