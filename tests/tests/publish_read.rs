@@ -373,6 +373,50 @@ async fn sigterm_shuts_down_cleanly_and_streams_survive() {
     assert_eq!(total, 30);
 }
 
+/// A stop asked for before the broker has opened anything (here while it
+/// waits for its port, which another process holds) ends it at once, with
+/// exit code 0 and a line saying so, rather than by the signal's default
+/// action.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_before_start_up_ends_the_broker_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let holder = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let listen = holder.local_addr().unwrap().to_string();
+    let mut child = felix_tests::broker_command!(Some(dir.path()), &listen)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Waiting for the port (up to 10 s) by now.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let pid = child.id() as libc::pid_t;
+    // SAFETY: signalling our own child process (not yet waited for).
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    let started = std::time::Instant::now();
+    let out = tokio::task::spawn_blocking(move || {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while child.try_wait().unwrap().is_none() {
+            if std::time::Instant::now() > deadline {
+                let _ = child.kill();
+                break;
+            }
+            std::thread::park_timeout(Duration::from_millis(20));
+        }
+        child.wait_with_output().unwrap()
+    })
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{:?}: {stderr}", out.status);
+    assert!(stderr.contains("stopped before start-up"), "{stderr}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    drop(holder);
+}
+
 /// A stop asked for while the broker cannot finish starting (a shard's
 /// tail mark here is a FIFO nobody writes to, so reading it never returns,
 /// as with a disk that stopped answering) ends the process after a grace

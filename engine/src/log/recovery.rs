@@ -502,11 +502,14 @@ async fn scan_batches<F: StorageFile>(
             Err(FrameError::Incomplete(more)) => {
                 let have = buf.len() as u64;
                 if pos + have >= size {
-                    return Ok((
-                        pos,
-                        expected,
-                        Some((pos, "batch cut short by the end of the file".into())),
-                    ));
+                    // Fewer zeros than a batch's length field are padding
+                    // too: the end of the page a clean stop keeps.
+                    let reason = if buf.iter().all(|&b| b == 0) {
+                        "zero bytes where a batch was expected"
+                    } else {
+                        "batch cut short by the end of the file"
+                    };
+                    return Ok((pos, expected, Some((pos, reason.into()))));
                 }
                 let want = ((have as usize + more).max(chunk) as u64).min(size - pos) as usize;
                 buf = seg

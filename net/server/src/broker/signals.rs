@@ -28,27 +28,40 @@ fn on_stop_signal(first: Option<std::time::Instant>, now: std::time::Instant) ->
     }
 }
 
+/// The broker the signal thread acts on, once it exists (see
+/// [`install_signal_thread`]).
+pub(super) type SignalTarget = Arc<std::sync::OnceLock<Arc<Shared>>>;
+
 /// SIGTERM/SIGINT: tell every core to stop; SIGHUP: read the tokens and
 /// permissions files again. The signals are blocked in every thread (the
-/// mask is inherited by the executors) and taken here with `sigwait`, so no
-/// handler runs on an executor.
+/// mask is inherited by the executors and every other thread started after
+/// this) and taken here with `sigwait`, so no handler runs on an executor.
+///
+/// Installed first thing, before the broker exists: a stop asked for
+/// before `target` is set (while the broker waits for its port, loads its
+/// catalog) ends the process at once with exit code 0, since nothing has
+/// been opened; a SIGHUP then is dropped (the files are read afterwards).
 ///
 /// The files are read on a thread of their own: a read that hangs (a dead
 /// network mount) must not keep SIGTERM from being taken. HUPs that arrive
 /// while a reload is pending fold into it (it reads the files as they are
 /// when it starts).
-pub(super) fn install_signal_thread(shared: Arc<Shared>) {
+pub(super) fn install_signal_thread() -> SignalTarget {
     let set = block_signals(&[libc::SIGTERM, libc::SIGINT, libc::SIGHUP]);
+    let target: SignalTarget = Default::default();
     let (reload, reloads) = std::sync::mpsc::sync_channel::<()>(1);
-    let reloading = shared.clone();
+    let reloading = target.clone();
     std::thread::Builder::new()
         .name("felix-reload".into())
         .spawn(move || {
             while reloads.recv().is_ok() {
-                reload_security(&reloading);
+                if let Some(shared) = reloading.get() {
+                    reload_security(shared);
+                }
             }
         })
         .expect("reload thread");
+    let waiting = target.clone();
     // SAFETY: sigwait on the initialised set, on this thread only.
     unsafe {
         std::thread::Builder::new()
@@ -60,6 +73,13 @@ pub(super) fn install_signal_thread(shared: Arc<Shared>) {
                     if libc::sigwait(&set, &mut sig) != 0 {
                         continue;
                     }
+                    let Some(shared) = waiting.get() else {
+                        if sig != libc::SIGHUP {
+                            eprintln!("felix: stopped before start-up (nothing was opened)");
+                            std::process::exit(0);
+                        }
+                        continue;
+                    };
                     if sig == libc::SIGHUP {
                         // Full: a reload is pending and will see the files
                         // as they are now.
@@ -93,6 +113,7 @@ pub(super) fn install_signal_thread(shared: Arc<Shared>) {
             })
             .expect("signal thread");
     }
+    target
 }
 
 /// Block `signals` in the calling thread (and so in every thread it starts

@@ -3,7 +3,7 @@
 //! each core runs beside its connections (retention, the disk guard,
 //! turning connections away).
 
-use super::signals::{block_signals, install_signal_thread};
+use super::signals::install_signal_thread;
 use super::*;
 
 /// What the broker calls itself in HELLO: its version, and which process
@@ -25,10 +25,10 @@ fn shared_announce(
 
 /// Start the broker's cores on `cpus` and block until they exit.
 pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
-    // First of all, so no thread started from here on (glommio's blocking
-    // pool included) takes SIGHUP's default action, ending the process:
-    // one sent while the broker starts waits for the signal thread.
-    block_signals(&[libc::SIGHUP]);
+    // First of all, so that no thread started from here on (glommio's
+    // blocking pool included) takes a signal's default action: a stop
+    // asked for from now on is the signal thread's (see there).
+    let signals = install_signal_thread();
     // Before anything touches the disk or the port: a bad file stops here.
     let security = crate::auth::Security::load(&config)?;
     let durable = config.data_dir.is_some();
@@ -117,7 +117,8 @@ pub(crate) fn run(config: Config, cpus: Vec<usize>) -> Result<(), String> {
     };
     *shared_announce(&shared) = Some((listen.clone(), metrics_addr));
     let metrics_listener = Arc::new(Mutex::new(metrics_listener));
-    install_signal_thread(shared.clone());
+    // From here a stop signal stops the cores (they may be starting).
+    let _ = signals.set(shared.clone());
     // After the signals are blocked: a thread inherits its mask.
     crate::trim::start(shared.clone());
     let warm = config.data_dir.clone();
