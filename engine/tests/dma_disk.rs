@@ -33,6 +33,13 @@ fn rec(i: u64) -> RecordIn {
     }
 }
 
+/// The log in `path` on the real disk, with no replay.
+async fn open_dma(path: &std::path::Path, cfg: LogConfig) -> ShardLog<DmaStorage> {
+    ShardLog::open(DmaStorage::new(), path, cfg, &mut |_| {})
+        .await
+        .unwrap()
+}
+
 async fn read_all(log: &ShardLog<DmaStorage>) -> Vec<Bytes> {
     let mut out = Vec::new();
     let mut at = Offset::ZERO;
@@ -67,9 +74,7 @@ fn write_close_reopen_read_back_on_disk() {
             read_cache_bytes: 0,
             ..LogConfig::default()
         };
-        let log = ShardLog::open(DmaStorage::new(), &path, cfg.clone(), &mut |_| {})
-            .await
-            .unwrap();
+        let log = open_dma(&path, cfg.clone()).await;
         for chunk in 0..40u64 {
             let batch: Vec<_> = (0..25).map(|i| rec(chunk * 25 + i)).collect();
             let a = log.append(&batch).unwrap();
@@ -78,9 +83,7 @@ fn write_close_reopen_read_back_on_disk() {
         }
         assert!(log.stats().segments > 1, "segments should roll");
         log.close().await.unwrap();
-        let log = ShardLog::open(DmaStorage::new(), &path, cfg, &mut |_| {})
-            .await
-            .unwrap();
+        let log = open_dma(&path, cfg).await;
         assert_eq!(log.end(), Offset(1000));
         let got = read_all(&log).await;
         assert_eq!(got.len(), 1000);
@@ -108,9 +111,7 @@ fn preallocated_segments_are_cut_when_sealed_and_reopen_past_their_zeros() {
             preallocate_step: 32 << 10,
             ..LogConfig::default()
         };
-        let log = ShardLog::open(DmaStorage::new(), &path, cfg.clone(), &mut |_| {})
-            .await
-            .unwrap();
+        let log = open_dma(&path, cfg.clone()).await;
         for chunk in 0..30u64 {
             let batch: Vec<_> = (0..25).map(|i| rec(chunk * 25 + i)).collect();
             log.append(&batch).unwrap();
@@ -139,9 +140,7 @@ fn preallocated_segments_are_cut_when_sealed_and_reopen_past_their_zeros() {
                 "{name} was sealed at {len} bytes, its data"
             );
         }
-        let log = ShardLog::open(DmaStorage::new(), &path, cfg, &mut |_| {})
-            .await
-            .unwrap();
+        let log = open_dma(&path, cfg).await;
         assert_eq!(log.end(), Offset(750));
         let more: Vec<_> = (750..800).map(rec).collect();
         log.append(&more).unwrap();
@@ -163,9 +162,7 @@ fn a_hand_truncated_segment_is_refused_after_a_clean_close_and_cut_after_a_crash
     let p2 = path.clone();
     run(move || async move {
         warm_up_dma(&root).await.unwrap();
-        let log = ShardLog::open(DmaStorage::new(), &p2, LogConfig::default(), &mut |_| {})
-            .await
-            .unwrap();
+        let log = open_dma(&p2, LogConfig::default()).await;
         for i in 0..100u64 {
             log.append(&[rec(i)]).unwrap();
         }
@@ -195,9 +192,7 @@ fn a_hand_truncated_segment_is_refused_after_a_clean_close_and_cut_after_a_crash
     // hand): no clean mark. The open cuts back to the last whole record.
     std::fs::remove_file(path.join("clean.mark")).unwrap();
     run(move || async move {
-        let log = ShardLog::open(DmaStorage::new(), &path, LogConfig::default(), &mut |_| {})
-            .await
-            .unwrap();
+        let log = open_dma(&path, LogConfig::default()).await;
         assert_eq!(log.end(), Offset(99));
         let got = read_all(&log).await;
         assert_eq!(got.len(), 99);
@@ -357,9 +352,7 @@ fn small_flushes_write_zeros_ahead_so_later_ones_overwrite_written_blocks() {
             preallocate_step: 1 << 20,
             ..LogConfig::default()
         };
-        let log = ShardLog::open(DmaStorage::new(), &p2, cfg, &mut |_| {})
-            .await
-            .unwrap();
+        let log = open_dma(&p2, cfg).await;
         // Forty small rounds, a few KiB each.
         for chunk in 0..40u64 {
             let batch: Vec<_> = (0..10).map(|i| rec(chunk * 10 + i)).collect();
@@ -393,9 +386,7 @@ fn small_flushes_write_zeros_ahead_so_later_ones_overwrite_written_blocks() {
     let p3 = path.clone();
     run(move || async move {
         warm_up_dma(&root).await.unwrap();
-        let log = ShardLog::open(DmaStorage::new(), &p3, LogConfig::default(), &mut |_| {})
-            .await
-            .unwrap();
+        let log = open_dma(&p3, LogConfig::default()).await;
         assert_eq!(log.end(), Offset(400));
         let size = std::fs::metadata(active_segment(&p3)).unwrap().len();
         assert_eq!(size, data_len.next_multiple_of(4096));
@@ -422,9 +413,7 @@ fn large_flushes_reserve_without_writing_zeros() {
             preallocate_step: 8 << 20,
             ..LogConfig::default()
         };
-        let log = ShardLog::open(DmaStorage::new(), &p2, cfg, &mut |_| {})
-            .await
-            .unwrap();
+        let log = open_dma(&p2, cfg).await;
         // Rounds of about 1 MiB each: bandwidth-bound, no zeros.
         let big = Bytes::from(vec![7u8; 64 << 10]);
         for _ in 0..4 {
@@ -469,9 +458,7 @@ fn a_clean_close_gives_the_reservation_back() {
     let cfg2 = cfg.clone();
     let data_len = run_and_return(move || async move {
         warm_up_dma(&root).await.unwrap();
-        let log = ShardLog::open(DmaStorage::new(), &p2, cfg2, &mut |_| {})
-            .await
-            .unwrap();
+        let log = open_dma(&p2, cfg2).await;
         for chunk in 0..20u64 {
             let batch: Vec<_> = (0..10).map(|i| rec(chunk * 10 + i)).collect();
             log.append(&batch).unwrap();
@@ -494,9 +481,7 @@ fn a_clean_close_gives_the_reservation_back() {
     let root = dir.path().to_path_buf();
     run(move || async move {
         warm_up_dma(&root).await.unwrap();
-        let log = ShardLog::open(DmaStorage::new(), &path, cfg, &mut |_| {})
-            .await
-            .unwrap();
+        let log = open_dma(&path, cfg).await;
         assert_eq!(log.end(), Offset(200));
         // And it reserves again as it is written.
         log.append(&[rec(200)]).unwrap();
@@ -573,9 +558,7 @@ fn a_segment_cut_short_while_open_fails_reads_instead_of_spinning() {
             read_cache_bytes: 0,
             ..LogConfig::default()
         };
-        let log = ShardLog::open(DmaStorage::new(), &path, cfg, &mut |_| {})
-            .await
-            .unwrap();
+        let log = open_dma(&path, cfg).await;
         for chunk in 0..20u64 {
             let batch: Vec<_> = (0..10).map(|i| rec(chunk * 10 + i)).collect();
             log.append(&batch).unwrap();
@@ -618,9 +601,7 @@ fn stray_names_are_not_segments_and_huge_marks_are_refused() {
     let p2 = path.clone();
     run(move || async move {
         warm_up_dma(&root).await.unwrap();
-        let log = ShardLog::open(DmaStorage::new(), &p2, LogConfig::default(), &mut |_| {})
-            .await
-            .unwrap();
+        let log = open_dma(&p2, LogConfig::default()).await;
         log.append(&[rec(0), rec(1)]).unwrap();
         log.flush().await.unwrap();
         log.close().await.unwrap();
@@ -632,9 +613,7 @@ fn stray_names_are_not_segments_and_huge_marks_are_refused() {
     let root = dir.path().to_path_buf();
     run(move || async move {
         warm_up_dma(&root).await.unwrap();
-        let log = ShardLog::open(DmaStorage::new(), &p3, LogConfig::default(), &mut |_| {})
-            .await
-            .unwrap();
+        let log = open_dma(&p3, LogConfig::default()).await;
         assert_eq!(read_all(&log).await.len(), 2);
         log.close().await.unwrap();
     });

@@ -75,16 +75,23 @@ fn start_with(data: &Path, config: Option<&Path>) -> (felix_tests::Spawned, Stri
 /// reserve), and the file filling the rest; `None` (the test is skipped)
 /// where a disk cannot be loop-mounted.
 fn nearly_full_disk() -> Option<(SmallDisk, PathBuf)> {
-    match SmallDisk::mount(40) {
-        Ok(disk) => {
-            let filler = fill_until(&disk.mnt, 12 << 20);
-            Some((disk, filler))
-        }
-        Err(e) => {
-            eprintln!("skipped: cannot loop-mount a small disk here ({e})");
-            None
-        }
-    }
+    let disk = small_disk(40)?;
+    let filler = fill_until(&disk.mnt, 12 << 20);
+    Some((disk, filler))
+}
+
+/// A `mib` MiB loop-mounted ext4 disk; `None` (the test is skipped, saying
+/// so) where one cannot be mounted.
+fn small_disk(mib: u32) -> Option<SmallDisk> {
+    SmallDisk::mount(mib)
+        .map_err(|e| eprintln!("skipped: cannot loop-mount a small disk here ({e})"))
+        .ok()
+}
+
+async fn client(addr: &str) -> Client {
+    Client::connect(addr, ClientConfig::default())
+        .await
+        .unwrap()
 }
 
 /// Fill the disk at `mnt` with one file until about `free` bytes are left.
@@ -168,9 +175,7 @@ async fn a_full_disk_refuses_publishes_until_space_is_freed_and_loses_nothing() 
     };
     let data = disk.mnt.join("data");
     let (mut broker, addr) = start(&data);
-    let c = Client::connect(addr.as_str(), ClientConfig::default())
-        .await
-        .unwrap();
+    let c = client(&addr).await;
     c.create_stream("t", "ns", "fill", 1, StreamOptions::default())
         .await
         .unwrap();
@@ -211,9 +216,7 @@ async fn a_full_disk_refuses_publishes_until_space_is_freed_and_loses_nothing() 
     broker.kill().unwrap();
     broker.wait().unwrap();
     let (mut broker, addr) = start(&data);
-    let c = Client::connect(addr.as_str(), ClientConfig::default())
-        .await
-        .unwrap();
+    let c = client(&addr).await;
     let recs = read_all(&c).await;
     assert_eq!(recs.len() as u64, acked);
     for (i, r) in recs.iter().enumerate() {
@@ -238,9 +241,7 @@ async fn a_burst_of_publishes_is_refused_before_it_fills_the_disk() {
     std::fs::write(&config, "[storage]\nmax_queued_bytes = 1048576\n").unwrap();
     let data = disk.mnt.join("data");
     let (mut broker, addr) = start_with(&data, Some(&config));
-    let c = Client::connect(addr.as_str(), ClientConfig::default())
-        .await
-        .unwrap();
+    let c = client(&addr).await;
     c.create_stream("t", "ns", "fill", 1, StreamOptions::default())
         .await
         .unwrap();
@@ -293,12 +294,8 @@ async fn a_burst_of_publishes_is_refused_before_it_fills_the_disk() {
 /// guard's, and every shard keeps serving.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shards_filling_a_small_disk_together_are_refused_not_stopped() {
-    let disk = match SmallDisk::mount(64) {
-        Ok(disk) => disk,
-        Err(e) => {
-            eprintln!("skipped: cannot loop-mount a small disk here ({e})");
-            return;
-        }
+    let Some(disk) = small_disk(64) else {
+        return;
     };
     let data = disk.mnt.join("data");
     // Two cores, each with its own view of the free space; the automatic
@@ -310,9 +307,7 @@ async fn shards_filling_a_small_disk_together_are_refused_not_stopped() {
         2,
     );
     let (mut broker, addr) = felix_tests::spawn_announcing(cmd);
-    let c = Client::connect(addr.as_str(), ClientConfig::default())
-        .await
-        .unwrap();
+    let c = client(&addr).await;
     c.create_stream("t", "ns", "fill", 4, StreamOptions::default())
         .await
         .unwrap();
@@ -405,18 +400,12 @@ fn fill_completely(mnt: &Path) -> [PathBuf; 2] {
 /// second restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_restarted_on_a_disk_filled_to_the_last_block_serves_its_groups() {
-    let disk = match SmallDisk::mount(40) {
-        Ok(disk) => disk,
-        Err(e) => {
-            eprintln!("skipped: cannot loop-mount a small disk here ({e})");
-            return;
-        }
+    let Some(disk) = small_disk(40) else {
+        return;
     };
     let data = disk.mnt.join("data");
     let (mut broker, addr) = start(&data);
-    let c = Client::connect(addr.as_str(), ClientConfig::default())
-        .await
-        .unwrap();
+    let c = client(&addr).await;
     c.create_stream("t", "ns", "fill", 1, StreamOptions::default())
         .await
         .unwrap();
@@ -442,9 +431,7 @@ async fn a_broker_restarted_on_a_disk_filled_to_the_last_block_serves_its_groups
     let fillers = fill_completely(&disk.mnt);
 
     let (mut broker, addr) = start(&data);
-    let c = Client::connect(addr.as_str(), ClientConfig::default())
-        .await
-        .unwrap();
+    let c = client(&addr).await;
     let shard = c.describe_shard("t", "ns", "fill", 0).await.unwrap();
     assert_eq!(shard.stopped, None, "the shard stopped at open");
     assert_eq!(read_all(&c).await.len(), 64);
@@ -467,9 +454,7 @@ async fn a_broker_restarted_on_a_disk_filled_to_the_last_block_serves_its_groups
     broker.kill().unwrap();
     broker.wait().unwrap();
     let (mut broker, addr) = start(&data);
-    let c = Client::connect(addr.as_str(), ClientConfig::default())
-        .await
-        .unwrap();
+    let c = client(&addr).await;
     let shard = c.describe_shard("t", "ns", "fill", 0).await.unwrap();
     assert_eq!(
         shard.stopped, None,

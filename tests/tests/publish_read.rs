@@ -373,27 +373,12 @@ async fn sigterm_shuts_down_cleanly_and_streams_survive() {
     assert_eq!(total, 30);
 }
 
-/// A stop asked for before the broker has opened anything (here while it
-/// waits for its port, which another process holds) ends it at once, with
-/// exit code 0 and a line saying so, rather than by the signal's default
-/// action.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stop_before_start_up_ends_the_broker_at_once() {
-    let dir = tempfile::tempdir().unwrap();
-    let holder = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let listen = holder.local_addr().unwrap().to_string();
-    let mut child = felix_tests::broker_command!(Some(dir.path()), &listen)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    // Waiting for the port (up to 10 s) by now.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let pid = child.id() as libc::pid_t;
+/// SIGTERM a broker started by hand, and what it printed and how it
+/// ended (killed if it has not exited within 30 s).
+async fn stop_and_collect(mut child: std::process::Child) -> std::process::Output {
     // SAFETY: signalling our own child process (not yet waited for).
-    unsafe { libc::kill(pid, libc::SIGTERM) };
-    let started = std::time::Instant::now();
-    let out = tokio::task::spawn_blocking(move || {
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    tokio::task::spawn_blocking(move || {
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
         while child.try_wait().unwrap().is_none() {
             if std::time::Instant::now() > deadline {
@@ -405,7 +390,27 @@ async fn a_stop_before_start_up_ends_the_broker_at_once() {
         child.wait_with_output().unwrap()
     })
     .await
-    .unwrap();
+    .unwrap()
+}
+
+/// A stop asked for before the broker has opened anything (here while it
+/// waits for its port, which another process holds) ends it at once, with
+/// exit code 0 and a line saying so, rather than by the signal's default
+/// action.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_before_start_up_ends_the_broker_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let holder = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let listen = holder.local_addr().unwrap().to_string();
+    let child = felix_tests::broker_command!(Some(dir.path()), &listen)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Waiting for the port (up to 10 s) by now.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let started = std::time::Instant::now();
+    let out = stop_and_collect(child).await;
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{:?}: {stderr}", out.status);
     assert!(stderr.contains("stopped before start-up"), "{stderr}");
@@ -452,28 +457,13 @@ async fn a_stop_during_a_start_up_that_cannot_finish_exits() {
     // SAFETY: a NUL-terminated path.
     assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0);
     let listen = format!("127.0.0.1:{}", felix_tests::free_ports(1)[0]);
-    let mut child = on_two(&listen)
+    let child = on_two(&listen)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let pid = child.id() as libc::pid_t;
-    // SAFETY: as above.
-    unsafe { libc::kill(pid, libc::SIGTERM) };
-    let out = tokio::task::spawn_blocking(move || {
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while child.try_wait().unwrap().is_none() {
-            if std::time::Instant::now() > deadline {
-                let _ = child.kill();
-                break;
-            }
-            std::thread::park_timeout(Duration::from_millis(50));
-        }
-        child.wait_with_output().unwrap()
-    })
-    .await
-    .unwrap();
+    let out = stop_and_collect(child).await;
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{:?}: {stderr}", out.status);
     assert!(

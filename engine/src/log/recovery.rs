@@ -424,55 +424,34 @@ async fn scan_segment<F: StorageFile>(
     replay: &mut dyn FnMut(Replayed<'_>),
     notes: &mut Vec<(BatchHeader, u64)>,
 ) -> Result<Scanned, LogError> {
-    let (valid_len, expected, problem) = scan_batches(seg, size, config, replay, notes).await?;
-    Ok(Scanned {
-        valid_len,
-        expected,
-        problem,
-    })
-}
-
-async fn scan_batches<F: StorageFile>(
-    seg: &Segment<F>,
-    size: u64,
-    config: &LogConfig,
-    replay: &mut dyn FnMut(Replayed<'_>),
-    notes: &mut Vec<(BatchHeader, u64)>,
-) -> Result<(u64, Offset, Option<(u64, String)>), LogError> {
     let mut pos = 0u64;
     let mut expected = seg.base;
     let mut buf = Bytes::new();
     let chunk = config.read_chunk_bytes.max(1 << 20);
+    // The scan ends short of the file's end, at `pos`, for `why`.
+    let stop = |pos: u64, expected: Offset, why: String| Scanned {
+        valid_len: pos,
+        expected,
+        problem: Some((pos, why)),
+    };
     while pos < size {
         match format::parse_batch(&buf) {
             Ok(h) => {
                 if h.base_offset != expected {
-                    return Ok((
-                        pos,
-                        expected,
-                        Some((
-                            pos,
-                            format!(
-                                "batch at offset {} where {} was expected",
-                                h.base_offset, expected
-                            ),
-                        )),
-                    ));
+                    let why = format!(
+                        "batch at offset {} where {expected} was expected",
+                        h.base_offset
+                    );
+                    return Ok(stop(pos, expected, why));
                 }
                 if !h.plausible() {
                     // Checksummed, yet not a batch the log writes (a control
                     // batch of two records would shift every offset after).
-                    return Ok((
-                        pos,
-                        expected,
-                        Some((
-                            pos,
-                            format!(
-                                "a {:?} batch of {} records in {} bytes",
-                                h.kind, h.record_count, h.len
-                            ),
-                        )),
-                    ));
+                    let why = format!(
+                        "a {:?} batch of {} records in {} bytes",
+                        h.kind, h.record_count, h.len
+                    );
+                    return Ok(stop(pos, expected, why));
                 }
                 let batch = buf.split_to(h.len as usize);
                 match h.kind {
@@ -504,12 +483,12 @@ async fn scan_batches<F: StorageFile>(
                 if pos + have >= size {
                     // Fewer zeros than a batch's length field are padding
                     // too: the end of the page a clean stop keeps.
-                    let reason = if buf.iter().all(|&b| b == 0) {
+                    let why = if buf.iter().all(|&b| b == 0) {
                         "zero bytes where a batch was expected"
                     } else {
                         "batch cut short by the end of the file"
                     };
-                    return Ok((pos, expected, Some((pos, reason.into()))));
+                    return Ok(stop(pos, expected, why.into()));
                 }
                 let want = ((have as usize + more).max(chunk) as u64).min(size - pos) as usize;
                 buf = seg
@@ -518,22 +497,26 @@ async fn scan_batches<F: StorageFile>(
                     .await
                     .map_err(|e| io_err("read segment", e))?;
                 if buf.len() as u64 <= have {
-                    return Ok((pos, expected, Some((pos, "short read".into()))));
+                    return Ok(stop(pos, expected, "short read".into()));
                 }
             }
             Err(FrameError::Zero) => {
                 // Zeros to the end of the file are padding of an unsealed
                 // tail; anything else after them is damage.
-                return Ok((
+                return Ok(stop(
                     pos,
                     expected,
-                    Some((pos, "zero bytes where a batch was expected".into())),
+                    "zero bytes where a batch was expected".into(),
                 ));
             }
-            Err(e) => return Ok((pos, expected, Some((pos, e.to_string())))),
+            Err(e) => return Ok(stop(pos, expected, e.to_string())),
         }
     }
-    Ok((pos, expected, None))
+    Ok(Scanned {
+        valid_len: pos,
+        expected,
+        problem: None,
+    })
 }
 
 /// Valid batches found past a bad spot in the last segment.
