@@ -638,14 +638,23 @@ fn failed_write_stops_the_shard() {
     });
 }
 
-/// A corrupt batch in the middle of a sealed segment is not skipped: the
-/// shard refuses to open and names the file and byte.
+/// A corrupt batch in the middle of a sealed segment is never skipped. An
+/// open that takes the segment's summary for what it holds does not read
+/// it: the first read that meets the batch fails, naming the file and byte,
+/// and reads before it are served. An open that scans it (no summary, or
+/// `verify_on_open`) refuses the shard and says the same.
 #[test]
 fn corruption_in_a_sealed_segment_refuses_to_open_and_says_where() {
     let storage = SimStorage::new();
     let cfg = LogConfig {
         segment_bytes: 1000,
+        read_cache_bytes: 0,
+        cold_chunks: 0,
         ..LogConfig::default()
+    };
+    let at = |msg: &str| {
+        assert!(msg.contains("00000000000000000000.log"), "{msg}");
+        assert!(msg.contains("corrupt at byte"), "{msg}");
     };
     block_on(async {
         let log = open(&storage, &cfg).await;
@@ -664,17 +673,42 @@ fn corruption_in_a_sealed_segment_refuses_to_open_and_says_where() {
             .find(|p| p.ends_with("00000000000000000000.log"))
             .unwrap();
         storage.corrupt(&first, 200, 3);
-        let err = ShardLog::open(
-            storage.clone(),
-            Path::new("/d/t/n/s/0"),
-            cfg.clone(),
-            &mut |_| {},
-        )
-        .await
-        .unwrap_err();
-        let msg = err.to_string();
-        assert!(msg.contains("00000000000000000000.log"), "{msg}");
-        assert!(msg.contains("corrupt at byte"), "{msg}");
+
+        let log = open(&storage, &cfg).await;
+        let limits = ReadLimits {
+            max_records: 1000,
+            max_bytes: usize::MAX,
+        };
+        let err = log.read(Offset(0), limits).await.unwrap_err();
+        assert!(matches!(err, LogError::Corrupt { .. }), "{err}");
+        at(&err.to_string());
+        let past = log.stats().segments as u64;
+        assert!(past >= 3);
+        let r = log.read(Offset(20), limits).await.unwrap();
+        assert_eq!(r.records.first().map(|r| r.offset), Some(Offset(20)));
+        log.close().await.unwrap();
+
+        let verify = LogConfig {
+            verify_on_open: true,
+            ..cfg.clone()
+        };
+        let scanned = |cfg: LogConfig| {
+            let storage = storage.clone();
+            async move {
+                ShardLog::open(storage, Path::new("/d/t/n/s/0"), cfg, &mut |_| {})
+                    .await
+                    .map(|_| ())
+                    .unwrap_err()
+                    .to_string()
+            }
+        };
+        at(&scanned(verify).await);
+        let summary = first.with_extension("sum");
+        assert!(storage.files().contains(&summary));
+        felix_engine::storage::Storage::remove_file(&storage, &summary)
+            .await
+            .unwrap();
+        at(&scanned(cfg.clone()).await);
     });
 }
 

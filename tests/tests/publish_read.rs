@@ -895,11 +895,15 @@ fn broker_with_4k_segments() -> (Broker, tempfile::NamedTempFile) {
 }
 
 /// Corruption in the middle of a shard's log (a sealed segment) is never
-/// skipped: after a restart that shard refuses requests naming the file and
-/// byte, its gauge says stopped, and every other shard is served.
+/// skipped. After a restart that takes sealed segments' summaries for what
+/// they hold, a read that meets the damaged batch fails naming the file and
+/// byte, and the rest of the shard is served (reads past it, publishes).
+/// With `verify_on_open` the restart reads every segment: that shard
+/// refuses requests naming the file and byte, its gauge says stopped, and
+/// every other shard is served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_corrupt_sealed_segment_stops_its_shard_only() {
-    let (mut broker, _cfg) = broker_with_4k_segments();
+async fn a_corrupt_sealed_segment_is_never_skipped() {
+    let (mut broker, cfg) = broker_with_4k_segments();
     let c = client(&broker).await;
     c.create_stream("t", "ns", "rot", 2, StreamOptions::default())
         .await
@@ -910,25 +914,54 @@ async fn a_corrupt_sealed_segment_stops_its_shard_only() {
             .unwrap();
     }
     broker.kill9();
-    let seg = broker
-        .data_dir()
-        .unwrap()
-        .join("t/ns/rot/0/00000000000000000000.log");
+    let shard0 = broker.data_dir().unwrap().join("t/ns/rot/0");
+    let seg = shard0.join("00000000000000000000.log");
+    assert!(shard0.join("00000000000000000000.sum").exists());
     let mut bytes = std::fs::read(&seg).unwrap();
     bytes[1000] ^= 0x40;
     std::fs::write(&seg, bytes).unwrap();
+    let names_the_byte = |msg: String| {
+        assert!(
+            msg.contains("00000000000000000000.log") && msg.contains("byte"),
+            "{msg}"
+        );
+    };
+
     broker.restart();
     let c = client(&broker).await;
     let err = c
         .read("t", "ns", "rot", 0, StartPosition::Earliest, 10, None)
         .await
         .unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::Internal), "{err}");
+    names_the_byte(err.to_string());
+    let past = c
+        .read("t", "ns", "rot", 0, StartPosition::Offset(40), 100, None)
+        .await
+        .unwrap();
+    assert_eq!(past.records.len(), 10);
+    assert_eq!(past.records[0].offset, 40);
+    c.publish("t", "ns", "rot", 0, vec![b'y'; 10])
+        .await
+        .unwrap();
+    assert_eq!(read_shard(&c, "rot", 1).await.len(), 50);
+    assert_eq!(broker.metric("felix_shard_stopped"), 0.0);
+    drop(c);
+
+    std::fs::write(
+        cfg.path(),
+        "[storage]\nsegment_bytes = 4096\nverify_on_open = true\n",
+    )
+    .unwrap();
+    broker.kill9();
+    broker.restart();
+    let c = client(&broker).await;
+    let err = c
+        .read("t", "ns", "rot", 0, StartPosition::Offset(40), 10, None)
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), Some(ErrorCode::Unavailable));
-    let msg = err.to_string();
-    assert!(
-        msg.contains("00000000000000000000.log") && msg.contains("byte"),
-        "{msg}"
-    );
+    names_the_byte(err.to_string());
     assert_eq!(read_shard(&c, "rot", 1).await.len(), 50);
     assert_eq!(broker.metric("felix_shard_stopped"), 1.0);
 }

@@ -121,12 +121,33 @@ impl<S: Storage> ShardLog<S> {
                 if let Some(f) = dirty.take() {
                     f.sync().await.map_err(|e| io_err("fdatasync", e))?;
                 }
-                let (file, len) = {
+                let (file, len, summary) = {
                     let i = self.inner.borrow();
                     let s = i.segments.get(&active_base).unwrap();
-                    (s.file.clone(), s.len)
+                    let snapshot_at = i
+                        .covers
+                        .iter()
+                        .rev()
+                        .find(|c| c.segment == active_base)
+                        .map(|c| c.at);
+                    (s.file.clone(), s.len, s.summary(snapshot_at))
                 };
                 cut_to(&*file, len, "seal segment").await?;
+                // Written once the segment is durable at its final length,
+                // before the next one exists (see `summary`). Only the next
+                // open's speed depends on it: a failure is reported, and
+                // that open scans the segment instead.
+                let sum = dir.join(summary::summary_name(active_base));
+                if let Err(e) = self
+                    .storage
+                    .write_file_atomic(&sum, &summary.encode())
+                    .await
+                {
+                    tracing::warn!(
+                        summary = %sum.display(),
+                        "cannot write a sealed segment's summary (the next open scans the segment): {e}"
+                    );
+                }
                 let path = dir.join(segment_name(chunk.segment_base));
                 let new = self
                     .storage
@@ -148,18 +169,7 @@ impl<S: Storage> ShardLog<S> {
                 let mut i = self.inner.borrow_mut();
                 i.segments.insert(
                     chunk.segment_base,
-                    Segment {
-                        base: chunk.segment_base,
-                        path,
-                        file: Rc::new(new),
-                        len: 0,
-                        reserved: 0,
-                        zeroed: 0,
-                        end: chunk.segment_base,
-                        index: Vec::new(),
-                        last_indexed_pos: None,
-                        max_timestamp_ms: 0,
-                    },
+                    Segment::empty(chunk.segment_base, path, Rc::new(new), 0),
                 );
                 i.tail_page.clear();
             }

@@ -81,6 +81,7 @@ mod flush;
 mod read;
 mod recovery;
 mod retention;
+mod summary;
 
 use read::{Joined, ReadHints};
 
@@ -137,6 +138,10 @@ pub struct LogConfig {
     /// blocks reserved ahead are an optimisation, and must not take the
     /// room that publishes admitted against the free space will write into.
     pub min_free_bytes: u64,
+    /// Scan every segment at open, checking every batch's checksum, instead
+    /// of taking a sealed segment's summary for what it holds (see
+    /// `summary`): an open then reads all the data the shard retains.
+    pub verify_on_open: bool,
 }
 
 impl Default for LogConfig {
@@ -155,6 +160,7 @@ impl Default for LogConfig {
             preallocate: false,
             preallocate_step: 16 << 20,
             min_free_bytes: 0,
+            verify_on_open: false,
         }
     }
 }
@@ -364,12 +370,13 @@ pub struct ReadLimits {
     pub max_bytes: usize,
 }
 
-/// One entry found during recovery that is not a record batch.
+/// One entry recovery hands back, in log order. Group entries are handed
+/// back from the newest complete group snapshot a sealed segment's summary
+/// vouches for (the state before it is in it), else from the log's start.
+#[non_exhaustive]
 pub enum Replayed<'a> {
     /// A group-state entry's body.
     Group(&'a [u8]),
-    /// A control record at this offset.
-    Control(Offset, &'a [u8]),
 }
 
 /// Upper bounds (µs) of the fsync latency histogram buckets.
@@ -476,9 +483,70 @@ struct Segment<F> {
     index: Vec<(Offset, u64)>,
     last_indexed_pos: Option<u64>,
     max_timestamp_ms: u64,
+    /// One past the last data record in it (none: it holds none).
+    data_end: Option<Offset>,
+    /// Does it hold group entries?
+    groups: bool,
+    /// Flush stamp of its last batch.
+    last_flush: Option<u16>,
 }
 
 impl<F> Segment<F> {
+    /// A segment holding nothing yet, `reserved` bytes long on disk.
+    fn empty(base: Offset, path: PathBuf, file: Rc<F>, reserved: u64) -> Segment<F> {
+        Segment {
+            base,
+            path,
+            file,
+            len: 0,
+            reserved,
+            zeroed: 0,
+            end: base,
+            index: Vec::new(),
+            last_indexed_pos: None,
+            max_timestamp_ms: 0,
+            data_end: None,
+            groups: false,
+            last_flush: None,
+        }
+    }
+
+    /// A sealed segment as its summary describes it.
+    fn summarised(path: PathBuf, file: Rc<F>, s: summary::Summary) -> Segment<F> {
+        Segment {
+            base: s.base,
+            path,
+            file,
+            len: s.len,
+            reserved: s.len,
+            zeroed: s.len,
+            end: s.end,
+            index: s.index,
+            last_indexed_pos: s.last_indexed_pos,
+            max_timestamp_ms: s.max_timestamp_ms,
+            data_end: s.data_end,
+            groups: s.groups,
+            last_flush: s.last_flush,
+        }
+    }
+
+    /// Its summary, once sealed, with a complete group snapshot starting at
+    /// `snapshot_at` if one does.
+    fn summary(&self, snapshot_at: Option<u64>) -> summary::Summary {
+        summary::Summary {
+            base: self.base,
+            len: self.len,
+            end: self.end,
+            data_end: self.data_end,
+            max_timestamp_ms: self.max_timestamp_ms,
+            last_flush: self.last_flush,
+            groups: self.groups,
+            snapshot_at,
+            last_indexed_pos: self.last_indexed_pos,
+            index: self.index.clone(),
+        }
+    }
+
     fn note_batch(&mut self, h: &BatchHeader, pos: u64, interval: u64) {
         let due = match self.last_indexed_pos {
             None => true,
@@ -490,6 +558,12 @@ impl<F> Segment<F> {
         }
         self.end = self.end.max(h.end_offset());
         self.max_timestamp_ms = self.max_timestamp_ms.max(h.max_timestamp_ms);
+        match h.kind {
+            BatchKind::Records => self.data_end = Some(h.end_offset()),
+            BatchKind::Group => self.groups = true,
+            BatchKind::Control => {}
+        }
+        self.last_flush = Some(h.flush);
     }
 }
 
@@ -633,13 +707,23 @@ struct Inner<F> {
     bytes_written: u64,
     sync: SyncStats,
     snapshot: Option<SnapshotProvider>,
-    /// Complete group snapshots this process queued: (segment, lsn just
-    /// past the snapshot's last batch). Retention removes a segment only
-    /// once a later segment holds one of these durably: a snapshot that
-    /// opens a segment recovered from disk may have been cut short by a
-    /// crash, and the segments before it may hold the only copy of group
-    /// state.
-    covers: Vec<(Offset, Lsn)>,
+    /// Complete group snapshots this process queued. Retention removes a
+    /// segment only once a later segment holds one of these durably: a
+    /// snapshot that opens a segment recovered from disk may have been cut
+    /// short by a crash, and the segments before it may hold the only copy
+    /// of group state. A segment's summary names the last one in it, where
+    /// the next open starts replaying group entries.
+    covers: Vec<Cover>,
+}
+
+/// A complete group snapshot this process queued (see `Inner::covers`).
+#[derive(Clone, Copy, Debug)]
+struct Cover {
+    segment: Offset,
+    /// Position in the segment of its first batch.
+    at: u64,
+    /// Lsn just past its last batch.
+    end: Lsn,
 }
 
 impl<F> Inner<F> {
@@ -718,8 +802,11 @@ impl<F> Inner<F> {
             });
         }
         self.snapshot_len += self.projected_len - before;
-        let point = (self.target_base, self.frontiers.lsn(Frontier::Queued));
-        self.covers.push(point);
+        self.covers.push(Cover {
+            segment: self.target_base,
+            at: before,
+            end: self.frontiers.lsn(Frontier::Queued),
+        });
     }
 
     /// Encode a batch of `len` bytes into the last chunk (`chunk_for`

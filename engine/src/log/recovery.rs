@@ -19,21 +19,30 @@ impl<S: Storage> ShardLog<S> {
             .create_dir_all(dir)
             .await
             .map_err(|e| io_err("create shard directory", e))?;
-        let mut bases: Vec<Offset> = storage
+        let names = storage
             .list_dir(dir)
             .await
-            .map_err(|e| io_err("list shard directory", e))?
-            .iter()
-            .filter_map(|n| {
-                // Only the names the log gives its segments (twenty digits):
-                // `5.log` or `+5.log` is not segment 5 (whose file would then
-                // be missing), but a file the log does not know.
-                let base = n.strip_suffix(".log")?;
-                let ours = base.len() == 20 && base.bytes().all(|b| b.is_ascii_digit());
-                ours.then(|| base.parse::<u64>().ok().map(Offset))?
-            })
-            .collect();
+            .map_err(|e| io_err("list shard directory", e))?;
+        // Only the names the log gives its files (twenty digits): `5.log` or
+        // `+5.log` is not segment 5 (whose file would then be missing), but
+        // a file the log does not know.
+        let ours = |n: &str, ext: &str| {
+            let base = n.strip_suffix(ext)?.strip_suffix('.')?;
+            let ours = base.len() == 20 && base.bytes().all(|b| b.is_ascii_digit());
+            ours.then(|| base.parse::<u64>().ok().map(Offset))?
+        };
+        let mut bases: Vec<Offset> = names.iter().filter_map(|n| ours(n, "log")).collect();
         bases.sort();
+        // A summary whose segment is gone (retention stopped between the
+        // two removals) is dropped; it would never be read.
+        for base in names.iter().filter_map(|n| ours(n, summary::SUMMARY_EXT)) {
+            if bases.binary_search(&base).is_err() {
+                let path = dir.join(summary::summary_name(base));
+                if let Err(e) = storage.remove_file(&path).await {
+                    tracing::warn!(summary = %path.display(), "cannot remove a summary with no segment: {e}");
+                }
+            }
+        }
         let (tail_mark, clean) = read_marks(&storage, dir).await?;
         if let Some(newest) = tail_mark {
             if bases.last().is_none_or(|b| *b < newest) {
@@ -55,17 +64,12 @@ impl<S: Storage> ShardLog<S> {
             }
         }
 
-        let mut segments = BTreeMap::new();
-        let mut expected: Option<Offset> = None;
-        let mut lsn = Lsn::ZERO;
-        let mut tail_page = Vec::new();
-        // Stamp of the last flush found on disk: new flushes continue after it.
-        let mut last_flush: Option<u16> = None;
-        let mut data_end = Offset::ZERO;
+        // Every segment file opened and sized, and each sealed one's summary
+        // read (`summary`): where one is trusted the segment is not read.
+        let mut found = Vec::with_capacity(bases.len());
         let count = bases.len();
         for (i, base) in bases.iter().copied().enumerate() {
             let path = dir.join(segment_name(base));
-            let is_tail = i + 1 == count;
             if base >= Offset::LIMIT {
                 return Err(LogError::Corrupt {
                     path: path.display().to_string(),
@@ -73,6 +77,36 @@ impl<S: Storage> ShardLog<S> {
                     reason: format!("segment named for offset {base}, past any a log reaches"),
                 });
             }
+            let file = storage
+                .open(&path, false)
+                .await
+                .map_err(|e| io_err("open segment", e))?;
+            let size = file.size().await.map_err(|e| io_err("size", e))?;
+            let sealed = i + 1 < count;
+            let summary = if sealed && !config.verify_on_open {
+                read_summary(&storage, dir, base, size).await
+            } else {
+                None
+            };
+            found.push((base, path, Rc::new(file), size, summary));
+        }
+        // Group entries are replayed from the newest complete snapshot a
+        // summary vouches for (the state before it is in it), else from
+        // the start.
+        let replay_start = found.iter().rev().find_map(|(base, _, _, _, s)| {
+            let at = s.as_ref()?.snapshot_at?;
+            Some((*base, at))
+        });
+
+        let mut segments = BTreeMap::new();
+        let mut expected: Option<Offset> = None;
+        let mut lsn = Lsn::ZERO;
+        let mut tail_page = Vec::new();
+        // Stamp of the last flush found on disk: new flushes continue after it.
+        let mut last_flush: Option<u16> = None;
+        let mut data_end = Offset::ZERO;
+        for (i, (base, path, file, size, summary)) in found.into_iter().enumerate() {
+            let is_tail = i + 1 == count;
             if let Some(exp) = expected {
                 if exp != base {
                     return Err(LogError::Corrupt {
@@ -84,35 +118,37 @@ impl<S: Storage> ShardLog<S> {
                     });
                 }
             }
-            let file = storage
-                .open(&path, false)
-                .await
-                .map_err(|e| io_err("open segment", e))?;
-            let size = file.size().await.map_err(|e| io_err("size", e))?;
-            let mut seg = Segment {
-                base,
-                path: path.clone(),
-                file: Rc::new(file),
-                len: 0,
-                reserved: size,
-                zeroed: 0,
-                end: base,
-                index: Vec::new(),
-                last_indexed_pos: None,
-                max_timestamp_ms: 0,
+            // Where in this segment group entries are replayed from (none:
+            // not at all).
+            let replay_from = match replay_start {
+                Some((b, _)) if base < b => None,
+                Some((b, at)) if base == b => Some(at),
+                _ if summary.as_ref().is_some_and(|s| !s.groups) => None,
+                _ => Some(0),
             };
+            if let (Some(s), None) = (&summary, replay_from) {
+                let seg = Segment::summarised(path, file, s.clone());
+                if let Some(d) = seg.data_end {
+                    data_end = d;
+                }
+                last_flush = seg.last_flush.or(last_flush);
+                lsn = lsn.plus(seg.len);
+                expected = Some(seg.end);
+                segments.insert(base, seg);
+                continue;
+            }
+            let mut seg = Segment::empty(base, path.clone(), file, size);
             let mut notes = Vec::new();
-            let scanned = scan_segment(&seg, size, &config, replay, &mut notes).await?;
+            let scanned =
+                scan_segment(&seg, size, &config, replay_from, replay, &mut notes).await?;
             let valid_len = scanned.valid_len;
             for (h, pos) in &notes {
                 seg.note_batch(h, *pos, config.index_interval_bytes);
-                if h.kind == BatchKind::Records {
-                    data_end = h.end_offset();
-                }
             }
-            if let Some((h, _)) = notes.last() {
-                last_flush = Some(h.flush);
+            if let Some(d) = seg.data_end {
+                data_end = d;
             }
+            last_flush = seg.last_flush.or(last_flush);
             if is_tail && scanned.problem.is_none() {
                 held_to_clean(clean, &path, base, &seg, valid_len, None)?;
             }
@@ -232,18 +268,7 @@ impl<S: Storage> ShardLog<S> {
                 .map_err(|e| io_err("sync shard directory", e))?;
             segments.insert(
                 Offset::ZERO,
-                Segment {
-                    base: Offset::ZERO,
-                    path,
-                    file: Rc::new(file),
-                    len: 0,
-                    reserved: 0,
-                    zeroed: 0,
-                    end: Offset::ZERO,
-                    index: Vec::new(),
-                    last_indexed_pos: None,
-                    max_timestamp_ms: 0,
-                },
+                Segment::empty(Offset::ZERO, path, Rc::new(file), 0),
             );
         }
         // Before the log takes a write: a clean mark left behind would make
@@ -367,6 +392,37 @@ fn held_to_clean<F>(
     })
 }
 
+/// The summary of the sealed segment `base`, `size` bytes long, if it has
+/// one that can be trusted (see [`summary`]). Anything else is reported and
+/// the segment scanned: a summary only spares a read.
+async fn read_summary<S: Storage>(
+    storage: &S,
+    dir: &Path,
+    base: Offset,
+    size: u64,
+) -> Option<summary::Summary> {
+    let path = dir.join(summary::summary_name(base));
+    let bytes = match storage.read_file(&path).await {
+        Ok(Some(b)) => b,
+        Ok(None) => return None,
+        Err(e) => {
+            tracing::warn!(summary = %path.display(), "cannot read a segment's summary (scanning the segment): {e}");
+            return None;
+        }
+    };
+    let why = match summary::Summary::decode(&bytes) {
+        None => format!("not a valid summary ({} bytes)", bytes.len()),
+        Some(s) if s.base != base => format!("it names the segment at offset {}", s.base),
+        Some(s) if s.len != size => format!(
+            "it describes {} bytes, and the segment file holds {size}",
+            s.len
+        ),
+        Some(s) => return Some(s),
+    };
+    tracing::warn!(summary = %path.display(), "not using a segment's summary (scanning the segment): {why}");
+    None
+}
+
 /// The shard's marks (see [`marks`]); one that cannot be read or decoded
 /// refuses the open.
 async fn read_marks<S: Storage>(
@@ -421,6 +477,7 @@ async fn scan_segment<F: StorageFile>(
     seg: &Segment<F>,
     size: u64,
     config: &LogConfig,
+    replay_from: Option<u64>,
     replay: &mut dyn FnMut(Replayed<'_>),
     notes: &mut Vec<(BatchHeader, u64)>,
 ) -> Result<Scanned, LogError> {
@@ -456,12 +513,11 @@ async fn scan_segment<F: StorageFile>(
                 let batch = buf.split_to(h.len as usize);
                 match h.kind {
                     BatchKind::Group => {
-                        replay(Replayed::Group(&batch[format::BATCH_HEADER_BYTES..]))
+                        if replay_from.is_some_and(|from| pos >= from) {
+                            replay(Replayed::Group(&batch[format::BATCH_HEADER_BYTES..]));
+                        }
                     }
-                    BatchKind::Control => replay(Replayed::Control(
-                        h.base_offset,
-                        &batch[format::BATCH_HEADER_BYTES..],
-                    )),
+                    BatchKind::Control => {}
                     BatchKind::Records => {
                         // Check the records decode, so a bad batch is found
                         // here and not by a reader later.

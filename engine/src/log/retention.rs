@@ -40,7 +40,9 @@ impl<S: Storage> ShardLog<S> {
                 // whose group state no later durable snapshot holds.
                 let durable = i.frontiers.lsn(Frontier::Durable);
                 let covered = i.snapshot.is_none()
-                    || i.covers.iter().any(|&(b, l)| b > *base && l <= durable);
+                    || i.covers
+                        .iter()
+                        .any(|c| c.segment > *base && c.end <= durable);
                 if (by_bytes || by_age)
                     && covered
                     && first.end <= i.frontiers.offset(Frontier::Durable)
@@ -66,7 +68,7 @@ impl<S: Storage> ShardLog<S> {
                 let mut i = self.inner.borrow_mut();
                 i.removal_unsynced = true;
                 i.segments.remove(&base);
-                i.covers.retain(|&(b, _)| b > base);
+                i.covers.retain(|c| c.segment > base);
                 i.cold.retain(|c| c.segment != base);
                 if i.joined.as_ref().is_some_and(|j| j.segment == base) {
                     i.joined = None;
@@ -83,6 +85,14 @@ impl<S: Storage> ShardLog<S> {
                 }
             }
             tracing::info!(segment = %path.display(), "retention removed segment");
+            // Its summary after it (a summary left by a crash between the
+            // two names no segment, and the next open removes it).
+            let sum = dir.join(summary::summary_name(base));
+            if let Err(e) = self.storage.remove_file(&sum).await {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    tracing::warn!(summary = %sum.display(), "cannot remove a removed segment's summary: {e}");
+                }
+            }
             // The start moved: waiting readers and polls look again, even
             // if the sync below fails.
             self.progress.wake_all();

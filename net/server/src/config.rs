@@ -80,6 +80,7 @@ const SETTINGS: &[Setting] = &[
     Setting { section: "storage", name: "read_cache_bytes_per_core", env: Some("FELIX_READ_CACHE_BYTES_PER_CORE"), kind: Kind::U64, default: "1073741824", help: "memory one core keeps for reads, shared evenly by its shards: each keeps the smaller of read_cache_bytes and its share (a quarter of a share of 1 MiB or more goes to 256 KiB chunks of cold reads, at most eight)" },
     Setting { section: "storage", name: "max_queued_bytes", env: None, kind: Kind::U64, default: "67108864", help: "publishes wait while a shard has this much unflushed" },
     Setting { section: "storage", name: "min_free_bytes", env: Some("FELIX_MIN_FREE_BYTES"), kind: Kind::U64, default: "0", help: "publishes are refused (unavailable) while the data disk has less free than this, and served again once space returns; 0 = the smaller of 256 MiB and 5% of the disk" },
+    Setting { section: "storage", name: "verify_on_open", env: Some("FELIX_VERIFY_ON_OPEN"), kind: Kind::Bool, default: "false", help: "at start-up, read every segment of every shard and check every batch's checksum, refusing a shard with damage anywhere (false: a sealed segment's summary stands for it, only each shard's newest segment is read, and damage in older ones is found by the read that meets it); start-up then reads all the data the broker retains" },
     Setting { section: "storage", name: "retention_check_ms", env: None, kind: Kind::U64, default: "60000", help: "how often retention runs" },
     Setting { section: "groups", name: "visibility_timeout_ms", env: Some("FELIX_GROUP_VISIBILITY_TIMEOUT_MS"), kind: Kind::U64, default: "30000", help: "how long a claim stands before the record is owed again" },
     Setting { section: "groups", name: "max_attempts", env: Some("FELIX_GROUP_MAX_ATTEMPTS"), kind: Kind::U64, default: "5", help: "deliveries before a record is dead-lettered" },
@@ -251,6 +252,8 @@ pub struct Config {
     pub max_queued_bytes: usize,
     /// Free bytes the data disk keeps for the broker; 0 = automatic.
     pub min_free_bytes: u64,
+    /// Scan every segment at start-up (see `LogConfig::verify_on_open`).
+    pub verify_on_open: bool,
     pub retention_check_ms: u64,
     pub visibility_timeout_ms: u64,
     pub max_attempts: u32,
@@ -876,6 +879,7 @@ impl Config {
                 "storage.max_queued_bytes",
             )? as usize,
             min_free_bytes: num("storage", "min_free_bytes")?,
+            verify_on_open: boolean("storage", "verify_on_open")?,
             retention_check_ms: nonzero(
                 num("storage", "retention_check_ms")?,
                 "storage.retention_check_ms",

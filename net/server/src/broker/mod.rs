@@ -319,6 +319,7 @@ impl<S: Storage> Core<S> {
             preallocate: c.preallocate_bytes > 0,
             preallocate_step: c.preallocate_bytes,
             min_free_bytes: c.min_free_bytes,
+            verify_on_open: c.verify_on_open,
             ..LogConfig::default()
         }
     }
