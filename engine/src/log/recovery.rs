@@ -3,6 +3,7 @@
 //! does not verify refuses the open).
 
 use super::*;
+use futures_util::StreamExt;
 
 impl<S: Storage> ShardLog<S> {
     /// Open (or create) the log in `dir`, recovering its tail. Entries that
@@ -66,30 +67,39 @@ impl<S: Storage> ShardLog<S> {
 
         // Every segment file opened and sized, and each sealed one's summary
         // read (`summary`): where one is trusted the segment is not read.
-        let mut found = Vec::with_capacity(bases.len());
+        // Several at a time: a shard may have thousands of segments.
         let count = bases.len();
-        for (i, base) in bases.iter().copied().enumerate() {
-            let path = dir.join(segment_name(base));
-            if base >= Offset::LIMIT {
-                return Err(LogError::Corrupt {
-                    path: path.display().to_string(),
-                    position: 0,
-                    reason: format!("segment named for offset {base}, past any a log reaches"),
-                });
-            }
-            let file = storage
-                .open(&path, false)
-                .await
-                .map_err(|e| io_err("open segment", e))?;
-            let size = file.size().await.map_err(|e| io_err("size", e))?;
-            let sealed = i + 1 < count;
-            let summary = if sealed && !config.verify_on_open {
-                read_summary(&storage, dir, base, size).await
-            } else {
-                None
-            };
-            found.push((base, path, Rc::new(file), size, summary));
+        if let Some(&base) = bases.last().filter(|b| **b >= Offset::LIMIT) {
+            return Err(LogError::Corrupt {
+                path: dir.join(segment_name(base)).display().to_string(),
+                position: 0,
+                reason: format!("segment named for offset {base}, past any a log reaches"),
+            });
         }
+        let found: Vec<_> = futures_util::stream::iter(bases.iter().copied().enumerate())
+            .map(|(i, base)| {
+                let (storage, config) = (&storage, &config);
+                async move {
+                    let path = dir.join(segment_name(base));
+                    let file = storage
+                        .open(&path, false)
+                        .await
+                        .map_err(|e| io_err("open segment", e))?;
+                    let size = file.size().await.map_err(|e| io_err("size", e))?;
+                    let sealed = i + 1 < count;
+                    let summary = if sealed && !config.verify_on_open {
+                        read_summary(storage, dir, base, size).await
+                    } else {
+                        None
+                    };
+                    Ok::<_, LogError>((base, path, Rc::new(file), size, summary))
+                }
+            })
+            .buffered(OPEN_AT_ONCE)
+            .collect::<Vec<_>>()
+            .await
+            .into_iter()
+            .collect::<Result<_, _>>()?;
         // Group entries are replayed from the newest complete snapshot a
         // summary vouches for (the state before it is in it), else from
         // the start.
@@ -391,6 +401,9 @@ fn held_to_clean<F>(
         ),
     })
 }
+
+/// Segments opened (and summaries read) at once when a log opens.
+const OPEN_AT_ONCE: usize = 32;
 
 /// The summary of the sealed segment `base`, `size` bytes long, if it has
 /// one that can be trusted (see [`summary`]). Anything else is reported and
