@@ -259,7 +259,8 @@ fn group_state_replayed_from_the_newest_summarised_snapshot_is_the_whole_state()
             }
         };
         block_on(async {
-            let (mut fewest, mut most) = (usize::MAX, 0);
+            // Rounds whose open replayed fewer entries than a full scan.
+            let mut spared = 0;
             for round in 0..12 {
                 let verify = LogConfig {
                     verify_on_open: true,
@@ -269,8 +270,10 @@ fn group_state_replayed_from_the_newest_summarised_snapshot_is_the_whole_state()
                 let (log, state, replayed) = replay(&storage, cfg.clone()).await;
                 assert_eq!(state, durable, "seed {seed} round {round}");
                 assert_eq!(all, durable, "seed {seed} round {round}: scanning all");
-                fewest = fewest.min(replayed);
-                most = most.max(scanned);
+                assert!(replayed <= scanned, "seed {seed} round {round}");
+                if replayed < scanned {
+                    spared += 1;
+                }
                 let memory = Rc::new(RefCell::new(state));
                 let snap = memory.clone();
                 log.set_snapshot_provider(Box::new(move |out| {
@@ -306,8 +309,15 @@ fn group_state_replayed_from_the_newest_summarised_snapshot_is_the_whole_state()
                         }
                         // (The second sync, when the flush rolls: the
                         // old segment's; else the flush completes.)
-                        storage.hang_sync_after(rng.gen_range(1..3));
-                        let _ = futures_lite::future::poll_once(log.flush()).await;
+                        if rng.gen_bool(0.7) {
+                            storage.hang_sync_after(rng.gen_range(1..3));
+                            let _ = futures_lite::future::poll_once(log.flush()).await;
+                        } else {
+                            // A roll's tail mark (the shard stops) or its
+                            // summary (none is left) fails to be written.
+                            storage.fail_atomic_write_after(rng.gen_range(1..3));
+                            let _ = log.flush().await;
+                        }
                         drop(log);
                         storage.crash(CrashPlan {
                             seed: rng.gen(),
@@ -319,10 +329,7 @@ fn group_state_replayed_from_the_newest_summarised_snapshot_is_the_whole_state()
                     }
                 }
             }
-            assert!(
-                fewest < most,
-                "seed {seed}: summaries never spared a replay ({fewest} against {most})"
-            );
+            assert!(spared > 0, "seed {seed}: summaries never spared a replay");
         });
     }
 }

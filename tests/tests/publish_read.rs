@@ -935,6 +935,7 @@ async fn a_corrupt_sealed_segment_is_never_skipped() {
         .unwrap_err();
     assert_eq!(err.code(), Some(ErrorCode::Internal), "{err}");
     names_the_byte(err.to_string());
+    assert_eq!(broker.metric("felix_read_damage_total"), 1.0);
     let past = c
         .read("t", "ns", "rot", 0, StartPosition::Offset(40), 100, None)
         .await

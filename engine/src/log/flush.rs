@@ -133,21 +133,6 @@ impl<S: Storage> ShardLog<S> {
                     (s.file.clone(), s.len, s.summary(snapshot_at))
                 };
                 cut_to(&*file, len, "seal segment").await?;
-                // Written once the segment is durable at its final length,
-                // before the next one exists (see `summary`). Only the next
-                // open's speed depends on it: a failure is reported, and
-                // that open scans the segment instead.
-                let sum = dir.join(summary::summary_name(active_base));
-                if let Err(e) = self
-                    .storage
-                    .write_file_atomic(&sum, &summary.encode())
-                    .await
-                {
-                    tracing::warn!(
-                        summary = %sum.display(),
-                        "cannot write a sealed segment's summary (the next open scans the segment): {e}"
-                    );
-                }
                 let path = dir.join(segment_name(chunk.segment_base));
                 let new = self
                     .storage
@@ -166,6 +151,24 @@ impl<S: Storage> ShardLog<S> {
                     )
                     .await
                     .map_err(|e| io_err(&format!("write {TAIL_MARK}"), e))?;
+                // The sealed segment's summary, once it is durable at its
+                // final length and no longer the newest (so no open takes a
+                // summary for a segment that may still grow). Only the next
+                // open's speed depends on it: a failure is reported, and
+                // that open scans the segment.
+                let sum = dir.join(summary::summary_name(active_base));
+                if let Err(e) = self
+                    .storage
+                    .write_file_atomic(&sum, &summary.encode())
+                    .await
+                {
+                    tracing::warn!(
+                        summary = %sum.display(),
+                        "cannot write a sealed segment's summary; the next open reads the segment instead: {e}"
+                    );
+                    // Whatever a failed write left under the name.
+                    let _ = self.storage.remove_file(&sum).await;
+                }
                 let mut i = self.inner.borrow_mut();
                 i.segments.insert(
                     chunk.segment_base,

@@ -431,6 +431,8 @@ pub struct LogStats {
     pub cold_hits: u64,
     /// Chunks read ahead of a sequential reader (see [`ShardLog::run_read_ahead`]).
     pub cold_read_ahead: u64,
+    /// Reads that failed on damage in a segment (see `LogError::Corrupt`).
+    pub corrupt_reads: u64,
     /// Bytes held for reads: recent batches and cold-read chunks.
     pub cache_bytes: u64,
 }
@@ -689,6 +691,9 @@ struct Inner<F> {
     joined: Option<Joined>,
     cold_hits: u64,
     cold_reads: u64,
+    corrupt_reads: u64,
+    /// The last damaged place a read met and the log reported: (file, byte).
+    damage_reported: Option<(String, u64)>,
     cold_read_ahead: u64,
     /// Chunks to read ahead of sequential readers, oldest first (at most
     /// `cold_chunks`): (segment, position).
@@ -974,6 +979,12 @@ impl<S: Storage> ShardLog<S> {
     /// recovered from disk cannot show that theirs are complete (a crash
     /// may have cut the newest short), so retention waits for this one (see
     /// `Inner::covers`). Call it once the group state is replayed.
+    ///
+    /// What it writes must be the whole group state as of the call: applied
+    /// in order, its bodies replace whatever the entries before them built
+    /// (a group missing from them was deleted by an entry before them).
+    /// Retention removes the segments before a snapshot, and an open
+    /// replays group entries only from the newest one a summary vouches for.
     pub fn set_snapshot_provider(&self, f: SnapshotProvider) {
         let mut bodies = Vec::new();
         f(&mut bodies);
@@ -1142,6 +1153,7 @@ impl<S: Storage> ShardLog<S> {
             bytes_written: i.bytes_written,
             sync: i.sync,
             cold_reads: i.cold_reads,
+            corrupt_reads: i.corrupt_reads,
             cold_hits: i.cold_hits,
             cold_read_ahead: i.cold_read_ahead,
             cache_bytes: (i.cache_bytes + i.cold.iter().map(|c| c.bytes.len()).sum::<usize>())

@@ -67,10 +67,26 @@ impl<S: Storage> ShardLog<S> {
             return Ok(out);
         }
         self.read_cold(from, end, limits, &mut out, &mut bytes)
-            .await?;
+            .await
+            .inspect_err(|e| self.note_damage(e))?;
         out.next = out.next.min(end);
         out.bytes = bytes;
         Ok(out)
+    }
+
+    /// Count a read that met damage, and report each damaged place once
+    /// (a group polling at it meets it on every poll).
+    fn note_damage(&self, e: &LogError) {
+        let LogError::Corrupt { path, position, .. } = e else {
+            return;
+        };
+        let mut i = self.inner.borrow_mut();
+        i.corrupt_reads += 1;
+        let place = (path.clone(), *position);
+        if i.damage_reported.as_ref() != Some(&place) {
+            tracing::error!("a read met damage in a segment: {e}");
+            i.damage_reported = Some(place);
+        }
     }
 
     async fn read_cold(
@@ -89,17 +105,27 @@ impl<S: Storage> ShardLog<S> {
             }
         };
         loop {
-            let (file, path, mut pos, seg_len, seg_end, chunk) = {
+            // `expected`: the offset the batch at `pos` starts at. Batches
+            // follow one another without a gap, which a read checks as
+            // well as their checksums: an open takes a sealed segment's
+            // summary for what it holds without reading it, so a batch
+            // written in the wrong place (its checksum good) is found here.
+            let (file, path, mut pos, mut expected, seg_len, seg_end, chunk) = {
                 let i = self.inner.borrow();
                 let Some(s) = i.segments.get(&seg_base) else {
                     return Ok(()); // removed by retention meanwhile
                 };
                 let idx = s.index.partition_point(|(o, _)| *o <= out.next);
-                let pos = if idx == 0 { 0 } else { s.index[idx - 1].1 };
+                let (expected, pos) = if idx == 0 {
+                    (s.base, 0)
+                } else {
+                    s.index[idx - 1]
+                };
                 (
                     s.file.clone(),
                     s.path.clone(),
                     pos,
+                    expected,
                     s.len,
                     s.end,
                     i.config.read_chunk_bytes,
@@ -133,6 +159,18 @@ impl<S: Storage> ShardLog<S> {
                     };
                     match parsed {
                         Ok(h) => {
+                            if h.base_offset != expected || !h.plausible() {
+                                return Err(LogError::Corrupt {
+                                    path: path.display().to_string(),
+                                    position: pos,
+                                    reason: format!(
+                                        "a {:?} batch of {} records at offset {} where a batch \
+                                         at offset {expected} was expected",
+                                        h.kind, h.record_count, h.base_offset
+                                    ),
+                                });
+                            }
+                            expected = h.end_offset();
                             let batch = buf.split_to(h.len as usize);
                             let at = pos;
                             pos += h.len as u64;

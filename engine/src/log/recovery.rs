@@ -1,13 +1,16 @@
-//! Opening a log: the marks, the scan of every segment, and how the tail
-//! is told apart from damage (a torn last write is cut; anything older that
+//! Opening a log: the marks, the sealed segments' summaries (or a scan of
+//! those without one), the scan of the newest segment, and how its tail is
+//! told apart from damage (a torn last write is cut; anything older that
 //! does not verify refuses the open).
 
 use super::*;
 use futures_util::StreamExt;
 
 impl<S: Storage> ShardLog<S> {
-    /// Open (or create) the log in `dir`, recovering its tail. Entries that
-    /// are not user records are passed to `replay` in log order.
+    /// Open (or create) the log in `dir`, recovering its tail. Group
+    /// entries are passed to `replay` in log order, from the newest complete
+    /// group snapshot a sealed segment's summary vouches for (else from the
+    /// log's start): see [`ShardLog::set_snapshot_provider`].
     pub async fn open(
         storage: S,
         dir: &Path,
@@ -34,16 +37,6 @@ impl<S: Storage> ShardLog<S> {
         };
         let mut bases: Vec<Offset> = names.iter().filter_map(|n| ours(n, "log")).collect();
         bases.sort();
-        // A summary whose segment is gone (retention stopped between the
-        // two removals) is dropped; it would never be read.
-        for base in names.iter().filter_map(|n| ours(n, summary::SUMMARY_EXT)) {
-            if bases.binary_search(&base).is_err() {
-                let path = dir.join(summary::summary_name(base));
-                if let Err(e) = storage.remove_file(&path).await {
-                    tracing::warn!(summary = %path.display(), "cannot remove a summary with no segment: {e}");
-                }
-            }
-        }
         let (tail_mark, clean) = read_marks(&storage, dir).await?;
         if let Some(newest) = tail_mark {
             if bases.last().is_none_or(|b| *b < newest) {
@@ -281,6 +274,31 @@ impl<S: Storage> ShardLog<S> {
                 Segment::empty(Offset::ZERO, path, Rc::new(file), 0),
             );
         }
+        // Summaries that stand for no sealed segment: one whose segment
+        // retention removed (stopped between the two removals), one for the
+        // newest segment (which may grow), and what an interrupted summary
+        // write left.
+        let newest = *segments.keys().next_back().unwrap();
+        let stale: Vec<&String> = names
+            .iter()
+            .filter(|n| match ours(n, summary::SUMMARY_EXT) {
+                Some(base) => base == newest || !segments.contains_key(&base),
+                None => ours(n, "tmp").is_some(),
+            })
+            .collect();
+        for name in &stale {
+            let path = dir.join(name);
+            storage
+                .remove_file(&path)
+                .await
+                .map_err(|e| io_err(&format!("remove {}", path.display()), e))?;
+        }
+        if !stale.is_empty() {
+            storage
+                .sync_dir(dir)
+                .await
+                .map_err(|e| io_err("sync shard directory", e))?;
+        }
         // Before the log takes a write: a clean mark left behind would make
         // the next open after a crash refuse a torn write as damage, and
         // a log from before tail marks (or a new one) gets its first.
@@ -327,6 +345,8 @@ impl<S: Storage> ShardLog<S> {
             joined: None,
             cold_hits: 0,
             cold_reads: 0,
+            corrupt_reads: 0,
+            damage_reported: None,
             cold_read_ahead: 0,
             ahead: VecDeque::new(),
             reading: Vec::new(),

@@ -1,23 +1,27 @@
 //! A sealed segment's summary: what opening the log would otherwise scan
 //! the whole segment to learn.
 //!
-//! When the flusher seals a segment (its data durable, its padding cut)
-//! it writes `<base>.sum` beside it, atomically: the segment's length and
+//! When the flusher seals a segment (its data durable, its padding cut,
+//! the next segment created and named in `tail.mark`, so the sealed one can
+//! no longer grow) it writes `<base>.sum` beside it, atomically: the
+//! segment's length and
 //! end, the end of its last data record, the stamp of its last flush, its
 //! newest timestamp, its sparse index, whether it holds group entries, and
 //! where in it a complete group snapshot starts (one this process queued).
-//! Opening a log then reads the summaries instead of the sealed segments;
-//! only the newest segment is scanned whole, and of group entries only
-//! those from the newest complete snapshot on are replayed (the state
-//! before a complete snapshot is in it). So opening a shard costs about
-//! one segment's read however much data it retains.
+//! Opening a log then reads the summaries instead of the sealed segments.
+//! It scans the newest segment whole, and replays group entries only from
+//! the newest complete snapshot a summary vouches for (the state before a
+//! complete snapshot is in it), reading the segment that holds it and any
+//! after it that hold group entries. So opening a shard costs about two
+//! segments' reads however much data it retains.
 //!
 //! A summary is trusted only if it decodes (magic, checksum, fields that fit
 //! together), names its segment and matches the segment file's size; else
-//! the segment is scanned as before, which is always correct. A sealed
-//! segment never changes, so a summary that passes describes it exactly.
-//! The checksums of the batches in a summarised segment are checked when
-//! they are read, not at open (`LogConfig::verify_on_open` scans them all).
+//! the segment is scanned as before, which is always correct. An open
+//! removes summaries that stand for no sealed segment (the newest segment's,
+//! one whose segment retention removed). Batches in a summarised segment
+//! are checked when they are read (checksum, and the offset each should
+//! start at), not at open (`LogConfig::verify_on_open` scans them all).
 //!
 //! Layout, little-endian: the magic `FXSUMM01`; `u64` fields base, len,
 //! end, data end (`u64::MAX`: none), newest timestamp, last flush stamp
@@ -237,7 +241,14 @@ mod tests {
                 index: vec![(Offset(9000), 10)],
                 ..sample()
             },
-            Summary { len: 0, ..sample() },
+            // No bytes, yet offsets.
+            Summary {
+                len: 0,
+                snapshot_at: None,
+                last_indexed_pos: None,
+                index: Vec::new(),
+                ..sample()
+            },
         ];
         for s in bad {
             assert_eq!(Summary::decode(&s.encode()), None, "{s:?}");

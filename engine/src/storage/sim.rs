@@ -356,6 +356,7 @@ impl SimStorage {
         d.hang_sync_on = None;
         d.fail_dir_sync_on = None;
         d.fail_remove_on = None;
+        d.fail_atomic_write_on = None;
     }
 
     async fn maybe_yield(&self) {
@@ -379,6 +380,7 @@ impl SimStorage {
         d.hang_sync_on = None;
         d.fail_dir_sync_on = None;
         d.fail_remove_on = None;
+        d.fail_atomic_write_on = None;
     }
 
     /// A power cut that keeps a random prefix (or, with `reorder`, subset)
@@ -469,6 +471,7 @@ impl SimStorage {
         d.hang_sync_on = None;
         d.fail_dir_sync_on = None;
         d.fail_remove_on = None;
+        d.fail_atomic_write_on = None;
     }
 
     /// Flip one bit of a file as it stands, durably (media corruption).

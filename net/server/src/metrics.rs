@@ -256,6 +256,7 @@ pub(crate) struct ShardSnapshot {
     pub cold_reads: u64,
     pub cold_hits: u64,
     pub cold_read_ahead: u64,
+    pub corrupt_reads: u64,
     pub sync: SyncStats,
 }
 
@@ -268,6 +269,7 @@ impl ShardSnapshot {
             cold_reads: st.cold_reads,
             cold_hits: st.cold_hits,
             cold_read_ahead: st.cold_read_ahead,
+            corrupt_reads: st.corrupt_reads,
             sync: st.sync,
             ..ShardSnapshot::default()
         }
@@ -280,6 +282,7 @@ impl ShardSnapshot {
         self.cold_reads += o.cold_reads;
         self.cold_hits += o.cold_hits;
         self.cold_read_ahead += o.cold_read_ahead;
+        self.corrupt_reads += o.corrupt_reads;
         self.sync.merge(&o.sync);
     }
 }
@@ -505,6 +508,7 @@ impl MetricsSnapshot {
             cold_reads,
             cold_hits,
             cold_read_ahead,
+            corrupt_reads,
             sync,
             ..
         } = io;
@@ -521,7 +525,10 @@ impl MetricsSnapshot {
              felix_cold_reads_total{{from=\"chunk\"}} {cold_hits}\n\
              # HELP felix_cold_read_ahead_total Chunks read from disk ahead of a reader moving forward through them.\n\
              # TYPE felix_cold_read_ahead_total counter\n\
-             felix_cold_read_ahead_total {cold_read_ahead}"
+             felix_cold_read_ahead_total {cold_read_ahead}\n\
+             # HELP felix_read_damage_total Reads that failed on damage in a segment (a batch whose checksum or place is wrong; the broker's log names the file and byte).\n\
+             # TYPE felix_read_damage_total counter\n\
+             felix_read_damage_total {corrupt_reads}"
         );
         let _ = writeln!(
             s,

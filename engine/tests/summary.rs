@@ -1,0 +1,262 @@
+//! Sealed segments' summaries on the simulated disk: an open takes one only
+//! where it fits its segment, removes those that stand for no sealed
+//! segment, and a read checks what the open then did not (every batch in
+//! its place).
+//!
+//! Damage to a sealed segment shows which way an open went: one that took
+//! the summary opens and leaves the damage to the read that meets it; one
+//! that scanned the segment refuses the shard.
+
+use bytes::Bytes;
+use felix_engine::format::RecordIn;
+use felix_engine::log::{LogConfig, LogError, ReadLimits, ShardLog};
+use felix_engine::storage::sim::SimStorage;
+use felix_engine::storage::Storage;
+use felix_engine::Offset;
+use futures_lite::future::block_on;
+use std::path::{Path, PathBuf};
+
+const DIR: &str = "/d/t/n/s/0";
+/// One batch of one record of 100 bytes (header 40, record framing 26).
+const BATCH: u64 = 166;
+
+fn file(base: u64, ext: &str) -> PathBuf {
+    Path::new(DIR).join(format!("{base:020}.{ext}"))
+}
+
+fn cfg() -> LogConfig {
+    LogConfig {
+        segment_bytes: 1000,
+        read_cache_bytes: 0,
+        cold_chunks: 0,
+        ..LogConfig::default()
+    }
+}
+
+const ALL: ReadLimits = ReadLimits {
+    max_records: 1000,
+    max_bytes: usize::MAX,
+};
+
+async fn open(s: &SimStorage) -> Result<ShardLog<SimStorage>, LogError> {
+    ShardLog::open(s.clone(), Path::new(DIR), cfg(), &mut |_| {}).await
+}
+
+/// A closed log of 50 records, one batch and one flush each: segments of
+/// 6 batches (0, 6, 12, ... 48), each sealed one with its summary.
+fn written() -> SimStorage {
+    let storage = SimStorage::new();
+    block_on(async {
+        let log = open(&storage).await.unwrap();
+        for i in 0..50u8 {
+            log.append(&[RecordIn {
+                payload: Bytes::from(vec![i; 100]),
+                ..Default::default()
+            }])
+            .unwrap();
+            log.flush().await.unwrap();
+        }
+        log.close().await.unwrap();
+    });
+    for base in (0..48).step_by(6) {
+        assert!(storage.files().contains(&file(base, "sum")), "{base}");
+    }
+    assert!(!storage.files().contains(&file(48, "sum")));
+    storage
+}
+
+fn says_corrupt_in_segment_0(e: &LogError) {
+    let msg = e.to_string();
+    assert!(matches!(e, LogError::Corrupt { .. }), "{msg}");
+    assert!(msg.contains("00000000000000000000.log"), "{msg}");
+}
+
+/// Segment 0 with a bit flipped in its fourth batch.
+fn damaged() -> SimStorage {
+    let storage = written();
+    storage.corrupt(&file(0, "log"), 3 * BATCH + 80, 2);
+    storage
+}
+
+#[test]
+fn an_open_takes_a_summary_that_fits_and_reads_meet_the_damage_it_hides() {
+    let storage = damaged();
+    block_on(async {
+        let log = open(&storage).await.expect("summary taken");
+        let err = log.read(Offset(0), ALL).await.unwrap_err();
+        says_corrupt_in_segment_0(&err);
+        // Before the damage and past it, reads are served.
+        let r = log
+            .read(
+                Offset(0),
+                ReadLimits {
+                    max_records: 3,
+                    max_bytes: usize::MAX,
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.records.len(), 3);
+        let r = log.read(Offset(6), ALL).await.unwrap();
+        assert_eq!(r.records.first().map(|r| r.offset), Some(Offset(6)));
+        assert_eq!(log.stats().corrupt_reads, 1);
+    });
+}
+
+#[test]
+fn a_summary_of_another_segment_or_another_length_is_not_taken() {
+    block_on(async {
+        // Segment 6's summary under segment 0's name.
+        let storage = damaged();
+        let other = storage.read_file(&file(6, "sum")).await.unwrap().unwrap();
+        storage
+            .write_file_atomic(&file(0, "sum"), &other)
+            .await
+            .unwrap();
+        says_corrupt_in_segment_0(&open(&storage).await.map(|_| ()).unwrap_err());
+
+        // Segment 0 grown past the length its summary gives.
+        let storage = damaged();
+        let len = storage.file_len(&file(0, "log")).unwrap();
+        storage.overwrite(&file(0, "log"), len, &[0u8; 10]);
+        says_corrupt_in_segment_0(&open(&storage).await.map(|_| ()).unwrap_err());
+
+        // A summary that does not decode.
+        let storage = damaged();
+        let mut bytes = storage.read_file(&file(0, "sum")).await.unwrap().unwrap();
+        bytes[20] ^= 1;
+        storage
+            .write_file_atomic(&file(0, "sum"), &bytes)
+            .await
+            .unwrap();
+        says_corrupt_in_segment_0(&open(&storage).await.map(|_| ()).unwrap_err());
+
+        // None at all, or verify_on_open.
+        let storage = damaged();
+        storage.remove_file(&file(0, "sum")).await.unwrap();
+        says_corrupt_in_segment_0(&open(&storage).await.map(|_| ()).unwrap_err());
+        let storage = damaged();
+        let verify = LogConfig {
+            verify_on_open: true,
+            ..cfg()
+        };
+        let err = ShardLog::open(storage, Path::new(DIR), verify, &mut |_| {})
+            .await
+            .map(|_| ())
+            .unwrap_err();
+        says_corrupt_in_segment_0(&err);
+    });
+}
+
+/// A batch with a good checksum in the wrong place (a misdirected write, a
+/// stale block) is damage a read finds, since an open that took the
+/// summary never scanned for it.
+#[test]
+fn a_batch_with_a_good_checksum_in_the_wrong_place_fails_the_read() {
+    let storage = written();
+    block_on(async {
+        let seg = file(0, "log");
+        let whole = storage.read_file(&seg).await.unwrap().unwrap();
+        let third = &whole[2 * BATCH as usize..3 * BATCH as usize];
+        storage.overwrite(&seg, 3 * BATCH, third);
+        let log = open(&storage).await.expect("summary taken");
+        let err = log.read(Offset(0), ALL).await.unwrap_err();
+        says_corrupt_in_segment_0(&err);
+        let msg = err.to_string();
+        assert!(
+            msg.contains(&format!("corrupt at byte {}", 3 * BATCH)),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("at offset 2 where a batch at offset 3 was expected"),
+            "{msg}"
+        );
+    });
+}
+
+#[test]
+fn summaries_that_stand_for_no_sealed_segment_are_removed_at_open() {
+    let storage = written();
+    block_on(async {
+        let one = storage.read_file(&file(6, "sum")).await.unwrap().unwrap();
+        // The newest segment's (it may grow), one past every segment, one
+        // below them (retention stopped between its two removals), and
+        // what an interrupted summary write leaves.
+        let stale = [
+            file(48, "sum"),
+            file(900, "sum"),
+            file(0, "tmp"),
+            Path::new(DIR).join("00000000000000000000.sum.extra"),
+        ];
+        for p in &stale {
+            storage.write_file_atomic(p, &one).await.unwrap();
+        }
+        storage.remove_file(&file(0, "log")).await.unwrap();
+        let log = open(&storage).await.unwrap();
+        assert_eq!(log.start(), Offset(6));
+        let files = storage.files();
+        for p in &stale[..3] {
+            assert!(!files.contains(p), "{} kept", p.display());
+        }
+        assert!(!files.contains(&file(0, "sum")), "segment 0's kept");
+        // Not a name the log gives its files: left alone.
+        assert!(files.contains(&stale[3]));
+        assert!(files.contains(&file(6, "sum")));
+        assert_eq!(log.read(Offset(6), ALL).await.unwrap().records.len(), 44);
+    });
+}
+
+#[test]
+fn retention_removes_a_segments_summary_with_it() {
+    let storage = written();
+    block_on(async {
+        let cfg = LogConfig {
+            retention_bytes: Some(3000),
+            ..cfg()
+        };
+        let log = ShardLog::open(storage.clone(), Path::new(DIR), cfg, &mut |_| {})
+            .await
+            .unwrap();
+        assert!(log.enforce_retention(0).await.unwrap() >= 3);
+        let start = log.start().0;
+        let files = storage.files();
+        for base in (0..48).step_by(6) {
+            assert_eq!(
+                files.contains(&file(base, "sum")),
+                base >= start,
+                "segment {base}, log start {start}"
+            );
+        }
+    });
+}
+
+/// A summary that could not be written leaves none: the next open reads
+/// that segment, and every record is there.
+#[test]
+fn a_summary_that_cannot_be_written_leaves_the_segment_to_be_scanned() {
+    let storage = SimStorage::new();
+    block_on(async {
+        let log = open(&storage).await.unwrap();
+        for i in 0..10u8 {
+            if i == 6 {
+                // The roll's tail mark, then the summary.
+                storage.fail_atomic_write_after(2);
+            }
+            log.append(&[RecordIn {
+                payload: Bytes::from(vec![i; 100]),
+                ..Default::default()
+            }])
+            .unwrap();
+            log.flush().await.unwrap();
+        }
+        assert!(storage.files().contains(&file(6, "log")));
+        assert!(!storage.files().contains(&file(0, "sum")));
+        log.close().await.unwrap();
+        storage.corrupt(&file(0, "log"), 3 * BATCH + 80, 2);
+        says_corrupt_in_segment_0(&open(&storage).await.map(|_| ()).unwrap_err());
+        storage.corrupt(&file(0, "log"), 3 * BATCH + 80, 2); // repaired
+        let log = open(&storage).await.unwrap();
+        let r = log.read(Offset(0), ALL).await.unwrap();
+        assert_eq!(r.records.len(), 10);
+    });
+}
