@@ -260,3 +260,34 @@ fn a_summary_that_cannot_be_written_leaves_the_segment_to_be_scanned() {
         assert_eq!(r.records.len(), 10);
     });
 }
+
+/// With no group entries in the log (a provider that has no state to
+/// write), no sealed segment is read at open: not even the one whose
+/// (empty) snapshot replay would start from.
+#[test]
+fn a_log_without_group_entries_reads_no_sealed_segment_at_open() {
+    let storage = SimStorage::new();
+    block_on(async {
+        let log = open(&storage).await.unwrap();
+        log.set_snapshot_provider(Box::new(|_| {}));
+        for i in 0..50u8 {
+            log.append(&[RecordIn {
+                payload: Bytes::from(vec![i; 100]),
+                ..Default::default()
+            }])
+            .unwrap();
+            log.flush().await.unwrap();
+        }
+        log.close().await.unwrap();
+        for base in [0, 36, 42] {
+            storage.corrupt(&file(base, "log"), 80, 2);
+        }
+        let log = open(&storage).await.expect("no sealed segment read");
+        let err = log.read(Offset(42), ALL).await.unwrap_err();
+        assert!(
+            err.to_string().contains(&format!("{:020}.log", 42)),
+            "{err}"
+        );
+        assert_eq!(log.read(Offset(48), ALL).await.unwrap().records.len(), 2);
+    });
+}

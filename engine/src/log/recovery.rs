@@ -123,10 +123,11 @@ impl<S: Storage> ShardLog<S> {
             }
             // Where in this segment group entries are replayed from (none:
             // not at all).
+            let holds_groups = summary.as_ref().is_none_or(|s| s.groups);
             let replay_from = match replay_start {
                 Some((b, _)) if base < b => None,
+                _ if !holds_groups => None,
                 Some((b, at)) if base == b => Some(at),
-                _ if summary.as_ref().is_some_and(|s| !s.groups) => None,
                 _ => Some(0),
             };
             if let (Some(s), None) = (&summary, replay_from) {

@@ -12,7 +12,7 @@
 //! It scans the newest segment whole, and replays group entries only from
 //! the newest complete snapshot a summary vouches for (the state before a
 //! complete snapshot is in it), reading the segment that holds it and any
-//! after it that hold group entries. So opening a shard costs about two
+//! after it if they hold group entries. So opening a shard costs one or two
 //! segments' reads however much data it retains.
 //!
 //! A summary is trusted only if it decodes (magic, checksum, fields that fit
