@@ -291,3 +291,90 @@ fn a_log_without_group_entries_reads_no_sealed_segment_at_open() {
         assert_eq!(log.read(Offset(48), ALL).await.unwrap().records.len(), 2);
     });
 }
+
+/// A sealed segment's summary vouches for the snapshot the next segment
+/// opened with, so an open replays group entries from the newest
+/// segment's start and reads no sealed segment. If that segment is found
+/// to end inside the snapshot (durable data lost), the open refuses rather
+/// than rebuild group state from part of it; without the summary it
+/// rebuilds it from the segments before.
+#[test]
+fn replay_starts_at_the_newest_segments_snapshot_and_refuses_a_cut_one() {
+    let storage = SimStorage::new();
+    let state = || vec![vec![b'S'; 300]];
+    block_on(async {
+        let log = open(&storage).await.unwrap();
+        log.set_snapshot_provider(Box::new(move |out| out.extend(state())));
+        for i in 0..50u8 {
+            log.append(&[RecordIn {
+                payload: Bytes::from(vec![i; 100]),
+                ..Default::default()
+            }])
+            .unwrap();
+            log.append_group(b"entry").unwrap();
+            log.flush().await.unwrap();
+        }
+        log.close().await.unwrap();
+        let tail = storage
+            .files()
+            .into_iter()
+            .filter(|p| p.extension().is_some_and(|e| e == "log"))
+            .max()
+            .unwrap();
+        let before = storage
+            .files()
+            .into_iter()
+            .filter(|p| p.extension().is_some_and(|e| e == "sum"))
+            .max()
+            .unwrap();
+        // Every sealed segment damaged: none is read.
+        for p in storage.files() {
+            if p.extension().is_some_and(|e| e == "log") && p != tail {
+                storage.corrupt(&p, 20, 1);
+            }
+        }
+        let mut replayed = Vec::new();
+        let log = ShardLog::open(storage.clone(), Path::new(DIR), cfg(), &mut |e| {
+            let felix_engine::log::Replayed::Group(body) = e else {
+                return;
+            };
+            replayed.push(body.len());
+        })
+        .await
+        .expect("no sealed segment read");
+        assert_eq!(replayed.first(), Some(&300), "{replayed:?}");
+        assert_eq!(replayed.iter().filter(|l| **l == 300).count(), 1);
+        log.close().await.unwrap();
+
+        // The newest segment cut inside its opening snapshot, and taken as
+        // torn (its clean mark removed, as after a crash).
+        storage.cut(&tail, 100);
+        storage
+            .remove_file(&Path::new(DIR).join("clean.mark"))
+            .await
+            .unwrap();
+        let err = open(&storage).await.map(|_| ()).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("inside the group snapshot"), "{msg}");
+        let name = before.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(msg.contains(&name), "{msg}");
+        // Repaired, and the summary the error names removed: the open
+        // replays from the snapshot before.
+        for p in storage.files() {
+            if p.extension().is_some_and(|e| e == "log") && p != tail {
+                storage.corrupt(&p, 20, 1);
+            }
+        }
+        storage.remove_file(&before).await.unwrap();
+        let mut snapshots = 0;
+        let log = ShardLog::open(storage.clone(), Path::new(DIR), cfg(), &mut |e| {
+            if let felix_engine::log::Replayed::Group(b) = e {
+                snapshots += usize::from(b.len() == 300);
+            }
+        })
+        .await
+        .unwrap();
+        assert_eq!(snapshots, 1);
+        assert_eq!(log.end(), Offset(48));
+    });
+}

@@ -105,6 +105,9 @@ impl<S: Storage> ShardLog<S> {
             i.pending.drain(..).collect()
         };
         let mut dirty: Option<Rc<S::File>> = None;
+        // Summaries of the segments this round seals, written once it is
+        // durable (see `write_summaries`).
+        let mut sealed = Vec::new();
         let count = chunks.len();
         for (n, chunk) in chunks.into_iter().enumerate() {
             let (active_base, dir) = {
@@ -151,24 +154,7 @@ impl<S: Storage> ShardLog<S> {
                     )
                     .await
                     .map_err(|e| io_err(&format!("write {TAIL_MARK}"), e))?;
-                // The sealed segment's summary, once it is durable at its
-                // final length and no longer the newest (so no open takes a
-                // summary for a segment that may still grow). Only the next
-                // open's speed depends on it: a failure is reported, and
-                // that open scans the segment.
-                let sum = dir.join(summary::summary_name(active_base));
-                if let Err(e) = self
-                    .storage
-                    .write_file_atomic(&sum, &summary.encode())
-                    .await
-                {
-                    tracing::warn!(
-                        summary = %sum.display(),
-                        "cannot write a sealed segment's summary; the next open reads the segment instead: {e}"
-                    );
-                    // Whatever a failed write left under the name.
-                    let _ = self.storage.remove_file(&sum).await;
-                }
+                sealed.push(summary);
                 let mut i = self.inner.borrow_mut();
                 i.segments.insert(
                     chunk.segment_base,
@@ -193,7 +179,46 @@ impl<S: Storage> ShardLog<S> {
             i.frontiers.mark_durable(written);
             i.flushes += 1;
         }
+        if !sealed.is_empty() {
+            self.write_summaries(sealed).await;
+        }
         Ok(())
+    }
+
+    /// Write the summaries of the segments a round sealed. Each is durable
+    /// at its final length and no longer the newest (so no open takes a
+    /// summary for a segment that may still grow), and the snapshot the
+    /// next segment opens with is durable too, so the summary can vouch for
+    /// it: an open then replays group entries from there, and need not read
+    /// the sealed segment at all. The round's waiters are woken first: only
+    /// the next open's speed depends on these. A failure is reported, and
+    /// whatever it left under the name removed: that open reads the segment.
+    async fn write_summaries(&self, sealed: Vec<summary::Summary>) {
+        self.progress.wake_all();
+        let dir = self.inner.borrow().dir.clone();
+        for mut summary in sealed {
+            {
+                let i = self.inner.borrow();
+                let durable = i.frontiers.lsn(Frontier::Durable);
+                summary.next_snapshot = i
+                    .covers
+                    .iter()
+                    .find(|c| c.segment == summary.end && c.at == 0 && c.end <= durable)
+                    .map(|c| (c.at, c.until));
+            }
+            let path = dir.join(summary::summary_name(summary.base));
+            if let Err(e) = self
+                .storage
+                .write_file_atomic(&path, &summary.encode())
+                .await
+            {
+                tracing::warn!(
+                    summary = %path.display(),
+                    "cannot write a sealed segment's summary; the next open reads the segment instead: {e}"
+                );
+                let _ = self.storage.remove_file(&path).await;
+            }
+        }
     }
 
     /// Write one chunk at the end of the active segment (rewriting its

@@ -536,6 +536,7 @@ impl<F> Segment<F> {
     /// `snapshot_at` if one does.
     fn summary(&self, snapshot_at: Option<u64>) -> summary::Summary {
         summary::Summary {
+            next_snapshot: None,
             base: self.base,
             len: self.len,
             end: self.end,
@@ -727,6 +728,8 @@ struct Cover {
     segment: Offset,
     /// Position in the segment of its first batch.
     at: u64,
+    /// Position in the segment just past its last batch.
+    until: u64,
     /// Lsn just past its last batch.
     end: Lsn,
 }
@@ -810,6 +813,7 @@ impl<F> Inner<F> {
         self.covers.push(Cover {
             segment: self.target_base,
             at: before,
+            until: self.projected_len,
             end: self.frontiers.lsn(Frontier::Queued),
         });
     }

@@ -95,11 +95,20 @@ impl<S: Storage> ShardLog<S> {
             .collect::<Result<_, _>>()?;
         // Group entries are replayed from the newest complete snapshot a
         // summary vouches for (the state before it is in it), else from
-        // the start.
-        let replay_start = found.iter().rev().find_map(|(base, _, _, _, s)| {
-            let at = s.as_ref()?.snapshot_at?;
-            Some((*base, at))
-        });
+        // the start: (segment, position, and where the snapshot ends when
+        // the summary of the segment before it vouches for it).
+        let mut replay_start: Option<(Offset, u64, Option<u64>)> = None;
+        for (k, (base, _, _, _, s)) in found.iter().enumerate() {
+            let Some(s) = s else { continue };
+            if let Some(at) = s.snapshot_at {
+                replay_start = Some((*base, at, None));
+            }
+            if let (Some((at, until)), Some((next, ..))) = (s.next_snapshot, found.get(k + 1)) {
+                if *next == s.end {
+                    replay_start = Some((*next, at, Some(until)));
+                }
+            }
+        }
 
         let mut segments = BTreeMap::new();
         let mut expected: Option<Offset> = None;
@@ -125,9 +134,9 @@ impl<S: Storage> ShardLog<S> {
             // not at all).
             let holds_groups = summary.as_ref().is_none_or(|s| s.groups);
             let replay_from = match replay_start {
-                Some((b, _)) if base < b => None,
+                Some((b, ..)) if base < b => None,
                 _ if !holds_groups => None,
-                Some((b, at)) if base == b => Some(at),
+                Some((b, at, _)) if base == b => Some(at),
                 _ => Some(0),
             };
             if let (Some(s), None) = (&summary, replay_from) {
@@ -219,6 +228,25 @@ impl<S: Storage> ShardLog<S> {
                             "truncating a torn or corrupt tail: {reason}"
                         );
                     }
+                }
+            }
+            if let Some((b, _, Some(until))) = replay_start {
+                if b == base && valid_len < until {
+                    return Err(LogError::Corrupt {
+                        path: path.display().to_string(),
+                        position: valid_len,
+                        reason: format!(
+                            "the segment ends at byte {valid_len}, inside the group snapshot it \
+                             opened with (to byte {until}), which the summary of the segment \
+                             before it says was durable: durable data is missing, and group \
+                             state would be rebuilt from part of a snapshot, so the shard is not \
+                             opened (to open it anyway, rebuilding group state from older \
+                             segments, remove {})",
+                            summary::summary_name(
+                                segments.keys().next_back().copied().unwrap_or(base)
+                            )
+                        ),
+                    });
                 }
             }
             seg.len = valid_len;

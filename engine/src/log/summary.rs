@@ -3,23 +3,28 @@
 //!
 //! When the flusher seals a segment (its data durable, its padding cut,
 //! the next segment created and named in `tail.mark`, so the sealed one can
-//! no longer grow) it writes `<base>.sum` beside it, atomically: the
-//! segment's length and
-//! end, the end of its last data record, the stamp of its last flush, its
-//! newest timestamp, its sparse index, whether it holds group entries, and
-//! where in it a complete group snapshot starts (one this process queued).
+//! no longer grow) it writes `<base>.sum` beside it, atomically, once the
+//! round is durable: the segment's length and end, the end of its last data
+//! record, the stamp of its last flush, its newest timestamp, its sparse
+//! index, whether it holds group entries, where in it a complete group
+//! snapshot starts (one this process queued), and where the snapshot the
+//! next segment opens with lies (durable by then).
 //! Opening a log then reads the summaries instead of the sealed segments.
 //! It scans the newest segment whole, and replays group entries only from
 //! the newest complete snapshot a summary vouches for (the state before a
 //! complete snapshot is in it), reading the segment that holds it and any
-//! after it if they hold group entries. So opening a shard costs one or two
-//! segments' reads however much data it retains.
+//! after it if they hold group entries. That is normally the newest
+//! segment's opening snapshot, so opening a shard costs one segment's read
+//! however much data it retains (two where a summary could not be written).
 //!
 //! A summary is trusted only if it decodes (magic, checksum, fields that fit
 //! together), names its segment and matches the segment file's size; else
 //! the segment is scanned as before, which is always correct. An open
 //! removes summaries that stand for no sealed segment (the newest segment's,
-//! one whose segment retention removed). Batches in a summarised segment
+//! one whose segment retention removed). An open that finds the newest
+//! segment ending inside the snapshot its predecessor's summary vouches
+//! for refuses the shard (durable data is missing) rather than rebuild
+//! group state from part of it. Batches in a summarised segment
 //! are checked when they are read (checksum, and the offset each should
 //! start at), not at open (`LogConfig::verify_on_open` scans them all).
 //!
@@ -27,6 +32,7 @@
 //! end, data end (`u64::MAX`: none), newest timestamp, last flush stamp
 //! (`u64::MAX`: none), flags (bit 0: holds group entries), snapshot
 //! position (`u64::MAX`: none), last indexed position (`u64::MAX`: none),
+//! the next segment's opening snapshot's start and end (`u64::MAX`: none),
 //! index count; the index as (offset, position) pairs of `u64`; a CRC32C of
 //! everything before it.
 
@@ -34,7 +40,7 @@ use crate::types::Offset;
 
 const MAGIC: &[u8; 8] = b"FXSUMM01";
 const NONE: u64 = u64::MAX;
-const FIXED: usize = 8 + 10 * 8;
+const FIXED: usize = 8 + 12 * 8;
 /// Most index entries a summary keeps (512 KiB of them): a segment indexed
 /// more densely keeps every other entry until it fits. The index only
 /// shortens a read's walk to its offset; any subset of it serves.
@@ -62,6 +68,10 @@ pub(super) struct Summary {
     pub groups: bool,
     /// Position of the first batch of a complete group snapshot in it.
     pub snapshot_at: Option<u64>,
+    /// Positions of the first batch and just past the last of a complete
+    /// group snapshot in the next segment, durable when this summary was
+    /// written (the snapshot that segment opens with).
+    pub next_snapshot: Option<(u64, u64)>,
     pub last_indexed_pos: Option<u64>,
     pub index: Vec<(Offset, u64)>,
 }
@@ -95,6 +105,8 @@ impl Summary {
             u64::from(self.groups),
             opt(self.snapshot_at),
             opt(self.last_indexed_pos),
+            opt(self.next_snapshot.map(|n| n.0)),
+            opt(self.next_snapshot.map(|n| n.1)),
             index.len() as u64,
         ] {
             out.extend_from_slice(&f.to_le_bytes());
@@ -120,8 +132,8 @@ impl Summary {
         let word = |i: usize| -> Option<u64> {
             Some(u64::from_le_bytes(body.get(i..i + 8)?.try_into().ok()?))
         };
-        let f: Vec<u64> = (0..10).map(|k| word(8 + 8 * k)).collect::<Option<_>>()?;
-        let count = usize::try_from(f[9]).ok().filter(|c| *c <= MAX_INDEX)?;
+        let f: Vec<u64> = (0..12).map(|k| word(8 + 8 * k)).collect::<Option<_>>()?;
+        let count = usize::try_from(f[11]).ok().filter(|c| *c <= MAX_INDEX)?;
         if body.len() != FIXED + count * 16 {
             return None;
         }
@@ -147,6 +159,11 @@ impl Summary {
             },
             snapshot_at: from_opt(f[7]),
             last_indexed_pos: from_opt(f[8]),
+            next_snapshot: match (from_opt(f[9]), from_opt(f[10])) {
+                (None, None) => None,
+                (Some(at), Some(until)) => Some((at, until)),
+                _ => return None,
+            },
             index,
         };
         s.consistent().then_some(s)
@@ -161,6 +178,7 @@ impl Summary {
                 .data_end
                 .is_none_or(|d| d > self.base && d <= self.end)
             && self.snapshot_at.is_none_or(|p| p <= self.len)
+            && self.next_snapshot.is_none_or(|(at, until)| at <= until)
             && self.last_indexed_pos.is_none_or(|p| p < self.len)
             && self
                 .index
@@ -190,6 +208,7 @@ mod tests {
             last_flush: Some(65_535),
             groups: true,
             snapshot_at: Some(0),
+            next_snapshot: Some((0, 4096)),
             last_indexed_pos: Some(1 << 19),
             index: vec![(Offset(1000), 0), (Offset(5000), 1 << 19)],
         }
@@ -213,6 +232,7 @@ mod tests {
             last_flush: None,
             groups: false,
             snapshot_at: None,
+            next_snapshot: None,
             ..sample()
         };
         assert_eq!(Summary::decode(&none.encode()), Some(none));
@@ -231,6 +251,10 @@ mod tests {
             },
             Summary {
                 snapshot_at: Some((1 << 20) + 1),
+                ..sample()
+            },
+            Summary {
+                next_snapshot: Some((10, 9)),
                 ..sample()
             },
             Summary {
