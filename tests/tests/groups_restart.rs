@@ -5,7 +5,7 @@
 
 mod groups_common;
 
-use felix_wire::ErrorCode;
+use felix_wire::{ErrorCode, StartPosition};
 use groups_common::*;
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
@@ -260,4 +260,97 @@ async fn a_group_described_after_a_restart_reports_sane_ages() {
     // Its first request since: active again.
     assert_eq!(offsets(&g.poll(1).await), vec![0]);
     assert!(g.describe().await.unwrap().last_active_ms.is_some());
+}
+
+/// Group state over many segments. With 4 KiB segments the log rolls every
+/// few calls, and each start-up rebuilds the groups from the newest
+/// segment's opening snapshot and what follows it, as the sealed segments'
+/// summaries direct, without reading the sealed segments. Across `kill -9`s
+/// and clean stops what the guide says survives (positions, dead letters, a
+/// pending redrive, a deleted group staying deleted) comes back, and the
+/// same as from a start-up that reads every segment (`verify_on_open`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn group_state_over_many_segments_survives_restarts_as_a_full_replay_rebuilds_it() {
+    let cfg = config_file("[storage]\nsegment_bytes = 4096\n");
+    let mut b =
+        felix_tests::start_broker!(opts(30_000, 2).env("FELIX_TEST_CONFIG", cfg.path.display()));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    fill(&c, 30).await;
+    let a = Group::new(&c, JOBS, "a");
+    let r = a.poll(50).await;
+    assert_eq!(r.len(), 50);
+    a.ack_many(&(0..40).collect::<Vec<_>>()).await.unwrap();
+    fill(&c, 12).await;
+    a.dead_letter(&r[40], Some("bad")).await.unwrap();
+    a.dead_letter(&r[41], None).await.unwrap();
+    a.ack_many(&(42..50).collect::<Vec<_>>()).await.unwrap();
+    fill(&c, 12).await;
+    a.redrive(40).await.unwrap();
+    let bg = Group::new(&c, JOBS, "b");
+    bg.create(StartPosition::Offset(100)).await.unwrap();
+    let r = bg.poll(20).await;
+    bg.ack_all(&r).await;
+    let cg = Group::new(&c, JOBS, "c");
+    let r = cg.poll(10).await;
+    cg.ack_all(&r).await;
+    fill(&c, 12).await;
+    cg.delete().await.unwrap();
+    fill(&c, 12).await;
+    let shard = b.data_dir().unwrap().join(format!("{T}/{NS}/{JOBS}/0"));
+    let count = |ext: &str| {
+        std::fs::read_dir(&shard)
+            .unwrap()
+            .filter(|e| {
+                let name = e.as_ref().unwrap().file_name();
+                name.to_string_lossy().ends_with(ext)
+            })
+            .count()
+    };
+    assert!(count(".log") >= 6, "{} segments", count(".log"));
+
+    let mut b_position = 120;
+    for round in 0..5 {
+        match round {
+            0 => b.restart_with_env("FELIX_VERIFY_ON_OPEN", 1),
+            1 => b.restart_with_env("FELIX_VERIFY_ON_OPEN", 0),
+            2 => assert!(b.terminate().success()),
+            _ => b.kill9(),
+        }
+        if round >= 2 {
+            b.restart();
+        }
+        assert!(count(".sum") + 1 >= count(".log"), "round {round}");
+        let c = client(&b.addr).await;
+        let a = Group::new(&c, JOBS, "a");
+        let info = a.describe().await.unwrap();
+        assert_eq!((info.position, info.dead_letters), (50, 1), "round {round}");
+        assert_eq!(a.dead_letters().await, vec![41], "round {round}");
+        let bg = Group::new(&c, JOBS, "b");
+        assert_eq!(bg.position().await, b_position, "round {round}");
+        let cg = Group::new(&c, JOBS, "c");
+        assert_eq!(
+            code(cg.describe().await),
+            Some(ErrorCode::NotFound),
+            "round {round}: the deleted group"
+        );
+        // More rolls before the next restart, and group b moves on.
+        fill(&c, 15).await;
+        let r = bg.poll(5).await;
+        bg.ack_all(&r).await;
+        b_position += 5;
+    }
+    // The redrive is still owed, first.
+    let c = client(&b.addr).await;
+    let a = Group::new(&c, JOBS, "a");
+    let r = a.poll(1).await;
+    assert_eq!(offsets(&r), vec![40]);
+}
+
+/// `batches` publishes of 10 records each (a batch a publish, so each
+/// takes its own room in the log).
+async fn fill(c: &felix_client::Client, batches: u32) {
+    for _ in 0..batches {
+        publish(c, JOBS, 10).await;
+    }
 }
