@@ -262,8 +262,7 @@ fn a_summary_that_cannot_be_written_leaves_the_segment_to_be_scanned() {
 }
 
 /// With no group entries in the log (a provider that has no state to
-/// write), no sealed segment is read at open: not even the one whose
-/// (empty) snapshot replay would start from.
+/// write, so every snapshot is empty), no sealed segment is read at open.
 #[test]
 fn a_log_without_group_entries_reads_no_sealed_segment_at_open() {
     let storage = SimStorage::new();
@@ -376,5 +375,69 @@ fn replay_starts_at_the_newest_segments_snapshot_and_refuses_a_cut_one() {
         .unwrap();
         assert_eq!(snapshots, 1);
         assert_eq!(log.end(), Offset(48));
+    });
+}
+
+/// One round that rolls several segments: each sealed one gets its summary
+/// once the round is durable, the last vouching for the newest segment's
+/// opening snapshot, so a reopen reads none of them.
+#[test]
+fn a_round_that_rolls_several_segments_summarises_each() {
+    let storage = SimStorage::new();
+    block_on(async {
+        let log = open(&storage).await.unwrap();
+        log.set_snapshot_provider(Box::new(|out| out.push(vec![b'S'; 300])));
+        for i in 0..30u8 {
+            log.append(&[RecordIn {
+                payload: Bytes::from(vec![i; 100]),
+                ..Default::default()
+            }])
+            .unwrap();
+        }
+        log.flush().await.unwrap();
+        assert!(log.stats().segments >= 5);
+        log.close().await.unwrap();
+        let logs: Vec<PathBuf> = storage
+            .files()
+            .into_iter()
+            .filter(|p| p.extension().is_some_and(|e| e == "log"))
+            .collect();
+        let (_newest, sealed) = logs.split_last().unwrap();
+        for p in sealed {
+            assert!(storage.files().contains(&p.with_extension("sum")));
+            storage.corrupt(p, 20, 1);
+        }
+        let mut snapshots = 0;
+        let log = ShardLog::open(storage.clone(), Path::new(DIR), cfg(), &mut |e| {
+            if let felix_engine::log::Replayed::Group(b) = e {
+                snapshots += usize::from(b.len() == 300);
+            }
+        })
+        .await
+        .expect("no sealed segment read");
+        assert_eq!(snapshots, 1);
+        let last = log.read(Offset(29), ALL).await.unwrap();
+        assert_eq!(last.records.len(), 1);
+    });
+}
+
+/// A sealed segment scanned at open for want of a summary (none written,
+/// or one from an earlier layout) gets one, so the next open does not read
+/// it.
+#[test]
+fn an_open_writes_the_summaries_it_lacked() {
+    let storage = written();
+    block_on(async {
+        for base in [0, 12] {
+            storage.remove_file(&file(base, "sum")).await.unwrap();
+        }
+        let log = open(&storage).await.unwrap();
+        log.close().await.unwrap();
+        for base in [0, 12] {
+            assert!(storage.files().contains(&file(base, "sum")), "{base}");
+        }
+        storage.corrupt(&file(12, "log"), 20, 1);
+        let log = open(&storage).await.expect("segment 12 not read");
+        assert!(log.read(Offset(12), ALL).await.is_err());
     });
 }

@@ -76,8 +76,9 @@ impl<S: Storage> ShardLog<S> {
         let mut round = RoundGuard {
             log: self,
             done: false,
+            durable: std::cell::Cell::new(false),
         };
-        let result = self.flush_inner().await;
+        let result = self.flush_inner(&round.durable).await;
         round.done = true;
         let mut i = self.inner.borrow_mut();
         i.flushing = false;
@@ -92,7 +93,9 @@ impl<S: Storage> ShardLog<S> {
         })
     }
 
-    async fn flush_inner(&self) -> Result<(), LogError> {
+    /// One round; `durable` is set once what it took is durable (dropped
+    /// after that, the round has lost nothing: see `RoundGuard`).
+    async fn flush_inner(&self, durable: &std::cell::Cell<bool>) -> Result<(), LogError> {
         let chunks: Vec<Chunk> = {
             let mut i = self.inner.borrow_mut();
             // Only a round that syncs what it wrote marks it durable.
@@ -179,6 +182,7 @@ impl<S: Storage> ShardLog<S> {
             i.frontiers.mark_durable(written);
             i.flushes += 1;
         }
+        durable.set(true);
         if !sealed.is_empty() {
             self.write_summaries(sealed).await;
         }
@@ -199,6 +203,9 @@ impl<S: Storage> ShardLog<S> {
         for mut summary in sealed {
             {
                 let i = self.inner.borrow();
+                if !i.segments.contains_key(&summary.base) {
+                    continue;
+                }
                 let durable = i.frontiers.lsn(Frontier::Durable);
                 summary.next_snapshot = i
                     .covers
@@ -206,17 +213,15 @@ impl<S: Storage> ShardLog<S> {
                     .find(|c| c.segment == summary.end && c.at == 0 && c.end <= durable)
                     .map(|c| (c.at, c.until));
             }
-            let path = dir.join(summary::summary_name(summary.base));
-            if let Err(e) = self
-                .storage
-                .write_file_atomic(&path, &summary.encode())
-                .await
-            {
-                tracing::warn!(
-                    summary = %path.display(),
-                    "cannot write a sealed segment's summary; the next open reads the segment instead: {e}"
-                );
-                let _ = self.storage.remove_file(&path).await;
+            summary::write_summary(&self.storage, &dir, &summary).await;
+            // Retention may have removed the segment meanwhile, and its
+            // summary before this wrote it.
+            let gone = !self.inner.borrow().segments.contains_key(&summary.base);
+            if gone {
+                let _ = self
+                    .storage
+                    .remove_file(&dir.join(summary::summary_name(summary.base)))
+                    .await;
             }
         }
     }
@@ -572,6 +577,9 @@ pub(super) fn reservation_for(need: u64, step: u64) -> u64 {
 struct RoundGuard<'a, S: Storage> {
     log: &'a ShardLog<S>,
     done: bool,
+    /// What the round took is durable: only its summaries were left to
+    /// write, and dropping it then loses nothing.
+    durable: std::cell::Cell<bool>,
 }
 
 impl<S: Storage> Drop for RoundGuard<'_, S> {
@@ -581,7 +589,9 @@ impl<S: Storage> Drop for RoundGuard<'_, S> {
         }
         if let Ok(mut i) = self.log.inner.try_borrow_mut() {
             i.flushing = false;
-            i.stop_after_round("a flush was dropped before it completed".into());
+            if !self.durable.get() {
+                i.stop_after_round("a flush was dropped before it completed".into());
+            }
         }
         self.log.progress.wake_all();
         self.log.queued.wake_all();

@@ -717,8 +717,9 @@ struct Inner<F> {
     /// segment only once a later segment holds one of these durably: a
     /// snapshot that opens a segment recovered from disk may have been cut
     /// short by a crash, and the segments before it may hold the only copy
-    /// of group state. A segment's summary names the last one in it, where
-    /// the next open starts replaying group entries.
+    /// of group state. A segment's summary names the last one in it and
+    /// the one the next segment opens with: the next open replays group
+    /// entries from the newest of these.
     covers: Vec<Cover>,
 }
 

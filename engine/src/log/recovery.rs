@@ -111,6 +111,10 @@ impl<S: Storage> ShardLog<S> {
         }
 
         let mut segments = BTreeMap::new();
+        // Summaries of sealed segments scanned for want of one, written
+        // once the open has passed its checks: the next open need not read
+        // them (a log from before summaries gets them at its first open).
+        let mut heal = Vec::new();
         let mut expected: Option<Offset> = None;
         let mut lsn = Lsn::ZERO;
         let mut tail_page = Vec::new();
@@ -251,6 +255,9 @@ impl<S: Storage> ShardLog<S> {
             }
             seg.len = valid_len;
             seg.zeroed = valid_len;
+            if !is_tail && summary.is_none() && !config.verify_on_open {
+                heal.push(seg.summary(None));
+            }
             if is_tail {
                 let page_start = align_down(valid_len);
                 let page_end = align_up(valid_len).min(size);
@@ -328,6 +335,9 @@ impl<S: Storage> ShardLog<S> {
                 .await
                 .map_err(|e| io_err("sync shard directory", e))?;
         }
+        futures_util::stream::iter(&heal)
+            .for_each_concurrent(OPEN_AT_ONCE, |s| summary::write_summary(&storage, dir, s))
+            .await;
         // Before the log takes a write: a clean mark left behind would make
         // the next open after a crash refuse a torn write as damage, and
         // a log from before tail marks (or a new one) gets its first.
@@ -472,6 +482,11 @@ async fn read_summary<S: Storage>(
             return None;
         }
     };
+    if summary::Summary::is_old(&bytes) {
+        // Written by an earlier build: the open scans the segment and
+        // writes it again.
+        return None;
+    }
     let why = match summary::Summary::decode(&bytes) {
         None => format!("not a valid summary ({} bytes)", bytes.len()),
         Some(s) if s.base != base => format!("it names the segment at offset {}", s.base),

@@ -15,7 +15,8 @@
 //! complete snapshot is in it), reading the segment that holds it and any
 //! after it if they hold group entries. That is normally the newest
 //! segment's opening snapshot, so opening a shard costs one segment's read
-//! however much data it retains (two where a summary could not be written).
+//! however much data it retains (and one more per sealed segment without a
+//! summary it can take; the open writes those it lacked).
 //!
 //! A summary is trusted only if it decodes (magic, checksum, fields that fit
 //! together), names its segment and matches the segment file's size; else
@@ -28,7 +29,7 @@
 //! are checked when they are read (checksum, and the offset each should
 //! start at), not at open (`LogConfig::verify_on_open` scans them all).
 //!
-//! Layout, little-endian: the magic `FXSUMM01`; `u64` fields base, len,
+//! Layout, little-endian: the magic `FXSUMM02`; `u64` fields base, len,
 //! end, data end (`u64::MAX`: none), newest timestamp, last flush stamp
 //! (`u64::MAX`: none), flags (bit 0: holds group entries), snapshot
 //! position (`u64::MAX`: none), last indexed position (`u64::MAX`: none),
@@ -38,7 +39,10 @@
 
 use crate::types::Offset;
 
-const MAGIC: &[u8; 8] = b"FXSUMM01";
+const MAGIC: &[u8; 8] = b"FXSUMM02";
+/// The magic of the layout before `next_snapshot` (never released): such a
+/// summary is not used, and the open replaces it.
+const OLD_MAGIC: &[u8; 8] = b"FXSUMM01";
 const NONE: u64 = u64::MAX;
 const FIXED: usize = 8 + 12 * 8;
 /// Most index entries a summary keeps (512 KiB of them): a segment indexed
@@ -51,6 +55,24 @@ pub(super) const SUMMARY_EXT: &str = "sum";
 
 pub(super) fn summary_name(base: Offset) -> String {
     format!("{:020}.{SUMMARY_EXT}", base.0)
+}
+
+/// Write `summary` beside its segment in `dir`. Only the next open's speed
+/// depends on it: a failure is reported, whatever it left under the name
+/// removed, and that open reads the segment instead.
+pub(super) async fn write_summary<S: crate::storage::Storage>(
+    storage: &S,
+    dir: &std::path::Path,
+    summary: &Summary,
+) {
+    let path = dir.join(summary_name(summary.base));
+    if let Err(e) = storage.write_file_atomic(&path, &summary.encode()).await {
+        tracing::warn!(
+            summary = %path.display(),
+            "cannot write a sealed segment's summary; the next open reads the segment instead: {e}"
+        );
+        let _ = storage.remove_file(&path).await;
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -120,6 +142,11 @@ impl Summary {
         out
     }
 
+    /// Is `bytes` a summary in a layout this build no longer writes?
+    pub fn is_old(bytes: &[u8]) -> bool {
+        bytes.starts_with(OLD_MAGIC)
+    }
+
     /// The summary in `bytes`, if they are one whose fields fit together.
     pub fn decode(bytes: &[u8]) -> Option<Summary> {
         if bytes.len() < FIXED + 4 || &bytes[..8] != MAGIC {
@@ -178,7 +205,8 @@ impl Summary {
                 .data_end
                 .is_none_or(|d| d > self.base && d <= self.end)
             && self.snapshot_at.is_none_or(|p| p <= self.len)
-            && self.next_snapshot.is_none_or(|(at, until)| at <= until)
+            // The snapshot a segment opens with starts it.
+            && self.next_snapshot.is_none_or(|(at, until)| at == 0 && at <= until)
             && self.last_indexed_pos.is_none_or(|p| p < self.len)
             && self
                 .index
@@ -254,7 +282,7 @@ mod tests {
                 ..sample()
             },
             Summary {
-                next_snapshot: Some((10, 9)),
+                next_snapshot: Some((10, 90)),
                 ..sample()
             },
             Summary {
