@@ -431,7 +431,8 @@ pub struct LogStats {
     pub cold_hits: u64,
     /// Chunks read ahead of a sequential reader (see [`ShardLog::run_read_ahead`]).
     pub cold_read_ahead: u64,
-    /// Reads that failed on damage in a segment (see `LogError::Corrupt`).
+    /// Reads that met damage in a segment, failing at it or passing a
+    /// damaged batch below the offset they read from (see `read_cold`).
     pub corrupt_reads: u64,
     /// Bytes held for reads: recent batches and cold-read chunks.
     pub cache_bytes: u64,

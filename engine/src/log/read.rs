@@ -198,11 +198,34 @@ impl<S: Storage> ShardLog<S> {
                             continue 'segment;
                         }
                         Err(e) => {
-                            return Err(LogError::Corrupt {
+                            let damage = LogError::Corrupt {
                                 path: path.display().to_string(),
                                 position: pos,
                                 reason: e.to_string(),
-                            })
+                            };
+                            // A batch whose checksum fails, wholly below the
+                            // offset asked for, is passed when its header
+                            // still places it: the next batch must then
+                            // verify and start where it ends (checked as
+                            // every batch is), or the read fails there.
+                            // Either way no offset from the one asked for
+                            // is skipped. The damage is still reported.
+                            let passable = matches!(e, FrameError::Checksum { .. })
+                                .then(|| format::parse_header(&buf).ok())
+                                .flatten()
+                                .filter(|h| {
+                                    h.base_offset == expected
+                                        && h.plausible()
+                                        && h.end_offset() <= out.next
+                                        && buf.len() >= h.len as usize
+                                });
+                            let Some(h) = passable else {
+                                return Err(damage);
+                            };
+                            self.note_damage(&damage);
+                            let _ = buf.split_to(h.len as usize);
+                            pos += h.len as u64;
+                            expected = h.end_offset();
                         }
                     }
                     if buf.is_empty() {
