@@ -38,6 +38,14 @@ const ALL: ReadLimits = ReadLimits {
     max_bytes: usize::MAX,
 };
 
+/// Record `i`: 100 bytes of `i`.
+fn rec(i: u8) -> RecordIn {
+    RecordIn {
+        payload: Bytes::from(vec![i; 100]),
+        ..Default::default()
+    }
+}
+
 async fn open(s: &SimStorage) -> Result<ShardLog<SimStorage>, LogError> {
     ShardLog::open(s.clone(), Path::new(DIR), cfg(), &mut |_| {}).await
 }
@@ -49,11 +57,7 @@ fn written() -> SimStorage {
     block_on(async {
         let log = open(&storage).await.unwrap();
         for i in 0..50u8 {
-            log.append(&[RecordIn {
-                payload: Bytes::from(vec![i; 100]),
-                ..Default::default()
-            }])
-            .unwrap();
+            log.append(&[rec(i)]).unwrap();
             log.flush().await.unwrap();
         }
         log.close().await.unwrap();
@@ -253,11 +257,7 @@ fn a_summary_that_cannot_be_written_leaves_the_segment_to_be_scanned() {
                 // The roll's tail mark, then the summary.
                 storage.fail_atomic_write_after(2);
             }
-            log.append(&[RecordIn {
-                payload: Bytes::from(vec![i; 100]),
-                ..Default::default()
-            }])
-            .unwrap();
+            log.append(&[rec(i)]).unwrap();
             log.flush().await.unwrap();
         }
         assert!(storage.files().contains(&file(6, "log")));
@@ -281,11 +281,7 @@ fn a_log_without_group_entries_reads_no_sealed_segment_at_open() {
         let log = open(&storage).await.unwrap();
         log.set_snapshot_provider(Box::new(|_| {}));
         for i in 0..50u8 {
-            log.append(&[RecordIn {
-                payload: Bytes::from(vec![i; 100]),
-                ..Default::default()
-            }])
-            .unwrap();
+            log.append(&[rec(i)]).unwrap();
             log.flush().await.unwrap();
         }
         log.close().await.unwrap();
@@ -316,11 +312,7 @@ fn replay_starts_at_the_newest_segments_snapshot_and_refuses_a_cut_one() {
         let log = open(&storage).await.unwrap();
         log.set_snapshot_provider(Box::new(move |out| out.extend(state())));
         for i in 0..50u8 {
-            log.append(&[RecordIn {
-                payload: Bytes::from(vec![i; 100]),
-                ..Default::default()
-            }])
-            .unwrap();
+            log.append(&[rec(i)]).unwrap();
             log.append_group(b"entry").unwrap();
             log.flush().await.unwrap();
         }
@@ -399,11 +391,7 @@ fn a_round_that_rolls_several_segments_summarises_each() {
         let log = open(&storage).await.unwrap();
         log.set_snapshot_provider(Box::new(|out| out.push(vec![b'S'; 300])));
         for i in 0..30u8 {
-            log.append(&[RecordIn {
-                payload: Bytes::from(vec![i; 100]),
-                ..Default::default()
-            }])
-            .unwrap();
+            log.append(&[rec(i)]).unwrap();
         }
         log.flush().await.unwrap();
         assert!(log.stats().segments >= 5);
