@@ -360,13 +360,26 @@ fn replay_starts_at_the_newest_segments_snapshot_and_refuses_a_cut_one() {
         assert!(msg.contains("inside the group snapshot"), "{msg}");
         let name = before.file_name().unwrap().to_string_lossy().into_owned();
         assert!(msg.contains(&name), "{msg}");
-        // Repaired, and the summary the error names removed: the open
-        // replays from the snapshot before.
+        // Repaired: a scrub refuses the cut segment the same way.
         for p in storage.files() {
             if p.extension().is_some_and(|e| e == "log") && p != tail {
                 storage.corrupt(&p, 20, 1);
             }
         }
+        let verify = LogConfig {
+            verify_on_open: true,
+            ..cfg()
+        };
+        let err = ShardLog::open(storage.clone(), Path::new(DIR), verify, &mut |_| {})
+            .await
+            .map(|_| ())
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("inside the group snapshot"),
+            "{err}"
+        );
+        // The summary the error names removed: the open replays from the
+        // snapshot before.
         storage.remove_file(&before).await.unwrap();
         let mut snapshots = 0;
         let log = ShardLog::open(storage.clone(), Path::new(DIR), cfg(), &mut |e| {

@@ -71,7 +71,7 @@ impl<S: Storage> ShardLog<S> {
         }
         let found: Vec<_> = futures_util::stream::iter(bases.iter().copied().enumerate())
             .map(|(i, base)| {
-                let (storage, config) = (&storage, &config);
+                let storage = &storage;
                 async move {
                     let path = dir.join(segment_name(base));
                     let file = storage
@@ -79,8 +79,7 @@ impl<S: Storage> ShardLog<S> {
                         .await
                         .map_err(|e| io_err("open segment", e))?;
                     let size = file.size().await.map_err(|e| io_err("size", e))?;
-                    let sealed = i + 1 < count;
-                    let summary = if sealed && !config.verify_on_open {
+                    let summary = if i + 1 < count {
                         read_summary(storage, dir, base, size).await
                     } else {
                         None
@@ -95,18 +94,31 @@ impl<S: Storage> ShardLog<S> {
             .collect::<Result<_, _>>()?;
         // Group entries are replayed from the newest complete snapshot a
         // summary vouches for (the state before it is in it), else from
-        // the start: (segment, position, and where the snapshot ends when
-        // the summary of the segment before it vouches for it).
-        let mut replay_start: Option<(Offset, u64, Option<u64>)> = None;
+        // the start: (segment, position).
+        let mut replay_start: Option<(Offset, u64)> = None;
+        // The newest segment's opening snapshot, as the summary before it
+        // vouches for it: (segment, where the snapshot ends). A segment
+        // ending short of that has lost durable data.
+        let mut vouched: Option<(Offset, u64)> = None;
         for (k, (base, _, _, _, s)) in found.iter().enumerate() {
             let Some(s) = s else { continue };
             if let Some(at) = s.snapshot_at {
-                replay_start = Some((*base, at, None));
+                replay_start = Some((*base, at));
             }
             if let (Some((at, until)), Some((next, ..))) = (s.next_snapshot, found.get(k + 1)) {
                 if *next == s.end {
-                    replay_start = Some((*next, at, Some(until)));
+                    replay_start = Some((*next, at));
+                    vouched = Some((*next, until));
                 }
+            }
+        }
+        // A scrub reads every segment and replays everything (the check
+        // of what the summaries vouch for still holds it).
+        let mut found = found;
+        if config.verify_on_open {
+            replay_start = None;
+            for f in &mut found {
+                f.4 = None;
             }
         }
 
@@ -138,9 +150,9 @@ impl<S: Storage> ShardLog<S> {
             // not at all).
             let holds_groups = summary.as_ref().is_none_or(|s| s.groups);
             let replay_from = match replay_start {
-                Some((b, ..)) if base < b => None,
+                Some((b, _)) if base < b => None,
                 _ if !holds_groups => None,
-                Some((b, at, _)) if base == b => Some(at),
+                Some((b, at)) if base == b => Some(at),
                 _ => Some(0),
             };
             if let (Some(s), None) = (&summary, replay_from) {
@@ -234,7 +246,7 @@ impl<S: Storage> ShardLog<S> {
                     }
                 }
             }
-            if let Some((b, _, Some(until))) = replay_start {
+            if let Some((b, until)) = vouched {
                 if b == base && valid_len < until {
                     return Err(LogError::Corrupt {
                         path: path.display().to_string(),
@@ -243,9 +255,9 @@ impl<S: Storage> ShardLog<S> {
                             "the segment ends at byte {valid_len}, inside the group snapshot it \
                              opened with (to byte {until}), which the summary of the segment \
                              before it says was durable: durable data is missing, and group \
-                             state would be rebuilt from part of a snapshot, so the shard is not \
+                             state could be rebuilt from part of a snapshot, so the shard is not \
                              opened (to open it anyway, rebuilding group state from older \
-                             segments, remove {})",
+                             segments and accepting the loss, remove {})",
                             summary::summary_name(
                                 segments.keys().next_back().copied().unwrap_or(base)
                             )
