@@ -135,7 +135,8 @@ impl<S: Storage> ShardLog<S> {
                         .iter()
                         .rev()
                         .find(|c| c.segment == active_base)
-                        .map(|c| c.at);
+                        .map(|c| c.at)
+                        .or(s.snapshot_at);
                     (s.file.clone(), s.len, s.summary(snapshot_at))
                 };
                 cut_to(&*file, len, "seal segment").await?;
@@ -186,7 +187,43 @@ impl<S: Storage> ShardLog<S> {
         if !sealed.is_empty() {
             self.write_summaries(sealed).await;
         }
+        self.vouch_for_snapshot().await;
         Ok(())
+    }
+
+    /// After an open that had to replay group entries from a segment before
+    /// the newest: once the snapshot it queued into the newest segment is
+    /// durable, write the summary of the segment before again, vouching
+    /// for that snapshot, so the next open replays from there and reads no
+    /// sealed segment (a log upgraded from before summaries, or one whose
+    /// summary was lost, is then fast from its second start, not only from
+    /// its next roll).
+    async fn vouch_for_snapshot(&self) {
+        let (dir, summary) = {
+            let mut i = self.inner.borrow_mut();
+            if !i.vouch_pending {
+                return;
+            }
+            let durable = i.frontiers.lsn(Frontier::Durable);
+            let newest = i.active_base();
+            let Some(c) = i
+                .covers
+                .iter()
+                .rev()
+                .find(|c| c.segment == newest && c.end <= durable)
+                .copied()
+            else {
+                return;
+            };
+            i.vouch_pending = false;
+            let Some((_, prev)) = i.segments.range(..newest).next_back() else {
+                return;
+            };
+            let mut summary = prev.summary(prev.snapshot_at);
+            summary.next_snapshot = Some((c.at, c.until));
+            (i.dir.clone(), summary)
+        };
+        summary::write_summary(&self.storage, &dir, &summary).await;
     }
 
     /// Write the summaries of the segments a round sealed. Each is durable

@@ -492,6 +492,9 @@ struct Segment<F> {
     groups: bool,
     /// Flush stamp of its last batch.
     last_flush: Option<u16>,
+    /// Where a complete group snapshot starts in it, as its summary (or
+    /// this process, which queued it) says.
+    snapshot_at: Option<u64>,
 }
 
 impl<F> Segment<F> {
@@ -511,6 +514,7 @@ impl<F> Segment<F> {
             data_end: None,
             groups: false,
             last_flush: None,
+            snapshot_at: None,
         }
     }
 
@@ -530,6 +534,7 @@ impl<F> Segment<F> {
             data_end: s.data_end,
             groups: s.groups,
             last_flush: s.last_flush,
+            snapshot_at: s.snapshot_at,
         }
     }
 
@@ -722,6 +727,12 @@ struct Inner<F> {
     /// the one the next segment opens with: the next open replays group
     /// entries from the newest of these.
     covers: Vec<Cover>,
+    /// The open replayed group entries from a segment before the newest
+    /// (no summary vouched for a snapshot in the newest): once the snapshot
+    /// queued after the open is durable, the summary of the segment before
+    /// the newest is written again to vouch for it, so the next open starts
+    /// there (see `vouch_for_snapshot`).
+    vouch_pending: bool,
 }
 
 /// A complete group snapshot this process queued (see `Inner::covers`).

@@ -96,10 +96,10 @@ impl<S: Storage> ShardLog<S> {
         // summary vouches for (the state before it is in it), else from
         // the start: (segment, position).
         let mut replay_start: Option<(Offset, u64)> = None;
-        // The newest segment's opening snapshot, as the summary before it
-        // vouches for it: (segment, where the snapshot ends). A segment
+        // A snapshot in the newest segment, as the summary before it vouches
+        // for it: (segment, where the snapshot starts and ends). A segment
         // ending short of that has lost durable data.
-        let mut vouched: Option<(Offset, u64)> = None;
+        let mut vouched: Option<(Offset, u64, u64)> = None;
         for (k, (base, _, _, _, s)) in found.iter().enumerate() {
             let Some(s) = s else { continue };
             if let Some(at) = s.snapshot_at {
@@ -108,7 +108,7 @@ impl<S: Storage> ShardLog<S> {
             if let (Some((at, until)), Some((next, ..))) = (s.next_snapshot, found.get(k + 1)) {
                 if *next == s.end {
                     replay_start = Some((*next, at));
-                    vouched = Some((*next, until));
+                    vouched = Some((*next, at, until));
                 }
             }
         }
@@ -174,6 +174,28 @@ impl<S: Storage> ShardLog<S> {
             for (h, pos) in &notes {
                 seg.note_batch(h, *pos, config.index_interval_bytes);
             }
+            // Before anything is judged or cut: a segment ending inside the
+            // snapshot its predecessor's summary vouches for.
+            if let Some((b, at, until)) = vouched {
+                if b == base && valid_len < until {
+                    return Err(LogError::Corrupt {
+                        path: path.display().to_string(),
+                        position: valid_len,
+                        reason: format!(
+                            "the segment ends at byte {valid_len}, inside the group snapshot at \
+                             bytes {at}..{until}, which the summary of the segment before it \
+                             says was durable: durable data is missing, and group \
+                             state could be rebuilt from part of a snapshot, so the shard is not \
+                             opened (to open it anyway, rebuilding group state from older \
+                             segments and accepting the loss, remove {})",
+                            summary::summary_name(
+                                segments.keys().next_back().copied().unwrap_or(base)
+                            )
+                        ),
+                    });
+                }
+            }
+
             if let Some(d) = seg.data_end {
                 data_end = d;
             }
@@ -244,25 +266,6 @@ impl<S: Storage> ShardLog<S> {
                             "truncating a torn or corrupt tail: {reason}"
                         );
                     }
-                }
-            }
-            if let Some((b, until)) = vouched {
-                if b == base && valid_len < until {
-                    return Err(LogError::Corrupt {
-                        path: path.display().to_string(),
-                        position: valid_len,
-                        reason: format!(
-                            "the segment ends at byte {valid_len}, inside the group snapshot it \
-                             opened with (to byte {until}), which the summary of the segment \
-                             before it says was durable: durable data is missing, and group \
-                             state could be rebuilt from part of a snapshot, so the shard is not \
-                             opened (to open it anyway, rebuilding group state from older \
-                             segments and accepting the loss, remove {})",
-                            summary::summary_name(
-                                segments.keys().next_back().copied().unwrap_or(base)
-                            )
-                        ),
-                    });
                 }
             }
             seg.len = valid_len;
@@ -371,6 +374,8 @@ impl<S: Storage> ShardLog<S> {
                 .map_err(|e| io_err(&format!("write {TAIL_MARK}"), e))?;
         }
         let start = *segments.keys().next().unwrap();
+        let vouch_pending = segments.len() > 1
+            && replay_start.is_none_or(|(b, _)| b != *segments.keys().next_back().unwrap());
         let (end, projected_len, end_base) = {
             let tail = segments.values().next_back().unwrap();
             (tail.end, tail.len, tail.base)
@@ -410,6 +415,7 @@ impl<S: Storage> ShardLog<S> {
             sync: SyncStats::default(),
             snapshot: None,
             covers: Vec::new(),
+            vouch_pending,
         };
         Ok(ShardLog {
             storage,

@@ -92,7 +92,8 @@ pub(super) struct Summary {
     pub snapshot_at: Option<u64>,
     /// Positions of the first batch and just past the last of a complete
     /// group snapshot in the next segment, durable when this summary was
-    /// written (the snapshot that segment opens with).
+    /// written: the snapshot that segment opened with, or the one a
+    /// start-up that had to replay older segments queued into it.
     pub next_snapshot: Option<(u64, u64)>,
     pub last_indexed_pos: Option<u64>,
     pub index: Vec<(Offset, u64)>,
@@ -205,8 +206,7 @@ impl Summary {
                 .data_end
                 .is_none_or(|d| d > self.base && d <= self.end)
             && self.snapshot_at.is_none_or(|p| p <= self.len)
-            // The snapshot a segment opens with starts it.
-            && self.next_snapshot.is_none_or(|(at, until)| at == 0 && at <= until)
+            && self.next_snapshot.is_none_or(|(at, until)| at <= until)
             && self.last_indexed_pos.is_none_or(|p| p < self.len)
             && self
                 .index
@@ -282,7 +282,7 @@ mod tests {
                 ..sample()
             },
             Summary {
-                next_snapshot: Some((10, 90)),
+                next_snapshot: Some((90, 10)),
                 ..sample()
             },
             Summary {
