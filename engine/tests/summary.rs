@@ -524,3 +524,29 @@ fn an_open_that_replayed_old_segments_vouches_for_its_own_snapshot() {
         assert_eq!(log.end(), Offset(50));
     });
 }
+
+/// A damaged batch is passed only when a verified batch follows it: the
+/// last batch of a segment with its record count lowered (its checksum
+/// fails, its header still seems to place it) would otherwise let a read
+/// of its last record jump to the next segment and skip it.
+#[test]
+fn a_damaged_last_batch_of_a_segment_is_not_passed() {
+    let storage = SimStorage::new();
+    block_on(async {
+        let log = open(&storage).await.unwrap();
+        for i in 0..4u8 {
+            log.append(&[rec(i), rec(i), rec(i)]).unwrap();
+            log.flush().await.unwrap();
+        }
+        log.close().await.unwrap();
+        // Two batches of three records a segment: offsets 3..6 end segment 0.
+        assert!(storage.files().contains(&file(6, "log")));
+        let second = 40 + 3 * 126;
+        storage.overwrite(&file(0, "log"), second + 12, &2u32.to_le_bytes());
+        let log = open(&storage).await.unwrap();
+        let err = log.read(Offset(5), ALL).await.unwrap_err();
+        says_corrupt_in_segment_0(&err);
+        let r = log.read(Offset(6), ALL).await.unwrap();
+        assert_eq!(r.records.first().map(|r| r.offset), Some(Offset(6)));
+    });
+}

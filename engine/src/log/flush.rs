@@ -219,11 +219,26 @@ impl<S: Storage> ShardLog<S> {
             let Some((_, prev)) = i.segments.range(..newest).next_back() else {
                 return;
             };
-            let mut summary = prev.summary(prev.snapshot_at);
+            let snapshot_at = i
+                .covers
+                .iter()
+                .rev()
+                .find(|c| c.segment == prev.base)
+                .map(|c| c.at)
+                .or(prev.snapshot_at);
+            let mut summary = prev.summary(snapshot_at);
             summary.next_snapshot = Some((c.at, c.until));
             (i.dir.clone(), summary)
         };
-        summary::write_summary(&self.storage, &dir, &summary).await;
+        summary::write_summary(&self.storage, &dir, &summary, true).await;
+        // Retention may have removed the segment meanwhile.
+        let gone = !self.inner.borrow().segments.contains_key(&summary.base);
+        if gone {
+            let _ = self
+                .storage
+                .remove_file(&dir.join(summary::summary_name(summary.base)))
+                .await;
+        }
     }
 
     /// Write the summaries of the segments a round sealed. Each is durable
@@ -250,7 +265,11 @@ impl<S: Storage> ShardLog<S> {
                     .find(|c| c.segment == summary.end && c.at == 0 && c.end <= durable)
                     .map(|c| (c.at, c.until));
             }
-            summary::write_summary(&self.storage, &dir, &summary).await;
+            if summary.next_snapshot.is_some() && summary.end == self.inner.borrow().active_base() {
+                // Vouches for the newest segment's opening snapshot.
+                self.inner.borrow_mut().vouch_pending = false;
+            }
+            summary::write_summary(&self.storage, &dir, &summary, false).await;
             // Retention may have removed the segment meanwhile, and its
             // summary before this wrote it.
             let gone = !self.inner.borrow().segments.contains_key(&summary.base);

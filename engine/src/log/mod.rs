@@ -431,8 +431,8 @@ pub struct LogStats {
     pub cold_hits: u64,
     /// Chunks read ahead of a sequential reader (see [`ShardLog::run_read_ahead`]).
     pub cold_read_ahead: u64,
-    /// Reads that met damage in a segment, failing at it or passing a
-    /// damaged batch below the offset they read from (see `read_cold`).
+    /// Damaged batches reads met in segments, failing at one or passing it
+    /// on the way to later records (see `read_cold`).
     pub corrupt_reads: u64,
     /// Bytes held for reads: recent batches and cold-read chunks.
     pub cache_bytes: u64,
@@ -699,8 +699,9 @@ struct Inner<F> {
     cold_hits: u64,
     cold_reads: u64,
     corrupt_reads: u64,
-    /// The last damaged place a read met and the log reported: (file, byte).
-    damage_reported: Option<(String, u64)>,
+    /// The last damaged places reads met and the log reported: (file,
+    /// byte), at most 16.
+    damage_reported: Vec<(String, u64)>,
     cold_read_ahead: u64,
     /// Chunks to read ahead of sequential readers, oldest first (at most
     /// `cold_chunks`): (segment, position).

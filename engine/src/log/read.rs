@@ -74,8 +74,9 @@ impl<S: Storage> ShardLog<S> {
         Ok(out)
     }
 
-    /// Count a read that met damage, and report each damaged place once
-    /// (a group polling at it meets it on every poll).
+    /// Count a damaged batch a read met (failing at it, or passing it), and
+    /// report each damaged place once (a group polling at it meets it on
+    /// every poll).
     fn note_damage(&self, e: &LogError) {
         let LogError::Corrupt { path, position, .. } = e else {
             return;
@@ -83,9 +84,12 @@ impl<S: Storage> ShardLog<S> {
         let mut i = self.inner.borrow_mut();
         i.corrupt_reads += 1;
         let place = (path.clone(), *position);
-        if i.damage_reported.as_ref() != Some(&place) {
+        if !i.damage_reported.contains(&place) {
             tracing::error!("a read met damage in a segment: {e}");
-            i.damage_reported = Some(place);
+            if i.damage_reported.len() >= 16 {
+                i.damage_reported.remove(0);
+            }
+            i.damage_reported.push(place);
         }
     }
 
@@ -132,6 +136,9 @@ impl<S: Storage> ShardLog<S> {
                 )
             };
             let mut buf = Bytes::new();
+            // A damaged batch passed (below): owed as the read's error until
+            // a batch after it verifies and follows on.
+            let mut passed: Option<LogError> = None;
             'segment: while pos < seg_len {
                 if buf.len() < format::BATCH_HEADER_BYTES {
                     let want = chunk.min((seg_len - pos) as usize);
@@ -171,6 +178,7 @@ impl<S: Storage> ShardLog<S> {
                                 });
                             }
                             expected = h.end_offset();
+                            passed = None;
                             let batch = buf.split_to(h.len as usize);
                             let at = pos;
                             pos += h.len as u64;
@@ -210,19 +218,21 @@ impl<S: Storage> ShardLog<S> {
                             // every batch is), or the read fails there.
                             // Either way no offset from the one asked for
                             // is skipped. The damage is still reported.
-                            let passable = matches!(e, FrameError::Checksum { .. })
-                                .then(|| format::parse_header(&buf).ok())
-                                .flatten()
-                                .filter(|h| {
-                                    h.base_offset == expected
-                                        && h.plausible()
-                                        && h.end_offset() <= out.next
-                                        && buf.len() >= h.len as usize
-                                });
+                            let passable = (passed.is_none()
+                                && matches!(e, FrameError::Checksum { .. }))
+                            .then(|| format::parse_header(&buf).ok())
+                            .flatten()
+                            .filter(|h| {
+                                h.base_offset == expected
+                                    && h.plausible()
+                                    && h.end_offset() <= out.next
+                                    && buf.len() >= h.len as usize
+                            });
                             let Some(h) = passable else {
                                 return Err(damage);
                             };
                             self.note_damage(&damage);
+                            passed = Some(damage);
                             let _ = buf.split_to(h.len as usize);
                             pos += h.len as u64;
                             expected = h.end_offset();
@@ -232,6 +242,11 @@ impl<S: Storage> ShardLog<S> {
                         continue 'segment;
                     }
                 }
+            }
+            // The segment ended on a passed batch: nothing vouches for
+            // where its header says it ends.
+            if let Some(damage) = passed {
+                return Err(damage);
             }
             // Next segment.
             let next = {

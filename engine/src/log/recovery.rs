@@ -112,6 +112,10 @@ impl<S: Storage> ShardLog<S> {
                 }
             }
         }
+        // Whether the open replays from a segment before the newest: then
+        // the snapshot it queues is vouched for once durable.
+        let replays_old = found.len() > 1
+            && replay_start.is_none_or(|(b, _)| Some(b) != found.last().map(|f| f.0));
         // A scrub reads every segment and replays everything (the check
         // of what the summaries vouch for still holds it).
         let mut found = found;
@@ -167,6 +171,7 @@ impl<S: Storage> ShardLog<S> {
                 continue;
             }
             let mut seg = Segment::empty(base, path.clone(), file, size);
+            seg.snapshot_at = summary.as_ref().and_then(|s| s.snapshot_at);
             let mut notes = Vec::new();
             let scanned =
                 scan_segment(&seg, size, &config, replay_from, replay, &mut notes).await?;
@@ -182,12 +187,17 @@ impl<S: Storage> ShardLog<S> {
                         path: path.display().to_string(),
                         position: valid_len,
                         reason: format!(
-                            "the segment ends at byte {valid_len}, inside the group snapshot at \
-                             bytes {at}..{until}, which the summary of the segment before it \
+                            "the segment ends at byte {valid_len}{}, inside the group snapshot \
+                             at bytes {at}..{until}, which the summary of the segment before it \
                              says was durable: durable data is missing, and group \
                              state could be rebuilt from part of a snapshot, so the shard is not \
                              opened (to open it anyway, rebuilding group state from older \
                              segments and accepting the loss, remove {})",
+                            scanned
+                                .problem
+                                .as_ref()
+                                .map(|(_, why)| format!(" ({why})"))
+                                .unwrap_or_default(),
                             summary::summary_name(
                                 segments.keys().next_back().copied().unwrap_or(base)
                             )
@@ -351,7 +361,9 @@ impl<S: Storage> ShardLog<S> {
                 .map_err(|e| io_err("sync shard directory", e))?;
         }
         futures_util::stream::iter(&heal)
-            .for_each_concurrent(OPEN_AT_ONCE, |s| summary::write_summary(&storage, dir, s))
+            .for_each_concurrent(OPEN_AT_ONCE, |s| {
+                summary::write_summary(&storage, dir, s, false)
+            })
             .await;
         // Before the log takes a write: a clean mark left behind would make
         // the next open after a crash refuse a torn write as damage, and
@@ -374,8 +386,7 @@ impl<S: Storage> ShardLog<S> {
                 .map_err(|e| io_err(&format!("write {TAIL_MARK}"), e))?;
         }
         let start = *segments.keys().next().unwrap();
-        let vouch_pending = segments.len() > 1
-            && replay_start.is_none_or(|(b, _)| b != *segments.keys().next_back().unwrap());
+        let vouch_pending = replays_old && segments.len() > 1;
         let (end, projected_len, end_base) = {
             let tail = segments.values().next_back().unwrap();
             (tail.end, tail.len, tail.base)
@@ -402,7 +413,7 @@ impl<S: Storage> ShardLog<S> {
             cold_hits: 0,
             cold_reads: 0,
             corrupt_reads: 0,
-            damage_reported: None,
+            damage_reported: Vec::new(),
             cold_read_ahead: 0,
             ahead: VecDeque::new(),
             reading: Vec::new(),

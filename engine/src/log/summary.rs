@@ -7,8 +7,10 @@
 //! round is durable: the segment's length and end, the end of its last data
 //! record, the stamp of its last flush, its newest timestamp, its sparse
 //! index, whether it holds group entries, where in it a complete group
-//! snapshot starts (one this process queued), and where the snapshot the
-//! next segment opens with lies (durable by then).
+//! snapshot starts (one this process queued), and where a complete
+//! snapshot in the next segment lies (durable by then): the one that
+//! segment opened with, or the one a start-up that had to replay older
+//! segments queued into it (the summary is then written again).
 //! Opening a log then reads the summaries instead of the sealed segments.
 //! It scans the newest segment whole, and replays group entries only from
 //! the newest complete snapshot a summary vouches for (the state before a
@@ -58,20 +60,24 @@ pub(super) fn summary_name(base: Offset) -> String {
 }
 
 /// Write `summary` beside its segment in `dir`. Only the next open's speed
-/// depends on it: a failure is reported, whatever it left under the name
-/// removed, and that open reads the segment instead.
+/// depends on it: a failure is reported, and (unless the summary is a
+/// rewrite of a good one, which a failed atomic write leaves in place)
+/// whatever is under the name removed, so that open reads the segment.
 pub(super) async fn write_summary<S: crate::storage::Storage>(
     storage: &S,
     dir: &std::path::Path,
     summary: &Summary,
+    rewrite: bool,
 ) {
     let path = dir.join(summary_name(summary.base));
     if let Err(e) = storage.write_file_atomic(&path, &summary.encode()).await {
         tracing::warn!(
             summary = %path.display(),
-            "cannot write a sealed segment's summary; the next open reads the segment instead: {e}"
+            "cannot write a sealed segment's summary: {e}"
         );
-        let _ = storage.remove_file(&path).await;
+        if !rewrite {
+            let _ = storage.remove_file(&path).await;
+        }
     }
 }
 

@@ -526,7 +526,7 @@ impl MetricsSnapshot {
              # HELP felix_cold_read_ahead_total Chunks read from disk ahead of a reader moving forward through them.\n\
              # TYPE felix_cold_read_ahead_total counter\n\
              felix_cold_read_ahead_total {cold_read_ahead}\n\
-             # HELP felix_read_damage_total Reads that met damage in a segment (a batch whose checksum or place is wrong), failing at it or passing it on the way to later records; the broker's log names the file and byte.\n\
+             # HELP felix_read_damage_total Damaged batches reads met in segments (a checksum or place that is wrong), each failed at or passed on the way to later records; the broker's log names the file and byte.\n\
              # TYPE felix_read_damage_total counter\n\
              felix_read_damage_total {corrupt_reads}"
         );
