@@ -129,15 +129,8 @@ impl<S: Storage> ShardLog<S> {
                 }
                 let (file, len, summary) = {
                     let i = self.inner.borrow();
-                    let s = i.segments.get(&active_base).unwrap();
-                    let snapshot_at = i
-                        .covers
-                        .iter()
-                        .rev()
-                        .find(|c| c.segment == active_base)
-                        .map(|c| c.at)
-                        .or(s.snapshot_at);
-                    (s.file.clone(), s.len, s.summary(snapshot_at))
+                    let s = &i.segments[&active_base];
+                    (s.file.clone(), s.len, i.summary_of(active_base).unwrap())
                 };
                 cut_to(&*file, len, "seal segment").await?;
                 let path = dir.join(segment_name(chunk.segment_base));
@@ -216,22 +209,21 @@ impl<S: Storage> ShardLog<S> {
                 return;
             };
             i.vouch_pending = false;
-            let Some((_, prev)) = i.segments.range(..newest).next_back() else {
+            let Some(&prev) = i.segments.range(..newest).next_back().map(|(b, _)| b) else {
                 return;
             };
-            let snapshot_at = i
-                .covers
-                .iter()
-                .rev()
-                .find(|c| c.segment == prev.base)
-                .map(|c| c.at)
-                .or(prev.snapshot_at);
-            let mut summary = prev.summary(snapshot_at);
+            let mut summary = i.summary_of(prev).unwrap();
             summary.next_snapshot = Some((c.at, c.until));
             (i.dir.clone(), summary)
         };
-        summary::write_summary(&self.storage, &dir, &summary, true).await;
-        // Retention may have removed the segment meanwhile.
+        self.write_summary_of_live(&dir, &summary, true).await;
+    }
+
+    /// Write `summary` (see `summary::write_summary`), and remove it again
+    /// if retention removed its segment meanwhile (and the summary before
+    /// this wrote it).
+    async fn write_summary_of_live(&self, dir: &Path, summary: &summary::Summary, rewrite: bool) {
+        summary::write_summary(&self.storage, dir, summary, rewrite).await;
         let gone = !self.inner.borrow().segments.contains_key(&summary.base);
         if gone {
             let _ = self
@@ -269,16 +261,7 @@ impl<S: Storage> ShardLog<S> {
                 // Vouches for the newest segment's opening snapshot.
                 self.inner.borrow_mut().vouch_pending = false;
             }
-            summary::write_summary(&self.storage, &dir, &summary, false).await;
-            // Retention may have removed the segment meanwhile, and its
-            // summary before this wrote it.
-            let gone = !self.inner.borrow().segments.contains_key(&summary.base);
-            if gone {
-                let _ = self
-                    .storage
-                    .remove_file(&dir.join(summary::summary_name(summary.base)))
-                    .await;
-            }
+            self.write_summary_of_live(&dir, &summary, false).await;
         }
     }
 

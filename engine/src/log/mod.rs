@@ -538,9 +538,8 @@ impl<F> Segment<F> {
         }
     }
 
-    /// Its summary, once sealed, with a complete group snapshot starting at
-    /// `snapshot_at` if one does.
-    fn summary(&self, snapshot_at: Option<u64>) -> summary::Summary {
+    /// Its summary, once sealed (see also `Inner::summary_of`).
+    fn summary(&self) -> summary::Summary {
         summary::Summary {
             next_snapshot: None,
             base: self.base,
@@ -550,7 +549,7 @@ impl<F> Segment<F> {
             max_timestamp_ms: self.max_timestamp_ms,
             last_flush: self.last_flush,
             groups: self.groups,
-            snapshot_at,
+            snapshot_at: self.snapshot_at,
             last_indexed_pos: self.last_indexed_pos,
             index: self.index.clone(),
         }
@@ -749,6 +748,17 @@ struct Cover {
 }
 
 impl<F> Inner<F> {
+    /// The summary of segment `base` as it stands, naming the last complete
+    /// group snapshot this process queued into it (else the one its own
+    /// summary named).
+    fn summary_of(&self, base: Offset) -> Option<summary::Summary> {
+        let mut s = self.segments.get(&base)?.summary();
+        if let Some(c) = self.covers.iter().rev().find(|c| c.segment == base) {
+            s.snapshot_at = Some(c.at);
+        }
+        Some(s)
+    }
+
     /// A flush round failed or was abandoned: stop the shard (the first
     /// reason stands) and drop what was queued, which nothing will write.
     fn stop_after_round(&mut self, why: String) {

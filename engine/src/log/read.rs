@@ -211,23 +211,13 @@ impl<S: Storage> ShardLog<S> {
                                 position: pos,
                                 reason: e.to_string(),
                             };
-                            // A batch whose checksum fails, wholly below the
-                            // offset asked for, is passed when its header
-                            // still places it: the next batch must then
-                            // verify and start where it ends (checked as
-                            // every batch is), or the read fails there.
-                            // Either way no offset from the one asked for
-                            // is skipped. The damage is still reported.
-                            let passable = (passed.is_none()
-                                && matches!(e, FrameError::Checksum { .. }))
-                            .then(|| format::parse_header(&buf).ok())
-                            .flatten()
-                            .filter(|h| {
-                                h.base_offset == expected
-                                    && h.plausible()
-                                    && h.end_offset() <= out.next
-                                    && buf.len() >= h.len as usize
-                            });
+                            // One damaged batch at a time may be passed;
+                            // it is owed as the error until a verified
+                            // batch in this segment follows on from it.
+                            let passable = passed
+                                .is_none()
+                                .then(|| passable(&e, &buf, expected, out.next))
+                                .flatten();
                             let Some(h) = passable else {
                                 return Err(damage);
                             };
@@ -579,6 +569,24 @@ impl ReadHints {
         });
         self.slots[slot] = Some((base, base.plus(pos.index as u64), pos));
     }
+}
+
+/// The header of the damaged batch at the start of `buf` if a read from
+/// `next` may pass it: only its checksum fails, and its header still places
+/// it (it starts at `expected`, is plausible, lies wholly below `next` and
+/// whole in `buf`). The next batch must then verify and start where this
+/// one says it ends (checked as every batch is), so no offset from `next`
+/// on can be skipped.
+fn passable(e: &FrameError, buf: &[u8], expected: Offset, next: Offset) -> Option<BatchHeader> {
+    if !matches!(e, FrameError::Checksum { .. }) {
+        return None;
+    }
+    format::parse_header(buf).ok().filter(|h| {
+        h.base_offset == expected
+            && h.plausible()
+            && h.end_offset() <= next
+            && buf.len() >= h.len as usize
+    })
 }
 
 /// Take the records of one batch at or above `out.next`. Returns false when

@@ -69,29 +69,36 @@ impl<S: Storage> ShardLog<S> {
                 reason: format!("segment named for offset {base}, past any a log reaches"),
             });
         }
-        let found: Vec<_> = futures_util::stream::iter(bases.iter().copied().enumerate())
-            .map(|(i, base)| {
-                let storage = &storage;
-                async move {
-                    let path = dir.join(segment_name(base));
-                    let file = storage
-                        .open(&path, false)
-                        .await
-                        .map_err(|e| io_err("open segment", e))?;
-                    let size = file.size().await.map_err(|e| io_err("size", e))?;
-                    let summary = if i + 1 < count {
-                        read_summary(storage, dir, base, size).await
-                    } else {
-                        None
-                    };
-                    Ok::<_, LogError>((base, path, Rc::new(file), size, summary))
-                }
-            })
-            .buffered(OPEN_AT_ONCE)
-            .collect::<Vec<_>>()
-            .await
-            .into_iter()
-            .collect::<Result<_, _>>()?;
+        let mut found: Vec<Found<S::File>> =
+            futures_util::stream::iter(bases.iter().copied().enumerate())
+                .map(|(i, base)| {
+                    let storage = &storage;
+                    async move {
+                        let path = dir.join(segment_name(base));
+                        let file = storage
+                            .open(&path, false)
+                            .await
+                            .map_err(|e| io_err("open segment", e))?;
+                        let size = file.size().await.map_err(|e| io_err("size", e))?;
+                        let summary = if i + 1 < count {
+                            read_summary(storage, dir, base, size).await
+                        } else {
+                            None
+                        };
+                        Ok::<_, LogError>(Found {
+                            base,
+                            path,
+                            file: Rc::new(file),
+                            size,
+                            summary,
+                        })
+                    }
+                })
+                .buffered(OPEN_AT_ONCE)
+                .collect::<Vec<_>>()
+                .await
+                .into_iter()
+                .collect::<Result<_, _>>()?;
         // Group entries are replayed from the newest complete snapshot a
         // summary vouches for (the state before it is in it), else from
         // the start: (segment, position).
@@ -100,29 +107,28 @@ impl<S: Storage> ShardLog<S> {
         // for it: (segment, where the snapshot starts and ends). A segment
         // ending short of that has lost durable data.
         let mut vouched: Option<(Offset, u64, u64)> = None;
-        for (k, (base, _, _, _, s)) in found.iter().enumerate() {
-            let Some(s) = s else { continue };
+        for (k, f) in found.iter().enumerate() {
+            let Some(s) = &f.summary else { continue };
             if let Some(at) = s.snapshot_at {
-                replay_start = Some((*base, at));
+                replay_start = Some((f.base, at));
             }
-            if let (Some((at, until)), Some((next, ..))) = (s.next_snapshot, found.get(k + 1)) {
-                if *next == s.end {
-                    replay_start = Some((*next, at));
-                    vouched = Some((*next, at, until));
+            if let (Some((at, until)), Some(next)) = (s.next_snapshot, found.get(k + 1)) {
+                if next.base == s.end {
+                    replay_start = Some((next.base, at));
+                    vouched = Some((next.base, at, until));
                 }
             }
         }
         // Whether the open replays from a segment before the newest: then
         // the snapshot it queues is vouched for once durable.
         let replays_old = found.len() > 1
-            && replay_start.is_none_or(|(b, _)| Some(b) != found.last().map(|f| f.0));
+            && replay_start.is_none_or(|(b, _)| Some(b) != found.last().map(|f| f.base));
         // A scrub reads every segment and replays everything (the check
         // of what the summaries vouch for still holds it).
-        let mut found = found;
         if config.verify_on_open {
             replay_start = None;
             for f in &mut found {
-                f.4 = None;
+                f.summary = None;
             }
         }
 
@@ -137,7 +143,14 @@ impl<S: Storage> ShardLog<S> {
         // Stamp of the last flush found on disk: new flushes continue after it.
         let mut last_flush: Option<u16> = None;
         let mut data_end = Offset::ZERO;
-        for (i, (base, path, file, size, summary)) in found.into_iter().enumerate() {
+        for (i, f) in found.into_iter().enumerate() {
+            let Found {
+                base,
+                path,
+                file,
+                size,
+                summary,
+            } = f;
             let is_tail = i + 1 == count;
             if let Some(exp) = expected {
                 if exp != base {
@@ -281,7 +294,7 @@ impl<S: Storage> ShardLog<S> {
             seg.len = valid_len;
             seg.zeroed = valid_len;
             if !is_tail && summary.is_none() && !config.verify_on_open {
-                heal.push(seg.summary(None));
+                heal.push(seg.summary());
             }
             if is_tail {
                 let page_start = align_down(valid_len);
@@ -386,7 +399,6 @@ impl<S: Storage> ShardLog<S> {
                 .map_err(|e| io_err(&format!("write {TAIL_MARK}"), e))?;
         }
         let start = *segments.keys().next().unwrap();
-        let vouch_pending = replays_old && segments.len() > 1;
         let (end, projected_len, end_base) = {
             let tail = segments.values().next_back().unwrap();
             (tail.end, tail.len, tail.base)
@@ -426,7 +438,7 @@ impl<S: Storage> ShardLog<S> {
             sync: SyncStats::default(),
             snapshot: None,
             covers: Vec::new(),
-            vouch_pending,
+            vouch_pending: replays_old,
         };
         Ok(ShardLog {
             storage,
@@ -488,6 +500,16 @@ fn held_to_clean<F>(
             c.end, c.tail_len, c.tail_base
         ),
     })
+}
+
+/// A segment file found at open: its file, size, and the summary it can be
+/// taken for (sealed segments only).
+struct Found<F> {
+    base: Offset,
+    path: PathBuf,
+    file: Rc<F>,
+    size: u64,
+    summary: Option<summary::Summary>,
 }
 
 /// Segments opened (and summaries read) at once when a log opens.
