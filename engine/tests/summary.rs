@@ -50,6 +50,52 @@ async fn open(s: &SimStorage) -> Result<ShardLog<SimStorage>, LogError> {
     ShardLog::open(s.clone(), Path::new(DIR), cfg(), &mut |_| {}).await
 }
 
+/// `cfg()` scanning every segment at open.
+fn verify() -> LogConfig {
+    LogConfig {
+        verify_on_open: true,
+        ..cfg()
+    }
+}
+
+/// Open with `cfg`, and the lengths of the group entries it replayed.
+async fn open_replaying(
+    s: &SimStorage,
+    cfg: LogConfig,
+) -> (Result<ShardLog<SimStorage>, LogError>, Vec<usize>) {
+    let mut lens = Vec::new();
+    let log = ShardLog::open(s.clone(), Path::new(DIR), cfg, &mut |e| {
+        if let felix_engine::log::Replayed::Group(b) = e {
+            lens.push(b.len());
+        }
+    })
+    .await;
+    (log, lens)
+}
+
+/// The files with extension `ext`, in offset order.
+fn with_ext(s: &SimStorage, ext: &str) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = s
+        .files()
+        .into_iter()
+        .filter(|p| p.extension().is_some_and(|e| e == ext))
+        .collect();
+    files.sort();
+    files
+}
+
+/// Flip a bit of every segment but the newest (again: put it back).
+fn flip_sealed(s: &SimStorage) {
+    let logs = with_ext(s, "log");
+    for p in &logs[..logs.len() - 1] {
+        s.corrupt(p, 20, 1);
+    }
+}
+
+fn count(lens: &[usize], len: usize) -> usize {
+    lens.iter().filter(|l| **l == len).count()
+}
+
 /// A closed log of 50 records, one batch and one flush each: segments of
 /// 6 batches (0, 6, 12, ... 48), each sealed one with its summary.
 fn written() -> SimStorage {
@@ -150,16 +196,8 @@ fn a_summary_of_another_segment_or_another_length_is_not_taken() {
         let storage = damaged();
         storage.remove_file(&file(0, "sum")).await.unwrap();
         says_corrupt_in_segment_0(&open(&storage).await.map(|_| ()).unwrap_err());
-        let storage = damaged();
-        let verify = LogConfig {
-            verify_on_open: true,
-            ..cfg()
-        };
-        let err = ShardLog::open(storage, Path::new(DIR), verify, &mut |_| {})
-            .await
-            .map(|_| ())
-            .unwrap_err();
-        says_corrupt_in_segment_0(&err);
+        let (log, _) = open_replaying(&damaged(), verify()).await;
+        says_corrupt_in_segment_0(&log.map(|_| ()).unwrap_err());
     });
 }
 
@@ -317,35 +355,14 @@ fn replay_starts_at_the_newest_segments_snapshot_and_refuses_a_cut_one() {
             log.flush().await.unwrap();
         }
         log.close().await.unwrap();
-        let tail = storage
-            .files()
-            .into_iter()
-            .filter(|p| p.extension().is_some_and(|e| e == "log"))
-            .max()
-            .unwrap();
-        let before = storage
-            .files()
-            .into_iter()
-            .filter(|p| p.extension().is_some_and(|e| e == "sum"))
-            .max()
-            .unwrap();
+        let tail = with_ext(&storage, "log").pop().unwrap();
+        let before = with_ext(&storage, "sum").pop().unwrap();
         // Every sealed segment damaged: none is read.
-        for p in storage.files() {
-            if p.extension().is_some_and(|e| e == "log") && p != tail {
-                storage.corrupt(&p, 20, 1);
-            }
-        }
-        let mut replayed = Vec::new();
-        let log = ShardLog::open(storage.clone(), Path::new(DIR), cfg(), &mut |e| {
-            let felix_engine::log::Replayed::Group(body) = e else {
-                return;
-            };
-            replayed.push(body.len());
-        })
-        .await
-        .expect("no sealed segment read");
+        flip_sealed(&storage);
+        let (log, replayed) = open_replaying(&storage, cfg()).await;
+        let log = log.expect("no sealed segment read");
         assert_eq!(replayed.first(), Some(&300), "{replayed:?}");
-        assert_eq!(replayed.iter().filter(|l| **l == 300).count(), 1);
+        assert_eq!(count(&replayed, 300), 1);
         log.close().await.unwrap();
 
         // The newest segment cut inside its opening snapshot, and taken as
@@ -361,19 +378,9 @@ fn replay_starts_at_the_newest_segments_snapshot_and_refuses_a_cut_one() {
         let name = before.file_name().unwrap().to_string_lossy().into_owned();
         assert!(msg.contains(&name), "{msg}");
         // Repaired: a scrub refuses the cut segment the same way.
-        for p in storage.files() {
-            if p.extension().is_some_and(|e| e == "log") && p != tail {
-                storage.corrupt(&p, 20, 1);
-            }
-        }
-        let verify = LogConfig {
-            verify_on_open: true,
-            ..cfg()
-        };
-        let err = ShardLog::open(storage.clone(), Path::new(DIR), verify, &mut |_| {})
-            .await
-            .map(|_| ())
-            .unwrap_err();
+        flip_sealed(&storage);
+        let (log, _) = open_replaying(&storage, verify()).await;
+        let err = log.map(|_| ()).unwrap_err();
         assert!(
             err.to_string().contains("inside the group snapshot"),
             "{err}"
@@ -381,15 +388,9 @@ fn replay_starts_at_the_newest_segments_snapshot_and_refuses_a_cut_one() {
         // The summary the error names removed: the open replays from the
         // snapshot before.
         storage.remove_file(&before).await.unwrap();
-        let mut snapshots = 0;
-        let log = ShardLog::open(storage.clone(), Path::new(DIR), cfg(), &mut |e| {
-            if let felix_engine::log::Replayed::Group(b) = e {
-                snapshots += usize::from(b.len() == 300);
-            }
-        })
-        .await
-        .unwrap();
-        assert_eq!(snapshots, 1);
+        let (log, replayed) = open_replaying(&storage, cfg()).await;
+        let log = log.unwrap();
+        assert_eq!(count(&replayed, 300), 1);
         assert_eq!(log.end(), Offset(48));
     });
 }
@@ -409,25 +410,14 @@ fn a_round_that_rolls_several_segments_summarises_each() {
         log.flush().await.unwrap();
         assert!(log.stats().segments >= 5);
         log.close().await.unwrap();
-        let logs: Vec<PathBuf> = storage
-            .files()
-            .into_iter()
-            .filter(|p| p.extension().is_some_and(|e| e == "log"))
-            .collect();
-        let (_newest, sealed) = logs.split_last().unwrap();
-        for p in sealed {
+        let logs = with_ext(&storage, "log");
+        for p in &logs[..logs.len() - 1] {
             assert!(storage.files().contains(&p.with_extension("sum")));
-            storage.corrupt(p, 20, 1);
         }
-        let mut snapshots = 0;
-        let log = ShardLog::open(storage.clone(), Path::new(DIR), cfg(), &mut |e| {
-            if let felix_engine::log::Replayed::Group(b) = e {
-                snapshots += usize::from(b.len() == 300);
-            }
-        })
-        .await
-        .expect("no sealed segment read");
-        assert_eq!(snapshots, 1);
+        flip_sealed(&storage);
+        let (log, replayed) = open_replaying(&storage, cfg()).await;
+        let log = log.expect("no sealed segment read");
+        assert_eq!(count(&replayed, 300), 1);
         let last = log.read(Offset(29), ALL).await.unwrap();
         assert_eq!(last.records.len(), 1);
     });
@@ -465,17 +455,11 @@ fn an_open_that_replayed_old_segments_vouches_for_its_own_snapshot() {
     let snapshots = |storage: &SimStorage| {
         let storage = storage.clone();
         async move {
-            let mut n = 0;
-            let log = ShardLog::open(storage, Path::new(DIR), cfg(), &mut |e| {
-                if let felix_engine::log::Replayed::Group(b) = e {
-                    n += usize::from(b.len() == 20);
-                }
-            })
-            .await
-            .inspect(|log| {
+            let (log, replayed) = open_replaying(&storage, cfg()).await;
+            let log = log.inspect(|log| {
                 log.set_snapshot_provider(Box::new(|out| out.push(vec![b'S'; 20])));
             });
-            (log, n)
+            (log, count(&replayed, 20))
         }
     };
     block_on(async {
@@ -487,11 +471,7 @@ fn an_open_that_replayed_old_segments_vouches_for_its_own_snapshot() {
             log.flush().await.unwrap();
         }
         log.close().await.unwrap();
-        let sums: Vec<PathBuf> = storage
-            .files()
-            .into_iter()
-            .filter(|p| p.extension().is_some_and(|e| e == "sum"))
-            .collect();
+        let sums = with_ext(&storage, "sum");
         assert!(sums.len() >= 4);
         for p in &sums {
             storage.remove_file(p).await.unwrap();
@@ -509,14 +489,7 @@ fn an_open_that_replayed_old_segments_vouches_for_its_own_snapshot() {
             "its snapshot rolled no segment"
         );
         log.close().await.unwrap();
-        let logs: Vec<PathBuf> = storage
-            .files()
-            .into_iter()
-            .filter(|p| p.extension().is_some_and(|e| e == "log"))
-            .collect();
-        for p in &logs[..logs.len() - 1] {
-            storage.corrupt(p, 20, 1);
-        }
+        flip_sealed(&storage);
         // Second: only that snapshot, and no sealed segment read.
         let (log, n) = snapshots(&storage).await;
         let log = log.expect("no sealed segment read");
