@@ -775,6 +775,89 @@ async fn requests_past_the_core_budget_share_a_bounded_overdraft() {
     drop(pinning);
 }
 
+/// Frames begun past the budget by connections holding nothing are let in
+/// on the overdraft while it is not taken, at their frame size; decoded,
+/// each becomes a request about eleven times larger. Twelve connections
+/// each send all but the last byte of such a publish (the overdraft lets
+/// eight in), then all finish together: the broker decodes them one at a
+/// time while the overdraft is taken, so the core holds the budget, the
+/// overdraft and one decoded publish, where decoding every whole frame at
+/// once held eight decoded publishes (about 120 MiB here). All are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn whole_frames_on_the_overdraft_are_decoded_one_at_a_time() {
+    const BUDGET: u64 = 32 << 20;
+    const PINNING: u64 = 2;
+    const PUBLISHERS: usize = 12;
+    let b = felix_tests::start_broker!(BrokerOptions::default()
+        .cores(1)
+        .env("FELIX_MAX_BUFFERED_BYTES_PER_CORE", BUDGET));
+    let _c = big_stream(&b, 8).await;
+    let mut pinning = Vec::new();
+    for i in 0..PINNING {
+        let (rd, mut wr) = raw_connection(&b.addr, &format!("pins-{i}")).await;
+        wr.write_all(&big_reads(200)).await.unwrap();
+        pinning.push((rd, wr));
+    }
+    felix_tests::wait_until(Duration::from_secs(10), || {
+        b.metric("felix_core_buffered_bytes") >= BUDGET as f64
+    })
+    .expect("the budget filled");
+    let mut frame = bytes::BytesMut::new();
+    felix_wire::encode_request(
+        1,
+        &Request::Publish {
+            stream: stream_ref("big"),
+            target: felix_wire::PublishTarget::Shard(0),
+            ack: felix_wire::AckMode::Default,
+            records: (0..170)
+                .map(|_| felix_wire::RecordIn {
+                    headers: vec![(String::new(), bytes::Bytes::new()); 1024],
+                    payload: bytes::Bytes::from_static(b"x"),
+                    ..Default::default()
+                })
+                .collect(),
+        },
+        &mut frame,
+    );
+    let (most, last) = frame.split_at(frame.len() - 1);
+    let mut publishers = Vec::new();
+    for i in 0..PUBLISHERS {
+        let (rd, mut wr) = raw_connection(&b.addr, &format!("publisher-{i}")).await;
+        wr.write_all(most).await.unwrap();
+        publishers.push((rd, wr));
+    }
+    // Eight frames are let in on the overdraft (a quarter of the budget)
+    // and arrive all but whole; the other four wait unread.
+    let eight = BUDGET + 8 * (frame.len() as u64 - 4096);
+    felix_tests::wait_until(Duration::from_secs(10), || {
+        b.metric("felix_core_buffered_bytes") >= eight as f64
+    })
+    .expect("the overdraft let frames in");
+    let mut answers = Vec::new();
+    for (rd, mut wr) in publishers {
+        wr.write_all(last).await.unwrap();
+        answers.push(tokio::spawn(async move {
+            drain_answers(rd, 2, |r| {
+                matches!(r, Response::Published { count: 170, .. })
+            })
+            .await;
+            wr
+        }));
+    }
+    for a in answers {
+        a.await.unwrap();
+    }
+    let peak = b.metric("felix_core_buffered_bytes_peak") as u64;
+    let bound = BUDGET + BUDGET / 4 + PINNING * (5 << 20) + (16 << 20);
+    assert!(
+        peak <= bound,
+        "the core held {} MiB (bound {} MiB)",
+        peak >> 20,
+        bound >> 20
+    );
+    drop(pinning);
+}
+
 /// Frames begun count whole against the core's budget, and are admitted
 /// only while it (or, for a connection holding nothing, the overdraft) has
 /// room: twelve connections that each send most of a 15 MiB frame and

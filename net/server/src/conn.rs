@@ -447,6 +447,25 @@ pub(crate) async fn serve<S: Storage>(
             || outbox.unsent() >= max_pending
             || budget_bound(info, outbox)
     };
+    // A whole frame is decoded on the overdraft (the core at its budget, the
+    // connection holding nothing) only while the overdraft, apart from the
+    // frame itself if it was let in on it, is not taken: decoding can build
+    // several times the frame (see `memory`), and the request then counts
+    // in the overdraft at its decoded size until it is done. So the
+    // overdraft holds at most a quarter of the budget and the one request
+    // or frame that crossed it, however many connections hold whole frames.
+    // Frames still arriving are never held here (they read on until whole).
+    let overdraft_bound = |info: &ConnInfo, outbox: &Outbox, rbuf: &BytesMut| {
+        said_hello.get()
+            && core.budget.full()
+            && info.in_flight.get() == 0
+            && outbox.unsent() == 0
+            && felix_wire::peek_header(rbuf).is_some_and(|h| h.frame_bytes() <= rbuf.len())
+            && core.budget.overdrawn_without(match admitted.get() {
+                Some((n, true)) => n,
+                _ => 0,
+            })
+    };
     // A connection has this long to say HELLO (however slowly its bytes
     // trickle in), so idle sockets cannot hold connection places.
     let hello_by = std::time::Instant::now() + HELLO_TIMEOUT.min(idle);
@@ -464,7 +483,7 @@ pub(crate) async fn serve<S: Storage>(
         let mut held_back = false;
         let mut decoded_any = false;
         loop {
-            if over_limits(&info, &outbox) {
+            if over_limits(&info, &outbox) || overdraft_bound(&info, &outbox, &rbuf) {
                 held_back = true;
                 break;
             }
@@ -685,14 +704,20 @@ pub(crate) async fn serve<S: Storage>(
         // Backpressure: stop reading a connection that has too many requests
         // (or request bytes) in flight or too many unsent response bytes, or
         // while the core is at its budget, until that drains.
-        if budget_bound(&info, &outbox) {
+        let held_by_budget = |info: &ConnInfo, outbox: &Outbox, rbuf: &BytesMut| {
+            budget_bound(info, outbox) || overdraft_bound(info, outbox, rbuf)
+        };
+        if held_by_budget(&info, &outbox, &rbuf) {
             core.budget.count_wait();
         }
-        let stalled = over_limits(&info, &outbox);
-        while over_limits(&info, &outbox) && !outbox.closed.get() {
+        let waits = |info: &ConnInfo, outbox: &Outbox, rbuf: &BytesMut| {
+            over_limits(info, outbox) || overdraft_bound(info, outbox, rbuf)
+        };
+        let stalled = waits(&info, &outbox, &rbuf);
+        while waits(&info, &outbox, &rbuf) && !outbox.closed.get() {
             let drained = outbox.drained.wait();
             let finished = core.lifecycle.wait();
-            if budget_bound(&info, &outbox) {
+            if held_by_budget(&info, &outbox, &rbuf) {
                 // Only connections the budget holds listen for it: a release
                 // wakes every listener.
                 let freed = core.budget.wait_freed();

@@ -25,9 +25,14 @@
 //! by the budget, so the core cannot deadlock). A decoded request can take
 //! several times its frame (a publish of records with many empty headers
 //! about eleven times), so without that bound ten thousand connections with
-//! one request each could hold far more than the machine has. The memory a
-//! core holds is therefore at most the budget, one answer per connection,
-//! and the overdraft plus the request or frame that crossed it.
+//! one request each could hold far more than the machine has. The bound is
+//! kept where a request takes its size: a whole frame is decoded on the
+//! overdraft only while the overdraft, leaving out that frame itself, is
+//! not taken (frames let in on it while it was free would otherwise each
+//! become a request eleven times their size). The memory a core holds is
+//! therefore at most the budget and the request that crossed it, one
+//! answer per connection, and the overdraft plus the request or frame that
+//! crossed it.
 //!
 //! Frames arriving (once a connection's HELLO is through) are admitted the
 //! same way: the broker reads past a frame's header only once the budget
@@ -126,7 +131,13 @@ impl Budget {
     /// holding nothing) hold a quarter of it already: then such a
     /// connection waits too, for one of them to finish.
     pub fn overdrawn(&self) -> bool {
-        self.overdraft.get() >= self.limit / 4
+        self.overdrawn_without(0)
+    }
+
+    /// [`Self::overdrawn`], leaving out `own` bytes already in the overdraft
+    /// (a frame let in on it, about to become its decoded request).
+    pub fn overdrawn_without(&self, own: usize) -> bool {
+        self.overdraft.get().saturating_sub(own) >= self.limit / 4
     }
 
     /// A request of `n` bytes let through past the budget: counted in the
