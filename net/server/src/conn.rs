@@ -19,6 +19,8 @@ use felix_wire::{
 };
 use futures_lite::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use glommio::net::TcpStream;
+use hello::{hello, Hello};
+use intake::Intake;
 use std::cell::{Cell, RefCell};
 use std::os::fd::AsRawFd;
 use std::pin::Pin;
@@ -27,6 +29,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
+
+mod hello;
+mod intake;
 
 /// Reader and writer tasks share the socket; each borrows it only inside a
 /// single `poll`, never across an await, so the two never conflict.
@@ -382,58 +387,12 @@ pub(crate) async fn serve<S: Storage>(
         outbox.clone(),
         Duration::from_millis(core.shared.config.write_timeout_ms),
     ));
-    let said_hello = Cell::new(false);
     let mut handed_off = false;
     let mut reader = sock.clone();
     let max_requests = core.shared.config.max_requests_per_connection;
     let max_request_bytes = core.shared.config.max_request_bytes_per_connection;
     let max_pending = core.shared.config.max_pending_response_bytes;
-    // Once the core is at its budget, a connection that holds something
-    // (a request in flight or an unsent answer) waits for room; one that
-    // holds nothing still goes ahead with one request, unless the requests
-    // let through that way already hold the overdraft (see `memory`). A
-    // HELLO always goes ahead: it costs nothing, and a client that cannot
-    // even say it is there would hold its place without a deadline.
-    // A frame begun and admitted (see below): its declared size, counted
-    // in the budget until it is whole, and whether it was let in on the
-    // overdraft. Its connection reads on until the frame is whole.
-    let admitted: Cell<Option<(usize, bool)>> = Cell::new(None);
-    let budget_bound = |info: &ConnInfo, outbox: &Outbox| {
-        core.budget.full()
-            && admitted.get().is_none()
-            && (info.in_flight.get() > 0
-                || outbox.unsent() > 0
-                || (said_hello.get() && core.budget.overdrawn()))
-    };
-    // Bytes of the read buffer (frames held back, and a frame arriving at
-    // its declared size) counted in the core's budget.
-    //
-    // A frame begun is admitted before the broker reads past its header:
-    // when the budget has room for all of it, or, for a connection holding
-    // nothing, on the overdraft (see `memory`) while that is not taken; it
-    // otherwise waits, unread, for room. Admitted, it counts whole and does
-    // not hold its connection back: the connection reads on until the
-    // frame is whole (within `frame_time`), so the core cannot deadlock on
-    // frames it will not finish reading, and however many connections
-    // begin large frames and stall, what they hold stays within the budget
-    // and the overdraft.
-    let buffered = Cell::new(0usize);
-    let held = |rbuf: &BytesMut| rbuf.len().max(admitted.get().map_or(0, |(n, _)| n));
-    // The admitted frame was taken off the buffer (decoded, or refused
-    // whole): it leaves the overdraft it was let in on.
-    let frame_taken = || {
-        if let Some((n, true)) = admitted.take() {
-            core.budget.repay(n);
-        }
-    };
-    let count_buffered = |now: usize| {
-        let was = buffered.replace(now);
-        if now > was {
-            core.budget.add(now - was);
-        } else {
-            core.budget.release(was - now);
-        }
-    };
+    let intake = Intake::new(&core);
     // A frame begun must be whole within `server.write_timeout_ms` of the
     // broker reading for it (from its first bytes, the last frame decoded
     // before it, or the end of a wait the broker imposed), so a client
@@ -445,26 +404,12 @@ pub(crate) async fn serve<S: Storage>(
         info.in_flight.get() >= max_requests
             || info.in_flight_bytes.get() >= max_request_bytes
             || outbox.unsent() >= max_pending
-            || budget_bound(info, outbox)
+            || intake.budget_bound(info, outbox)
     };
-    // A whole frame is decoded on the overdraft (the core at its budget, the
-    // connection holding nothing) only while the overdraft, apart from the
-    // frame itself if it was let in on it, is not taken: decoding can build
-    // several times the frame (see `memory`), and the request then counts
-    // in the overdraft at its decoded size until it is done. So the
-    // overdraft holds at most a quarter of the budget and the one request
-    // or frame that crossed it, however many connections hold whole frames.
-    // Frames still arriving are never held here (they read on until whole).
-    let overdraft_bound = |info: &ConnInfo, outbox: &Outbox, rbuf: &BytesMut| {
-        said_hello.get()
-            && core.budget.full()
-            && info.in_flight.get() == 0
-            && outbox.unsent() == 0
-            && felix_wire::peek_header(rbuf).is_some_and(|h| h.frame_bytes() <= rbuf.len())
-            && core.budget.overdrawn_without(match admitted.get() {
-                Some((n, true)) => n,
-                _ => 0,
-            })
+    // What stops the connection decoding the frames it holds (and reading
+    // more): its own limits, or the core's budget.
+    let waits = |info: &ConnInfo, outbox: &Outbox, rbuf: &BytesMut| {
+        over_limits(info, outbox) || intake.overdraft_bound(info, outbox, rbuf)
     };
     // A connection has this long to say HELLO (however slowly its bytes
     // trickle in), so idle sockets cannot hold connection places.
@@ -483,7 +428,7 @@ pub(crate) async fn serve<S: Storage>(
         let mut held_back = false;
         let mut decoded_any = false;
         loop {
-            if over_limits(&info, &outbox) || overdraft_bound(&info, &outbox, &rbuf) {
+            if waits(&info, &outbox, &rbuf) {
                 held_back = true;
                 break;
             }
@@ -491,7 +436,7 @@ pub(crate) async fn serve<S: Storage>(
             // Until HELLO is through, a frame is at most a HELLO's worth:
             // a client that has not authenticated cannot make the broker
             // buffer (or hash) megabytes.
-            let cap = if said_hello.get() {
+            let cap = if intake.said_hello() {
                 max_frame
             } else {
                 max_frame.min(MAX_HELLO_FRAME)
@@ -499,131 +444,19 @@ pub(crate) async fn serve<S: Storage>(
             let decoded = felix_wire::decode_request(&mut rbuf, cap);
             let frame_len = before - rbuf.len();
             if frame_len > 0 {
-                frame_taken();
+                intake.frame_taken();
             }
             match decoded {
                 Ok(Some((id, req))) => {
-                    if !said_hello.get() {
-                        match req {
-                            Request::Hello {
-                                version,
-                                features,
-                                want_core,
-                                ref client_name,
-                                ..
-                            } => {
-                                // A stopping broker takes no new clients.
-                                if core.stopping.get() {
-                                    outbox.push(id, &wire_err(ErrorCode::Unavailable, STOPPING));
-                                    break 'conn;
-                                }
-                                // Then credentials: a client that has not
-                                // authenticated learns nothing and is not
-                                // handed to another core.
-                                let token = match &req {
-                                    Request::Hello { token, .. } => token.as_deref(),
-                                    _ => None,
-                                };
-                                let who = core.with_security(|sec| {
-                                    crate::auth::authenticate(sec.tokens.as_ref(), token)
-                                });
-                                match who {
-                                    Ok(principal) => *info.principal.borrow_mut() = principal,
-                                    Err(why) => {
-                                        log_refusal(conn_id, &sock, client_name, &why);
-                                        core.metrics.count_error(ErrorCode::Unauthorized);
-                                        outbox.push(id, &wire_err(ErrorCode::Unauthorized, why));
-                                        break 'conn;
-                                    }
-                                }
-                                if let Some(want) = want_core.filter(|w| *w >= core.shared.cores) {
-                                    outbox.push(
-                                        id,
-                                        &wire_err(
-                                            ErrorCode::InvalidRequest,
-                                            format!(
-                                                "HELLO asks for core {want}; this broker runs cores 0..{}",
-                                                core.shared.cores
-                                            ),
-                                        ),
-                                    );
-                                    break 'conn;
-                                }
-                                if let Some(want) = want_core {
-                                    if !handed && want != core.core_id() {
-                                        // Re-encode the HELLO in front of what
-                                        // follows and hand the socket over.
-                                        let mut all = BytesMut::new();
-                                        felix_wire::encode_request(id, &req, &mut all);
-                                        all.extend_from_slice(&rbuf);
-                                        match hand_off(&core, &sock, want, all.to_vec()) {
-                                            HandOff::Sent => {
-                                                handed_off = true;
-                                                outbox.handed_off.set(true);
-                                                break 'conn;
-                                            }
-                                            // Answered from here: `HelloOk`
-                                            // names this core, and a client
-                                            // that wanted another (ours does)
-                                            // reconnects to try again.
-                                            HandOff::Kept => {}
-                                            // Only a core that is stopping
-                                            // takes no hand-off.
-                                            HandOff::Refused => {
-                                                outbox.push(
-                                                    id,
-                                                    &wire_err(
-                                                        ErrorCode::Unavailable,
-                                                        format!(
-                                                            "core {want} takes no connections now: {STOPPING}"
-                                                        ),
-                                                    ),
-                                                );
-                                                break 'conn;
-                                            }
-                                        }
-                                    }
-                                }
-                                if version == 0 {
-                                    outbox.push(
-                                        id,
-                                        &wire_err(
-                                            ErrorCode::Unsupported,
-                                            format!(
-                                                "protocol version 0 is not supported; this broker speaks 1..={}",
-                                                felix_wire::PROTOCOL_VERSION
-                                            ),
-                                        ),
-                                    );
-                                    break 'conn;
-                                }
-                                tracing::debug!(conn = conn_id, client = ?client_name, principal = %info.principal.borrow(), version, "hello");
-                                // The connection runs at the lower version and
-                                // the features both sides know.
-                                let f = core.shared.features() & features;
-                                info.features.set(f);
-                                said_hello.set(true);
-                                outbox.push(
-                                    id,
-                                    &Response::HelloOk {
-                                        version: version.min(felix_wire::PROTOCOL_VERSION),
-                                        features: f,
-                                        cores: core.shared.cores,
-                                        core: core.core_id(),
-                                        max_frame_bytes: max_frame,
-                                        broker: core.shared.broker_id.clone(),
-                                    },
-                                );
+                    if !intake.said_hello() {
+                        match hello(&core, &info, &outbox, &sock, handed, id, req, &rbuf) {
+                            Hello::Said => {
+                                intake.hello_through();
                                 continue;
                             }
-                            _ => {
-                                outbox.push(
-                                    id,
-                                    &wire_err(
-                                        ErrorCode::InvalidRequest,
-                                        "the first request on a connection must be HELLO",
-                                    ),
-                                );
+                            Hello::Close => break 'conn,
+                            Hello::HandedOff => {
+                                handed_off = true;
                                 break 'conn;
                             }
                         }
@@ -647,7 +480,7 @@ pub(crate) async fn serve<S: Storage>(
                         // Before HELLO, a request that does not decode (a
                         // HELLO whose token is not UTF-8, say) ends the
                         // connection as any refused HELLO does.
-                        Some(id) if !said_hello.get() => {
+                        Some(id) if !intake.said_hello() => {
                             log_refusal(conn_id, &sock, "", &e.to_string());
                             outbox.push(id, &Response::Error(e.to_wire_error()));
                             break 'conn;
@@ -672,7 +505,7 @@ pub(crate) async fn serve<S: Storage>(
                 }
             }
         }
-        count_buffered(held(&rbuf));
+        intake.count(&rbuf);
         if rbuf.is_empty() || held_back {
             frame_by = None;
         } else if decoded_any || frame_by.is_none() {
@@ -685,7 +518,7 @@ pub(crate) async fn serve<S: Storage>(
             while info.in_flight.get() > 0 && !outbox.closed.get() {
                 futures_lite::future::or(core.lifecycle.wait(), outbox.hangup.wait()).await;
             }
-            if !said_hello.get() || outbox.closed.get() {
+            if !intake.said_hello() || outbox.closed.get() {
                 break;
             }
             let since = match refusing_since {
@@ -704,20 +537,14 @@ pub(crate) async fn serve<S: Storage>(
         // Backpressure: stop reading a connection that has too many requests
         // (or request bytes) in flight or too many unsent response bytes, or
         // while the core is at its budget, until that drains.
-        let held_by_budget = |info: &ConnInfo, outbox: &Outbox, rbuf: &BytesMut| {
-            budget_bound(info, outbox) || overdraft_bound(info, outbox, rbuf)
-        };
-        if held_by_budget(&info, &outbox, &rbuf) {
+        if intake.held_by_budget(&info, &outbox, &rbuf) {
             core.budget.count_wait();
         }
-        let waits = |info: &ConnInfo, outbox: &Outbox, rbuf: &BytesMut| {
-            over_limits(info, outbox) || overdraft_bound(info, outbox, rbuf)
-        };
         let stalled = waits(&info, &outbox, &rbuf);
         while waits(&info, &outbox, &rbuf) && !outbox.closed.get() {
             let drained = outbox.drained.wait();
             let finished = core.lifecycle.wait();
-            if held_by_budget(&info, &outbox, &rbuf) {
+            if intake.held_by_budget(&info, &outbox, &rbuf) {
                 // Only connections the budget holds listen for it: a release
                 // wakes every listener.
                 let freed = core.budget.wait_freed();
@@ -734,46 +561,16 @@ pub(crate) async fn serve<S: Storage>(
             continue;
         }
         // A frame begun and not yet admitted: room for all of it first.
-        // (Not before HELLO: such frames are at most `MAX_HELLO_FRAME`, and
-        // the connection's time to say HELLO bounds them.)
-        let begun = felix_wire::peek_header(&rbuf)
-            .filter(|h| said_hello.get() && h.len <= max_frame)
-            .map(|h| h.frame_bytes())
-            .filter(|&frame| frame > rbuf.len());
-        let mut waited = false;
-        if let (Some(frame), None) = (begun, admitted.get()) {
-            while !outbox.closed.get() && !core.stopping.get() {
-                if !core.budget.over(frame.saturating_sub(buffered.get())) {
-                    admitted.set(Some((frame, false)));
-                    break;
-                }
-                let holds_nothing =
-                    info.in_flight.get() == 0 && outbox.unsent() == 0 && info.reserved.get() == 0;
-                if holds_nothing && !core.budget.overdrawn() {
-                    core.budget.overdraw(frame);
-                    admitted.set(Some((frame, true)));
-                    break;
-                }
-                if !waited {
-                    core.budget.count_wait();
-                    waited = true;
-                }
-                let drained = outbox.drained.wait();
-                let finished = core.lifecycle.wait();
-                let freed = core.budget.wait_freed();
-                futures_lite::future::or(drained, futures_lite::future::or(finished, freed)).await;
-            }
-            if outbox.closed.get() {
-                break;
-            }
-            count_buffered(held(&rbuf));
+        let waited = intake.admit(&rbuf, &info, &outbox, max_frame).await;
+        if outbox.closed.get() {
+            break;
         }
         if (stalled || waited) && frame_by.is_some() {
             // The broker stopped reading for a while: a frame begun gets
             // its full time again now that it reads on.
             frame_by = Some(std::time::Instant::now() + frame_time);
         }
-        if !said_hello.get() && std::time::Instant::now() >= hello_by {
+        if !intake.said_hello() && std::time::Instant::now() >= hello_by {
             tracing::debug!(conn = conn_id, "closing a connection that never said HELLO");
             break;
         }
@@ -784,43 +581,9 @@ pub(crate) async fn serve<S: Storage>(
         // (and the buffer is zeroed only as far as data is likely to come),
         // and a buffer a burst grew large is let go once it is empty.
         let filled = rbuf.len();
-        // A large frame partly here is read in pieces as big as what it
-        // still lacks (up to 1 MiB), not 64 KiB at a time. Its declared size
-        // was checked against the frame cap when it was decoded as
-        // incomplete. The piece is at most four times what already came,
-        // so a peer that sends a header declaring a large frame and then
-        // nothing does not make the broker hold (and zero) a megabyte.
-        let lacking = felix_wire::peek_header(&rbuf)
-            .filter(|h| h.len <= max_frame)
-            .map_or(0, |h| h.frame_bytes().saturating_sub(filled));
-        let read_size_now = read_size.max(
-            lacking
-                .min(MAX_FRAME_READ)
-                .min(4 * filled.max(MAX_READ / 4)),
-        );
-        if filled > 0
-            && rbuf.capacity() < filled + read_size_now
-            && read_size >= MAX_READ
-            && !core.budget.over(MAX_FRAME_READ)
-        {
-            // A new allocation copies what is buffered, the start of a frame
-            // the last read ended inside (earlier frames still hold the old
-            // one). A busy connection (its reads came back full) gets room
-            // for many reads at once while the core has memory to spare, so
-            // that copy is made once per MiB rather than on almost every
-            // read: with 64 KiB publishes it was a copy of nearly every
-            // byte. Not one whose only claim is a large declared frame.
-            rbuf.reserve(MAX_FRAME_READ.max(read_size_now));
-        }
-        rbuf.resize(filled + read_size_now, 0);
-        if filled == 0 && rbuf.capacity() > 4 * MAX_READ {
-            // `resize` took back the whole allocation a large frame left
-            // (nothing else holds it now): not for an idle wait.
-            rbuf = BytesMut::with_capacity(read_size_now);
-            rbuf.resize(read_size_now, 0);
-        }
+        make_room_to_read(&mut rbuf, read_size, max_frame, &core.budget);
         let spare = &mut rbuf[filled..];
-        let wait = if said_hello.get() {
+        let wait = if intake.said_hello() {
             idle
         } else {
             hello_by
@@ -868,7 +631,7 @@ pub(crate) async fn serve<S: Storage>(
         };
         let n = *got.as_ref().unwrap_or(&0);
         rbuf.truncate(filled + n);
-        count_buffered(held(&rbuf));
+        intake.count(&rbuf);
         if n >= read_size {
             read_size = (read_size * 2).min(MAX_READ);
         } else if n < read_size / 4 {
@@ -912,8 +675,7 @@ pub(crate) async fn serve<S: Storage>(
             }
         }
     }
-    count_buffered(0);
-    frame_taken();
+    intake.release();
     // Let the writer send what is queued, then close.
     outbox.closed.set(true);
     outbox.ready.wake_all();
@@ -928,6 +690,49 @@ pub(crate) async fn serve<S: Storage>(
         .set(core.metrics.connections_open.get() - 1);
     if !handed_off {
         core.shared.connections.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Make the read buffer `rbuf` (holding what came of frames not yet whole)
+/// longer by the next read's size: about `read_size` (what the
+/// connection's recent reads suggest), more for a large frame partly here.
+/// The read goes into the zeroed bytes past what it held.
+fn make_room_to_read(rbuf: &mut BytesMut, read_size: usize, max_frame: u32, budget: &Budget) {
+    let filled = rbuf.len();
+    // A large frame partly here is read in pieces as big as what it
+    // still lacks (up to 1 MiB), not 64 KiB at a time. Its declared size
+    // was checked against the frame cap when it was decoded as
+    // incomplete. The piece is at most four times what already came,
+    // so a peer that sends a header declaring a large frame and then
+    // nothing does not make the broker hold (and zero) a megabyte.
+    let lacking = felix_wire::peek_header(rbuf)
+        .filter(|h| h.len <= max_frame)
+        .map_or(0, |h| h.frame_bytes().saturating_sub(filled));
+    let read_size_now = read_size.max(
+        lacking
+            .min(MAX_FRAME_READ)
+            .min(4 * filled.max(MAX_READ / 4)),
+    );
+    if filled > 0
+        && rbuf.capacity() < filled + read_size_now
+        && read_size >= MAX_READ
+        && !budget.over(MAX_FRAME_READ)
+    {
+        // A new allocation copies what is buffered, the start of a frame
+        // the last read ended inside (earlier frames still hold the old
+        // one). A busy connection (its reads came back full) gets room
+        // for many reads at once while the core has memory to spare, so
+        // that copy is made once per MiB rather than on almost every
+        // read: with 64 KiB publishes it was a copy of nearly every
+        // byte. Not one whose only claim is a large declared frame.
+        rbuf.reserve(MAX_FRAME_READ.max(read_size_now));
+    }
+    rbuf.resize(filled + read_size_now, 0);
+    if filled == 0 && rbuf.capacity() > 4 * MAX_READ {
+        // `resize` took back the whole allocation a large frame left
+        // (nothing else holds it now): not for an idle wait.
+        *rbuf = BytesMut::with_capacity(read_size_now);
+        rbuf.resize(read_size_now, 0);
     }
 }
 
