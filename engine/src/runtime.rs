@@ -2,7 +2,7 @@
 //! and the pure placement function that says which core owns a shard.
 
 use crate::types::{CoreId, ShardId, StreamName};
-use glommio::{LocalExecutorBuilder, Placement};
+use glommio::{CpuSet, LocalExecutorBuilder, Placement, PoolPlacement};
 use std::future::Future;
 use std::io;
 use std::path::{Path, PathBuf};
@@ -48,6 +48,9 @@ pub enum CoreSet {
 
 /// Most CPUs a core list may name.
 const MAX_CPUS: usize = 4096;
+
+/// Threads per core for blocking file operations (see [`Runtime::start`]).
+const BLOCKING_THREADS: usize = 8;
 
 impl CoreSet {
     /// Parse a count `N` (the first N CPUs), or a CPU list such as `0,2,3`,
@@ -175,7 +178,20 @@ impl Runtime {
                 cores,
                 cpu: Some(cpu),
             };
+            // The threads that run this core's blocking file operations
+            // (directory syncs, small files written atomically, listings:
+            // what io_uring does not do), on its CPU. Several, so that a
+            // core opening or closing many shards has their syncs in flight
+            // together (the file system commits them together) rather than
+            // one after another.
+            let blocking = CpuSet::online()
+                .map_err(|e| io::Error::other(format!("list the online CPUs: {e}")))?
+                .filter(|c| c.cpu == cpu);
             let h = LocalExecutorBuilder::new(Placement::Fixed(cpu))
+                .blocking_thread_pool_placement(PoolPlacement::Custom(vec![
+                    blocking;
+                    BLOCKING_THREADS
+                ]))
                 .name(&thread_name(i))
                 // A timer-woken task (a long poll, a claim lapse) waits at
                 // most this long behind CPU-bound work (default: 100 ms).

@@ -2149,6 +2149,73 @@ async fn a_missing_shard_directory_is_refused_not_started_again_at_zero() {
     );
 }
 
+/// A core opens its shards side by side (at start-up, across streams, and
+/// when a stream is created), yet each comes back in its own place: after
+/// a `kill -9` and after a clean stop, every shard of three streams (52
+/// shards on one core) holds exactly its own records, a shard whose
+/// directory went missing in the middle of them is refused alone, and
+/// publishing goes on where each shard left off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shards_opened_side_by_side_each_come_back_in_their_place() {
+    const STREAMS: [(&str, u32); 3] = [("wide", 40), ("left", 5), ("right", 7)];
+    let mut broker = felix_tests::start_broker!(BrokerOptions::default().cores(1));
+    let c = client(&broker).await;
+    let mut expected = Vec::new();
+    for (stream, shards) in STREAMS {
+        c.create_stream("t", "ns", stream, shards, StreamOptions::default())
+            .await
+            .unwrap();
+        for shard in 0..shards {
+            let records: Vec<RecordIn> = (0..shard % 4 + 1)
+                .map(|k| RecordIn {
+                    payload: Bytes::from(format!("{stream}/{shard}/{k}")),
+                    ..Default::default()
+                })
+                .collect();
+            c.publish_batch("t", "ns", stream, shard, records)
+                .await
+                .unwrap();
+            expected.push((stream, shard, shard % 4 + 1));
+        }
+    }
+    drop(c);
+    let missing = broker.data_dir().unwrap().join("t/ns/wide/17");
+    std::fs::remove_dir_all(&missing).unwrap();
+    let check = |c: Client| {
+        let expected = expected.clone();
+        async move { check_places(&c, &expected).await }
+    };
+    broker.restart();
+    check(client(&broker).await).await;
+    assert!(broker.terminate().success());
+    broker.restart();
+    let c = client(&broker).await;
+    check(c.clone()).await;
+    let next = c.publish("t", "ns", "right", 6, "after").await.unwrap();
+    assert_eq!(next, 6 % 4 + 1);
+}
+
+/// Each shard of `expected` (stream, shard, records) holds exactly the
+/// records `stream/shard/k` for k in 0..records, but `wide/17`, refused.
+async fn check_places(c: &Client, expected: &[(&str, u32, u32)]) {
+    for &(stream, shard, count) in expected {
+        if (stream, shard) == ("wide", 17) {
+            let refused = c
+                .read("t", "ns", stream, shard, StartPosition::Earliest, 10, None)
+                .await;
+            assert!(
+                matches!(&refused, Err(ClientError::Server { code: ErrorCode::Unavailable, message, .. }) if message.contains("is missing")),
+                "{refused:?}"
+            );
+            continue;
+        }
+        let want: Vec<(u64, Bytes)> = (0..count)
+            .map(|k| (k as u64, Bytes::from(format!("{stream}/{shard}/{k}"))))
+            .collect();
+        assert_eq!(read_shard(c, stream, shard).await, want, "{stream}/{shard}");
+    }
+}
+
 /// Stream metadata is validated on start: a stream whose `stream.meta` does
 /// not read is not served (each request for it, a create of its name
 /// included, is refused with `unavailable` naming the file), its files are

@@ -221,7 +221,16 @@ pub(crate) struct Core<S: Storage> {
     security: RefCell<(u64, Arc<crate::auth::Security>)>,
     /// In a cluster: this core's replication (set once at start).
     pub replication: std::cell::OnceCell<crate::cluster::Replication<S>>,
+    /// Shards (and stream directories) being opened at once: see
+    /// [`OPEN_AT_ONCE`].
+    opening: glommio::sync::Semaphore,
 }
+
+/// Shards a core opens at once (at start-up, or creating a stream): the
+/// files, marks and directory syncs of one shard wait on the disk while
+/// others' are in flight or their segments are read, so a core with
+/// thousands of shards is not opening them one after another.
+const OPEN_AT_ONCE: u64 = 16;
 
 /// Largest `retention_bytes` / `retention_ms` a stream may have: what a
 /// TOML integer (`stream.meta`) holds.
@@ -282,6 +291,7 @@ impl<S: Storage> Core<S> {
             disk,
             security,
             replication: std::cell::OnceCell::new(),
+            opening: glommio::sync::Semaphore::new(OPEN_AT_ONCE),
         })
     }
 
@@ -372,8 +382,6 @@ impl<S: Storage> Core<S> {
         if self.streams.borrow().contains_key(&key) {
             return Ok(());
         }
-        let mut shards = Vec::with_capacity(meta.shards as usize);
-        let mut failures = Vec::new();
         // A stream's shard directories are made (and made durable) before
         // its metadata, so each one the metadata names must be there. One
         // that is not has lost its records: opening it would start it again
@@ -382,6 +390,7 @@ impl<S: Storage> Core<S> {
         // nothing of which shards are there: its shards are refused for
         // that reason, not reported lost.
         let present: Option<Result<Vec<String>, String>> = if self.shared.durable {
+            let _slot = self.opening.acquire_permit(1).await;
             let sdir = catalog::stream_dir(&self.data_dir(), &meta.name);
             Some(
                 self.storage
@@ -392,9 +401,13 @@ impl<S: Storage> Core<S> {
         } else {
             None
         };
+        // This core's shards open side by side (up to `OPEN_AT_ONCE` on the
+        // core, across streams too), and take their places in order.
+        let meta = Rc::new(meta);
+        let mut opening = Vec::with_capacity(meta.shards as usize);
         for s in 0..meta.shards {
             if placement(&meta.name, ShardId(s), self.shared.cores) != self.ctx.core {
-                shards.push(Slot::Elsewhere);
+                opening.push(Err(Slot::Elsewhere));
                 continue;
             }
             let dir = catalog::shard_dir(&self.data_dir(), &meta.name, s);
@@ -415,36 +428,29 @@ impl<S: Storage> Core<S> {
             };
             if let Some(why) = refused {
                 tracing::error!("shard cannot be opened and will refuse requests: {why}");
-                failures.push(why.clone());
-                shards.push(Slot::Failed(why));
+                opening.push(Err(Slot::Failed(why)));
                 continue;
             }
-            match Shard::open(self.clone(), &meta, s, &dir).await {
-                Ok(shard) => {
-                    let replicated = match self.replication.get() {
-                        Some(r) => r.add(&shard, dir.clone()).await,
-                        None => Ok(()),
-                    };
-                    match replicated {
-                        Ok(()) => shards.push(Slot::Open(shard)),
-                        Err(why) => {
-                            tracing::error!(
-                                "shard cannot be replicated and will refuse requests: {why}"
-                            );
-                            let _ = shard.log.close().await;
-                            failures.push(why.clone());
-                            shards.push(Slot::Failed(why));
-                        }
-                    }
-                }
-                Err(e) => {
-                    let why = format!("{}/{s}: {e}", meta.name);
-                    tracing::error!("shard cannot be opened and will refuse requests: {why}");
-                    failures.push(why.clone());
-                    shards.push(Slot::Failed(why));
-                }
-            }
+            let core = self.clone();
+            let meta = meta.clone();
+            opening.push(Ok(glommio::spawn_local(async move {
+                let _slot = core.opening.acquire_permit(1).await;
+                core.open_shard(&meta, s, dir).await
+            })));
         }
+        let mut shards = Vec::with_capacity(opening.len());
+        let mut failures = Vec::new();
+        for o in opening {
+            let slot = match o {
+                Ok(task) => task.await,
+                Err(slot) => slot,
+            };
+            if let Slot::Failed(why) = &slot {
+                failures.push(why.clone());
+            }
+            shards.push(slot);
+        }
+        let meta = Rc::unwrap_or_clone(meta);
         self.streams
             .borrow_mut()
             .insert(key, LocalStream { meta, shards });
@@ -452,6 +458,32 @@ impl<S: Storage> Core<S> {
             Ok(())
         } else {
             Err(summarize(&failures))
+        }
+    }
+
+    /// Open shard `s` of `meta` from `dir`, and join it to the cluster's
+    /// replication if there is one; a shard that cannot be either refuses
+    /// requests with the reason.
+    async fn open_shard(self: &Rc<Self>, meta: &StreamMeta, s: u32, dir: PathBuf) -> Slot<S> {
+        let shard = match Shard::open(self.clone(), meta, s, &dir).await {
+            Ok(shard) => shard,
+            Err(e) => {
+                let why = format!("{}/{s}: {e}", meta.name);
+                tracing::error!("shard cannot be opened and will refuse requests: {why}");
+                return Slot::Failed(why);
+            }
+        };
+        let replicated = match self.replication.get() {
+            Some(r) => r.add(&shard, dir).await,
+            None => Ok(()),
+        };
+        match replicated {
+            Ok(()) => Slot::Open(shard),
+            Err(why) => {
+                tracing::error!("shard cannot be replicated and will refuse requests: {why}");
+                let _ = shard.log.close().await;
+                Slot::Failed(why)
+            }
         }
     }
 

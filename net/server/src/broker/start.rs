@@ -429,15 +429,24 @@ async fn core_main<S: Storage>(
         eprintln!("felix: core {}: {e}", core.core_id());
         std::process::exit(1);
     }
-    for meta in metas.iter() {
-        if let Err(e) = core.open_stream_only(meta.clone()).await {
-            // The failed shards refuse requests with the reason; everything
-            // else is served.
-            eprintln!(
-                "felix: WARNING: shards of {} could not be opened: {e}",
-                meta.name
-            );
-        }
+    // Every stream at once: its shards share the core's opening slots.
+    let opening: Vec<_> = metas
+        .iter()
+        .map(|meta| {
+            let core = core.clone();
+            let meta = meta.clone();
+            glommio::spawn_local(async move {
+                let name = meta.name.clone();
+                if let Err(e) = core.open_stream_only(meta).await {
+                    // The failed shards refuse requests with the reason;
+                    // everything else is served.
+                    eprintln!("felix: WARNING: shards of {name} could not be opened: {e}");
+                }
+            })
+        })
+        .collect();
+    for o in opening {
+        o.await;
     }
     core.share_caches();
     set_stage(&shared, core.core_id(), 2);
