@@ -708,24 +708,22 @@ async fn an_unfinished_frame_is_counted_and_cut_off() {
     drop(trickler);
 }
 
-/// A decoded request can take many times its frame: a publish of records
-/// each carrying 1,024 empty headers about eleven times. A connection that
-/// holds nothing goes ahead with one request past the core's budget, but
-/// the requests let through that way share an overdraft of a quarter of
-/// the budget: while they hold it, such connections wait for one of them
-/// to finish, instead of each adding its decoded request to what the core
-/// holds. Every publish is still served.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn requests_past_the_core_budget_share_a_bounded_overdraft() {
-    const BUDGET: u64 = 32 << 20;
-    const PINNING: u64 = 2;
-    const PUBLISHERS: u64 = 32;
+/// The budget of the overdraft tests: small, so that a few publishes of
+/// header-heavy records cross it.
+const OVERDRAFT_BUDGET: u64 = 32 << 20;
+/// Connections that keep the budget full (see [`broker_at_its_budget`]).
+const PINNING: u64 = 2;
+
+/// A one-core broker with a budget of [`OVERDRAFT_BUDGET`] and stream
+/// `t/ns/big`, filled to its budget by [`PINNING`] clients that ask for
+/// far more than they read: their answers fill it, and their later reads
+/// stay in flight waiting for room. Returns the broker, its client and the
+/// pinning connections (keep them open).
+async fn broker_at_its_budget() -> (felix_tests::Broker, Client, Vec<impl Sized>) {
     let b = felix_tests::start_broker!(BrokerOptions::default()
         .cores(1)
-        .env("FELIX_MAX_BUFFERED_BYTES_PER_CORE", BUDGET));
-    let _c = big_stream(&b, 8).await;
-    // Clients that ask for far more than they read: their answers fill the
-    // budget, and their later reads stay in flight waiting for room.
+        .env("FELIX_MAX_BUFFERED_BYTES_PER_CORE", OVERDRAFT_BUDGET));
+    let c = big_stream(&b, 8).await;
     let mut pinning = Vec::new();
     for i in 0..PINNING {
         let (rd, mut wr) = raw_connection(&b.addr, &format!("pins-{i}")).await;
@@ -733,17 +731,50 @@ async fn requests_past_the_core_budget_share_a_bounded_overdraft() {
         pinning.push((rd, wr));
     }
     felix_tests::wait_until(Duration::from_secs(10), || {
-        b.metric("felix_core_buffered_bytes") >= BUDGET as f64
+        b.metric("felix_core_buffered_bytes") >= OVERDRAFT_BUDGET as f64
     })
     .expect("the budget filled");
-    // Publishers of about 1 MiB frames that decode to about 11 MiB.
-    let records: Vec<RecordIn> = (0..170)
+    (b, c, pinning)
+}
+
+/// 170 records of 1,024 empty headers each: a publish frame of about
+/// 1 MiB that decodes to about 11 MiB.
+fn header_heavy_records() -> Vec<RecordIn> {
+    (0..170)
         .map(|_| RecordIn {
             headers: vec![(String::new(), bytes::Bytes::new()); 1024],
             payload: bytes::Bytes::from_static(b"x"),
             ..Default::default()
         })
-        .collect();
+        .collect()
+}
+
+/// The most the core held stays within the budget, the answer each pinning
+/// connection took past it, the overdraft and the one decoded publish that
+/// crossed it.
+fn assert_overdraft_held(b: &felix_tests::Broker) {
+    let peak = b.metric("felix_core_buffered_bytes_peak") as u64;
+    let bound = OVERDRAFT_BUDGET + OVERDRAFT_BUDGET / 4 + PINNING * (5 << 20) + (16 << 20);
+    assert!(
+        peak <= bound,
+        "the core held {} MiB (bound {} MiB)",
+        peak >> 20,
+        bound >> 20
+    );
+}
+
+/// A decoded request can take many times its frame: a publish of records
+/// each carrying 1,024 empty headers about eleven times. A connection that
+/// holds nothing goes ahead with one request past the core's budget, but
+/// the requests let through that way share an overdraft of a quarter of
+/// the budget: while they hold it, such connections wait for one of them
+/// to finish, instead of each adding its decoded request to what the core
+/// holds (without that bound, 96 MiB here). Every publish is still served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_past_the_core_budget_share_a_bounded_overdraft() {
+    const PUBLISHERS: u64 = 32;
+    let (b, _c, _pinning) = broker_at_its_budget().await;
+    let records = header_heavy_records();
     let mut sends = Vec::new();
     for _ in 0..PUBLISHERS {
         let c = Client::connect(b.addr.as_str(), ClientConfig::default())
@@ -754,25 +785,13 @@ async fn requests_past_the_core_budget_share_a_bounded_overdraft() {
             c.publish_batch("t", "ns", "big", 0, records).await
         }));
     }
-    // Every publish is served, one overdraft at a time.
+    // Every publish is served, one overdraft at a time (the other
+    // publishers' frames wait in their sockets).
     for s in sends {
         let p = s.await.unwrap().expect("the publish was served");
         assert_eq!(p.count, 170);
     }
-    // The budget, the answer each pinning connection took past it, the
-    // overdraft and the decoded publish that crossed it (the other
-    // publishers' frames wait in their sockets). Without the overdraft's
-    // bound each publisher that found the core at its budget went ahead and
-    // added its decoded publish (96 MiB here).
-    let peak = b.metric("felix_core_buffered_bytes_peak") as u64;
-    let bound = BUDGET + BUDGET / 4 + PINNING * (5 << 20) + (16 << 20);
-    assert!(
-        peak <= bound,
-        "the core held {} MiB (bound {} MiB)",
-        peak >> 20,
-        bound >> 20
-    );
-    drop(pinning);
+    assert_overdraft_held(&b);
 }
 
 /// Frames begun past the budget by connections holding nothing are let in
@@ -785,23 +804,8 @@ async fn requests_past_the_core_budget_share_a_bounded_overdraft() {
 /// once held eight decoded publishes (about 120 MiB here). All are served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn whole_frames_on_the_overdraft_are_decoded_one_at_a_time() {
-    const BUDGET: u64 = 32 << 20;
-    const PINNING: u64 = 2;
     const PUBLISHERS: usize = 12;
-    let b = felix_tests::start_broker!(BrokerOptions::default()
-        .cores(1)
-        .env("FELIX_MAX_BUFFERED_BYTES_PER_CORE", BUDGET));
-    let _c = big_stream(&b, 8).await;
-    let mut pinning = Vec::new();
-    for i in 0..PINNING {
-        let (rd, mut wr) = raw_connection(&b.addr, &format!("pins-{i}")).await;
-        wr.write_all(&big_reads(200)).await.unwrap();
-        pinning.push((rd, wr));
-    }
-    felix_tests::wait_until(Duration::from_secs(10), || {
-        b.metric("felix_core_buffered_bytes") >= BUDGET as f64
-    })
-    .expect("the budget filled");
+    let (b, _c, _pinning) = broker_at_its_budget().await;
     let mut frame = bytes::BytesMut::new();
     felix_wire::encode_request(
         1,
@@ -809,13 +813,7 @@ async fn whole_frames_on_the_overdraft_are_decoded_one_at_a_time() {
             stream: stream_ref("big"),
             target: felix_wire::PublishTarget::Shard(0),
             ack: felix_wire::AckMode::Default,
-            records: (0..170)
-                .map(|_| felix_wire::RecordIn {
-                    headers: vec![(String::new(), bytes::Bytes::new()); 1024],
-                    payload: bytes::Bytes::from_static(b"x"),
-                    ..Default::default()
-                })
-                .collect(),
+            records: header_heavy_records(),
         },
         &mut frame,
     );
@@ -828,7 +826,7 @@ async fn whole_frames_on_the_overdraft_are_decoded_one_at_a_time() {
     }
     // Eight frames are let in on the overdraft (a quarter of the budget)
     // and arrive all but whole; the other four wait unread.
-    let eight = BUDGET + 8 * (frame.len() as u64 - 4096);
+    let eight = OVERDRAFT_BUDGET + 8 * (frame.len() as u64 - 4096);
     felix_tests::wait_until(Duration::from_secs(10), || {
         b.metric("felix_core_buffered_bytes") >= eight as f64
     })
@@ -847,15 +845,7 @@ async fn whole_frames_on_the_overdraft_are_decoded_one_at_a_time() {
     for a in answers {
         a.await.unwrap();
     }
-    let peak = b.metric("felix_core_buffered_bytes_peak") as u64;
-    let bound = BUDGET + BUDGET / 4 + PINNING * (5 << 20) + (16 << 20);
-    assert!(
-        peak <= bound,
-        "the core held {} MiB (bound {} MiB)",
-        peak >> 20,
-        bound >> 20
-    );
-    drop(pinning);
+    assert_overdraft_held(&b);
 }
 
 /// Frames begun count whole against the core's budget, and are admitted
