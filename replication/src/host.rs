@@ -442,24 +442,28 @@ impl Host {
                 "group {group} already has a replica here"
             )));
         }
-        let replica = match (&inner.storage, dir) {
+        let (replica, disk) = match (&inner.storage, dir) {
             (Some(storage), Some(dir)) => {
                 let (replica, disk) =
                     open_group(storage, &inner.config, &dir, group, voters).await?;
-                inner.added.borrow_mut().push((group, disk));
-                replica
+                (replica, Some(disk))
             }
             _ => {
                 let mut rc = inner.config.replica.clone();
                 rc.id = inner.config.id;
                 rc.async_persist = false;
-                Replica::open(rc, ReplicaLog::new(voters))?
+                (Replica::open(rc, ReplicaLog::new(voters))?, None)
             }
         };
+        // Opening waited on the disk: the group may have been added
+        // meanwhile. Only the first one's journal goes to the persister.
         if inner.replicas.borrow().contains_key(&group) {
             return Err(ReplicationError::Refused(format!(
                 "group {group} was added twice at once"
             )));
+        }
+        if let Some(disk) = disk {
+            inner.added.borrow_mut().push((group, disk));
         }
         inner.replicas.borrow_mut().insert(group, replica);
         inner.kick();

@@ -848,6 +848,94 @@ async fn whole_frames_on_the_overdraft_are_decoded_one_at_a_time() {
     assert_overdraft_held(&b);
 }
 
+/// A frame let in while the budget had room is read on until it is whole,
+/// and then waits like any frame of its connection: twelve connections,
+/// each with a long-polling read in flight, begin header-heavy publishes
+/// while there is room; then clients that read nothing fill the budget and
+/// the publishes finish arriving. None is decoded while the core is at its
+/// budget (decoding them all held about 150 MiB here); once the clients
+/// filling it go, they are decoded as room allows, every one is stored, and
+/// the waiting reads see them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_whole_frame_waits_for_the_budget_like_any_other() {
+    const BUSY: usize = 12;
+    let b = felix_tests::start_broker!(BrokerOptions::default()
+        .cores(1)
+        .env("FELIX_MAX_BUFFERED_BYTES_PER_CORE", OVERDRAFT_BUDGET));
+    let _c = big_stream(&b, 8).await;
+    let mut frame = bytes::BytesMut::new();
+    felix_wire::encode_request(
+        2,
+        &Request::Publish {
+            stream: stream_ref("big"),
+            target: felix_wire::PublishTarget::Shard(0),
+            ack: felix_wire::AckMode::Default,
+            records: header_heavy_records(),
+        },
+        &mut frame,
+    );
+    let (most, last) = frame.split_at(frame.len() - 1);
+    let mut busy = Vec::new();
+    for i in 0..BUSY {
+        let (rd, mut wr) = raw_connection(&b.addr, &format!("busy-{i}")).await;
+        let mut poll = bytes::BytesMut::new();
+        felix_wire::encode_request(
+            1,
+            &Request::Read {
+                stream: stream_ref("big"),
+                shard: 0,
+                from: StartPosition::Offset(8 * 16),
+                max_records: 10,
+                max_bytes: 64 << 10,
+                wait_ms: 25_000,
+            },
+            &mut poll,
+        );
+        wr.write_all(&poll).await.unwrap();
+        wr.write_all(most).await.unwrap();
+        busy.push((rd, wr));
+    }
+    // The publishes were let in (room for them) and wait for their last
+    // byte; then the budget fills.
+    let begun = BUSY as u64 * (frame.len() as u64 - 4096);
+    felix_tests::wait_until(Duration::from_secs(10), || {
+        b.metric("felix_core_buffered_bytes") >= begun as f64
+    })
+    .expect("the frames were let in");
+    let mut pinning = Vec::new();
+    for i in 0..PINNING {
+        let (rd, mut wr) = raw_connection(&b.addr, &format!("pins-{i}")).await;
+        wr.write_all(&big_reads(200)).await.unwrap();
+        pinning.push((rd, wr));
+    }
+    felix_tests::wait_until(Duration::from_secs(10), || {
+        b.metric("felix_core_buffered_bytes") >= OVERDRAFT_BUDGET as f64
+    })
+    .expect("the budget filled");
+    for (_, wr) in &mut busy {
+        wr.write_all(last).await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_overdraft_held(&b);
+    drop(pinning);
+    let mut answers = Vec::new();
+    for (rd, wr) in busy {
+        answers.push(tokio::spawn(async move {
+            drain_answers(rd, 3, |r| match r {
+                Response::Published { count, .. } => *count == 170,
+                Response::Records { records, .. } => !records.is_empty(),
+                _ => false,
+            })
+            .await;
+            wr
+        }));
+    }
+    for a in answers {
+        a.await.unwrap();
+    }
+    assert_overdraft_held(&b);
+}
+
 /// Frames begun count whole against the core's budget, and are admitted
 /// only while it (or, for a connection holding nothing, the overdraft) has
 /// room: twelve connections that each send most of a 15 MiB frame and

@@ -50,7 +50,9 @@ pub trait Storage: Clone + 'static {
     async fn remove_file(&self, path: &Path) -> io::Result<()>;
     async fn remove_dir_all(&self, path: &Path) -> io::Result<()>;
     /// Replace a small file atomically and durably (write a temporary, sync,
-    /// rename over, sync the directory). For metadata, not for logs.
+    /// rename over, sync the directory). For metadata, not for logs. Two
+    /// writes of one path must not run at once (the temporary is named
+    /// after the path, and blocking operations run on several threads).
     async fn write_file_atomic(&self, path: &Path, data: &[u8]) -> io::Result<()>;
     /// Whole contents of a small file (marks, metadata: a real disk refuses
     /// one over 1 MiB), or `None` if it does not exist.

@@ -400,16 +400,13 @@ pub(crate) async fn serve<S: Storage>(
     // trickling it.
     let frame_time = Duration::from_millis(core.shared.config.write_timeout_ms);
     let mut frame_by: Option<std::time::Instant> = None;
-    let over_limits = |info: &ConnInfo, outbox: &Outbox| {
+    // What stops the connection decoding the frames it holds and reading
+    // more: its own limits, or the core's budget.
+    let waits = |info: &ConnInfo, outbox: &Outbox, rbuf: &BytesMut| {
         info.in_flight.get() >= max_requests
             || info.in_flight_bytes.get() >= max_request_bytes
             || outbox.unsent() >= max_pending
-            || intake.budget_bound(info, outbox)
-    };
-    // What stops the connection decoding the frames it holds (and reading
-    // more): its own limits, or the core's budget.
-    let waits = |info: &ConnInfo, outbox: &Outbox, rbuf: &BytesMut| {
-        over_limits(info, outbox) || intake.overdraft_bound(info, outbox, rbuf)
+            || intake.budget_bound(info, outbox, rbuf)
     };
     // A connection has this long to say HELLO (however slowly its bytes
     // trickle in), so idle sockets cannot hold connection places.
@@ -537,14 +534,14 @@ pub(crate) async fn serve<S: Storage>(
         // Backpressure: stop reading a connection that has too many requests
         // (or request bytes) in flight or too many unsent response bytes, or
         // while the core is at its budget, until that drains.
-        if intake.held_by_budget(&info, &outbox, &rbuf) {
+        if intake.budget_bound(&info, &outbox, &rbuf) {
             core.budget.count_wait();
         }
         let stalled = waits(&info, &outbox, &rbuf);
         while waits(&info, &outbox, &rbuf) && !outbox.closed.get() {
             let drained = outbox.drained.wait();
             let finished = core.lifecycle.wait();
-            if intake.held_by_budget(&info, &outbox, &rbuf) {
+            if intake.budget_bound(&info, &outbox, &rbuf) {
                 // Only connections the budget holds listen for it: a release
                 // wakes every listener.
                 let freed = core.budget.wait_freed();

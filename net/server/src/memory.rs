@@ -26,10 +26,11 @@
 //! several times its frame (a publish of records with many empty headers
 //! about eleven times), so without that bound ten thousand connections with
 //! one request each could hold far more than the machine has. The bound is
-//! kept where a request takes its size: a whole frame is decoded on the
-//! overdraft only while the overdraft, leaving out that frame itself, is
-//! not taken (frames let in on it while it was free would otherwise each
-//! become a request eleven times their size). The memory a core holds is
+//! kept where a request takes its size: at the budget, a whole frame is
+//! decoded only by a connection holding nothing, and only while the
+//! overdraft, leaving out that frame itself, is not taken (frames let in
+//! while there was room would otherwise each become a request eleven times
+//! their size). The memory a core holds is
 //! therefore at most the budget and the request that crossed it, one
 //! answer per connection, and the overdraft plus the request or frame that
 //! crossed it.
@@ -38,9 +39,11 @@
 //! same way: the broker reads past a frame's header only once the budget
 //! has room for the whole frame, or, for a connection holding nothing,
 //! while the overdraft is not taken (the frame then counts in it until it
-//! is whole). An admitted frame is never held back by the budget (its
-//! connection reads on until the frame is whole or its time is up), so the
-//! frames begun cannot deadlock the core, and connections that begin large
+//! is whole). An admitted frame is never held back by the budget while it
+//! arrives (its connection reads on until the frame is whole or its time is
+//! up), so the frames begun cannot deadlock the core; whole, it is decoded
+//! only when any frame of that connection would be (decoding can build
+//! several times the frame). Connections that begin large
 //! frames and stall hold no more than the budget and the overdraft, however
 //! many they are; what a connection read before its frame was admitted (a
 //! read, at most 1 MiB) counts but is not held to the budget. The price is

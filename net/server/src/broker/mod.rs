@@ -377,6 +377,8 @@ impl<S: Storage> Core<S> {
 
     /// Open a stream's shards, leaving the read-cache budget as it is: at
     /// start-up the budget is shared once, after every stream is open.
+    /// Not to be cancelled: the shards open in tasks of their own, and one
+    /// opened but not taken into the stream would run on unclosed.
     pub async fn open_stream_only(self: &Rc<Self>, meta: StreamMeta) -> Result<(), String> {
         let key = to_ref(&meta.name);
         if self.streams.borrow().contains_key(&key) {

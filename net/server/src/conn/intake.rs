@@ -7,11 +7,12 @@
 //! admitted before the broker reads past its header: when the budget has
 //! room for all of it, or, for a connection holding nothing, on the
 //! overdraft while that is not taken; it otherwise waits, unread, for room.
-//! Admitted, it counts whole and does not hold its connection back: the
-//! connection reads on until the frame is whole (within its frame time), so
-//! the core cannot deadlock on frames it will not finish reading, and
-//! however many connections begin large frames and stall, what they hold
-//! stays within the budget and the overdraft.
+//! Admitted, it counts whole and does not hold its connection back while it
+//! arrives: the connection reads on until the frame is whole (within its
+//! frame time), so the core cannot deadlock on frames it will not finish
+//! reading, and however many connections begin large frames and stall, what
+//! they hold stays within the budget and the overdraft. Whole, it waits to
+//! be decoded like any other frame of its connection.
 
 use super::{ConnInfo, Outbox};
 use crate::broker::Core;
@@ -87,50 +88,24 @@ impl<'c, S: Storage> Intake<'c, S> {
         self.frame_taken();
     }
 
-    /// Whether the core's budget stops this connection from reading: at
-    /// the budget, a connection that holds something (a request in flight
-    /// or an unsent answer) waits for room; one that holds nothing still
-    /// goes ahead with one request, unless the requests let through that
-    /// way already hold the overdraft. A frame admitted is read on.
-    pub(super) fn budget_bound(&self, info: &ConnInfo, outbox: &Outbox) -> bool {
+    /// Whether the core's budget stops this connection from reading, and
+    /// from decoding the frames it holds: at the budget, a connection that
+    /// holds something (a request in flight or an unsent answer) waits for
+    /// room; one that holds nothing still goes ahead with one request,
+    /// unless the requests let through that way already hold the overdraft
+    /// (leaving out its own frame, if that was let in on it). A frame
+    /// admitted is read on until it is whole, and then waits like any
+    /// other: decoding can build several times the frame.
+    pub(super) fn budget_bound(&self, info: &ConnInfo, outbox: &Outbox, rbuf: &BytesMut) -> bool {
+        let (arriving, own) = match self.admitted.get() {
+            Some((n, on_overdraft)) => (n > rbuf.len(), if on_overdraft { n } else { 0 }),
+            None => (false, 0),
+        };
         self.core.budget.full()
-            && self.admitted.get().is_none()
+            && !arriving
             && (info.in_flight.get() > 0
                 || outbox.unsent() > 0
-                || (self.said_hello() && self.core.budget.overdrawn()))
-    }
-
-    /// Whether a whole frame in the buffer waits to be decoded: on the
-    /// overdraft (the core at its budget, the connection holding nothing)
-    /// a frame is decoded only while the overdraft, apart from the frame
-    /// itself if it was let in on it, is not taken. Decoding can build
-    /// several times the frame (see `memory`), and the request then counts
-    /// in the overdraft at its decoded size until it is done, so the
-    /// overdraft holds at most a quarter of the budget and the one request
-    /// or frame that crossed it, however many connections hold whole
-    /// frames. Frames still arriving are never held here.
-    pub(super) fn overdraft_bound(
-        &self,
-        info: &ConnInfo,
-        outbox: &Outbox,
-        rbuf: &BytesMut,
-    ) -> bool {
-        let own = match self.admitted.get() {
-            Some((n, true)) => n,
-            _ => 0,
-        };
-        self.said_hello()
-            && self.core.budget.full()
-            && info.in_flight.get() == 0
-            && outbox.unsent() == 0
-            && felix_wire::peek_header(rbuf).is_some_and(|h| h.frame_bytes() <= rbuf.len())
-            && self.core.budget.overdrawn_without(own)
-    }
-
-    /// Whether the budget holds the connection back, from reading or from
-    /// decoding what it has.
-    pub(super) fn held_by_budget(&self, info: &ConnInfo, outbox: &Outbox, rbuf: &BytesMut) -> bool {
-        self.budget_bound(info, outbox) || self.overdraft_bound(info, outbox, rbuf)
+                || (self.said_hello() && self.core.budget.overdrawn_without(own)))
     }
 
     /// Admit the frame the buffer begins, if it is not whole yet and not
