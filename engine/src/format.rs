@@ -173,6 +173,13 @@ impl Record {
                 .sum::<usize>()
             + self.payload.len()
     }
+
+    /// Bytes the record holds in memory: what it carries, and the table of
+    /// its headers (a record of many small headers holds several times what
+    /// it carries: each takes a name and a value handle).
+    pub fn memory_bytes(&self) -> usize {
+        self.size_bytes() + self.headers.capacity() * std::mem::size_of::<(String, Bytes)>()
+    }
 }
 
 /// Why bytes are not a valid batch.
@@ -553,7 +560,9 @@ pub fn for_each_record_from(
             }
             Some(rec.split_to(key_len as usize))
         };
-        let mut headers = Vec::with_capacity(header_count.min(64) as usize);
+        // Each header takes at least six bytes (its two lengths): a count
+        // the record's bytes cannot hold allocates no more than they can.
+        let mut headers = Vec::with_capacity((header_count as usize).min(rec.remaining() / 6));
         for _ in 0..header_count {
             if rec.remaining() < 2 {
                 return Err(FrameError::Body("header name length"));

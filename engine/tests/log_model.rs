@@ -80,11 +80,14 @@ fn record(p: Bytes, rng: &mut SmallRng) -> RecordIn {
 
 /// Bytes a record carries as the read's byte cap counts them: key, header
 /// names and values, payload.
-fn carried(r: &RecordIn) -> usize {
+/// What a record appended as `r` holds once read back
+/// ([`felix_engine::format::Record::memory_bytes`]): what it carries (key,
+/// header names and values, payload) and the table of its headers.
+fn held(r: &RecordIn) -> usize {
     r.key.as_ref().map_or(0, |k| k.len())
         + r.headers
             .iter()
-            .map(|(n, v)| n.len() + v.len())
+            .map(|(n, v)| n.len() + v.len() + std::mem::size_of::<(String, Bytes)>())
             .sum::<usize>()
         + r.payload.len()
 }
@@ -144,12 +147,12 @@ fn random_limits(rng: &mut SmallRng) -> ReadLimits {
 
 /// Check one read from `at` within `limits` against the model (`model`:
 /// offset and payload of every record appended, in order; `sizes`: the
-/// bytes each carries, key and headers included). The read's contract:
+/// bytes each holds once read, key and headers included). The read's contract:
 ///
 /// * it starts at `at`, or at the log's start if `at` is below it, and
 ///   returns exactly the records from there up to `next`, none skipped;
 /// * at most `max_records` of them;
-/// * their bytes (key, headers, payload) stay within `max_bytes`, except
+/// * their bytes (key, headers and their table, payload) stay within `max_bytes`, except
 ///   that the first record is returned whatever its size (so a reader is
 ///   never stuck before a large record);
 /// * it stops short of `max_records` with visible records left only when
@@ -176,8 +179,8 @@ fn check_read(
         "{ctx}: {} records",
         r.records.len()
     );
-    let carried: usize = r.records.iter().map(|x| x.size_bytes()).sum();
-    assert_eq!(r.bytes, carried, "{ctx}: the bytes reported");
+    let held: usize = r.records.iter().map(|x| x.memory_bytes()).sum();
+    assert_eq!(r.bytes, held, "{ctx}: the bytes reported");
     if r.records.len() > 1 {
         assert!(
             r.bytes <= limits.max_bytes,
@@ -200,7 +203,7 @@ fn check_read(
         r.next
     );
     for rec in &r.records {
-        assert_eq!(rec.size_bytes(), sizes[&rec.offset.0], "{ctx}: {rec:?}");
+        assert_eq!(rec.memory_bytes(), sizes[&rec.offset.0], "{ctx}: {rec:?}");
     }
     let left = model[hi.max(lo)..].first().filter(|(o, _)| *o < end.0);
     let byte_capped =
@@ -335,7 +338,7 @@ fn log_matches_model_under_random_operations() {
                         assert_eq!(a.base.0, base);
                         for (i, r) in recs.iter().enumerate() {
                             model.push((base + i as u64, r.payload.clone()));
-                            sizes.insert(base + i as u64, carried(r));
+                            sizes.insert(base + i as u64, held(r));
                         }
                         if rng.gen_bool(0.1) {
                             log.append_group(b"group-entry").unwrap();
@@ -356,7 +359,7 @@ fn log_matches_model_under_random_operations() {
                             let r = record(payload(base, &mut rng), &mut rng);
                             log.append(std::slice::from_ref(&r)).unwrap();
                             model.push((base, r.payload.clone()));
-                            sizes.insert(base, carried(&r));
+                            sizes.insert(base, held(&r));
                         }
                         if first.is_none() {
                             if rng.gen_bool(0.5) {
@@ -865,8 +868,8 @@ async fn read_16_checked(log: &ShardLog<SimStorage>, at: Offset) -> Offset {
         max_bytes: usize::MAX,
     };
     let r = log.read(at, limits).await.unwrap();
-    let carried: usize = r.records.iter().map(|x| x.size_bytes()).sum();
-    assert_eq!(r.bytes, carried, "the read reports the bytes it returns");
+    let held: usize = r.records.iter().map(|x| x.memory_bytes()).sum();
+    assert_eq!(r.bytes, held, "the read reports the bytes it returns");
     for (j, rec) in r.records.iter().enumerate() {
         assert_eq!(rec.offset, at.plus(j as u64));
         assert_eq!(rec.payload, vec![(rec.offset.0 % 251) as u8; 100]);
@@ -1522,12 +1525,14 @@ fn a_flush_dropped_in_flight_stops_the_shard() {
 }
 
 /// The read caps, from the tail cache and from disk alike: `max_records`
-/// bounds the count; `max_bytes` counts key, header names and values and
-/// payload, and is never crossed except by the first record, which is
+/// bounds the count; `max_bytes` counts what records hold (key, header
+/// names, values and entries, payload), and is never crossed except by the
+/// first record, which is
 /// returned whatever its size (a reader is never stuck before it).
 #[test]
 fn reads_honour_the_record_and_byte_caps() {
-    // 10 + 11 + 100 = 121 bytes each, then one of 5,000 and 3 more of 121.
+    // 10 + 11 + 100 = 121 bytes carried each (and a header's entry), then
+    // one of 5,000 and 3 more small ones.
     let small = |i: u8| RecordIn {
         key: Some(Bytes::from(vec![b'k'; 10])),
         headers: vec![("h".into(), Bytes::from(vec![b'v'; 10]))],
@@ -1570,22 +1575,44 @@ fn reads_honour_the_record_and_byte_caps() {
                 }
             };
             let ctx = format!("cache {read_cache_bytes}");
+            // A small record holds its 121 bytes and its one header's entry.
+            let one = 121 + std::mem::size_of::<(String, Bytes)>();
             assert_eq!(
                 read(0, 3, usize::MAX).await,
-                (vec![0, 1, 2], 363, 3),
+                (vec![0, 1, 2], 3 * one, 3),
                 "{ctx}"
             );
-            assert_eq!(read(0, 100, 363).await, (vec![0, 1, 2], 363, 3), "{ctx}");
-            assert_eq!(read(0, 100, 362).await, (vec![0, 1], 242, 2), "{ctx}");
-            assert_eq!(read(0, 100, 0).await, (vec![0], 121, 1), "{ctx}");
-            assert_eq!(read(1, 100, 1).await, (vec![1], 121, 2), "{ctx}");
+            assert_eq!(
+                read(0, 100, 3 * one).await,
+                (vec![0, 1, 2], 3 * one, 3),
+                "{ctx}"
+            );
+            assert_eq!(
+                read(0, 100, 3 * one - 1).await,
+                (vec![0, 1], 2 * one, 2),
+                "{ctx}"
+            );
+            assert_eq!(read(0, 100, 0).await, (vec![0], one, 1), "{ctx}");
+            assert_eq!(read(1, 100, 1).await, (vec![1], one, 2), "{ctx}");
             // The large record: alone when it crosses the cap, first or not.
             assert_eq!(read(5, 100, 100).await, (vec![5], 5000, 6), "{ctx}");
-            assert_eq!(read(4, 100, 5000).await, (vec![4], 121, 5), "{ctx}");
-            assert_eq!(read(4, 100, 5121).await, (vec![4, 5], 5121, 6), "{ctx}");
+            assert_eq!(read(4, 100, 5000).await, (vec![4], one, 5), "{ctx}");
+            assert_eq!(
+                read(4, 100, 5000 + one).await,
+                (vec![4, 5], 5000 + one, 6),
+                "{ctx}"
+            );
             // Within one batch of three.
-            assert_eq!(read(6, 2, usize::MAX).await, (vec![6, 7], 242, 8), "{ctx}");
-            assert_eq!(read(6, 100, 300).await, (vec![6, 7], 242, 8), "{ctx}");
+            assert_eq!(
+                read(6, 2, usize::MAX).await,
+                (vec![6, 7], 2 * one, 8),
+                "{ctx}"
+            );
+            assert_eq!(
+                read(6, 100, 2 * one + 10).await,
+                (vec![6, 7], 2 * one, 8),
+                "{ctx}"
+            );
             assert_eq!(read(0, 0, usize::MAX).await, (vec![], 0, 0), "{ctx}");
         });
     }

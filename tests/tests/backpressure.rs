@@ -936,6 +936,60 @@ async fn a_whole_frame_waits_for_the_budget_like_any_other() {
     assert_overdraft_held(&b);
 }
 
+/// A read or poll is capped by what its records hold in the broker's
+/// memory, not only by what they carry: a record of 1,024 empty headers
+/// carries one byte but holds a table entry for each header. Reads of 510
+/// such records come back a few dozen at a time, within the 4 MiB cap
+/// (one read held about 50 MiB when only the bytes carried counted), and
+/// together return every record; a poll is capped the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_and_polls_are_capped_by_what_records_hold() {
+    let b = felix_tests::start_broker!(BrokerOptions::default().cores(1));
+    let c = Client::connect(b.addr.as_str(), ClientConfig::default())
+        .await
+        .unwrap();
+    c.create_stream("t", "ns", "heavy", 1, StreamOptions::default())
+        .await
+        .unwrap();
+    for _ in 0..3 {
+        c.publish_batch("t", "ns", "heavy", 0, header_heavy_records())
+            .await
+            .unwrap();
+    }
+    let held = 1 + 1024 * std::mem::size_of::<(String, bytes::Bytes)>();
+    // `limits.max_bytes_per_read`, and the record that may cross it.
+    let most = (4 << 20) / held + 1;
+    let mut from = StartPosition::Earliest;
+    let mut read = 0;
+    loop {
+        let r = c
+            .read("t", "ns", "heavy", 0, from, 1000, None)
+            .await
+            .unwrap();
+        if r.records.is_empty() {
+            break;
+        }
+        assert!(
+            r.records.len() <= most,
+            "a read returned {} records holding {} bytes each",
+            r.records.len(),
+            held
+        );
+        read += r.records.len();
+        from = StartPosition::Offset(r.next_offset);
+    }
+    assert_eq!(read, 510);
+    let polled = c
+        .group_poll("t", "ns", "heavy", 0, "g", 1000)
+        .await
+        .unwrap();
+    assert!(
+        !polled.is_empty() && polled.len() <= most,
+        "a poll claimed {} records",
+        polled.len()
+    );
+}
+
 /// Frames begun count whole against the core's budget, and are admitted
 /// only while it (or, for a connection holding nothing, the overdraft) has
 /// room: twelve connections that each send most of a 15 MiB frame and

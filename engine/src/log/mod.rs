@@ -358,8 +358,8 @@ pub struct ReadResult {
     pub start: Offset,
     /// The visible (durable) end.
     pub end: Offset,
-    /// Bytes the records carry (key, headers, payload), as the byte cap
-    /// counted them.
+    /// Bytes the records hold in memory ([`crate::format::Record::memory_bytes`]),
+    /// as the byte cap counted them.
     pub bytes: usize,
 }
 

@@ -614,11 +614,12 @@ fn take_batch(
             let hint = hints.borrow().find(h.base_offset, from);
             let start = hint.map(|(_, p)| p);
             let stopped = format::for_each_record_from(batch, h, from, start, |r| {
-                // The byte cap counts everything a record carries (key,
-                // headers, payload) and is never crossed, except by the
-                // first record, so a response stays within the cap plus one
-                // record however large keys or headers are.
-                let size = r.size_bytes();
+                // The byte cap counts what a record holds in memory
+                // (everything it carries, and the table of its headers) and
+                // is never crossed, except by the first record, so a read
+                // holds at most the cap plus one record however large, or
+                // many, keys and headers are.
+                let size = r.memory_bytes();
                 if out.records.len() >= limits.max_records
                     || (!out.records.is_empty() && *bytes + size > limits.max_bytes)
                 {

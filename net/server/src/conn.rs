@@ -1568,12 +1568,12 @@ async fn read<S: Storage>(
         Ok(mut r) => {
             if let Some(next) = fit_in_frame(&mut r.records, frame_room, |r| answer_size(r, None)) {
                 r.next = next;
-                r.bytes = r.records.iter().map(|r| r.size_bytes()).sum();
             }
             let m = &core.metrics;
             m.read_records
                 .set(m.read_records.get() + r.records.len() as u64);
-            m.read_bytes.set(m.read_bytes.get() + r.bytes as u64);
+            let carried: usize = r.records.iter().map(|r| r.size_bytes()).sum();
+            m.read_bytes.set(m.read_bytes.get() + carried as u64);
             Response::Records {
                 start_offset: r.start.0,
                 next_offset: r.next.0,

@@ -998,7 +998,10 @@ async fn read_offsets<S: Storage>(
                 // (`skipped_before` counted whether or not it is sent.)
                 let size = answer_size(&rec, Some(true));
                 let sendable = size <= frame_room;
-                if sendable && !out.offsets.is_empty() && size > budget {
+                // The budget is memory: the answer, and while it is built
+                // the record's table of headers.
+                let held = size + (rec.memory_bytes() - rec.size_bytes());
+                if sendable && !out.offsets.is_empty() && held > budget {
                     // Not loaded, and nothing from it on is settled.
                     budget = 0;
                     cut = true;
@@ -1029,7 +1032,7 @@ async fn read_offsets<S: Storage>(
                     out.unsendable.push((rec.offset, why));
                     continue;
                 }
-                budget = budget.saturating_sub(size);
+                budget = budget.saturating_sub(held);
                 out.insert(rec);
             }
             if expect < reached && !cut {
