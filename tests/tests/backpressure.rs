@@ -936,6 +936,74 @@ async fn a_whole_frame_waits_for_the_budget_like_any_other() {
     assert_overdraft_held(&b);
 }
 
+/// Clients that begin large frames past the budget and stall part way hold
+/// the overdraft's room for frames until their time is up, but not the
+/// requests other clients send whole: with the budget full and ten
+/// connections stalled a byte short of 1 MiB publishes, an ordinary client
+/// still publishes and reads back at once (it waited for the stalled frames'
+/// time, a minute, before), and the stalled publishes are stored once
+/// they finish.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_frames_do_not_hold_up_requests_sent_whole() {
+    const STALLERS: usize = 10;
+    let (b, _c, _pinning) = broker_at_its_budget().await;
+    let mut frame = bytes::BytesMut::new();
+    felix_wire::encode_request(
+        1,
+        &Request::Publish {
+            stream: stream_ref("big"),
+            target: felix_wire::PublishTarget::Shard(0),
+            ack: felix_wire::AckMode::Default,
+            records: vec![RecordIn {
+                payload: vec![7u8; 1 << 20].into(),
+                ..Default::default()
+            }],
+        },
+        &mut frame,
+    );
+    let (most, last) = frame.split_at(frame.len() - 1);
+    let before = b.metric("felix_core_buffered_bytes");
+    let mut stallers = Vec::new();
+    for i in 0..STALLERS {
+        let (rd, mut wr) = raw_connection(&b.addr, &format!("staller-{i}")).await;
+        wr.write_all(most).await.unwrap();
+        stallers.push((rd, wr));
+    }
+    // Eight are let in on the overdraft, and take it.
+    felix_tests::wait_until(Duration::from_secs(10), || {
+        b.metric("felix_core_buffered_bytes") >= before + (OVERDRAFT_BUDGET / 4) as f64
+    })
+    .expect("the stalled frames took the overdraft");
+    let ordinary = async {
+        let c = Client::connect(b.addr.as_str(), ClientConfig::default())
+            .await
+            .unwrap();
+        c.create_stream("t", "ns", "small", 1, StreamOptions::default())
+            .await
+            .unwrap();
+        let at = c.publish("t", "ns", "small", 0, "hello").await.unwrap();
+        let r = c
+            .read("t", "ns", "small", 0, StartPosition::Offset(at), 10, None)
+            .await
+            .unwrap();
+        assert_eq!(r.records[0].payload, bytes::Bytes::from_static(b"hello"));
+    };
+    tokio::time::timeout(Duration::from_secs(15), ordinary)
+        .await
+        .expect("an ordinary client was held up by stalled frames");
+    let mut answers = Vec::new();
+    for (rd, mut wr) in stallers {
+        wr.write_all(last).await.unwrap();
+        answers.push(tokio::spawn(async move {
+            drain_answers(rd, 2, |r| matches!(r, Response::Published { count: 1, .. })).await;
+            wr
+        }));
+    }
+    for a in answers {
+        a.await.unwrap();
+    }
+}
+
 /// A read or poll is capped by what its records hold in the broker's
 /// memory, not only by what they carry: a record of 1,024 empty headers
 /// carries one byte but holds a table entry for each header. Reads of 510

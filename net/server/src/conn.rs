@@ -4,7 +4,7 @@
 //! complete. A long poll therefore never blocks an ack on the same connection.
 
 use crate::broker::{now_ms, to_name, wire_err, Core, CoreMsg, Handoff};
-use crate::memory::{Budget, REQUEST_TASK_BYTES};
+use crate::memory::{Budget, Past, REQUEST_TASK_BYTES};
 use crate::metrics::AckWait;
 use crate::shard::Shard;
 use bytes::BytesMut;
@@ -578,7 +578,8 @@ pub(crate) async fn serve<S: Storage>(
         // (and the buffer is zeroed only as far as data is likely to come),
         // and a buffer a burst grew large is let go once it is empty.
         let filled = rbuf.len();
-        make_room_to_read(&mut rbuf, read_size, max_frame, &core.budget);
+        let this_read = intake.read_size(&info, &outbox, &rbuf, read_size);
+        make_room_to_read(&mut rbuf, this_read, max_frame, &core.budget);
         let spare = &mut rbuf[filled..];
         let wait = if intake.said_hello() {
             idle
@@ -921,7 +922,8 @@ fn spawn_request<S: Storage>(
     // in the overdraft until it is done.
     let overdrawn = core.budget.full() && info.in_flight.get() == 0 && outbox.unsent() == 0;
     if overdrawn {
-        core.budget.overdraw(held + REQUEST_TASK_BYTES);
+        core.budget
+            .overdraw(Past::Requests, held + REQUEST_TASK_BYTES);
     }
     core.in_flight.set(core.in_flight.get() + 1);
     info.in_flight.set(info.in_flight.get() + 1);
@@ -970,7 +972,7 @@ fn spawn_request<S: Storage>(
         info.in_flight_bytes.set(info.in_flight_bytes.get() - held);
         core.budget.release(held + REQUEST_TASK_BYTES);
         if overdrawn {
-            core.budget.repay(held + REQUEST_TASK_BYTES);
+            core.budget.repay(Past::Requests, held + REQUEST_TASK_BYTES);
         }
         core.lifecycle.wake_all();
     })

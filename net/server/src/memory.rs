@@ -28,29 +28,31 @@
 //! one request each could hold far more than the machine has. The bound is
 //! kept where a request takes its size: at the budget, a whole frame is
 //! decoded only by a connection holding nothing, and only while the
-//! overdraft, leaving out that frame itself, is not taken (frames let in
-//! while there was room would otherwise each become a request eleven times
-//! their size). The memory a core holds is
-//! therefore at most the budget and the request that crossed it, one
-//! answer per connection, and the overdraft plus the request or frame that
-//! crossed it.
+//! requests let through hold less than their quarter.
 //!
 //! Frames arriving (once a connection's HELLO is through) are admitted the
 //! same way: the broker reads past a frame's header only once the budget
 //! has room for the whole frame, or, for a connection holding nothing,
-//! while the overdraft is not taken (the frame then counts in it until it
-//! is whole). An admitted frame is never held back by the budget while it
+//! while the overdraft (frames let in that way and requests together) holds
+//! less than a quarter of the budget; the frame then counts in it until it
+//! is whole. An admitted frame is never held back by the budget while it
 //! arrives (its connection reads on until the frame is whole or its time is
 //! up), so the frames begun cannot deadlock the core; whole, it is decoded
 //! only when any frame of that connection would be (decoding can build
-//! several times the frame). Connections that begin large
-//! frames and stall hold no more than the budget and the overdraft, however
-//! many they are; what a connection read before its frame was admitted (a
-//! read, at most 1 MiB) counts but is not held to the budget. The price is
-//! that a frame counts its declared size from its header on: a client that
-//! sends headers and stalls takes budget it does not fill, until its frames'
-//! time (`server.write_timeout_ms`) is up. Tokens keep clients that cannot
-//! say HELLO from doing that at all.
+//! several times the frame). Frames arriving do not hold up the decoding
+//! of whole ones: clients that begin frames and stall part way hold their
+//! room until their time is up, but not the frames others have finished.
+//!
+//! The memory a core holds is therefore at most the budget and the request
+//! that crossed it, one answer per connection, a quarter of the budget of
+//! requests let through plus the one that crossed it, and a quarter of the
+//! budget of frames let in plus the one that crossed it; what a connection
+//! read before its frame was admitted (a read, at most 1 MiB) counts but is
+//! not held to the budget. The price is that a frame counts its declared
+//! size from its header on: a client that sends headers and stalls takes
+//! budget it does not fill, until its frames' time
+//! (`server.write_timeout_ms`) is up. Tokens keep clients that cannot say
+//! HELLO from doing that at all.
 
 use felix_engine::notify::WaitList;
 use std::cell::Cell;
@@ -60,6 +62,15 @@ use std::cell::Cell;
 /// poll, measured on x86-64), rounded up.
 pub(crate) const REQUEST_TASK_BYTES: usize = 4096;
 
+/// What a connection let through past the budget holds.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Past {
+    /// A frame arriving, at its declared size.
+    Frames = 0,
+    /// A request in flight, decoded, with its task.
+    Requests = 1,
+}
+
 pub(crate) struct Budget {
     used: Cell<usize>,
     peak: Cell<usize>,
@@ -68,9 +79,9 @@ pub(crate) struct Budget {
     limit: usize,
     /// Times a connection or a read was held back for the budget.
     waits: Cell<u64>,
-    /// Bytes of the requests in flight that were let through while the
-    /// core was at its budget (see [`Self::overdrawn`]).
-    overdraft: Cell<usize>,
+    /// Bytes let through while the core was at its budget (see
+    /// [`Self::overdrawn`]): of frames arriving, and of requests in flight.
+    overdraft: [Cell<usize>; 2],
     /// Woken when a release leaves the core under its budget, or a request
     /// let through past it finishes.
     freed: WaitList,
@@ -84,7 +95,7 @@ impl Budget {
             recent: Cell::new(0),
             limit,
             waits: Cell::new(0),
-            overdraft: Cell::new(0),
+            overdraft: [Cell::new(0), Cell::new(0)],
             freed: WaitList::new(),
         }
     }
@@ -130,29 +141,36 @@ impl Budget {
         self.used.get() >= self.limit
     }
 
-    /// Whether the requests let through past the budget (by connections
-    /// holding nothing) hold a quarter of it already: then such a
-    /// connection waits too, for one of them to finish.
+    /// Whether what was let through past the budget (by connections
+    /// holding nothing), frames arriving and requests in flight together,
+    /// holds a quarter of it already: then such a connection reads no
+    /// further and begins no frame, until some of it is done.
     pub fn overdrawn(&self) -> bool {
-        self.overdrawn_without(0)
+        self.overdraft.iter().map(Cell::get).sum::<usize>() >= self.limit / 4
     }
 
-    /// [`Self::overdrawn`], leaving out `own` bytes already in the overdraft
-    /// (a frame let in on it, about to become its decoded request).
-    pub fn overdrawn_without(&self, own: usize) -> bool {
-        self.overdraft.get().saturating_sub(own) >= self.limit / 4
+    /// Whether the requests let through past the budget hold a quarter of
+    /// it already: then a connection holding nothing decodes no whole
+    /// frame, until one of them finishes. Frames still arriving do not
+    /// count here, so clients that stall part way through their frames
+    /// cannot hold up the frames others have finished.
+    pub fn requests_overdrawn(&self) -> bool {
+        self.overdraft[Past::Requests as usize].get() >= self.limit / 4
     }
 
-    /// A request of `n` bytes let through past the budget: counted in the
-    /// overdraft until [`Self::repay`].
-    pub fn overdraw(&self, n: usize) {
-        self.overdraft.set(self.overdraft.get() + n);
+    /// `n` bytes let through past the budget: counted in the overdraft
+    /// until [`Self::repay`].
+    pub fn overdraw(&self, past: Past, n: usize) {
+        let c = &self.overdraft[past as usize];
+        c.set(c.get() + n);
     }
 
-    /// A request let through past the budget is done: its bytes leave the
-    /// overdraft, and connections waiting for it look again.
-    pub fn repay(&self, n: usize) {
-        self.overdraft.set(self.overdraft.get() - n);
+    /// What was let through past the budget is done (a frame decoded or
+    /// dropped, a request answered): its bytes leave the overdraft, and
+    /// connections waiting for it look again.
+    pub fn repay(&self, past: Past, n: usize) {
+        let c = &self.overdraft[past as usize];
+        c.set(c.get() - n);
         self.freed.wake_all();
     }
 
@@ -204,13 +222,18 @@ mod tests {
     fn the_overdraft_is_a_quarter_of_the_budget_and_repaid_whole() {
         let b = Budget::new(100);
         assert!(!b.overdrawn());
-        b.overdraw(20);
+        b.overdraw(Past::Requests, 20);
+        assert!(!b.overdrawn() && !b.requests_overdrawn());
+        b.overdraw(Past::Requests, 5);
+        assert!(b.overdrawn() && b.requests_overdrawn());
+        b.repay(Past::Requests, 5);
         assert!(!b.overdrawn());
-        b.overdraw(5);
-        assert!(b.overdrawn());
-        b.repay(5);
-        assert!(!b.overdrawn());
-        b.repay(20);
-        assert_eq!(b.overdraft.get(), 0);
+        b.repay(Past::Requests, 20);
+        // Frames arriving count for what is read and begun, not for what
+        // is decoded.
+        b.overdraw(Past::Frames, 25);
+        assert!(b.overdrawn() && !b.requests_overdrawn());
+        b.repay(Past::Frames, 25);
+        assert!(b.overdraft.iter().all(|c| c.get() == 0));
     }
 }

@@ -16,6 +16,7 @@
 
 use super::{ConnInfo, Outbox};
 use crate::broker::Core;
+use crate::memory::Past;
 use bytes::BytesMut;
 use felix_engine::storage::Storage;
 use std::cell::Cell;
@@ -78,7 +79,7 @@ impl<'c, S: Storage> Intake<'c, S> {
     /// whole): it leaves the overdraft it was let in on.
     pub(super) fn frame_taken(&self) {
         if let Some((n, true)) = self.admitted.take() {
-            self.core.budget.repay(n);
+            self.core.budget.repay(Past::Frames, n);
         }
     }
 
@@ -91,21 +92,55 @@ impl<'c, S: Storage> Intake<'c, S> {
     /// Whether the core's budget stops this connection from reading, and
     /// from decoding the frames it holds: at the budget, a connection that
     /// holds something (a request in flight or an unsent answer) waits for
-    /// room; one that holds nothing still goes ahead with one request,
-    /// unless the requests let through that way already hold the overdraft
-    /// (leaving out its own frame, if that was let in on it). A frame
+    /// room. One that holds nothing still decodes a whole frame, unless
+    /// the requests let through that way already hold their part of the
+    /// overdraft, and reads on, unless the overdraft is taken. A frame
     /// admitted is read on until it is whole, and then waits like any
     /// other: decoding can build several times the frame.
     pub(super) fn budget_bound(&self, info: &ConnInfo, outbox: &Outbox, rbuf: &BytesMut) -> bool {
-        let (arriving, own) = match self.admitted.get() {
-            Some((n, on_overdraft)) => (n > rbuf.len(), if on_overdraft { n } else { 0 }),
-            None => (false, 0),
-        };
-        self.core.budget.full()
+        let whole = felix_wire::peek_header(rbuf).is_some_and(|h| h.frame_bytes() <= rbuf.len());
+        let arriving = self.admitted.get().is_some() && !whole;
+        let budget = &self.core.budget;
+        budget.full()
             && !arriving
             && (info.in_flight.get() > 0
                 || outbox.unsent() > 0
-                || (self.said_hello() && self.core.budget.overdrawn_without(own)))
+                || (self.said_hello()
+                    && if whole {
+                        budget.requests_overdrawn()
+                    } else {
+                        // An empty buffer reads on, a little at a time
+                        // (see `read_size`).
+                        !rbuf.is_empty() && budget.overdrawn()
+                    }))
+    }
+
+    /// How much the connection's next read may bring in, given what its
+    /// recent reads suggest (`usual`): a connection holding nothing at a
+    /// core whose overdraft is taken reads a few KiB at a time, enough for
+    /// a small request whole (which is then decoded as the requests let
+    /// through allow), so that clients sending requests are not held up by
+    /// clients stalling part way through large frames, while ten thousand
+    /// connections reading at once add only a few KiB each.
+    pub(super) fn read_size(
+        &self,
+        info: &ConnInfo,
+        outbox: &Outbox,
+        rbuf: &BytesMut,
+        usual: usize,
+    ) -> usize {
+        let budget = &self.core.budget;
+        if self.said_hello()
+            && rbuf.is_empty()
+            && budget.full()
+            && budget.overdrawn()
+            && info.in_flight.get() == 0
+            && outbox.unsent() == 0
+        {
+            usual.min(super::MIN_READ)
+        } else {
+            usual
+        }
     }
 
     /// Admit the frame the buffer begins, if it is not whole yet and not
@@ -136,7 +171,7 @@ impl<'c, S: Storage> Intake<'c, S> {
             let holds_nothing =
                 info.in_flight.get() == 0 && outbox.unsent() == 0 && info.reserved.get() == 0;
             if holds_nothing && !budget.overdrawn() {
-                budget.overdraw(frame);
+                budget.overdraw(Past::Frames, frame);
                 self.admitted.set(Some((frame, true)));
                 break;
             }
