@@ -174,11 +174,22 @@ impl Record {
             + self.payload.len()
     }
 
-    /// Bytes the record holds in memory: what it carries, and the table of
-    /// its headers (a record of many small headers holds several times what
-    /// it carries: each takes a name and a value handle).
+    /// Bytes the record holds in memory: what it carries, the table of its
+    /// headers and their names' allocations (a record of many small headers
+    /// holds several times what it carries: each takes a name and a value
+    /// handle, and a name an allocation of its own).
     pub fn memory_bytes(&self) -> usize {
-        self.size_bytes() + self.headers.capacity() * std::mem::size_of::<(String, Bytes)>()
+        /// What the allocator takes for a name beyond its bytes, at least.
+        const PER_ALLOCATION: usize = 16;
+        let names: usize = self
+            .headers
+            .iter()
+            .map(|(n, _)| match n.capacity() {
+                0 => 0,
+                c => c.max(PER_ALLOCATION) + PER_ALLOCATION - n.len(),
+            })
+            .sum();
+        self.size_bytes() + self.headers.capacity() * std::mem::size_of::<(String, Bytes)>() + names
     }
 }
 

@@ -578,8 +578,7 @@ pub(crate) async fn serve<S: Storage>(
         // (and the buffer is zeroed only as far as data is likely to come),
         // and a buffer a burst grew large is let go once it is empty.
         let filled = rbuf.len();
-        let this_read = intake.read_size(&info, &outbox, &rbuf, read_size);
-        make_room_to_read(&mut rbuf, this_read, max_frame, &core.budget);
+        make_room_to_read(&mut rbuf, read_size, max_frame, &core.budget);
         let spare = &mut rbuf[filled..];
         let wait = if intake.said_hello() {
             idle
@@ -1529,9 +1528,9 @@ async fn read<S: Storage>(
         Err(e) => return e,
     };
     let c = &core.shared.config;
-    // The byte cap counts what records carry, and never more than the frame
-    // cap leaves for them; their fields are counted when the answer is cut
-    // to the frame below.
+    // The byte cap counts what records hold (what they carry, and their
+    // headers' table), and never more than the frame cap leaves for them;
+    // their fields are counted when the answer is cut to the frame below.
     let frame_room = records_room(c.max_frame_bytes, Response::RECORDS_FIXED_BYTES);
     let limits = ReadLimits {
         max_records: max_records.clamp(1, c.max_records_per_read) as usize,

@@ -39,16 +39,18 @@
 //! arrives (its connection reads on until the frame is whole or its time is
 //! up), so the frames begun cannot deadlock the core; whole, it is decoded
 //! only when any frame of that connection would be (decoding can build
-//! several times the frame). Frames arriving do not hold up the decoding
-//! of whole ones: clients that begin frames and stall part way hold their
-//! room until their time is up, but not the frames others have finished.
+//! several times the frame). A frame of at most 64 KiB (one read's worth)
+//! from a connection holding nothing needs no admission: it is read on as
+//! any read, so requests sent in such frames are never held up by clients
+//! that begin larger frames and stall part way (those hold their room until
+//! their time is up); larger frames wait for room like any other.
 //!
 //! The memory a core holds is therefore at most the budget and the request
 //! that crossed it, one answer per connection, a quarter of the budget of
 //! requests let through plus the one that crossed it, and a quarter of the
-//! budget of frames let in plus the one that crossed it; what a connection
-//! read before its frame was admitted (a read, at most 1 MiB) counts but is
-//! not held to the budget. The price is that a frame counts its declared
+//! budget of frames let in plus the one that crossed it, and one read (at
+//! most 64 KiB) per connection holding nothing, which counts but is not
+//! held to the budget. The price is that a frame counts its declared
 //! size from its header on: a client that sends headers and stalls takes
 //! budget it does not fill, until its frames' time
 //! (`server.write_timeout_ms`) is up. Tokens keep clients that cannot say
@@ -82,8 +84,8 @@ pub(crate) struct Budget {
     /// Bytes let through while the core was at its budget (see
     /// [`Self::overdrawn`]): of frames arriving, and of requests in flight.
     overdraft: [Cell<usize>; 2],
-    /// Woken when a release leaves the core under its budget, or a request
-    /// let through past it finishes.
+    /// Woken when a release leaves the core under its budget, or what was
+    /// let through past it (a frame, a request) is done.
     freed: WaitList,
 }
 

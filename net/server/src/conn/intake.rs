@@ -94,11 +94,14 @@ impl<'c, S: Storage> Intake<'c, S> {
     /// holds something (a request in flight or an unsent answer) waits for
     /// room. One that holds nothing still decodes a whole frame, unless
     /// the requests let through that way already hold their part of the
-    /// overdraft, and reads on, unless the overdraft is taken. A frame
-    /// admitted is read on until it is whole, and then waits like any
-    /// other: decoding can build several times the frame.
+    /// overdraft; reads on while what it holds is at most one read (a
+    /// frame of at most [`super::MAX_READ`] arriving, or none); and reads
+    /// on into a larger frame once that is admitted (see [`Self::admit`]).
+    /// A frame admitted is read on until it is whole, and then waits like
+    /// any other: decoding can build several times the frame.
     pub(super) fn budget_bound(&self, info: &ConnInfo, outbox: &Outbox, rbuf: &BytesMut) -> bool {
-        let whole = felix_wire::peek_header(rbuf).is_some_and(|h| h.frame_bytes() <= rbuf.len());
+        let frame = felix_wire::peek_header(rbuf).map(|h| h.frame_bytes());
+        let whole = frame.is_some_and(|f| f <= rbuf.len());
         let arriving = self.admitted.get().is_some() && !whole;
         let budget = &self.core.budget;
         budget.full()
@@ -109,38 +112,8 @@ impl<'c, S: Storage> Intake<'c, S> {
                     && if whole {
                         budget.requests_overdrawn()
                     } else {
-                        // An empty buffer reads on, a little at a time
-                        // (see `read_size`).
-                        !rbuf.is_empty() && budget.overdrawn()
+                        frame.is_some_and(|f| f > super::MAX_READ) && budget.overdrawn()
                     }))
-    }
-
-    /// How much the connection's next read may bring in, given what its
-    /// recent reads suggest (`usual`): a connection holding nothing at a
-    /// core whose overdraft is taken reads a few KiB at a time, enough for
-    /// a small request whole (which is then decoded as the requests let
-    /// through allow), so that clients sending requests are not held up by
-    /// clients stalling part way through large frames, while ten thousand
-    /// connections reading at once add only a few KiB each.
-    pub(super) fn read_size(
-        &self,
-        info: &ConnInfo,
-        outbox: &Outbox,
-        rbuf: &BytesMut,
-        usual: usize,
-    ) -> usize {
-        let budget = &self.core.budget;
-        if self.said_hello()
-            && rbuf.is_empty()
-            && budget.full()
-            && budget.overdrawn()
-            && info.in_flight.get() == 0
-            && outbox.unsent() == 0
-        {
-            usual.min(super::MIN_READ)
-        } else {
-            usual
-        }
     }
 
     /// Admit the frame the buffer begins, if it is not whole yet and not
@@ -162,15 +135,21 @@ impl<'c, S: Storage> Intake<'c, S> {
         let (Some(frame), None) = (begun, self.admitted.get()) else {
             return false;
         };
+        let holds_nothing =
+            || info.in_flight.get() == 0 && outbox.unsent() == 0 && info.reserved.get() == 0;
+        if frame <= super::MAX_READ && holds_nothing() {
+            // No more than a read: it reads on, counted as what came, so
+            // that requests sent whole are never held up by frames others
+            // begin and stall.
+            return false;
+        }
         let mut waited = false;
         while !outbox.closed.get() && !self.core.stopping.get() {
             if !budget.over(frame.saturating_sub(self.buffered.get())) {
                 self.admitted.set(Some((frame, false)));
                 break;
             }
-            let holds_nothing =
-                info.in_flight.get() == 0 && outbox.unsent() == 0 && info.reserved.get() == 0;
-            if holds_nothing && !budget.overdrawn() {
+            if holds_nothing() && !budget.overdrawn() {
                 budget.overdraw(Past::Frames, frame);
                 self.admitted.set(Some((frame, true)));
                 break;
