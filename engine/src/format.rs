@@ -174,11 +174,18 @@ impl Record {
             + self.payload.len()
     }
 
-    /// Bytes the record holds in memory: what it carries, the table of its
-    /// headers and their names' allocations (a record of many small headers
-    /// holds several times what it carries: each takes a name and a value
-    /// handle, and a name an allocation of its own).
+    /// Bytes the record holds in memory: what it carries and
+    /// [`Self::header_table_bytes`].
     pub fn memory_bytes(&self) -> usize {
+        self.size_bytes() + self.header_table_bytes()
+    }
+
+    /// What holding the record's headers takes beyond the bytes they carry:
+    /// the table of them and their names' allocations (a record of many
+    /// small headers holds several times what it carries: each takes a name
+    /// and a value handle, and a name an allocation of its own). Zero for a
+    /// record without headers.
+    pub fn header_table_bytes(&self) -> usize {
         /// What the allocator takes for a name beyond its bytes, at least.
         const PER_ALLOCATION: usize = 16;
         let names: usize = self
@@ -189,7 +196,7 @@ impl Record {
                 c => c.max(PER_ALLOCATION) + PER_ALLOCATION - n.len(),
             })
             .sum();
-        self.size_bytes() + self.headers.capacity() * std::mem::size_of::<(String, Bytes)>() + names
+        self.headers.capacity() * std::mem::size_of::<(String, Bytes)>() + names
     }
 }
 

@@ -1000,7 +1000,7 @@ async fn read_offsets<S: Storage>(
                 let sendable = size <= frame_room;
                 // The budget is memory: the answer, and while it is built
                 // the record's table of headers.
-                let held = size + (rec.memory_bytes() - rec.size_bytes());
+                let held = size + rec.header_table_bytes();
                 if sendable && !out.offsets.is_empty() && held > budget {
                     // Not loaded, and nothing from it on is settled.
                     budget = 0;

@@ -405,11 +405,15 @@ impl<S: Storage> Core<S> {
         };
         // This core's shards open side by side (up to `OPEN_AT_ONCE` on the
         // core, across streams too), and take their places in order.
+        enum Opening<S: Storage> {
+            Decided(Slot<S>),
+            Opening(glommio::Task<Slot<S>>),
+        }
         let meta = Rc::new(meta);
         let mut opening = Vec::with_capacity(meta.shards as usize);
         for s in 0..meta.shards {
             if placement(&meta.name, ShardId(s), self.shared.cores) != self.ctx.core {
-                opening.push(Err(Slot::Elsewhere));
+                opening.push(Opening::Decided(Slot::Elsewhere));
                 continue;
             }
             let dir = catalog::shard_dir(&self.data_dir(), &meta.name, s);
@@ -430,28 +434,30 @@ impl<S: Storage> Core<S> {
             };
             if let Some(why) = refused {
                 tracing::error!("shard cannot be opened and will refuse requests: {why}");
-                opening.push(Err(Slot::Failed(why)));
+                opening.push(Opening::Decided(Slot::Failed(why)));
                 continue;
             }
             let core = self.clone();
             let meta = meta.clone();
-            opening.push(Ok(glommio::spawn_local(async move {
+            opening.push(Opening::Opening(glommio::spawn_local(async move {
                 let _slot = core.opening.acquire_permit(1).await;
                 core.open_shard(&meta, s, dir).await
             })));
         }
         let mut shards = Vec::with_capacity(opening.len());
-        let mut failures = Vec::new();
         for o in opening {
-            let slot = match o {
-                Ok(task) => task.await,
-                Err(slot) => slot,
-            };
-            if let Slot::Failed(why) = &slot {
-                failures.push(why.clone());
-            }
-            shards.push(slot);
+            shards.push(match o {
+                Opening::Decided(slot) => slot,
+                Opening::Opening(task) => task.await,
+            });
         }
+        let failures: Vec<String> = shards
+            .iter()
+            .filter_map(|s| match s {
+                Slot::Failed(why) => Some(why.clone()),
+                _ => None,
+            })
+            .collect();
         let meta = Rc::unwrap_or_clone(meta);
         self.streams
             .borrow_mut()
