@@ -719,22 +719,24 @@ const PINNING: u64 = 2;
 /// far more than they read: their answers fill it, and their later reads
 /// stay in flight waiting for room. Returns the broker, its client and the
 /// pinning connections (keep them open).
-async fn broker_at_its_budget() -> (felix_tests::Broker, Client, Vec<impl Sized>) {
+async fn broker_at_its_budget() -> (felix_tests::Broker, Client, Vec<RawConnection>) {
     let b = felix_tests::start_broker!(BrokerOptions::default()
         .cores(1)
         .env("FELIX_MAX_BUFFERED_BYTES_PER_CORE", OVERDRAFT_BUDGET));
     let c = big_stream(&b, 8).await;
-    let mut pinning = Vec::new();
-    for i in 0..PINNING {
-        let (rd, mut wr) = raw_connection(&b.addr, &format!("pins-{i}")).await;
-        wr.write_all(&big_reads(200)).await.unwrap();
-        pinning.push((rd, wr));
-    }
+    let pinning = fill_the_budget(&b).await;
+    (b, c, pinning)
+}
+
+/// [`PINNING`] connections that ask for far more of `t/ns/big` than they
+/// read, once the core is at its budget (keep them open).
+async fn fill_the_budget(b: &felix_tests::Broker) -> Vec<RawConnection> {
+    let pinning = connections_that_sent(&b.addr, "pins", PINNING as usize, &big_reads(200)).await;
     felix_tests::wait_until(Duration::from_secs(10), || {
         b.metric("felix_core_buffered_bytes") >= OVERDRAFT_BUDGET as f64
     })
     .expect("the budget filled");
-    (b, c, pinning)
+    pinning
 }
 
 /// 170 records of 1,024 empty headers each: a publish frame of about
@@ -747,6 +749,65 @@ fn header_heavy_records() -> Vec<RecordIn> {
             ..Default::default()
         })
         .collect()
+}
+
+/// Request `id`: a publish of `records` to `t/ns/big`, shard 0.
+fn big_publish(id: u64, records: Vec<RecordIn>) -> bytes::BytesMut {
+    let mut frame = bytes::BytesMut::new();
+    felix_wire::encode_request(
+        id,
+        &Request::Publish {
+            stream: stream_ref("big"),
+            target: felix_wire::PublishTarget::Shard(0),
+            ack: felix_wire::AckMode::Default,
+            records,
+        },
+        &mut frame,
+    );
+    frame
+}
+
+type RawConnection = (
+    tokio::net::tcp::OwnedReadHalf,
+    tokio::net::tcp::OwnedWriteHalf,
+);
+
+/// `n` connections (`name-0`, `name-1`, ...) that said HELLO and sent
+/// `bytes`.
+async fn connections_that_sent(
+    addr: &str,
+    name: &str,
+    n: usize,
+    bytes: &[u8],
+) -> Vec<RawConnection> {
+    let mut conns = Vec::new();
+    for i in 0..n {
+        let (rd, mut wr) = raw_connection(addr, &format!("{name}-{i}")).await;
+        wr.write_all(bytes).await.unwrap();
+        conns.push((rd, wr));
+    }
+    conns
+}
+
+/// Send `bytes` on every connection, then read `want` answers (HELLO's
+/// included) on each, all at once, checking each.
+async fn finish_and_drain(
+    conns: Vec<RawConnection>,
+    bytes: &[u8],
+    want: u64,
+    check: fn(&Response) -> bool,
+) {
+    let mut answers = Vec::new();
+    for (rd, mut wr) in conns {
+        wr.write_all(bytes).await.unwrap();
+        answers.push(tokio::spawn(async move {
+            drain_answers(rd, want, check).await;
+            drop(wr);
+        }));
+    }
+    for a in answers {
+        a.await.unwrap();
+    }
 }
 
 /// The most the core held stays within the budget, the answer each pinning
@@ -807,24 +868,9 @@ async fn requests_past_the_core_budget_share_a_bounded_overdraft() {
 async fn whole_frames_on_the_overdraft_are_decoded_one_at_a_time() {
     const PUBLISHERS: usize = 12;
     let (b, _c, _pinning) = broker_at_its_budget().await;
-    let mut frame = bytes::BytesMut::new();
-    felix_wire::encode_request(
-        1,
-        &Request::Publish {
-            stream: stream_ref("big"),
-            target: felix_wire::PublishTarget::Shard(0),
-            ack: felix_wire::AckMode::Default,
-            records: header_heavy_records(),
-        },
-        &mut frame,
-    );
+    let frame = big_publish(1, header_heavy_records());
     let (most, last) = frame.split_at(frame.len() - 1);
-    let mut publishers = Vec::new();
-    for i in 0..PUBLISHERS {
-        let (rd, mut wr) = raw_connection(&b.addr, &format!("publisher-{i}")).await;
-        wr.write_all(most).await.unwrap();
-        publishers.push((rd, wr));
-    }
+    let publishers = connections_that_sent(&b.addr, "publisher", PUBLISHERS, most).await;
     // Eight frames are let in on the overdraft (a quarter of the budget)
     // and arrive all but whole; the other four wait unread.
     let eight = OVERDRAFT_BUDGET + 8 * (frame.len() as u64 - 4096);
@@ -832,20 +878,10 @@ async fn whole_frames_on_the_overdraft_are_decoded_one_at_a_time() {
         b.metric("felix_core_buffered_bytes") >= eight as f64
     })
     .expect("the overdraft let frames in");
-    let mut answers = Vec::new();
-    for (rd, mut wr) in publishers {
-        wr.write_all(last).await.unwrap();
-        answers.push(tokio::spawn(async move {
-            drain_answers(rd, 2, |r| {
-                matches!(r, Response::Published { count: 170, .. })
-            })
-            .await;
-            wr
-        }));
-    }
-    for a in answers {
-        a.await.unwrap();
-    }
+    finish_and_drain(publishers, last, 2, |r| {
+        matches!(r, Response::Published { count: 170, .. })
+    })
+    .await;
     assert_overdraft_held(&b);
 }
 
@@ -864,38 +900,25 @@ async fn a_whole_frame_waits_for_the_budget_like_any_other() {
         .cores(1)
         .env("FELIX_MAX_BUFFERED_BYTES_PER_CORE", OVERDRAFT_BUDGET));
     let _c = big_stream(&b, 8).await;
-    let mut frame = bytes::BytesMut::new();
+    // A long-polling read at the stream's end, then all but the last byte
+    // of a publish.
+    let mut sent = bytes::BytesMut::new();
     felix_wire::encode_request(
-        2,
-        &Request::Publish {
+        1,
+        &Request::Read {
             stream: stream_ref("big"),
-            target: felix_wire::PublishTarget::Shard(0),
-            ack: felix_wire::AckMode::Default,
-            records: header_heavy_records(),
+            shard: 0,
+            from: StartPosition::Offset(8 * 16),
+            max_records: 10,
+            max_bytes: 64 << 10,
+            wait_ms: 25_000,
         },
-        &mut frame,
+        &mut sent,
     );
+    let frame = big_publish(2, header_heavy_records());
     let (most, last) = frame.split_at(frame.len() - 1);
-    let mut busy = Vec::new();
-    for i in 0..BUSY {
-        let (rd, mut wr) = raw_connection(&b.addr, &format!("busy-{i}")).await;
-        let mut poll = bytes::BytesMut::new();
-        felix_wire::encode_request(
-            1,
-            &Request::Read {
-                stream: stream_ref("big"),
-                shard: 0,
-                from: StartPosition::Offset(8 * 16),
-                max_records: 10,
-                max_bytes: 64 << 10,
-                wait_ms: 25_000,
-            },
-            &mut poll,
-        );
-        wr.write_all(&poll).await.unwrap();
-        wr.write_all(most).await.unwrap();
-        busy.push((rd, wr));
-    }
+    sent.extend_from_slice(most);
+    let mut busy = connections_that_sent(&b.addr, "busy", BUSY, &sent).await;
     // The publishes were let in (room for them) and wait for their last
     // byte; then the budget fills.
     let begun = BUSY as u64 * (frame.len() as u64 - 4096);
@@ -903,37 +926,19 @@ async fn a_whole_frame_waits_for_the_budget_like_any_other() {
         b.metric("felix_core_buffered_bytes") >= begun as f64
     })
     .expect("the frames were let in");
-    let mut pinning = Vec::new();
-    for i in 0..PINNING {
-        let (rd, mut wr) = raw_connection(&b.addr, &format!("pins-{i}")).await;
-        wr.write_all(&big_reads(200)).await.unwrap();
-        pinning.push((rd, wr));
-    }
-    felix_tests::wait_until(Duration::from_secs(10), || {
-        b.metric("felix_core_buffered_bytes") >= OVERDRAFT_BUDGET as f64
-    })
-    .expect("the budget filled");
+    let pinning = fill_the_budget(&b).await;
     for (_, wr) in &mut busy {
         wr.write_all(last).await.unwrap();
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_overdraft_held(&b);
     drop(pinning);
-    let mut answers = Vec::new();
-    for (rd, wr) in busy {
-        answers.push(tokio::spawn(async move {
-            drain_answers(rd, 3, |r| match r {
-                Response::Published { count, .. } => *count == 170,
-                Response::Records { records, .. } => !records.is_empty(),
-                _ => false,
-            })
-            .await;
-            wr
-        }));
-    }
-    for a in answers {
-        a.await.unwrap();
-    }
+    finish_and_drain(busy, &[], 3, |r| match r {
+        Response::Published { count, .. } => *count == 170,
+        Response::Records { records, .. } => !records.is_empty(),
+        _ => false,
+    })
+    .await;
     assert_overdraft_held(&b);
 }
 
@@ -948,28 +953,16 @@ async fn a_whole_frame_waits_for_the_budget_like_any_other() {
 async fn stalled_frames_do_not_hold_up_requests_sent_whole() {
     const STALLERS: usize = 10;
     let (b, _c, _pinning) = broker_at_its_budget().await;
-    let mut frame = bytes::BytesMut::new();
-    felix_wire::encode_request(
+    let frame = big_publish(
         1,
-        &Request::Publish {
-            stream: stream_ref("big"),
-            target: felix_wire::PublishTarget::Shard(0),
-            ack: felix_wire::AckMode::Default,
-            records: vec![RecordIn {
-                payload: vec![7u8; 1 << 20].into(),
-                ..Default::default()
-            }],
-        },
-        &mut frame,
+        vec![RecordIn {
+            payload: vec![7u8; 1 << 20].into(),
+            ..Default::default()
+        }],
     );
     let (most, last) = frame.split_at(frame.len() - 1);
     let before = b.metric("felix_core_buffered_bytes");
-    let mut stallers = Vec::new();
-    for i in 0..STALLERS {
-        let (rd, mut wr) = raw_connection(&b.addr, &format!("staller-{i}")).await;
-        wr.write_all(most).await.unwrap();
-        stallers.push((rd, wr));
-    }
+    let stallers = connections_that_sent(&b.addr, "staller", STALLERS, most).await;
     // Eight are let in on the overdraft, and take it.
     felix_tests::wait_until(Duration::from_secs(10), || {
         b.metric("felix_core_buffered_bytes") >= before + (OVERDRAFT_BUDGET / 4) as f64
@@ -1003,17 +996,10 @@ async fn stalled_frames_do_not_hold_up_requests_sent_whole() {
     tokio::time::timeout(Duration::from_secs(15), ordinary)
         .await
         .expect("an ordinary client was held up by stalled frames");
-    let mut answers = Vec::new();
-    for (rd, mut wr) in stallers {
-        wr.write_all(last).await.unwrap();
-        answers.push(tokio::spawn(async move {
-            drain_answers(rd, 2, |r| matches!(r, Response::Published { count: 1, .. })).await;
-            wr
-        }));
-    }
-    for a in answers {
-        a.await.unwrap();
-    }
+    finish_and_drain(stallers, last, 2, |r| {
+        matches!(r, Response::Published { count: 1, .. })
+    })
+    .await;
 }
 
 /// A read or poll is capped by what its records hold in the broker's
