@@ -1007,7 +1007,8 @@ async fn stalled_frames_do_not_hold_up_requests_sent_whole() {
 /// carries one byte but holds a table entry for each header. Reads of 510
 /// such records come back a few dozen at a time, within the 4 MiB cap
 /// (one read held about 50 MiB when only the bytes carried counted), and
-/// together return every record; a poll is capped the same way.
+/// together return every record; a group's polls are capped the same way
+/// and claim every record once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reads_and_polls_are_capped_by_what_records_hold() {
     let b = felix_tests::start_broker!(BrokerOptions::default().cores(1));
@@ -1045,15 +1046,29 @@ async fn reads_and_polls_are_capped_by_what_records_hold() {
         from = StartPosition::Offset(r.next_offset);
     }
     assert_eq!(read, 510);
-    let polled = c
-        .group_poll("t", "ns", "heavy", 0, "g", 1000)
-        .await
-        .unwrap();
-    assert!(
-        !polled.is_empty() && polled.len() <= most,
-        "a poll claimed {} records",
-        polled.len()
-    );
+    // A group claims them the same few dozen at a time, each once, every
+    // one in the end.
+    let mut claimed = Vec::new();
+    loop {
+        let polled = c
+            .group_poll("t", "ns", "heavy", 0, "g", 1000)
+            .await
+            .unwrap();
+        if polled.is_empty() {
+            break;
+        }
+        assert!(
+            polled.len() <= most,
+            "a poll claimed {} records",
+            polled.len()
+        );
+        let offsets: Vec<u64> = polled.iter().map(|r| r.offset).collect();
+        c.group_ack_many("t", "ns", "heavy", 0, "g", &offsets)
+            .await
+            .unwrap();
+        claimed.extend(offsets);
+    }
+    assert_eq!(claimed, (0..510).collect::<Vec<u64>>());
 }
 
 /// Frames begun count whole against the core's budget, and are admitted

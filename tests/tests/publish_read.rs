@@ -2152,9 +2152,9 @@ async fn a_missing_shard_directory_is_refused_not_started_again_at_zero() {
 /// A core opens its shards side by side (at start-up, across streams, and
 /// when a stream is created), yet each comes back in its own place: after
 /// a `kill -9` and after a clean stop, every shard of three streams (52
-/// shards on one core) holds exactly its own records, a shard whose
-/// directory went missing in the middle of them is refused alone, and
-/// publishing goes on where each shard left off.
+/// shards on one core) holds exactly its own records and its own group's
+/// position, a shard whose directory went missing in the middle of them is
+/// refused alone, and publishing goes on where each shard left off.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shards_opened_side_by_side_each_come_back_in_their_place() {
     const STREAMS: [(&str, u32); 3] = [("wide", 40), ("left", 5), ("right", 7)];
@@ -2176,6 +2176,13 @@ async fn shards_opened_side_by_side_each_come_back_in_their_place() {
                 .await
                 .unwrap();
             expected.push((stream, shard, shard % 4 + 1));
+            // A group on each shard claims and finishes its first record.
+            let first = c
+                .group_poll("t", "ns", stream, shard, "g", 1)
+                .await
+                .unwrap();
+            assert_eq!(first[0].offset, 0);
+            c.group_ack("t", "ns", stream, shard, "g", 0).await.unwrap();
         }
     }
     drop(c);
@@ -2196,7 +2203,8 @@ async fn shards_opened_side_by_side_each_come_back_in_their_place() {
 }
 
 /// Each shard of `expected` (stream, shard, records) holds exactly the
-/// records `stream/shard/k` for k in 0..records, but `wide/17`, refused.
+/// records `stream/shard/k` for k in 0..records, and its group `g` stands
+/// past the first of them; but `wide/17`, refused.
 async fn check_places(c: &Client, expected: &[(&str, u32, u32)]) {
     for &(stream, shard, count) in expected {
         if (stream, shard) == ("wide", 17) {
@@ -2213,6 +2221,15 @@ async fn check_places(c: &Client, expected: &[(&str, u32, u32)]) {
             .map(|k| (k as u64, Bytes::from(format!("{stream}/{shard}/{k}"))))
             .collect();
         assert_eq!(read_shard(c, stream, shard).await, want, "{stream}/{shard}");
+        let g = c
+            .group_describe("t", "ns", stream, shard, "g")
+            .await
+            .unwrap();
+        assert_eq!(
+            (g.position, g.end_offset),
+            (1, count as u64),
+            "{stream}/{shard}"
+        );
     }
 }
 
