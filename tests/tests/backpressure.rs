@@ -873,9 +873,8 @@ async fn whole_frames_on_the_overdraft_are_decoded_one_at_a_time() {
     let publishers = connections_that_sent(&b.addr, "publisher", PUBLISHERS, most).await;
     // Eight frames are let in on the overdraft (a quarter of the budget)
     // and arrive all but whole; the other four wait unread.
-    let eight = OVERDRAFT_BUDGET + 8 * (frame.len() as u64 - 4096);
     felix_tests::wait_until(Duration::from_secs(10), || {
-        b.metric("felix_core_buffered_bytes") >= eight as f64
+        b.metric("felix_core_overdraft_frame_bytes") >= (OVERDRAFT_BUDGET / 4) as f64
     })
     .expect("the overdraft let frames in");
     finish_and_drain(publishers, last, 2, |r| {
@@ -961,11 +960,13 @@ async fn stalled_frames_do_not_hold_up_requests_sent_whole() {
         }],
     );
     let (most, last) = frame.split_at(frame.len() - 1);
-    let before = b.metric("felix_core_buffered_bytes");
     let stallers = connections_that_sent(&b.addr, "staller", STALLERS, most).await;
-    // Eight are let in on the overdraft, and take it.
+    // Eight are let in on the overdraft, and take it. (Watched on its own
+    // gauge: what the pinning connections hold drifts as their sockets'
+    // buffers grow, and one of them may have a read let through for a
+    // while.)
     felix_tests::wait_until(Duration::from_secs(10), || {
-        b.metric("felix_core_buffered_bytes") >= before + (OVERDRAFT_BUDGET / 4) as f64
+        b.metric("felix_core_overdraft_frame_bytes") >= (OVERDRAFT_BUDGET / 4) as f64
     })
     .expect("the stalled frames took the overdraft");
     let ordinary = async {

@@ -196,6 +196,11 @@ impl Budget {
     pub fn waits(&self) -> u64 {
         self.waits.get()
     }
+
+    /// Bytes let through past the budget now, of `past`.
+    pub fn overdraft(&self, past: Past) -> usize {
+        self.overdraft[past as usize].get()
+    }
 }
 
 #[cfg(test)]

@@ -1056,6 +1056,8 @@ impl<S: Storage> Core<S> {
             waits: self.budget.waits(),
             read_cache,
             claims: self.claims.held(),
+            overdraft_frames: self.budget.overdraft(crate::memory::Past::Frames) as u64,
+            overdraft_requests: self.budget.overdraft(crate::memory::Past::Requests) as u64,
         });
         snap.retired = self.retired.borrow().clone();
         snap.max_groups = self.shared.config.metrics_max_groups;
