@@ -1533,7 +1533,9 @@ fn a_flush_dropped_in_flight_stops_the_shard() {
 /// bounds the count; `max_bytes` counts what records hold (key, header
 /// names, values and entries, payload), and is never crossed except by the
 /// first record, which is
-/// returned whatever its size (a reader is never stuck before it).
+/// returned whatever its size (a reader is never stuck before it), unless
+/// the read is `read_within`: then it is left, and the read says what it
+/// would hold.
 #[test]
 fn reads_honour_the_record_and_byte_caps() {
     // 10 + 11 + 100 = 121 bytes carried each (and a header's entry), then
@@ -1620,6 +1622,38 @@ fn reads_honour_the_record_and_byte_caps() {
                 "{ctx}"
             );
             assert_eq!(read(0, 0, usize::MAX).await, (vec![], 0, 0), "{ctx}");
+            // `read_within`: the first record too keeps to the byte cap; one
+            // that does not is left, with what it would hold.
+            let within = |from: u64, max_bytes: usize| {
+                let log = log.clone();
+                async move {
+                    let limits = ReadLimits {
+                        max_records: 100,
+                        max_bytes,
+                    };
+                    let r = log.read_within(Offset(from), limits).await.unwrap();
+                    let offsets: Vec<u64> = r.records.iter().map(|x| x.offset.0).collect();
+                    (offsets, r.bytes, r.next.0, r.first_needs)
+                }
+            };
+            assert_eq!(within(5, 100).await, (vec![], 0, 5, Some(5000)), "{ctx}");
+            assert_eq!(within(5, 4999).await, (vec![], 0, 5, Some(5000)), "{ctx}");
+            assert_eq!(within(5, 5000).await, (vec![5], 5000, 6, None), "{ctx}");
+            assert_eq!(within(1, 1).await, (vec![], 0, 1, Some(one)), "{ctx}");
+            assert_eq!(within(4, 5000).await, (vec![4], one, 5, None), "{ctx}");
+            assert_eq!(within(7, one).await, (vec![7], one, 8, None), "{ctx}");
+            // `read` still lets the first pass, and says nothing of it.
+            let r = log
+                .read(
+                    Offset(5),
+                    ReadLimits {
+                        max_records: 100,
+                        max_bytes: 1,
+                    },
+                )
+                .await
+                .unwrap();
+            assert_eq!((r.records.len(), r.first_needs), (1, None), "{ctx}");
         });
     }
 }

@@ -1151,3 +1151,131 @@ async fn frames_begun_and_stalled_are_held_to_the_core_budget() {
         s.abort();
     }
 }
+
+/// A read returns its first record whatever its byte cap (a client may ask
+/// for one byte), and a poll its first whatever the poll's cap: each holds
+/// room for what that record holds before it keeps it. A connection
+/// allowed 4 MiB of answers pipelines 64 one-byte reads of 4 MiB records
+/// and reads nothing back: it holds about its bound, not a record per read
+/// (about 250 MiB here before). Then pipelined polls of such records each
+/// claim one, every record once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_and_polls_hold_room_for_the_records_they_keep() {
+    const RECORDS: u64 = 64;
+    const SIZE: usize = 4 << 20;
+    let config = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(
+        config.path(),
+        format!("[server]\nmax_pending_response_bytes = {SIZE}\n"),
+    )
+    .unwrap();
+    let b = felix_tests::start_broker!(BrokerOptions::default()
+        .cores(1)
+        .env("FELIX_TEST_CONFIG", config.path().display()));
+    let c = Client::connect(b.addr.as_str(), ClientConfig::default())
+        .await
+        .unwrap();
+    c.create_stream("t", "ns", "huge", 1, StreamOptions::default())
+        .await
+        .unwrap();
+    for i in 0..RECORDS {
+        let payload = bytes::Bytes::from(vec![i as u8; SIZE]);
+        c.publish("t", "ns", "huge", 0, payload).await.unwrap();
+    }
+    let pid = b.pid();
+    settle(pid).await;
+    let base = rss_bytes(pid);
+
+    // Each read a record of its own (records read once are not shared).
+    let mut reads = bytes::BytesMut::new();
+    for id in 1..=RECORDS {
+        felix_wire::encode_request(
+            id,
+            &Request::Read {
+                stream: stream_ref("huge"),
+                shard: 0,
+                from: StartPosition::Offset(id - 1),
+                max_records: 10,
+                max_bytes: 1,
+                wait_ms: 0,
+            },
+            &mut reads,
+        );
+    }
+    let (rd, mut wr) = raw_connection(&b.addr, "one-byte-reads").await;
+    wr.write_all(&reads).await.unwrap();
+    settle(pid).await;
+    // A few answers (unsent, reserved, in the socket) and the batches kept
+    // for reads.
+    let grown = rss_bytes(pid).saturating_sub(base);
+    assert!(
+        grown < 150 << 20,
+        "broker grew by {} MiB for one connection of one-byte reads",
+        grown >> 20
+    );
+    drain_answers(rd, RECORDS + 1, |r| match r {
+        Response::Records { records, .. } => {
+            records.len() == 1
+                && records[0].payload.len() == SIZE
+                && records[0].payload[0] == records[0].offset as u8
+        }
+        _ => false,
+    })
+    .await;
+    drop(wr);
+
+    // Polls of the same records, each past the poll's 4 MiB cap:
+    // pipelined, each claims one record, and every record is claimed once.
+    let mut polls = bytes::BytesMut::new();
+    for id in 1..=RECORDS + 4 {
+        felix_wire::encode_request(
+            id,
+            &Request::GroupPoll {
+                key: felix_wire::GroupKey {
+                    stream: stream_ref("huge"),
+                    shard: 0,
+                    group: "g".into(),
+                },
+                max_records: 10,
+                wait_ms: 0,
+                member: None,
+                visibility_ms: Some(600_000),
+            },
+            &mut polls,
+        );
+    }
+    let (mut rd, mut wr) = raw_connection(&b.addr, "polls").await;
+    let writer = tokio::spawn(async move {
+        wr.write_all(&polls).await.unwrap();
+        wr
+    });
+    let mut claimed = Vec::new();
+    let mut answers = 0;
+    let mut buf = bytes::BytesMut::new();
+    let mut chunk = vec![0u8; 1 << 20];
+    while answers < RECORDS + 5 {
+        let n = tokio::time::timeout(Duration::from_secs(60), rd.read(&mut chunk))
+            .await
+            .expect("answers keep coming")
+            .unwrap();
+        assert!(n > 0, "the broker closed the connection");
+        buf.extend_from_slice(&chunk[..n]);
+        while let Some((_, resp)) = felix_wire::decode_response(&mut buf, 64 << 20).unwrap() {
+            match resp {
+                Response::HelloOk { .. } => {}
+                Response::GroupRecords { records } => {
+                    assert!(records.len() <= 1, "a poll claimed {}", records.len());
+                    for r in records {
+                        assert_eq!(r.payload.len(), SIZE);
+                        claimed.push(r.offset);
+                    }
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+            answers += 1;
+        }
+    }
+    drop(writer.await.unwrap());
+    claimed.sort_unstable();
+    assert_eq!(claimed, (0..RECORDS).collect::<Vec<_>>());
+}

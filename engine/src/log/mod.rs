@@ -361,6 +361,9 @@ pub struct ReadResult {
     /// Bytes the records hold in memory ([`crate::format::Record::memory_bytes`]),
     /// as the byte cap counted them.
     pub bytes: usize,
+    /// For [`ShardLog::read_within`]: the first record did not fit the byte
+    /// cap, and holds this many bytes (nothing was returned).
+    pub first_needs: Option<usize>,
 }
 
 /// Limits of one read.

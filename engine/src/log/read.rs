@@ -6,8 +6,30 @@ use super::*;
 
 impl<S: Storage> ShardLog<S> {
     /// Read records from `from` (clamped up to the log start) up to the
-    /// visible end, within `limits` (at least one record if any is there).
+    /// visible end, within `limits` (at least one record if any is there:
+    /// the first may pass the byte cap).
     pub async fn read(&self, from: Offset, limits: ReadLimits) -> Result<ReadResult, LogError> {
+        self.read_capped(from, limits, false).await
+    }
+
+    /// [`Self::read`], where the first record too must fit the byte cap:
+    /// one that does not is left, and `first_needs` says what it would
+    /// hold, so a caller that set memory aside for the read can set aside
+    /// that much and read again.
+    pub async fn read_within(
+        &self,
+        from: Offset,
+        limits: ReadLimits,
+    ) -> Result<ReadResult, LogError> {
+        self.read_capped(from, limits, true).await
+    }
+
+    async fn read_capped(
+        &self,
+        from: Offset,
+        limits: ReadLimits,
+        within: bool,
+    ) -> Result<ReadResult, LogError> {
         let (start, end) = {
             let i = self.inner.borrow();
             if let Some(r) = &i.stopped {
@@ -22,6 +44,7 @@ impl<S: Storage> ShardLog<S> {
             start,
             end,
             bytes: 0,
+            first_needs: None,
         };
         if from >= end || limits.max_records == 0 {
             return Ok(out);
@@ -42,6 +65,7 @@ impl<S: Storage> ShardLog<S> {
                             &b.header,
                             &mut out,
                             limits,
+                            within,
                             &mut bytes,
                             &self.hints,
                         )
@@ -66,7 +90,7 @@ impl<S: Storage> ShardLog<S> {
             out.bytes = bytes;
             return Ok(out);
         }
-        self.read_cold(from, end, limits, &mut out, &mut bytes)
+        self.read_cold(from, end, limits, within, &mut out, &mut bytes)
             .await
             .inspect_err(|e| self.note_damage(e))?;
         out.next = out.next.min(end);
@@ -98,6 +122,7 @@ impl<S: Storage> ShardLog<S> {
         from: Offset,
         end: Offset,
         limits: ReadLimits,
+        within: bool,
         out: &mut ReadResult,
         bytes: &mut usize,
     ) -> Result<(), LogError> {
@@ -185,8 +210,9 @@ impl<S: Storage> ShardLog<S> {
                             if h.base_offset >= end {
                                 return Ok(());
                             }
-                            let more = take_batch(&batch, &h, out, limits, bytes, &self.hints)
-                                .map_err(|e| undecodable(&path, at, &h, "read from disk", e))?;
+                            let more =
+                                take_batch(&batch, &h, out, limits, within, bytes, &self.hints)
+                                    .map_err(|e| undecodable(&path, at, &h, "read from disk", e))?;
                             if !more {
                                 return Ok(());
                             }
@@ -596,6 +622,7 @@ fn take_batch(
     h: &BatchHeader,
     out: &mut ReadResult,
     limits: ReadLimits,
+    within: bool,
     bytes: &mut usize,
     hints: &RefCell<ReadHints>,
 ) -> Result<bool, FrameError> {
@@ -616,13 +643,18 @@ fn take_batch(
             let stopped = format::for_each_record_from(batch, h, from, start, |r| {
                 // The byte cap counts what a record holds in memory
                 // (everything it carries, and the table of its headers) and
-                // is never crossed, except by the first record, so a read
-                // holds at most the cap plus one record however large, or
-                // many, keys and headers are.
+                // is never crossed, except by the first record (unless
+                // `within`), so a read holds at most the cap plus one record
+                // however large, or many, keys and headers are.
                 let size = r.memory_bytes();
                 if out.records.len() >= limits.max_records
                     || (!out.records.is_empty() && *bytes + size > limits.max_bytes)
                 {
+                    full = true;
+                    return false;
+                }
+                if within && out.records.is_empty() && size > limits.max_bytes {
+                    out.first_needs = Some(size);
                     full = true;
                     return false;
                 }

@@ -9,7 +9,7 @@ use crate::metrics::AckWait;
 use crate::shard::Shard;
 use bytes::BytesMut;
 use felix_engine::format::RecordIn as LogRecordIn;
-use felix_engine::log::{Frontier, LogError, ReadLimits};
+use felix_engine::log::{Frontier, LogError, ReadLimits, ReadResult};
 use felix_engine::notify::WaitList;
 use felix_engine::storage::Storage;
 use felix_engine::Offset;
@@ -245,6 +245,21 @@ impl AnswerRoom {
         info.reserved.set(info.reserved.get() + bytes);
         budget.add(bytes);
         self.held.set(bytes);
+    }
+
+    /// Answer room this request holds.
+    pub(crate) fn held(&self) -> usize {
+        self.held.get()
+    }
+
+    /// Hold `bytes` instead of what this request holds now (less than
+    /// that): what it held is given back first, then the room is waited for
+    /// like any other, so two requests of one connection that both need
+    /// more never wait for each other. The caller holds nothing it counted
+    /// in the room meanwhile.
+    pub(crate) async fn grow(&self, bytes: usize) {
+        self.give_back();
+        self.take(bytes).await;
     }
 
     pub(crate) fn give_back(&self) {
@@ -1564,8 +1579,32 @@ async fn read<S: Storage>(
             records: Vec::new(),
         };
     }
+    // The room taken covers what the read may hold, its first record too:
+    // a first record larger than the room (a client may ask for one byte)
+    // is left, the room grown to what it holds, and the read made again.
+    // So a client pipelining reads of large records holds no more than the
+    // room its connection may take.
     room.take(limits.max_bytes).await;
-    match s.log.read(from, limits).await {
+    let mut limits = limits;
+    let read = loop {
+        let r = s.log.read_within(from, limits).await;
+        match r {
+            Ok(ReadResult {
+                first_needs: Some(n),
+                ..
+            }) if n > limits.max_bytes => {
+                if n > room.held() {
+                    room.grow(n).await;
+                }
+                limits.max_bytes = n;
+                if s.log.is_closed() {
+                    return s.closed_answer();
+                }
+            }
+            r => break r,
+        }
+    };
+    match read {
         Ok(mut r) => {
             if let Some(next) = fit_in_frame(&mut r.records, frame_room, |r| answer_size(r, None)) {
                 r.next = next;

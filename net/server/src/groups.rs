@@ -680,6 +680,17 @@ async fn poll<S: Storage>(
             Ok(r) => r,
             Err(e) => return e,
         };
+        if loaded.held > room.held() {
+            // The first record passed the poll's byte cap, and the room
+            // taken for it: let it go (nothing is claimed yet), wait for
+            // room for what it holds, and plan again. So polls pipelined on
+            // one connection hold no more than its room, however large
+            // the records.
+            let need = loaded.held;
+            drop(loaded);
+            room.grow(need).await;
+            continue;
+        }
         if info.hung_up() {
             // The client left while the records were read: claim nothing.
             return Response::GroupRecords {
@@ -868,6 +879,8 @@ struct Loaded {
     skipped: Vec<Offset>,
     /// Records no answer can carry, and why (see `Lookup::GiveUp`).
     unsendable: Vec<(Offset, String)>,
+    /// Bytes the records loaded hold, as the poll's byte cap counts them.
+    held: usize,
 }
 
 impl Loaded {
@@ -926,6 +939,7 @@ async fn read_offsets<S: Storage>(
         records: Vec::with_capacity(offsets.len()),
         skipped: Vec::new(),
         unsendable: Vec::new(),
+        held: 0,
     };
     // One byte budget for the whole plan, not one per run: owed records
     // scattered among finished ones make many short runs, and each read
@@ -1033,6 +1047,7 @@ async fn read_offsets<S: Storage>(
                     continue;
                 }
                 budget = budget.saturating_sub(held);
+                out.held += held;
                 out.insert(rec);
             }
             if expect < reached && !cut {

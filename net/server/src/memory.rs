@@ -11,7 +11,9 @@
 //! * a fixed [`REQUEST_TASK_BYTES`] for each request in flight (its task,
 //!   which a long poll keeps for as long as it waits),
 //! * frames still arriving, at the size their headers declare,
-//! * the answer room reads and polls reserve before they fetch records, and
+//! * the answer room reads and polls reserve before they fetch records
+//!   (grown to what a first record larger than their cap holds before
+//!   they keep it), and
 //! * encoded answers waiting to be written to their sockets.
 //!
 //! Once the core is at its budget, a connection that already holds something
