@@ -161,7 +161,6 @@ fn embedded_runs_count_every_record() {
     let dir = tempfile::tempdir().unwrap();
 
     // Publish exactly 2,000 records; the broker holds exactly those.
-    let began = std::time::Instant::now();
     let doc = run_json(
         dir.path(),
         "publish",
@@ -181,16 +180,15 @@ fn embedded_runs_count_every_record() {
         "one sample per batch of 100"
     );
     assert_eq!(doc["stop_reason"], "count");
-    // What starting, filling and stopping a broker takes here, unpaced.
-    let unpaced = began.elapsed();
     // The broker's own account of the same publishes, from its metrics.
     assert_eq!(doc["broker_publish_latency"]["ack"], "durable", "{doc:#}");
     assert_eq!(num(&doc, "broker_publish_latency.count"), 20.0);
 
     // Paced at 1,000 records/s for 1 s by two producers (batches of 10,
     // one every 20 ms each): the batches are due over the whole second, so
-    // the run cannot end sooner (a pacer that did not wait would send them
-    // all at once and finish as fast as the unpaced run above).
+    // the run cannot end sooner, nor send more than they hold (a pacer that
+    // did not wait would publish as fast as the unpaced run above, for the
+    // whole second).
     let began = std::time::Instant::now();
     let doc = run_json_status(
         dir.path(),
@@ -216,11 +214,8 @@ fn embedded_runs_count_every_record() {
         took >= std::time::Duration::from_millis(900),
         "a paced run of 1 s ended after {took:?}: {doc:#}"
     );
-    assert!(
-        took >= unpaced + std::time::Duration::from_millis(300),
-        "a paced run of 1 s took {took:?}, an unpaced one of 2,000 records {unpaced:?}: {doc:#}"
-    );
-    assert!(num(&doc, "records") > 0.0, "{doc:#}");
+    let records = num(&doc, "records");
+    assert!(records > 0.0 && records <= 1200.0, "{doc:#}");
 
     // Publish 2,000 and read them all back.
     let doc = run_json(

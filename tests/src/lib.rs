@@ -307,11 +307,22 @@ impl Broker {
         self.signal_and_wait(libc::SIGINT)
     }
 
+    /// A broker that has not exited within a minute of the signal is
+    /// killed and the test fails, rather than hanging the run.
     fn signal_and_wait(&mut self, sig: libc::c_int) -> std::process::ExitStatus {
         let mut c = self.child.take().expect("running");
         // SAFETY: sending a signal to our own child process.
         unsafe { libc::kill(c.id() as i32, sig) };
-        c.wait().expect("wait")
+        let mut status = None;
+        let _ = wait_until(Duration::from_secs(60), || {
+            status = c.try_wait().expect("wait");
+            status.is_some()
+        });
+        status.unwrap_or_else(|| {
+            let _ = c.kill();
+            let _ = c.wait();
+            panic!("the broker did not exit within 60 s of signal {sig}");
+        })
     }
 
     /// Start again on the same data directory and address.

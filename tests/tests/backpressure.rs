@@ -501,7 +501,7 @@ async fn shards_on_a_core_share_one_read_cache_budget() {
 async fn a_client_that_takes_no_answers_is_cut_off_after_the_write_timeout() {
     let b = felix_tests::start_broker!(BrokerOptions::default()
         .cores(1)
-        .env("FELIX_WRITE_TIMEOUT_MS", 1000));
+        .env("FELIX_WRITE_TIMEOUT_MS", 5000));
     let _c = big_stream(&b, 1).await;
     let (mut rd, mut wr) = raw_connection(&b.addr, "stalls").await;
     let out = big_reads(200);
@@ -510,11 +510,10 @@ async fn a_client_that_takes_no_answers_is_cut_off_after_the_write_timeout() {
         // write fails or finishes, either way it ends.
         let _ = wr.write_all(&out).await;
     });
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(
-        b.metric("felix_core_buffered_bytes") > 0.0,
-        "the unread answers are held"
-    );
+    felix_tests::wait_until(Duration::from_secs(10), || {
+        b.metric("felix_core_buffered_bytes") > 0.0
+    })
+    .expect("the unread answers are held");
     // Past the write timeout everything is let go.
     let freed = felix_tests::wait_until(Duration::from_secs(20), || {
         b.metric("felix_core_buffered_bytes") == 0.0 && b.metric("felix_connections_open") <= 1.0
@@ -650,7 +649,7 @@ fn connections_leave_open_files_for_the_shards() {
 async fn an_unfinished_frame_is_counted_and_cut_off() {
     let b = felix_tests::start_broker!(BrokerOptions::default()
         .cores(1)
-        .env("FELIX_WRITE_TIMEOUT_MS", 1500));
+        .env("FELIX_WRITE_TIMEOUT_MS", 4000));
     let (mut rd, mut wr) = raw_connection(&b.addr, "unfinished").await;
     let mut frame = bytes::BytesMut::new();
     felix_wire::encode_request(
@@ -666,8 +665,8 @@ async fn an_unfinished_frame_is_counted_and_cut_off() {
         },
         &mut frame,
     );
-    // All but the last 1 KiB, then a byte every 100 ms (a trickle that
-    // would keep an idle timer from ever firing).
+    // All but the last 1 KiB, then a byte every 100 ms for 10 s (a trickle
+    // that would keep an idle timer from firing).
     let sent = frame.len() - 1024;
     wr.write_all(&frame[..sent]).await.unwrap();
     let trickle = frame[sent..sent + 100].to_vec();
@@ -680,7 +679,7 @@ async fn an_unfinished_frame_is_counted_and_cut_off() {
         }
         wr
     });
-    let counted = felix_tests::wait_until(Duration::from_secs(5), || {
+    let counted = felix_tests::wait_until(Duration::from_secs(10), || {
         b.metric("felix_core_buffered_bytes") >= (sent / 2) as f64
     });
     assert!(counted.is_ok(), "the arriving frame was not counted");
@@ -697,7 +696,7 @@ async fn an_unfinished_frame_is_counted_and_cut_off() {
     .await;
     assert!(closed.is_ok(), "the connection was never cut off");
     assert!(
-        started.elapsed() < Duration::from_secs(5),
+        started.elapsed() < Duration::from_secs(9),
         "cut off after {:?}",
         started.elapsed()
     );
@@ -1086,7 +1085,7 @@ async fn frames_begun_and_stalled_are_held_to_the_core_budget() {
     let b = felix_tests::start_broker!(BrokerOptions::default()
         .cores(1)
         .env("FELIX_MAX_BUFFERED_BYTES_PER_CORE", BUDGET)
-        .env("FELIX_WRITE_TIMEOUT_MS", 2000));
+        .env("FELIX_WRITE_TIMEOUT_MS", 5000));
     let c = Client::connect(b.addr.as_str(), ClientConfig::default())
         .await
         .unwrap();
@@ -1121,9 +1120,14 @@ async fn frames_begun_and_stalled_are_held_to_the_core_budget() {
             (rd, wr)
         }));
     }
-    // Long enough for every connection to send what the broker reads.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    let held = b.metric("felix_core_buffered_bytes") as u64;
+    // The frames begun are counted, and the others wait for room; then
+    // long enough for every connection to send what the broker reads.
+    felix_tests::wait_until(Duration::from_secs(10), || {
+        b.metric("felix_core_buffered_bytes") >= (16 << 20) as f64
+            && b.metric("felix_core_buffered_waits_total") > 0.0
+    })
+    .expect("the frames begun were counted, and others waited");
+    tokio::time::sleep(Duration::from_millis(1000)).await;
     let peak = b.metric("felix_core_buffered_bytes_peak") as u64;
     let rss = rss_bytes(b.pid());
     let bound = BUDGET + BUDGET / 4 + (16 << 20);
@@ -1133,10 +1137,11 @@ async fn frames_begun_and_stalled_are_held_to_the_core_budget() {
         peak >> 20,
         bound >> 20
     );
-    assert!(held >= 16 << 20, "the frames begun were not counted");
-    assert!(b.metric("felix_core_buffered_waits_total") > 0.0);
+    // Memory follows, give or take what the allocator keeps of buffers
+    // outgrown (73 MiB was seen against 56 MiB counted; all twelve frames
+    // held, it would be 144 MiB and more).
     assert!(
-        rss < rss_before + bound + (16 << 20),
+        rss < rss_before + 2 * bound,
         "RSS grew by {} MiB",
         (rss - rss_before) >> 20
     );

@@ -1679,8 +1679,14 @@ async fn stream_wide_group_calls_and_dead_letter_reasons() {
     stream(&c, JOBS).await;
     publish(&c, JOBS, 2).await;
     let g = Group::new(&c, JOBS, "workers");
+    // Claimed long enough that the nacks come first, however slow the host.
+    let long = GroupPollOptions {
+        max_records: 1,
+        visibility: Some(Duration::from_secs(30)),
+        ..GroupPollOptions::default()
+    };
     for _ in 0..2 {
-        let got = g.poll(1).await;
+        let got = g.poll_as(&GroupMember::new("nacker"), long).await;
         assert_eq!(offsets(&got), vec![0]);
         c.group_nack_with_reason(
             T,

@@ -319,6 +319,11 @@ async fn a_long_poll_wakes_on_publish_and_does_not_block_the_connection() {
         )
         .await
     });
+    // The poll has begun (its `Latest` is the end before the publish).
+    felix_tests::wait_until(Duration::from_secs(20), || {
+        sample(&broker, "felix_requests_total{op=\"read\"}") >= 1.0
+    })
+    .expect("the broker received the poll");
     // Requests on the same connection still answer while the poll waits.
     for _ in 0..5 {
         c.describe_shard("t", "ns", "tail", 0).await.unwrap();
@@ -408,7 +413,7 @@ async fn a_stop_before_start_up_ends_the_broker_at_once() {
         .spawn()
         .unwrap();
     // Waiting for the port (up to 10 s) by now.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     let started = std::time::Instant::now();
     let out = stop_and_collect(child).await;
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -462,7 +467,15 @@ async fn a_stop_during_a_start_up_that_cannot_finish_exits() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let clean = |shard: u32| {
+        dir.path()
+            .join(format!("t/ns/stuck/{shard}/clean.mark"))
+            .exists()
+    };
+    // Shard 1's core has started once its open took the mark away (shard
+    // 0's core is stuck reading the FIFO).
+    felix_tests::wait_until(Duration::from_secs(20), || !clean(1)).expect("shard 1 opened");
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let out = stop_and_collect(child).await;
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{:?}: {stderr}", out.status);
@@ -471,11 +484,6 @@ async fn a_stop_during_a_start_up_that_cannot_finish_exits() {
         "{stderr}"
     );
     assert!(stderr.contains("1 of 2 cores had not started"), "{stderr}");
-    let clean = |shard: u32| {
-        dir.path()
-            .join(format!("t/ns/stuck/{shard}/clean.mark"))
-            .exists()
-    };
     // Its shard's mark from the first stop was taken away when it opened
     // again: it is there because that core stopped cleanly again.
     assert!(clean(1), "the core that started stopped cleanly");

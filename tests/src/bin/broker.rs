@@ -18,7 +18,7 @@ fn main() {
         config_path: std::env::var_os("FELIX_TEST_CONFIG").map(Into::into),
         data_dir,
         listen: Some(args[2].clone()),
-        cores: Some(args[3].clone()),
+        cores: Some(spread(&args[3])),
         node_id: None,
         peers: None,
         print_config: false,
@@ -26,5 +26,20 @@ fn main() {
     if let Err(e) = felix_server::serve(opts) {
         eprintln!("felix-test-broker: {e}");
         std::process::exit(1);
+    }
+}
+
+/// A one-core broker runs on one of the CPUs this process may use, chosen
+/// by its process id, rather than always on the first: tests run side by
+/// side, and brokers all pinned to one CPU would queue for it while the
+/// others idle. Any other core count or list is passed on as given.
+fn spread(cores: &str) -> String {
+    if cores != "1" {
+        return cores.to_string();
+    }
+    let cpus = core_affinity::get_core_ids().unwrap_or_default();
+    match cpus.get(std::process::id() as usize % cpus.len().max(1)) {
+        Some(cpu) => format!("{},", cpu.id),
+        None => cores.to_string(),
     }
 }
