@@ -1622,26 +1622,54 @@ fn reads_honour_the_record_and_byte_caps() {
                 "{ctx}"
             );
             assert_eq!(read(0, 0, usize::MAX).await, (vec![], 0, 0), "{ctx}");
-            // `read_within`: the first record too keeps to the byte cap; one
-            // that does not is left, with what it would hold.
-            let within = |from: u64, max_bytes: usize| {
+            // `read_within` (from the tail cache; from disk, what a read
+            // brings counts too: see the test after this one): the first
+            // record may pass the byte cap only up to the room given; one
+            // that does not fit is left, with what it would hold. The
+            // records after it keep to the byte cap.
+            let within = |from: u64, max_bytes: usize, room: usize| {
                 let log = log.clone();
                 async move {
                     let limits = ReadLimits {
                         max_records: 100,
                         max_bytes,
                     };
-                    let r = log.read_within(Offset(from), limits).await.unwrap();
+                    let r = log.read_within(Offset(from), limits, room).await;
+                    let r = r.unwrap();
                     let offsets: Vec<u64> = r.records.iter().map(|x| x.offset.0).collect();
                     (offsets, r.bytes, r.next.0, r.first_needs)
                 }
             };
-            assert_eq!(within(5, 100).await, (vec![], 0, 5, Some(5000)), "{ctx}");
-            assert_eq!(within(5, 4999).await, (vec![], 0, 5, Some(5000)), "{ctx}");
-            assert_eq!(within(5, 5000).await, (vec![5], 5000, 6, None), "{ctx}");
-            assert_eq!(within(1, 1).await, (vec![], 0, 1, Some(one)), "{ctx}");
-            assert_eq!(within(4, 5000).await, (vec![4], one, 5, None), "{ctx}");
-            assert_eq!(within(7, one).await, (vec![7], one, 8, None), "{ctx}");
+            if read_cache_bytes == 0 {
+                return;
+            }
+            let roomy = 1 << 20;
+            assert_eq!(
+                within(5, 100, 100).await,
+                (vec![], 0, 5, Some(5000)),
+                "{ctx}"
+            );
+            assert_eq!(
+                within(5, 1, 4999).await,
+                (vec![], 0, 5, Some(5000)),
+                "{ctx}"
+            );
+            assert_eq!(within(1, 1, 1).await, (vec![], 0, 1, Some(one)), "{ctx}");
+            assert_eq!(within(5, 1, 5000).await, (vec![5], 5000, 6, None), "{ctx}");
+            assert_eq!(within(5, 5000, 1).await, (vec![5], 5000, 6, None), "{ctx}");
+            assert_eq!(
+                within(4, 5000, roomy).await,
+                (vec![4], one, 5, None),
+                "{ctx}"
+            );
+            assert_eq!(within(7, one, 1).await, (vec![7], one, 8, None), "{ctx}");
+            // The first past the cap within the room, and no more after it.
+            assert_eq!(within(6, 1, roomy).await, (vec![6], one, 7, None), "{ctx}");
+            assert_eq!(
+                within(6, one + 1, roomy).await,
+                (vec![6], one, 7, None),
+                "{ctx}"
+            );
             // `read` still lets the first pass, and says nothing of it.
             let r = log
                 .read(
@@ -1656,6 +1684,62 @@ fn reads_honour_the_record_and_byte_caps() {
             assert_eq!((r.records.len(), r.first_needs), (1, None), "{ctx}");
         });
     }
+}
+
+/// `read_within` from disk: what a read brings from disk before it has a
+/// record (a chunk, then a batch larger than one) must fit the room given,
+/// as the record itself must; otherwise nothing is read and the read says
+/// how much room it takes. Given that much, the same read returns the
+/// record. (No chunks are kept here, so every read goes to disk.)
+#[test]
+fn reads_within_a_room_bring_no_more_than_it_from_disk() {
+    let storage = SimStorage::new();
+    let cfg = LogConfig {
+        read_cache_bytes: 0,
+        read_chunk_bytes: 4096,
+        cold_chunks: 0,
+        ..LogConfig::default()
+    };
+    block_on(async {
+        let log = open(&storage, &cfg).await;
+        log.append(&[RecordIn {
+            payload: Bytes::from(vec![1; 20_000]),
+            ..Default::default()
+        }])
+        .unwrap();
+        log.append(&[RecordIn {
+            payload: Bytes::from(vec![2; 10]),
+            ..Default::default()
+        }])
+        .unwrap();
+        log.flush().await.unwrap();
+        let limits = ReadLimits {
+            max_records: 10,
+            max_bytes: 1,
+        };
+        let within = |from: u64, room: usize| {
+            let log = log.clone();
+            async move {
+                let r = log.read_within(Offset(from), limits, room).await.unwrap();
+                let offsets: Vec<u64> = r.records.iter().map(|x| x.offset.0).collect();
+                (offsets, r.next.0, r.first_needs)
+            }
+        };
+        // A chunk to read the batch's header.
+        assert_eq!(within(0, 1).await, (vec![], 0, Some(4096)));
+        // Then the whole batch (its header says how long).
+        let (none, next, batch) = within(0, 4096).await;
+        assert_eq!((none, next), (vec![], 0));
+        let batch = batch.expect("the batch's length");
+        assert!((20_000..21_000).contains(&batch), "{batch}");
+        assert_eq!(within(0, batch - 1).await, (vec![], 0, Some(batch)));
+        assert_eq!(within(0, batch).await, (vec![0], 1, None));
+        // A small record after it, in a chunk of its own.
+        assert_eq!(within(1, 4096).await, (vec![1], 2, None));
+        // `read` brings what it must.
+        let r = log.read(Offset(0), limits).await.unwrap();
+        assert_eq!((r.records.len(), r.first_needs), (1, None));
+    });
 }
 
 /// Zeros ahead of small flushes, in steady state: only about one flush in

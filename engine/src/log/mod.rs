@@ -361,8 +361,10 @@ pub struct ReadResult {
     /// Bytes the records hold in memory ([`crate::format::Record::memory_bytes`]),
     /// as the byte cap counted them.
     pub bytes: usize,
-    /// For [`ShardLog::read_within`]: the first record did not fit the byte
-    /// cap, and holds this many bytes (nothing was returned).
+    /// For [`ShardLog::read_within`]: no record was returned, as the first
+    /// (or the bytes brought from disk to reach it) takes this much room,
+    /// more than the read had; `next` is where the read stopped (past any
+    /// control records before it).
     pub first_needs: Option<usize>,
 }
 

@@ -9,26 +9,31 @@ impl<S: Storage> ShardLog<S> {
     /// visible end, within `limits` (at least one record if any is there:
     /// the first may pass the byte cap).
     pub async fn read(&self, from: Offset, limits: ReadLimits) -> Result<ReadResult, LogError> {
-        self.read_capped(from, limits, false).await
+        self.read_capped(from, limits, None).await
     }
 
-    /// [`Self::read`], where the first record too must fit the byte cap:
-    /// one that does not is left, and `first_needs` says what it would
-    /// hold, so a caller that set memory aside for the read can set aside
-    /// that much and read again.
+    /// [`Self::read`] for a caller that set `room` bytes of memory aside
+    /// for it (at least the byte cap): the first record may pass the byte
+    /// cap only up to `room`, and what the read brings from disk before it
+    /// has a record (a chunk, a batch larger than one) must fit `room`
+    /// too. Otherwise nothing is returned and `first_needs` says how much
+    /// room it takes, so the caller can set that much aside and read
+    /// again. Records after the first keep to the byte cap.
     pub async fn read_within(
         &self,
         from: Offset,
         limits: ReadLimits,
+        room: usize,
     ) -> Result<ReadResult, LogError> {
-        self.read_capped(from, limits, true).await
+        self.read_capped(from, limits, Some(room.max(limits.max_bytes)))
+            .await
     }
 
     async fn read_capped(
         &self,
         from: Offset,
         limits: ReadLimits,
-        within: bool,
+        within: Option<usize>,
     ) -> Result<ReadResult, LogError> {
         let (start, end) = {
             let i = self.inner.borrow();
@@ -122,7 +127,7 @@ impl<S: Storage> ShardLog<S> {
         from: Offset,
         end: Offset,
         limits: ReadLimits,
-        within: bool,
+        within: Option<usize>,
         out: &mut ReadResult,
         bytes: &mut usize,
     ) -> Result<(), LogError> {
@@ -167,15 +172,24 @@ impl<S: Storage> ShardLog<S> {
             'segment: while pos < seg_len {
                 if buf.len() < format::BATCH_HEADER_BYTES {
                     let want = chunk.min((seg_len - pos) as usize);
-                    buf = self
+                    let room = within.filter(|_| out.records.is_empty());
+                    buf = match self
                         .cold_read(
                             &file,
                             seg_base,
                             pos,
                             format::BATCH_HEADER_BYTES,
                             want.max(format::BATCH_HEADER_BYTES),
+                            room,
                         )
-                        .await?;
+                        .await?
+                    {
+                        Brought::Bytes(b) => b,
+                        Brought::Needs(n) => {
+                            out.first_needs = Some(n);
+                            return Ok(());
+                        }
+                    };
                 }
                 loop {
                     let parsed = match format::parse_header(&buf) {
@@ -226,9 +240,17 @@ impl<S: Storage> ShardLog<S> {
                                     reason: "batch runs past the segment's end".into(),
                                 });
                             }
-                            buf = self
-                                .cold_read(&file, seg_base, pos, buf.len() + more, want)
-                                .await?;
+                            let room = within.filter(|_| out.records.is_empty());
+                            buf = match self
+                                .cold_read(&file, seg_base, pos, buf.len() + more, want, room)
+                                .await?
+                            {
+                                Brought::Bytes(b) => b,
+                                Brought::Needs(n) => {
+                                    out.first_needs = Some(n);
+                                    return Ok(());
+                                }
+                            };
                             continue 'segment;
                         }
                         Err(e) => {
@@ -340,7 +362,9 @@ impl<S: Storage> ShardLog<S> {
     /// read from disk and kept as a chunk. A reader moving forward through
     /// the chunks asks for the next one to be read ahead (see
     /// [`ShardLog::run_read_ahead`]); one that needs a chunk being read
-    /// ahead waits for it rather than reading it again.
+    /// ahead waits for it rather than reading it again. With `room`, bytes
+    /// that would take more memory than that to bring (a disk read, two
+    /// chunks joined) are not brought: the answer says how much.
     async fn cold_read(
         &self,
         file: &S::File,
@@ -348,13 +372,15 @@ impl<S: Storage> ShardLog<S> {
         pos: u64,
         need: usize,
         want: usize,
-    ) -> Result<Bytes, LogError> {
+        room: Option<usize>,
+    ) -> Result<Brought, LogError> {
         loop {
             let arrived = self.ahead.wait();
-            match self.kept_or_claim(segment, pos, need, want) {
-                Cold::Kept(bytes) => return Ok(bytes),
+            match self.kept_or_claim(segment, pos, need, want, room) {
+                Cold::Kept(bytes) => return Ok(Brought::Bytes(bytes)),
                 Cold::Read => break,
                 Cold::Coming => arrived.await,
+                Cold::Needs(n) => return Ok(Brought::Needs(n)),
             }
         }
         let in_flight = Reading {
@@ -389,14 +415,22 @@ impl<S: Storage> ShardLog<S> {
         if sequential && bytes.len() >= want {
             self.want_ahead(&mut *i, segment, pos + bytes.len() as u64);
         }
-        Ok(bytes)
+        Ok(Brought::Bytes(bytes))
     }
 
     /// The bytes a cold read wants, from the kept chunks (one, or two a
     /// batch straddles), asking for the next chunk to be read ahead. If
     /// they are not kept and no read in flight brings them, lists this
-    /// reader's own read in `reading` for it to issue.
-    fn kept_or_claim(&self, segment: Offset, pos: u64, need: usize, want: usize) -> Cold {
+    /// reader's own read in `reading` for it to issue. With `room`, bytes
+    /// that would take more than that to bring are left ([`Cold::Needs`]).
+    fn kept_or_claim(
+        &self,
+        segment: Offset,
+        pos: u64,
+        need: usize,
+        want: usize,
+        room: Option<usize>,
+    ) -> Cold {
         let mut i = self.inner.borrow_mut();
         if let Some(k) = i
             .cold
@@ -434,8 +468,15 @@ impl<S: Storage> ShardLog<S> {
                 return Cold::Kept(out);
             }
         }
+        // (Not with too little room for the copy: then neither is there
+        // for the disk read below.)
         let tick = i.cold_hits + 1;
-        if let Some((joined, (end, len))) = straddle(&mut i.cold, segment, pos, need, tick) {
+        let joined = if room.is_some_and(|r| need > r) {
+            None
+        } else {
+            straddle(&mut i.cold, segment, pos, need, tick)
+        };
+        if let Some((joined, (end, len))) = joined {
             i.cold_hits = tick;
             if len >= i.config.read_chunk_bytes {
                 self.want_ahead(&mut i, segment, end);
@@ -457,6 +498,9 @@ impl<S: Storage> ShardLog<S> {
             .map_or(pos, |c| c.pos + c.bytes.len() as u64);
         if i.config.cold_chunks > 0 && reading_brings(&i, segment, from, pos + need as u64) {
             return Cold::Coming;
+        }
+        if room.is_some_and(|r| want.max(need) > r) {
+            return Cold::Needs(want.max(need));
         }
         i.reading.push((segment, pos, want as u64));
         Cold::Read
@@ -622,7 +666,7 @@ fn take_batch(
     h: &BatchHeader,
     out: &mut ReadResult,
     limits: ReadLimits,
-    within: bool,
+    within: Option<usize>,
     bytes: &mut usize,
     hints: &RefCell<ReadHints>,
 ) -> Result<bool, FrameError> {
@@ -643,9 +687,10 @@ fn take_batch(
             let stopped = format::for_each_record_from(batch, h, from, start, |r| {
                 // The byte cap counts what a record holds in memory
                 // (everything it carries, and the table of its headers) and
-                // is never crossed, except by the first record (unless
-                // `within`), so a read holds at most the cap plus one record
-                // however large, or many, keys and headers are.
+                // is never crossed, except by the first record (only up to
+                // the room given, `within`), so a read holds at most the cap
+                // plus one record however large, or many, keys and headers
+                // are.
                 let size = r.memory_bytes();
                 if out.records.len() >= limits.max_records
                     || (!out.records.is_empty() && *bytes + size > limits.max_bytes)
@@ -653,7 +698,7 @@ fn take_batch(
                     full = true;
                     return false;
                 }
-                if within && out.records.is_empty() && size > limits.max_bytes {
+                if out.records.is_empty() && within.is_some_and(|room| size > room) {
                     out.first_needs = Some(size);
                     full = true;
                     return false;
@@ -681,6 +726,16 @@ enum Cold {
     Coming,
     /// Nowhere yet: read them (the read is listed as in flight).
     Read,
+    /// Bringing them takes this many bytes, more than the read has room
+    /// for.
+    Needs(usize),
+}
+
+/// What a cold read brought: the bytes, or how much room bringing them
+/// takes (more than the read had).
+enum Brought {
+    Bytes(Bytes),
+    Needs(usize),
 }
 
 /// A cold read in flight, listed in `Inner::reading` from before it is

@@ -159,6 +159,10 @@ pub(crate) struct ConnInfo {
     /// Answer bytes reserved by the reads, polls and lists running (see
     /// [`answer_reservation`] and [`AnswerRoom`]).
     pub reserved: Cell<usize>,
+    /// Requests waiting to grow their room ([`AnswerRoom::grow`]): others
+    /// of the connection take none meanwhile, so a large first record is
+    /// not starved by a stream of small reads.
+    growing: Cell<usize>,
     /// The client shut its side of the connection (or closed it): no more
     /// requests come, but the answers to those sent still go out.
     done_sending: Cell<bool>,
@@ -212,20 +216,34 @@ impl AnswerRoom {
 
     /// Hold `bytes` of answer room, unless this request already holds some.
     /// Waits while the connection's unsent answers and the room held by its
-    /// other requests would pass `max_pending_response_bytes` (one holder
-    /// always goes ahead, so a single large read is never stuck).
+    /// other requests would pass `max_pending_response_bytes` (a request
+    /// of a connection holding neither always goes ahead, so a single large
+    /// read is never stuck).
     pub(crate) async fn take(&self, bytes: usize) {
         if self.held.get() > 0 || bytes == 0 {
             return;
         }
+        self.wait_for_room(bytes, false).await;
+    }
+
+    async fn wait_for_room(&self, bytes: usize, growing: bool) {
         let info = &self.info;
         let outbox = &info.outbox;
         let budget = &outbox.budget;
         let mut counted = false;
         while !outbox.closed.get() {
+            if !growing && info.growing.get() > 0 {
+                // Behind a request of this connection growing its room.
+                outbox.drained.wait().await;
+                continue;
+            }
             let unsent = outbox.unsent();
             let holds = info.reserved.get() > 0;
-            let conn_full = holds && unsent + info.reserved.get() + bytes > info.max_pending;
+            // Room and unsent answers together keep to the connection's
+            // bound; only a request of a connection holding neither may
+            // pass it, alone.
+            let conn_full =
+                (holds || unsent > 0) && unsent + info.reserved.get() + bytes > info.max_pending;
             // A connection holding no room and no unsent answer always goes
             // ahead (see `memory`): nobody starves, nothing deadlocks.
             let core_full = (holds || unsent > 0) && budget.over(bytes);
@@ -253,13 +271,24 @@ impl AnswerRoom {
     }
 
     /// Hold `bytes` instead of what this request holds now (less than
-    /// that): what it held is given back first, then the room is waited for
-    /// like any other, so two requests of one connection that both need
-    /// more never wait for each other. The caller holds nothing it counted
-    /// in the room meanwhile.
+    /// that). What it held is given back first, so requests of one
+    /// connection that all need more cannot hold each other up for ever
+    /// (one holding nothing always goes ahead); and other requests of the
+    /// connection take no room until it has grown, so a stream of small
+    /// reads cannot keep it waiting. The caller holds nothing it counted in
+    /// the room meanwhile.
     pub(crate) async fn grow(&self, bytes: usize) {
+        struct Growing<'a>(&'a ConnInfo);
+        impl Drop for Growing<'_> {
+            fn drop(&mut self) {
+                self.0.growing.set(self.0.growing.get() - 1);
+                self.0.outbox.drained.wake_all();
+            }
+        }
         self.give_back();
-        self.take(bytes).await;
+        self.info.growing.set(self.info.growing.get() + 1);
+        let _growing = Growing(&self.info);
+        self.wait_for_room(bytes, true).await;
     }
 
     pub(crate) fn give_back(&self) {
@@ -393,6 +422,7 @@ pub(crate) async fn serve<S: Storage>(
         in_flight: Cell::new(0),
         in_flight_bytes: Cell::new(0),
         reserved: Cell::new(0),
+        growing: Cell::new(0),
         done_sending: Cell::new(false),
         outbox: outbox.clone(),
         max_pending: core.shared.config.max_pending_response_bytes,
@@ -1570,35 +1600,37 @@ async fn read<S: Storage>(
         // Deleted while the read waited (or the broker is stopping).
         return s.closed_answer();
     }
+    // Nobody to answer: read nothing (the answer would be dropped).
+    let nobody = || Response::Records {
+        start_offset: s.log.start().0,
+        next_offset: from.0,
+        end_offset: s.log.end().0,
+        records: Vec::new(),
+    };
     if room.info.hung_up() {
-        // Nobody to answer: read nothing (the answer would be dropped).
-        return Response::Records {
-            start_offset: s.log.start().0,
-            next_offset: from.0,
-            end_offset: s.log.end().0,
-            records: Vec::new(),
-        };
+        return nobody();
     }
-    // The room taken covers what the read may hold, its first record too:
-    // a first record larger than the room (a client may ask for one byte)
-    // is left, the room grown to what it holds, and the read made again.
-    // So a client pipelining reads of large records holds no more than the
+    // The room taken covers what the read holds, its first record too: a
+    // first record larger than the room (a client may ask for one byte),
+    // or a disk read larger than it to reach that record, is left, the
+    // room grown to what it takes, and the read made again (the records
+    // after the first still keep to the byte cap). So a client pipelining
+    // reads of large records holds, and brings from disk, no more than the
     // room its connection may take.
     room.take(limits.max_bytes).await;
-    let mut limits = limits;
     let read = loop {
-        let r = s.log.read_within(from, limits).await;
-        match r {
+        let held = room.held();
+        match s.log.read_within(from, limits, held).await {
             Ok(ReadResult {
                 first_needs: Some(n),
                 ..
-            }) if n > limits.max_bytes => {
-                if n > room.held() {
-                    room.grow(n).await;
-                }
-                limits.max_bytes = n;
+            }) if n > held => {
+                room.grow(n).await;
                 if s.log.is_closed() {
                     return s.closed_answer();
+                }
+                if room.info.hung_up() {
+                    return nobody();
                 }
             }
             r => break r,

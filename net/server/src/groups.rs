@@ -676,17 +676,18 @@ async fn poll<S: Storage>(
             // one that took it before it ran).
             room.take(cfg.max_bytes_per_read as usize).await;
         }
-        let mut loaded = match read_offsets(core, shard, &plan.offsets, view).await {
+        let mut loaded = match read_offsets(core, shard, &plan.offsets, view, room.held()).await {
             Ok(r) => r,
             Err(e) => return e,
         };
-        if loaded.held > room.held() {
-            // The first record passed the poll's byte cap, and the room
-            // taken for it: let it go (nothing is claimed yet), wait for
-            // room for what it holds, and plan again. So polls pipelined on
-            // one connection hold no more than its room, however large
+        let need = loaded.needs.unwrap_or(0).max(loaded.held);
+        if need > room.held() {
+            // The first record passes the poll's byte cap and the room
+            // taken for it (or reaching it from disk would): let it go
+            // (nothing is claimed yet), wait for room for what it takes,
+            // and plan again. So polls pipelined on one connection hold,
+            // and bring from disk, no more than its room, however large
             // the records.
-            let need = loaded.held;
             drop(loaded);
             room.grow(need).await;
             continue;
@@ -881,6 +882,9 @@ struct Loaded {
     unsendable: Vec<(Offset, String)>,
     /// Bytes the records loaded hold, as the poll's byte cap counts them.
     held: usize,
+    /// Nothing was loaded: the first record, or what reaching it takes
+    /// from disk, needs this much room, more than the poll holds.
+    needs: Option<usize>,
 }
 
 impl Loaded {
@@ -927,12 +931,14 @@ impl Loaded {
     }
 }
 
-/// Read the records at `offsets` (runs of consecutive offsets in one read).
+/// Read the records at `offsets` (runs of consecutive offsets in one read),
+/// within `room` bytes of memory for the first (see `Loaded::needs`).
 async fn read_offsets<S: Storage>(
     core: &Rc<Core<S>>,
     shard: &Shard<S>,
     offsets: &[Offset],
     view: LogView,
+    room: usize,
 ) -> Result<Loaded, Response> {
     let mut out = Loaded {
         offsets: Vec::with_capacity(offsets.len()),
@@ -940,6 +946,7 @@ async fn read_offsets<S: Storage>(
         skipped: Vec::new(),
         unsendable: Vec::new(),
         held: 0,
+        needs: None,
     };
     // One byte budget for the whole plan, not one per run: owed records
     // scattered among finished ones make many short runs, and each read
@@ -975,14 +982,19 @@ async fn read_offsets<S: Storage>(
             // A run may begin below the log start (a reclaimed claim on a
             // record retention removed, next to the first retained ones):
             // read what is retained; the offsets below it hold nothing.
+            // The first record loaded may take up to the poll's room; a
+            // later run's, and what it brings from disk, what is left of
+            // the budget.
+            let first_run = out.offsets.is_empty();
             let r = shard
                 .log
-                .read(
+                .read_within(
                     start.max(view.start),
                     ReadLimits {
                         max_records: j - i,
                         max_bytes: budget,
                     },
+                    if first_run { room } else { budget },
                 )
                 .await
                 .map_err(|e| {
@@ -991,6 +1003,14 @@ async fn read_offsets<S: Storage>(
                         format!("shard {}: {e}", shard.name()),
                     )
                 })?;
+            if let Some(n) = r.first_needs {
+                if first_run {
+                    out.needs = Some(n);
+                    return Ok(out);
+                }
+                // Not loaded, and nothing from it on is settled.
+                break;
+            }
             // Everything below the read's `next` (or below the log's start,
             // which retention removed) that came back without a record
             // holds none: the read stepped over it.

@@ -12,8 +12,8 @@
 //!   which a long poll keeps for as long as it waits),
 //! * frames still arriving, at the size their headers declare,
 //! * the answer room reads and polls reserve before they fetch records
-//!   (grown to what a first record larger than their cap holds before
-//!   they keep it), and
+//!   (grown to what a first record larger than their cap holds, or what
+//!   reaching it brings from disk, before they keep or bring it), and
 //! * encoded answers waiting to be written to their sockets.
 //!
 //! Once the core is at its budget, a connection that already holds something
