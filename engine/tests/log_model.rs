@@ -1640,6 +1640,18 @@ fn reads_honour_the_record_and_byte_caps() {
                     (offsets, r.bytes, r.next.0, r.first_needs)
                 }
             };
+            // `read` still lets the first pass, and says nothing of it.
+            let r = log
+                .read(
+                    Offset(5),
+                    ReadLimits {
+                        max_records: 100,
+                        max_bytes: 1,
+                    },
+                )
+                .await
+                .unwrap();
+            assert_eq!((r.records.len(), r.first_needs), (1, None), "{ctx}");
             if read_cache_bytes == 0 {
                 return;
             }
@@ -1670,18 +1682,6 @@ fn reads_honour_the_record_and_byte_caps() {
                 (vec![6], one, 7, None),
                 "{ctx}"
             );
-            // `read` still lets the first pass, and says nothing of it.
-            let r = log
-                .read(
-                    Offset(5),
-                    ReadLimits {
-                        max_records: 100,
-                        max_bytes: 1,
-                    },
-                )
-                .await
-                .unwrap();
-            assert_eq!((r.records.len(), r.first_needs), (1, None), "{ctx}");
         });
     }
 }
@@ -1736,6 +1736,31 @@ fn reads_within_a_room_bring_no_more_than_it_from_disk() {
         assert_eq!(within(0, batch).await, (vec![0], 1, None));
         // A small record after it, in a chunk of its own.
         assert_eq!(within(1, 4096).await, (vec![1], 2, None));
+        // With a record in hand, a read ends rather than bring more than
+        // is left of its room: a small record, then the large batch.
+        log.append(&[RecordIn {
+            payload: Bytes::from(vec![3; 30_000]),
+            ..Default::default()
+        }])
+        .unwrap();
+        log.flush().await.unwrap();
+        let ample = ReadLimits {
+            max_records: 10,
+            max_bytes: 1 << 20,
+        };
+        let r = log.read_within(Offset(1), ample, 1 << 20).await.unwrap();
+        let offsets: Vec<u64> = r.records.iter().map(|x| x.offset.0).collect();
+        assert_eq!((offsets, r.first_needs), (vec![1, 2], None));
+        let small = ReadLimits {
+            max_records: 10,
+            max_bytes: 8192,
+        };
+        let disk_reads = log.stats().cold_reads;
+        let r = log.read_within(Offset(1), small, 8192).await.unwrap();
+        let offsets: Vec<u64> = r.records.iter().map(|x| x.offset.0).collect();
+        assert_eq!((offsets, r.next.0, r.first_needs), (vec![1], 2, None));
+        // One chunk read, not the 30,000-byte batch after it.
+        assert_eq!(log.stats().cold_reads, disk_reads + 1);
         // `read` brings what it must.
         let r = log.read(Offset(0), limits).await.unwrap();
         assert_eq!((r.records.len(), r.first_needs), (1, None));

@@ -14,11 +14,12 @@ impl<S: Storage> ShardLog<S> {
 
     /// [`Self::read`] for a caller that set `room` bytes of memory aside
     /// for it (at least the byte cap): the first record may pass the byte
-    /// cap only up to `room`, and what the read brings from disk before it
-    /// has a record (a chunk, a batch larger than one) must fit `room`
-    /// too. Otherwise nothing is returned and `first_needs` says how much
-    /// room it takes, so the caller can set that much aside and read
-    /// again. Records after the first keep to the byte cap.
+    /// cap only up to `room`, and what the read brings from disk (a chunk,
+    /// a batch larger than one, two chunks joined) must fit what is left
+    /// of `room`. Without a record yet, a read that does not fit returns
+    /// nothing and `first_needs` says how much room it takes, so the
+    /// caller can set that much aside and read again; with records, it
+    /// ends with them. Records after the first keep to the byte cap.
     pub async fn read_within(
         &self,
         from: Offset,
@@ -172,7 +173,7 @@ impl<S: Storage> ShardLog<S> {
             'segment: while pos < seg_len {
                 if buf.len() < format::BATCH_HEADER_BYTES {
                     let want = chunk.min((seg_len - pos) as usize);
-                    let room = within.filter(|_| out.records.is_empty());
+                    let room = within.map(|r| r.saturating_sub(*bytes));
                     buf = match self
                         .cold_read(
                             &file,
@@ -186,7 +187,7 @@ impl<S: Storage> ShardLog<S> {
                     {
                         Brought::Bytes(b) => b,
                         Brought::Needs(n) => {
-                            out.first_needs = Some(n);
+                            out.needs_room(n);
                             return Ok(());
                         }
                     };
@@ -240,14 +241,14 @@ impl<S: Storage> ShardLog<S> {
                                     reason: "batch runs past the segment's end".into(),
                                 });
                             }
-                            let room = within.filter(|_| out.records.is_empty());
+                            let room = within.map(|r| r.saturating_sub(*bytes));
                             buf = match self
                                 .cold_read(&file, seg_base, pos, buf.len() + more, want, room)
                                 .await?
                             {
                                 Brought::Bytes(b) => b,
                                 Brought::Needs(n) => {
-                                    out.first_needs = Some(n);
+                                    out.needs_room(n);
                                     return Ok(());
                                 }
                             };
@@ -714,6 +715,16 @@ fn take_batch(
                     .note(h.base_offset, pos, hint.map(|(k, _)| k));
             }
             Ok(!full && out.records.len() < limits.max_records && *bytes < limits.max_bytes)
+        }
+    }
+}
+
+impl ReadResult {
+    /// A read within a room met bytes it has no room left to bring: it
+    /// ends with the records it has, or, with none, says what it takes.
+    fn needs_room(&mut self, n: usize) {
+        if self.records.is_empty() {
+            self.first_needs = Some(n);
         }
     }
 }

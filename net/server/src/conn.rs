@@ -241,9 +241,13 @@ impl AnswerRoom {
             let holds = info.reserved.get() > 0;
             // Room and unsent answers together keep to the connection's
             // bound; only a request of a connection holding neither may
-            // pass it, alone.
+            // pass it, alone. A request growing its room goes once the
+            // others hold none, whatever is unsent: it holds up the
+            // connection's other reads meanwhile, and answers that take no
+            // room (publishes, acks) could keep something unsent for ever.
+            let counts_unsent = unsent > 0 && !growing;
             let conn_full =
-                (holds || unsent > 0) && unsent + info.reserved.get() + bytes > info.max_pending;
+                (holds || counts_unsent) && unsent + info.reserved.get() + bytes > info.max_pending;
             // A connection holding no room and no unsent answer always goes
             // ahead (see `memory`): nobody starves, nothing deadlocks.
             let core_full = (holds || unsent > 0) && budget.over(bytes);

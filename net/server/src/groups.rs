@@ -983,8 +983,8 @@ async fn read_offsets<S: Storage>(
             // record retention removed, next to the first retained ones):
             // read what is retained; the offsets below it hold nothing.
             // The first record loaded may take up to the poll's room; a
-            // later run's, and what it brings from disk, what is left of
-            // the budget.
+            // later run's what is left of the budget, and what it brings
+            // from disk what is left of the room.
             let first_run = out.offsets.is_empty();
             let r = shard
                 .log
@@ -994,7 +994,11 @@ async fn read_offsets<S: Storage>(
                         max_records: j - i,
                         max_bytes: budget,
                     },
-                    if first_run { room } else { budget },
+                    if first_run {
+                        room
+                    } else {
+                        room.saturating_sub(out.held).max(budget)
+                    },
                 )
                 .await
                 .map_err(|e| {
