@@ -1274,7 +1274,7 @@ async fn reads_and_polls_hold_room_for_the_records_they_keep() {
             &mut polls,
         );
     }
-    let (mut rd, mut wr) = raw_connection(&b.addr, "polls").await;
+    let (rd, mut wr) = raw_connection(&b.addr, "polls").await;
     wr.write_all(&polls).await.unwrap();
     settle(pid).await;
     let grown = rss_bytes(pid) - base;
@@ -1284,34 +1284,22 @@ async fn reads_and_polls_hold_room_for_the_records_they_keep() {
         grown >> 20
     );
     // Every poll answered: each claimed one record, every record once.
-    let mut claimed = Vec::new();
-    let mut answers = 0;
-    let mut buf = bytes::BytesMut::new();
-    let mut chunk = vec![0u8; 1 << 20];
-    while answers < RECORDS + 5 {
-        let n = tokio::time::timeout(Duration::from_secs(60), rd.read(&mut chunk))
-            .await
-            .expect("answers keep coming")
-            .unwrap();
-        assert!(n > 0, "the broker closed the connection");
-        buf.extend_from_slice(&chunk[..n]);
-        while let Some((_, resp)) = felix_wire::decode_response(&mut buf, 64 << 20).unwrap() {
-            match resp {
-                Response::HelloOk { .. } => {}
-                Response::GroupRecords { records } => {
-                    assert!(records.len() <= 1, "a poll claimed {}", records.len());
-                    for r in records {
-                        assert_eq!(r.payload.len(), SIZE);
-                        assert_eq!(r.payload[0], r.offset as u8);
-                        claimed.push(r.offset);
-                    }
-                }
-                other => panic!("unexpected {other:?}"),
-            }
-            answers += 1;
+    let claimed = std::cell::RefCell::new(Vec::new());
+    drain_answers(rd, RECORDS + 5, |r| match r {
+        Response::GroupRecords { records } => {
+            claimed
+                .borrow_mut()
+                .extend(records.iter().map(|r| r.offset));
+            records.len() <= 1
+                && records
+                    .iter()
+                    .all(|r| r.payload.len() == SIZE && r.payload[0] == r.offset as u8)
         }
-    }
+        _ => false,
+    })
+    .await;
     drop(wr);
+    let mut claimed = claimed.into_inner();
     claimed.sort_unstable();
     assert_eq!(claimed, (0..RECORDS).collect::<Vec<_>>());
 }

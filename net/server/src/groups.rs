@@ -997,7 +997,7 @@ async fn read_offsets<S: Storage>(
                     if first_run {
                         room
                     } else {
-                        room.saturating_sub(out.held).max(budget)
+                        room.saturating_sub(out.held)
                     },
                 )
                 .await
