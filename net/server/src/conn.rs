@@ -4,7 +4,7 @@
 //! complete. A long poll therefore never blocks an ack on the same connection.
 
 use crate::broker::{now_ms, to_name, wire_err, Core, CoreMsg, Handoff};
-use crate::memory::{Budget, Past, REQUEST_TASK_BYTES};
+use crate::memory::{Budget, Past, PAST_BUDGET_ROOM, REQUEST_TASK_BYTES};
 use crate::metrics::AckWait;
 use crate::shard::Shard;
 use bytes::BytesMut;
@@ -82,6 +82,9 @@ struct Outbox {
     budget: Rc<Budget>,
     /// Bytes taken from `buf` by the writer and not yet fully written.
     writing: Cell<usize>,
+    /// Of the answers in `buf`, bytes counted in the core's overdraft
+    /// ([`Past::Answers`]): repaid once the writer has sent them.
+    past: Cell<usize>,
 }
 
 impl Outbox {
@@ -90,11 +93,13 @@ impl Outbox {
         self.buf.borrow().len() + self.writing.get()
     }
 
-    fn push(&self, request_id: u64, resp: &Response) {
+    /// Queue the answer to `request_id` for the socket; returns the bytes
+    /// it takes there (none once the connection is closing).
+    fn push(&self, request_id: u64, resp: &Response) -> usize {
         if self.closed.get() {
-            return;
+            return 0;
         }
-        {
+        let queued = {
             let mut buf = self.buf.borrow_mut();
             let at = buf.len();
             felix_wire::encode_response(request_id, resp, &mut buf);
@@ -123,8 +128,10 @@ impl Outbox {
                 );
             }
             self.budget.add(buf.len() - at);
-        }
+            buf.len() - at
+        };
         self.ready.wake_all();
+        queued
     }
 }
 
@@ -196,6 +203,18 @@ impl ConnInfo {
     }
 }
 
+/// How much of the room asked for a request must hold.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Want {
+    /// Up to that much: past the core's budget it may take less (a read or
+    /// poll answers within what it holds).
+    UpTo,
+    /// All of it (an answer built whole, such as a list).
+    All,
+    /// All of it, to grow the room to what a first record takes.
+    Growth,
+}
+
 /// The answer bytes one request holds (see [`answer_reservation`]): taken
 /// before it runs, or, for a read or poll that may wait for records, only
 /// once it has something to read, so that long polls waiting on a
@@ -204,6 +223,9 @@ impl ConnInfo {
 pub(crate) struct AnswerRoom {
     info: Rc<ConnInfo>,
     held: Cell<usize>,
+    /// Of `held`, what was taken past the core's budget (all of it or
+    /// none), counted in its overdraft.
+    past: Cell<usize>,
 }
 
 impl AnswerRoom {
@@ -211,26 +233,42 @@ impl AnswerRoom {
         AnswerRoom {
             info: info.clone(),
             held: Cell::new(0),
+            past: Cell::new(0),
         }
     }
 
-    /// Hold `bytes` of answer room, unless this request already holds some.
-    /// Waits while the connection's unsent answers and the room held by its
-    /// other requests would pass `max_pending_response_bytes` (a request
-    /// of a connection holding neither always goes ahead, so a single large
-    /// read is never stuck).
+    /// Hold `bytes` of answer room, unless this request already holds some;
+    /// [`held`](Self::held) then says how much it holds, which may be less:
+    /// the caller answers within it. Waits while the connection's unsent
+    /// answers and the room held by its other requests would pass
+    /// `max_pending_response_bytes`, or the core's budget would be passed.
+    /// A request of a connection holding neither goes ahead past the
+    /// budget (so nothing is starved by clients that stop reading), with
+    /// all it asked while the answers let through that way hold less than
+    /// a quarter of the budget, and with [`PAST_BUDGET_ROOM`] after.
     pub(crate) async fn take(&self, bytes: usize) {
         if self.held.get() > 0 || bytes == 0 {
             return;
         }
-        self.wait_for_room(bytes, false).await;
+        self.wait_for_room(bytes, Want::UpTo).await;
     }
 
-    async fn wait_for_room(&self, bytes: usize, growing: bool) {
+    /// [`take`](Self::take), all of `bytes` or nothing, for an answer built
+    /// whole whatever the room (a list).
+    async fn take_all(&self, bytes: usize) {
+        if self.held.get() > 0 || bytes == 0 {
+            return;
+        }
+        self.wait_for_room(bytes, Want::All).await;
+    }
+
+    async fn wait_for_room(&self, bytes: usize, want: Want) {
+        let growing = want == Want::Growth;
         let info = &self.info;
         let outbox = &info.outbox;
         let budget = &outbox.budget;
         let mut counted = false;
+        let (mut take, mut past) = (bytes, false);
         while !outbox.closed.get() {
             if !growing && info.growing.get() > 0 {
                 // Behind a request of this connection growing its room.
@@ -248,10 +286,27 @@ impl AnswerRoom {
             let counts_unsent = unsent > 0 && !growing;
             let conn_full =
                 (holds || counts_unsent) && unsent + info.reserved.get() + bytes > info.max_pending;
-            // A connection holding no room and no unsent answer always goes
-            // ahead (see `memory`): nobody starves, nothing deadlocks.
-            let core_full = (holds || unsent > 0) && budget.over(bytes);
+            // A connection holding no room and no unsent answer goes ahead
+            // past the budget (see `memory`): nobody starves, nothing
+            // deadlocks. What it takes there counts in the overdraft, until
+            // its answer is sent; once that holds its quarter, it takes
+            // little (a read answers with less), and a first record larger
+            // than that waits (the answers holding it are being sent, or
+            // cut off at the write timeout).
+            let holds_nothing = !holds && unsent == 0;
+            let over = budget.over(bytes);
+            let core_full = if holds_nothing {
+                over && budget.answers_overdrawn() && want != Want::UpTo && bytes > PAST_BUDGET_ROOM
+            } else {
+                over
+            };
             if !conn_full && !core_full {
+                if holds_nothing && over {
+                    if budget.answers_overdrawn() && want == Want::UpTo {
+                        take = bytes.min(PAST_BUDGET_ROOM);
+                    }
+                    past = budget.over(take);
+                }
                 break;
             }
             if core_full {
@@ -264,9 +319,13 @@ impl AnswerRoom {
                 outbox.drained.wait().await;
             }
         }
-        info.reserved.set(info.reserved.get() + bytes);
-        budget.add(bytes);
-        self.held.set(bytes);
+        info.reserved.set(info.reserved.get() + take);
+        budget.add(take);
+        self.held.set(take);
+        if past {
+            budget.overdraw(Past::Answers, take);
+            self.past.set(take);
+        }
     }
 
     /// Answer room this request holds.
@@ -292,7 +351,7 @@ impl AnswerRoom {
         self.give_back();
         self.info.growing.set(self.info.growing.get() + 1);
         let _growing = Growing(&self.info);
-        self.wait_for_room(bytes, true).await;
+        self.wait_for_room(bytes, Want::Growth).await;
     }
 
     pub(crate) fn give_back(&self) {
@@ -300,7 +359,22 @@ impl AnswerRoom {
         if n > 0 {
             self.info.reserved.set(self.info.reserved.get() - n);
             self.info.outbox.budget.release(n);
+            let past = self.past.replace(0);
+            if past > 0 {
+                self.info.outbox.budget.repay(Past::Answers, past);
+            }
             self.info.outbox.drained.wake_all();
+        }
+    }
+
+    /// The answer, `queued` bytes, is in the outbox: if this room was taken
+    /// past the budget, the answer stays in the overdraft in its place
+    /// until it is sent. (The room itself is given back after.)
+    fn pass_to_outbox(&self, queued: usize) {
+        if self.past.get() > 0 && queued > 0 {
+            let outbox = &self.info.outbox;
+            outbox.budget.overdraw(Past::Answers, queued);
+            outbox.past.set(outbox.past.get() + queued);
         }
     }
 }
@@ -418,6 +492,7 @@ pub(crate) async fn serve<S: Storage>(
         max_frame,
         budget: core.budget.clone(),
         writing: Cell::new(0),
+        past: Cell::new(0),
     });
     let info = Rc::new(ConnInfo {
         id: conn_id,
@@ -892,15 +967,19 @@ async fn write_loop(mut sock: Shared, outbox: Rc<Outbox>, stall: Duration) {
             if b.is_empty() {
                 None
             } else {
-                Some(b.split().freeze())
+                // With it, the part of the overdraft its answers hold.
+                Some((b.split().freeze(), outbox.past.replace(0)))
             }
         };
         match data {
-            Some(d) => {
+            Some((d, past)) => {
                 outbox.writing.set(d.len());
                 let sent = write_all_or_stall(&mut sock, &d, stall).await;
                 outbox.writing.set(0);
                 outbox.budget.release(d.len());
+                if past > 0 {
+                    outbox.budget.repay(Past::Answers, past);
+                }
                 drop(d);
                 if sent.is_err() {
                     // Nothing more goes out: what is queued is dropped (and
@@ -916,6 +995,10 @@ async fn write_loop(mut sock: Shared, outbox: Rc<Outbox>, stall: Duration) {
                     outbox.closed.set(true);
                     let left = std::mem::take(&mut *outbox.buf.borrow_mut());
                     outbox.budget.release(left.len());
+                    let past = outbox.past.replace(0);
+                    if past > 0 {
+                        outbox.budget.repay(Past::Answers, past);
+                    }
                     outbox.drained.wake_all();
                     outbox.hangup.wake_all();
                     return;
@@ -988,7 +1071,13 @@ fn spawn_request<S: Storage>(
             Some(refused) => refused,
             None => {
                 // Room for the answer first.
-                room.take(answer_reservation(&req, &core)).await;
+                let bytes = answer_reservation(&req, &core);
+                if matches!(req, Request::Read { .. } | Request::GroupPoll { .. }) {
+                    // These answer within the room they hold.
+                    room.take(bytes).await;
+                } else {
+                    room.take_all(bytes).await;
+                }
                 handle(&core, &info, &room, req).await
             }
         };
@@ -1006,7 +1095,8 @@ fn spawn_request<S: Storage>(
             outbox.drained.wait().await;
         }
         let published = matches!(resp, Response::Published { .. });
-        outbox.push(id, &resp);
+        let queued = outbox.push(id, &resp);
+        room.pass_to_outbox(queued);
         drop(resp);
         if let (Some((decoded, wait)), true) = (publish_wait, published) {
             core.metrics
@@ -1624,6 +1714,11 @@ async fn read<S: Storage>(
     room.take(limits.max_bytes).await;
     let read = loop {
         let held = room.held();
+        // Room taken past the core's budget may be less than the cap.
+        let limits = ReadLimits {
+            max_bytes: limits.max_bytes.min(held),
+            ..limits
+        };
         match s.log.read_within(from, limits, held).await {
             Ok(ReadResult {
                 first_needs: Some(n),

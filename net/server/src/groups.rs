@@ -959,7 +959,8 @@ async fn read_offsets<S: Storage>(
         cfg.max_frame_bytes,
         felix_wire::Response::GROUP_RECORDS_FIXED_BYTES,
     );
-    let mut budget = (cfg.max_bytes_per_read as usize).min(frame_room);
+    // Room taken past the core's budget may be less than the cap.
+    let mut budget = (cfg.max_bytes_per_read as usize).min(frame_room).min(room);
     let mut i = 0;
     while i < offsets.len() && budget > 0 {
         let start = offsets[i];

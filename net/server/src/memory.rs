@@ -47,12 +47,26 @@
 //! that begin larger frames and stall part way (those hold their room until
 //! their time is up); larger frames wait for room like any other.
 //!
+//! Answers are let through the same way: a read, poll or list of a
+//! connection holding nothing takes its answer room past the budget, and
+//! that room, then the answer built in it, counts in an overdraft of its
+//! own ([`Past::Answers`]) until the answer is written to the socket.
+//! While the answers let through hold a quarter of the budget, such a read
+//! or poll takes at most [`PAST_BUDGET_ROOM`] and answers with fewer
+//! records, and a list, or a first record (or the disk read reaching it)
+//! larger than that, waits for the overdraft to shrink. Those answers are
+//! being written, or their clients are cut off at the write timeout, so the
+//! wait ends. Kept apart from the frames and requests, clients that stop
+//! reading their answers hold up nobody's requests, and nobody's reads of
+//! ordinary records.
+//!
 //! The memory a core holds is therefore at most the budget and the request
-//! that crossed it, one answer per connection, a quarter of the budget of
-//! requests let through plus the one that crossed it, and a quarter of the
-//! budget of frames let in plus the one that crossed it, and one read (at
-//! most 64 KiB) per connection holding nothing, which counts but is not
-//! held to the budget. The price is that a frame counts its declared
+//! that crossed it, a quarter of the budget of answers let through plus the
+//! one that crossed it, a quarter of the budget of requests let through
+//! plus the one that crossed it, a quarter of the budget of frames let in
+//! plus the one that crossed it, and per connection holding nothing one
+//! read (at most 64 KiB), which counts but is not held to the budget, and
+//! one answer of at most [`PAST_BUDGET_ROOM`] past the answers' quarter. The price is that a frame counts its declared
 //! size from its header on: a client that sends headers and stalls takes
 //! budget it does not fill, until its frames' time
 //! (`server.write_timeout_ms`) is up. Tokens keep clients that cannot say
@@ -66,6 +80,15 @@ use std::cell::Cell;
 /// poll, measured on x86-64), rounded up.
 pub(crate) const REQUEST_TASK_BYTES: usize = 4096;
 
+/// The answer room a read or poll of a connection holding nothing takes
+/// once the answers let through past the budget hold their quarter of it:
+/// it answers with less rather than wait for clients that may not be
+/// reading. Two of the engine's 256 KiB cold-read chunks, what reaching a
+/// record on disk takes unless its batch is larger, so reads of ordinary
+/// records still go ahead; a first record, or a batch to reach it, larger
+/// than this waits for the overdraft to shrink.
+pub(crate) const PAST_BUDGET_ROOM: usize = 512 << 10;
+
 /// What a connection let through past the budget holds.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Past {
@@ -73,6 +96,9 @@ pub(crate) enum Past {
     Frames = 0,
     /// A request in flight, decoded, with its task.
     Requests = 1,
+    /// Answer room a read or poll took, and then its answer until it is
+    /// written to the socket.
+    Answers = 2,
 }
 
 pub(crate) struct Budget {
@@ -84,8 +110,9 @@ pub(crate) struct Budget {
     /// Times a connection or a read was held back for the budget.
     waits: Cell<u64>,
     /// Bytes let through while the core was at its budget (see
-    /// [`Self::overdrawn`]): of frames arriving, and of requests in flight.
-    overdraft: [Cell<usize>; 2],
+    /// [`Self::overdrawn`]): of frames arriving, of requests in flight, and
+    /// of answers (room, then unsent).
+    overdraft: [Cell<usize>; 3],
     /// Woken when a release leaves the core under its budget, or what was
     /// let through past it (a frame, a request) is done.
     freed: WaitList,
@@ -99,7 +126,7 @@ impl Budget {
             recent: Cell::new(0),
             limit,
             waits: Cell::new(0),
-            overdraft: [Cell::new(0), Cell::new(0)],
+            overdraft: [Cell::new(0), Cell::new(0), Cell::new(0)],
             freed: WaitList::new(),
         }
     }
@@ -150,7 +177,17 @@ impl Budget {
     /// holds a quarter of it already: then such a connection reads no
     /// further and begins no frame, until some of it is done.
     pub fn overdrawn(&self) -> bool {
-        self.overdraft.iter().map(Cell::get).sum::<usize>() >= self.limit / 4
+        self.overdraft(Past::Frames) + self.overdraft(Past::Requests) >= self.limit / 4
+    }
+
+    /// Whether the answers let through past the budget (the room reads and
+    /// polls took, then their answers until sent) hold a quarter of it
+    /// already: then a read or poll of a connection holding nothing takes
+    /// at most [`PAST_BUDGET_ROOM`], and a larger first record waits. Kept
+    /// apart from the frames and requests, so that clients not reading
+    /// their answers cannot hold up requests, nor they answers.
+    pub fn answers_overdrawn(&self) -> bool {
+        self.overdraft(Past::Answers) >= self.limit / 4
     }
 
     /// Whether the requests let through past the budget hold a quarter of

@@ -320,6 +320,7 @@ pub(crate) struct BufferedSnapshot {
     /// in flight.
     pub overdraft_frames: u64,
     pub overdraft_requests: u64,
+    pub overdraft_answers: u64,
 }
 
 /// One core's numbers, `Send` so they can cross to the scraping core.
@@ -402,12 +403,13 @@ impl MetricsSnapshot {
         );
         let mut cores = self.buffered.clone();
         cores.sort_by_key(|b| b.core);
-        let per_core: [Series<BufferedSnapshot, u64>; 7] = [
+        let per_core: [Series<BufferedSnapshot, u64>; 8] = [
             ("felix_core_buffered_bytes", "gauge", "Request and answer bytes a core's connections hold (server.max_buffered_bytes_per_core).", |b| b.bytes),
             ("felix_core_buffered_bytes_peak", "gauge", "The most felix_core_buffered_bytes has been since start.", |b| b.peak),
             ("felix_read_cache_bytes", "gauge", "Bytes a core's shards keep in memory for reads (storage.read_cache_bytes_per_core).", |b| b.read_cache),
             ("felix_core_overdraft_frame_bytes", "gauge", "Of felix_core_buffered_bytes, bytes of frames arriving let in while the core was at its budget (by connections holding nothing; at most about a quarter of the budget and one frame).", |b| b.overdraft_frames),
             ("felix_core_overdraft_request_bytes", "gauge", "Of felix_core_buffered_bytes, bytes of requests in flight let through while the core was at its budget (by connections holding nothing).", |b| b.overdraft_requests),
+            ("felix_core_overdraft_answer_bytes", "gauge", "Of felix_core_buffered_bytes, bytes of answers let through while the core was at its budget (by connections holding nothing): the room reads and polls took, then their answers until sent (at most about a quarter of the budget and one answer, then 512 KiB a connection).", |b| b.overdraft_answers),
             ("felix_core_buffered_waits_total", "counter", "Times a connection or a read waited for the core's buffered-bytes budget.", |b| b.waits),
             ("felix_core_group_claims", "gauge", "Claims and delayed nacks all groups of a core's shards hold (groups.max_claims_per_core).", |b| b.claims),
         ];

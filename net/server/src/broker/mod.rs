@@ -1058,6 +1058,7 @@ impl<S: Storage> Core<S> {
             claims: self.claims.held(),
             overdraft_frames: self.budget.overdraft(crate::memory::Past::Frames) as u64,
             overdraft_requests: self.budget.overdraft(crate::memory::Past::Requests) as u64,
+            overdraft_answers: self.budget.overdraft(crate::memory::Past::Answers) as u64,
         });
         snap.retired = self.retired.borrow().clone();
         snap.max_groups = self.shared.config.metrics_max_groups;
