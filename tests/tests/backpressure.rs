@@ -267,8 +267,9 @@ fn stream_ref(name: &str) -> StreamRef {
 /// budget (`server.max_buffered_bytes_per_core`) bounds them all together.
 /// Twelve connections that each ask for 200 answers of 4 MiB and read none
 /// would hold 12 × 64 MiB of answers under the per-connection bound alone;
-/// with a 32 MiB budget the core holds about that plus one answer each, and
-/// others are still served.
+/// with a 32 MiB budget the core holds about that and what it lets past
+/// the budget (a quarter of it and an answer, then 512 KiB a connection),
+/// and others are still served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_clients_that_never_read_cost_memory_bounded_by_the_core_budget() {
     const BUDGET: u64 = 32 << 20;
@@ -304,8 +305,8 @@ async fn many_clients_that_never_read_cost_memory_bounded_by_the_core_budget() {
         .unwrap();
     assert!(!r.records.is_empty() && r.records[0].offset == 0);
 
-    // What the core counted: the budget plus about one answer (and its
-    // reservation) per connection, far from 12 × 64 MiB.
+    // What the core counted: the budget plus at most about one answer (and
+    // its reservation) per connection, far from 12 × 64 MiB.
     let peak = b.metric("felix_core_buffered_bytes_peak") as u64;
     let bound = BUDGET + (CONNS + 2) * (9 << 20);
     assert!(
@@ -459,7 +460,7 @@ async fn answers_past_the_core_budget_share_a_bounded_overdraft() {
     for _ in 0..300 {
         tokio::time::sleep(Duration::from_millis(100)).await;
         let (now, past) = (reads(), b.metric("felix_core_overdraft_answer_bytes"));
-        settled = if now >= HUGE_READERS && past > 0.0 {
+        settled = if now >= HUGE_READERS && past >= (BUDGET / 4) as f64 {
             settled + 1
         } else {
             0
@@ -524,7 +525,9 @@ async fn answers_past_the_core_budget_share_a_bounded_overdraft() {
     let peak = b.metric("felix_core_buffered_bytes_peak") as u64;
     let past = b.metric("felix_core_overdraft_answer_bytes") as u64;
     let one = HUGE as u64 + (64 << 10);
-    let bound = BUDGET + BUDGET / 4 + 3 * one + (SMALL_READERS + 1) * (528 << 10);
+    // (Each reader may hold 512 KiB of room a moment before it grows it.)
+    let readers = HUGE_READERS + SMALL_READERS + 1;
+    let bound = BUDGET + BUDGET / 4 + 3 * one + readers * (528 << 10);
     assert!(
         peak <= bound,
         "the core held {} MiB (bound {} MiB)",
@@ -532,7 +535,7 @@ async fn answers_past_the_core_budget_share_a_bounded_overdraft() {
         bound >> 20
     );
     assert!(
-        past <= BUDGET / 4 + one,
+        past <= BUDGET / 4 + one + readers * (512 << 10),
         "{past} bytes of answers past the budget"
     );
     assert!(b.metric("felix_core_buffered_waits_total") > 0.0);

@@ -83,8 +83,34 @@ struct Outbox {
     /// Bytes taken from `buf` by the writer and not yet fully written.
     writing: Cell<usize>,
     /// Of the answers in `buf`, bytes counted in the core's overdraft
-    /// ([`Past::Answers`]): repaid once the writer has sent them.
-    past: Cell<usize>,
+    /// ([`Past::Answers`], [`Past::CutAnswers`]): repaid once the writer
+    /// has sent them.
+    past: Cell<PastAnswers>,
+}
+
+/// Bytes of answers counted in the core's overdraft, of each kind.
+#[derive(Clone, Copy, Default)]
+struct PastAnswers {
+    whole: usize,
+    cut: usize,
+}
+
+impl PastAnswers {
+    fn add(&mut self, kind: Past, n: usize) {
+        match kind {
+            Past::CutAnswers => self.cut += n,
+            _ => self.whole += n,
+        }
+    }
+
+    fn repay(self, budget: &Budget) {
+        if self.whole > 0 {
+            budget.repay(Past::Answers, self.whole);
+        }
+        if self.cut > 0 {
+            budget.repay(Past::CutAnswers, self.cut);
+        }
+    }
 }
 
 impl Outbox {
@@ -223,9 +249,9 @@ enum Want {
 pub(crate) struct AnswerRoom {
     info: Rc<ConnInfo>,
     held: Cell<usize>,
-    /// Of `held`, what was taken past the core's budget (all of it or
-    /// none), counted in its overdraft.
-    past: Cell<usize>,
+    /// Whether `held` was taken past the core's budget (all of it), and
+    /// so counts in its overdraft, as which.
+    past: Cell<Option<Past>>,
 }
 
 impl AnswerRoom {
@@ -233,7 +259,7 @@ impl AnswerRoom {
         AnswerRoom {
             info: info.clone(),
             held: Cell::new(0),
-            past: Cell::new(0),
+            past: Cell::new(None),
         }
     }
 
@@ -245,7 +271,8 @@ impl AnswerRoom {
     /// A request of a connection holding neither goes ahead past the
     /// budget (so nothing is starved by clients that stop reading), with
     /// all it asked while the answers let through that way hold less than
-    /// a quarter of the budget, and with [`PAST_BUDGET_ROOM`] after.
+    /// a quarter of the budget, and after that with what is left under the
+    /// budget or [`PAST_BUDGET_ROOM`], the larger.
     pub(crate) async fn take(&self, bytes: usize) {
         if self.held.get() > 0 || bytes == 0 {
             return;
@@ -268,7 +295,7 @@ impl AnswerRoom {
         let outbox = &info.outbox;
         let budget = &outbox.budget;
         let mut counted = false;
-        let (mut take, mut past) = (bytes, false);
+        let (mut take, mut past) = (bytes, None);
         while !outbox.closed.get() {
             if !growing && info.growing.get() > 0 {
                 // Behind a request of this connection growing its room.
@@ -302,10 +329,15 @@ impl AnswerRoom {
             };
             if !conn_full && !core_full {
                 if holds_nothing && over {
-                    if budget.answers_overdrawn() && want == Want::UpTo {
-                        take = bytes.min(PAST_BUDGET_ROOM);
-                    }
-                    past = budget.over(take);
+                    let kind = if budget.answers_overdrawn() {
+                        if want == Want::UpTo {
+                            take = bytes.min(PAST_BUDGET_ROOM.max(budget.left()));
+                        }
+                        Past::CutAnswers
+                    } else {
+                        Past::Answers
+                    };
+                    past = budget.over(take).then_some(kind);
                 }
                 break;
             }
@@ -322,9 +354,9 @@ impl AnswerRoom {
         info.reserved.set(info.reserved.get() + take);
         budget.add(take);
         self.held.set(take);
-        if past {
-            budget.overdraw(Past::Answers, take);
-            self.past.set(take);
+        if let Some(kind) = past {
+            budget.overdraw(kind, take);
+            self.past.set(Some(kind));
         }
     }
 
@@ -359,9 +391,8 @@ impl AnswerRoom {
         if n > 0 {
             self.info.reserved.set(self.info.reserved.get() - n);
             self.info.outbox.budget.release(n);
-            let past = self.past.replace(0);
-            if past > 0 {
-                self.info.outbox.budget.repay(Past::Answers, past);
+            if let Some(kind) = self.past.replace(None) {
+                self.info.outbox.budget.repay(kind, n);
             }
             self.info.outbox.drained.wake_all();
         }
@@ -371,10 +402,12 @@ impl AnswerRoom {
     /// past the budget, the answer stays in the overdraft in its place
     /// until it is sent. (The room itself is given back after.)
     fn pass_to_outbox(&self, queued: usize) {
-        if self.past.get() > 0 && queued > 0 {
+        if let (Some(kind), true) = (self.past.get(), queued > 0) {
             let outbox = &self.info.outbox;
-            outbox.budget.overdraw(Past::Answers, queued);
-            outbox.past.set(outbox.past.get() + queued);
+            outbox.budget.overdraw(kind, queued);
+            let mut past = outbox.past.get();
+            past.add(kind, queued);
+            outbox.past.set(past);
         }
     }
 }
@@ -419,7 +452,7 @@ fn log_refusal(conn: u64, sock: &Shared, client: &str, why: &str) {
 /// is built whole before it waits to be queued, so a client that asks for
 /// many and reads none must be held up before the broker builds them, not
 /// after. A list reserves what it can hold (the streams in the catalog
-/// now, or a shard's most groups), at most a frame.
+/// now, or the groups of the shard now), at most a frame.
 fn answer_reservation<S: Storage>(req: &Request, core: &Core<S>) -> usize {
     let config = &core.shared.config;
     let cap = config.max_bytes_per_read as usize;
@@ -443,7 +476,9 @@ fn answer_reservation<S: Storage>(req: &Request, core: &Core<S>) -> usize {
                 .fold((0usize, 0usize), |(n, s), m| (n + 1, s + m.shards as usize));
             (streams * LISTED_STREAM_BYTES + shards * 4).min(frame)
         }
-        Request::ListGroups { .. } => (config.max_groups_per_shard * LISTED_GROUP_BYTES).min(frame),
+        Request::ListGroups { stream, shard } => core.shard(stream, *shard).map_or(0, |s| {
+            (s.groups.borrow().len() * LISTED_GROUP_BYTES + LISTED_GROUP_BYTES).min(frame)
+        }),
         _ => 0,
     }
 }
@@ -492,7 +527,7 @@ pub(crate) async fn serve<S: Storage>(
         max_frame,
         budget: core.budget.clone(),
         writing: Cell::new(0),
-        past: Cell::new(0),
+        past: Cell::new(PastAnswers::default()),
     });
     let info = Rc::new(ConnInfo {
         id: conn_id,
@@ -968,7 +1003,7 @@ async fn write_loop(mut sock: Shared, outbox: Rc<Outbox>, stall: Duration) {
                 None
             } else {
                 // With it, the part of the overdraft its answers hold.
-                Some((b.split().freeze(), outbox.past.replace(0)))
+                Some((b.split().freeze(), outbox.past.take()))
             }
         };
         match data {
@@ -977,9 +1012,7 @@ async fn write_loop(mut sock: Shared, outbox: Rc<Outbox>, stall: Duration) {
                 let sent = write_all_or_stall(&mut sock, &d, stall).await;
                 outbox.writing.set(0);
                 outbox.budget.release(d.len());
-                if past > 0 {
-                    outbox.budget.repay(Past::Answers, past);
-                }
+                past.repay(&outbox.budget);
                 drop(d);
                 if sent.is_err() {
                     // Nothing more goes out: what is queued is dropped (and
@@ -995,10 +1028,7 @@ async fn write_loop(mut sock: Shared, outbox: Rc<Outbox>, stall: Duration) {
                     outbox.closed.set(true);
                     let left = std::mem::take(&mut *outbox.buf.borrow_mut());
                     outbox.budget.release(left.len());
-                    let past = outbox.past.replace(0);
-                    if past > 0 {
-                        outbox.budget.repay(Past::Answers, past);
-                    }
+                    outbox.past.take().repay(&outbox.budget);
                     outbox.drained.wake_all();
                     outbox.hangup.wake_all();
                     return;
@@ -1072,7 +1102,12 @@ fn spawn_request<S: Storage>(
             None => {
                 // Room for the answer first.
                 let bytes = answer_reservation(&req, &core);
-                if matches!(req, Request::Read { .. } | Request::GroupPoll { .. }) {
+                if matches!(
+                    req,
+                    Request::Read { .. }
+                        | Request::GroupPoll { .. }
+                        | Request::GroupDeadLettersPage { .. }
+                ) {
                     // These answer within the room they hold.
                     room.take(bytes).await;
                 } else {

@@ -305,7 +305,9 @@ pub(crate) async fn handle<S: Storage>(
             let cfg = &core.shared.config;
             let max_entries = max.clamp(1, cfg.max_records_per_read) as usize;
             let budget = (cfg.max_bytes_per_read as usize)
-                .min((cfg.max_frame_bytes as usize).saturating_sub(FRAME_OVERHEAD + 4 + 1 + 8));
+                .min((cfg.max_frame_bytes as usize).saturating_sub(FRAME_OVERHEAD + 4 + 1 + 8))
+                // Past the core's budget its room may be less.
+                .min(room.held().max(1));
             let page = with_tracker(&shard, &key.group, |t| {
                 t.dead_letter_page(Offset(from), max_entries, budget, dead_letter_size)
             });

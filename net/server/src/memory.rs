@@ -23,8 +23,9 @@
 //! connection is starved by clients that stop reading. The requests let
 //! through that way are an overdraft, bounded too: while they hold a
 //! quarter of the budget, a connection holding nothing waits for one of
-//! them to finish (they are in flight, and nothing they wait for is held
-//! by the budget, so the core cannot deadlock). A decoded request can take
+//! them to finish (they are in flight, and what they may wait for, room
+//! for a large answer, is freed as clients take answers or are cut off at
+//! the write timeout, so the core cannot deadlock). A decoded request can take
 //! several times its frame (a publish of records with many empty headers
 //! about eleven times), so without that bound ten thousand connections with
 //! one request each could hold far more than the machine has. The bound is
@@ -51,14 +52,17 @@
 //! connection holding nothing takes its answer room past the budget, and
 //! that room, then the answer built in it, counts in an overdraft of its
 //! own ([`Past::Answers`]) until the answer is written to the socket.
-//! While the answers let through hold a quarter of the budget, such a read
-//! or poll takes at most [`PAST_BUDGET_ROOM`] and answers with fewer
-//! records, and a list, or a first record (or the disk read reaching it)
-//! larger than that, waits for the overdraft to shrink. Those answers are
-//! being written, or their clients are cut off at the write timeout, so the
-//! wait ends. Kept apart from the frames and requests, clients that stop
-//! reading their answers hold up nobody's requests, and nobody's reads of
-//! ordinary records.
+//! While the answers let through hold a quarter of the budget, such a read,
+//! poll or page of dead letters takes at most [`PAST_BUDGET_ROOM`] (or what
+//! is left under the budget, if more) and answers with fewer records, and
+//! a list, or a first record (or the disk read reaching it), larger than
+//! that waits for the overdraft to fall under its quarter. Those answers
+//! are being written, or their clients are cut off at the write timeout,
+//! so the wait ends; the answers cut short count apart
+//! ([`Past::CutAnswers`]), so a stream of them cannot keep it waiting.
+//! Kept apart from the frames and requests, clients that stop reading
+//! their answers hold up nobody's requests, and nobody's reads of ordinary
+//! records.
 //!
 //! The memory a core holds is therefore at most the budget and the request
 //! that crossed it, a quarter of the budget of answers let through plus the
@@ -66,7 +70,8 @@
 //! plus the one that crossed it, a quarter of the budget of frames let in
 //! plus the one that crossed it, and per connection holding nothing one
 //! read (at most 64 KiB), which counts but is not held to the budget, and
-//! one answer of at most [`PAST_BUDGET_ROOM`] past the answers' quarter. The price is that a frame counts its declared
+//! one answer of at most [`PAST_BUDGET_ROOM`] past the answers' quarter.
+//! The price is that a frame counts its declared
 //! size from its header on: a client that sends headers and stalls takes
 //! budget it does not fill, until its frames' time
 //! (`server.write_timeout_ms`) is up. Tokens keep clients that cannot say
@@ -90,15 +95,19 @@ pub(crate) const REQUEST_TASK_BYTES: usize = 4096;
 pub(crate) const PAST_BUDGET_ROOM: usize = 512 << 10;
 
 /// What a connection let through past the budget holds.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Past {
     /// A frame arriving, at its declared size.
     Frames = 0,
     /// A request in flight, decoded, with its task.
     Requests = 1,
-    /// Answer room a read or poll took, and then its answer until it is
-    /// written to the socket.
+    /// Answer room a read, poll or list took, and then its answer until it
+    /// is written to the socket.
     Answers = 2,
+    /// The same, taken once [`Past::Answers`] held its quarter: at most
+    /// [`PAST_BUDGET_ROOM`] a connection, and not counted in that quarter,
+    /// so that many small reads cannot keep a large one waiting.
+    CutAnswers = 3,
 }
 
 pub(crate) struct Budget {
@@ -110,11 +119,12 @@ pub(crate) struct Budget {
     /// Times a connection or a read was held back for the budget.
     waits: Cell<u64>,
     /// Bytes let through while the core was at its budget (see
-    /// [`Self::overdrawn`]): of frames arriving, of requests in flight, and
-    /// of answers (room, then unsent).
-    overdraft: [Cell<usize>; 3],
-    /// Woken when a release leaves the core under its budget, or what was
-    /// let through past it (a frame, a request) is done.
+    /// [`Self::overdrawn`]), by [`Past`]: of frames arriving, of requests
+    /// in flight, and of answers (room, then unsent).
+    overdraft: [Cell<usize>; 4],
+    /// Woken when a release leaves the core under its budget, when what was
+    /// let through past it (a frame, a request) is done, or when the
+    /// answers let through fall under their quarter.
     freed: WaitList,
 }
 
@@ -126,7 +136,7 @@ impl Budget {
             recent: Cell::new(0),
             limit,
             waits: Cell::new(0),
-            overdraft: [Cell::new(0), Cell::new(0), Cell::new(0)],
+            overdraft: [Cell::new(0), Cell::new(0), Cell::new(0), Cell::new(0)],
             freed: WaitList::new(),
         }
     }
@@ -172,6 +182,11 @@ impl Budget {
         self.used.get() >= self.limit
     }
 
+    /// What is left under the budget.
+    pub fn left(&self) -> usize {
+        self.limit.saturating_sub(self.used.get())
+    }
+
     /// Whether what was let through past the budget (by connections
     /// holding nothing), frames arriving and requests in flight together,
     /// holds a quarter of it already: then such a connection reads no
@@ -207,12 +222,23 @@ impl Budget {
     }
 
     /// What was let through past the budget is done (a frame decoded or
-    /// dropped, a request answered): its bytes leave the overdraft, and
-    /// connections waiting for it look again.
+    /// dropped, a request answered, an answer sent): its bytes leave the
+    /// overdraft, and connections waiting for it look again. Only the
+    /// quarter of [`Past::Answers`] is waited for, so those wake nobody
+    /// until they fall under it (an answer sent is no reason for every
+    /// connection held back to look again).
     pub fn repay(&self, past: Past, n: usize) {
         let c = &self.overdraft[past as usize];
-        c.set(c.get() - n);
-        self.freed.wake_all();
+        let was = c.get();
+        c.set(was - n);
+        let wake = match past {
+            Past::Frames | Past::Requests => true,
+            Past::Answers => was >= self.limit / 4 && was - n < self.limit / 4,
+            Past::CutAnswers => false,
+        };
+        if wake {
+            self.freed.wake_all();
+        }
     }
 
     /// Resolves after the next release.
@@ -281,5 +307,28 @@ mod tests {
         assert!(b.overdrawn() && !b.requests_overdrawn());
         b.repay(Past::Frames, 25);
         assert!(b.overdraft.iter().all(|c| c.get() == 0));
+    }
+
+    #[test]
+    fn answers_have_a_quarter_of_their_own() {
+        let b = Budget::new(100);
+        b.overdraw(Past::Answers, 24);
+        // Cut answers are bounded per connection, not by the quarter.
+        b.overdraw(Past::CutAnswers, 50);
+        assert!(!b.answers_overdrawn());
+        b.overdraw(Past::Answers, 1);
+        assert!(b.answers_overdrawn());
+        // Apart from the frames' and requests' quarter.
+        assert!(!b.overdrawn() && !b.requests_overdrawn());
+        assert_eq!(b.overdraft(Past::Answers), 25);
+        b.repay(Past::Answers, 1);
+        b.repay(Past::CutAnswers, 50);
+        assert!(!b.answers_overdrawn());
+        b.repay(Past::Answers, 24);
+        assert!(b.overdraft.iter().all(|c| c.get() == 0));
+        b.add(60);
+        assert_eq!(b.left(), 40);
+        b.add(50);
+        assert_eq!(b.left(), 0);
     }
 }

@@ -409,7 +409,7 @@ impl MetricsSnapshot {
             ("felix_read_cache_bytes", "gauge", "Bytes a core's shards keep in memory for reads (storage.read_cache_bytes_per_core).", |b| b.read_cache),
             ("felix_core_overdraft_frame_bytes", "gauge", "Of felix_core_buffered_bytes, bytes of frames arriving let in while the core was at its budget (by connections holding nothing; at most about a quarter of the budget and one frame).", |b| b.overdraft_frames),
             ("felix_core_overdraft_request_bytes", "gauge", "Of felix_core_buffered_bytes, bytes of requests in flight let through while the core was at its budget (by connections holding nothing).", |b| b.overdraft_requests),
-            ("felix_core_overdraft_answer_bytes", "gauge", "Of felix_core_buffered_bytes, bytes of answers let through while the core was at its budget (by connections holding nothing): the room reads and polls took, then their answers until sent (at most about a quarter of the budget and one answer, then 512 KiB a connection).", |b| b.overdraft_answers),
+            ("felix_core_overdraft_answer_bytes", "gauge", "Of felix_core_buffered_bytes, bytes of answers let through while the core was at its budget (by connections holding nothing): the room reads, polls and lists took, then their answers until sent (at most about a quarter of the budget and one answer, then 512 KiB a connection).", |b| b.overdraft_answers),
             ("felix_core_buffered_waits_total", "counter", "Times a connection or a read waited for the core's buffered-bytes budget.", |b| b.waits),
             ("felix_core_group_claims", "gauge", "Claims and delayed nacks all groups of a core's shards hold (groups.max_claims_per_core).", |b| b.claims),
         ];

@@ -1058,7 +1058,9 @@ impl<S: Storage> Core<S> {
             claims: self.claims.held(),
             overdraft_frames: self.budget.overdraft(crate::memory::Past::Frames) as u64,
             overdraft_requests: self.budget.overdraft(crate::memory::Past::Requests) as u64,
-            overdraft_answers: self.budget.overdraft(crate::memory::Past::Answers) as u64,
+            overdraft_answers: (self.budget.overdraft(crate::memory::Past::Answers)
+                + self.budget.overdraft(crate::memory::Past::CutAnswers))
+                as u64,
         });
         snap.retired = self.retired.borrow().clone();
         snap.max_groups = self.shared.config.metrics_max_groups;
