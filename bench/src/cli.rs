@@ -152,7 +152,8 @@ pub struct CommonArgs {
     /// The Prometheus endpoint (IP:PORT) of the Felix broker given with
     /// --broker, to report the broker's own publish latency
     /// (felix_publish_seconds) over the measured window beside the
-    /// client's. The embedded broker's is used without asking.
+    /// client's: publish and e2e runs only (others refuse it). The embedded
+    /// broker's is used without asking.
     #[arg(long, value_name = "ADDR")]
     pub broker_metrics: Option<String>,
 

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{ArgGroup, Args, Parser, Subcommand, ValueEnum};
 use felix_client::{StartPosition, StreamRef};
 
 #[derive(Debug, Parser)]
@@ -44,6 +44,7 @@ pub struct GlobalArgs {
         global = true,
         help_heading = "Global options",
         env = "FELIX_BROKER",
+        hide_env_values = true,
         default_value = "127.0.0.1:7400",
         value_name = "ADDR",
         value_parser = parse_brokers
@@ -76,6 +77,10 @@ pub struct GlobalArgs {
         value_name = "TOKEN"
     )]
     pub token: Option<String>,
+
+    /// Set by `main`: the stream of a one-shard command given no --shard.
+    #[arg(skip)]
+    pub shard_left_out: Option<StreamRef>,
 }
 
 #[derive(Debug, Clone, Subcommand)]
@@ -125,7 +130,7 @@ pub struct ServeArgs {
     pub cores: Option<String>,
     /// This broker's id in its cluster (cluster.node_id / FELIX_NODE_ID),
     /// one of the ids --peers lists.
-    #[arg(long, value_name = "ID")]
+    #[arg(long, value_name = "ID", value_parser = parse_whole::<u64>)]
     pub node_id: Option<u64>,
     /// Every broker of the cluster, this one included:
     /// ID=CLIENT_ADDR/REPLICATION_ADDR,... (cluster.nodes /
@@ -154,12 +159,12 @@ pub enum StreamCmd {
         /// Keep at most about this many bytes per shard; 0 keeps all
         /// (default: the broker's `storage.retention_bytes`, fixed at
         /// creation; `stream describe` shows `none` for keep-all).
-        #[arg(long, value_name = "B")]
+        #[arg(long, value_name = "B", value_parser = parse_whole::<u64>)]
         retention_bytes: Option<u64>,
         /// Keep records for about this many milliseconds; 0 keeps all
         /// (default: the broker's `storage.retention_ms`, fixed at
         /// creation).
-        #[arg(long, value_name = "MS")]
+        #[arg(long, value_name = "MS", value_parser = parse_ms)]
         retention_ms: Option<u64>,
     },
     /// List streams, one per line.
@@ -192,7 +197,7 @@ pub enum ShardCmd {
         #[arg(value_parser = parse_stream)]
         stream: StreamRef,
         /// Shard number.
-        #[arg(long, value_name = "N", default_value_t = 0)]
+        #[arg(long, value_name = "N", default_value_t = 0, value_parser = parse_whole::<u32>)]
         shard: u32,
     },
 }
@@ -203,7 +208,7 @@ pub struct PublishArgs {
     #[arg(value_parser = parse_stream)]
     pub stream: StreamRef,
     /// Shard to publish to (default 0 unless --key is given).
-    #[arg(long, value_name = "N", conflicts_with = "key")]
+    #[arg(long, value_name = "N", conflicts_with = "key", value_parser = parse_whole::<u32>)]
     pub shard: Option<u32>,
     /// Routing key: stored with every record, and picks the shard
     /// (crc32c(key) mod shards), so records with one key stay in order.
@@ -224,7 +229,8 @@ pub struct PublishArgs {
     pub in_flight: usize,
     /// Records to publish, one per argument. Without any, each line of
     /// stdin is a record (without its line ending); `felix` exits once every
-    /// line is acknowledged and prints `published N records` to stderr. On
+    /// line is acknowledged and prints `published N records to shard S` to
+    /// stderr (no shard when they went to several). On
     /// an error it sends nothing more, waits for the answers still due, and
     /// prints how many records were acknowledged, which input records
     /// (counting from 1) went out without an acknowledgement (those may or
@@ -250,14 +256,14 @@ pub struct ReadArgs {
     #[arg(value_parser = parse_stream)]
     pub stream: StreamRef,
     /// Shard to read.
-    #[arg(long, value_name = "N", default_value_t = 0)]
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = parse_whole::<u32>)]
     pub shard: u32,
     /// Where to start: `earliest` (oldest retained record), `latest` (the
     /// tail: only new records) or an offset.
-    #[arg(long, value_name = "earliest|latest|OFFSET", default_value = "earliest", value_parser = parse_start)]
+    #[arg(long, value_name = "earliest|latest|OFFSET", default_value = "earliest", value_parser = parse_start, allow_hyphen_values = true)]
     pub from: StartPosition,
     /// Stop after this many records.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = parse_whole::<u64>)]
     pub count: Option<u64>,
     /// Keep reading as new records arrive, instead of stopping at the tail.
     /// With several --broker, a broker that cannot be reached is passed
@@ -277,7 +283,7 @@ pub struct GroupTarget {
     #[arg(value_parser = parse_stream)]
     pub stream: StreamRef,
     /// Shard the group consumes (groups are per shard).
-    #[arg(long, value_name = "N", default_value_t = 0)]
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = parse_whole::<u32>)]
     pub shard: u32,
     /// Group name.
     #[arg(long, value_name = "G")]
@@ -301,7 +307,7 @@ pub enum GroupCmd {
         #[command(flatten)]
         target: GroupTarget,
         /// Starting position: `earliest`, `latest` or an offset.
-        #[arg(long, value_name = "earliest|latest|OFFSET", default_value = "earliest", value_parser = parse_start)]
+        #[arg(long, value_name = "earliest|latest|OFFSET", default_value = "earliest", value_parser = parse_start, allow_hyphen_values = true)]
         to: StartPosition,
         /// On every shard of the stream (`latest` is each shard's own tail;
         /// an offset is refused for a stream of several shards).
@@ -314,7 +320,7 @@ pub enum GroupCmd {
         #[command(flatten)]
         target: GroupTarget,
         /// New position: `earliest`, `latest` or an offset.
-        #[arg(long, value_name = "earliest|latest|OFFSET", value_parser = parse_start)]
+        #[arg(long, value_name = "earliest|latest|OFFSET", value_parser = parse_start, allow_hyphen_values = true)]
         to: StartPosition,
         /// On every shard of the stream (`latest` is each shard's own tail;
         /// an offset is refused for a stream of several shards).
@@ -335,7 +341,7 @@ pub enum GroupCmd {
         #[arg(value_parser = parse_stream)]
         stream: StreamRef,
         /// Shard number.
-        #[arg(long, value_name = "N", default_value_t = 0)]
+        #[arg(long, value_name = "N", default_value_t = 0, value_parser = parse_whole::<u32>)]
         shard: u32,
     },
     /// List a group's dead letters in offset order: offset, attempts, when,
@@ -349,29 +355,31 @@ pub enum GroupCmd {
         #[arg(long, value_enum, default_value_t = Format::Text, hide_possible_values = true)]
         format: Format,
         /// List only the dead letters at this offset and above.
-        #[arg(long, value_name = "OFFSET", default_value_t = 0)]
+        #[arg(long, value_name = "OFFSET", default_value_t = 0, value_parser = parse_whole::<u64>)]
         from: u64,
         /// List at most N dead letters (default: all of them).
-        #[arg(long, value_name = "N")]
+        #[arg(long, value_name = "N", value_parser = parse_whole::<u64>)]
         limit: Option<u64>,
     },
     /// Put a dead letter back to be delivered again, its attempts reset.
+    #[command(group(ArgGroup::new("which").required(true).args(["offset", "all"])))]
     Redrive {
         #[command(flatten)]
         target: GroupTarget,
-        /// Offset of the dead letter.
-        #[arg(long, value_name = "O", required_unless_present = "all")]
+        /// Offset of the dead letter (or --all).
+        #[arg(long, value_name = "O", value_parser = parse_whole::<u64>)]
         offset: Option<u64>,
         /// Every dead letter of the group.
         #[arg(long, conflicts_with = "offset")]
         all: bool,
     },
     /// Stop tracking a dead letter (the record stays in the log).
+    #[command(group(ArgGroup::new("which").required(true).args(["offset", "all"])))]
     Discard {
         #[command(flatten)]
         target: GroupTarget,
-        /// Offset of the dead letter.
-        #[arg(long, value_name = "O", required_unless_present = "all")]
+        /// Offset of the dead letter (or --all).
+        #[arg(long, value_name = "O", value_parser = parse_whole::<u64>)]
         offset: Option<u64>,
         /// Every dead letter of the group.
         #[arg(long, conflicts_with = "offset")]
@@ -395,11 +403,11 @@ pub struct ConsumeArgs {
     #[arg(long, value_name = "NAME")]
     pub member: Option<String>,
     /// Stop after this many records.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = parse_whole::<u64>)]
     pub count: Option<u64>,
     /// How long each poll waits for a record when none is available. A
     /// poll that comes back empty ends the command unless --follow.
-    #[arg(long, value_name = "MS", default_value_t = 1000)]
+    #[arg(long, value_name = "MS", default_value_t = 1000, value_parser = parse_ms)]
     pub wait_ms: u64,
     /// Keep polling after an empty poll (until --count, or forever). A
     /// dropped connection does not end it: polls and acks are tried again
@@ -418,7 +426,29 @@ pub struct ConsumeArgs {
 }
 
 pub fn parse_stream(s: &str) -> Result<StreamRef, String> {
-    s.parse::<StreamRef>().map_err(|e| e.to_string())
+    let r = s.parse::<StreamRef>().map_err(|e| e.to_string())?;
+    // The broker's rule for each name, checked here too so that a typo is
+    // a usage error before anything is sent.
+    for (what, name) in [
+        ("tenant", &r.tenant),
+        ("namespace", &r.namespace),
+        ("stream", &r.stream),
+    ] {
+        let bad = name
+            .chars()
+            .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')));
+        if let Some(c) = bad {
+            return Err(format!(
+                "{what} name {name:?} has {c:?}: names use only A-Z a-z 0-9 . _ -"
+            ));
+        }
+        if name.len() > 128 || name == "." || name == ".." {
+            return Err(format!(
+                "{what} name {name:?} is not one: 1 to 128 bytes, not `.` or `..`"
+            ));
+        }
+    }
+    Ok(r)
 }
 
 /// A count that must be at least 1 (shards, batch sizes, batches in
@@ -428,11 +458,31 @@ where
     T: std::str::FromStr + PartialEq + Default,
     T::Err: std::fmt::Display,
 {
-    let n: T = s.parse().map_err(|e| format!("{s:?}: {e}"))?;
+    let n: T = parse_whole(s)?;
     if n == T::default() {
         return Err("must be at least 1".into());
     }
     Ok(n)
+}
+
+/// A whole number (a count, a shard, an offset, a size in bytes).
+pub fn parse_whole<T>(s: &str) -> Result<T, String>
+where
+    T: std::str::FromStr,
+{
+    let digits = !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    s.parse().map_err(|_| {
+        if digits {
+            format!("{s} is too large")
+        } else {
+            format!("{s:?} is not a whole number (digits only, no units or sign)")
+        }
+    })
+}
+
+/// A number of milliseconds (the flags named `-ms`).
+pub fn parse_ms(s: &str) -> Result<u64, String> {
+    parse_whole(s).map_err(|e| format!("{e}: give milliseconds, e.g. 3600000 for an hour"))
 }
 
 /// `--broker`: one `HOST:PORT`, or several separated by commas.
@@ -457,10 +507,9 @@ pub fn parse_start(s: &str) -> Result<StartPosition, String> {
     match s {
         "earliest" => Ok(StartPosition::Earliest),
         "latest" => Ok(StartPosition::Latest),
-        n => n
-            .parse::<u64>()
-            .map(StartPosition::Offset)
-            .map_err(|_| format!("{n:?} is not `earliest`, `latest` or an offset")),
+        n => n.parse::<u64>().map(StartPosition::Offset).map_err(|_| {
+            format!("{n:?} is not `earliest`, `latest` or an offset (a whole number, from 0)")
+        }),
     }
 }
 
@@ -508,6 +557,12 @@ mod tests {
         assert_eq!(parse_start("42"), Ok(StartPosition::Offset(42)));
         assert!(parse_start("-1").is_err());
         assert!(parse_stream("a/b").is_err());
+        assert!(parse_stream("a/b/JOBS space").is_err());
+        assert!(parse_stream("a/../c").is_err());
+        assert!(parse_stream(&format!("a/b/{}", "x".repeat(129))).is_err());
+        assert_eq!(parse_whole::<u32>("7"), Ok(7));
+        assert!(parse_whole::<u32>("1h").is_err());
+        assert!(parse_ms("1h").unwrap_err().contains("milliseconds"));
         assert_eq!(parse_stream("a/b/c"), Ok(StreamRef::new("a", "b", "c")));
     }
 

@@ -528,6 +528,23 @@ async fn on_cluster(
 async fn run_on(global: &GlobalArgs, brokers: &[String], command: Command) -> Result<(), CliError> {
     let ack_on_commit = matches!(&command, Command::Publish(p) if p.ack_on_commit);
     let client = connect(global, ack_on_commit).await?;
+    if let Some(stream) = &global.shard_left_out {
+        let (t, n, s) = parts(stream);
+        if let Ok(info) = client.describe_stream(t, n, s).await {
+            if info.shards > 1 {
+                eprintln!(
+                    "felix: note: {stream} has {} shards; this is shard 0 (give --shard N for \
+                     another{})",
+                    info.shards,
+                    if all_shards_taken(&command) {
+                        ", or --all-shards"
+                    } else {
+                        ""
+                    }
+                );
+            }
+        }
+    }
     match command {
         Command::Serve(_) => unreachable!("serve runs without a client"),
         Command::Stream(cmd) => stream(&client, cmd).await,
@@ -552,6 +569,20 @@ async fn run_on(global: &GlobalArgs, brokers: &[String], command: Command) -> Re
         Command::Consume(args) => consume(&client, args).await,
         Command::Ping => ping(&client).await,
     }
+}
+
+/// Whether the command can run on every shard instead (`--all-shards`).
+fn all_shards_taken(command: &Command) -> bool {
+    matches!(
+        command,
+        Command::Consume(_)
+            | Command::Group(
+                GroupCmd::Describe { .. }
+                    | GroupCmd::Create { .. }
+                    | GroupCmd::Seek { .. }
+                    | GroupCmd::Delete { .. }
+            )
+    )
 }
 
 fn client_config(global: &GlobalArgs, ack_on_commit: bool) -> ClientConfig {

@@ -7,7 +7,8 @@ mod serve;
 
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::parser::ValueSource;
+use clap::{ArgMatches, CommandFactory, FromArgMatches};
 
 use args::{Cli, Command};
 use felix_client::ClientError;
@@ -52,13 +53,31 @@ impl CliError {
             CliError::Io(e) => ("io", e.to_string(), 1),
             CliError::Serve(m) => ("serve", m.clone(), 1),
         };
-        eprintln!("error: {code}: {message}");
+        eprintln!("error: {code}: {message}{}", hint(code, &message));
         ExitCode::from(exit)
     }
 }
 
+/// What to do about the commonest failures, where the message alone does
+/// not say.
+fn hint(code: &str, message: &str) -> &'static str {
+    if code == "unauthorized" && message.contains("requires a token") {
+        " (pass --token or set FELIX_TOKEN)"
+    } else if code == "io" && message.contains("Connection refused") {
+        " (is `felix serve` running there? --broker or FELIX_BROKER names the broker, \
+         127.0.0.1:7400 by default)"
+    } else {
+        ""
+    }
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let mut cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
+    cli.global.shard_left_out = shard_left_out(&matches);
     let result = match cli.command {
         // The broker runs its own executors and logging; no tokio runtime.
         Command::Serve(args) => serve::run(args),
@@ -80,6 +99,25 @@ fn main() -> ExitCode {
         Err(CliError::Io(e)) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
         Err(e) => e.report(),
     }
+}
+
+/// The stream of a one-shard command run without `--shard` (so on shard
+/// 0), to point out the other shards if it has them.
+fn shard_left_out(matches: &ArgMatches) -> Option<felix_client::StreamRef> {
+    let mut m = matches;
+    while let Some((_, sub)) = m.subcommand() {
+        m = sub;
+    }
+    let defaulted = matches!(m.try_get_raw("shard"), Ok(Some(_)))
+        && m.value_source("shard") == Some(ValueSource::DefaultValue);
+    let every_shard = matches!(m.try_get_one::<bool>("all_shards"), Ok(Some(true)));
+    if !defaulted || every_shard {
+        return None;
+    }
+    m.try_get_one::<felix_client::StreamRef>("stream")
+        .ok()
+        .flatten()
+        .cloned()
 }
 
 /// Client-side logs go to stderr, filtered by `FELIX_LOG` (default: warn).

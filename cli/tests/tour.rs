@@ -251,14 +251,62 @@ fn errors_go_to_stderr_with_a_nonzero_exit() {
     let out = run(&s, &["read", "no/such/stream", "--shard", "0"], None);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).starts_with("error: not_found:"));
+    // A name the broker would refuse is a usage error, caught before
+    // anything is sent; a count of shards past its limit is the broker's.
     let out = run(
         &s,
         &["stream", "create", "bad name/x/y", "--shards", "1"],
         None,
     );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("tenant name \"bad name\" has ' '"));
+    let out = run(
+        &s,
+        &["stream", "create", "a/x/y", "--shards", "99999"],
+        None,
+    );
     assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("limits.max_shards"));
     let out = run(&s, &["stream", "create"], None);
     assert_eq!(out.status.code(), Some(2), "usage error");
+    let out = run(&s, &["read", "a/x/y", "--shard", "1h"], None);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is not a whole number"));
+}
+
+/// A one-shard command run without --shard on a stream of several says
+/// which shard it took, on stderr; its output is unchanged.
+#[test]
+fn a_left_out_shard_is_pointed_out_on_a_stream_of_several() {
+    let s = serve();
+    let ok = |args: &[&str]| {
+        let out = run(&s, args, None);
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        out
+    };
+    ok(&["stream", "create", "t/ns/four", "--shards", "4"]);
+    ok(&["stream", "create", "t/ns/one", "--shards", "1"]);
+    ok(&["publish", "t/ns/four", "--shard", "0", "a"]);
+    ok(&["publish", "t/ns/one", "a"]);
+    let note = "has 4 shards; this is shard 0";
+    let out = ok(&["read", "t/ns/four", "--count", "1"]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "a\n");
+    assert!(String::from_utf8_lossy(&out.stderr).contains(note));
+    let out = ok(&["read", "t/ns/four", "--shard", "0", "--count", "1"]);
+    assert!(!String::from_utf8_lossy(&out.stderr).contains(note));
+    let out = ok(&["read", "t/ns/one", "--count", "1"]);
+    assert!(out.stderr.is_empty(), "{out:?}");
+    let out = ok(&["consume", "t/ns/four", "--group", "g", "--count", "1"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("or --all-shards"));
+    let out = ok(&[
+        "group",
+        "describe",
+        "t/ns/four",
+        "--group",
+        "g",
+        "--all-shards",
+    ]);
+    assert!(!String::from_utf8_lossy(&out.stderr).contains(note));
 }
 
 #[test]

@@ -530,12 +530,18 @@ const KEEP_ALL: StreamOptions = StreamOptions {
 /// Why the benchmark's stream could not be made, with what to do about a
 /// stream of that name already there (one left by a run that was killed).
 fn create_failed(s: &impl std::fmt::Display, err: ClientError) -> String {
-    if err.code() == Some(ErrorCode::AlreadyExists) {
+    let name = s.to_string();
+    if err.code() == Some(ErrorCode::AlreadyExists) && name.starts_with("bench/default/") {
         format!(
             "create_stream {s}: {err}: the benchmark never writes into a stream it did not \
-             make; pass another --stream (one a run stopped before it cleaned up left behind, \
-             named bench/default/<workload>-<time>, may be deleted with `felix stream delete \
-             {s}` once nothing uses it)"
+             make; pass another --stream (this one looks left behind by a run stopped before \
+             it cleaned up: it may be deleted with `felix stream delete {s}` once nothing \
+             uses it)"
+        )
+    } else if err.code() == Some(ErrorCode::AlreadyExists) {
+        format!(
+            "create_stream {s}: {err}: the benchmark never writes into a stream it did not \
+             make; pass another --stream, or leave it out for a fresh bench/default/... name"
         )
     } else {
         format!("create_stream {s}: {err}")

@@ -657,7 +657,10 @@ impl<S: Storage> Core<S> {
         if shards == 0 || shards > c.max_shards {
             return wire_err(
                 ErrorCode::InvalidRequest,
-                format!("shards must be 1..={} (got {shards})", c.max_shards),
+                format!(
+                    "a stream has between 1 and {} shards (limits.max_shards), not {shards}",
+                    c.max_shards
+                ),
             );
         }
         let meta = StreamMeta {
