@@ -977,6 +977,10 @@ async fn linger(reader: &mut Shared) {
     }
 }
 
+/// The most of an outbox's buffer kept for the answers after those being
+/// written (small ones, as a publisher's acks, then reuse it).
+const KEEP_OUTBOX_BYTES: usize = 256 << 10;
+
 /// Write `d` whole, giving up when the peer takes nothing for `stall`.
 async fn write_all_or_stall(sock: &mut Shared, d: &[u8], stall: Duration) -> Result<(), ()> {
     let mut at = 0;
@@ -1002,8 +1006,16 @@ async fn write_loop(mut sock: Shared, outbox: Rc<Outbox>, stall: Duration) {
             if b.is_empty() {
                 None
             } else {
+                // A large buffer goes whole: what `split` leaves shares its
+                // allocation, and would keep it (an answer's worth of
+                // memory, uncounted) for as long as the connection lives.
+                let d = if b.capacity() > KEEP_OUTBOX_BYTES {
+                    std::mem::take(&mut *b)
+                } else {
+                    b.split()
+                };
                 // With it, the part of the overdraft its answers hold.
-                Some((b.split().freeze(), outbox.past.take()))
+                Some((d.freeze(), outbox.past.take()))
             }
         };
         match data {
