@@ -450,6 +450,15 @@ fn check_address(r: &Resolved, what: &str, ipv4_only: bool) -> Result<(), Config
 }
 
 impl Config {
+    /// Where setting `section.name` came from (`default`, `file PATH`,
+    /// `env VAR`, `flag --F`).
+    pub fn source_of(&self, section: &str, name: &str) -> String {
+        self.values
+            .iter()
+            .find(|((s, n), _)| *s == section && *n == name)
+            .map_or_else(|| "default".to_string(), |(_, r)| r.source.to_string())
+    }
+
     /// Defaults, then the file (if any), then the environment, then flags.
     pub fn load(file: Option<&Path>, overrides: &Overrides) -> Result<Config, ConfigError> {
         // Only variables that are Unicode: one that is not cannot be a
@@ -626,16 +635,31 @@ impl Config {
                 ))
             })
         };
+        // `what` names a setting as `section.name`: where its value came
+        // from, for an error about it.
+        let from = |what: &str| -> String {
+            values
+                .iter()
+                .find(|((sec, name), _)| {
+                    what.strip_prefix(sec).and_then(|r| r.strip_prefix('.')) == Some(name)
+                })
+                .map(|(_, r)| format!(" (from {})", r.source))
+                .unwrap_or_default()
+        };
         let nonzero = |v: u64, what: &str| -> Result<u64, ConfigError> {
             if v == 0 {
-                Err(ConfigError(format!("{what} must be at least 1")))
+                Err(ConfigError(format!(
+                    "{what}{} must be at least 1",
+                    from(what)
+                )))
             } else {
                 Ok(v)
             }
         };
         let opt = |v: u64| if v == 0 { None } else { Some(v) };
         let u32_of = |v: u64, what: &str| -> Result<u32, ConfigError> {
-            u32::try_from(v).map_err(|_| ConfigError(format!("{what} = {v} is too large")))
+            u32::try_from(v)
+                .map_err(|_| ConfigError(format!("{what} = {v}{} is too large", from(what))))
         };
         let data_dir = get("storage", "data_dir").value.trim().to_string();
         let tokens_file = get("security", "tokens_file").value.trim().to_string();
@@ -719,9 +743,10 @@ impl Config {
         )?;
         let write_chunk_bytes = num("storage", "write_chunk_bytes")?;
         if write_chunk_bytes == 0 || write_chunk_bytes % 4096 != 0 {
-            return Err(ConfigError(
-                "storage.write_chunk_bytes must be a positive multiple of 4096".into(),
-            ));
+            return Err(ConfigError(format!(
+                "storage.write_chunk_bytes{} must be a positive multiple of 4096",
+                from("storage.write_chunk_bytes")
+            )));
         }
         // Below this a frame cannot carry one dead letter with its reason,
         // nor a useful batch: refuse the setting rather than a broker that
@@ -729,7 +754,8 @@ impl Config {
         const MIN_FRAME: u64 = 4096;
         if num("server", "max_frame_bytes")? < MIN_FRAME {
             return Err(ConfigError(format!(
-                "server.max_frame_bytes must be at least {MIN_FRAME}"
+                "server.max_frame_bytes{} must be at least {MIN_FRAME}",
+                from("server.max_frame_bytes")
             )));
         }
         // A segment is a file (and an open descriptor) of its own: one of a
@@ -738,8 +764,9 @@ impl Config {
         const MIN_SEGMENT: u64 = 4096;
         if num("storage", "segment_bytes")? < MIN_SEGMENT {
             return Err(ConfigError(format!(
-                "storage.segment_bytes must be at least {MIN_SEGMENT} (each segment is a file \
-                 the broker keeps open; the default is 128 MiB)"
+                "storage.segment_bytes{} must be at least {MIN_SEGMENT} (each segment is a file \
+                 the broker keeps open; the default is 128 MiB)",
+                from("storage.segment_bytes")
             )));
         }
         // A budget under one frame would let a connection holding anything
@@ -1289,8 +1316,10 @@ mod tests {
         let e = Config::load_with_env(Some(&file), &Overrides::default(), &BTreeMap::new())
             .unwrap_err();
         assert!(
-            e.to_string()
-                .contains("storage.segment_bytes must be at least 4096"),
+            e.to_string().contains(&format!(
+                "storage.segment_bytes (from file {}) must be at least 4096",
+                file.display()
+            )),
             "{e}"
         );
 
@@ -1299,8 +1328,10 @@ mod tests {
         let e = Config::load_with_env(Some(&file), &Overrides::default(), &BTreeMap::new())
             .unwrap_err();
         assert!(
-            e.to_string()
-                .contains("server.max_frame_bytes must be at least 4096"),
+            e.to_string().contains(&format!(
+                "server.max_frame_bytes (from file {}) must be at least 4096",
+                file.display()
+            )),
             "{e}"
         );
     }

@@ -110,7 +110,13 @@ pub fn serve(opts: ServeOptions) -> Result<(), ServeError> {
     // serving would.
     let cores = CoreSet::parse(&config.cores)
         .and_then(|c| c.check_available().map(|()| c))
-        .map_err(|e| ServeError::Config(ConfigError(format!("server.cores: {e}"))))?;
+        .map_err(|e| {
+            ServeError::Config(ConfigError(format!(
+                "server.cores = {:?} (from {}): {e}",
+                config.cores,
+                config.source_of("server", "cores")
+            )))
+        })?;
     if opts.print_config {
         print!("{}", config.render());
         for w in &config.warnings {
