@@ -839,7 +839,7 @@ pub(crate) async fn serve<S: Storage>(
     outbox.hangup.wake_all();
     writer.await;
     if !handed_off {
-        linger(&mut reader).await;
+        linger(&mut reader, frame_time).await;
     }
     core.metrics
         .connections_open
@@ -943,27 +943,62 @@ fn hand_off<S: Storage>(core: &Rc<Core<S>>, sock: &Shared, to: u32, bytes: Vec<u
     }
 }
 
-/// How long a closing connection waits for its client to close too.
+/// How long a closing connection waits for its client to close too, once
+/// the client has its answers.
 const LINGER: Duration = Duration::from_millis(500);
+/// How long a closing connection waits for a client taking none of its
+/// last answers (at most the write timeout).
+const LINGER_STALL: Duration = Duration::from_secs(2);
 /// Most bytes a closing connection reads and drops meanwhile.
 const LINGER_BYTES: usize = 4 << 20;
 
 /// Once the last answers are queued and the write side is shut (a FIN
-/// after them), read and drop what the client still sends until it closes
-/// too, for at most [`LINGER`]. Closing a socket that has unread bytes makes
-/// the kernel reset the connection and throw away what it had not yet
-/// delivered: the answers to requests carried out, or the error that says
-/// why the connection closes.
-async fn linger(reader: &mut Shared) {
-    let until = std::time::Instant::now() + LINGER;
+/// after them), read and drop what the client still sends: until the
+/// client has taken every answer (the kernel's send queue is empty, the FIN
+/// acknowledged), while it takes some every [`LINGER_STALL`] and for at
+/// most `stall` (the write timeout) in all; then until it closes too, for
+/// at most [`LINGER`] and [`LINGER_BYTES`]. Closing a socket that has
+/// unread bytes makes the kernel reset the connection and throw away what
+/// it had not yet delivered: the answers to requests carried out, or the error that says
+/// why the connection closes. (A client slow to read, on a busy machine,
+/// could lose its last answers to a fixed linger.)
+async fn linger(reader: &mut Shared, stall: Duration) {
+    let fd = reader.0.borrow().as_raw_fd();
+    let start = std::time::Instant::now();
     let mut sink = vec![0u8; 4 << 10];
     let mut dropped = 0;
-    while dropped < LINGER_BYTES {
-        let left = until.saturating_duration_since(std::time::Instant::now());
-        if left.is_zero() {
-            break;
+    let mut eof = false;
+    let (mut unacked, mut moved) = (not_yet_taken(fd), start);
+    let mut until = None;
+    loop {
+        let now = std::time::Instant::now();
+        let left = not_yet_taken(fd);
+        if left != unacked {
+            (unacked, moved) = (left, now);
         }
-        let read = glommio::timer::timeout(left, async {
+        let deadline = if left > 0 {
+            // Still taking its answers: wait while it takes some.
+            if now - moved >= LINGER_STALL.min(stall) || now - start >= stall {
+                break;
+            }
+            now + Duration::from_millis(20)
+        } else {
+            // All taken: the client has LINGER (and LINGER_BYTES) to close.
+            let t = *until.get_or_insert_with(|| {
+                dropped = 0;
+                now + LINGER
+            });
+            if eof || dropped >= LINGER_BYTES || now >= t {
+                break;
+            }
+            t
+        };
+        let wait = deadline.saturating_duration_since(now);
+        if eof {
+            glommio::timer::sleep(wait).await;
+            continue;
+        }
+        let read = glommio::timer::timeout(wait, async {
             reader
                 .read(&mut sink)
                 .await
@@ -972,8 +1007,25 @@ async fn linger(reader: &mut Shared) {
         .await;
         match read {
             Ok(n) if n > 0 => dropped += n,
-            _ => break,
+            Err(glommio::GlommioError::TimedOut(_)) => {}
+            // The client closed (or reset) its side.
+            _ => eof = true,
         }
+    }
+}
+
+/// Bytes written to the socket that its peer has not acknowledged yet
+/// (`SIOCOUTQ`, the FIN included): 0 once it has taken everything, or when
+/// the connection is gone.
+fn not_yet_taken(fd: std::os::fd::RawFd) -> usize {
+    let mut n: libc::c_int = 0;
+    // SAFETY: SIOCOUTQ (TIOCOUTQ) writes one int for a socket descriptor
+    // this task owns.
+    let r = unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &mut n) };
+    if r == 0 {
+        n.max(0) as usize
+    } else {
+        0
     }
 }
 

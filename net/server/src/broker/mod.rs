@@ -1243,9 +1243,11 @@ fn damaged_message(name: &StreamName, why: &str) -> String {
 
 /// How long a stopping core waits, once its requests are done, for its
 /// connections to send their last answers: room for a connection's
-/// refusing (up to 0.5 s and a quiet read of 100 ms) and its linger after
-/// them (0.5 s), so that none closes with unread bytes (see `conn.rs`).
-const ANSWERS_GRACE: Duration = Duration::from_millis(1500);
+/// refusing (up to 0.5 s and a quiet read of 100 ms), its client taking the
+/// answers (a busy machine may not run it for a while) and its linger
+/// after them (0.5 s), so that none closes with answers undelivered or
+/// unread bytes (see `conn.rs`). Within the shutdown grace.
+const ANSWERS_GRACE: Duration = Duration::from_secs(4);
 
 /// Releases a stream's busy mark when a create or delete ends.
 pub(crate) struct BusyGuard {
