@@ -427,27 +427,9 @@ pub struct ConsumeArgs {
 
 pub fn parse_stream(s: &str) -> Result<StreamRef, String> {
     let r = s.parse::<StreamRef>().map_err(|e| e.to_string())?;
-    // The broker's rule for each name, checked here too so that a typo is
-    // a usage error before anything is sent.
-    for (what, name) in [
-        ("tenant", &r.tenant),
-        ("namespace", &r.namespace),
-        ("stream", &r.stream),
-    ] {
-        let bad = name
-            .chars()
-            .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')));
-        if let Some(c) = bad {
-            return Err(format!(
-                "{what} name {name:?} has {c:?}: names use only A-Z a-z 0-9 . _ -"
-            ));
-        }
-        if name.len() > 128 || name == "." || name == ".." {
-            return Err(format!(
-                "{what} name {name:?} is not one: 1 to 128 bytes, not `.` or `..`"
-            ));
-        }
-    }
+    // The broker's own rule for names, so that a typo is a usage error
+    // before anything is sent.
+    felix_engine::StreamName::new(&r.tenant, &r.namespace, &r.stream).map_err(|e| e.to_string())?;
     Ok(r)
 }
 

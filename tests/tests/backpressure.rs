@@ -208,7 +208,17 @@ async fn raw_connection(
     tokio::net::tcp::OwnedReadHalf,
     tokio::net::tcp::OwnedWriteHalf,
 ) {
-    let s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    say_hello(tokio::net::TcpStream::connect(addr).await.unwrap(), name).await
+}
+
+/// Say HELLO on `s` (its answer left unread).
+async fn say_hello(
+    s: tokio::net::TcpStream,
+    name: &str,
+) -> (
+    tokio::net::tcp::OwnedReadHalf,
+    tokio::net::tcp::OwnedWriteHalf,
+) {
     let (rd, mut wr) = s.into_split();
     let mut out = bytes::BytesMut::new();
     felix_wire::encode_request(
@@ -419,32 +429,10 @@ async fn answers_past_the_core_budget_share_a_bounded_overdraft() {
             let sock = tokio::net::TcpSocket::new_v4().unwrap();
             sock.set_recv_buffer_size(16 << 10).unwrap();
             let s = sock.connect(addr.parse().unwrap()).await.unwrap();
-            let (rd, mut wr) = s.into_split();
-            let mut out = bytes::BytesMut::new();
-            felix_wire::encode_request(
-                0,
-                &Request::Hello {
-                    version: felix_wire::PROTOCOL_VERSION,
-                    features: felix_wire::FEATURES_ALL,
-                    want_core: None,
-                    client_name: format!("never-reads-{id}"),
-                    token: None,
-                },
-                &mut out,
-            );
-            felix_wire::encode_request(
-                1,
-                &Request::Read {
-                    stream: stream_ref(name),
-                    shard: 0,
-                    from: StartPosition::Offset(from),
-                    max_records: 1000,
-                    max_bytes: 4 << 20,
-                    wait_ms: 0,
-                },
-                &mut out,
-            );
-            wr.write_all(&out).await.unwrap();
+            let (rd, mut wr) = say_hello(s, &format!("never-reads-{id}")).await;
+            wr.write_all(&one_read(name, from, 1000, 4 << 20))
+                .await
+                .unwrap();
             (rd, wr)
         }
     };
@@ -452,24 +440,12 @@ async fn answers_past_the_core_budget_share_a_bounded_overdraft() {
     for i in 0..HUGE_READERS {
         huge.push(reader("huge", i % 8, i).await);
     }
-    let reads = || {
-        b.metric_series("felix_requests_total", &[("op", "read")])
-            .unwrap_or(0.0) as u64
-    };
-    let mut settled = 0;
-    for _ in 0..300 {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let (now, past) = (reads(), b.metric("felix_core_overdraft_answer_bytes"));
-        settled = if now >= HUGE_READERS && past >= (BUDGET / 4) as f64 {
-            settled + 1
-        } else {
-            0
-        };
-        if settled == 10 {
-            break;
-        }
-    }
-    assert_eq!(settled, 10, "the reads did not reach the overdraft");
+    felix_tests::wait_until(Duration::from_secs(30), || {
+        let reads = b.metric_series("felix_requests_total", &[("op", "read")]);
+        reads.unwrap_or(0.0) >= HUGE_READERS as f64
+            && b.metric("felix_core_overdraft_answer_bytes") >= (BUDGET / 4) as f64
+    })
+    .expect("the reads reach the answers' overdraft");
 
     // Ordinary records are read meanwhile, with less room: at once.
     let other = Client::connect(b.addr.as_str(), ClientConfig::default())
@@ -558,22 +534,11 @@ async fn answers_past_the_core_budget_share_a_bounded_overdraft() {
         assert_eq!(records[0].payload.len(), HUGE);
         assert!(records[0].payload.iter().all(|&x| x == i as u8 % 8));
     }
-    let mut left = (f64::MAX, f64::MAX);
-    for _ in 0..100 {
-        left = (
-            b.metric("felix_core_buffered_bytes"),
-            b.metric("felix_core_overdraft_answer_bytes"),
-        );
-        if left == (0.0, 0.0) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert_eq!(
-        left,
-        (0.0, 0.0),
-        "bytes still counted after every answer was read"
-    );
+    felix_tests::wait_until(Duration::from_secs(10), || {
+        b.metric("felix_core_buffered_bytes") == 0.0
+            && b.metric("felix_core_overdraft_answer_bytes") == 0.0
+    })
+    .expect("nothing counted once every answer was read");
 }
 
 /// A connection that has read a large answer and then sits idle keeps none
@@ -602,20 +567,7 @@ async fn a_connection_idle_after_a_large_answer_keeps_none_of_it() {
     let mut conns = Vec::new();
     for i in 0..CONNS {
         let (rd, mut wr) = raw_connection(&b.addr, &format!("idle-after-{i}")).await;
-        let mut out = bytes::BytesMut::new();
-        felix_wire::encode_request(
-            1,
-            &Request::Read {
-                stream: stream_ref("huge"),
-                shard: 0,
-                from: StartPosition::Offset(i % 8),
-                max_records: 1,
-                max_bytes: 1,
-                wait_ms: 0,
-            },
-            &mut out,
-        );
-        wr.write_all(&out).await.unwrap();
+        wr.write_all(&one_read("huge", i % 8, 1, 1)).await.unwrap();
         conns.push((rd, wr));
     }
     let mut open = Vec::new();
@@ -627,20 +579,33 @@ async fn a_connection_idle_after_a_large_answer_keeps_none_of_it() {
     }
     // The connections stay open; once quiet, the broker is back near
     // where it began (the allocator's trim after a burst included).
-    let mut now = u64::MAX;
-    for _ in 0..200 {
-        now = rss_bytes(pid);
-        if now < base + (48 << 20) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let back = felix_tests::wait_until(Duration::from_secs(20), || {
+        rss_bytes(pid) < base + (48 << 20)
+    });
     assert!(
-        now < base + (48 << 20),
+        back.is_ok(),
         "{CONNS} idle connections hold {} MiB after their answers were read",
-        now.saturating_sub(base) >> 20
+        rss_bytes(pid).saturating_sub(base) >> 20
     );
     drop(open);
+}
+
+/// One read of `t/ns/<name>`, request 1 (see [`one_answer`]).
+fn one_read(name: &str, from: u64, max_records: u32, max_bytes: u32) -> bytes::BytesMut {
+    let mut out = bytes::BytesMut::new();
+    felix_wire::encode_request(
+        1,
+        &Request::Read {
+            stream: stream_ref(name),
+            shard: 0,
+            from: StartPosition::Offset(from),
+            max_records,
+            max_bytes,
+            wait_ms: 0,
+        },
+        &mut out,
+    );
+    out
 }
 
 /// The records of the one answer (to request 1) a raw connection gets.

@@ -274,19 +274,16 @@ impl AnswerRoom {
     /// a quarter of the budget, and after that with what is left under the
     /// budget or [`PAST_BUDGET_ROOM`], the larger.
     pub(crate) async fn take(&self, bytes: usize) {
-        if self.held.get() > 0 || bytes == 0 {
-            return;
-        }
-        self.wait_for_room(bytes, Want::UpTo).await;
+        self.take_as(bytes, Want::UpTo).await;
     }
 
-    /// [`take`](Self::take), all of `bytes` or nothing, for an answer built
-    /// whole whatever the room (a list).
-    async fn take_all(&self, bytes: usize) {
+    /// [`take`](Self::take) for a request that answers within its room
+    /// (`Want::UpTo`) or builds its answer whole whatever it (`Want::All`).
+    async fn take_as(&self, bytes: usize, want: Want) {
         if self.held.get() > 0 || bytes == 0 {
             return;
         }
-        self.wait_for_room(bytes, Want::All).await;
+        self.wait_for_room(bytes, want).await;
     }
 
     async fn wait_for_room(&self, bytes: usize, want: Want) {
@@ -1165,18 +1162,14 @@ fn spawn_request<S: Storage>(
             Some(refused) => refused,
             None => {
                 // Room for the answer first.
-                let bytes = answer_reservation(&req, &core);
-                if matches!(
-                    req,
+                // Reads, polls and pages answer within the room they hold.
+                let want = match req {
                     Request::Read { .. }
-                        | Request::GroupPoll { .. }
-                        | Request::GroupDeadLettersPage { .. }
-                ) {
-                    // These answer within the room they hold.
-                    room.take(bytes).await;
-                } else {
-                    room.take_all(bytes).await;
-                }
+                    | Request::GroupPoll { .. }
+                    | Request::GroupDeadLettersPage { .. } => Want::UpTo,
+                    _ => Want::All,
+                };
+                room.take_as(answer_reservation(&req, &core), want).await;
                 handle(&core, &info, &room, req).await
             }
         };
