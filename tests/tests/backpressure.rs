@@ -440,10 +440,19 @@ async fn answers_past_the_core_budget_share_a_bounded_overdraft() {
     for i in 0..HUGE_READERS {
         huge.push(reader("huge", i % 8, i).await);
     }
+    // Settled (for a second on end): every read seen, the core at its
+    // budget for another 4 MiB read, and the answers' quarter full.
+    let mut since: Option<std::time::Instant> = None;
     felix_tests::wait_until(Duration::from_secs(30), || {
         let reads = b.metric_series("felix_requests_total", &[("op", "read")]);
-        reads.unwrap_or(0.0) >= HUGE_READERS as f64
-            && b.metric("felix_core_overdraft_answer_bytes") >= (BUDGET / 4) as f64
+        let settled = reads.unwrap_or(0.0) >= HUGE_READERS as f64
+            && b.metric("felix_core_buffered_bytes") + (4 << 20) as f64 > BUDGET as f64
+            && b.metric("felix_core_overdraft_answer_bytes") >= (BUDGET / 4) as f64;
+        if !settled {
+            since = None;
+            return false;
+        }
+        since.get_or_insert_with(std::time::Instant::now).elapsed() >= Duration::from_secs(1)
     })
     .expect("the reads reach the answers' overdraft");
 
