@@ -827,6 +827,98 @@ async fn a_client_that_takes_no_answers_is_cut_off_after_the_write_timeout() {
     assert!(closed.is_ok(), "the connection was not closed");
 }
 
+/// A raw connection with a 4 KiB receive buffer that has said HELLO and
+/// sent `reads` (its answers left to the caller).
+async fn small_window_reader(
+    addr: &str,
+    name: &str,
+    reads: &[u8],
+) -> (
+    tokio::net::tcp::OwnedReadHalf,
+    tokio::net::tcp::OwnedWriteHalf,
+) {
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.set_recv_buffer_size(4 << 10).unwrap();
+    let s = sock.connect(addr.parse().unwrap()).await.unwrap();
+    let (rd, mut wr) = say_hello(s, name).await;
+    wr.write_all(reads).await.unwrap();
+    (rd, wr)
+}
+
+/// The write timeout counts what the client takes, not what its socket
+/// lets in: a client with a small receive window taking nothing is cut off
+/// about the timeout after its answers stop going out (its kernel still
+/// lets a little in now and then, which once started the time again and
+/// held the answers for twice the timeout), while a client taking its
+/// answers slowly but steadily (far more than 64 KiB a timeout) keeps its
+/// connection and gets every one, though they wait longer than the timeout
+/// behind its window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_write_timeout_counts_what_the_client_takes() {
+    const TIMEOUT: Duration = Duration::from_secs(2);
+    let b = felix_tests::start_broker!(BrokerOptions::default()
+        .cores(1)
+        .env("FELIX_WRITE_TIMEOUT_MS", TIMEOUT.as_millis()));
+    // 32 records of 64 KiB: each read answers with 2 MiB.
+    let _c = big_stream(&b, 2).await;
+
+    // A reader taking nothing, 16 MiB of answers waiting.
+    let open = b.metric("felix_connections_open");
+    let sent = std::time::Instant::now();
+    let _nothing = small_window_reader(&b.addr, "takes-nothing", &big_reads(8)).await;
+    felix_tests::wait_until(Duration::from_secs(10), || {
+        b.metric("felix_core_buffered_bytes") > 0.0
+    })
+    .expect("the unread answers are held");
+    // Cut off (its connection closed, its answers let go) within the
+    // timeout and some slack, not twice the timeout.
+    felix_tests::wait_until(TIMEOUT * 4, || {
+        b.metric("felix_connections_open") <= open && b.metric("felix_core_buffered_bytes") == 0.0
+    })
+    .expect("the reader taking nothing is cut off");
+    let cut = sent.elapsed();
+    assert!(
+        cut < TIMEOUT + TIMEOUT * 3 / 4,
+        "cut off {cut:?} after its reads were sent (timeout {TIMEOUT:?})"
+    );
+
+    // A steady reader: 1 MiB a second through the same window, for 6 MiB
+    // of answers (more than the kernel's socket buffers hold).
+    let (mut rd, _wr) = small_window_reader(&b.addr, "steady", &big_reads(3)).await;
+    const RATE: f64 = (1 << 20) as f64;
+    let start = std::time::Instant::now();
+    let (mut buf, mut chunk) = (bytes::BytesMut::new(), vec![0u8; 64 << 10]);
+    let (mut got, mut records) = (0, 0);
+    while records < 3 * 32 {
+        let n = tokio::time::timeout(Duration::from_secs(30), rd.read(&mut chunk))
+            .await
+            .expect("answers keep coming")
+            .unwrap();
+        assert!(
+            n > 0,
+            "the steady reader was cut off after {records} records"
+        );
+        got += n;
+        buf.extend_from_slice(&chunk[..n]);
+        while let Some((_, resp)) = felix_wire::decode_response(&mut buf, 64 << 20).unwrap() {
+            match resp {
+                Response::HelloOk { .. } => {}
+                Response::Records { records: r, .. } => records += r.len(),
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        let ahead = got as f64 / RATE - start.elapsed().as_secs_f64();
+        if ahead > 0.0 {
+            tokio::time::sleep(Duration::from_secs_f64(ahead)).await;
+        }
+    }
+    assert!(
+        start.elapsed() > TIMEOUT * 2,
+        "the steady reader's answers went out in {:?}: it did not test the timeout",
+        start.elapsed()
+    );
+}
+
 /// An idle connection costs the broker a few KiB, not a 64 KiB read buffer:
 /// reads start small and grow only while they come back full.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -834,8 +834,10 @@ pub(crate) async fn serve<S: Storage>(
     outbox.ready.wake_all();
     outbox.drained.wake_all();
     outbox.hangup.wake_all();
-    writer.await;
-    if !handed_off {
+    // A client cut off for taking nothing has lost its answers already:
+    // nothing to linger for.
+    let delivered = writer.await;
+    if !handed_off && delivered {
         linger(&mut reader, frame_time).await;
     }
     core.metrics
@@ -1030,25 +1032,87 @@ fn not_yet_taken(fd: std::os::fd::RawFd) -> usize {
 /// written (small ones, as a publisher's acks, then reuse it).
 const KEEP_OUTBOX_BYTES: usize = 256 << 10;
 
-/// Write `d` whole, giving up when the peer takes nothing for `stall`.
-async fn write_all_or_stall(sock: &mut Shared, d: &[u8], stall: Duration) -> Result<(), ()> {
+/// The least a client must take of its answers within the write timeout
+/// (`server.write_timeout_ms`) to keep its connection while answers wait.
+const MIN_TAKEN: usize = 64 << 10;
+
+/// What a connection's writer knows of what its peer has taken: the
+/// bytes not yet acknowledged when it last looked (`SIOCOUTQ`; none on a
+/// new connection), and the bytes written since.
+#[derive(Default)]
+struct Taking {
+    unacked: usize,
+    written: usize,
+}
+
+impl Taking {
+    /// Bytes the peer has taken since the last look.
+    fn look(&mut self, fd: std::os::fd::RawFd) -> usize {
+        let now = not_yet_taken(fd);
+        let taken = (self.unacked + self.written).saturating_sub(now);
+        (self.unacked, self.written) = (now, 0);
+        taken
+    }
+}
+
+/// Write `d` whole, giving up when the peer takes less than [`MIN_TAKEN`]
+/// of its answers within `stall`.
+///
+/// The time runs from the call, and starts again each time the peer has
+/// taken `MIN_TAKEN` more (its kernel acknowledged them), not each time
+/// the socket lets a few more bytes in. A peer reading nothing still lets a
+/// little in now and then (its kernel opening a small window to a probe;
+/// glommio trying a plain send once more as its wait times out), and
+/// restarting the time on that kept such a peer's answers held for twice
+/// the timeout or more. The socket is looked at only when a write does not
+/// go in whole, not on the usual path.
+async fn write_all_or_stall(
+    sock: &mut Shared,
+    d: &[u8],
+    stall: Duration,
+    taking: &mut Taking,
+) -> Result<(), ()> {
     let mut at = 0;
+    let mut deadline = std::time::Instant::now() + stall;
+    let mut taken = 0;
     while at < d.len() {
-        let wrote = glommio::timer::timeout(stall, async {
-            sock.write(&d[at..])
-                .await
-                .map_err(glommio::GlommioError::from)
-        })
-        .await;
-        match wrote {
-            Ok(n) if n > 0 => at += n,
-            _ => return Err(()),
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let wrote = if left.is_zero() {
+            0
+        } else {
+            match glommio::timer::timeout(left, async {
+                sock.write(&d[at..])
+                    .await
+                    .map_err(glommio::GlommioError::from)
+            })
+            .await
+            {
+                Ok(n) if n > 0 => n,
+                Err(glommio::GlommioError::TimedOut(_)) => 0,
+                _ => return Err(()),
+            }
+        };
+        at += wrote;
+        taking.written += wrote;
+        if at == d.len() {
+            break;
+        }
+        // The socket is full, or the time is up: has the peer taken enough?
+        taken += taking.look(sock.0.borrow().as_raw_fd());
+        if taken >= MIN_TAKEN {
+            deadline = std::time::Instant::now() + stall;
+            taken = 0;
+        } else if std::time::Instant::now() >= deadline {
+            return Err(());
         }
     }
     Ok(())
 }
 
-async fn write_loop(mut sock: Shared, outbox: Rc<Outbox>, stall: Duration) {
+/// Send what the outbox is given until it is closed and empty; false when
+/// the peer took nothing for `stall` and was cut off.
+async fn write_loop(mut sock: Shared, outbox: Rc<Outbox>, stall: Duration) -> bool {
+    let mut taking = Taking::default();
     loop {
         let data = {
             let mut b = outbox.buf.borrow_mut();
@@ -1070,7 +1134,7 @@ async fn write_loop(mut sock: Shared, outbox: Rc<Outbox>, stall: Duration) {
         match data {
             Some((d, past)) => {
                 outbox.writing.set(d.len());
-                let sent = write_all_or_stall(&mut sock, &d, stall).await;
+                let sent = write_all_or_stall(&mut sock, &d, stall, &mut taking).await;
                 outbox.writing.set(0);
                 outbox.budget.release(d.len());
                 past.repay(&outbox.budget);
@@ -1092,7 +1156,7 @@ async fn write_loop(mut sock: Shared, outbox: Rc<Outbox>, stall: Duration) {
                     outbox.past.take().repay(&outbox.budget);
                     outbox.drained.wake_all();
                     outbox.hangup.wake_all();
-                    return;
+                    return false;
                 }
                 outbox.drained.wake_all();
             }
@@ -1105,7 +1169,7 @@ async fn write_loop(mut sock: Shared, outbox: Rc<Outbox>, stall: Duration) {
                         // SAFETY: shutdown on a descriptor this task owns.
                         unsafe { libc::shutdown(fd, libc::SHUT_WR) };
                     }
-                    return;
+                    return true;
                 }
                 outbox.ready.wait().await;
             }
