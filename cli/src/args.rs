@@ -16,6 +16,14 @@ use felix_client::{StartPosition, StreamRef};
         broker (see --broker): create and inspect streams, publish and read records, \
         and run or administer consumer groups.\n\n\
         Streams are named TENANT/NAMESPACE/STREAM, for example t1/default/jobs.\n\n\
+        On a cluster, --broker may name one broker or several, separated by commas: \
+        `stream create` runs on every broker of the cluster (the first broker that \
+        answers names them), `stream delete` on each broker named, the --all-shards \
+        commands send each shard's part to its leader, `consume` and `read --follow` \
+        follow the shard's leader from broker to broker for as long as they run, and \
+        other commands go to the first broker that answers, following a `not_leader` \
+        answer to the shard's leader (a `publish` sends the batches refused that way \
+        to the leader, in order, and goes on there).\n\n\
         Errors are printed to stderr as `error: <code>: <message>`; the exit code is \
         2 for a usage error and 1 for any other failure.",
     propagate_version = true
@@ -29,16 +37,9 @@ pub struct Cli {
 
 #[derive(Debug, Clone, Args)]
 pub struct GlobalArgs {
-    /// Broker to talk to, as HOST:PORT (ignored by `serve`, which takes
-    /// --listen). For a cluster, one or several separated by commas: `stream
-    /// create` runs on every broker of the cluster (the first broker that
-    /// answers names them), `stream delete` on each broker named, the
-    /// --all-shards commands send each shard's part to its leader, `consume`
-    /// and `read --follow` follow the shard's leader from broker to broker
-    /// for as long as they run, and other commands go to the first that
-    /// answers, following a `not_leader` answer to the shard's leader (a
-    /// `publish` sends the batches refused that way to the leader, in order,
-    /// and goes on there).
+    /// Broker to talk to, as HOST:PORT, or for a cluster one or several
+    /// separated by commas (`felix --help` says how each command uses
+    /// them). Ignored by `serve`, which takes --listen.
     #[arg(
         long,
         global = true,

@@ -706,8 +706,8 @@ pub(crate) async fn serve<S: Storage>(
     outbox.ready.wake_all();
     outbox.drained.wake_all();
     outbox.hangup.wake_all();
-    // A client cut off for taking nothing has lost its answers already:
-    // nothing to linger for.
+    // A client cut off for taking too little (or a failed connection) has
+    // lost its answers already: nothing to linger for.
     let delivered = writer.await;
     if !handed_off && delivered {
         linger(&mut reader, frame_time).await;

@@ -236,54 +236,97 @@ fn not_yet_taken(fd: std::os::fd::RawFd) -> usize {
 const KEEP_OUTBOX_BYTES: usize = 256 << 10;
 
 /// The least a client must take of its answers within the write timeout
-/// (`server.write_timeout_ms`) to keep its connection while answers wait.
+/// (`server.write_timeout_ms`) to keep its connection while they wait.
 const MIN_TAKEN: usize = 64 << 10;
 
-/// What a connection's writer knows of what its peer has taken: the
-/// bytes not yet acknowledged when it last looked (`SIOCOUTQ`; none on a
-/// new connection), and the bytes written since.
+/// How long a write may wait before the writer starts watching what the
+/// client takes (a socket full for a moment is the usual case, and not
+/// looked at).
+const STALL_FROM: Duration = Duration::from_millis(10);
+
+/// What a connection's writer knows of what its client has taken.
 #[derive(Default)]
 struct Taking {
+    /// Bytes the client had not acknowledged when last looked at
+    /// (`SIOCOUTQ`; none on a new connection), and bytes written since.
     unacked: usize,
     written: usize,
+    /// Since when answers have waited on a client taking too little, and
+    /// what it has taken since: from a write that did not go in within
+    /// [`STALL_FROM`], until the client has taken everything.
+    stalled: Option<(std::time::Instant, usize)>,
 }
 
 impl Taking {
-    /// Bytes the peer has taken since the last look.
+    /// Look at the socket: bytes the client has taken since the last look.
     fn look(&mut self, fd: std::os::fd::RawFd) -> usize {
         let now = not_yet_taken(fd);
         let taken = (self.unacked + self.written).saturating_sub(now);
         (self.unacked, self.written) = (now, 0);
         taken
     }
+
+    /// Count what the client took since the last look into the stall;
+    /// false once it has taken less than [`MIN_TAKEN`] in `stall`.
+    fn keeps_up(&mut self, fd: std::os::fd::RawFd, stall: Duration) -> bool {
+        let taken = self.look(fd);
+        let now = std::time::Instant::now();
+        match &mut self.stalled {
+            // Watching starts here: what was taken before does not count.
+            None => self.stalled = Some((now, 0)),
+            Some((since, got)) => {
+                *got += taken;
+                if *got >= MIN_TAKEN {
+                    (*since, *got) = (now, 0);
+                } else if now >= *since + stall {
+                    return false;
+                }
+            }
+        }
+        true
+    }
 }
 
-/// Write `d` whole, giving up when the peer takes less than [`MIN_TAKEN`]
-/// of its answers within `stall`.
+/// Write `d` whole, giving up when the client takes less than
+/// [`MIN_TAKEN`] of its answers within `stall`.
 ///
-/// The time runs from the call, and starts again each time the peer has
-/// taken `MIN_TAKEN` more (its kernel acknowledged them), not each time
-/// the socket lets a few more bytes in. A peer reading nothing still lets a
-/// little in now and then (its kernel opening a small window to a probe;
-/// glommio trying a plain send once more as its wait times out), and
-/// restarting the time on that kept such a peer's answers held for twice
-/// the timeout or more. The socket is looked at only when a write does not
-/// go in whole, not on the usual path.
+/// Once a write has waited [`STALL_FROM`], the time runs until the client
+/// has taken everything, across this and later calls, and starts again
+/// each time it has taken `MIN_TAKEN` more (its kernel acknowledged them),
+/// not each time the socket lets a few more bytes in. A client reading
+/// nothing still lets a little in now and then (its kernel opening a small
+/// window to a probe; glommio trying a plain send once more as its wait
+/// times out), and restarting the time on that kept its answers held for
+/// twice the timeout or more. The socket is looked at only while writes
+/// wait, never on the usual path.
 async fn write_all_or_stall(
     sock: &mut Shared,
     d: &[u8],
     stall: Duration,
     taking: &mut Taking,
 ) -> Result<(), ()> {
+    let fd = sock.0.borrow().as_raw_fd();
+    if taking.stalled.is_some() {
+        // Still behind from before: has it taken everything since?
+        if !taking.keeps_up(fd, stall) {
+            return Err(());
+        }
+        if taking.unacked == 0 {
+            taking.stalled = None;
+        }
+    }
     let mut at = 0;
-    let mut deadline = std::time::Instant::now() + stall;
-    let mut taken = 0;
     while at < d.len() {
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
-        let wrote = if left.is_zero() {
+        let wait = match taking.stalled {
+            None => STALL_FROM.min(stall),
+            Some((since, _)) => {
+                (since + stall).saturating_duration_since(std::time::Instant::now())
+            }
+        };
+        let wrote = if wait.is_zero() {
             0
         } else {
-            match glommio::timer::timeout(left, async {
+            match glommio::timer::timeout(wait, async {
                 sock.write(&d[at..])
                     .await
                     .map_err(glommio::GlommioError::from)
@@ -297,15 +340,7 @@ async fn write_all_or_stall(
         };
         at += wrote;
         taking.written += wrote;
-        if at == d.len() {
-            break;
-        }
-        // The socket is full, or the time is up: has the peer taken enough?
-        taken += taking.look(sock.0.borrow().as_raw_fd());
-        if taken >= MIN_TAKEN {
-            deadline = std::time::Instant::now() + stall;
-            taken = 0;
-        } else if std::time::Instant::now() >= deadline {
+        if at < d.len() && !taking.keeps_up(fd, stall) {
             return Err(());
         }
     }
@@ -313,7 +348,8 @@ async fn write_all_or_stall(
 }
 
 /// Send what the outbox is given until it is closed and empty; false when
-/// the peer took nothing for `stall` and was cut off.
+/// the client was cut off (it took too little for `stall`, see
+/// [`write_all_or_stall`]) or the connection failed.
 pub(super) async fn write_loop(mut sock: Shared, outbox: Rc<Outbox>, stall: Duration) -> bool {
     let mut taking = Taking::default();
     loop {
