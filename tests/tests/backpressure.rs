@@ -855,7 +855,7 @@ async fn small_window_reader(
 /// behind its window.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_write_timeout_counts_what_the_client_takes() {
-    const TIMEOUT: Duration = Duration::from_secs(2);
+    const TIMEOUT: Duration = Duration::from_secs(3);
     let b = felix_tests::start_broker!(BrokerOptions::default()
         .cores(1)
         .env("FELIX_WRITE_TIMEOUT_MS", TIMEOUT.as_millis()));
@@ -878,12 +878,13 @@ async fn the_write_timeout_counts_what_the_client_takes() {
     .expect("the reader taking nothing is cut off");
     let cut = sent.elapsed();
     assert!(
-        cut < TIMEOUT + TIMEOUT * 3 / 4,
+        cut < TIMEOUT * 8 / 5,
         "cut off {cut:?} after its reads were sent (timeout {TIMEOUT:?})"
     );
 
-    // A steady reader: 1 MiB a second through the same window, for 6 MiB
-    // of answers (more than the kernel's socket buffers hold).
+    // A steady reader: 1 MiB a second through the same window (about 50 times
+    // the least rate), for 6 MiB of answers (more than the kernel's socket
+    // buffers hold).
     let (mut rd, _wr) = small_window_reader(&b.addr, "steady", &big_reads(3)).await;
     const RATE: f64 = (1 << 20) as f64;
     let start = std::time::Instant::now();
@@ -913,7 +914,7 @@ async fn the_write_timeout_counts_what_the_client_takes() {
         }
     }
     assert!(
-        start.elapsed() > TIMEOUT * 2,
+        start.elapsed() > TIMEOUT,
         "the steady reader's answers went out in {:?}: it did not test the timeout",
         start.elapsed()
     );
