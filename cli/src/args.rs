@@ -358,8 +358,8 @@ pub enum GroupCmd {
         /// List only the dead letters at this offset and above.
         #[arg(long, value_name = "OFFSET", default_value_t = 0, value_parser = parse_whole::<u64>)]
         from: u64,
-        /// List at most N dead letters, N at least 1 (default: all of them).
-        #[arg(long, value_name = "N", value_parser = parse_at_least_one)]
+        /// List at most N dead letters (default: all of them).
+        #[arg(long, value_name = "N", value_parser = parse_whole::<u64>)]
         limit: Option<u64>,
     },
     /// Put a dead letter back to be delivered again, its attempts reset.
@@ -463,14 +463,6 @@ where
     })
 }
 
-/// A whole number of at least 1 (a limit whose 0 would mean nothing).
-pub fn parse_at_least_one(s: &str) -> Result<u64, String> {
-    match parse_whole(s)? {
-        0 => Err("0 lists nothing: give at least 1, or leave the flag out for all".into()),
-        n => Ok(n),
-    }
-}
-
 /// A number of milliseconds (the flags named `-ms`).
 pub fn parse_ms(s: &str) -> Result<u64, String> {
     parse_whole(s).map_err(|e| format!("{e}: give milliseconds, e.g. 3600000 for an hour"))
@@ -554,19 +546,6 @@ mod tests {
         assert_eq!(parse_whole::<u32>("7"), Ok(7));
         assert!(parse_whole::<u32>("1h").is_err());
         assert!(parse_ms("1h").unwrap_err().contains("milliseconds"));
-        assert_eq!(parse_at_least_one("3"), Ok(3));
-        assert!(parse_at_least_one("0").unwrap_err().contains("at least 1"));
-        let r = Cli::try_parse_from([
-            "felix",
-            "group",
-            "dead-letters",
-            "a/b/c",
-            "--group",
-            "g",
-            "--limit",
-            "0",
-        ]);
-        assert!(r.is_err(), "--limit 0 is refused");
         assert_eq!(parse_stream("a/b/c"), Ok(StreamRef::new("a", "b", "c")));
     }
 

@@ -1204,10 +1204,11 @@ async fn dead_letters(
         v.retain(|d| d.offset >= from);
         v.truncate(usize::try_from(left).unwrap_or(usize::MAX));
         if v.is_empty() {
-            eprintln!("no dead letters");
+            say_none_listed(from, limit);
         }
         return print(&lines(&v));
     }
+    let first = from;
     let mut from = from;
     let mut listed = 0u64;
     while left > 0 {
@@ -1231,10 +1232,20 @@ async fn dead_letters(
         }
     }
     if listed == 0 {
-        // On stderr: stdout stays one line per dead letter for scripts.
-        eprintln!("no dead letters");
+        say_none_listed(first, limit);
     }
     Ok(())
+}
+
+/// Say on stderr (stdout stays one line per dead letter for scripts) that
+/// a dead-letter listing found none: none at all, or none in the window
+/// asked for. A limit of 0 asked for none, and gets no remark.
+fn say_none_listed(from: u64, limit: Option<u64>) {
+    match (from, limit) {
+        (_, Some(0)) => {}
+        (0, _) => eprintln!("no dead letters"),
+        (from, _) => eprintln!("no dead letters at offset {from} or above"),
+    }
 }
 
 fn parts(s: &StreamRef) -> (&str, &str, &str) {

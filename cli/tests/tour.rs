@@ -1304,6 +1304,18 @@ fn group_dead_letters_prints_a_long_list_and_a_window_of_it() {
     );
     assert!(window(&["--from", "2500"]).is_empty());
     assert!(window(&["--limit", "0"]).is_empty());
+    // What stderr says of an empty window: not that the group has none.
+    let said = |args: &[&str]| {
+        let mut all = vec!["group", "dead-letters", st, "--group", "g"];
+        all.extend_from_slice(args);
+        String::from_utf8_lossy(&run(&s, &all, None).stderr).into_owned()
+    };
+    assert!(
+        said(&["--from", "2500"]).contains("no dead letters at offset 2500 or above"),
+        "{}",
+        said(&["--from", "2500"])
+    );
+    assert!(!said(&["--limit", "0"]).contains("no dead letters"));
 }
 
 #[test]
