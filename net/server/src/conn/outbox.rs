@@ -252,8 +252,8 @@ struct Taking {
     unacked: usize,
     written: usize,
     /// Since when answers have waited on a client taking too little, and
-    /// what it has taken since: from a write that did not go in within
-    /// [`STALL_FROM`], until the client has taken everything.
+    /// what it has taken since: from a write that did not go in whole (or
+    /// not within [`STALL_FROM`]), until the client has taken everything.
     stalled: Option<(std::time::Instant, usize)>,
 }
 
@@ -290,8 +290,9 @@ impl Taking {
 /// Write `d` whole, giving up when the client takes less than
 /// [`MIN_TAKEN`] of its answers within `stall`.
 ///
-/// Once a write has waited [`STALL_FROM`], the time runs until the client
-/// has taken everything, across this and later calls, and starts again
+/// Once a write does not go in whole (or not within [`STALL_FROM`]), the
+/// time runs until the client has taken everything, across this and later
+/// calls, and starts again
 /// each time it has taken `MIN_TAKEN` more (its kernel acknowledged them),
 /// not each time the socket lets a few more bytes in. A client reading
 /// nothing still lets a little in now and then (its kernel opening a small
