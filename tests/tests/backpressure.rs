@@ -852,7 +852,8 @@ async fn small_window_reader(
 /// held the answers for twice the timeout), while a client taking its
 /// answers slowly but steadily (far more than 64 KiB a timeout) keeps its
 /// connection and gets every one, though they wait longer than the timeout
-/// behind its window.
+/// behind its window, and one that stops dead after taking some is cut off
+/// about the timeout after it stopped.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_write_timeout_counts_what_the_client_takes() {
     const TIMEOUT: Duration = Duration::from_secs(3);
@@ -886,25 +887,60 @@ async fn the_write_timeout_counts_what_the_client_takes() {
     // the least rate), for 6 MiB of answers (more than the kernel's socket
     // buffers hold).
     let (mut rd, _wr) = small_window_reader(&b.addr, "steady", &big_reads(3)).await;
+    let start = std::time::Instant::now();
+    let (records, _) = take_at_a_mib_a_second(&mut rd, 3 * 32, usize::MAX).await;
+    assert_eq!(records, 3 * 32, "the steady reader was cut off");
+    assert!(
+        start.elapsed() > TIMEOUT,
+        "the steady reader's answers went out in {:?}: it did not test the timeout",
+        start.elapsed()
+    );
+
+    // A reader that takes 2 MiB of its 6 MiB as steadily, then stops dead:
+    // cut off about the timeout after it stopped, not twice that.
+    let open = b.metric("felix_connections_open");
+    let (mut rd, _wr) = small_window_reader(&b.addr, "stops", &big_reads(3)).await;
+    let (records, _) = take_at_a_mib_a_second(&mut rd, 3 * 32, 2 << 20).await;
+    assert!(records < 3 * 32);
+    let stopped = std::time::Instant::now();
+    felix_tests::wait_until(TIMEOUT * 4, || {
+        b.metric("felix_connections_open") < open + 1.0
+    })
+    .expect("the reader that stopped is cut off");
+    let cut = stopped.elapsed();
+    assert!(
+        cut < TIMEOUT * 8 / 5,
+        "cut off {cut:?} after it stopped reading (timeout {TIMEOUT:?})"
+    );
+}
+
+/// Read answers from `rd` at 1 MiB a second until `records` records have
+/// come or `bytes` bytes were read (checking each answer); what came.
+async fn take_at_a_mib_a_second(
+    rd: &mut tokio::net::tcp::OwnedReadHalf,
+    records: usize,
+    bytes: usize,
+) -> (usize, usize) {
     const RATE: f64 = (1 << 20) as f64;
     let start = std::time::Instant::now();
     let (mut buf, mut chunk) = (bytes::BytesMut::new(), vec![0u8; 64 << 10]);
-    let (mut got, mut records) = (0, 0);
-    while records < 3 * 32 {
-        let n = tokio::time::timeout(Duration::from_secs(30), rd.read(&mut chunk))
+    let (mut got, mut came) = (0, 0);
+    while came < records && got < bytes {
+        let want = chunk.len().min(bytes - got);
+        let n = tokio::time::timeout(Duration::from_secs(30), rd.read(&mut chunk[..want]))
             .await
             .expect("answers keep coming")
             .unwrap();
-        assert!(
-            n > 0,
-            "the steady reader was cut off after {records} records"
-        );
+        assert!(n > 0, "cut off after {came} records");
         got += n;
         buf.extend_from_slice(&chunk[..n]);
         while let Some((_, resp)) = felix_wire::decode_response(&mut buf, 64 << 20).unwrap() {
             match resp {
                 Response::HelloOk { .. } => {}
-                Response::Records { records: r, .. } => records += r.len(),
+                Response::Records { records: r, .. } => {
+                    assert!(r.iter().all(|r| r.payload.iter().all(|b| *b == 9)));
+                    came += r.len();
+                }
                 other => panic!("unexpected {other:?}"),
             }
         }
@@ -913,11 +949,7 @@ async fn the_write_timeout_counts_what_the_client_takes() {
             tokio::time::sleep(Duration::from_secs_f64(ahead)).await;
         }
     }
-    assert!(
-        start.elapsed() > TIMEOUT,
-        "the steady reader's answers went out in {:?}: it did not test the timeout",
-        start.elapsed()
-    );
+    (came, got)
 }
 
 /// An idle connection costs the broker a few KiB, not a 64 KiB read buffer:

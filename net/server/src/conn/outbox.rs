@@ -231,6 +231,32 @@ fn not_yet_taken(fd: std::os::fd::RawFd) -> usize {
     }
 }
 
+/// Make closing `fd` reset the connection (`SO_LINGER` of zero): what its
+/// socket still holds is thrown away at once instead of being sent on.
+fn reset_on_close(fd: std::os::fd::RawFd) {
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: SO_LINGER reads one `linger` from a pointer valid for the
+    // call, on a socket descriptor this task owns.
+    let r = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            std::ptr::addr_of!(linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        )
+    };
+    if r != 0 {
+        tracing::debug!(
+            "could not set SO_LINGER on a connection being cut off: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
 /// The most of an outbox's buffer kept for the answers after those being
 /// written (small ones, as a publisher's acks, then reuse it).
 const KEEP_OUTBOX_BYTES: usize = 256 << 10;
@@ -318,11 +344,17 @@ async fn write_all_or_stall(
     }
     let mut at = 0;
     while at < d.len() {
+        // While the client is behind, look at the socket every quarter of
+        // the timeout: the time starts again from the look that finds
+        // another MIN_TAKEN taken, so a client that stops dead is cut off
+        // within a quarter more than the timeout after it stopped (waiting
+        // for the write alone looked only once a third of the socket's
+        // buffer was free, or at the deadline: up to twice the timeout).
         let wait = match taking.stalled {
             None => STALL_FROM.min(stall),
-            Some((since, _)) => {
-                (since + stall).saturating_duration_since(std::time::Instant::now())
-            }
+            Some((since, _)) => (since + stall)
+                .saturating_duration_since(std::time::Instant::now())
+                .min(stall / 4),
         };
         let wrote = if wait.is_zero() {
             0
@@ -383,10 +415,15 @@ pub(super) async fn write_loop(mut sock: Shared, outbox: Rc<Outbox>, stall: Dura
                     // Nothing more goes out: what is queued is dropped (and
                     // pushes from now on are ignored). A peer that stopped
                     // taking answers is cut off, so that the reader's pending
-                    // read ends too and the connection lets go of everything.
+                    // read ends too and the connection lets go of everything,
+                    // in the kernel too: closed with a reset rather than
+                    // left sending its socket's last megabytes to a client
+                    // that takes none (an orphan the kernel keeps for
+                    // minutes).
                     tracing::debug!("closing a connection whose answers could not be sent");
                     if !outbox.handed_off.get() {
                         let fd = sock.0.borrow().as_raw_fd();
+                        reset_on_close(fd);
                         // SAFETY: shutdown on a descriptor this task owns.
                         unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
                     }
