@@ -912,6 +912,9 @@ async fn the_write_timeout_counts_what_the_client_takes() {
         cut < TIMEOUT * 8 / 5,
         "cut off {cut:?} after it stopped reading (timeout {TIMEOUT:?})"
     );
+    // Counted: the reader taking nothing and the one that stopped.
+    assert_eq!(b.metric("felix_connections_cut_off_total"), 2.0);
+    assert_eq!(b.metric("felix_connections_frame_timeouts_total"), 0.0);
 }
 
 /// Read answers from `rd` at 1 MiB a second until `records` records have
@@ -1114,6 +1117,8 @@ async fn an_unfinished_frame_is_counted_and_cut_off() {
         b.metric("felix_core_buffered_bytes") == 0.0
     })
     .expect("what the frame held was freed");
+    assert_eq!(b.metric("felix_connections_frame_timeouts_total"), 1.0);
+    assert_eq!(b.metric("felix_connections_cut_off_total"), 0.0);
     drop(trickler);
 }
 

@@ -21,7 +21,7 @@ use futures_lite::AsyncReadExt;
 use glommio::net::TcpStream;
 use hello::{hello, Hello};
 use intake::Intake;
-use outbox::{linger, write_loop, Outbox, PastAnswers, Shared};
+use outbox::{linger, write_loop, Ended, Outbox, PastAnswers, Shared};
 use std::cell::{Cell, RefCell};
 use std::os::fd::AsRawFd;
 use std::rc::Rc;
@@ -682,6 +682,9 @@ pub(crate) async fn serve<S: Storage>(
                         conn = conn_id,
                         "closing a connection that did not finish a frame it began in time"
                     );
+                    core.metrics
+                        .frame_timeouts
+                        .set(core.metrics.frame_timeouts.get() + 1);
                     break;
                 }
                 if info.in_flight.get() == 0 {
@@ -708,8 +711,13 @@ pub(crate) async fn serve<S: Storage>(
     outbox.hangup.wake_all();
     // A client cut off for taking too little (or a failed connection) has
     // lost its answers already: nothing to linger for.
-    let delivered = writer.await;
-    if !handed_off && delivered {
+    let ended = writer.await;
+    if ended == Ended::CutOff {
+        core.metrics
+            .connections_cut_off
+            .set(core.metrics.connections_cut_off.get() + 1);
+    }
+    if !handed_off && ended == Ended::Delivered {
         linger(&mut reader, frame_time).await;
     }
     core.metrics

@@ -30,6 +30,10 @@ pub(crate) struct CoreMetrics {
     pub group_polls_waiting: Cell<u64>,
     pub connections_accepted: Cell<u64>,
     pub connections_refused: Cell<u64>,
+    /// Connections cut off by the write timeout: answers taken too slowly.
+    pub connections_cut_off: Cell<u64>,
+    /// Connections closed for a frame not finished within the write timeout.
+    pub frame_timeouts: Cell<u64>,
     pub handoffs: Cell<u64>,
     /// Publish time in the broker, by what the acknowledgement waited for.
     pub publish_latency: RefCell<PublishLatency>,
@@ -211,6 +215,8 @@ impl CoreMetrics {
                 ("felix_connections_accepted_total", "Client connections accepted.", self.connections_accepted.get()),
                 ("felix_connections_refused_total", "Client connections turned away (server.max_connections, or no file descriptors left).", self.connections_refused.get()),
                 ("felix_connection_handoffs_total", "Connections handed to the core their HELLO asked for.", self.handoffs.get()),
+                ("felix_connections_cut_off_total", "Connections closed because their client took less than 64 KiB of its waiting answers within server.write_timeout_ms (their answers dropped).", self.connections_cut_off.get()),
+                ("felix_connections_frame_timeouts_total", "Connections closed because a frame their client began was not finished within server.write_timeout_ms.", self.frame_timeouts.get()),
             ],
             connections_open: self.connections_open.get(),
             publish_latency: *self.publish_latency.borrow(),

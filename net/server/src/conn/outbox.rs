@@ -331,12 +331,12 @@ async fn write_all_or_stall(
     d: &[u8],
     stall: Duration,
     taking: &mut Taking,
-) -> Result<(), ()> {
+) -> Result<(), Ended> {
     let fd = sock.0.borrow().as_raw_fd();
     if taking.stalled.is_some() {
         // Still behind from before: has it taken everything since?
         if !taking.keeps_up(fd, stall) {
-            return Err(());
+            return Err(Ended::CutOff);
         }
         if taking.unacked == 0 {
             taking.stalled = None;
@@ -368,22 +368,32 @@ async fn write_all_or_stall(
             {
                 Ok(n) if n > 0 => n,
                 Err(glommio::GlommioError::TimedOut(_)) => 0,
-                _ => return Err(()),
+                _ => return Err(Ended::Failed),
             }
         };
         at += wrote;
         taking.written += wrote;
         if at < d.len() && !taking.keeps_up(fd, stall) {
-            return Err(());
+            return Err(Ended::CutOff);
         }
     }
     Ok(())
 }
 
-/// Send what the outbox is given until it is closed and empty; false when
-/// the client was cut off (it took too little for `stall`, see
-/// [`write_all_or_stall`]) or the connection failed.
-pub(super) async fn write_loop(mut sock: Shared, outbox: Rc<Outbox>, stall: Duration) -> bool {
+/// How a connection's writer ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Ended {
+    /// Everything queued was sent, and the connection is closing.
+    Delivered,
+    /// The client took too little of its answers for the write timeout
+    /// (see [`write_all_or_stall`]): cut off, its answers dropped.
+    CutOff,
+    /// A write failed (the client reset the connection): answers dropped.
+    Failed,
+}
+
+/// Send what the outbox is given until it is closed and empty.
+pub(super) async fn write_loop(mut sock: Shared, outbox: Rc<Outbox>, stall: Duration) -> Ended {
     let mut taking = Taking::default();
     loop {
         let data = {
@@ -411,7 +421,7 @@ pub(super) async fn write_loop(mut sock: Shared, outbox: Rc<Outbox>, stall: Dura
                 outbox.budget.release(d.len());
                 past.repay(&outbox.budget);
                 drop(d);
-                if sent.is_err() {
+                if let Err(ended) = sent {
                     // Nothing more goes out: what is queued is dropped (and
                     // pushes from now on are ignored). A peer that stopped
                     // taking answers is cut off, so that the reader's pending
@@ -433,7 +443,7 @@ pub(super) async fn write_loop(mut sock: Shared, outbox: Rc<Outbox>, stall: Dura
                     outbox.past.take().repay(&outbox.budget);
                     outbox.drained.wake_all();
                     outbox.hangup.wake_all();
-                    return false;
+                    return ended;
                 }
                 outbox.drained.wake_all();
             }
@@ -446,7 +456,7 @@ pub(super) async fn write_loop(mut sock: Shared, outbox: Rc<Outbox>, stall: Dura
                         // SAFETY: shutdown on a descriptor this task owns.
                         unsafe { libc::shutdown(fd, libc::SHUT_WR) };
                     }
-                    return true;
+                    return Ended::Delivered;
                 }
                 outbox.ready.wait().await;
             }
