@@ -1208,13 +1208,12 @@ async fn dead_letters(
         }
         return print(&lines(&v));
     }
-    let first = from;
-    let mut from = from;
+    let mut page_from = from;
     let mut listed = 0u64;
     while left > 0 {
         let max = u32::try_from(left).unwrap_or(u32::MAX);
         let mut page = client
-            .group_dead_letters_page(t, n, s, g.shard, &g.group, from, max)
+            .group_dead_letters_page(t, n, s, g.shard, &g.group, page_from, max)
             .await?;
         page.letters
             .truncate(usize::try_from(left).unwrap_or(usize::MAX));
@@ -1222,17 +1221,17 @@ async fn dead_letters(
         listed += page.letters.len() as u64;
         print(&lines(&page.letters))?;
         match page.next {
-            Some(next) if next > from => from = next,
+            Some(next) if next > page_from => page_from = next,
             Some(next) => {
                 return Err(CliError::Client(ClientError::Protocol(format!(
-                    "broker answered a dead-letter page from {from} with next {next}"
+                    "broker answered a dead-letter page from {page_from} with next {next}"
                 ))))
             }
             None => break,
         }
     }
     if listed == 0 {
-        say_none_listed(first, limit);
+        say_none_listed(from, limit);
     }
     Ok(())
 }

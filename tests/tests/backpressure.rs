@@ -426,14 +426,13 @@ async fn answers_past_the_core_budget_share_a_bounded_overdraft() {
     let reader = |name: &'static str, from: u64, id: u64| {
         let addr = b.addr.clone();
         async move {
-            let sock = tokio::net::TcpSocket::new_v4().unwrap();
-            sock.set_recv_buffer_size(16 << 10).unwrap();
-            let s = sock.connect(addr.parse().unwrap()).await.unwrap();
-            let (rd, mut wr) = say_hello(s, &format!("never-reads-{id}")).await;
-            wr.write_all(&one_read(name, from, 1000, 4 << 20))
-                .await
-                .unwrap();
-            (rd, wr)
+            small_window_reader(
+                &addr,
+                16 << 10,
+                &format!("never-reads-{id}"),
+                &one_read(name, from, 1000, 4 << 20),
+            )
+            .await
         }
     };
     let mut huge = Vec::new();
@@ -827,21 +826,22 @@ async fn a_client_that_takes_no_answers_is_cut_off_after_the_write_timeout() {
     assert!(closed.is_ok(), "the connection was not closed");
 }
 
-/// A raw connection with a 4 KiB receive buffer that has said HELLO and
-/// sent `reads` (its answers left to the caller).
+/// A raw connection with a receive buffer of `rcvbuf` bytes that has said
+/// HELLO and sent `requests` (its answers left to the caller).
 async fn small_window_reader(
     addr: &str,
+    rcvbuf: u32,
     name: &str,
-    reads: &[u8],
+    requests: &[u8],
 ) -> (
     tokio::net::tcp::OwnedReadHalf,
     tokio::net::tcp::OwnedWriteHalf,
 ) {
     let sock = tokio::net::TcpSocket::new_v4().unwrap();
-    sock.set_recv_buffer_size(4 << 10).unwrap();
+    sock.set_recv_buffer_size(rcvbuf).unwrap();
     let s = sock.connect(addr.parse().unwrap()).await.unwrap();
     let (rd, mut wr) = say_hello(s, name).await;
-    wr.write_all(reads).await.unwrap();
+    wr.write_all(requests).await.unwrap();
     (rd, wr)
 }
 
@@ -866,7 +866,7 @@ async fn the_write_timeout_counts_what_the_client_takes() {
     // A reader taking nothing, 16 MiB of answers waiting.
     let open = b.metric("felix_connections_open");
     let sent = std::time::Instant::now();
-    let _nothing = small_window_reader(&b.addr, "takes-nothing", &big_reads(8)).await;
+    let _nothing = small_window_reader(&b.addr, 4 << 10, "takes-nothing", &big_reads(8)).await;
     felix_tests::wait_until(Duration::from_secs(10), || {
         b.metric("felix_core_buffered_bytes") > 0.0
     })
@@ -886,7 +886,7 @@ async fn the_write_timeout_counts_what_the_client_takes() {
     // A steady reader: 1 MiB a second through the same window (about 50 times
     // the least rate), for 6 MiB of answers (more than the kernel's socket
     // buffers hold).
-    let (mut rd, _wr) = small_window_reader(&b.addr, "steady", &big_reads(3)).await;
+    let (mut rd, _wr) = small_window_reader(&b.addr, 4 << 10, "steady", &big_reads(3)).await;
     let start = std::time::Instant::now();
     let (records, _) = take_at_a_mib_a_second(&mut rd, 3 * 32, usize::MAX).await;
     assert_eq!(records, 3 * 32, "the steady reader was cut off");
@@ -899,7 +899,7 @@ async fn the_write_timeout_counts_what_the_client_takes() {
     // A reader that takes 2 MiB of its 6 MiB as steadily, then stops dead:
     // cut off about the timeout after it stopped, not twice that.
     let open = b.metric("felix_connections_open");
-    let (mut rd, _wr) = small_window_reader(&b.addr, "stops", &big_reads(3)).await;
+    let (mut rd, _wr) = small_window_reader(&b.addr, 4 << 10, "stops", &big_reads(3)).await;
     let (records, _) = take_at_a_mib_a_second(&mut rd, 3 * 32, 2 << 20).await;
     assert!(records < 3 * 32);
     let stopped = std::time::Instant::now();

@@ -980,6 +980,41 @@ async fn acks_for_offsets_never_handed_out_are_refused() {
         .expect("a finished offset again: a harmless duplicate");
 }
 
+/// Below a group's position the broker keeps no record of what it handed
+/// out: an ack there is a harmless duplicate, a nack or extension is
+/// stale_claim, a consumer dead letter invalid_request, and none of them
+/// changes the group. So for a group created at the tail, which handed out
+/// nothing below it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_below_the_position_change_nothing() {
+    let b = felix_tests::start_broker!(opts(30_000, 5));
+    let c = client(&b.addr).await;
+    stream(&c, JOBS).await;
+    publish(&c, JOBS, 4).await;
+    let g = Group::new(&c, JOBS, "latest");
+    g.create(StartPosition::Latest).await.unwrap();
+    assert_eq!(g.position().await, 4);
+    g.ack(2)
+        .await
+        .expect("below the position: a harmless duplicate");
+    let below = fake_record(2, 1);
+    assert_eq!(code(g.nack(&below).await), Some(ErrorCode::StaleClaim));
+    assert_eq!(
+        code(g.extend(&below, Duration::from_secs(1)).await),
+        Some(ErrorCode::StaleClaim)
+    );
+    assert_eq!(
+        code(g.dead_letter(&below, None).await),
+        Some(ErrorCode::InvalidRequest)
+    );
+    assert!(g.dead_letters().await.is_empty());
+    let info = g.describe().await.unwrap();
+    assert_eq!((info.position, info.in_flight), (4, 0));
+    // Only new records go out, the one nacked above among none of them.
+    publish(&c, JOBS, 2).await;
+    assert_eq!(offsets(&g.drain().await), vec![4, 5]);
+}
+
 /// A consumer cannot dead-letter a record already finished: refused, and
 /// not listed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -318,9 +318,9 @@ impl Taking {
 ///
 /// Once a write does not go in whole (or not within [`STALL_FROM`]), the
 /// time runs until the client has taken everything, across this and later
-/// calls, and starts again
-/// each time it has taken `MIN_TAKEN` more (its kernel acknowledged them),
-/// not each time the socket lets a few more bytes in. A client reading
+/// calls, and starts again each time it has taken `MIN_TAKEN` more (its
+/// kernel acknowledged them), not each time the socket lets a few more
+/// bytes in. A client reading
 /// nothing still lets a little in now and then (its kernel opening a small
 /// window to a probe; glommio trying a plain send once more as its wait
 /// times out), and restarting the time on that kept its answers held for
