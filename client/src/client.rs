@@ -842,7 +842,7 @@ impl Client {
             stream: stream.clone(),
             target: PublishTarget::Shard(shard),
             ack: self.ack_mode()?,
-            records,
+            records: records.into(),
         };
         self.publish_req(&stream, shard, &req).await
     }
@@ -875,7 +875,8 @@ impl Client {
                 key: Some(key),
                 payload: payload.into(),
                 ..RecordIn::default()
-            }],
+            }]
+            .into(),
         };
         self.publish_req(&stream, shard, &req).await
     }
@@ -947,7 +948,7 @@ impl Client {
             stream: stream.clone(),
             target: PublishTarget::Shard(shard),
             ack: self.ack_mode()?,
-            records,
+            records: records.into(),
         };
         let answer = self.begin_shard_call(stream, shard, req).await?;
         Ok(Pending::new(async move { published(answer.await?) }))

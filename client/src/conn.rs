@@ -382,14 +382,7 @@ impl Conn {
                     felix_wire::MAX_ITEMS_PER_VEC
                 )));
             }
-            let size = |r: &felix_wire::RecordIn| {
-                r.payload.len() as u64
-                    + r.key.as_ref().map_or(0, |k| k.len() as u64)
-                    + r.headers
-                        .iter()
-                        .map(|(k, v)| (k.len() + v.len()) as u64)
-                        .sum::<u64>()
-            };
+            let size = |r: felix_wire::RecordView| r.carried_bytes() as u64;
             let bytes = records.iter().fold(0u64, |n, r| n.saturating_add(size(r)));
             let limit = self.hello.max_frame_bytes as u64;
             if bytes > limit {

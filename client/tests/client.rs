@@ -345,7 +345,7 @@ async fn publish_keyed_goes_to_the_core_of_the_keys_shard() {
                 let felix_wire::PublishTarget::Key(key) = target else {
                     panic!("expected a key target")
                 };
-                assert_eq!(records[0].key.as_ref(), Some(&key));
+                assert_eq!(records.iter().next().unwrap().key, Some(&key[..]));
                 let shard = felix_wire::shard_for_key(&key, 4);
                 assert_eq!(core, 3 - shard, "sent to the wrong core");
                 Response::Published {
@@ -1055,7 +1055,7 @@ async fn pipelined_publishes_go_out_in_order() {
     let fake = Fake::start(1, FEATURES_ALL, |_, req| async move {
         match req {
             Request::Publish { records, .. } => {
-                let n: u64 = std::str::from_utf8(&records[0].payload)
+                let n: u64 = std::str::from_utf8(records.iter().next().unwrap().payload)
                     .unwrap()
                     .parse()
                     .unwrap();
@@ -1099,7 +1099,7 @@ async fn pipelined_publishes_go_out_in_order() {
         .iter()
         .map(|s| match &s.request {
             Request::Publish { records, .. } => {
-                String::from_utf8(records[0].payload.to_vec()).unwrap()
+                String::from_utf8(records.iter().next().unwrap().payload.to_vec()).unwrap()
             }
             other => panic!("{other:?}"),
         })

@@ -102,14 +102,78 @@ pub struct RecordIn {
 
 impl RecordIn {
     pub fn encoded_len(&self) -> usize {
+        AppendRecord::encoded_len(self)
+    }
+}
+
+/// A record to append, however its holder keeps it: an owned [`RecordIn`],
+/// or a view of the request it came in (the broker encodes a publish's
+/// records straight from the frame, without a vector of them or a reference
+/// count per field). The log reads the fields twice: to size and check the
+/// batch, then to encode it.
+pub trait AppendRecord {
+    fn timestamp_ms(&self) -> u64;
+    fn key(&self) -> Option<&[u8]>;
+    /// How many pairs [`headers`](AppendRecord::headers) yields.
+    fn header_count(&self) -> usize;
+    /// Name and value of each header, in order.
+    fn headers(&self) -> impl Iterator<Item = (&[u8], &[u8])>;
+    fn payload(&self) -> &[u8];
+
+    /// Bytes the record takes in a batch.
+    fn encoded_len(&self) -> usize {
         RECORD_FIXED_BYTES
-            + self.key.as_ref().map_or(0, |k| k.len())
-            + self
-                .headers
-                .iter()
-                .map(|(n, v)| 6 + n.len() + v.len())
-                .sum::<usize>()
-            + self.payload.len()
+            + self.key().map_or(0, <[u8]>::len)
+            + headers_len(self)
+            + self.payload().len()
+    }
+}
+
+/// Bytes a record's headers take in a batch (none walked for a record
+/// without any, the usual case).
+fn headers_len<R: AppendRecord + ?Sized>(r: &R) -> usize {
+    if r.header_count() == 0 {
+        return 0;
+    }
+    r.headers().map(|(n, v)| 6 + n.len() + v.len()).sum()
+}
+
+impl AppendRecord for RecordIn {
+    fn timestamp_ms(&self) -> u64 {
+        self.timestamp_ms
+    }
+    fn key(&self) -> Option<&[u8]> {
+        self.key.as_deref()
+    }
+    fn header_count(&self) -> usize {
+        self.headers.len()
+    }
+    fn headers(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
+        self.headers.iter().map(|(n, v)| (n.as_bytes(), &v[..]))
+    }
+    fn payload(&self) -> &[u8] {
+        &self.payload
+    }
+}
+
+impl<R: AppendRecord + ?Sized> AppendRecord for &R {
+    fn timestamp_ms(&self) -> u64 {
+        (**self).timestamp_ms()
+    }
+    fn key(&self) -> Option<&[u8]> {
+        (**self).key()
+    }
+    fn header_count(&self) -> usize {
+        (**self).header_count()
+    }
+    fn headers(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
+        (**self).headers()
+    }
+    fn payload(&self) -> &[u8] {
+        (**self).payload()
+    }
+    fn encoded_len(&self) -> usize {
+        (**self).encoded_len()
     }
 }
 
@@ -120,29 +184,39 @@ pub const RECORD_HEADERS_MAX: usize = 1024;
 /// lengths are `u16`, lengths `u32`, a batch at most [`BATCH_MAX_BYTES`]) and
 /// return the encoded batch length. Anything refused here must never reach
 /// the disk: it would be unreadable.
-pub fn check_records(records: &[RecordIn]) -> Result<usize, String> {
+pub fn check_records<R: AppendRecord>(
+    records: impl IntoIterator<Item = R>,
+) -> Result<usize, String> {
     let mut len = BATCH_HEADER_BYTES;
-    for (i, r) in records.iter().enumerate() {
-        if r.headers.len() > RECORD_HEADERS_MAX {
+    let too_long = |x: usize| x >= u32::MAX as usize;
+    for (i, r) in records.into_iter().enumerate() {
+        let headers = r.header_count();
+        if headers > RECORD_HEADERS_MAX {
             return Err(format!(
-                "record {i} has {} headers; the limit is {RECORD_HEADERS_MAX}",
-                r.headers.len()
+                "record {i} has {headers} headers; the limit is {RECORD_HEADERS_MAX}"
             ));
         }
-        if let Some((n, _)) = r.headers.iter().find(|(n, _)| n.len() > u16::MAX as usize) {
-            return Err(format!(
-                "record {i} has a header name of {} bytes; the limit is 65535",
-                n.len()
-            ));
+        let mut headers_len = 0;
+        if headers > 0 {
+            for (n, v) in r.headers() {
+                if n.len() > u16::MAX as usize {
+                    return Err(format!(
+                        "record {i} has a header name of {} bytes; the limit is 65535",
+                        n.len()
+                    ));
+                }
+                if too_long(v.len()) {
+                    return Err(format!("record {i} has a field of 4 GiB or more"));
+                }
+                headers_len += 6 + n.len() + v.len();
+            }
         }
-        let too_long = |x: usize| x >= u32::MAX as usize;
-        if r.key.as_ref().is_some_and(|k| too_long(k.len()))
-            || too_long(r.payload.len())
-            || r.headers.iter().any(|(_, v)| too_long(v.len()))
-        {
+        let key = r.key().map_or(0, <[u8]>::len);
+        let payload = r.payload().len();
+        if too_long(key) || too_long(payload) {
             return Err(format!("record {i} has a field of 4 GiB or more"));
         }
-        len += r.encoded_len();
+        len += RECORD_FIXED_BYTES + key + headers_len + payload;
         if len > BATCH_MAX_BYTES as usize {
             return Err(format!("the batch is over {BATCH_MAX_BYTES} bytes"));
         }
@@ -223,20 +297,24 @@ pub enum FrameError {
 
 /// Bytes of the batch [`encode_records`] makes of `records` (what
 /// [`check_records`] returns for records it accepts).
-pub fn records_batch_len(records: &[RecordIn]) -> usize {
-    BATCH_HEADER_BYTES + records.iter().map(RecordIn::encoded_len).sum::<usize>()
+pub fn records_batch_len<R: AppendRecord>(records: impl IntoIterator<Item = R>) -> usize {
+    BATCH_HEADER_BYTES + records.into_iter().map(|r| r.encoded_len()).sum::<usize>()
 }
 
 /// Append a records batch to `out`, stamped with the flush that will write it
 /// (`flush`). Returns the header as written.
-pub fn encode_records(
+pub fn encode_records<I>(
     out: &mut Vec<u8>,
     base: Offset,
     term: u64,
     flush: u16,
-    records: &[RecordIn],
-) -> BatchHeader {
-    append_batch(out, records_batch_len(records), |dst| {
+    records: I,
+) -> BatchHeader
+where
+    I: IntoIterator + Clone,
+    I::Item: AppendRecord,
+{
+    append_batch(out, records_batch_len(records.clone()), |dst| {
         encode_records_into(dst, base, term, flush, records)
     })
 }
@@ -245,45 +323,46 @@ pub fn encode_records(
 /// ([`records_batch_len`]) and may hold anything: the log encodes straight
 /// into the memory it writes to disk. Every byte of `out` is written (or the
 /// call panics, if `out` has the wrong length).
-pub fn encode_records_into(
+pub fn encode_records_into<R: AppendRecord>(
     out: &mut [MaybeUninit<u8>],
     base: Offset,
     term: u64,
     flush: u16,
-    records: &[RecordIn],
+    records: impl IntoIterator<Item = R>,
 ) -> BatchHeader {
     let mut w = Put::after_header(out);
     let mut max_ts = 0u64;
-    for (i, r) in records.iter().enumerate() {
-        max_ts = max_ts.max(r.timestamp_ms);
-        let len = (r.encoded_len() - 4) as u32;
-        let key_len = r.key.as_ref().map_or(NO_KEY, |k| k.len() as u32);
+    let mut count = 0u32;
+    for r in records {
+        let ts = r.timestamp_ms();
+        max_ts = max_ts.max(ts);
+        let key = r.key();
+        let payload = r.payload();
+        let len =
+            (RECORD_FIXED_BYTES - 4 + key.map_or(0, <[u8]>::len) + headers_len(&r) + payload.len())
+                as u32;
+        let key_len = key.map_or(NO_KEY, |k| k.len() as u32);
         let mut fixed = [0u8; RECORD_FIXED_BYTES];
         fixed[0..4].copy_from_slice(&len.to_le_bytes());
-        fixed[4..8].copy_from_slice(&(i as u32).to_le_bytes());
-        fixed[8..16].copy_from_slice(&r.timestamp_ms.to_le_bytes());
+        fixed[4..8].copy_from_slice(&count.to_le_bytes());
+        fixed[8..16].copy_from_slice(&ts.to_le_bytes());
         fixed[16..20].copy_from_slice(&key_len.to_le_bytes());
-        fixed[20..22].copy_from_slice(&(r.headers.len() as u16).to_le_bytes());
-        fixed[22..26].copy_from_slice(&(r.payload.len() as u32).to_le_bytes());
+        fixed[20..22].copy_from_slice(&(r.header_count() as u16).to_le_bytes());
+        fixed[22..26].copy_from_slice(&(payload.len() as u32).to_le_bytes());
         w.put(&fixed);
-        if let Some(k) = &r.key {
+        if let Some(k) = key {
             w.put(k);
         }
-        for (name, value) in &r.headers {
+        for (name, value) in r.headers() {
             w.put(&(name.len() as u16).to_le_bytes());
-            w.put(name.as_bytes());
+            w.put(name);
             w.put(&(value.len() as u32).to_le_bytes());
             w.put(value);
         }
-        w.put(&r.payload);
+        w.put(payload);
+        count += 1;
     }
-    w.finish(
-        BatchKind::Records,
-        records.len() as u32,
-        base,
-        (term, flush),
-        max_ts,
-    )
+    w.finish(BatchKind::Records, count, base, (term, flush), max_ts)
 }
 
 /// Encode a control batch (one offset, never delivered) into `out`, exactly

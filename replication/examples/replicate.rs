@@ -124,7 +124,7 @@ async fn run(host: &Host, batches: u64, per_batch: usize, size: usize, inflight:
                     *n += 1;
                 }
                 let t = Instant::now();
-                host.publish(GROUP, &records)
+                host.publish(GROUP, records.as_slice())
                     .await
                     .expect("the leader stays put for the run");
                 hist.borrow_mut()

@@ -53,7 +53,7 @@ use std::rc::{Rc, Weak};
 use std::time::Duration;
 
 use bytes::Bytes;
-use felix_engine::format::{self, RecordIn};
+use felix_engine::format::{self, AppendRecord};
 use felix_engine::notify::WaitList;
 use felix_engine::storage::dma::DmaStorage;
 use felix_engine::storage::Storage;
@@ -695,12 +695,12 @@ impl Host {
     /// Publish a batch of records to `group` through this host's replica;
     /// resolves once committed on a majority and applied here. A batch too
     /// large to be sent to a peer in one frame is refused.
-    pub async fn publish(
-        &self,
-        group: u64,
-        records: &[RecordIn],
-    ) -> Result<Landed, ReplicationError> {
-        let len = format::records_batch_len(records);
+    pub async fn publish<I>(&self, group: u64, records: I) -> Result<Landed, ReplicationError>
+    where
+        I: IntoIterator + Clone,
+        I::Item: AppendRecord,
+    {
+        let len = format::records_batch_len(records.clone());
         if len.saturating_add(FRAME_SLACK) > self.inner.config.max_frame {
             return Err(ReplicationError::Refused(format!(
                 "a batch of {len} bytes does not fit a {}-byte replication frame",

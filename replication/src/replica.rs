@@ -26,7 +26,7 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use bytes::Bytes;
-use felix_engine::format::{self, RecordIn};
+use felix_engine::format::{self, AppendRecord};
 use felix_engine::group::GroupEntry;
 use felix_engine::Offset;
 use raft::eraftpb::{Entry, HardState, Message, MessageType};
@@ -691,23 +691,23 @@ impl Replica {
 
     /// Propose one batch of records. `token` comes back in the
     /// [`Event::Acked`] that settles it.
-    pub fn propose_records(
-        &mut self,
-        token: u64,
-        records: &[RecordIn],
-    ) -> Result<Landed, ReplicationError> {
+    pub fn propose_records<I>(&mut self, token: u64, records: I) -> Result<Landed, ReplicationError>
+    where
+        I: IntoIterator + Clone,
+        I::Item: AppendRecord,
+    {
         self.refuse_unless_serving()?;
-        if records.is_empty() {
+        if records.clone().into_iter().next().is_none() {
             return Err(ReplicationError::Refused(
                 "a batch needs at least one record".into(),
             ));
         }
-        format::check_records(records).map_err(ReplicationError::Refused)?;
+        let len = format::check_records(records.clone()).map_err(ReplicationError::Refused)?;
         let base = self.log_end();
         let term = self.term();
-        let mut data = Vec::with_capacity(format::records_batch_len(records));
-        format::encode_records(&mut data, Offset(base), term, 0, records);
-        self.propose(token, data, base, base + records.len() as u64)
+        let mut data = Vec::with_capacity(len);
+        let h = format::encode_records(&mut data, Offset(base), term, 0, records);
+        self.propose(token, data, base, base + u64::from(h.record_count))
     }
 
     /// Propose a group's state changes (one request's writes) as one entry.

@@ -143,7 +143,7 @@ fn a_malformed_append_from_a_peer_is_dropped_whole() {
 fn an_empty_publish_is_refused_and_the_leader_keeps_serving() {
     let (mut r, _) = lone_leader();
     assert!(matches!(
-        r.propose_records(1, &[]),
+        r.propose_records(1, &[] as &[RecordIn]),
         Err(ReplicationError::Refused(_))
     ));
     let (mut out, mut events) = (Vec::new(), Vec::new());

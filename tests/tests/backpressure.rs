@@ -1074,7 +1074,8 @@ async fn an_unfinished_frame_is_counted_and_cut_off() {
             records: vec![felix_wire::RecordIn {
                 payload: vec![1u8; 1 << 20].into(),
                 ..Default::default()
-            }],
+            }]
+            .into(),
         },
         &mut frame,
     );
@@ -1174,7 +1175,7 @@ fn big_publish(id: u64, records: Vec<RecordIn>) -> bytes::BytesMut {
             stream: stream_ref("big"),
             target: felix_wire::PublishTarget::Shard(0),
             ack: felix_wire::AckMode::Default,
-            records,
+            records: records.into(),
         },
         &mut frame,
     );
@@ -1519,7 +1520,8 @@ async fn frames_begun_and_stalled_are_held_to_the_core_budget() {
             records: vec![felix_wire::RecordIn {
                 payload: vec![5u8; 15 << 20].into(),
                 ..Default::default()
-            }],
+            }]
+            .into(),
         },
         &mut frame,
     );

@@ -51,13 +51,13 @@ fn corpus() -> Vec<Request> {
                 stream: stream(),
                 target: PublishTarget::Shard(shard),
                 ack: AckMode::Durable,
-                records: vec![rec(b"one"), rec(b"two")],
+                records: vec![rec(b"one"), rec(b"two")].into(),
             },
             Request::Publish {
                 stream: stream(),
                 target: PublishTarget::Key(Bytes::from_static(b"route")),
                 ack: AckMode::Default,
-                records: vec![rec(b"keyed")],
+                records: vec![rec(b"keyed")].into(),
             },
             Request::Read {
                 stream: stream(),
@@ -286,9 +286,11 @@ fn with_edge_numbers(req: &Request, rng: &mut rand::rngs::SmallRng) -> Request {
                     *s = edge32(rng);
                 }
             }
-            for rec in records {
+            let mut owned = records.to_records();
+            for rec in &mut owned {
                 rec.timestamp_ms = Some(edge64(rng));
             }
+            *records = owned.into();
         }
         Request::Read {
             shard,
@@ -557,7 +559,8 @@ async fn a_frame_that_does_not_decode_is_refused_as_not_applied() {
         records: vec![RecordIn {
             payload: Bytes::from_static(b"never"),
             ..RecordIn::default()
-        }],
+        }]
+        .into(),
     };
     let mut s = connect(&broker.addr).await;
     let mut trailing = BytesMut::new();

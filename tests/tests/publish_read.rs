@@ -1173,7 +1173,8 @@ async fn oversized_frames_and_publishes_get_too_large() {
         records: vec![RecordIn {
             payload: Bytes::from(vec![b'x'; max_frame as usize]),
             ..Default::default()
-        }],
+        }]
+        .into(),
     };
     felix_wire::encode_request(5, &huge, &mut frame);
     let header = felix_wire::peek_header(&frame).unwrap();
@@ -1409,7 +1410,8 @@ async fn a_keyed_publish_lands_on_the_shard_its_key_hashes_to() {
                 key: Some(Bytes::from(k.clone())),
                 payload: Bytes::from(payload.clone()),
                 ..Default::default()
-            }],
+            }]
+            .into(),
         };
         match raw_call(&mut s, 2, &req).await {
             Response::Published { shard, .. } => assert_eq!(shard, expect, "key {k}"),
@@ -1722,7 +1724,8 @@ async fn a_client_that_stops_sending_when_refused_hears_about_every_request() {
                     records: vec![RecordIn {
                         payload: Bytes::from(format!("{id}")),
                         ..Default::default()
-                    }],
+                    }]
+                    .into(),
                 };
                 felix_wire::encode_request(id, &req, &mut frames);
                 id += 1;
@@ -3216,7 +3219,8 @@ async fn a_half_closed_connection_gets_its_answers() {
             records: vec![RecordIn {
                 payload: Bytes::from(format!("r{id}")),
                 ..Default::default()
-            }],
+            }]
+            .into(),
         };
         felix_wire::encode_request(id, &publish, &mut out);
     }

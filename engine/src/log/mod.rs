@@ -61,8 +61,8 @@
 //! old segments, `close` closing one.
 
 use crate::format::{
-    self, encode_control_into, encode_group_into, encode_records_into, BatchHeader, BatchKind,
-    FrameError, Record, RecordIn,
+    self, encode_control_into, encode_group_into, encode_records_into, AppendRecord, BatchHeader,
+    BatchKind, FrameError, Record,
 };
 use crate::marks::{self, Clean, CLEAN_MARK, TAIL_MARK};
 use crate::notify::WaitList;
@@ -1045,11 +1045,15 @@ impl<S: Storage> ShardLog<S> {
     }
 
     /// Queue a batch of records. Offsets are assigned now.
-    pub fn append(&self, records: &[RecordIn]) -> Result<Appended, LogError> {
-        if records.is_empty() {
+    pub fn append<I>(&self, records: I) -> Result<Appended, LogError>
+    where
+        I: IntoIterator + Clone,
+        I::Item: AppendRecord,
+    {
+        if records.clone().into_iter().next().is_none() {
             return Err(LogError::Empty);
         }
-        let len = format::check_records(records).map_err(LogError::Invalid)?;
+        let len = format::check_records(records.clone()).map_err(LogError::Invalid)?;
         let a = {
             let mut i = self.inner.borrow_mut();
             let a = i.append_with(len, |out, next, flush| {

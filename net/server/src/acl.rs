@@ -463,7 +463,7 @@ admin    *                 *
                     stream: st.clone(),
                     target: PublishTarget::Shard(0),
                     ack: AckMode::Default,
-                    records: vec![],
+                    records: Vec::new().into(),
                 },
                 Some(Perm::StreamPublish),
             ),

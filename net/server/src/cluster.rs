@@ -47,7 +47,7 @@ use std::rc::{Rc, Weak};
 use std::time::Duration;
 
 use felix_engine::catalog::CLUSTER_FILE;
-use felix_engine::format::{self, RecordIn};
+use felix_engine::format::{self, AppendRecord, RecordIn};
 use felix_engine::storage::Storage;
 use felix_engine::StreamName;
 use felix_replication::host::{Host, HostConfig};
@@ -559,7 +559,11 @@ impl<S: Storage> Replication<S> {
 
     /// Publish `records` to `shard` through its replica; the answer once a
     /// majority holds them and this shard log has them durably.
-    pub async fn publish(&self, shard: &Shard<S>, records: &[RecordIn]) -> Response {
+    pub async fn publish<I>(&self, shard: &Shard<S>, records: I) -> Response
+    where
+        I: IntoIterator + Clone,
+        I::Item: AppendRecord,
+    {
         let group = shard.replica_group;
         let landed = match glommio::timer::timeout(COMMIT_TIMEOUT, async {
             Ok(self.host.publish(group, records).await)

@@ -8,14 +8,14 @@ use crate::memory::{Budget, Past, PAST_BUDGET_ROOM, REQUEST_TASK_BYTES};
 use crate::metrics::AckWait;
 use crate::shard::Shard;
 use bytes::BytesMut;
-use felix_engine::format::RecordIn as LogRecordIn;
+use felix_engine::format::AppendRecord;
 use felix_engine::log::{Frontier, LogError, ReadLimits, ReadResult};
 use felix_engine::notify::WaitList;
 use felix_engine::storage::Storage;
 use felix_engine::Offset;
 use felix_wire::{
-    AckMode, ErrorCode, GroupRecord, PublishTarget, Record, Request, Response, ShardInfo,
-    StartPosition, StreamInfo, StreamRef, WireError,
+    AckMode, ErrorCode, GroupRecord, PublishRecords, PublishTarget, Record, RecordView, Request,
+    Response, ShardInfo, StartPosition, StreamInfo, StreamRef, WireError,
 };
 use futures_lite::AsyncReadExt;
 use glommio::net::TcpStream;
@@ -39,15 +39,30 @@ mod outbox;
 /// with this much left, so that every record can be read back.
 pub(crate) const ANSWER_HEADROOM: usize = 1024;
 
-/// A record's bytes as an answer carries them, less fixed framing: key,
-/// headers (each with its name and two lengths) and payload.
-fn answer_bytes(r: &felix_wire::RecordIn) -> usize {
-    r.key.as_ref().map_or(0, |k| k.len())
-        + r.headers
-            .iter()
-            .map(|(n, v)| n.len() + v.len() + 8)
-            .sum::<usize>()
-        + r.payload.len()
+/// A published record as the log takes it: read in place from the request's
+/// frame, stamped with the broker's clock when it carries no timestamp.
+#[derive(Clone, Copy)]
+struct Stamped<'a> {
+    record: RecordView<'a>,
+    now: u64,
+}
+
+impl AppendRecord for Stamped<'_> {
+    fn timestamp_ms(&self) -> u64 {
+        self.record.timestamp_ms.unwrap_or(self.now)
+    }
+    fn key(&self) -> Option<&[u8]> {
+        self.record.key
+    }
+    fn header_count(&self) -> usize {
+        self.record.headers.len()
+    }
+    fn headers(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
+        self.record.headers.iter().map(|(n, v)| (n.as_bytes(), v))
+    }
+    fn payload(&self) -> &[u8] {
+        self.record.payload
+    }
 }
 
 /// Per-connection facts a request handler needs.
@@ -1227,7 +1242,7 @@ async fn publish<S: Storage>(
     stream: StreamRef,
     target: PublishTarget,
     ack: AckMode,
-    records: Vec<felix_wire::RecordIn>,
+    records: PublishRecords,
 ) -> Response {
     let shard_no = match &target {
         PublishTarget::Shard(s) => *s,
@@ -1259,54 +1274,39 @@ async fn publish<S: Storage>(
             ),
         );
     }
+    // One pass: the largest record the broker can answer, the bytes
+    // published (as reads count them: key, header names and values,
+    // payload), and the first record stamped past
+    // limits.max_timestamp_ahead_ms (retention by age goes by timestamps, so
+    // a clock far ahead would keep a segment forever).
     let biggest = core.shared.config.max_frame_bytes as usize - ANSWER_HEADROOM;
-    if let Some((i, n)) = records
-        .iter()
-        .map(answer_bytes)
-        .enumerate()
-        .find(|(_, n)| *n > biggest)
-    {
-        return refused(
-            ErrorCode::TooLarge,
-            format!(
-                "record {i} carries {n} bytes; the largest record this broker takes is \
-                 {biggest} bytes (server.max_frame_bytes less {ANSWER_HEADROOM} bytes of \
-                 answer framing, so that it can be read back)"
-            ),
-        );
-    }
     let now = now_ms();
-    // One pass: convert the records, count their bytes, and note the first
-    // stamped past limits.max_timestamp_ahead_ms (retention by age goes by
-    // timestamps, so a clock far ahead would keep a segment forever).
     let ahead = core.shared.config.max_timestamp_ahead_ms;
     let limit = ahead.map(|a| now.saturating_add(a));
     let mut too_far = None;
     let mut bytes = 0u64;
-    let recs: Vec<LogRecordIn> = records
-        .into_iter()
-        .enumerate()
-        .map(|(i, r)| {
-            // As reads count them: key, header names and values, payload.
-            bytes += (r.payload.len()
-                + r.key.as_ref().map_or(0, |k| k.len())
-                + r.headers
-                    .iter()
-                    .map(|(n, v)| n.len() + v.len())
-                    .sum::<usize>()) as u64;
-            if let (Some(l), Some(t)) = (limit, r.timestamp_ms) {
-                if t > l && too_far.is_none() {
-                    too_far = Some((i, t));
-                }
+    for (i, r) in records.iter().enumerate() {
+        let carried = r.carried_bytes();
+        // As an answer carries it, less fixed framing: each header adds its
+        // name's and value's lengths.
+        let n = carried + r.headers.len() * 8;
+        if n > biggest {
+            return refused(
+                ErrorCode::TooLarge,
+                format!(
+                    "record {i} carries {n} bytes; the largest record this broker takes is \
+                     {biggest} bytes (server.max_frame_bytes less {ANSWER_HEADROOM} bytes of \
+                     answer framing, so that it can be read back)"
+                ),
+            );
+        }
+        bytes += carried as u64;
+        if let (Some(l), Some(t)) = (limit, r.timestamp_ms) {
+            if t > l && too_far.is_none() {
+                too_far = Some((i, t));
             }
-            LogRecordIn {
-                timestamp_ms: r.timestamp_ms.unwrap_or(now),
-                key: r.key,
-                headers: r.headers,
-                payload: r.payload,
-            }
-        })
-        .collect();
+        }
+    }
     if let Some((i, ts)) = too_far {
         return refused(
             ErrorCode::InvalidRequest,
@@ -1331,10 +1331,12 @@ async fn publish<S: Storage>(
         }
         return not_applied(log_err(&shard.name(), e));
     }
+    // Read in place from the frame, copied once: into the log's batch.
+    let recs = records.iter().map(|record| Stamped { record, now });
     if let Some(r) = core.replication.get() {
         // Through the shard's leader; every replica writes it to its log
         // once committed.
-        let answer = r.publish(&shard, &recs).await;
+        let answer = r.publish(&shard, recs).await;
         if let Response::Published { count, .. } = &answer {
             let m = &core.metrics;
             m.publish_records
@@ -1343,14 +1345,14 @@ async fn publish<S: Storage>(
         }
         return answer;
     }
-    let appended = match shard.log.append(&recs) {
+    let appended = match shard.log.append(recs) {
         Ok(a) => a,
         // Nothing of it queued.
         Err(e) => return not_applied(log_err(&shard.name(), e)),
     };
-    // The log copied them: let go of the read buffer they are slices of
+    // The log copied them: let go of the read buffer they are a view of
     // before waiting for the flush.
-    drop(recs);
+    drop(records);
     let frontier = match AckWait::of(ack, core.shared.config.ack_on_commit) {
         AckWait::Durable => Frontier::Durable,
         _ => Frontier::Queued,

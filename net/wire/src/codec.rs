@@ -120,6 +120,22 @@ impl Reader {
         self.buf.len() - self.pos
     }
 
+    /// The bytes not read yet.
+    pub(crate) fn rest(&self) -> &[u8] {
+        &self.buf[self.pos..]
+    }
+
+    /// `start..end` of [`rest`](Reader::rest), sharing the frame.
+    pub(crate) fn slice_rest(&self, start: usize, end: usize) -> Bytes {
+        self.buf.slice(self.pos + start..self.pos + end)
+    }
+
+    /// Skip `n` bytes of [`rest`](Reader::rest), which the caller checked.
+    pub(crate) fn advance(&mut self, n: usize) {
+        debug_assert!(n <= self.remaining());
+        self.pos = (self.pos + n).min(self.buf.len());
+    }
+
     /// Fails with [`DecodeError::TrailingBytes`] unless everything was read.
     pub(crate) fn finish(&self) -> Result<()> {
         if self.remaining() == 0 {

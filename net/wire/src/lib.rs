@@ -23,6 +23,7 @@ mod codec;
 mod error;
 mod frame;
 mod message;
+mod publish;
 mod types;
 
 pub use error::{DecodeError, ErrorCode, WireError};
@@ -31,6 +32,7 @@ pub use frame::{
     KIND_REQUEST, KIND_RESPONSE,
 };
 pub use message::{opcodes, Request, Response};
+pub use publish::{HeadersIter, HeadersView, PublishRecords, RecordView};
 pub use types::{
     shard_for_key, AckMode, ClusterInfo, ClusterMember, DeadLetterInfo, GroupInfo, GroupKey,
     GroupMemberRef, GroupRecord, ParseStreamRefError, PeerProgress, PublishTarget, Record,

@@ -7,6 +7,7 @@ use crate::codec::{
     U64, VEC,
 };
 use crate::error::{DecodeError, WireError};
+use crate::publish::{PublishRecords, RecordView};
 use crate::types::{
     get_strings, get_u64s, put_strings, put_u64s, AckMode, ClusterInfo, DeadLetterInfo, GroupInfo,
     GroupKey, GroupMemberRef, GroupRecord, PublishTarget, Record, RecordIn, ReplicaInfo, ShardInfo,
@@ -145,7 +146,7 @@ pub enum Request {
         stream: StreamRef,
         target: PublishTarget,
         ack: AckMode,
-        records: Vec<RecordIn>,
+        records: PublishRecords,
     },
     /// Plain offset read; `wait_ms > 0` long-polls for new records.
     Read {
@@ -363,15 +364,12 @@ impl Request {
             Request::Publish {
                 stream, records, ..
             } => {
-                let per_record = |r: &RecordIn| {
+                let per_record = |r: RecordView| {
                     RecordIn::MIN_BYTES
                         + U64
-                        + r.key.as_ref().map_or(0, |k| BLOB + k.len())
-                        + r.headers
-                            .iter()
-                            .map(|(k, v)| STR + BLOB + k.len() + v.len())
-                            .sum::<usize>()
-                        + r.payload.len()
+                        + r.key.map_or(0, |_| BLOB)
+                        + r.headers.len() * (STR + BLOB)
+                        + r.carried_bytes()
                 };
                 SMALL
                     + stream.tenant.len()
@@ -383,32 +381,16 @@ impl Request {
         }
     }
 
-    /// Memory a decoded request holds besides its frame's bytes (which its
-    /// payloads, keys and header values are slices of): the vectors of
-    /// records, headers and offsets a decoder builds, and the header names
-    /// it copies (each its own allocation). A frame of empty records or
-    /// short headers decodes to several times its size, so a broker that
-    /// bounds what requests in flight hold counts this too, not the frame's
-    /// length alone.
+    /// Memory a request holds besides its frame's bytes: the vectors a
+    /// decoder builds (offsets of an ack), or a producer's owned records. A
+    /// decoded publish holds none (its records are a checked view of the
+    /// frame), so a frame of empty records or short headers costs what it
+    /// is; a broker that bounds what requests in flight hold counts this
+    /// too, not the frame's length alone.
     pub fn decoded_overhead(&self) -> usize {
         use std::mem::size_of;
-        /// What the allocator takes per allocation beyond the bytes asked.
-        const PER_ALLOCATION: usize = 16;
-        let name = |n: &String| match n.capacity() {
-            0 => 0,
-            c => c.max(PER_ALLOCATION) + PER_ALLOCATION,
-        };
         match self {
-            Request::Publish { records, .. } => {
-                records.capacity() * size_of::<RecordIn>()
-                    + records
-                        .iter()
-                        .map(|r| {
-                            r.headers.capacity() * size_of::<(String, bytes::Bytes)>()
-                                + r.headers.iter().map(|(n, _)| name(n)).sum::<usize>()
-                        })
-                        .sum::<usize>()
-            }
+            Request::Publish { records, .. } => records.overhead(),
             Request::GroupAck { offsets, .. } => offsets.capacity() * size_of::<u64>(),
             _ => 0,
         }
@@ -463,7 +445,7 @@ impl Request {
                 stream.put(out);
                 target.put(out);
                 ack.put(out);
-                put_wire_vec(out, records);
+                records.put(out);
             }
             Request::Read {
                 stream,
@@ -590,7 +572,7 @@ impl Request {
                 stream: StreamRef::get(r)?,
                 target: PublishTarget::get(r)?,
                 ack: AckMode::get(r)?,
-                records: r.wire_vec("records")?,
+                records: PublishRecords::get(r)?,
             },
             rq::READ => Request::Read {
                 stream: StreamRef::get(r)?,
@@ -1044,7 +1026,7 @@ mod tests {
             stream: key.stream.clone(),
             target: PublishTarget::Shard(0),
             ack,
-            records: Vec::new(),
+            records: Vec::new().into(),
         };
         let poll = |visibility_ms| Request::GroupPoll {
             key: key.clone(),

@@ -98,7 +98,7 @@ fn publish_frame(records: Vec<RecordIn>) -> (Request, BytesMut) {
         stream: StreamRef::new("t", "n", "s"),
         target: PublishTarget::Shard(0),
         ack: AckMode::Default,
-        records,
+        records: records.into(),
     };
     let mut buf = BytesMut::new();
     encode_request(1, &req, &mut buf);
@@ -106,9 +106,10 @@ fn publish_frame(records: Vec<RecordIn>) -> (Request, BytesMut) {
 }
 
 #[test]
-fn big_valid_frames_allocate_in_proportion() {
-    // 1000 records of 1 KiB: the decoder's allocations are bounded by the
-    // records vector (1000 * size_of::<RecordIn>()), payloads are not copied.
+fn a_publish_decodes_in_place() {
+    // 1000 records of 1 KiB: the records are a checked view of the frame,
+    // so the decoder allocates only the stream's names (no vector of
+    // records, no copies of payloads).
     let records: Vec<RecordIn> = (0..1000)
         .map(|i| RecordIn {
             payload: vec![i as u8; 1024].into(),
@@ -116,21 +117,19 @@ fn big_valid_frames_allocate_in_proportion() {
         })
         .collect();
     let (req, mut buf) = publish_frame(records);
-    let frame_len = buf.len();
     let (res, largest) = largest_alloc(|| decode_request(&mut buf, DEFAULT_MAX_FRAME_BYTES));
-    assert_eq!(res.unwrap().unwrap().1, req);
-    assert!(
-        largest <= 1000 * std::mem::size_of::<RecordIn>() && largest < frame_len,
-        "largest allocation {largest} bytes for a {frame_len}-byte frame"
-    );
+    let decoded = res.unwrap().unwrap().1;
+    assert_eq!(decoded, req);
+    assert!(largest < 64, "largest allocation {largest} bytes");
+    assert_eq!(decoded.decoded_overhead(), 0);
 }
 
-/// A frame of records with many empty headers decodes to several times its
-/// length; `decoded_overhead` reports that memory (so the broker can count
-/// it against what requests in flight may hold), and the decoder sizes each
-/// vector once, exactly.
+/// A frame of records with many empty headers (twenty thousand headers in
+/// ~120 KB): decoded, it takes no memory beyond the frame, where decoding
+/// into owned records took several times the frame. The producer's owned
+/// request reports what its vectors hold.
 #[test]
-fn empty_headers_are_counted_in_the_decoded_overhead() {
+fn empty_headers_cost_nothing_decoded() {
     let headers: Vec<(String, bytes::Bytes)> = (0..1000)
         .map(|_| (String::new(), bytes::Bytes::new()))
         .collect();
@@ -142,18 +141,19 @@ fn empty_headers_are_counted_in_the_decoded_overhead() {
         .collect();
     let (req, mut buf) = publish_frame(records);
     let frame_len = buf.len();
+    let header_vec = 1000 * std::mem::size_of::<(String, bytes::Bytes)>();
+    assert_eq!(
+        req.decoded_overhead(),
+        20 * header_vec + 20 * std::mem::size_of::<RecordIn>()
+    );
+    assert!(req.decoded_overhead() > 5 * frame_len);
     let (res, largest) = largest_alloc(|| decode_request(&mut buf, DEFAULT_MAX_FRAME_BYTES));
     let decoded = res.unwrap().unwrap().1;
     assert_eq!(decoded, req);
-    let header_vec = 1000 * std::mem::size_of::<(String, bytes::Bytes)>();
-    assert_eq!(largest, header_vec, "one exact allocation per header list");
-    let overhead = decoded.decoded_overhead();
-    assert_eq!(
-        overhead,
-        20 * header_vec + 20 * std::mem::size_of::<RecordIn>()
-    );
-    assert!(
-        overhead > 5 * frame_len,
-        "{overhead} bytes decoded from a {frame_len}-byte frame"
-    );
+    assert!(largest < 64, "largest allocation {largest} bytes");
+    assert_eq!(decoded.decoded_overhead(), 0);
+    let Request::Publish { records, .. } = &decoded else {
+        panic!("not a publish")
+    };
+    assert!(records.iter().all(|r| r.headers.len() == 1000));
 }

@@ -274,7 +274,8 @@ fn payloads_share_the_receive_buffer() {
         records: vec![RecordIn {
             payload: payload.clone(),
             ..RecordIn::default()
-        }],
+        }]
+        .into(),
     };
     let mut buf = encode_req(1, &req);
     let range = buf.as_ptr() as usize..buf.as_ptr() as usize + buf.len();
@@ -283,8 +284,13 @@ fn payloads_share_the_receive_buffer() {
     else {
         panic!("not a publish")
     };
-    assert_eq!(records[0].payload, payload);
-    assert!(range.contains(&(records[0].payload.as_ptr() as usize)));
+    // The view reads the payload in place, and an owned copy shares it.
+    let view = records.iter().next().unwrap();
+    assert_eq!(view.payload, &payload[..]);
+    assert!(range.contains(&(view.payload.as_ptr() as usize)));
+    let owned = records.to_records();
+    assert_eq!(owned[0].payload, payload);
+    assert!(range.contains(&(owned[0].payload.as_ptr() as usize)));
 }
 
 #[test]
@@ -522,7 +528,7 @@ fn a_list_over_the_element_cap_is_too_large_not_malformed() {
         stream: StreamRef::new("t", "n", "s"),
         target: PublishTarget::Shard(0),
         ack: AckMode::Default,
-        records,
+        records: records.into(),
     };
     let mut buf = BytesMut::new();
     encode_request(7, &req, &mut buf);

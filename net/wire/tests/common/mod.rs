@@ -335,7 +335,7 @@ pub fn request() -> impl Strategy<Value = Request> {
                 stream,
                 target,
                 ack,
-                records,
+                records: records.into(),
             })
             .boxed(),
         (stream_ref(), any::<u32>(), start(), any::<[u32; 3]>())
