@@ -109,8 +109,12 @@ impl RecordIn {
 /// A record to append, however its holder keeps it: an owned [`RecordIn`],
 /// or a view of the request it came in (the broker encodes a publish's
 /// records straight from the frame, without a vector of them or a reference
-/// count per field). The log reads the fields twice: to size and check the
-/// batch, then to encode it.
+/// count per field). The log reads the records more than once, through
+/// clones of the iterator it is given: to check and size the batch, then to
+/// encode it. So every clone must yield the same records with the same
+/// fields, and [`header_count`](AppendRecord::header_count) must be the
+/// number of pairs [`headers`](AppendRecord::headers) yields: the batch's
+/// length and header counts are written from them.
 pub trait AppendRecord {
     fn timestamp_ms(&self) -> u64;
     fn key(&self) -> Option<&[u8]>;
@@ -182,12 +186,13 @@ pub const RECORD_HEADERS_MAX: usize = 1024;
 
 /// Check that `records` fit the on-disk format (header counts and name
 /// lengths are `u16`, lengths `u32`, a batch at most [`BATCH_MAX_BYTES`]) and
-/// return the encoded batch length. Anything refused here must never reach
-/// the disk: it would be unreadable.
+/// return the encoded batch length and the number of records. Anything
+/// refused here must never reach the disk: it would be unreadable.
 pub fn check_records<R: AppendRecord>(
     records: impl IntoIterator<Item = R>,
-) -> Result<usize, String> {
+) -> Result<Checked, String> {
     let mut len = BATCH_HEADER_BYTES;
+    let mut count = 0;
     let too_long = |x: usize| x >= u32::MAX as usize;
     for (i, r) in records.into_iter().enumerate() {
         let headers = r.header_count();
@@ -196,7 +201,10 @@ pub fn check_records<R: AppendRecord>(
                 "record {i} has {headers} headers; the limit is {RECORD_HEADERS_MAX}"
             ));
         }
+        // One pass over the headers (none for a record without): names
+        // first, then any field too long.
         let mut headers_len = 0;
+        let mut value_too_long = false;
         if headers > 0 {
             for (n, v) in r.headers() {
                 if n.len() > u16::MAX as usize {
@@ -205,23 +213,30 @@ pub fn check_records<R: AppendRecord>(
                         n.len()
                     ));
                 }
-                if too_long(v.len()) {
-                    return Err(format!("record {i} has a field of 4 GiB or more"));
-                }
+                value_too_long |= too_long(v.len());
                 headers_len += 6 + n.len() + v.len();
             }
         }
         let key = r.key().map_or(0, <[u8]>::len);
         let payload = r.payload().len();
-        if too_long(key) || too_long(payload) {
+        if value_too_long || too_long(key) || too_long(payload) {
             return Err(format!("record {i} has a field of 4 GiB or more"));
         }
         len += RECORD_FIXED_BYTES + key + headers_len + payload;
         if len > BATCH_MAX_BYTES as usize {
             return Err(format!("the batch is over {BATCH_MAX_BYTES} bytes"));
         }
+        count += 1;
     }
-    Ok(len)
+    Ok(Checked { len, count })
+}
+
+/// What [`check_records`] found of records it accepts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Checked {
+    /// Bytes of the batch.
+    pub len: usize,
+    pub count: usize,
 }
 
 /// A record read back from the log. Key, headers and payload share the
@@ -314,7 +329,27 @@ where
     I: IntoIterator + Clone,
     I::Item: AppendRecord,
 {
-    append_batch(out, records_batch_len(records.clone()), |dst| {
+    encode_checked_records(
+        out,
+        records_batch_len(records.clone()),
+        base,
+        term,
+        flush,
+        records,
+    )
+}
+
+/// [`encode_records`] of records whose batch length `len` a
+/// [`check_records`] of them returned.
+pub fn encode_checked_records<R: AppendRecord>(
+    out: &mut Vec<u8>,
+    len: usize,
+    base: Offset,
+    term: u64,
+    flush: u16,
+    records: impl IntoIterator<Item = R>,
+) -> BatchHeader {
+    append_batch(out, len, |dst| {
         encode_records_into(dst, base, term, flush, records)
     })
 }
@@ -353,12 +388,19 @@ pub fn encode_records_into<R: AppendRecord>(
         if let Some(k) = key {
             w.put(k);
         }
+        let mut written = 0;
         for (name, value) in r.headers() {
             w.put(&(name.len() as u16).to_le_bytes());
             w.put(name);
             w.put(&(value.len() as u32).to_le_bytes());
             w.put(value);
+            written += 1;
         }
+        debug_assert_eq!(
+            written,
+            r.header_count(),
+            "header_count disagrees with headers"
+        );
         w.put(payload);
         count += 1;
     }

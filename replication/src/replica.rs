@@ -697,17 +697,17 @@ impl Replica {
         I::Item: AppendRecord,
     {
         self.refuse_unless_serving()?;
-        if records.clone().into_iter().next().is_none() {
+        let checked = format::check_records(records.clone()).map_err(ReplicationError::Refused)?;
+        if checked.count == 0 {
             return Err(ReplicationError::Refused(
                 "a batch needs at least one record".into(),
             ));
         }
-        let len = format::check_records(records.clone()).map_err(ReplicationError::Refused)?;
         let base = self.log_end();
         let term = self.term();
-        let mut data = Vec::with_capacity(len);
-        let h = format::encode_records(&mut data, Offset(base), term, 0, records);
-        self.propose(token, data, base, base + u64::from(h.record_count))
+        let mut data = Vec::new();
+        format::encode_checked_records(&mut data, checked.len, Offset(base), term, 0, records);
+        self.propose(token, data, base, base + checked.count as u64)
     }
 
     /// Propose a group's state changes (one request's writes) as one entry.

@@ -1154,8 +1154,19 @@ async fn fill_the_budget(b: &felix_tests::Broker) -> Vec<RawConnection> {
     pinning
 }
 
+/// Four records of 256 KiB: a publish frame of about 1 MiB.
+fn megabyte_records() -> Vec<RecordIn> {
+    (0..4u8)
+        .map(|i| RecordIn {
+            payload: vec![i; 256 << 10].into(),
+            ..Default::default()
+        })
+        .collect()
+}
+
 /// 170 records of 1,024 empty headers each: a publish frame of about
-/// 1 MiB that decodes to about 11 MiB.
+/// 1 MiB whose records, read back, hold about 11 MiB (a table entry for
+/// each header).
 fn header_heavy_records() -> Vec<RecordIn> {
     (0..170)
         .map(|_| RecordIn {
@@ -1227,11 +1238,11 @@ async fn finish_and_drain(
 
 /// The most the core held stays within the budget, the answer each pinning
 /// connection took past it, and the overdraft: a quarter of the budget for
-/// frames let in and one more, a quarter for requests and the decoded
-/// publish (about 11 MiB) that crossed it.
+/// frames let in and one more, a quarter for requests and the publish
+/// (about 1 MiB) that crossed it, with a little room.
 fn assert_overdraft_held(b: &felix_tests::Broker) {
     let peak = b.metric("felix_core_buffered_bytes_peak") as u64;
-    let bound = OVERDRAFT_BUDGET + OVERDRAFT_BUDGET / 2 + PINNING * (5 << 20) + (13 << 20);
+    let bound = OVERDRAFT_BUDGET + OVERDRAFT_BUDGET / 2 + PINNING * (5 << 20) + (4 << 20);
     assert!(
         peak <= bound,
         "the core held {} MiB (bound {} MiB)",
@@ -1240,18 +1251,17 @@ fn assert_overdraft_held(b: &felix_tests::Broker) {
     );
 }
 
-/// A decoded request can take many times its frame: a publish of records
-/// each carrying 1,024 empty headers about eleven times. A connection that
-/// holds nothing goes ahead with one request past the core's budget, but
-/// the requests let through that way share an overdraft of a quarter of
-/// the budget: while they hold it, such connections wait for one of them
-/// to finish, instead of each adding its decoded request to what the core
-/// holds (without that bound, 96 MiB here). Every publish is still served.
+/// A connection that holds nothing goes ahead with one request past the
+/// core's budget, but what is let through that way shares an overdraft of
+/// a quarter of the budget: while it is taken, such connections wait for
+/// one of those requests to finish, instead of each adding its 1 MiB
+/// publish to what the core holds (without that bound, 32 MiB more here).
+/// Every publish is still served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_past_the_core_budget_share_a_bounded_overdraft() {
     const PUBLISHERS: u64 = 32;
     let (b, _c, _pinning) = broker_at_its_budget().await;
-    let records = header_heavy_records();
+    let records = megabyte_records();
     let mut sends = Vec::new();
     for _ in 0..PUBLISHERS {
         let c = Client::connect(b.addr.as_str(), ClientConfig::default())
@@ -1266,24 +1276,23 @@ async fn requests_past_the_core_budget_share_a_bounded_overdraft() {
     // publishers' frames wait in their sockets).
     for s in sends {
         let p = s.await.unwrap().expect("the publish was served");
-        assert_eq!(p.count, 170);
+        assert_eq!(p.count, 4);
     }
     assert_overdraft_held(&b);
 }
 
 /// Frames begun past the budget by connections holding nothing are let in
-/// on the overdraft while it is not taken, at their frame size; decoded,
-/// each becomes a request about eleven times larger. Twelve connections
-/// each send all but the last byte of such a publish (the overdraft lets
-/// eight in), then all finish together: the broker decodes them one at a
-/// time while the overdraft is taken, so the core holds the budget, the
-/// overdraft and one decoded publish, where decoding every whole frame at
-/// once held eight decoded publishes (about 120 MiB here). All are served.
+/// on the overdraft while it is not taken, at their frame size: twelve
+/// connections each send all but the last byte of a 1 MiB publish, eight
+/// are let in (a quarter of the budget) and the other four wait unread;
+/// then all finish together. Every publish is served, one overdraft at a
+/// time once whole, and the core holds no more than the budget and its
+/// overdraft.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn whole_frames_on_the_overdraft_are_decoded_one_at_a_time() {
+async fn frames_let_in_on_the_overdraft_are_served_within_it() {
     const PUBLISHERS: usize = 12;
     let (b, _c, _pinning) = broker_at_its_budget().await;
-    let frame = big_publish(1, header_heavy_records());
+    let frame = big_publish(1, megabyte_records());
     let (most, last) = frame.split_at(frame.len() - 1);
     let publishers = connections_that_sent(&b.addr, "publisher", PUBLISHERS, most).await;
     // Eight frames are let in on the overdraft (a quarter of the budget)
@@ -1293,7 +1302,7 @@ async fn whole_frames_on_the_overdraft_are_decoded_one_at_a_time() {
     })
     .expect("the overdraft let frames in");
     finish_and_drain(publishers, last, 2, |r| {
-        matches!(r, Response::Published { count: 170, .. })
+        matches!(r, Response::Published { count: 4, .. })
     })
     .await;
     assert_overdraft_held(&b);
@@ -1301,12 +1310,12 @@ async fn whole_frames_on_the_overdraft_are_decoded_one_at_a_time() {
 
 /// A frame let in while the budget had room is read on until it is whole,
 /// and then waits like any frame of its connection: twelve connections,
-/// each with a long-polling read in flight, begin header-heavy publishes
-/// while there is room; then clients that read nothing fill the budget and
-/// the publishes finish arriving. None is decoded while the core is at its
-/// budget (decoding them all held about 150 MiB here); once the clients
-/// filling it go, they are decoded as room allows, every one is stored, and
-/// the waiting reads see them.
+/// each with a long-polling read in flight, begin 1 MiB publishes while
+/// there is room; then clients that read nothing fill the budget and the
+/// publishes finish arriving. The core stays within its budget and
+/// overdraft while it is full; once the clients filling it go, the
+/// publishes are served as room allows, every one is stored, and the
+/// waiting reads see them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_whole_frame_waits_for_the_budget_like_any_other() {
     const BUSY: usize = 12;
@@ -1329,7 +1338,7 @@ async fn a_whole_frame_waits_for_the_budget_like_any_other() {
         },
         &mut sent,
     );
-    let frame = big_publish(2, header_heavy_records());
+    let frame = big_publish(2, megabyte_records());
     let (most, last) = frame.split_at(frame.len() - 1);
     sent.extend_from_slice(most);
     let mut busy = connections_that_sent(&b.addr, "busy", BUSY, &sent).await;
@@ -1348,7 +1357,7 @@ async fn a_whole_frame_waits_for_the_budget_like_any_other() {
     assert_overdraft_held(&b);
     drop(pinning);
     finish_and_drain(busy, &[], 3, |r| match r {
-        Response::Published { count, .. } => *count == 170,
+        Response::Published { count, .. } => *count == 4,
         Response::Records { records, .. } => !records.is_empty(),
         _ => false,
     })

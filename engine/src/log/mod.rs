@@ -1050,10 +1050,11 @@ impl<S: Storage> ShardLog<S> {
         I: IntoIterator + Clone,
         I::Item: AppendRecord,
     {
-        if records.clone().into_iter().next().is_none() {
+        let checked = format::check_records(records.clone()).map_err(LogError::Invalid)?;
+        if checked.count == 0 {
             return Err(LogError::Empty);
         }
-        let len = format::check_records(records.clone()).map_err(LogError::Invalid)?;
+        let len = checked.len;
         let a = {
             let mut i = self.inner.borrow_mut();
             let a = i.append_with(len, |out, next, flush| {

@@ -41,7 +41,6 @@ pub(crate) const ANSWER_HEADROOM: usize = 1024;
 
 /// A published record as the log takes it: read in place from the request's
 /// frame, stamped with the broker's clock when it carries no timestamp.
-#[derive(Clone, Copy)]
 struct Stamped<'a> {
     record: RecordView<'a>,
     now: u64,
@@ -58,7 +57,7 @@ impl AppendRecord for Stamped<'_> {
         self.record.headers.len()
     }
     fn headers(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
-        self.record.headers.iter().map(|(n, v)| (n.as_bytes(), v))
+        self.record.headers.raw()
     }
     fn payload(&self) -> &[u8] {
         self.record.payload
@@ -861,8 +860,8 @@ fn spawn_request<S: Storage>(
     let core = core.clone();
     let info = info.clone();
     let outbox = outbox.clone();
-    // What the request holds: its frame, and the vectors decoding built
-    // (several times the frame for one of empty records or headers).
+    // What the request holds: its frame, and what decoding built beside it
+    // (an ack's offsets; a publish is read in place).
     let held = frame_len + req.decoded_overhead();
     // Let through past the budget (this connection held nothing): counted
     // in the overdraft until it is done.

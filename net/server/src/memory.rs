@@ -25,13 +25,13 @@
 //! quarter of the budget, a connection holding nothing waits for one of
 //! them to finish (they are in flight, and what they may wait for, room
 //! for a large answer, is freed as clients take answers or are cut off at
-//! the write timeout, so the core cannot deadlock). A decoded request can take
-//! several times its frame (a publish of records with many empty headers
-//! about eleven times), so without that bound ten thousand connections with
-//! one request each could hold far more than the machine has. The bound is
-//! kept where a request takes its size: at the budget, a whole frame is
-//! decoded only by a connection holding nothing, and only while the
-//! requests let through hold less than their quarter.
+//! the write timeout, so the core cannot deadlock). Without that bound ten
+//! thousand connections with one request each (its frame, its task, and
+//! what its work goes on to take: a publish's copy in the log, a read's
+//! answer) could hold far more than the machine has. The bound is kept
+//! where a request starts: at the budget, a whole frame is decoded only by
+//! a connection holding nothing, and only while the requests let through
+//! hold less than their quarter.
 //!
 //! Frames arriving (once a connection's HELLO is through) are admitted the
 //! same way: the broker reads past a frame's header only once the budget
@@ -41,8 +41,8 @@
 //! is whole. An admitted frame is never held back by the budget while it
 //! arrives (its connection reads on until the frame is whole or its time is
 //! up), so the frames begun cannot deadlock the core; whole, it is decoded
-//! only when any frame of that connection would be (decoding can build
-//! several times the frame). A frame of at most 64 KiB (one read's worth)
+//! only when any frame of that connection would be (decoding starts the
+//! request's work). A frame of at most 64 KiB (one read's worth)
 //! from a connection holding nothing needs no admission: it is read on as
 //! any read, so requests sent in such frames are never held up by clients
 //! that begin larger frames and stall part way (those hold their room until

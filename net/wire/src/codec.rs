@@ -5,8 +5,9 @@
 //! followed by the value when present, vectors a `u32` count followed by the
 //! elements.
 //!
-//! The reader is the only place that touches untrusted lengths, so it is the
-//! only place that has to get the "check before allocating" rule right.
+//! [`Cursor`] is the only place that reads untrusted lengths and counts, so
+//! it is the only place that has to get the "check before allocating" rule
+//! right; [`Reader`] and the publish view (`publish.rs`) read through it.
 
 use bytes::{BufMut, Bytes, BytesMut};
 
@@ -104,48 +105,30 @@ pub(crate) fn put_wire_vec<T: Wire>(out: &mut BytesMut, items: &[T]) {
     put_vec(out, items, |o, v| v.put(o));
 }
 
-/// Reads a message body out of a frozen frame. Blob fields are `slice`s of
-/// the frame, so payloads share the receive buffer instead of being copied.
-pub(crate) struct Reader {
-    buf: Bytes,
+/// Reads borrowed bytes: every length and count read from untrusted input
+/// is checked here, against the bytes left, before anything uses it.
+/// [`Reader`] wraps one to decode message bodies; a publish's records are
+/// checked with one in place (`publish.rs`).
+pub(crate) struct Cursor<'a> {
+    buf: &'a [u8],
     pos: usize,
 }
 
-impl Reader {
-    pub(crate) fn new(buf: Bytes) -> Reader {
-        Reader { buf, pos: 0 }
+impl<'a> Cursor<'a> {
+    pub(crate) fn new(buf: &'a [u8]) -> Cursor<'a> {
+        Cursor { buf, pos: 0 }
+    }
+
+    /// Bytes read so far.
+    pub(crate) fn pos(&self) -> usize {
+        self.pos
     }
 
     pub(crate) fn remaining(&self) -> usize {
         self.buf.len() - self.pos
     }
 
-    /// The bytes not read yet.
-    pub(crate) fn rest(&self) -> &[u8] {
-        &self.buf[self.pos..]
-    }
-
-    /// `start..end` of [`rest`](Reader::rest), sharing the frame.
-    pub(crate) fn slice_rest(&self, start: usize, end: usize) -> Bytes {
-        self.buf.slice(self.pos + start..self.pos + end)
-    }
-
-    /// Skip `n` bytes of [`rest`](Reader::rest), which the caller checked.
-    pub(crate) fn advance(&mut self, n: usize) {
-        debug_assert!(n <= self.remaining());
-        self.pos = (self.pos + n).min(self.buf.len());
-    }
-
-    /// Fails with [`DecodeError::TrailingBytes`] unless everything was read.
-    pub(crate) fn finish(&self) -> Result<()> {
-        if self.remaining() == 0 {
-            Ok(())
-        } else {
-            Err(DecodeError::TrailingBytes)
-        }
-    }
-
-    fn take(&mut self, n: usize, what: &'static str) -> Result<&[u8]> {
+    pub(crate) fn take(&mut self, n: usize, what: &'static str) -> Result<&'a [u8]> {
         if n > self.remaining() {
             return Err(DecodeError::Truncated { what });
         }
@@ -184,25 +167,117 @@ impl Reader {
         }
     }
 
-    pub(crate) fn string(&mut self, what: &'static str) -> Result<String> {
+    /// A `u16` length and that many bytes of UTF-8.
+    pub(crate) fn str(&mut self, what: &'static str) -> Result<&'a str> {
         let len = self.u16(what)? as usize;
-        // `take` checks the length against the bytes left before the copy
-        // into a fresh String allocates.
-        let raw = self.take(len, what)?;
-        match std::str::from_utf8(raw) {
-            Ok(s) => Ok(s.to_owned()),
-            Err(_) => Err(DecodeError::BadUtf8 { what }),
+        std::str::from_utf8(self.take(len, what)?).map_err(|_| DecodeError::BadUtf8 { what })
+    }
+
+    /// A `u32` length and that many bytes.
+    pub(crate) fn blob(&mut self, what: &'static str) -> Result<&'a [u8]> {
+        let len = self.u32(what)? as usize;
+        self.take(len, what)
+    }
+
+    /// A vector's `u32` count of elements of at least `min_item_bytes`
+    /// each. The count is checked against the bytes left *before* anything
+    /// is allocated for it, so a frame claiming a billion records in ten
+    /// bytes fails here instead of reserving gigabytes, and a loop over the
+    /// elements runs at most `remaining / min_item_bytes` times. It is
+    /// capped too (an element in memory is larger than its smallest
+    /// encoding), so a frame of empty elements cannot make a decoder
+    /// allocate many times the frame's size.
+    pub(crate) fn count(&mut self, what: &'static str, min_item_bytes: usize) -> Result<usize> {
+        debug_assert!(min_item_bytes >= 1);
+        let n = self.u32(what)? as usize;
+        if n.saturating_mul(min_item_bytes.max(1)) > self.remaining() {
+            return Err(DecodeError::Truncated { what });
+        }
+        if n > crate::MAX_ITEMS_PER_VEC {
+            return Err(DecodeError::TooMany {
+                what,
+                count: n,
+                max: crate::MAX_ITEMS_PER_VEC,
+            });
+        }
+        Ok(n)
+    }
+}
+
+/// Reads a message body out of a frozen frame. Blob fields are `slice`s of
+/// the frame, so payloads share the receive buffer instead of being copied.
+pub(crate) struct Reader {
+    buf: Bytes,
+    pos: usize,
+}
+
+impl Reader {
+    pub(crate) fn new(buf: Bytes) -> Reader {
+        Reader { buf, pos: 0 }
+    }
+
+    pub(crate) fn remaining(&self) -> usize {
+        self.buf.len() - self.pos
+    }
+
+    /// Fails with [`DecodeError::TrailingBytes`] unless everything was read.
+    pub(crate) fn finish(&self) -> Result<()> {
+        if self.remaining() == 0 {
+            Ok(())
+        } else {
+            Err(DecodeError::TrailingBytes)
         }
     }
 
+    /// Run `f` over a [`Cursor`] of the bytes not read yet; what it read is
+    /// read. Returns what `f` did and where in the frame it started.
+    pub(crate) fn with_cursor<T>(
+        &mut self,
+        f: impl FnOnce(&mut Cursor<'_>) -> Result<T>,
+    ) -> Result<(T, usize)> {
+        let start = self.pos;
+        let mut c = Cursor::new(&self.buf[start..]);
+        let out = f(&mut c);
+        self.pos = start + c.pos;
+        out.map(|t| (t, start))
+    }
+
+    /// `start..end` of the frame, sharing it.
+    pub(crate) fn slice(&self, start: usize, end: usize) -> Bytes {
+        self.buf.slice(start..end)
+    }
+
+    pub(crate) fn u8(&mut self, what: &'static str) -> Result<u8> {
+        Ok(self.with_cursor(|c| c.u8(what))?.0)
+    }
+
+    pub(crate) fn u16(&mut self, what: &'static str) -> Result<u16> {
+        Ok(self.with_cursor(|c| c.u16(what))?.0)
+    }
+
+    pub(crate) fn u32(&mut self, what: &'static str) -> Result<u32> {
+        Ok(self.with_cursor(|c| c.u32(what))?.0)
+    }
+
+    pub(crate) fn u64(&mut self, what: &'static str) -> Result<u64> {
+        Ok(self.with_cursor(|c| c.u64(what))?.0)
+    }
+
+    pub(crate) fn bool(&mut self, what: &'static str) -> Result<bool> {
+        Ok(self.with_cursor(|c| c.bool(what))?.0)
+    }
+
+    pub(crate) fn string(&mut self, what: &'static str) -> Result<String> {
+        // The length is checked against the bytes left before the copy into
+        // a fresh String allocates.
+        Ok(self.with_cursor(|c| c.str(what).map(str::to_owned))?.0)
+    }
+
     pub(crate) fn blob(&mut self, what: &'static str) -> Result<Bytes> {
-        let len = self.u32(what)? as usize;
-        if len > self.remaining() {
-            return Err(DecodeError::Truncated { what });
-        }
-        let b = self.buf.slice(self.pos..self.pos + len);
-        self.pos += len;
-        Ok(b)
+        let (len, start) = self.with_cursor(|c| c.blob(what).map(<[u8]>::len))?;
+        // After the `u32` length.
+        let at = start + U32;
+        Ok(self.buf.slice(at..at + len))
     }
 
     pub(crate) fn opt<T>(
@@ -234,34 +309,17 @@ impl Reader {
     }
 
     /// A `u32` count followed by that many elements of at least
-    /// `min_item_bytes` each. The count is checked against the bytes left
-    /// *before* the vector is allocated, so a frame claiming a billion
-    /// records in ten bytes fails here instead of reserving gigabytes, and
-    /// the loop below runs at most `remaining / min_item_bytes` times.
+    /// `min_item_bytes` each, the count checked as [`Cursor::count`] checks
+    /// it before the vector is allocated.
     pub(crate) fn vec<T>(
         &mut self,
         what: &'static str,
         min_item_bytes: usize,
         mut item: impl FnMut(&mut Reader) -> Result<T>,
     ) -> Result<Vec<T>> {
-        debug_assert!(min_item_bytes >= 1);
-        let n = self.u32(what)? as usize;
-        if n.saturating_mul(min_item_bytes.max(1)) > self.remaining() {
-            return Err(DecodeError::Truncated { what });
-        }
-        // An element in memory is larger than its smallest encoding (a
-        // `RecordIn` is ~100 bytes, its minimum encoding ~15), so the count
-        // is capped too: a frame of empty elements cannot make the decoder
-        // allocate many times the frame's size.
-        if n > crate::MAX_ITEMS_PER_VEC {
-            return Err(DecodeError::TooMany {
-                what,
-                count: n,
-                max: crate::MAX_ITEMS_PER_VEC,
-            });
-        }
-        // Exact: the checks above bound `n` by the bytes left and the cap,
-        // and doubling would leave up to half the vector unused.
+        let (n, _) = self.with_cursor(|c| c.count(what, min_item_bytes))?;
+        // Exact: the count is bounded by the bytes left and the cap, and
+        // doubling would leave up to half the vector unused.
         let mut v = Vec::with_capacity(n);
         for _ in 0..n {
             v.push(item(self)?);

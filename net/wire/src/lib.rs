@@ -32,7 +32,7 @@ pub use frame::{
     KIND_REQUEST, KIND_RESPONSE,
 };
 pub use message::{opcodes, Request, Response};
-pub use publish::{HeadersIter, HeadersView, PublishRecords, RecordView};
+pub use publish::{HeadersIter, HeadersView, PublishRecords, RawHeadersIter, RecordView};
 pub use types::{
     shard_for_key, AckMode, ClusterInfo, ClusterMember, DeadLetterInfo, GroupInfo, GroupKey,
     GroupMemberRef, GroupRecord, ParseStreamRefError, PeerProgress, PublishTarget, Record,

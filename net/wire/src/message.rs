@@ -383,9 +383,9 @@ impl Request {
 
     /// Memory a request holds besides its frame's bytes: the vectors a
     /// decoder builds (offsets of an ack), or a producer's owned records. A
-    /// decoded publish holds none (its records are a checked view of the
-    /// frame), so a frame of empty records or short headers costs what it
-    /// is; a broker that bounds what requests in flight hold counts this
+    /// decoded publish holds none but its stream's names (its records are
+    /// a checked view of the frame), so a frame of empty records or short
+    /// headers costs what it is; a broker that bounds what requests in flight hold counts this
     /// too, not the frame's length alone.
     pub fn decoded_overhead(&self) -> usize {
         use std::mem::size_of;

@@ -14,7 +14,7 @@ use std::fmt;
 
 use bytes::{BufMut, Bytes, BytesMut};
 
-use crate::codec::{put_wire_vec, Reader, Wire, BLOB, OPT, STR, U16, U32, U64, U8, VEC};
+use crate::codec::{put_wire_vec, Cursor, Reader, Wire, BLOB, OPT, STR, U16, U32, U64, VEC};
 use crate::error::DecodeError;
 use crate::types::RecordIn;
 
@@ -125,22 +125,17 @@ impl PublishRecords {
     /// checking each as [`RecordIn`]'s decoder would, without keeping more
     /// than the bytes they occupy.
     pub(crate) fn get(r: &mut Reader) -> Result<PublishRecords> {
-        let (count, start, end) = {
-            let mut c = Cursor {
-                buf: r.rest(),
-                pos: 0,
-            };
+        let ((count, first, end), start) = r.with_cursor(|c| {
             let count = c.count("records", RecordIn::MIN_BYTES)?;
-            let start = c.pos;
+            let first = c.pos();
             for _ in 0..count {
-                c.record()?;
+                check_record(c)?;
             }
-            (count, start, c.pos)
-        };
-        let bytes = r.slice_rest(start, end);
-        r.advance(end);
+            Ok((count, first, c.pos()))
+        })?;
         Ok(PublishRecords(Held::Checked {
-            bytes,
+            bytes: r.slice(start + first, start + end),
+            // At most MAX_ITEMS_PER_VEC.
             count: count as u32,
         }))
     }
@@ -226,6 +221,12 @@ impl<'a> HeadersView<'a> {
         self.len() == 0
     }
 
+    /// Name and value of each header, the name as bytes: what a writer
+    /// copies, without checking the name's UTF-8 again.
+    pub fn raw(&self) -> RawHeadersIter<'a> {
+        RawHeadersIter(self.iter())
+    }
+
     pub fn iter(&self) -> HeadersIter<'a> {
         HeadersIter(match self.0 {
             HeadersHeld::Owned(h) => HeadersIterHeld::Owned(h.iter()),
@@ -253,28 +254,17 @@ impl fmt::Debug for HeadersView<'_> {
 }
 
 /// The records of a [`PublishRecords`], in order.
+#[derive(Clone)]
 pub struct Iter<'a>(IterHeld<'a>);
 
+#[derive(Clone)]
 enum IterHeld<'a> {
     Owned(std::slice::Iter<'a, RecordIn>),
     Checked {
-        bytes: &'a Bytes,
+        bytes: &'a [u8],
         pos: usize,
         left: u32,
     },
-}
-
-impl Clone for Iter<'_> {
-    fn clone(&self) -> Self {
-        Iter(match &self.0 {
-            IterHeld::Owned(i) => IterHeld::Owned(i.clone()),
-            IterHeld::Checked { bytes, pos, left } => IterHeld::Checked {
-                bytes,
-                pos: *pos,
-                left: *left,
-            },
-        })
-    }
 }
 
 impl<'a> Iterator for Iter<'a> {
@@ -323,35 +313,63 @@ enum HeadersIterHeld<'a> {
     },
 }
 
-impl<'a> Iterator for HeadersIter<'a> {
-    type Item = (&'a str, &'a [u8]);
-
-    fn next(&mut self) -> Option<(&'a str, &'a [u8])> {
+impl<'a> HeadersIter<'a> {
+    fn next_raw(&mut self) -> Option<(&'a [u8], &'a [u8])> {
         match &mut self.0 {
-            HeadersIterHeld::Owned(i) => i.next().map(|(n, v)| (n.as_str(), &v[..])),
+            HeadersIterHeld::Owned(i) => i.next().map(|(n, v)| (n.as_bytes(), &v[..])),
             HeadersIterHeld::Checked { bytes, pos, left } => {
                 if *left == 0 {
                     return None;
                 }
                 *left -= 1;
-                let (name, value) = walk_header(bytes, pos);
-                let name = std::str::from_utf8(name)
-                    .expect("felix-wire: header names were checked as UTF-8 when decoded");
-                Some((name, value))
+                Some(walk_header(bytes, pos))
             }
         }
     }
 
-    fn size_hint(&self) -> (usize, Option<usize>) {
-        let n = match &self.0 {
+    fn left(&self) -> usize {
+        match &self.0 {
             HeadersIterHeld::Owned(i) => i.len(),
             HeadersIterHeld::Checked { left, .. } => *left as usize,
-        };
-        (n, Some(n))
+        }
+    }
+}
+
+impl<'a> Iterator for HeadersIter<'a> {
+    type Item = (&'a str, &'a [u8]);
+
+    fn next(&mut self) -> Option<(&'a str, &'a [u8])> {
+        let (name, value) = self.next_raw()?;
+        let name = std::str::from_utf8(name)
+            .expect("felix-wire: header names were checked as UTF-8 when decoded");
+        Some((name, value))
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (self.left(), Some(self.left()))
     }
 }
 
 impl ExactSizeIterator for HeadersIter<'_> {}
+
+/// A record's headers, in order, the names as bytes
+/// ([`HeadersView::raw`]).
+#[derive(Clone)]
+pub struct RawHeadersIter<'a>(HeadersIter<'a>);
+
+impl<'a> Iterator for RawHeadersIter<'a> {
+    type Item = (&'a [u8], &'a [u8]);
+
+    fn next(&mut self) -> Option<(&'a [u8], &'a [u8])> {
+        self.0.next_raw()
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (self.0.left(), Some(self.0.left()))
+    }
+}
+
+impl ExactSizeIterator for RawHeadersIter<'_> {}
 
 /// Take `n` bytes at `*pos` of bytes already checked.
 #[inline]
@@ -368,7 +386,7 @@ fn step_u32(buf: &[u8], pos: &mut usize) -> usize {
     u32::from_le_bytes(a) as usize
 }
 
-/// The record at `*pos` of records [`Cursor::record`] checked: the same
+/// The record at `*pos` of records [`check_record`] checked: the same
 /// fields without the checks (a slice out of bounds here would mean the
 /// checked bytes changed, which `Bytes` does not allow).
 #[inline]
@@ -407,7 +425,7 @@ fn walk<'a>(buf: &'a [u8], pos: &mut usize) -> RecordView<'a> {
     }
 }
 
-/// The header at `*pos` of headers [`Cursor::header`] checked.
+/// The header at `*pos` of headers [`check_record`] checked.
 #[inline]
 fn walk_header<'a>(buf: &'a [u8], pos: &mut usize) -> (&'a [u8], &'a [u8]) {
     let mut a = [0u8; U16];
@@ -417,104 +435,21 @@ fn walk_header<'a>(buf: &'a [u8], pos: &mut usize) -> (&'a [u8], &'a [u8]) {
     (name, step(buf, pos, len))
 }
 
-/// A reader of borrowed bytes with [`Reader`]'s rules and errors, for
-/// checking records in place.
-#[derive(Clone)]
-struct Cursor<'a> {
-    buf: &'a [u8],
-    pos: usize,
-}
-
-impl<'a> Cursor<'a> {
-    fn remaining(&self) -> usize {
-        self.buf.len() - self.pos
+/// Check one record, laid out as [`RecordIn`]'s `Wire` encoding, reading
+/// exactly what its decoder reads, with the same errors.
+fn check_record(c: &mut Cursor) -> Result<()> {
+    if c.bool("record timestamp")? {
+        c.u64("record timestamp")?;
     }
-
-    fn take(&mut self, n: usize, what: &'static str) -> Result<&'a [u8]> {
-        if n > self.remaining() {
-            return Err(DecodeError::Truncated { what });
-        }
-        let s = &self.buf[self.pos..self.pos + n];
-        self.pos += n;
-        Ok(s)
+    if c.bool("record key")? {
+        c.blob("record key")?;
     }
-
-    fn array<const N: usize>(&mut self, what: &'static str) -> Result<[u8; N]> {
-        let mut a = [0u8; N];
-        a.copy_from_slice(self.take(N, what)?);
-        Ok(a)
+    for _ in 0..c.count("headers", HEADER_MIN)? {
+        c.str("header name")?;
+        c.blob("header value")?;
     }
-
-    fn u32(&mut self, what: &'static str) -> Result<u32> {
-        Ok(u32::from_le_bytes(self.array::<U32>(what)?))
-    }
-
-    fn present(&mut self, what: &'static str) -> Result<bool> {
-        match self.array::<U8>(what)?[0] {
-            0 => Ok(false),
-            1 => Ok(true),
-            _ => Err(DecodeError::BadValue { what }),
-        }
-    }
-
-    fn blob(&mut self, what: &'static str) -> Result<&'a [u8]> {
-        let len = self.u32(what)? as usize;
-        self.take(len, what)
-    }
-
-    /// A vector's count, bounded as [`Reader::vec`] bounds it.
-    fn count(&mut self, what: &'static str, min_item_bytes: usize) -> Result<usize> {
-        let n = self.u32(what)? as usize;
-        if n.saturating_mul(min_item_bytes) > self.remaining() {
-            return Err(DecodeError::Truncated { what });
-        }
-        if n > crate::MAX_ITEMS_PER_VEC {
-            return Err(DecodeError::TooMany {
-                what,
-                count: n,
-                max: crate::MAX_ITEMS_PER_VEC,
-            });
-        }
-        Ok(n)
-    }
-
-    fn header(&mut self) -> Result<(&'a str, &'a [u8])> {
-        let what = "header name";
-        let len = u16::from_le_bytes(self.array::<U16>(what)?) as usize;
-        let name = std::str::from_utf8(self.take(len, what)?)
-            .map_err(|_| DecodeError::BadUtf8 { what })?;
-        Ok((name, self.blob("header value")?))
-    }
-
-    /// One record, laid out as [`RecordIn`]'s `Wire` encoding.
-    fn record(&mut self) -> Result<RecordView<'a>> {
-        let timestamp_ms = if self.present("record timestamp")? {
-            Some(u64::from_le_bytes(self.array::<U64>("record timestamp")?))
-        } else {
-            None
-        };
-        let key = if self.present("record key")? {
-            Some(self.blob("record key")?)
-        } else {
-            None
-        };
-        let count = self.count("headers", HEADER_MIN)?;
-        let start = self.pos;
-        for _ in 0..count {
-            self.header()?;
-        }
-        let headers = HeadersView(HeadersHeld::Checked {
-            bytes: &self.buf[start..self.pos],
-            count: count as u32,
-        });
-        let payload = self.blob("record payload")?;
-        Ok(RecordView {
-            timestamp_ms,
-            key,
-            headers,
-            payload,
-        })
-    }
+    c.blob("record payload")?;
+    Ok(())
 }
 
 // The layout walked above is `RecordIn`'s: keep the two in step.
@@ -561,6 +496,10 @@ mod tests {
         // Walked more than once, the view hands out the same records.
         assert_eq!(p.to_records(), p.to_records());
         assert_eq!(p.iter().len(), p.len());
+        for r in &p {
+            let names = r.headers.iter().map(|(n, v)| (n.as_bytes(), v));
+            assert!(r.headers.raw().eq(names));
+        }
         Ok((p.to_records(), n))
     }
 

@@ -236,6 +236,9 @@ pub struct RecordIn {
     pub payload: Bytes,
 }
 
+/// The decoding below is the reference for a publish's records, which a
+/// broker checks in place instead (`publish.rs`, tested to accept and refuse
+/// exactly what this accepts and refuses): change both together.
 impl Wire for RecordIn {
     const MIN_BYTES: usize = OPT + OPT + VEC + BLOB;
     fn put(&self, out: &mut BytesMut) {

@@ -98,7 +98,7 @@ impl<'c, S: Storage> Intake<'c, S> {
     /// frame of at most [`super::MAX_READ`] arriving, or none); and reads
     /// on into a larger frame once that is admitted (see [`Self::admit`]).
     /// A frame admitted is read on until it is whole, and then waits like
-    /// any other: decoding can build several times the frame.
+    /// any other: decoding starts the request's work.
     pub(super) fn budget_bound(&self, info: &ConnInfo, outbox: &Outbox, rbuf: &BytesMut) -> bool {
         let frame = felix_wire::peek_header(rbuf).map(|h| h.frame_bytes());
         let whole = frame.is_some_and(|f| f <= rbuf.len());
