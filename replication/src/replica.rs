@@ -706,7 +706,9 @@ impl Replica {
         let base = self.log_end();
         let term = self.term();
         let mut data = Vec::new();
-        format::encode_checked_records(&mut data, checked.len, Offset(base), term, 0, records);
+        let h =
+            format::encode_checked_records(&mut data, checked.len, Offset(base), term, 0, records);
+        debug_assert_eq!(h.record_count as usize, checked.count);
         self.propose(token, data, base, base + checked.count as u64)
     }
 

@@ -244,6 +244,7 @@ impl Reader {
 
     /// `start..end` of the frame, sharing it.
     pub(crate) fn slice(&self, start: usize, end: usize) -> Bytes {
+        debug_assert!(start <= end && end <= self.pos, "a slice of what was read");
         self.buf.slice(start..end)
     }
 
