@@ -15,7 +15,8 @@ async fn client(b: &Broker) -> Client {
         .expect("connect")
 }
 
-async fn read_shard(c: &Client, stream: &str, shard: u32) -> Vec<(u64, Bytes)> {
+/// Every record of `t/ns/{stream}` shard `shard`, from the earliest.
+async fn read_records(c: &Client, stream: &str, shard: u32) -> Vec<felix_wire::Record> {
     let mut out = Vec::new();
     let mut from = StartPosition::Earliest;
     loop {
@@ -26,11 +27,17 @@ async fn read_shard(c: &Client, stream: &str, shard: u32) -> Vec<(u64, Bytes)> {
         if b.records.is_empty() {
             return out;
         }
-        for r in &b.records {
-            out.push((r.offset, r.payload.clone()));
-        }
         from = StartPosition::Offset(b.next_offset);
+        out.extend(b.records);
     }
+}
+
+async fn read_shard(c: &Client, stream: &str, shard: u32) -> Vec<(u64, Bytes)> {
+    read_records(c, stream, shard)
+        .await
+        .into_iter()
+        .map(|r| (r.offset, r.payload))
+        .collect()
 }
 
 /// Publish `n` records `r0, r1, ...` over `shards` in turn; each one's
@@ -914,25 +921,10 @@ async fn records_come_back_as_published_whatever_they_carry() {
             }
         }
     };
-    let read_all = |c: Client| async move {
-        let mut got = Vec::new();
-        let mut from = StartPosition::Earliest;
-        loop {
-            let r = c
-                .read("t", "ns", "fields", 0, from, 1000, None)
-                .await
-                .unwrap();
-            if r.records.is_empty() {
-                return got;
-            }
-            from = StartPosition::Offset(r.next_offset);
-            got.extend(r.records);
-        }
-    };
-    check(&read_all(c).await);
+    check(&read_records(&c, "fields", 0).await);
     broker.kill9();
     broker.restart();
-    check(&read_all(client(&broker).await).await);
+    check(&read_records(&client(&broker).await, "fields", 0).await);
 }
 
 /// Records the storage format cannot hold (here: more headers than the

@@ -8,20 +8,18 @@
 //! records back ([`PublishRecords::iter`]) walks those checked bytes again
 //! and hands out borrowed [`RecordView`]s: no vector of records, no
 //! allocated header names, no reference count taken and dropped per key and
-//! payload. The broker copies each record once, into the log's batch.
+//! payload. Outside a cluster the broker copies each record once, into the
+//! log's batch (in a cluster, into the replicated entry).
 
 use std::fmt;
 
 use bytes::{BufMut, Bytes, BytesMut};
 
-use crate::codec::{put_wire_vec, Cursor, Reader, Wire, BLOB, OPT, STR, U16, U32, U64, VEC};
+use crate::codec::{put_wire_vec, Cursor, Reader, Wire, BLOB, OPT, U16, U32, U64, VEC};
 use crate::error::DecodeError;
-use crate::types::RecordIn;
+use crate::types::{RecordIn, HEADER};
 
 type Result<T> = std::result::Result<T, DecodeError>;
-
-/// Fewest bytes a header takes: an empty name and an empty value.
-const HEADER_MIN: usize = STR + BLOB;
 
 /// The records of a [`Request::Publish`](crate::Request::Publish): owned
 /// records on the producer's side (`From<Vec<RecordIn>>`), a checked view of
@@ -187,9 +185,10 @@ pub struct RecordView<'a> {
 impl RecordView<'_> {
     /// Bytes the record carries: key, header names and values, payload.
     pub fn carried_bytes(&self) -> usize {
-        let headers = match self.headers.is_empty() {
-            true => 0,
-            false => self.headers.iter().map(|(n, v)| n.len() + v.len()).sum(),
+        let headers = if self.headers.is_empty() {
+            0
+        } else {
+            self.headers.iter().map(|(n, v)| n.len() + v.len()).sum()
         };
         self.payload.len() + self.key.map_or(0, <[u8]>::len) + headers
     }
@@ -444,7 +443,7 @@ fn check_record(c: &mut Cursor) -> Result<()> {
     if c.bool("record key")? {
         c.blob("record key")?;
     }
-    for _ in 0..c.count("headers", HEADER_MIN)? {
+    for _ in 0..c.count("headers", HEADER)? {
         c.str("header name")?;
         c.blob("header value")?;
     }

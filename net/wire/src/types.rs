@@ -211,7 +211,7 @@ impl Wire for PublishTarget {
 }
 
 /// Headers: `u32 count`, then per header `str name, blob value`.
-const HEADER: usize = STR + BLOB;
+pub(crate) const HEADER: usize = STR + BLOB;
 
 fn put_headers(out: &mut BytesMut, headers: &[(String, Bytes)]) {
     put_vec(out, headers, |o, (k, v)| {
