@@ -26,8 +26,9 @@
 //!
 //! With a `data_dir` ([`Host::open`]) each replica's log is durable: a
 //! persister task takes what the replicas ask to be made durable
-//! ([`Event::Persist`]), writes it to each group's [`Journal`], syncs
-//! every journal it wrote (at once), stores a hard state whose term or vote
+//! ([`Event::Persist`]), writes it to each group's [`Journal`] (a run of
+//! contiguous entries in one write, however many asks it came in) and
+//! syncs it, the groups at once, stores a hard state whose term or vote
 //! changed, and only then tells the replicas (`Replica::persisted`), which
 //! releases the append responses and votes that waited on it. One round
 //! takes whatever queued while the last was on disk: group commit. A host
@@ -64,7 +65,7 @@ use glommio::Task;
 
 use crate::handshake::{self, PeerKey, ACCEPT_BYTES, CHALLENGE_BYTES, PROOF_BYTES};
 use crate::hard_state;
-use crate::journal::{Journal, JournalConfig};
+use crate::journal::{Journal, JournalConfig, JournalError};
 use crate::log::{Compacted, ReplicaLog};
 use crate::replica::{Applied, Event, Landed, Replica, ReplicaConfig, ReplicationError};
 use crate::wire::{
@@ -1050,44 +1051,36 @@ async fn run_persister(
             let asks = std::mem::take(&mut *h.persist.borrow_mut());
             asks
         };
-        // Write: every ask in order, each group's after its earlier ones.
+        // Each group's asks go to its journal in order, runs of contiguous
+        // entries in one write, then one sync; the groups at once.
+        let mut rounds: BTreeMap<u64, Vec<PersistAsk>> = BTreeMap::new();
+        for ask in asks {
+            rounds.entry(ask.group).or_default().push(ask);
+        }
         let mut done: BTreeMap<u64, u64> = BTreeMap::new();
         let mut failed: BTreeMap<u64, String> = BTreeMap::new();
         let mut hard: BTreeMap<u64, HardState> = BTreeMap::new();
-        for ask in asks {
-            if failed.contains_key(&ask.group) {
-                continue;
-            }
-            let Some(disk) = disks.get_mut(&ask.group) else {
+        let mut writing = Vec::with_capacity(rounds.len());
+        for (group, mine) in rounds {
+            let Some(disk) = disks.remove(&group) else {
                 continue;
             };
-            if let Err(e) = disk.journal.append(&ask.entries).await {
-                failed.insert(ask.group, e.to_string());
-                continue;
-            }
-            if let Some(hs) = ask.hard_state {
-                hard.insert(ask.group, hs);
-            }
-            done.insert(ask.group, ask.number);
+            writing.push(glommio::spawn_local(persist_round(group, disk, mine)));
         }
-        // Sync every journal written, all at once.
-        let mut syncing = Vec::new();
-        for &group in done.keys() {
-            if failed.contains_key(&group) {
-                continue;
-            }
-            let mut disk = disks.remove(&group).expect("written above");
-            syncing.push(glommio::spawn_local(async move {
-                let r = disk.journal.sync().await;
-                (group, disk, r)
-            }));
-        }
-        for task in syncing {
+        for task in writing {
             let (group, disk, r) = task.await;
-            if let Err(e) = r {
-                failed.insert(group, e.to_string());
-            }
             disks.insert(group, disk);
+            match r {
+                Ok((number, hs)) => {
+                    done.insert(group, number);
+                    if let Some(hs) = hs {
+                        hard.insert(group, hs);
+                    }
+                }
+                Err(e) => {
+                    failed.insert(group, e.to_string());
+                }
+            }
         }
         // Then the hard states whose term or vote changed (the commit
         // index alone is not worth a file replacement: a lower one read
@@ -1130,6 +1123,70 @@ async fn run_persister(
         }
         h.kick();
     }
+}
+
+/// What one persister round asks of one group.
+#[derive(Debug, Default)]
+struct GroupRound {
+    /// The asks' entries in order, as runs of contiguous entries: one
+    /// journal write each. A run starts where an ask does not follow the
+    /// entries before it (a newer leader's entries cutting a suffix).
+    runs: Vec<Vec<Entry>>,
+    /// The last ask's number: what the replica is told is persisted.
+    number: u64,
+    /// The newest hard state asked for.
+    hard_state: Option<HardState>,
+}
+
+impl GroupRound {
+    fn of(asks: Vec<PersistAsk>) -> GroupRound {
+        let mut round = GroupRound::default();
+        for ask in asks {
+            round.number = ask.number;
+            if ask.hard_state.is_some() {
+                round.hard_state = ask.hard_state;
+            }
+            let Some(first) = ask.entries.first() else {
+                continue;
+            };
+            match round.runs.last_mut() {
+                Some(run) if run.last().is_some_and(|last| first.index == last.index + 1) => {
+                    run.extend(ask.entries)
+                }
+                _ => round.runs.push(ask.entries),
+            }
+        }
+        round
+    }
+}
+
+/// One group's part of a persister round: its runs of entries written in
+/// order, then one sync. Returns the round's number and hard state.
+async fn persist_round(
+    group: u64,
+    mut disk: GroupDisk,
+    asks: Vec<PersistAsk>,
+) -> (
+    u64,
+    GroupDisk,
+    Result<(u64, Option<HardState>), JournalError>,
+) {
+    let round = GroupRound::of(asks);
+    let mut result = Ok(());
+    for run in &round.runs {
+        result = disk.journal.append(run).await;
+        if result.is_err() {
+            break;
+        }
+    }
+    if result.is_ok() {
+        result = disk.journal.sync().await;
+    }
+    (
+        group,
+        disk,
+        result.map(|()| (round.number, round.hard_state)),
+    )
 }
 
 /// Compact each group's journal to its point (the last one asked for a
@@ -1413,5 +1470,70 @@ async fn run_link(dial: Dial, link: Rc<Link>) {
                 break;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ask(number: u64, indices: std::ops::Range<u64>, commit: Option<u64>) -> PersistAsk {
+        PersistAsk {
+            group: 7,
+            number,
+            entries: indices
+                .map(|index| Entry {
+                    index,
+                    term: 1,
+                    ..Default::default()
+                })
+                .collect(),
+            hard_state: commit.map(|commit| HardState {
+                term: 1,
+                commit,
+                ..Default::default()
+            }),
+        }
+    }
+
+    fn runs(round: &GroupRound) -> Vec<Vec<u64>> {
+        let indices = |run: &Vec<Entry>| run.iter().map(|e| e.index).collect();
+        round.runs.iter().map(indices).collect()
+    }
+
+    #[test]
+    fn a_rounds_asks_are_written_as_contiguous_runs() {
+        // Asks that follow each other are one write; an empty ask (a hard
+        // state alone) joins nothing and breaks nothing.
+        let round = GroupRound::of(vec![
+            ask(1, 5..7, None),
+            ask(2, 7..8, Some(6)),
+            ask(3, 0..0, Some(7)),
+            ask(4, 8..10, None),
+        ]);
+        assert_eq!(runs(&round), vec![vec![5, 6, 7, 8, 9]]);
+        assert_eq!(round.number, 4);
+        assert_eq!(round.hard_state.map(|h| h.commit), Some(7));
+
+        // A newer leader's entries cutting a suffix start a write of their
+        // own, after the entries they replace; so does an ask past a gap
+        // (which the journal refuses, as it would alone).
+        let round = GroupRound::of(vec![
+            ask(1, 5..9, Some(4)),
+            ask(2, 7..9, None),
+            ask(3, 9..10, None),
+            ask(4, 12..13, None),
+        ]);
+        assert_eq!(
+            runs(&round),
+            vec![vec![5, 6, 7, 8], vec![7, 8, 9], vec![12]]
+        );
+        assert_eq!(round.number, 4);
+        assert_eq!(round.hard_state.map(|h| h.commit), Some(4));
+
+        // Nothing but hard states: nothing to write.
+        let round = GroupRound::of(vec![ask(9, 0..0, Some(3))]);
+        assert!(round.runs.is_empty());
+        assert_eq!(round.number, 9);
     }
 }
