@@ -1435,6 +1435,38 @@ mod reclaim {
         assert_eq!(offsets(&d), vec![1]);
         assert_eq!(h.dead(), vec![0]);
     }
+
+    /// A reserved record on its last attempt is reserved like the others
+    /// and never delivered again: until the newer connection's poll
+    /// reaches it, the older connection's ack still finishes it; after,
+    /// it is a dead letter and that ack changes nothing.
+    #[test]
+    fn a_reserved_record_on_its_last_attempt_is_acked_or_dead_lettered_never_redelivered() {
+        let mut h = Harness::with(small(|c| c.max_attempts = 2));
+        h.append(4);
+        // Connection 1 holds 0 on its first attempt, 1 and 2 on their last.
+        assert_eq!(offsets(&h.poll_as(&member(1, false), 3)), vec![0, 1, 2]);
+        h.nack(1, 1, None).unwrap();
+        h.nack(2, 1, None).unwrap();
+        let d = h.poll_as(&member(1, false), 2);
+        assert_eq!((offsets(&d), attempts(&d)), (vec![1, 2], vec![2, 2]));
+        // Connection 2 reclaims one record at a time: 0 comes back; 1 and 2
+        // stay reserved, still in flight.
+        let d = h.poll_as(&member(2, true), 1);
+        assert_eq!((offsets(&d), attempts(&d)), (vec![0], vec![2]));
+        assert_eq!(h.describe().in_flight, 3);
+        assert!(h.dead().is_empty());
+        // Before the newer poll reaches it, the older ack finishes 1.
+        h.ack(1).unwrap();
+        // The next poll reaches 2: a dead letter, not a third delivery.
+        let d = h.poll_as(&member(2, true), 10);
+        assert_eq!(offsets(&d), vec![3]);
+        assert_eq!(h.dead(), vec![2]);
+        // The older connection's late ack of 2 is a harmless duplicate.
+        h.ack(2).unwrap();
+        assert_eq!(h.dead(), vec![2]);
+        assert_eq!(h.describe().in_flight, 2);
+    }
 }
 
 /// Replaying a long snapshot: its pieces wait for the `Snapshot` that
