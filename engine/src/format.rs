@@ -735,6 +735,81 @@ pub fn for_each_record_from(
     Ok(None)
 }
 
+/// Check that `body` holds exactly `count` well-formed records, as
+/// [`for_each_record`] would decode them (lengths that fit, offset deltas
+/// in sequence, UTF-8 header names, payload lengths that match) and
+/// nothing after them, without decoding any.
+pub fn check_records_body(body: &[u8], count: u32) -> Result<(), FrameError> {
+    fn take<'a>(rest: &mut &'a [u8], n: usize, what: &'static str) -> Result<&'a [u8], FrameError> {
+        if rest.len() < n {
+            return Err(FrameError::Body(what));
+        }
+        let (now, later) = rest.split_at(n);
+        *rest = later;
+        Ok(now)
+    }
+    fn u32_at(b: &[u8], at: usize) -> u32 {
+        u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+    }
+    fn u16_at(b: &[u8], at: usize) -> u16 {
+        u16::from_le_bytes(b[at..at + 2].try_into().expect("2 bytes"))
+    }
+    let mut rest = body;
+    for i in 0..count {
+        let len = u32_at(take(&mut rest, 4, "record length")?, 0) as usize;
+        if len < RECORD_FIXED_BYTES - 4 {
+            return Err(FrameError::Body("record overruns batch"));
+        }
+        let mut rec = take(&mut rest, len, "record overruns batch")?;
+        // After the length: delta u32, timestamp u64, key length u32,
+        // header count u16, payload length u32.
+        let fixed = take(&mut rec, RECORD_FIXED_BYTES - 4, "record length")?;
+        if u32_at(fixed, 0) != i {
+            return Err(FrameError::Body("offset delta out of sequence"));
+        }
+        let key_len = u32_at(fixed, 12);
+        let header_count = u16_at(fixed, 16);
+        let payload_len = u32_at(fixed, 18) as usize;
+        if key_len != NO_KEY {
+            take(&mut rec, key_len as usize, "key overruns record")?;
+        }
+        for _ in 0..header_count {
+            let n = u16_at(take(&mut rec, 2, "header name length")?, 0) as usize;
+            if rec.len() < n + 4 {
+                return Err(FrameError::Body("header name overruns record"));
+            }
+            std::str::from_utf8(take(&mut rec, n, "header name overruns record")?)
+                .map_err(|_| FrameError::Body("header name not utf-8"))?;
+            let v = u32_at(take(&mut rec, 4, "header value length")?, 0) as usize;
+            take(&mut rec, v, "header value overruns record")?;
+        }
+        if rec.len() != payload_len {
+            return Err(FrameError::Body("payload length mismatch"));
+        }
+    }
+    if !rest.is_empty() {
+        return Err(FrameError::Body("bytes after the last record"));
+    }
+    Ok(())
+}
+
+/// Encode a records batch holding the records of `body` (the body of a
+/// records batch of `count` records whose newest timestamp is
+/// `max_timestamp_ms`, checked by [`check_records_body`]) unchanged, at
+/// `base`: `BATCH_HEADER_BYTES + body.len()` bytes (see
+/// [`encode_records_into`]).
+pub fn encode_records_copy_into(
+    out: &mut [MaybeUninit<u8>],
+    base: Offset,
+    stamp: (u64, u16),
+    (count, max_timestamp_ms): (u32, u64),
+    body: &[u8],
+) -> BatchHeader {
+    let mut w = Put::after_header(out);
+    w.put(body);
+    w.finish(BatchKind::Records, count, base, stamp, max_timestamp_ms)
+}
+
 #[cfg(test)]
 mod tests {
 
@@ -921,6 +996,90 @@ mod tests {
     fn a_buffer_larger_than_the_batch_is_refused() {
         let mut out = vec![0; records_batch_len(&[rec("a")]) + 1];
         encode_records_into(uninit(&mut out), Offset(0), 0, 0, &[rec("a")]);
+    }
+
+    fn any_record() -> impl proptest::strategy::Strategy<Value = RecordIn> {
+        use proptest::prelude::*;
+        let bytes = |n| proptest::collection::vec(any::<u8>(), 0..n);
+        (
+            any::<u64>(),
+            proptest::option::of(bytes(8)),
+            proptest::collection::vec(("[a-zé]{0,3}", bytes(4)), 0..3),
+            bytes(40),
+        )
+            .prop_map(|(ts, key, headers, payload)| RecordIn {
+                timestamp_ms: ts,
+                key: key.map(Bytes::from),
+                headers: headers
+                    .into_iter()
+                    .map(|(n, v)| (n, Bytes::from(v)))
+                    .collect(),
+                payload: Bytes::from(payload),
+            })
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
+
+        /// The body check accepts exactly the bodies the decoder reads to
+        /// their end (well-formed, changed at one byte, cut, grown), and a
+        /// copy of a records batch is the batch its records encode to.
+        #[test]
+        fn the_body_check_agrees_with_the_decoder_and_a_copy_is_a_fresh_encoding(
+            records in proptest::collection::vec(any_record(), 1..6),
+            at in proptest::prelude::any::<proptest::sample::Index>(),
+            byte in proptest::prelude::any::<u8>(),
+            change in 0..4u8,
+        ) {
+            let mut batch = Vec::new();
+            let h = encode_records(&mut batch, Offset(100), 4, 2, &records);
+            let body = batch[BATCH_HEADER_BYTES..].to_vec();
+            proptest::prop_assert_eq!(check_records_body(&body, h.record_count), Ok(()));
+            let mut copy = vec![0xA5; batch.len()];
+            let c = encode_records_copy_into(
+                uninit(&mut copy),
+                Offset(7),
+                (0, 9),
+                (h.record_count, h.max_timestamp_ms),
+                &body,
+            );
+            let mut fresh = Vec::new();
+            proptest::prop_assert_eq!(encode_records(&mut fresh, Offset(7), 0, 9, &records), c);
+            proptest::prop_assert_eq!(&copy, &fresh);
+
+            let mut bad = body.clone();
+            match change {
+                0 => bad[at.index(body.len())] = byte,
+                1 => bad.truncate(at.index(body.len())),
+                2 => bad.push(byte),
+                _ => bad.insert(at.index(body.len()), byte),
+            }
+            // What the decoder makes of it, reading every record.
+            let mut header = h;
+            header.len = (BATCH_HEADER_BYTES + bad.len()) as u32;
+            let mut whole = batch[..BATCH_HEADER_BYTES].to_vec();
+            whole.extend_from_slice(&bad);
+            let whole = Bytes::from(whole);
+            let mut end = 0;
+            let decoded = for_each_record(&whole, &header, Offset(0), |r| {
+                // A record ends with its payload.
+                end = r.payload.as_ptr() as usize + r.payload.len();
+                true
+            });
+            let checked = check_records_body(&bad, h.record_count);
+            match decoded {
+                Err(e) => proptest::prop_assert_eq!(checked, Err(e)),
+                // Every record read: the check also refuses bytes after the
+                // last one, which the decoder never looks at.
+                Ok(()) if end == whole.as_ptr() as usize + whole.len() => {
+                    proptest::prop_assert_eq!(checked, Ok(()))
+                }
+                Ok(()) => proptest::prop_assert_eq!(
+                    checked,
+                    Err(FrameError::Body("bytes after the last record"))
+                ),
+            }
+        }
     }
 
     #[test]

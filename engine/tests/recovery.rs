@@ -1606,3 +1606,77 @@ fn assert_cut_to_data(file_len: Option<u64>, data: u64, what: &dyn std::fmt::Deb
         "{what:?}: {len} bytes for {data} of data"
     );
 }
+
+/// A records batch another log encoded (a replica's committed entry) is
+/// queued as a copy: its records come back exactly, at this log's offsets,
+/// before and after a reopen; anything but a whole, well-formed records
+/// batch is refused and queues nothing.
+#[test]
+fn a_copied_batch_reads_back_as_its_records_and_a_bad_one_is_refused() {
+    use felix_engine::format::{encode_group, encode_records, BATCH_HEADER_BYTES};
+    let cfg = LogConfig::default();
+    let storage = SimStorage::new();
+    block_on(async {
+        let log = flushed_one_by_one(&storage, &cfg, 3).await;
+        let records: Vec<RecordIn> = (0..5u64)
+            .map(|i| RecordIn {
+                timestamp_ms: 1_000 + i,
+                key: (i % 2 == 0).then(|| Bytes::from(vec![i as u8; i as usize])),
+                headers: (0..i % 3)
+                    .map(|h| (format!("h{h}é"), Bytes::from(vec![h as u8; 3])))
+                    .collect(),
+                payload: Bytes::from(vec![i as u8; 10 * i as usize]),
+            })
+            .collect();
+        let mut batch = Vec::new();
+        encode_records(&mut batch, Offset(500), 7, 3, &records);
+        let a = log.append_copy(&batch).unwrap();
+        assert_eq!((a.base, a.count), (Offset(3), 5));
+
+        // Refused, nothing queued: a cut batch, one whose first record's length
+        // is wrong (no checksum is checked here), and a group batch.
+        let end = log.queued_end();
+        assert!(matches!(
+            log.append_copy(&batch[..batch.len() - 1]),
+            Err(LogError::Invalid(_))
+        ));
+        let mut short = batch.clone();
+        short[BATCH_HEADER_BYTES] ^= 0x01; // the first record's length
+        assert!(matches!(log.append_copy(&short), Err(LogError::Invalid(_))));
+        let mut group = Vec::new();
+        encode_group(&mut group, Offset(0), 1, 1, b"x");
+        assert!(matches!(log.append_copy(&group), Err(LogError::Invalid(_))));
+        assert_eq!(log.queued_end(), end);
+        log.flush().await.unwrap();
+
+        let check = |log: &ShardLog<SimStorage>| {
+            let log = log.clone();
+            let records = records.clone();
+            async move {
+                let r = log
+                    .read(
+                        Offset(3),
+                        ReadLimits {
+                            max_records: 100,
+                            max_bytes: usize::MAX,
+                        },
+                    )
+                    .await
+                    .unwrap();
+                assert_eq!(r.records.len(), records.len());
+                for (i, (got, want)) in r.records.iter().zip(&records).enumerate() {
+                    assert_eq!(got.offset, Offset(3 + i as u64));
+                    assert_eq!(got.timestamp_ms, want.timestamp_ms);
+                    assert_eq!(got.key, want.key);
+                    assert_eq!(got.headers, want.headers);
+                    assert_eq!(got.payload, want.payload);
+                }
+            }
+        };
+        check(&log).await;
+        drop(log);
+        let log = open(&storage, &cfg).await.unwrap();
+        assert_eq!(log.end(), Offset(8));
+        check(&log).await;
+    });
+}

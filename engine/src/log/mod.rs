@@ -1067,6 +1067,45 @@ impl<S: Storage> ShardLog<S> {
         Ok(a)
     }
 
+    /// Queue the records of `batch`, a whole records batch another log
+    /// encoded (a replica's committed entry), at this log's next offsets:
+    /// its body is checked ([`format::check_records_body`]) and copied as
+    /// it is, with no record decoded or encoded again. Its checksum is not
+    /// checked here (the caller has).
+    pub fn append_copy(&self, batch: &[u8]) -> Result<Appended, LogError> {
+        let h = format::parse_header(batch).map_err(|e| LogError::Invalid(e.to_string()))?;
+        if h.kind != format::BatchKind::Records || batch.len() != h.len as usize {
+            return Err(LogError::Invalid(format!(
+                "not a whole records batch ({:?}, {} bytes of {})",
+                h.kind,
+                batch.len(),
+                h.len
+            )));
+        }
+        if h.record_count == 0 {
+            return Err(LogError::Empty);
+        }
+        let body = &batch[format::BATCH_HEADER_BYTES..];
+        format::check_records_body(body, h.record_count)
+            .map_err(|e| LogError::Invalid(e.to_string()))?;
+        let a = {
+            let mut i = self.inner.borrow_mut();
+            let a = i.append_with(batch.len(), |out, next, flush| {
+                format::encode_records_copy_into(
+                    out,
+                    next,
+                    (0, flush),
+                    (h.record_count, h.max_timestamp_ms),
+                    body,
+                )
+            })?;
+            i.data_end = Offset(a.base.0 + u64::from(a.count));
+            a
+        };
+        self.queued.wake_all();
+        Ok(a)
+    }
+
     /// Queue a control record (takes one offset, never delivered).
     pub fn append_control(&self, body: &[u8]) -> Result<Appended, LogError> {
         let len = format::BATCH_HEADER_BYTES + body.len();

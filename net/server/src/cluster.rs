@@ -47,7 +47,7 @@ use std::rc::{Rc, Weak};
 use std::time::Duration;
 
 use felix_engine::catalog::CLUSTER_FILE;
-use felix_engine::format::{self, AppendRecord, RecordIn};
+use felix_engine::format::AppendRecord;
 use felix_engine::storage::Storage;
 use felix_engine::StreamName;
 use felix_replication::host::{Host, HostConfig};
@@ -764,22 +764,7 @@ fn apply_to<S: Storage>(shard: &Shard<S>, a: &Applied) -> Result<(), String> {
             .log
             .append_control(&a.term.to_le_bytes())
             .map_err(|e| e.to_string())?,
-        EntryKind::Records { .. } => {
-            let batch = a.data.clone();
-            let header = format::parse_header(&batch).map_err(|e| e.to_string())?;
-            let mut records = Vec::with_capacity(header.record_count as usize);
-            format::for_each_record(&batch, &header, header.base_offset, |r| {
-                records.push(RecordIn {
-                    timestamp_ms: r.timestamp_ms,
-                    key: r.key,
-                    headers: r.headers,
-                    payload: r.payload,
-                });
-                true
-            })
-            .map_err(|e| e.to_string())?;
-            shard.log.append(&records).map_err(|e| e.to_string())?
-        }
+        EntryKind::Records { .. } => shard.log.append_copy(&a.data).map_err(|e| e.to_string())?,
         EntryKind::Group => unreachable!("applied above"),
     };
     if appended.base != a.base {
