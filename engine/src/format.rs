@@ -738,8 +738,9 @@ pub fn for_each_record_from(
 /// Check that `body` holds exactly `count` well-formed records, as
 /// [`for_each_record`] would decode them (lengths that fit, offset deltas
 /// in sequence, UTF-8 header names, payload lengths that match) and
-/// nothing after them, without decoding any.
-pub fn check_records_body(body: &[u8], count: u32) -> Result<(), FrameError> {
+/// nothing after them, without decoding any. Returns their newest
+/// timestamp.
+pub fn check_records_body(body: &[u8], count: u32) -> Result<u64, FrameError> {
     fn take<'a>(rest: &mut &'a [u8], n: usize, what: &'static str) -> Result<&'a [u8], FrameError> {
         if rest.len() < n {
             return Err(FrameError::Body(what));
@@ -755,6 +756,7 @@ pub fn check_records_body(body: &[u8], count: u32) -> Result<(), FrameError> {
         u16::from_le_bytes(b[at..at + 2].try_into().expect("2 bytes"))
     }
     let mut rest = body;
+    let mut max_timestamp_ms = 0;
     for i in 0..count {
         let len = u32_at(take(&mut rest, 4, "record length")?, 0) as usize;
         if len < RECORD_FIXED_BYTES - 4 {
@@ -767,6 +769,8 @@ pub fn check_records_body(body: &[u8], count: u32) -> Result<(), FrameError> {
         if u32_at(fixed, 0) != i {
             return Err(FrameError::Body("offset delta out of sequence"));
         }
+        let timestamp_ms = u64::from_le_bytes(fixed[4..12].try_into().expect("8 bytes"));
+        max_timestamp_ms = max_timestamp_ms.max(timestamp_ms);
         let key_len = u32_at(fixed, 12);
         let header_count = u16_at(fixed, 16);
         let payload_len = u32_at(fixed, 18) as usize;
@@ -790,12 +794,12 @@ pub fn check_records_body(body: &[u8], count: u32) -> Result<(), FrameError> {
     if !rest.is_empty() {
         return Err(FrameError::Body("bytes after the last record"));
     }
-    Ok(())
+    Ok(max_timestamp_ms)
 }
 
 /// Encode a records batch holding the records of `body` (the body of a
 /// records batch of `count` records whose newest timestamp is
-/// `max_timestamp_ms`, checked by [`check_records_body`]) unchanged, at
+/// `max_timestamp_ms`, as [`check_records_body`] found) unchanged, at
 /// `base`: `BATCH_HEADER_BYTES + body.len()` bytes (see
 /// [`encode_records_into`]).
 pub fn encode_records_copy_into(
@@ -1034,7 +1038,10 @@ mod tests {
             let mut batch = Vec::new();
             let h = encode_records(&mut batch, Offset(100), 4, 2, &records);
             let body = batch[BATCH_HEADER_BYTES..].to_vec();
-            proptest::prop_assert_eq!(check_records_body(&body, h.record_count), Ok(()));
+            proptest::prop_assert_eq!(
+                check_records_body(&body, h.record_count),
+                Ok(h.max_timestamp_ms)
+            );
             let mut copy = vec![0xA5; batch.len()];
             let c = encode_records_copy_into(
                 uninit(&mut copy),
@@ -1066,7 +1073,7 @@ mod tests {
                 end = r.payload.as_ptr() as usize + r.payload.len();
                 true
             });
-            let checked = check_records_body(&bad, h.record_count);
+            let checked = check_records_body(&bad, h.record_count).map(|_| ());
             match decoded {
                 Err(e) => proptest::prop_assert_eq!(checked, Err(e)),
                 // Every record read: the check also refuses bytes after the

@@ -2,8 +2,9 @@
 //!
 //! A Raft entry's data is one whole batch in the storage format
 //! (`docs/internals/storage-format.md`), stamped with the entry's term and
-//! the offset it starts at, so the replicated log and the shard's log are
-//! the same bytes. The one exception is the empty entry raft-rs appends for
+//! the offset it starts at, so the shard's log takes the same records
+//! (a replica copies the batch's body under a header of its own). The one
+//! exception is the empty entry raft-rs appends for
 //! a new leader: that is the shard's **generation-start record**, a control
 //! record that takes one offset and is never delivered.
 

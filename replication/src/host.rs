@@ -27,8 +27,8 @@
 //! With a `data_dir` ([`Host::open`]) each replica's log is durable: a
 //! persister task takes what the replicas ask to be made durable
 //! ([`Event::Persist`]), writes it to each group's [`Journal`] (a run of
-//! contiguous entries in one write, however many asks it came in) and
-//! syncs it, the groups at once, stores a hard state whose term or vote
+//! contiguous entries in one append, however many asks it came in: one
+//! write per segment it reaches) and syncs it, the groups at once, stores a hard state whose term or vote
 //! changed, and only then tells the replicas (`Replica::persisted`), which
 //! releases the append responses and votes that waited on it. One round
 //! takes whatever queued while the last was on disk: group commit. A host
@@ -1038,6 +1038,9 @@ async fn run_persister(
                 compact_journals(&mut disks, compactions).await;
                 continue;
             }
+            // Groups added while the removals above were awaited: their
+            // asks may be queued already.
+            disks.extend(h.added.borrow_mut().drain(..));
             if h.persist.borrow().is_empty() {
                 if !h.added.borrow().is_empty() || !h.removed.borrow().is_empty() {
                     continue;
@@ -1129,7 +1132,7 @@ async fn run_persister(
 #[derive(Debug, Default)]
 struct GroupRound {
     /// The asks' entries in order, as runs of contiguous entries: one
-    /// journal write each. A run starts where an ask does not follow the
+    /// journal append each (a write per segment the run reaches). A run starts where an ask does not follow the
     /// entries before it (a newer leader's entries cutting a suffix).
     runs: Vec<Vec<Entry>>,
     /// The last ask's number: what the replica is told is persisted.

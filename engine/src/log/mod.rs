@@ -1086,7 +1086,9 @@ impl<S: Storage> ShardLog<S> {
             return Err(LogError::Empty);
         }
         let body = &batch[format::BATCH_HEADER_BYTES..];
-        format::check_records_body(body, h.record_count)
+        // The header's own newest timestamp is not trusted (retention goes
+        // by it): the records' is taken.
+        let max_timestamp_ms = format::check_records_body(body, h.record_count)
             .map_err(|e| LogError::Invalid(e.to_string()))?;
         let a = {
             let mut i = self.inner.borrow_mut();
@@ -1095,7 +1097,7 @@ impl<S: Storage> ShardLog<S> {
                     out,
                     next,
                     (0, flush),
-                    (h.record_count, h.max_timestamp_ms),
+                    (h.record_count, max_timestamp_ms),
                     body,
                 )
             })?;
