@@ -710,8 +710,12 @@ pub fn for_each_record_from(
             if rec.remaining() < n + 4 {
                 return Err(FrameError::Body("header name overruns record"));
             }
-            let name = String::from_utf8(rec.split_to(n).to_vec())
-                .map_err(|_| FrameError::Body("header name not utf-8"))?;
+            // Read in place: a slice of the batch for a name about to be
+            // copied would count a reference up and down for nothing.
+            let name = std::str::from_utf8(&rec[..n])
+                .map_err(|_| FrameError::Body("header name not utf-8"))?
+                .to_owned();
+            rec.advance(n);
             let v = rec.get_u32_le() as usize;
             if rec.remaining() < v {
                 return Err(FrameError::Body("header value overruns record"));
