@@ -49,7 +49,7 @@ fn records(n: usize, size: usize) -> Response {
                 offset: 1_000 + i as u64,
                 timestamp_ms: 1_700_000_000_000,
                 key: None,
-                headers: Vec::new(),
+                headers: Default::default(),
                 payload: payload.clone(),
             })
             .collect(),
@@ -65,7 +65,7 @@ fn group_records(n: usize, size: usize) -> Response {
                 attempts: 1,
                 timestamp_ms: 1_700_000_000_000,
                 key: None,
-                headers: Vec::new(),
+                headers: Default::default(),
                 payload: payload.clone(),
                 skipped_before: None,
             })

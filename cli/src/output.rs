@@ -78,7 +78,7 @@ impl JsonRecord {
         offset: u64,
         timestamp_ms: u64,
         key: Option<&[u8]>,
-        headers: &[(String, bytes::Bytes)],
+        headers: &felix_client::Headers,
         payload: &[u8],
     ) -> JsonRecord {
         let (key, key_encoding) = match key.map(encoded) {
@@ -99,7 +99,7 @@ impl JsonRecord {
                 .map(|(name, value)| {
                     let (value, encoding) = encoded(value);
                     JsonHeader {
-                        name: name.clone(),
+                        name: name.to_owned(),
                         value,
                         encoding,
                     }
@@ -579,7 +579,7 @@ mod tests {
             offset: 3,
             timestamp_ms: 9,
             key: Some(Bytes::from_static(b"k")),
-            headers: vec![],
+            headers: Default::default(),
             payload: Bytes::from_static(b"hello"),
         };
         let mut out = Vec::new();

@@ -873,7 +873,7 @@ mod tests {
             attempts,
             timestamp_ms: 0,
             key: None,
-            headers: Vec::new(),
+            headers: Default::default(),
             payload: bytes::Bytes::from_static(b"x"),
             skipped_before: None,
         }

@@ -229,7 +229,7 @@ mod tests {
                     offset,
                     timestamp_ms: 0,
                     key: None,
-                    headers: Vec::new(),
+                    headers: Default::default(),
                     payload: Default::default(),
                 })
                 .collect(),

@@ -44,7 +44,7 @@ fn group_record(offset: u64, attempts: u32) -> GroupRecord {
         attempts,
         timestamp_ms: 1,
         key: None,
-        headers: vec![],
+        headers: Default::default(),
         payload: Bytes::from_static(b"job"),
         skipped_before: Some(3),
     }
@@ -55,7 +55,7 @@ fn record(offset: u64) -> Record {
         offset,
         timestamp_ms: 7,
         key: None,
-        headers: vec![],
+        headers: Default::default(),
         payload: Bytes::from(format!("r{offset}")),
     }
 }

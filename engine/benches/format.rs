@@ -114,7 +114,7 @@ fn replica_apply(c: &mut Criterion) {
                         records.push(RecordIn {
                             timestamp_ms: r.timestamp_ms,
                             key: r.key,
-                            headers: r.headers,
+                            headers: r.headers.to_vec(),
                             payload: r.payload,
                         });
                         true

@@ -246,7 +246,7 @@ pub struct Record {
     pub offset: Offset,
     pub timestamp_ms: u64,
     pub key: Option<Bytes>,
-    pub headers: Vec<(String, Bytes)>,
+    pub headers: StoredHeaders,
     pub payload: Bytes,
 }
 
@@ -254,13 +254,7 @@ impl Record {
     /// Bytes of everything the record carries: key, header names and values,
     /// payload.
     pub fn size_bytes(&self) -> usize {
-        self.key.as_ref().map_or(0, |k| k.len())
-            + self
-                .headers
-                .iter()
-                .map(|(n, v)| n.len() + v.len())
-                .sum::<usize>()
-            + self.payload.len()
+        self.key.as_ref().map_or(0, |k| k.len()) + self.headers.carried_bytes() + self.payload.len()
     }
 
     /// Bytes the record holds in memory: what it carries and
@@ -270,22 +264,87 @@ impl Record {
     }
 
     /// What holding the record's headers takes beyond the bytes they carry:
-    /// the table of them and their names' allocations (a record of many
-    /// small headers holds several times what it carries: each takes a name
-    /// and a value handle, and a name an allocation of its own). Zero for a
-    /// record without headers.
+    /// their lengths, which are held with them (a record of many empty
+    /// headers holds more than it carries). Zero for a record without
+    /// headers.
     pub fn header_table_bytes(&self) -> usize {
-        /// What the allocator takes for a name beyond its bytes, at least.
-        const PER_ALLOCATION: usize = 16;
-        let names: usize = self
-            .headers
-            .iter()
-            .map(|(n, _)| match n.capacity() {
-                0 => 0,
-                c => c.max(PER_ALLOCATION) + PER_ALLOCATION - n.len(),
-            })
-            .sum();
-        self.headers.capacity() * std::mem::size_of::<(String, Bytes)>() + names
+        self.headers.raw.len() - self.headers.carried_bytes()
+    }
+}
+
+/// A stored record's headers as its batch holds them, a slice of it: after
+/// the record's `u16` count, per header a `u16` name length, the name
+/// (UTF-8), a `u32` value length and the value. Checked when the record was
+/// read; names and values are read out of it on demand, so reading a
+/// record allocates nothing for its headers. This is also their layout in
+/// a `Records` answer after its `u32` count.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct StoredHeaders {
+    count: u16,
+    raw: Bytes,
+}
+
+/// Bytes of one header's lengths.
+const HEADER_LENGTHS: usize = 2 + 4;
+
+impl StoredHeaders {
+    pub fn len(&self) -> usize {
+        self.count as usize
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// Their encoding (see the type's docs), shared with the batch.
+    pub fn encoded(&self) -> &Bytes {
+        &self.raw
+    }
+
+    /// Bytes of the names and values.
+    pub fn carried_bytes(&self) -> usize {
+        self.raw.len() - self.len() * HEADER_LENGTHS
+    }
+
+    /// Name and value of each header, in order.
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = (&str, &[u8])> + '_ {
+        let mut pos = 0;
+        (0..self.len()).map(move |_| {
+            let n = u16::from_le_bytes([self.raw[pos], self.raw[pos + 1]]) as usize;
+            // Checked when read; never fails.
+            let name = std::str::from_utf8(&self.raw[pos + 2..pos + 2 + n]).unwrap_or_default();
+            pos += 2 + n;
+            let v =
+                u32::from_le_bytes(self.raw[pos..pos + 4].try_into().expect("4 bytes")) as usize;
+            let value = &self.raw[pos + 4..pos + 4 + v];
+            pos += 4 + v;
+            (name, value)
+        })
+    }
+
+    /// The headers as owned pairs.
+    pub fn to_vec(&self) -> Vec<(String, Bytes)> {
+        self.iter()
+            .map(|(n, v)| (n.to_owned(), Bytes::copy_from_slice(v)))
+            .collect()
+    }
+}
+
+impl PartialEq<Vec<(String, Bytes)>> for StoredHeaders {
+    fn eq(&self, other: &Vec<(String, Bytes)>) -> bool {
+        self.len() == other.len()
+            && self
+                .iter()
+                .zip(other)
+                .all(|((n, v), (on, ov))| n == on && v == &ov[..])
+    }
+}
+
+impl std::fmt::Debug for StoredHeaders {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list()
+            .entries(self.iter().map(|(n, v)| (n, Bytes::copy_from_slice(v))))
+            .finish()
     }
 }
 
@@ -699,29 +758,35 @@ pub fn for_each_record_from(
             }
             Some(rec.split_to(key_len as usize))
         };
-        // Each header takes at least six bytes (its two lengths): a count
-        // the record's bytes cannot hold allocates no more than they can.
-        let mut headers = Vec::with_capacity((header_count as usize).min(rec.remaining() / 6));
+        // The headers are checked in place and kept as one slice.
+        let mut pos = 0;
         for _ in 0..header_count {
-            if rec.remaining() < 2 {
+            if rec.remaining() < pos + 2 {
                 return Err(FrameError::Body("header name length"));
             }
-            let n = rec.get_u16_le() as usize;
-            if rec.remaining() < n + 4 {
+            let n = u16::from_le_bytes([rec[pos], rec[pos + 1]]) as usize;
+            pos += 2;
+            if rec.remaining() < pos + n + 4 {
                 return Err(FrameError::Body("header name overruns record"));
             }
-            // Read in place: a slice of the batch for a name about to be
-            // copied would count a reference up and down for nothing.
-            let name = std::str::from_utf8(&rec[..n])
-                .map_err(|_| FrameError::Body("header name not utf-8"))?
-                .to_owned();
-            rec.advance(n);
-            let v = rec.get_u32_le() as usize;
-            if rec.remaining() < v {
+            std::str::from_utf8(&rec[pos..pos + n])
+                .map_err(|_| FrameError::Body("header name not utf-8"))?;
+            pos += n;
+            let v = u32::from_le_bytes(rec[pos..pos + 4].try_into().expect("4 bytes")) as usize;
+            pos += 4;
+            if rec.remaining() - pos < v {
                 return Err(FrameError::Body("header value overruns record"));
             }
-            headers.push((name, rec.split_to(v)));
+            pos += v;
         }
+        let headers = StoredHeaders {
+            count: header_count,
+            raw: if header_count == 0 {
+                Bytes::new()
+            } else {
+                rec.split_to(pos)
+            },
+        };
         if rec.remaining() != payload_len {
             return Err(FrameError::Body("payload length mismatch"));
         }
@@ -871,7 +936,7 @@ mod tests {
         assert_eq!(got.len(), 2);
         assert_eq!(got[1].offset, Offset(11));
         assert_eq!(&got[1].payload[..], b"bc");
-        assert_eq!(got[0].headers[0].0, "h");
+        assert_eq!(got[0].headers.iter().next(), Some(("h", &b"v"[..])));
         for byte in 4..out.len() {
             let mut bad = out.clone();
             bad[byte] ^= 0x10;

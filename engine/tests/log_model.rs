@@ -78,21 +78,15 @@ fn record(p: Bytes, rng: &mut SmallRng) -> RecordIn {
     }
 }
 
-/// Bytes a record carries as the read's byte cap counts them: key, header
-/// names and values, payload.
 /// What a record appended as `r` holds once read back
 /// ([`felix_engine::format::Record::memory_bytes`]): what it carries (key,
-/// header names and values, payload) and the table of its headers.
+/// header names and values, payload) and its headers' lengths, held with
+/// them (two bytes for a name's, four for a value's).
 fn held(r: &RecordIn) -> usize {
-    // A name's allocation: at least 16 bytes, and 16 more.
-    let name = |n: &String| match n.len() {
-        0 => 0,
-        l => l.max(16) + 16,
-    };
     r.key.as_ref().map_or(0, |k| k.len())
         + r.headers
             .iter()
-            .map(|(n, v)| name(n) + v.len() + std::mem::size_of::<(String, Bytes)>())
+            .map(|(n, v)| n.len() + v.len() + 6)
             .sum::<usize>()
         + r.payload.len()
 }
@@ -1538,7 +1532,7 @@ fn a_flush_dropped_in_flight_stops_the_shard() {
 /// would hold.
 #[test]
 fn reads_honour_the_record_and_byte_caps() {
-    // 10 + 11 + 100 = 121 bytes carried each (and a header's entry), then
+    // 10 + 11 + 100 = 121 bytes carried each (and a header's lengths), then
     // one of 5,000 and 3 more small ones.
     let small = |i: u8| RecordIn {
         key: Some(Bytes::from(vec![b'k'; 10])),
@@ -1582,9 +1576,9 @@ fn reads_honour_the_record_and_byte_caps() {
                 }
             };
             let ctx = format!("cache {read_cache_bytes}");
-            // A small record holds its 121 bytes, its one header's entry and
-            // that header's name allocation (32 bytes for its one byte).
-            let one = 121 + std::mem::size_of::<(String, Bytes)>() + 31;
+            // A small record holds its 121 bytes and its one header's
+            // lengths (two bytes for the name's, four for the value's).
+            let one = 121 + 6;
             assert_eq!(
                 read(0, 3, usize::MAX).await,
                 (vec![0, 1, 2], 3 * one, 3),

@@ -1444,11 +1444,12 @@ async fn stalled_frames_do_not_hold_up_requests_sent_whole() {
 
 /// A read or poll is capped by what its records hold in the broker's
 /// memory, not only by what they carry: a record of 1,024 empty headers
-/// carries one byte but holds a table entry for each header. Reads of 510
-/// such records come back a few dozen at a time, within the 4 MiB cap
-/// (one read held about 50 MiB when only the bytes carried counted), and
-/// together return every record; a group's polls are capped the same way
-/// and claim every record once.
+/// carries one byte but holds 6 KiB, its headers' lengths. Reads of 850
+/// such records come back at most 683 at a time, within the 4 MiB cap
+/// (one read of such records held about 50 MiB when only the bytes
+/// carried counted and each header took a table entry), and together
+/// return every record; a group's polls are capped the same way and claim
+/// every record once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reads_and_polls_are_capped_by_what_records_hold() {
     let b = felix_tests::start_broker!(BrokerOptions::default().cores(1));
@@ -1458,12 +1459,13 @@ async fn reads_and_polls_are_capped_by_what_records_hold() {
     c.create_stream("t", "ns", "heavy", 1, StreamOptions::default())
         .await
         .unwrap();
-    for _ in 0..3 {
+    for _ in 0..5 {
         c.publish_batch("t", "ns", "heavy", 0, header_heavy_records())
             .await
             .unwrap();
     }
-    let held = 1 + 1024 * std::mem::size_of::<(String, bytes::Bytes)>();
+    // The payload's byte and, per header, a `u16` and a `u32` length.
+    let held = 1 + 1024 * 6;
     // `limits.max_bytes_per_read`, and the record that may cross it.
     let most = (4 << 20) / held + 1;
     let mut from = StartPosition::Earliest;
@@ -1485,7 +1487,7 @@ async fn reads_and_polls_are_capped_by_what_records_hold() {
         read += r.records.len();
         from = StartPosition::Offset(r.next_offset);
     }
-    assert_eq!(read, 510);
+    assert_eq!(read, 850);
     // A group claims them the same few dozen at a time, each once, every
     // one in the end.
     let mut claimed = Vec::new();
@@ -1508,7 +1510,7 @@ async fn reads_and_polls_are_capped_by_what_records_hold() {
             .unwrap();
         claimed.extend(offsets);
     }
-    assert_eq!(claimed, (0..510).collect::<Vec<u64>>());
+    assert_eq!(claimed, (0..850).collect::<Vec<u64>>());
 }
 
 /// Frames begun count whole against the core's budget, and are admitted

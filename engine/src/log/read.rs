@@ -687,7 +687,7 @@ fn take_batch(
             let start = hint.map(|(_, p)| p);
             let stopped = format::for_each_record_from(batch, h, from, start, |r| {
                 // The byte cap counts what a record holds in memory
-                // (everything it carries, and the table of its headers) and
+                // (everything it carries, and its headers' lengths) and
                 // is never crossed, except by the first record (only up to
                 // the room given, `within`), so a read holds at most the cap
                 // plus one record however large, or many, keys and headers

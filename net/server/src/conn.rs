@@ -14,8 +14,8 @@ use felix_engine::notify::WaitList;
 use felix_engine::storage::Storage;
 use felix_engine::Offset;
 use felix_wire::{
-    AckMode, ErrorCode, GroupRecord, PublishRecords, PublishTarget, Record, RecordView, Request,
-    Response, ShardInfo, StartPosition, StreamInfo, StreamRef, WireError,
+    AckMode, ErrorCode, GroupRecord, Headers, PublishRecords, PublishTarget, Record, RecordView,
+    Request, Response, ShardInfo, StartPosition, StreamInfo, StreamRef, WireError,
 };
 use futures_lite::AsyncReadExt;
 use glommio::net::TcpStream;
@@ -1376,7 +1376,7 @@ pub(crate) fn to_wire_record(r: felix_engine::format::Record) -> Record {
         offset: r.offset.0,
         timestamp_ms: r.timestamp_ms,
         key: r.key,
-        headers: r.headers,
+        headers: Headers::from_checked(r.headers.len() as u32, r.headers.encoded().clone()),
         payload: r.payload,
     }
 }
@@ -1470,7 +1470,7 @@ async fn read<S: Storage>(
     };
     let c = &core.shared.config;
     // The byte cap counts what records hold (what they carry, and their
-    // headers' table), and never more than the frame cap leaves for them;
+    // headers' lengths), and never more than the frame cap leaves for them;
     // their fields are counted when the answer is cut to the frame below.
     let frame_room = records_room(c.max_frame_bytes, Response::RECORDS_FIXED_BYTES);
     let limits = ReadLimits {

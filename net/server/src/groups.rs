@@ -1040,7 +1040,7 @@ async fn read_offsets<S: Storage>(
                 let size = answer_size(&rec, Some(true));
                 let sendable = size <= frame_room;
                 // The budget is memory: the answer, and while it is built
-                // the record's table of headers.
+                // the record's headers' lengths.
                 let held = size + rec.header_table_bytes();
                 if sendable && !out.offsets.is_empty() && held > budget {
                     // Not loaded, and nothing from it on is settled.

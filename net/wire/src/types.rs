@@ -10,6 +10,7 @@ use crate::codec::{
     put_wire_vec, Reader, Wire, BLOB, OPT, STR, U16, U32, U64, U8, VEC,
 };
 use crate::error::{DecodeError, ErrorCode, WireError};
+use crate::headers::Headers;
 
 type Result<T> = std::result::Result<T, DecodeError>;
 
@@ -263,7 +264,7 @@ pub struct Record {
     pub offset: u64,
     pub timestamp_ms: u64,
     pub key: Option<Bytes>,
-    pub headers: Vec<(String, Bytes)>,
+    pub headers: Headers,
     pub payload: Bytes,
 }
 
@@ -284,7 +285,7 @@ impl Wire for Record {
         out.put_u64_le(self.offset);
         out.put_u64_le(self.timestamp_ms);
         put_opt_blob(out, self.key.as_ref());
-        put_headers(out, &self.headers);
+        self.headers.put(out);
         put_blob(out, &self.payload);
     }
     fn get(r: &mut Reader) -> Result<Self> {
@@ -292,7 +293,7 @@ impl Wire for Record {
             offset: r.u64("record offset")?,
             timestamp_ms: r.u64("record timestamp")?,
             key: r.opt_blob("record key")?,
-            headers: get_headers(r)?,
+            headers: Headers::get_from(r)?,
             payload: r.blob("record payload")?,
         })
     }
@@ -307,7 +308,7 @@ pub struct GroupRecord {
     pub attempts: u32,
     pub timestamp_ms: u64,
     pub key: Option<Bytes>,
-    pub headers: Vec<(String, Bytes)>,
+    pub headers: Headers,
     pub payload: Bytes,
     /// How many offsets directly below `offset` the broker settled without
     /// delivering them (control records, records retention removed first).
@@ -335,7 +336,7 @@ impl Wire for GroupRecord {
         out.put_u32_le(self.attempts);
         out.put_u64_le(self.timestamp_ms);
         put_opt_blob(out, self.key.as_ref());
-        put_headers(out, &self.headers);
+        self.headers.put(out);
         put_blob(out, &self.payload);
         put_opt_u64(out, self.skipped_before);
     }
@@ -345,7 +346,7 @@ impl Wire for GroupRecord {
             attempts: r.u32("record attempts")?,
             timestamp_ms: r.u64("record timestamp")?,
             key: r.opt_blob("record key")?,
-            headers: get_headers(r)?,
+            headers: Headers::get_from(r)?,
             payload: r.blob("record payload")?,
             skipped_before: r.opt_u64("skipped_before")?,
         })

@@ -94,7 +94,7 @@ proptest! {
         records in proptest::collection::vec(record(), 0..4),
         claimed in proptest::collection::vec(group_record(), 0..4),
     ) {
-        fn carried(key: &Option<bytes::Bytes>, headers: &[(String, bytes::Bytes)], payload: &[u8]) -> usize {
+        fn carried(key: &Option<bytes::Bytes>, headers: &felix_wire::Headers, payload: &[u8]) -> usize {
             key.as_ref().map_or(0, |k| k.len())
                 + headers.iter().map(|(n, v)| n.len() + v.len()).sum::<usize>()
                 + payload.len()

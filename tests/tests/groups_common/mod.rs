@@ -95,7 +95,7 @@ pub fn fake_record(offset: u64, attempts: u32) -> GroupRecord {
         attempts,
         timestamp_ms: 0,
         key: None,
-        headers: Vec::new(),
+        headers: Default::default(),
         payload: Bytes::new(),
         skipped_before: None,
     }

@@ -72,7 +72,7 @@ pub fn record() -> impl Strategy<Value = Record> {
             offset,
             timestamp_ms,
             key,
-            headers,
+            headers: headers.into(),
             payload,
         })
 }
@@ -93,7 +93,7 @@ pub fn group_record() -> impl Strategy<Value = GroupRecord> {
                 attempts,
                 timestamp_ms,
                 key,
-                headers,
+                headers: headers.into(),
                 payload,
                 skipped_before,
             },
