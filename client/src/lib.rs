@@ -174,9 +174,9 @@ pub use bytes::Bytes;
 pub use felix_wire;
 pub use felix_wire::{
     shard_for_key, AckMode, ClusterInfo, ClusterMember, DeadLetterInfo, ErrorCode, GroupInfo,
-    GroupRecord, Headers, PeerProgress, Record, RecordIn, ReplicaInfo, ReplicaRole, ShardInfo,
-    StartPosition, StreamInfo, StreamRef, FEATURES_ALL, FEATURE_CLUSTER_INFO,
-    FEATURE_ERROR_NOT_APPLIED, FEATURE_GROUPS, FEATURE_GROUP_ADMIN, FEATURE_GROUP_CLAIM_CONTROL,
-    FEATURE_GROUP_DEAD_LETTER_PAGES, FEATURE_GROUP_SKIPPED, FEATURE_PUBLISH_ACK_MODE,
-    FEATURE_REPLICA_INFO, FEATURE_STREAM_INCARNATION,
+    GroupRecord, Headers, PeerProgress, Record, RecordHeadersIter, RecordIn, ReplicaInfo,
+    ReplicaRole, ShardInfo, StartPosition, StreamInfo, StreamRef, FEATURES_ALL,
+    FEATURE_CLUSTER_INFO, FEATURE_ERROR_NOT_APPLIED, FEATURE_GROUPS, FEATURE_GROUP_ADMIN,
+    FEATURE_GROUP_CLAIM_CONTROL, FEATURE_GROUP_DEAD_LETTER_PAGES, FEATURE_GROUP_SKIPPED,
+    FEATURE_PUBLISH_ACK_MODE, FEATURE_REPLICA_INFO, FEATURE_STREAM_INCARNATION,
 };

@@ -1170,8 +1170,8 @@ fn megabyte_records() -> Vec<RecordIn> {
 }
 
 /// 170 records of 1,024 empty headers each: a publish frame of about
-/// 1 MiB whose records, read back, hold about 11 MiB (a table entry for
-/// each header).
+/// 1 MiB whose records, read back, hold about as much (each header's two
+/// lengths).
 fn header_heavy_records() -> Vec<RecordIn> {
     (0..170)
         .map(|_| RecordIn {

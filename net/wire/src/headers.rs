@@ -105,7 +105,7 @@ impl Headers {
 
     /// Bytes the names and values take (without their lengths).
     pub fn carried_bytes(&self) -> usize {
-        self.raw.len() - self.len() * HEADER
+        self.raw.len().saturating_sub(self.len() * HEADER)
     }
 
     pub(crate) fn put(&self, out: &mut BytesMut) {
@@ -150,6 +150,7 @@ fn walk<'a>(raw: &'a [u8], pos: &mut usize) -> Option<(&'a str, &'a [u8])> {
 }
 
 /// The headers of a [`Headers`], in order.
+#[derive(Clone, Debug)]
 pub struct Iter<'a> {
     raw: &'a [u8],
     left: u32,
@@ -178,6 +179,8 @@ impl<'a> Iterator for Iter<'a> {
 }
 
 impl ExactSizeIterator for Iter<'_> {}
+
+impl std::iter::FusedIterator for Iter<'_> {}
 
 impl<'a> IntoIterator for &'a Headers {
     type Item = (&'a str, &'a [u8]);
@@ -223,11 +226,19 @@ impl Eq for Headers {}
 
 impl<N: AsRef<str>, V: AsRef<[u8]>> PartialEq<[(N, V)]> for Headers {
     fn eq(&self, other: &[(N, V)]) -> bool {
+        let mut mine = self.iter();
         self.len() == other.len()
-            && self
-                .iter()
-                .zip(other)
-                .all(|((n, v), (on, ov))| n == on.as_ref() && v == ov.as_ref())
+            && other.iter().all(|(on, ov)| {
+                mine.next()
+                    .is_some_and(|(n, v)| n == on.as_ref() && v == ov.as_ref())
+            })
+    }
+}
+
+impl std::hash::Hash for Headers {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.count.hash(state);
+        self.raw.hash(state);
     }
 }
 
@@ -272,11 +283,18 @@ mod tests {
         assert_eq!(h, owned);
         assert_eq!(Headers::from(owned), h);
         assert!(Headers::new().is_empty() && Headers::new().iter().next().is_none());
-        // Encoded as a record's headers are on the wire after their count.
+        // On the wire: a u32 count, then per header a u16-prefixed name
+        // and a u32-prefixed value.
         let mut wire = BytesMut::new();
-        h.put(&mut wire);
-        assert_eq!(&wire[..4], &4u32.to_le_bytes());
-        assert_eq!(&wire[4..], &h.encoded()[..]);
+        Headers::from(vec![
+            ("ab".to_string(), Bytes::from_static(b"v")),
+            (String::new(), Bytes::new()),
+        ])
+        .put(&mut wire);
+        assert_eq!(
+            &wire[..],
+            &[2, 0, 0, 0, 2, 0, b'a', b'b', 1, 0, 0, 0, b'v', 0, 0, 0, 0, 0, 0][..]
+        );
     }
 
     #[test]
@@ -321,6 +339,48 @@ mod tests {
                 let n = h.iter().count();
                 assert!(n <= count as usize);
                 assert_eq!(h.to_vec().len(), n);
+                let _ = (h.get("é"), h.carried_bytes(), format!("{h:?}"));
+                // Equal to the pairs it holds only if it holds them all.
+                assert_eq!(h == h.to_vec(), n == count as usize);
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(1024))]
+
+        /// Decoded from a frame, headers are taken and refused exactly as
+        /// decoding them into owned pairs takes and refuses them (well
+        /// formed, changed at one byte, cut, or with another count).
+        #[test]
+        fn decoding_agrees_with_the_owned_decoder(
+            pairs in proptest::collection::vec(("[a-zé]{0,3}", proptest::collection::vec(proptest::prelude::any::<u8>(), 0..4)), 0..4),
+            at in proptest::prelude::any::<proptest::sample::Index>(),
+            byte in proptest::prelude::any::<u8>(),
+            change in 0..4u8,
+        ) {
+            let h: Headers = pairs.iter().map(|(n, v)| (n.as_str(), v.as_slice())).collect();
+            let mut wire = BytesMut::new();
+            h.put(&mut wire);
+            let mut bytes = wire.to_vec();
+            match change {
+                0 => {}
+                1 => { let i = at.index(bytes.len()); bytes[i] = byte; }
+                2 => bytes.truncate(at.index(bytes.len())),
+                _ => bytes[0] = byte % 8,
+            }
+            let frame = Bytes::from(bytes);
+            let mut owned = Reader::new(frame.clone());
+            let mut viewed = Reader::new(frame);
+            let want = crate::types::get_headers(&mut owned);
+            let got = Headers::get_from(&mut viewed);
+            match (want, got) {
+                (Ok(w), Ok(g)) => {
+                    proptest::prop_assert_eq!(&g, &w);
+                    proptest::prop_assert_eq!(g.to_vec(), w);
+                    proptest::prop_assert_eq!(owned.remaining(), viewed.remaining());
+                }
+                (w, g) => proptest::prop_assert_eq!(w.err(), g.err()),
             }
         }
     }

@@ -32,7 +32,7 @@ pub use frame::{
     decode_request, decode_response, encode_request, encode_response, peek_header, FrameHeader,
     KIND_REQUEST, KIND_RESPONSE,
 };
-pub use headers::{Headers, Iter as StoredHeadersIter};
+pub use headers::{Headers, Iter as RecordHeadersIter};
 pub use message::{opcodes, Request, Response};
 pub use publish::{HeadersIter, HeadersView, PublishRecords, RawHeadersIter, RecordView};
 pub use types::{

@@ -221,7 +221,7 @@ fn put_headers(out: &mut BytesMut, headers: &[(String, Bytes)]) {
     });
 }
 
-fn get_headers(r: &mut Reader) -> Result<Vec<(String, Bytes)>> {
+pub(crate) fn get_headers(r: &mut Reader) -> Result<Vec<(String, Bytes)>> {
     r.vec("headers", HEADER, |r| {
         Ok((r.string("header name")?, r.blob("header value")?))
     })
