@@ -186,6 +186,12 @@ pub struct CommonArgs {
     #[arg(long, default_value_t = 100, value_name = "BYTES")]
     pub record_size: usize,
 
+    /// Headers on each record (Felix only, at most 1,024): N headers named
+    /// `h0`, `h1`, ... with 8-byte values, published with every record and
+    /// read back or delivered with it. Not counted in MB/s
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub headers: u16,
+
     /// Measure for this many seconds (after the warm-up). Default 10 unless
     /// --count is given.
     #[arg(long, value_name = "SECS", conflicts_with = "count")]
@@ -417,6 +423,7 @@ pub struct Common {
     pub peer_mode: Option<PeerMode>,
     pub shards: u32,
     pub record_size: usize,
+    pub headers: u16,
     pub amount: Amount,
     pub warmup: Duration,
     pub client_threads: usize,
@@ -551,6 +558,12 @@ impl CommonArgs {
         if self.target != TargetKind::Felix && self.broker.is_none() && self.data_dir.is_some() {
             return err("--data-dir is for the embedded Felix broker only");
         }
+        if self.headers > 1024 {
+            return err(format!("--headers must be 0 to 1024, not {}", self.headers));
+        }
+        if self.headers > 0 && self.target != TargetKind::Felix {
+            return err("--headers is for --target felix only");
+        }
         if self.target == TargetKind::Felix && self.peer_mode.is_some() {
             return err("--peer-mode describes a Redis or NATS peer, not Felix");
         }
@@ -619,6 +632,7 @@ impl CommonArgs {
             peer_mode: self.peer_mode,
             shards: self.shards,
             record_size: self.record_size,
+            headers: self.headers,
             amount,
             warmup,
             client_threads,
@@ -801,6 +815,8 @@ mod tests {
             (&["publish", "--inflight", "0"], "--inflight"),
             (&["publish", "--rate", "0"], "--rate"),
             (&["publish", "--record-size", "0"], "--record-size"),
+            (&["publish", "--headers", "1025"], "--headers"),
+            (&["read", "--target", "redis", "--headers", "1"], "--headers"),
             (&["publish", "--broker-cores", "zero"], "--broker-cores"),
             (&["publish", "--broker-cores", "0"], "--broker-cores"),
             (&["publish", "--broker", "nohostport"], "--broker"),

@@ -31,6 +31,7 @@ fn params(plan: &Plan) -> serde_json::Value {
         "broker_cores": c.broker_cores,
         "shards": c.shards,
         "record_size": c.record_size,
+        "headers": c.headers,
         "duration_secs": duration,
         "count": count,
         "warmup_secs": c.warmup.as_secs_f64(),
@@ -133,6 +134,9 @@ pub fn run(plan: &Plan) -> Result<Report, String> {
         name: c.stream.clone(),
         shards: c.shards,
         kind,
+        headers: (0..c.headers)
+            .map(|i| (format!("h{i}"), bytes::Bytes::from_static(b"headerv!")))
+            .collect(),
     });
     let result = runtime.block_on(async {
         let target = Target::connect(&c, &addr, ack == AckChoice::Commit, spec).await?;

@@ -343,6 +343,7 @@ impl PubTx {
             .into_iter()
             .map(|payload| RecordIn {
                 payload,
+                headers: self.spec.headers.clone(),
                 ..RecordIn::default()
             })
             .collect();

@@ -30,6 +30,8 @@ pub struct Spec {
     pub name: StreamName,
     pub shards: u32,
     pub kind: StreamKind,
+    /// Headers every record is published with (Felix only).
+    pub headers: Vec<(String, Bytes)>,
 }
 
 /// A record handed to a consumer, with what acknowledges it.
