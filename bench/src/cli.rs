@@ -816,7 +816,10 @@ mod tests {
             (&["publish", "--rate", "0"], "--rate"),
             (&["publish", "--record-size", "0"], "--record-size"),
             (&["publish", "--headers", "1025"], "--headers"),
-            (&["read", "--target", "redis", "--headers", "1"], "--headers"),
+            (
+                &["read", "--target", "redis", "--headers", "1"],
+                "--headers",
+            ),
             (&["publish", "--broker-cores", "zero"], "--broker-cores"),
             (&["publish", "--broker-cores", "0"], "--broker-cores"),
             (&["publish", "--broker", "nohostport"], "--broker"),
