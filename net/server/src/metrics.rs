@@ -211,7 +211,7 @@ impl CoreMetrics {
                 ("felix_read_bytes_total", "Bytes of the records returned by reads: keys, header names and values, payloads.", self.read_bytes.get()),
                 ("felix_group_records_delivered_total", "Records handed out by group polls, redeliveries included.", self.group_delivered.get()),
                 ("felix_group_records_acked_total", "Records consumer groups acknowledged.", self.group_acked.get()),
-                ("felix_group_polls_capped_total", "Group polls answered empty at groups.max_in_flight (FELIX_GROUP_MAX_IN_FLIGHT).", self.group_polls_capped.get()),
+                ("felix_group_polls_capped_total", "Group polls that found their group at groups.max_in_flight (FELIX_GROUP_MAX_IN_FLIGHT) or their core at groups.max_claims_per_core, once a poll.", self.group_polls_capped.get()),
                 ("felix_connections_accepted_total", "Client connections accepted.", self.connections_accepted.get()),
                 ("felix_connections_refused_total", "Client connections turned away (server.max_connections, or no file descriptors left).", self.connections_refused.get()),
                 ("felix_connection_handoffs_total", "Connections handed to the core their HELLO asked for.", self.handoffs.get()),
