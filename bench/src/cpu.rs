@@ -3,7 +3,9 @@
 //! `/proc/stat`). On a shared virtual machine a run that lost a tenth of
 //! its CPU time to other guests measures the host as much as the broker:
 //! the report says so instead of leaving it to be guessed from the
-//! figures.
+//! figures. It also says how that time divided between the benchmark
+//! client and an embedded broker (each process's own CPU time), which on a
+//! machine they share tells whose CPU a tail waited for.
 
 use std::time::Instant;
 
@@ -45,6 +47,32 @@ impl CpuTimes {
     }
 }
 
+/// User plus system CPU time of a process, in clock ticks, from its
+/// `/proc/<pid>/stat` (fields 14 and 15, counted from the last `)`: the
+/// command name before it may hold spaces and parentheses).
+pub fn process_ticks(stat: &str) -> Option<u64> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    // rest's first field is field 3 (state).
+    let mut f = rest.split_whitespace().skip(14 - 3);
+    let utime: u64 = f.next()?.parse().ok()?;
+    let stime: u64 = f.next()?.parse().ok()?;
+    Some(utime + stime)
+}
+
+fn ticks_of(pid: Option<u32>) -> Option<u64> {
+    let path = match pid {
+        Some(p) => format!("/proc/{p}/stat"),
+        None => "/proc/self/stat".to_string(),
+    };
+    process_ticks(&std::fs::read_to_string(path).ok()?)
+}
+
+fn ticks_per_second() -> Option<f64> {
+    // SAFETY: sysconf reads a configuration value; no memory is passed.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (hz > 0).then_some(hz as f64)
+}
+
 /// What the CPUs did over a window.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CpuUse {
@@ -52,6 +80,12 @@ pub struct CpuUse {
     pub busy: f64,
     /// Share of the CPUs' time taken by the hypervisor for other guests.
     pub steal: f64,
+    /// CPUs the benchmark process used on average (1.0 = one CPU's whole
+    /// time), its client threads and samplers together.
+    pub client_cpus: Option<f64>,
+    /// CPUs the embedded broker's process used on average, every thread of
+    /// it (executors, io_uring workers); `None` for a broker elsewhere.
+    pub broker_cpus: Option<f64>,
 }
 
 impl CpuUse {
@@ -64,7 +98,16 @@ impl CpuUse {
         (total > 0).then(|| CpuUse {
             busy: busy as f64 / total as f64,
             steal: steal as f64 / total as f64,
+            client_cpus: None,
+            broker_cpus: None,
         })
+    }
+
+    /// Average CPUs a process used: its ticks between two readings over
+    /// the wall time between them.
+    fn cpus(a: Option<u64>, b: Option<u64>, secs: f64, hz: Option<f64>) -> Option<f64> {
+        let ticks = b?.checked_sub(a?)?;
+        (secs > 0.0).then_some(ticks as f64 / hz? / secs)
     }
 }
 
@@ -73,6 +116,10 @@ impl CpuUse {
 pub struct Counters {
     at: Instant,
     times: CpuTimes,
+    /// This process's CPU ticks.
+    client: Option<u64>,
+    /// The embedded broker's CPU ticks.
+    broker: Option<u64>,
 }
 
 impl crate::sampler::Reading for Counters {
@@ -88,13 +135,20 @@ impl crate::sampler::Reading for Counters {
 pub struct Sampler(crate::sampler::Sampler<Counters>);
 
 impl Sampler {
-    pub fn start() -> Sampler {
-        Sampler(crate::sampler::Sampler::start("felix-bench-cpu", || {
-            CpuTimes::now().map(|times| Counters {
-                at: Instant::now(),
-                times,
-            })
-        }))
+    /// `broker`: the embedded broker's process, whose CPU time is read
+    /// beside this one's.
+    pub fn start(broker: Option<u32>) -> Sampler {
+        Sampler(crate::sampler::Sampler::start(
+            "felix-bench-cpu",
+            move || {
+                CpuTimes::now().map(|times| Counters {
+                    at: Instant::now(),
+                    times,
+                    client: ticks_of(None),
+                    broker: broker.and_then(|p| ticks_of(Some(p))),
+                })
+            },
+        ))
     }
 
     /// Use over the window from `from` to `to`, from the readings that bound
@@ -102,7 +156,13 @@ impl Sampler {
     /// `/proc/stat` or without a reading before `from`.
     pub fn window(&self, from: Instant, to: Instant) -> Option<CpuUse> {
         let (start, end) = self.0.window(from, to)?;
-        CpuUse::between(start.times, end.times)
+        let secs = (end.at - start.at).as_secs_f64();
+        let hz = ticks_per_second();
+        CpuUse::between(start.times, end.times).map(|u| CpuUse {
+            client_cpus: CpuUse::cpus(start.client, end.client, secs, hz),
+            broker_cpus: CpuUse::cpus(start.broker, end.broker, secs, hz),
+            ..u
+        })
     }
 }
 
@@ -138,7 +198,7 @@ mod tests {
         if !std::path::Path::new("/proc/stat").exists() {
             return;
         }
-        let s = Sampler::start();
+        let s = Sampler::start(Some(std::process::id()));
         // `start` took the first reading, at or before this instant.
         let from = Instant::now();
         // Wait until the counters move (ticks are 10 ms), with a deadline.
@@ -151,5 +211,23 @@ mod tests {
             std::thread::yield_now();
         };
         assert!((0.0..=1.0).contains(&u.busy) && (0.0..=1.0).contains(&u.steal));
+        // This process stands in for the broker: both are read.
+        assert!(u.client_cpus.is_some_and(|c| c >= 0.0), "{u:?}");
+        assert!(u.broker_cpus.is_some_and(|c| c >= 0.0), "{u:?}");
+    }
+
+    #[test]
+    fn a_process_cpu_time_is_read_past_its_name() {
+        let stat = "77 (felix (bench) 2) R 1 77 77 0 -1 4194304 10 0 0 0 250 75 0 0 20 0 9 0";
+        assert_eq!(process_ticks(stat), Some(325));
+        assert_eq!(process_ticks("77 (x) R 1 2"), None);
+        assert_eq!(process_ticks("no name"), None);
+        // 300 ticks at 100 a second over 2 s: one and a half CPUs.
+        assert_eq!(
+            CpuUse::cpus(Some(100), Some(400), 2.0, Some(100.0)),
+            Some(1.5)
+        );
+        assert_eq!(CpuUse::cpus(Some(400), Some(100), 2.0, Some(100.0)), None);
+        assert_eq!(CpuUse::cpus(None, Some(100), 2.0, Some(100.0)), None);
     }
 }

@@ -167,6 +167,11 @@ impl EmbeddedBroker {
         &self.addr
     }
 
+    /// The broker's process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
     /// host:port of the broker's Prometheus endpoint.
     pub fn metrics_addr(&self) -> Option<&str> {
         self.metrics.as_deref()

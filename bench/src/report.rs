@@ -169,6 +169,11 @@ pub struct Machine {
     /// while the run measured (`steal`): a busy host, whose figures are
     /// not comparable with a quiet one's.
     pub cpu_steal: Option<f64>,
+    /// CPUs the benchmark process used on average while the run measured.
+    pub client_cpus: Option<f64>,
+    /// CPUs the embedded broker used on average (`None` for a broker
+    /// elsewhere: its `process_cpu_seconds_total` metric tells).
+    pub broker_cpus: Option<f64>,
 }
 
 impl Machine {
@@ -182,6 +187,8 @@ impl Machine {
             kernel,
             cpu_busy: cpu.map(|c| c.busy),
             cpu_steal: cpu.map(|c| c.steal),
+            client_cpus: cpu.and_then(|c| c.client_cpus),
+            broker_cpus: cpu.and_then(|c| c.broker_cpus),
         }
     }
 }
@@ -340,9 +347,14 @@ impl Report {
             )?;
         }
         if let (Some(busy), Some(steal)) = (self.machine.cpu_busy, self.machine.cpu_steal) {
+            let split = match (self.machine.broker_cpus, self.machine.client_cpus) {
+                (Some(b), Some(c)) => format!("; broker {b:.2} CPUs, client {c:.2}"),
+                (None, Some(c)) => format!("; client {c:.2} CPUs"),
+                _ => String::new(),
+            };
             writeln!(
                 out,
-                "  cpus      {:.0}% busy, {:.0}% stolen by the hypervisor{}",
+                "  cpus      {:.0}% busy, {:.0}% stolen by the hypervisor{split}{}",
                 busy * 100.0,
                 steal * 100.0,
                 if steal >= STEAL_WARNING {

@@ -169,7 +169,7 @@ pub fn run(plan: &Plan) -> Result<Report, String> {
         // Ctrl-C or SIGTERM stops the run and goes on to the clean-up below
         // (the benchmark stream, the embedded broker and its directory),
         // which the default signal action would skip.
-        let sampler = crate::cpu::Sampler::start();
+        let sampler = crate::cpu::Sampler::start(embedded.as_ref().and_then(|b| b.pid()));
         // The broker's own publish latency, where publishing is what is
         // measured (read and queue runs publish only to fill the stream).
         let scraper = match (&target, embedded.as_ref(), plan) {

@@ -534,6 +534,33 @@ async fn metrics_count_publishes_and_shard_offsets() {
         "buckets are cumulative: {buckets:?}"
     );
     assert_eq!(*buckets.last().unwrap(), 10.0, "+Inf holds every publish");
+    // The process's own figures, under the names every Prometheus client
+    // library uses: CPU time, memory, threads (two executors at least),
+    // descriptors (segment files and sockets among them), start time.
+    let cpu = text
+        .lines()
+        .find_map(|l| l.strip_prefix("process_cpu_seconds_total "))
+        .and_then(|v| v.parse::<f64>().ok());
+    assert!(cpu.is_some_and(|c| c >= 0.0), "{text}");
+    assert!(
+        broker.metric("process_resident_memory_bytes") > 1e6,
+        "{text}"
+    );
+    assert!(broker.metric("process_threads") >= 2.0, "{text}");
+    assert!(broker.metric("process_open_fds") >= 4.0, "{text}");
+    assert!(
+        broker.metric("process_max_fds") >= broker.metric("process_open_fds"),
+        "{text}"
+    );
+    let started = broker.metric("process_start_time_seconds");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    assert!(
+        started > now - 600.0 && started <= now + 5.0,
+        "started at {started}, now {now}"
+    );
     // Counters never go backwards: deleting the stream keeps what its
     // shards did in the broker's totals.
     let counters = [

@@ -22,6 +22,7 @@ mod fds;
 mod groups;
 mod memory;
 mod metrics;
+mod process;
 mod shard;
 mod trim;
 

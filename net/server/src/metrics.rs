@@ -229,6 +229,7 @@ impl CoreMetrics {
             retired: ShardSnapshot::default(),
             executor_wakeups: 0,
             security_reloads: (0, 0),
+            process: Default::default(),
         }
     }
 }
@@ -354,6 +355,8 @@ pub(crate) struct MetricsSnapshot {
     /// Process-wide: SIGHUP reloads of the security files that took, and
     /// that failed (the files in force kept).
     pub security_reloads: (u64, u64),
+    /// Process-wide: the `process_*` families (CPU time, memory, files).
+    pub process: crate::process::ProcessStats,
 }
 
 impl MetricsSnapshot {
@@ -440,6 +443,7 @@ impl MetricsSnapshot {
              felix_security_reloads_total{{result=\"failed\"}} {}",
             self.security_reloads.0, self.security_reloads.1
         );
+        self.process.render(&mut s);
         // Counters start from the deleted shards' totals, so that deleting a
         // stream never makes them go backwards.
         let mut io = self.retired.clone();
@@ -633,6 +637,9 @@ pub(crate) async fn scrape<S: Storage>(core: &Rc<Core<S>>) -> MetricsSnapshot {
         core.shared.security_reloads[0].load(std::sync::atomic::Ordering::Relaxed),
         core.shared.security_reloads[1].load(std::sync::atomic::Ordering::Relaxed),
     );
+    // Read off the cores' shard work (the scrape runs on one core between
+    // its tasks, a few small /proc reads).
+    total.process = crate::process::ProcessStats::read();
     total
 }
 
