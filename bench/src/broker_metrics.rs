@@ -129,8 +129,17 @@ pub struct BrokerLatency {
     pub p999_at_most_us: Option<f64>,
 }
 
-/// One scrape of `http://addr/metrics`.
-pub fn scrape(addr: &str) -> std::io::Result<PublishHistogram> {
+/// The broker process's CPU time (`process_cpu_seconds_total`) in a
+/// Prometheus text exposition.
+pub fn cpu_seconds(text: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix("process_cpu_seconds_total "))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// One scrape of `http://addr/metrics`: the publish histogram and the
+/// process's CPU time.
+pub fn scrape(addr: &str) -> std::io::Result<(PublishHistogram, Option<f64>)> {
     let sock = addr
         .parse::<std::net::SocketAddr>()
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
@@ -140,7 +149,7 @@ pub fn scrape(addr: &str) -> std::io::Result<PublishHistogram> {
     s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n")?;
     let mut text = String::new();
     s.read_to_string(&mut text)?;
-    Ok(PublishHistogram::parse(&text))
+    Ok((PublishHistogram::parse(&text), cpu_seconds(&text)))
 }
 
 /// One scrape: when it was asked for and answered, and what it held. The
@@ -150,15 +159,25 @@ pub struct Scrape {
     pub sent: Instant,
     pub received: Instant,
     pub histogram: PublishHistogram,
+    pub cpu_seconds: Option<f64>,
+}
+
+impl Scrape {
+    /// When the broker took its numbers, as near as can be told: halfway
+    /// between asking and getting the answer.
+    fn midpoint(&self) -> Instant {
+        self.sent + (self.received - self.sent) / 2
+    }
 }
 
 fn scrape_at(addr: &str) -> Option<Scrape> {
     let sent = Instant::now();
-    let histogram = scrape(addr).ok()?;
+    let (histogram, cpu_seconds) = scrape(addr).ok()?;
     Some(Scrape {
         sent,
         received: Instant::now(),
         histogram,
+        cpu_seconds,
     })
 }
 
@@ -192,6 +211,16 @@ impl Sampler {
     pub fn window(&self, from: Instant, to: Instant) -> Option<BrokerLatency> {
         let (start, end) = self.0.window(from, to)?;
         end.histogram.since(&start.histogram)
+    }
+
+    /// CPUs the broker process used on average between the scrapes that
+    /// bound `from` to `to` (`None` from a broker without
+    /// `process_cpu_seconds_total`, or one that restarted between them).
+    pub fn cpus(&self, from: Instant, to: Instant) -> Option<f64> {
+        let (start, end) = self.0.window(from, to)?;
+        let used = end.cpu_seconds? - start.cpu_seconds?;
+        let secs = (end.midpoint() - start.midpoint()).as_secs_f64();
+        (used >= 0.0 && secs > 0.0).then_some(used / secs)
     }
 }
 
@@ -243,6 +272,16 @@ mod tests {
             "felix_publish_seconds_bucket{ack=\"durable\",le=\"+Inf\"} 40\n",
         );
         assert_eq!(fewer.since(&a), None);
+    }
+
+    #[test]
+    fn the_process_cpu_time_is_read_from_its_own_line() {
+        let t = "# TYPE process_cpu_seconds_total counter\n\
+                 process_cpu_seconds_total_other 9\n\
+                 process_cpu_seconds_total 12.34\n";
+        assert_eq!(cpu_seconds(t), Some(12.34));
+        assert_eq!(cpu_seconds("felix_requests_total 3\n"), None);
+        assert_eq!(cpu_seconds("process_cpu_seconds_total x\n"), None);
     }
 
     #[test]

@@ -56,7 +56,7 @@ pub fn process_ticks(stat: &str) -> Option<u64> {
     let mut f = rest.split_whitespace().skip(14 - 3);
     let utime: u64 = f.next()?.parse().ok()?;
     let stime: u64 = f.next()?.parse().ok()?;
-    Some(utime + stime)
+    Some(utime.saturating_add(stime))
 }
 
 fn ticks_of(pid: Option<u32>) -> Option<u64> {
@@ -84,7 +84,8 @@ pub struct CpuUse {
     /// time), its client threads and samplers together.
     pub client_cpus: Option<f64>,
     /// CPUs the embedded broker's process used on average, every thread of
-    /// it (executors, io_uring workers); `None` for a broker elsewhere.
+    /// it (executors, io_uring workers); `None` for a broker elsewhere
+    /// (the run may take that one's from its metrics).
     pub broker_cpus: Option<f64>,
 }
 

@@ -171,12 +171,37 @@ pub struct Machine {
     pub cpu_steal: Option<f64>,
     /// CPUs the benchmark process used on average while the run measured.
     pub client_cpus: Option<f64>,
-    /// CPUs the embedded broker used on average (`None` for a broker
-    /// elsewhere: its `process_cpu_seconds_total` metric tells).
+    /// CPUs the broker process used on average: the embedded broker's from
+    /// its `/proc` entry, one started apart from its
+    /// `process_cpu_seconds_total` where the run scrapes its metrics.
     pub broker_cpus: Option<f64>,
 }
 
 impl Machine {
+    /// The summary's `cpus` line: how busy the machine was, what the
+    /// hypervisor took, and how the CPUs divided between broker and client.
+    pub fn cpus_line(&self) -> Option<String> {
+        let (busy, steal) = (self.cpu_busy?, self.cpu_steal?);
+        let warning = if steal >= STEAL_WARNING {
+            " (other guests took CPU time: figures from this run are not comparable)"
+        } else {
+            ""
+        };
+        let split = match (self.broker_cpus, self.client_cpus) {
+            (Some(b), Some(c)) => format!(
+                "; of its {} CPUs the broker used {b:.2}, the client {c:.2}",
+                self.cpus
+            ),
+            (None, Some(c)) => format!("; of its {} CPUs the client used {c:.2}", self.cpus),
+            _ => String::new(),
+        };
+        Some(format!(
+            "  cpus      {:.0}% busy, {:.0}% stolen by the hypervisor{warning}{split}",
+            busy * 100.0,
+            steal * 100.0
+        ))
+    }
+
     pub fn here(client_threads: usize, cpu: Option<crate::cpu::CpuUse>) -> Machine {
         let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
             .map(|s| s.trim().to_string())
@@ -346,23 +371,8 @@ impl Report {
                 at_most(b.p999_at_most_us)
             )?;
         }
-        if let (Some(busy), Some(steal)) = (self.machine.cpu_busy, self.machine.cpu_steal) {
-            let split = match (self.machine.broker_cpus, self.machine.client_cpus) {
-                (Some(b), Some(c)) => format!("; broker {b:.2} CPUs, client {c:.2}"),
-                (None, Some(c)) => format!("; client {c:.2} CPUs"),
-                _ => String::new(),
-            };
-            writeln!(
-                out,
-                "  cpus      {:.0}% busy, {:.0}% stolen by the hypervisor{split}{}",
-                busy * 100.0,
-                steal * 100.0,
-                if steal >= STEAL_WARNING {
-                    " (other guests took CPU time: figures from this run are not comparable)"
-                } else {
-                    ""
-                }
-            )?;
+        if let Some(line) = self.machine.cpus_line() {
+            writeln!(out, "{line}")?;
         }
         let tot = &self.totals;
         let mut parts = Vec::new();
@@ -412,5 +422,44 @@ pub fn fmt_us(us: f64) -> String {
         format!("{:.2}ms", us / 1_000.0)
     } else {
         format!("{us:.0}us")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn machine(steal: f64, broker: Option<f64>, client: Option<f64>) -> Machine {
+        Machine {
+            cpus: 2,
+            client_threads: 1,
+            kernel: String::new(),
+            cpu_busy: Some(0.95),
+            cpu_steal: Some(steal),
+            client_cpus: client,
+            broker_cpus: broker,
+        }
+    }
+
+    #[test]
+    fn the_cpus_line_divides_the_machine_between_broker_and_client() {
+        assert_eq!(
+            machine(0.0, Some(1.27), Some(0.456)).cpus_line().unwrap(),
+            "  cpus      95% busy, 0% stolen by the hypervisor; \
+             of its 2 CPUs the broker used 1.27, the client 0.46"
+        );
+        assert_eq!(
+            machine(0.0, None, Some(0.5)).cpus_line().unwrap(),
+            "  cpus      95% busy, 0% stolen by the hypervisor; of its 2 CPUs the client used 0.50"
+        );
+        // The warning stays with the figure it is about.
+        let busy_host = machine(0.2, Some(1.0), Some(0.5)).cpus_line().unwrap();
+        assert!(
+            busy_host.contains("hypervisor (other guests took CPU time"),
+            "{busy_host}"
+        );
+        let mut none = machine(0.0, None, None);
+        none.cpu_busy = None;
+        assert_eq!(none.cpus_line(), None);
     }
 }

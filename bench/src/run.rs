@@ -190,6 +190,14 @@ pub fn run(plan: &Plan) -> Result<Report, String> {
             .ok()
             .and_then(|o| sampler.window(o.measure_from, o.measure_to));
         let mut outcome = outcome;
+        // A broker started apart: its share of the CPUs from its metrics.
+        let cpu = match (cpu, outcome.as_ref().ok(), scraper.as_ref()) {
+            (Some(u), Some(o), Some(s)) if u.broker_cpus.is_none() => Some(crate::cpu::CpuUse {
+                broker_cpus: s.cpus(o.measure_from, o.measure_to),
+                ..u
+            }),
+            (u, _, _) => u,
+        };
         if let (Ok(o), Some(s)) = (outcome.as_mut(), scraper.as_ref()) {
             o.broker_publish_latency = s.window(o.measure_from, o.measure_to);
             if o.broker_publish_latency.is_none() && embedded.is_none() {

@@ -211,7 +211,7 @@ impl CoreMetrics {
                 ("felix_read_bytes_total", "Bytes of the records returned by reads: keys, header names and values, payloads.", self.read_bytes.get()),
                 ("felix_group_records_delivered_total", "Records handed out by group polls, redeliveries included.", self.group_delivered.get()),
                 ("felix_group_records_acked_total", "Records consumer groups acknowledged.", self.group_acked.get()),
-                ("felix_group_polls_capped_total", "Group polls that found their group at groups.max_in_flight (FELIX_GROUP_MAX_IN_FLIGHT) or their core at groups.max_claims_per_core, once a poll.", self.group_polls_capped.get()),
+                ("felix_group_polls_capped_total", "Group polls that could hand out nothing, with records waiting, because their group was at groups.max_in_flight (FELIX_GROUP_MAX_IN_FLIGHT) or their core at groups.max_claims_per_core; once a poll, even if it then waits and gets records.", self.group_polls_capped.get()),
                 ("felix_connections_accepted_total", "Client connections accepted.", self.connections_accepted.get()),
                 ("felix_connections_refused_total", "Client connections turned away (server.max_connections, or no file descriptors left).", self.connections_refused.get()),
                 ("felix_connection_handoffs_total", "Connections handed to the core their HELLO asked for.", self.handoffs.get()),
@@ -637,8 +637,8 @@ pub(crate) async fn scrape<S: Storage>(core: &Rc<Core<S>>) -> MetricsSnapshot {
         core.shared.security_reloads[0].load(std::sync::atomic::Ordering::Relaxed),
         core.shared.security_reloads[1].load(std::sync::atomic::Ordering::Relaxed),
     );
-    // Read off the cores' shard work (the scrape runs on one core between
-    // its tasks, a few small /proc reads).
+    // A few small /proc reads on the scraping core (the descriptors are
+    // counted from the directory's size, not by listing them).
     total.process = crate::process::ProcessStats::read();
     total
 }
@@ -768,8 +768,13 @@ mod tests {
             replica: Some(ReplicaSnapshot::default()),
             ..ShardSnapshot::default()
         });
+        snap.process = crate::process::ProcessStats::read();
         let text = snap.render();
         assert!(text.contains("felix_replica_term"), "{text}");
+        assert!(
+            text.contains("# TYPE process_cpu_seconds_total counter"),
+            "{text}"
+        );
         let mut helped = std::collections::BTreeSet::new();
         let mut typed = 0;
         for line in text.lines() {

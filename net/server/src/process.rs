@@ -98,7 +98,7 @@ impl ProcessStats {
     ) -> ProcessStats {
         let secs = |ticks: u64| ticks_per_second.map(|hz| ticks as f64 / hz as f64);
         ProcessStats {
-            cpu_seconds: stat.and_then(|s| secs(s.utime_ticks + s.stime_ticks)),
+            cpu_seconds: stat.and_then(|s| secs(s.utime_ticks.saturating_add(s.stime_ticks))),
             resident_bytes: stat
                 .zip(page_bytes)
                 .map(|(s, page)| s.rss_pages.saturating_mul(page)),
