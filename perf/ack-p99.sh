@@ -103,8 +103,8 @@ def us(v):
     return "-" if v is None else (f"{v / 1000:.2f} ms" if v >= 1000 else f"{v:.0f} us")
 cpus = lambda v: "-" if v is None else f"{v:.2f}"
 print(f"{d['records_per_sec']:>12,.0f} rec/s  ack p50 {us(lat.get('p50_us'))}  p99 {us(lat.get('p99_us'))}"
-      f"  broker p99 <= {us(b.get('p99_at_most_us'))}  busy {m.get('cpu_busy', 0) * 100:.0f}%"
-      f" stolen {m.get('cpu_steal', 0) * 100:.0f}%  broker {cpus(m.get('broker_cpus'))} CPUs"
+      f"  broker p99 <= {us(b.get('p99_at_most_us'))}  busy {(m.get('cpu_busy') or 0) * 100:.0f}%"
+      f" stolen {(m.get('cpu_steal') or 0) * 100:.0f}%  broker {cpus(m.get('broker_cpus'))} CPUs"
       f" client {cpus(m.get('client_cpus'))}")
 EOF
 }
