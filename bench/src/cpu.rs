@@ -9,6 +9,8 @@
 
 use std::time::Instant;
 
+use felix_server::process::cpu_seconds;
+
 /// The machine-wide CPU counters of `/proc/stat`'s first line, in ticks.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CpuTimes {
@@ -47,32 +49,6 @@ impl CpuTimes {
     }
 }
 
-/// User plus system CPU time of a process, in clock ticks, from its
-/// `/proc/<pid>/stat` (fields 14 and 15, counted from the last `)`: the
-/// command name before it may hold spaces and parentheses).
-pub fn process_ticks(stat: &str) -> Option<u64> {
-    let rest = &stat[stat.rfind(')')? + 1..];
-    // rest's first field is field 3 (state).
-    let mut f = rest.split_whitespace().skip(14 - 3);
-    let utime: u64 = f.next()?.parse().ok()?;
-    let stime: u64 = f.next()?.parse().ok()?;
-    Some(utime.saturating_add(stime))
-}
-
-fn ticks_of(pid: Option<u32>) -> Option<u64> {
-    let path = match pid {
-        Some(p) => format!("/proc/{p}/stat"),
-        None => "/proc/self/stat".to_string(),
-    };
-    process_ticks(&std::fs::read_to_string(path).ok()?)
-}
-
-fn ticks_per_second() -> Option<f64> {
-    // SAFETY: sysconf reads a configuration value; no memory is passed.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    (hz > 0).then_some(hz as f64)
-}
-
 /// What the CPUs did over a window.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CpuUse {
@@ -104,11 +80,11 @@ impl CpuUse {
         })
     }
 
-    /// Average CPUs a process used: its ticks between two readings over
-    /// the wall time between them.
-    fn cpus(a: Option<u64>, b: Option<u64>, secs: f64, hz: Option<f64>) -> Option<f64> {
-        let ticks = b?.checked_sub(a?)?;
-        (secs > 0.0).then_some(ticks as f64 / hz? / secs)
+    /// Average CPUs a process used: its CPU seconds between two readings
+    /// over the wall time between them.
+    fn cpus(a: Option<f64>, b: Option<f64>, secs: f64) -> Option<f64> {
+        let used = b? - a?;
+        (used >= 0.0 && secs > 0.0).then_some(used / secs)
     }
 }
 
@@ -117,10 +93,10 @@ impl CpuUse {
 pub struct Counters {
     at: Instant,
     times: CpuTimes,
-    /// This process's CPU ticks.
-    client: Option<u64>,
-    /// The embedded broker's CPU ticks.
-    broker: Option<u64>,
+    /// This process's CPU seconds.
+    client: Option<f64>,
+    /// The embedded broker's CPU seconds.
+    broker: Option<f64>,
 }
 
 impl crate::sampler::Reading for Counters {
@@ -145,8 +121,8 @@ impl Sampler {
                 CpuTimes::now().map(|times| Counters {
                     at: Instant::now(),
                     times,
-                    client: ticks_of(None),
-                    broker: broker.and_then(|p| ticks_of(Some(p))),
+                    client: cpu_seconds(None),
+                    broker: broker.and_then(|p| cpu_seconds(Some(p))),
                 })
             },
         ))
@@ -158,10 +134,9 @@ impl Sampler {
     pub fn window(&self, from: Instant, to: Instant) -> Option<CpuUse> {
         let (start, end) = self.0.window(from, to)?;
         let secs = (end.at - start.at).as_secs_f64();
-        let hz = ticks_per_second();
         CpuUse::between(start.times, end.times).map(|u| CpuUse {
-            client_cpus: CpuUse::cpus(start.client, end.client, secs, hz),
-            broker_cpus: CpuUse::cpus(start.broker, end.broker, secs, hz),
+            client_cpus: CpuUse::cpus(start.client, end.client, secs),
+            broker_cpus: CpuUse::cpus(start.broker, end.broker, secs),
             ..u
         })
     }
@@ -218,17 +193,11 @@ mod tests {
     }
 
     #[test]
-    fn a_process_cpu_time_is_read_past_its_name() {
-        let stat = "77 (felix (bench) 2) R 1 77 77 0 -1 4194304 10 0 0 0 250 75 0 0 20 0 9 0";
-        assert_eq!(process_ticks(stat), Some(325));
-        assert_eq!(process_ticks("77 (x) R 1 2"), None);
-        assert_eq!(process_ticks("no name"), None);
-        // 300 ticks at 100 a second over 2 s: one and a half CPUs.
-        assert_eq!(
-            CpuUse::cpus(Some(100), Some(400), 2.0, Some(100.0)),
-            Some(1.5)
-        );
-        assert_eq!(CpuUse::cpus(Some(400), Some(100), 2.0, Some(100.0)), None);
-        assert_eq!(CpuUse::cpus(None, Some(100), 2.0, Some(100.0)), None);
+    fn a_process_share_is_its_cpu_time_over_the_wall_time() {
+        // 3 CPU seconds over 2 s: one and a half CPUs.
+        assert_eq!(CpuUse::cpus(Some(1.0), Some(4.0), 2.0), Some(1.5));
+        assert_eq!(CpuUse::cpus(Some(4.0), Some(1.0), 2.0), None);
+        assert_eq!(CpuUse::cpus(None, Some(1.0), 2.0), None);
+        assert_eq!(CpuUse::cpus(Some(1.0), Some(1.0), 0.0), None);
     }
 }

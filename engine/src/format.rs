@@ -322,10 +322,10 @@ impl StoredHeaders {
         })
     }
 
-    /// The headers as owned pairs.
+    /// The headers as owned pairs (the values share the batch).
     pub fn to_vec(&self) -> Vec<(String, Bytes)> {
         self.iter()
-            .map(|(n, v)| (n.to_owned(), Bytes::copy_from_slice(v)))
+            .map(|(n, v)| (n.to_owned(), self.raw.slice_ref(v)))
             .collect()
     }
 }
@@ -759,26 +759,7 @@ pub fn for_each_record_from(
             Some(rec.split_to(key_len as usize))
         };
         // The headers are checked in place and kept as one slice.
-        let mut pos = 0;
-        for _ in 0..header_count {
-            if rec.remaining() < pos + 2 {
-                return Err(FrameError::Body("header name length"));
-            }
-            let n = u16::from_le_bytes([rec[pos], rec[pos + 1]]) as usize;
-            pos += 2;
-            if rec.remaining() < pos + n + 4 {
-                return Err(FrameError::Body("header name overruns record"));
-            }
-            std::str::from_utf8(&rec[pos..pos + n])
-                .map_err(|_| FrameError::Body("header name not utf-8"))?;
-            pos += n;
-            let v = u32::from_le_bytes(rec[pos..pos + 4].try_into().expect("4 bytes")) as usize;
-            pos += 4;
-            if rec.remaining() - pos < v {
-                return Err(FrameError::Body("header value overruns record"));
-            }
-            pos += v;
-        }
+        let pos = check_headers(&rec, header_count)?;
         let headers = StoredHeaders {
             count: header_count,
             raw: if header_count == 0 {
@@ -802,6 +783,34 @@ pub fn for_each_record_from(
         }
     }
     Ok(None)
+}
+
+/// Check the `count` headers at the start of `rec` (a record's bytes after
+/// its fixed fields and key): lengths within `rec`, UTF-8 names. Returns
+/// the bytes they take.
+#[inline]
+fn check_headers(rec: &[u8], count: u16) -> Result<usize, FrameError> {
+    let mut pos = 0;
+    for _ in 0..count {
+        if rec.len() < pos + 2 {
+            return Err(FrameError::Body("header name length"));
+        }
+        let n = u16::from_le_bytes([rec[pos], rec[pos + 1]]) as usize;
+        pos += 2;
+        if rec.len() < pos + n + 4 {
+            return Err(FrameError::Body("header name overruns record"));
+        }
+        std::str::from_utf8(&rec[pos..pos + n])
+            .map_err(|_| FrameError::Body("header name not utf-8"))?;
+        pos += n;
+        let v = u32::from_le_bytes(rec[pos..pos + 4].try_into().expect("4 bytes")) as usize;
+        pos += 4;
+        if rec.len() - pos < v {
+            return Err(FrameError::Body("header value overruns record"));
+        }
+        pos += v;
+    }
+    Ok(pos)
 }
 
 /// Check that `body` holds exactly `count` well-formed records, as
@@ -846,16 +855,7 @@ pub fn check_records_body(body: &[u8], count: u32) -> Result<u64, FrameError> {
         if key_len != NO_KEY {
             take(&mut rec, key_len as usize, "key overruns record")?;
         }
-        for _ in 0..header_count {
-            let n = u16_at(take(&mut rec, 2, "header name length")?, 0) as usize;
-            if rec.len() < n + 4 {
-                return Err(FrameError::Body("header name overruns record"));
-            }
-            std::str::from_utf8(take(&mut rec, n, "header name overruns record")?)
-                .map_err(|_| FrameError::Body("header name not utf-8"))?;
-            let v = u32_at(take(&mut rec, 4, "header value length")?, 0) as usize;
-            take(&mut rec, v, "header value overruns record")?;
-        }
+        rec = &rec[check_headers(rec, header_count)?..];
         if rec.len() != payload_len {
             return Err(FrameError::Body("payload length mismatch"));
         }

@@ -1175,16 +1175,13 @@ async fn persist_round(
     Result<(u64, Option<HardState>), JournalError>,
 ) {
     let round = GroupRound::of(asks);
-    let mut result = Ok(());
-    for run in &round.runs {
-        result = disk.journal.append(run).await;
-        if result.is_err() {
-            break;
+    let result = async {
+        for run in &round.runs {
+            disk.journal.append(run).await?;
         }
+        disk.journal.sync().await
     }
-    if result.is_ok() {
-        result = disk.journal.sync().await;
-    }
+    .await;
     (
         group,
         disk,

@@ -949,6 +949,24 @@ async fn records_come_back_as_published_whatever_they_carry() {
         }
     };
     check(&read_records(&c, "fields", 0).await);
+    // A consumer group hands them out the same, headers and all (its
+    // answers carry them as reads do, beside each claim's fields).
+    let mut polled = Vec::new();
+    while polled.len() < records.len() {
+        let got = c
+            .group_poll("t", "ns", "fields", 0, "fields-group", 1000)
+            .await
+            .unwrap();
+        assert!(!got.is_empty(), "the group stopped at {}", polled.len());
+        polled.extend(got.into_iter().map(|g| felix_wire::Record {
+            offset: g.offset,
+            timestamp_ms: g.timestamp_ms,
+            key: g.key,
+            headers: g.headers,
+            payload: g.payload,
+        }));
+    }
+    check(&polled);
     broker.kill9();
     broker.restart();
     check(&read_records(&client(&broker).await, "fields", 0).await);

@@ -22,7 +22,7 @@ mod fds;
 mod groups;
 mod memory;
 mod metrics;
-mod process;
+pub mod process;
 mod shard;
 mod trim;
 

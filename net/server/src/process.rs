@@ -64,6 +64,20 @@ fn sysconf(name: libc::c_int) -> Option<u64> {
     u64::try_from(v).ok().filter(|&v| v > 0)
 }
 
+/// User plus system CPU seconds a process has used, all its threads
+/// together, from `/proc/<pid>/stat` (this process's with `None`): what
+/// `process_cpu_seconds_total` reports. felix-bench reads it for itself and
+/// for the broker it starts.
+pub fn cpu_seconds(pid: Option<u32>) -> Option<f64> {
+    let path = match pid {
+        Some(p) => format!("/proc/{p}/stat"),
+        None => "/proc/self/stat".to_string(),
+    };
+    let s = parse_stat(&std::fs::read_to_string(path).ok()?)?;
+    let hz = sysconf(libc::_SC_CLK_TCK)?;
+    Some(s.utime_ticks.saturating_add(s.stime_ticks) as f64 / hz as f64)
+}
+
 impl ProcessStats {
     /// Read this process's figures. Costs a few small `/proc` reads and a
     /// listing of `/proc/self/fd`: for scrapes, not for hot paths.
@@ -193,6 +207,9 @@ mod tests {
 
     #[test]
     fn this_process_can_be_read() {
+        let own = cpu_seconds(None).expect("this process's CPU time");
+        let again = cpu_seconds(Some(std::process::id())).expect("by its pid");
+        assert!(own >= 0.0 && again >= own, "{own} then {again}");
         let p = ProcessStats::read();
         assert!(p.cpu_seconds.is_some_and(|c| c >= 0.0), "{p:?}");
         assert!(p.resident_bytes.is_some_and(|r| r > 0), "{p:?}");

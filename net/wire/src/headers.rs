@@ -13,13 +13,11 @@ use std::fmt;
 
 use bytes::{BufMut, Bytes, BytesMut};
 
-use crate::codec::{put_blob, put_str, Cursor, Reader, BLOB, STR};
+use crate::codec::{put_blob, put_str, Cursor, Reader};
 use crate::error::DecodeError;
+use crate::types::HEADER;
 
 type Result<T> = std::result::Result<T, DecodeError>;
-
-/// One header's smallest encoding: an empty name and an empty value.
-const HEADER: usize = STR + BLOB;
 
 /// A stored record's headers: names and values in the order they were
 /// published (names may repeat). Cheap to clone (a shared slice).
@@ -131,7 +129,7 @@ impl Headers {
 
 /// Check `count` headers at the cursor, as decoding them into owned pairs
 /// would (the same errors).
-fn check(c: &mut Cursor, count: usize) -> Result<()> {
+pub(crate) fn check(c: &mut Cursor, count: usize) -> Result<()> {
     for _ in 0..count {
         c.str("header name")?;
         c.blob("header value")?;

@@ -443,10 +443,8 @@ fn check_record(c: &mut Cursor) -> Result<()> {
     if c.bool("record key")? {
         c.blob("record key")?;
     }
-    for _ in 0..c.count("headers", HEADER)? {
-        c.str("header name")?;
-        c.blob("header value")?;
-    }
+    let headers = c.count("headers", HEADER)?;
+    crate::headers::check(c, headers)?;
     c.blob("record payload")?;
     Ok(())
 }
